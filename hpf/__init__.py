@@ -1,0 +1,15 @@
+"""hpf: JAX-style fully sharded training of pure-function models on PyTorch.
+
+Models are pure functions over pytrees of plain tensors; sharding is written as
+PartitionSpecs and resolved once into a plan (see DESIGN.md and README.md).
+"""
+from . import tree
+from .mesh import Mesh, MeshError
+from .plan import Plan, plan
+from .spec import P, SpecError, rules
+from .step import MixedPrecision, ShardStep, TrainState, shard_step
+from . import optim
+
+__all__ = ["P", "Mesh", "MeshError", "MixedPrecision", "Plan", "ShardStep", "SpecError", "TrainState",
+           "optim", "plan", "rules", "shard_step", "tree"]
+__version__ = "0.1.0"

@@ -1,0 +1,5 @@
+"""Functional optimizers, optax-style: ``init(params) -> state`` and
+``update(grads, state, params) -> (new_params, new_state)``."""
+from .adamw import AdamW, adamw
+
+__all__ = ["AdamW", "adamw"]

@@ -1,0 +1,320 @@
+"""The FSDP unit engine: gather just before use, prefetch the next unit, free after use,
+re-gather in backward, and reduce each unit's grads with one reduce-scatter per bucket.
+
+The loss function only ever sees plain tensors. Parameters are views into each unit's
+gathered flat buffer, handed out by one autograd Function per unit, whose backward writes
+the unit's grads into one flat buffer and launches its reduce-scatter. A block unit's
+buffer is freed (its storage resized to zero) once the forward moves two units on;
+autograd's saved-tensor hooks tell the engine when backward needs a freed unit again, so
+it is re-gathered exactly then, with the unit before it prefetched.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import optree
+import torch
+import torch.distributed as dist
+
+from . import tree as tree_util
+from .plan import ROOT, Bucket, Plan
+
+__all__ = ["UnitEngine", "BucketComm", "MemoryStats"]
+
+
+class _Done:
+    """A finished collective: lets single-rank groups skip communication with one code path."""
+
+    def wait(self) -> bool:
+        return True
+
+
+DONE = _Done()
+
+
+class BucketComm:
+    """Flat FSDP collectives for each bucket on torch.distributed process groups.
+
+    Reduce-scatter and all-reduce sum; the engine divides once, by the data-parallel
+    size, after every sum has landed, so the mean is exact in the reduce dtype.
+    """
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.shard_groups = [plan.mesh.group(b.shard_axes) if b.shard_size > 1 else None
+                             for b in plan.buckets]
+        self.replica_groups = [plan.mesh.group(b.replicate_axes)
+                               if plan.mesh.axis_size(b.replicate_axes) > 1 else None
+                               for b in plan.buckets]
+
+    def all_gather(self, b: int, out: torch.Tensor, shard: torch.Tensor):
+        g = self.shard_groups[b]
+        if g is None:
+            out.copy_(shard)
+            return DONE
+        return dist.all_gather_single(out, shard, group=g, async_op=True)
+
+    def reduce_scatter(self, b: int, out: torch.Tensor, full: torch.Tensor):
+        g = self.shard_groups[b]
+        if g is None:
+            if out.data_ptr() != full.data_ptr():
+                out.copy_(full)
+            return DONE
+        return dist.reduce_scatter_single(out, full, group=g, async_op=True)
+
+    def all_reduce(self, b: int, t: torch.Tensor):
+        g = self.replica_groups[b]
+        if g is None:
+            return DONE
+        return dist.all_reduce(t, group=g, async_op=True)
+
+
+@dataclass
+class MemoryStats:
+    """Gathered-buffer accounting, to show what FSDP keeps alive."""
+
+    live_bytes: int = 0
+    peak_bytes: int = 0
+    live_blocks: int = 0  # gathered units other than the root
+    peak_blocks: int = 0
+
+
+class _GatherUnit(torch.autograd.Function):
+    """Hands out a gathered unit's params as views; backward reduces their grads."""
+
+    @staticmethod
+    def forward(ctx, anchor, engine, unit):  # noqa: ARG004 - anchor only makes backward run
+        ctx.engine, ctx.unit = engine, unit
+        return tuple(engine.unit_views(unit))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.engine.reduce_unit(ctx.unit, grads)
+        return None, None, None
+
+
+class _UnitList(list):
+    """A list of FSDP units that gathers each one when the loss function reaches it."""
+
+    def __init__(self, engine: "UnitEngine", names: list[str]):
+        super().__init__(names)
+        self._engine = engine
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self._engine.enter(n) for n in list.__getitem__(self, i)]
+        return self._engine.enter(list.__getitem__(self, i))
+
+    def __iter__(self):
+        for name in list.__iter__(self):
+            yield self._engine.enter(name)
+
+
+class UnitEngine:
+    """Runs one training step's forward and backward over a plan's units."""
+
+    def __init__(self, plan: Plan, rank: int, comm, compute_dtype: torch.dtype | None,
+                 reduce_dtype: torch.dtype | None, device: torch.device):
+        self.plan, self.rank, self.comm = plan, rank, comm
+        self.device = device
+        self.compute_dtype = compute_dtype
+        self.reduce_dtype = reduce_dtype
+        self.stats = MemoryStats()
+        self.wait_s = 0.0
+        bks = plan.buckets
+        cdt = [compute_dtype or b.dtype for b in bks]
+        # Persistent full buffers whose storage is resized to 0 while the unit is freed.
+        self.full = [torch.empty(b.padded_numel, dtype=d, device=device) for b, d in zip(bks, cdt)]
+        self.nbytes = [f.untyped_storage().nbytes() for f in self.full]
+        for f in self.full:
+            f.untyped_storage().resize_(0)
+        self.units = list(plan.units)
+        self.unit_buckets = {u: plan.units[u].buckets for u in self.units}
+        # Per unit: the param views in slot order, and how to build its subtree from them.
+        self._slices = {u: [(b, s.offset, s.numel, s.local_shape) for b in self.unit_buckets[u]
+                            for s in bks[b].slots] for u in self.units}
+        self._subtree = {u: self._subtree_builder(u) for u in self.units if u != ROOT}
+        self._skeleton, self._skeleton_leaves = self._skeleton_of(plan)
+        self._ptr_unit: dict[int, str] = {}
+        self._pending: dict[str, list] = {}  # unit -> in-flight gather handles
+        self.grad_shards: list[torch.Tensor] = []
+        self.reductions: list[tuple[int, Any]] = []
+
+    # -- building the params tree the loss function sees ------------------------------------
+    def _subtree_builder(self, unit: str) -> Callable[[list[torch.Tensor]], Any]:
+        parts = unit.split("/")
+        node: Any = optree.tree_unflatten(self.plan.treedef, list(self.plan.slots))
+        for key in parts:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        _, leaves, treedef = tree_util.flatten(node)
+        order = [p for b in self.unit_buckets[unit] for p in (s.path for s in self.plan.buckets[b].slots)]
+        index = [order.index(p) for p in leaves]
+        return lambda views: optree.tree_unflatten(treedef, [views[i] for i in index])
+
+    def _skeleton_of(self, plan: Plan):
+        paths_tree = optree.tree_unflatten(plan.treedef, list(plan.slots))
+        leaves, skeleton = optree.tree_flatten(paths_tree, is_leaf=lambda x: isinstance(x, list),
+                                               none_is_leaf=True)
+        out = []
+        for leaf in leaves:
+            if isinstance(leaf, list):  # a list of units: remember their names
+                first = _first_path(leaf)
+                prefix = plan.slots[first].unit.rsplit("/", 1)[0]
+                out.append(("units", [f"{prefix}/{i}" for i in range(len(leaf))]))
+            else:
+                out.append(("root", leaf))
+        return skeleton, out
+
+    def params_tree(self) -> Any:
+        """The loss function's params: root params as views, unit lists gathered lazily."""
+        root = dict(zip((s.path for b in self.unit_buckets.get(ROOT, []) for s in self.plan.buckets[b].slots),
+                        self.enter(ROOT))) if ROOT in self.units else {}
+        leaves = [root[v] if kind == "root" else _UnitList(self, v) for kind, v in self._skeleton_leaves]
+        return optree.tree_unflatten(self._skeleton, leaves)
+
+    # -- a step ----------------------------------------------------------------------------------
+    def begin(self, shards: list[torch.Tensor], grad_shards: list[torch.Tensor]) -> None:
+        """Start a step: cast shards to the compute dtype and start gathering the first units."""
+        cdt = self.compute_dtype
+        self.shards = [s if cdt is None or s.dtype == cdt else s.to(cdt) for s in shards]
+        self.grad_shards = grad_shards
+        self.reductions = []
+        self._order: list[str] = []  # units in the order the loss function reached them
+        self._pos: dict[str, int] = {}
+        self._views: dict[str, tuple] = {}
+        self.anchor = torch.empty(0, device=self.device, requires_grad=True)
+        for u in self.units[:2]:
+            self._gather(u)
+
+    def enter(self, unit: str):
+        """Called when the loss function reaches ``unit``: its params, gathered."""
+        if unit in self._views:
+            self._wait(unit)
+            return self._views[unit] if unit == ROOT else self._subtree[unit](self._views[unit])
+        prev = self._order[-1] if self._order else ROOT
+        self._pos[unit] = len(self._order)
+        self._order.append(unit)
+        if unit != ROOT and prev != ROOT:
+            self._free(prev)  # the loss function has moved past it
+        self._gather(unit)
+        self._wait(unit)
+        nxt = self.units.index(unit) + 1
+        if nxt < len(self.units):
+            self._gather(self.units[nxt])  # prefetch the next unit in tree order
+        views = _GatherUnit.apply(self.anchor, self, unit)
+        self._views[unit] = views
+        return views if unit == ROOT else self._subtree[unit](views)
+
+    def unit_views(self, unit: str) -> list[torch.Tensor]:
+        return [self.full[b][off:off + n].view(shape) for b, off, n, shape in self._slices[unit]]
+
+    # -- gather / free -----------------------------------------------------------------------------
+    def _gather(self, unit: str) -> None:
+        if unit in self._pending or self._is_live(unit):
+            return
+        handles = []
+        for b in self.unit_buckets[unit]:
+            st = self.full[b].untyped_storage()
+            st.resize_(self.nbytes[b])
+            self._ptr_unit[st.data_ptr()] = unit
+            handles.append(self.comm.all_gather(b, self.full[b], self.shards[b]))
+        self._pending[unit] = handles
+        self._account(unit, +1)
+
+    def _wait(self, unit: str) -> None:
+        handles = self._pending.pop(unit, ())
+        if handles:
+            t = time.perf_counter()
+            for h in handles:
+                h.wait()
+            self.wait_s += time.perf_counter() - t
+
+    def take_wait_s(self) -> float:
+        """Seconds compute spent waiting on collectives since the last call."""
+        out, self.wait_s = self.wait_s, 0.0
+        return out
+
+    def _free(self, unit: str) -> None:
+        if not self._is_live(unit):
+            return
+        self._wait(unit)
+        for b in self.unit_buckets[unit]:
+            st = self.full[b].untyped_storage()
+            self._ptr_unit.pop(st.data_ptr(), None)
+            st.resize_(0)
+        self._account(unit, -1)
+
+    def _is_live(self, unit: str) -> bool:
+        b = self.unit_buckets[unit][0]
+        return self.full[b].untyped_storage().nbytes() > 0
+
+    def _account(self, unit: str, sign: int) -> None:
+        s = self.stats
+        s.live_bytes += sign * sum(self.nbytes[b] for b in self.unit_buckets[unit])
+        s.live_blocks += sign * (unit != ROOT)
+        s.peak_bytes = max(s.peak_bytes, s.live_bytes)
+        s.peak_blocks = max(s.peak_blocks, s.live_blocks)
+
+    # -- saved-tensor hooks: re-gather freed units when backward needs them ---------------------
+    def pack(self, t: torch.Tensor):
+        unit = self._ptr_unit.get(t.untyped_storage().data_ptr())
+        return t if unit is None or unit == ROOT else _Saved(unit, t)
+
+    def unpack(self, saved):
+        if type(saved) is not _Saved:
+            return saved
+        unit = saved.unit
+        if not self._is_live(unit) or unit in self._pending:
+            self._gather(unit)
+            self._wait(unit)
+        pos = self._pos[unit]
+        if pos > 0 and self._order[pos - 1] != ROOT:
+            self._gather(self._order[pos - 1])  # prefetch the unit backward reaches next
+        return saved.tensor
+
+    # -- backward: one flat reduce-scatter per bucket --------------------------------------------
+    def reduce_unit(self, unit: str, grads: tuple) -> None:
+        self._free(unit)
+        i = 0
+        for b in self.unit_buckets[unit]:
+            bucket = self.plan.buckets[b]
+            n = len(bucket.slots)
+            self.reductions.append((b, self._reduce_bucket(b, bucket, grads[i:i + n])))
+            i += n
+
+    def _reduce_bucket(self, b: int, bucket: Bucket, grads) -> Any:
+        shard = self.grad_shards[b]
+        flat = shard if not bucket.shard_axes else torch.empty(
+            bucket.padded_numel, dtype=shard.dtype, device=shard.device)
+        views = [flat[s.offset:s.offset + s.numel].view(s.local_shape) for s in bucket.slots]
+        torch._foreach_copy_(views, list(grads))
+        if bucket.padded_numel > bucket.numel:
+            flat[bucket.numel:].zero_()
+        return self.comm.reduce_scatter(b, shard, flat), flat
+
+    def finish(self) -> None:
+        """Wait for every reduction; then all-reduce shards over replica axes."""
+        t = time.perf_counter()
+        replica = []
+        for b, (handle, _flat) in self.reductions:
+            handle.wait()
+            replica.append(self.comm.all_reduce(b, self.grad_shards[b]))
+        for h in replica:
+            h.wait()
+        self.wait_s += time.perf_counter() - t
+        self.reductions = []
+        for u in list(self._views):
+            self._free(u)
+        self._views = {}
+
+
+@dataclass
+class _Saved:
+    unit: str
+    tensor: torch.Tensor
+
+
+def _first_path(node: Any) -> str:
+    return optree.tree_leaves(node, none_is_leaf=True)[0]

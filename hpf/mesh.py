@@ -1,0 +1,166 @@
+"""Mesh: named axes over ranks, outer to inner, and the process groups along them.
+
+A mesh is plain data (axis names, sizes, which axes form the fast tier) until a real run
+asks for a process group, so the same object plans a 768-rank job on a laptop and runs a
+4-rank job under ``hpf.launch``.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from datetime import timedelta
+from typing import Mapping, Sequence
+
+import torch.distributed as dist
+
+__all__ = ["Mesh", "MeshError"]
+
+
+class MeshError(ValueError):
+    """A mesh that does not fit the run or the request; the message says what to change."""
+
+
+class Mesh:
+    """Named axes of a rank grid, row-major: the last axis varies fastest.
+
+    ``fast_axes`` are the axes whose ranks share a fast tier (a host, a supernode); by
+    default the innermost axis. Every other axis crosses the slow tier.
+    """
+
+    def __init__(self, axes: Mapping[str, int], *, fast_axes: Sequence[str] | None = None):
+        if not axes:
+            raise MeshError("a Mesh needs at least one axis, e.g. hpf.Mesh({'dp': 4})")
+        for name, n in axes.items():
+            if not isinstance(name, str) or not name:
+                raise MeshError(f"mesh axis name {name!r} must be a non-empty string")
+            if not isinstance(n, int) or n < 1:
+                raise MeshError(f"mesh axis {name!r} has size {n!r}; sizes must be positive ints")
+        self.axis_names: tuple[str, ...] = tuple(axes)
+        self.shape: tuple[int, ...] = tuple(axes.values())
+        self.size: int = math.prod(self.shape)
+        fast = tuple(fast_axes) if fast_axes is not None else self.axis_names[-1:]
+        for a in fast:
+            self._check_axis(a)
+        self.fast_axes = tuple(a for a in self.axis_names if a in fast)
+        self.slow_axes = tuple(a for a in self.axis_names if a not in fast)
+        self._groups: dict[tuple[str, ...], object] = {}
+
+    # -- pure geometry -------------------------------------------------------------------
+    def axis_size(self, axes: str | Sequence[str]) -> int:
+        return math.prod(self.shape[self._index(a)] for a in _as_tuple(axes))
+
+    def coords(self, rank: int) -> tuple[int, ...]:
+        if not 0 <= rank < self.size:
+            raise MeshError(f"rank {rank} is outside a mesh of {self.size} ranks")
+        out = []
+        for n in reversed(self.shape):
+            out.append(rank % n)
+            rank //= n
+        return tuple(reversed(out))
+
+    def rank_of(self, coords: Sequence[int]) -> int:
+        rank = 0
+        for c, n in zip(coords, self.shape, strict=True):
+            rank = rank * n + c
+        return rank
+
+    def group_index(self, axes: str | Sequence[str], rank: int) -> int:
+        """Position of ``rank`` inside its group along ``axes`` (row-major over those axes)."""
+        c = self.coords(rank)
+        idx = 0
+        for a in self._ordered(axes):
+            i = self._index(a)
+            idx = idx * self.shape[i] + c[i]
+        return idx
+
+    def group_ranks(self, axes: str | Sequence[str], rank: int) -> list[int]:
+        """The ranks that differ from ``rank`` only along ``axes``, sorted (= group order)."""
+        ordered = self._ordered(axes)
+        base = list(self.coords(rank))
+        out = []
+        for combo in itertools.product(*(range(self.shape[self._index(a)]) for a in ordered)):
+            for a, v in zip(ordered, combo):
+                base[self._index(a)] = v
+            out.append(self.rank_of(base))
+        return out
+
+    def all_groups(self, axes: str | Sequence[str]) -> list[list[int]]:
+        """Every group along ``axes``: a partition of all ranks, in a fixed order."""
+        seen, groups = set(), []
+        for r in range(self.size):
+            if r not in seen:
+                g = self.group_ranks(axes, r)
+                seen.update(g)
+                groups.append(g)
+        return groups
+
+    # -- real runs ------------------------------------------------------------------------
+    def check_world(self) -> None:
+        """Fail fast when the running world does not have this mesh's size."""
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() != self.size:
+            raise MeshError(
+                f"mesh {self} has {self.size} ranks but the process group has "
+                f"{dist.get_world_size()}; make the product of the axis sizes equal the world size "
+                f"(or launch with world_size={self.size})"
+            )
+
+    def group(self, axes: str | Sequence[str], timeout: timedelta | None = None):
+        """This rank's process group along ``axes``, created once (collectively) on first use.
+
+        Returns None for an empty axis set. Every rank must ask for the same axes in the same
+        order, as with any torch.distributed group creation.
+        """
+        ordered = self._ordered(axes)
+        if not ordered:
+            return None
+        if ordered not in self._groups:
+            self.check_world()
+            if not dist.is_initialized():
+                raise MeshError(
+                    "process groups need a running job: start it with hpf.launch(fn, world_size) "
+                    "or torchrun (a virtual mesh can only plan)"
+                )
+            if len(ordered) == len(self.axis_names):
+                self._groups[ordered] = dist.group.WORLD
+            else:
+                kwargs = {"timeout": timeout} if timeout is not None else {}
+                mine, _ = dist.new_subgroups_by_enumeration(self.all_groups(ordered), **kwargs)
+                self._groups[ordered] = mine
+        return self._groups[ordered]
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _index(self, axis: str) -> int:
+        self._check_axis(axis)
+        return self.axis_names.index(axis)
+
+    def _check_axis(self, axis: str) -> None:
+        if axis not in self.axis_names:
+            raise MeshError(f"{axis!r} is not an axis of {self}; axes are {self.axis_names}")
+
+    def _ordered(self, axes: str | Sequence[str]) -> tuple[str, ...]:
+        """Axes sorted into mesh order, so ('local', 'node') and ('node', 'local') are one group."""
+        want = _as_tuple(axes)
+        for a in want:
+            self._check_axis(a)
+        return tuple(a for a in self.axis_names if a in want)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{a!r}: {n}" for a, n in zip(self.axis_names, self.shape))
+        return f"Mesh({{{inner}}})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mesh) and (self.axis_names, self.shape, self.fast_axes) == (
+            other.axis_names, other.shape, other.fast_axes)
+
+    def __hash__(self) -> int:
+        return hash((self.axis_names, self.shape, self.fast_axes))
+
+    def __getstate__(self):
+        # Process groups are per-process handles; a pickled mesh (sent to launched ranks) is data only.
+        state = dict(self.__dict__)
+        state["_groups"] = {}
+        return state
+
+
+def _as_tuple(axes: str | Sequence[str]) -> tuple[str, ...]:
+    return (axes,) if isinstance(axes, str) else tuple(axes)

@@ -1,0 +1,228 @@
+"""The one-time resolution of params x specs x mesh into FSDP units and flat buffers.
+
+Everything the step needs at run time is computed here, once: which unit each parameter
+belongs to, its offset in its unit's flat buffer, the padding, each rank's shard range,
+which ranks hold which slice of which parameter, and the axes of every collective. It
+needs only shapes and dtypes, so it runs on meta tensors and virtual meshes of any size.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import optree
+import torch
+
+from . import tree as tree_util
+from .mesh import Mesh
+from .spec import P, SpecError, resolve_specs
+
+__all__ = ["Plan", "Bucket", "ParamSlot", "Unit", "plan", "ROOT"]
+
+ROOT = "<root>"
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives: its bucket and element offset in the bucket's flat buffer."""
+
+    path: str
+    spec: P
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]  # the block the loss function sees (non-FSDP axes split dims)
+    dtype: torch.dtype
+    unit: str
+    bucket: int
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.local_shape)
+
+
+@dataclass
+class Bucket:
+    """One flat buffer: the params of one unit that share FSDP shard axes and dtype.
+
+    The full buffer has ``padded_numel`` elements; the rank at position i of the shard
+    group stores elements ``[i * shard_numel, (i + 1) * shard_numel)``.
+    """
+
+    index: int
+    unit: str
+    shard_axes: tuple[str, ...]  # FSDP axes the buffer is split over (reduce-scatter)
+    replicate_axes: tuple[str, ...]  # FSDP axes it is replicated over (grads all-reduced)
+    dtype: torch.dtype
+    shard_size: int  # ranks in the shard group
+    compute_axes: tuple[str, ...] = ()  # non-FSDP axes its params are split over
+    slots: list[ParamSlot] = field(default_factory=list)
+    numel: int = 0
+
+    @property
+    def shard_numel(self) -> int:
+        return -(-self.numel // self.shard_size) if self.numel else 0
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.shard_size
+
+    def shard_range(self, shard_index: int) -> tuple[int, int]:
+        return shard_index * self.shard_numel, (shard_index + 1) * self.shard_numel
+
+    def holders(self, slot: ParamSlot) -> list[int]:
+        """Shard-group positions whose shard holds part of ``slot`` (the Muon comm group)."""
+        if self.shard_numel == 0:
+            return []
+        first = slot.offset // self.shard_numel
+        last = (slot.offset + slot.numel - 1) // self.shard_numel
+        return list(range(first, last + 1))
+
+
+@dataclass
+class Unit:
+    """An FSDP unit: gathered together, just before use, and freed together."""
+
+    name: str  # ROOT or the path of a list element, e.g. "blocks/3"
+    buckets: list[int]
+
+
+@dataclass
+class Plan:
+    mesh: Mesh
+    fsdp_axes: tuple[str, ...]
+    compute_axes: tuple[str, ...]  # non-FSDP axes: stored and computed sharded
+    specs: dict[str, P]
+    slots: dict[str, ParamSlot]  # in params-tree order
+    buckets: list[Bucket]
+    units: dict[str, Unit]  # ROOT first, then list elements in tree order
+    treedef: optree.PyTreeSpec
+
+    # -- parameter <-> shard conversions (used at init, checkpointing and in tests) --------
+    def local_block(self, path: str, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """The block of a full parameter that ``rank`` computes with (non-FSDP axes only)."""
+        slot = self.slots[path]
+        out = full
+        for dim, n in enumerate(slot.local_shape):
+            axes = tuple(a for a in slot.spec.dim_axes(dim) if a in self.compute_axes)
+            if axes:
+                i = self.mesh.group_index(axes, rank)
+                out = out.narrow(dim, i * n, n)
+        return out
+
+    def flat_buffer(self, bucket: Bucket, local: dict[str, torch.Tensor], dtype=None) -> torch.Tensor:
+        """Pack a bucket's local params into its padded full flat buffer."""
+        parts = [local[s.path].reshape(-1) for s in bucket.slots]
+        pad = bucket.padded_numel - bucket.numel
+        if pad:
+            parts.append(parts[0].new_zeros(pad))
+        return torch.cat(parts).to(dtype or bucket.dtype)
+
+    def shard_of(self, bucket: Bucket, flat: torch.Tensor, rank: int) -> torch.Tensor:
+        start, stop = bucket.shard_range(self.shard_index(bucket, rank))
+        return flat[start:stop]
+
+    def views(self, bucket: Bucket, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Parameters as views into a full flat buffer: no copies."""
+        return {s.path: flat[s.offset:s.offset + s.numel].view(s.local_shape) for s in bucket.slots}
+
+    def replicas(self, bucket: Bucket) -> int:
+        """How many ranks store an identical copy of each shard (to count it once in norms)."""
+        return self.mesh.size // bucket.shard_size // self.mesh.axis_size(bucket.compute_axes)
+
+    def shard_index(self, bucket: Bucket, rank: int) -> int:
+        return self.mesh.group_index(bucket.shard_axes, rank) if bucket.shard_axes else 0
+
+    def shards(self, full_params: Any, rank: int, dtype=None) -> list[torch.Tensor]:
+        """This rank's flat shard of every bucket, from the full (unsharded) params."""
+        paths, leaves, _ = tree_util.flatten(full_params)
+        local = {p: self.local_block(p, x, rank) for p, x in zip(paths, leaves)}
+        return [self.shard_of(b, self.flat_buffer(b, local, dtype), rank).clone() for b in self.buckets]
+
+    def tree(self, by_path: dict[str, Any]) -> Any:
+        """Rebuild the params pytree from ``{path: value}``."""
+        return tree_util.unflatten(self.treedef, [by_path[p] for p in self.slots])
+
+    def report(self, **kwargs) -> "PlanReport":
+        from .report import PlanReport
+
+        return PlanReport.of(self, **kwargs)
+
+    def __repr__(self) -> str:
+        return (f"Plan({self.mesh}, fsdp_axes={self.fsdp_axes}, {len(self.slots)} params, "
+                f"{len(self.units)} units, {len(self.buckets)} buckets)")
+
+
+def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[str] | None = None) -> Plan:
+    """Resolve the sharding of ``params`` on ``mesh`` once.
+
+    ``params`` may be meta tensors; ``mesh`` may be virtual. Axes of a spec that are in
+    ``fsdp_axes`` (default: all mesh axes) mean "stored sharded, gathered for compute";
+    other axes mean "stored and computed sharded". With no ``param_specs`` every parameter
+    is sharded over all FSDP axes.
+    """
+    fsdp = tuple(mesh.axis_names) if fsdp_axes is None else tuple(fsdp_axes)
+    for a in fsdp:
+        if a not in mesh.axis_names:
+            raise SpecError(f"fsdp_axes names {a!r}, which is not an axis of {mesh}")
+    compute_axes = tuple(a for a in mesh.axis_names if a not in fsdp)
+    default = (lambda x: P(fsdp) if x.dim() >= 1 and fsdp else P())
+    specs = resolve_specs(params, param_specs, mesh.axis_names, default)
+    paths, leaves, treedef = tree_util.flatten(params)
+    units_of = _unit_names(params)
+
+    buckets: list[Bucket] = []
+    units: dict[str, Unit] = {ROOT: Unit(ROOT, [])}
+    by_key: dict[tuple, Bucket] = {}
+    slots: dict[str, ParamSlot] = {}
+    for path, leaf, unit in zip(paths, leaves, units_of):
+        spec = specs[path]
+        local_shape = _local_shape(path, leaf, spec, mesh, compute_axes)
+        shard_axes = tuple(a for a in mesh.axis_names if a in fsdp and a in spec.axes())
+        split_axes = tuple(a for a in compute_axes if a in spec.axes())
+        key = (unit, shard_axes, split_axes, leaf.dtype)
+        if key not in by_key:
+            b = Bucket(index=len(buckets), unit=unit, shard_axes=shard_axes,
+                       replicate_axes=tuple(a for a in fsdp if a not in shard_axes),
+                       dtype=leaf.dtype, shard_size=mesh.axis_size(shard_axes), compute_axes=split_axes)
+            by_key[key] = b
+            buckets.append(b)
+            units.setdefault(unit, Unit(unit, [])).buckets.append(b.index)
+        b = by_key[key]
+        slot = ParamSlot(path, spec, tuple(leaf.shape), local_shape, leaf.dtype, unit, b.index, b.numel)
+        b.slots.append(slot)
+        b.numel += slot.numel
+        slots[path] = slot
+    if not units[ROOT].buckets:
+        del units[ROOT]
+    return Plan(mesh, fsdp, compute_axes, specs, slots, buckets, units, treedef)
+
+
+def _unit_names(params: Any) -> list[str]:
+    """Each element of the outermost list on a leaf's path is a unit; other leaves are root."""
+    out = []
+    for accessor in optree.tree_accessors(params, none_is_leaf=True):
+        name = ROOT
+        for depth, entry in enumerate(accessor):
+            if issubclass(entry.type, list):
+                name = tree_util.path_str(tuple(e.entry for e in accessor[:depth + 1]))
+                break
+        out.append(name)
+    return out
+
+
+def _local_shape(path: str, leaf: torch.Tensor, spec: P, mesh: Mesh, compute_axes) -> tuple[int, ...]:
+    shape = list(leaf.shape)
+    for dim in range(len(spec)):
+        axes = [a for a in spec.dim_axes(dim) if a in compute_axes]
+        if not axes:
+            continue
+        n = mesh.axis_size(axes)
+        if shape[dim] % n:
+            raise SpecError(
+                f"parameter {path!r}: dim {dim} has size {shape[dim]}, which the non-FSDP axes "
+                f"{tuple(axes)} of spec {spec!r} ({n} ranks) do not divide. Only FSDP axes are "
+                f"padded; pick a size divisible by {n} or shard this dim over FSDP axes instead"
+            )
+        shape[dim] //= n
+    return tuple(shape)

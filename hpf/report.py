@@ -1,0 +1,107 @@
+"""The plan report: per-rank memory and per-step communication, computed from the plan alone.
+
+Byte model (also what the engine's counters use): a collective over a group of n ranks in
+which each rank contributes c bytes makes every rank send c bytes to each of its n - 1
+peers (direct exchange). A peer is across the slow tier when it differs from the rank in a
+slow (non-fast) mesh axis. Hierarchical collectives exchange along the slow axes only the
+1/n_fast part of the data that the fast tier has already gathered or reduced.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .mesh import Mesh
+
+__all__ = ["PlanReport", "collective_bytes"]
+
+
+def _dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def collective_bytes(mesh: Mesh, axes: tuple[str, ...], contribution: int,
+                     hierarchical: bool = False) -> dict[str, int]:
+    """Bytes one rank sends per tier for an all-gather or reduce-scatter over ``axes``.
+
+    ``contribution`` is one rank's shard, in bytes. Returns {"fast": b, "slow": b}.
+    """
+    n = mesh.axis_size(axes)
+    n_fast = mesh.axis_size(tuple(a for a in axes if a in mesh.fast_axes))
+    n_slow = n // n_fast
+    if hierarchical and n_fast > 1 and n_slow > 1:
+        return {"fast": contribution * n_slow * (n_fast - 1), "slow": contribution * (n_slow - 1)}
+    return {"fast": contribution * (n_fast - 1), "slow": contribution * (n - n_fast)}
+
+
+@dataclass
+class PlanReport:
+    world_size: int
+    params_bytes: int  # per rank: the stored shards (master dtype)
+    grad_bytes: int  # per rank: flat shard grads (reduce dtype)
+    optimizer_bytes: int  # per rank
+    peak_gathered_bytes: int  # per rank: root + the two largest block units, full, compute dtype
+    padded_total_bytes: int  # stored over all ranks: each bucket's padded buffer once per replica
+    comm: dict[str, dict[str, int]] = field(default_factory=dict)  # collective -> tier -> bytes/step
+
+    @classmethod
+    def of(cls, plan, *, compute_dtype: torch.dtype | None = None, master_dtype: torch.dtype | None = None,
+           reduce_dtype: torch.dtype | None = None, optimizer_states: int = 2,
+           hierarchical: bool = False) -> "PlanReport":
+        from .plan import ROOT
+
+        mesh = plan.mesh
+        params = grads = opt = padded_total = 0
+        unit_bytes: dict[str, int] = {}
+        comm = {c: {"fast": 0, "slow": 0} for c in ("all_gather", "reduce_scatter", "all_reduce")}
+        for b in plan.buckets:
+            master = _dtype_bytes(master_dtype or b.dtype)
+            compute = _dtype_bytes(compute_dtype or b.dtype)
+            reduce = _dtype_bytes(reduce_dtype or master_dtype or b.dtype)
+            params += b.shard_numel * master
+            grads += b.shard_numel * reduce
+            opt += b.shard_numel * 4 * optimizer_states
+            replicas = mesh.size // b.shard_size
+            padded_total += b.padded_numel * master * replicas
+            unit_bytes[b.unit] = unit_bytes.get(b.unit, 0) + b.padded_numel * compute
+            gathers = 1 if b.unit == ROOT else 2  # blocks are gathered again in backward
+            if b.shard_axes:
+                for tier, n in collective_bytes(mesh, b.shard_axes, b.shard_numel * compute,
+                                                hierarchical).items():
+                    comm["all_gather"][tier] += gathers * n
+                for tier, n in collective_bytes(mesh, b.shard_axes, b.shard_numel * reduce,
+                                                hierarchical).items():
+                    comm["reduce_scatter"][tier] += n
+            if b.replicate_axes:
+                # all-reduce of the shard grad = reduce-scatter + all-gather over the replicas
+                m = mesh.axis_size(b.replicate_axes)
+                for tier, n in collective_bytes(mesh, b.replicate_axes, -(-b.shard_numel // m) * reduce,
+                                                hierarchical).items():
+                    comm["all_reduce"][tier] += 2 * n
+        blocks = sorted((v for k, v in unit_bytes.items() if k != ROOT), reverse=True)
+        peak = unit_bytes.get(ROOT, 0) + sum(blocks[:2])
+        return cls(mesh.size, params, grads, opt, peak, padded_total, comm)
+
+    @property
+    def comm_total(self) -> dict[str, int]:
+        return {t: sum(c[t] for c in self.comm.values()) for t in ("fast", "slow")}
+
+    def format(self) -> str:
+        def mib(n: int) -> str:
+            return f"{n / 2**20:12.2f} MiB"
+
+        lines = [
+            f"per-rank memory ({self.world_size} ranks)",
+            f"  params (shards)      {mib(self.params_bytes)}",
+            f"  grads (shards)       {mib(self.grad_bytes)}",
+            f"  optimizer state      {mib(self.optimizer_bytes)}",
+            f"  peak gathered units  {mib(self.peak_gathered_bytes)}",
+            f"  padded total, all ranks {self.padded_total_bytes / 2**30:.3f} GiB",
+            "per-rank bytes sent per step         fast tier          slow tier",
+        ]
+        for name, tiers in self.comm.items():
+            lines.append(f"  {name:<16}  {mib(tiers['fast'])}   {mib(tiers['slow'])}")
+        tot = self.comm_total
+        lines.append(f"  {'total':<16}  {mib(tot['fast'])}   {mib(tot['slow'])}")
+        return "\n".join(lines)

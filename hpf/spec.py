@@ -1,0 +1,151 @@
+"""PartitionSpecs and the rules that assign them to parameter paths.
+
+A spec says, per tensor dim, which mesh axes that dim is split over (JAX's PartitionSpec).
+Specs are resolved once, at the API boundary, into one ``P`` per parameter path; after
+that nothing in the step looks at them again.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from . import tree as tree_util
+
+__all__ = ["P", "Rules", "rules", "SpecError", "resolve_specs"]
+
+
+class SpecError(ValueError):
+    """A spec, rule or mesh that cannot describe the parameters; the message names the path."""
+
+
+class P(tuple):
+    """A PartitionSpec: one entry per leading tensor dim, each None, an axis name or a tuple of names.
+
+    Trailing dims that are not listed are replicated. ``P()`` is fully replicated.
+    """
+
+    def __new__(cls, *entries: None | str | Sequence[str]):
+        norm = []
+        for e in entries:
+            if e is None or isinstance(e, str):
+                norm.append(e)
+            elif isinstance(e, (tuple, list)) and all(isinstance(a, str) for a in e):
+                norm.append(tuple(e) if len(e) != 1 else e[0])
+            else:
+                raise SpecError(
+                    f"P entry {e!r} is not None, an axis name or a tuple of axis names"
+                )
+        return super().__new__(cls, norm)
+
+    def __repr__(self) -> str:
+        return "P(" + ", ".join(repr(e) for e in self) + ")"
+
+    def axes(self) -> tuple[str, ...]:
+        """Every mesh axis named in the spec, in order of appearance."""
+        out: list[str] = []
+        for e in self:
+            if e is None:
+                continue
+            out.extend((e,) if isinstance(e, str) else e)
+        return tuple(out)
+
+    def dim_axes(self, dim: int) -> tuple[str, ...]:
+        e = self[dim] if dim < len(self) else None
+        return () if e is None else ((e,) if isinstance(e, str) else tuple(e))
+
+
+class Rules:
+    """Regex rules on "/"-joined paths; the first pattern that matches (re.fullmatch) wins."""
+
+    def __init__(self, pairs: Iterable[tuple[str, P]]):
+        self.pairs = []
+        for pattern, spec in pairs:
+            if not isinstance(spec, P):
+                raise SpecError(f"rule {pattern!r} maps to {spec!r}; specs must be hpf.P(...)")
+            self.pairs.append((re.compile(pattern), spec))
+
+    def __call__(self, path: str) -> P:
+        for pattern, spec in self.pairs:
+            if pattern.fullmatch(path):
+                return spec
+        listed = ", ".join(repr(p.pattern) for p, _ in self.pairs)
+        raise SpecError(
+            f"no rule matches parameter {path!r} (patterns, in order: {listed}). "
+            f"Add a rule for it, or end the list with a catch-all such as (r'.*', P())."
+        )
+
+    def __repr__(self) -> str:
+        return "rules([" + ", ".join(f"({p.pattern!r}, {s!r})" for p, s in self.pairs) + "])"
+
+
+def rules(pairs: Iterable[tuple[str, P]]) -> Rules:
+    """``hpf.rules([(regex, P), ...])``: map parameter paths to specs, first match wins."""
+    return Rules(pairs)
+
+
+def resolve_specs(
+    params: Any, param_specs: Any, mesh_axes: Sequence[str], default: Callable[[torch.Tensor], P]
+) -> dict[str, P]:
+    """Resolve ``param_specs`` (None, Rules, a callable or a pytree of P) to ``{path: P}`` and check
+    each spec against its tensor and the mesh. Errors name the path and the fix."""
+    paths, leaves, treedef = tree_util.flatten(params)
+    tree_util.check_leaves(params)
+    if param_specs is None:
+        specs = [default(leaf) for leaf in leaves]
+    elif isinstance(param_specs, P):
+        specs = [param_specs] * len(paths)
+    elif callable(param_specs):
+        specs = [param_specs(p) for p in paths]
+    else:
+        specs = _specs_from_tree(params, param_specs, paths)
+    out = {}
+    for path, leaf, spec in zip(paths, leaves, specs):
+        _check_spec(path, leaf, spec, mesh_axes)
+        out[path] = spec
+    return out
+
+
+def _specs_from_tree(params: Any, spec_tree: Any, paths: list[str]) -> list[P]:
+    import optree
+
+    spec_leaves, spec_def = optree.tree_flatten(
+        spec_tree, is_leaf=lambda x: isinstance(x, P) or x is None, none_is_leaf=True
+    )
+    param_def = tree_util.structure(params)
+    if spec_def != param_def:
+        spec_paths = ["/".join(map(str, p)) for p in optree.tree_paths(
+            spec_tree, is_leaf=lambda x: isinstance(x, P) or x is None, none_is_leaf=True)]
+        missing = sorted(set(paths) - set(spec_paths))
+        extra = sorted(set(spec_paths) - set(paths))
+        raise SpecError(
+            "param_specs tree does not have the structure of params: "
+            f"paths without a spec: {missing[:5]}{'...' if len(missing) > 5 else ''}; "
+            f"specs with no parameter: {extra[:5]}{'...' if len(extra) > 5 else ''}. "
+            "Give one P per parameter leaf (same dict keys and list lengths), or use hpf.rules."
+        )
+    return [P() if s is None else s for s in spec_leaves]
+
+
+def _check_spec(path: str, leaf: torch.Tensor, spec: Any, mesh_axes: Sequence[str]) -> None:
+    if not isinstance(spec, P):
+        raise SpecError(f"parameter {path!r}: spec {spec!r} is not an hpf.P; write P(...) instead")
+    if len(spec) > leaf.dim():
+        raise SpecError(
+            f"parameter {path!r} has {leaf.dim()} dims (shape {tuple(leaf.shape)}) but its spec "
+            f"{spec!r} has {len(spec)} entries; drop entries so there is at most one per dim"
+        )
+    seen: set[str] = set()
+    for axis in spec.axes():
+        if axis not in mesh_axes:
+            raise SpecError(
+                f"parameter {path!r}: spec {spec!r} names axis {axis!r}, which is not a mesh axis "
+                f"(mesh axes: {tuple(mesh_axes)}); use one of those or add the axis to the Mesh"
+            )
+        if axis in seen:
+            raise SpecError(
+                f"parameter {path!r}: spec {spec!r} uses axis {axis!r} twice; a mesh axis can "
+                f"split at most one dim once"
+            )
+        seen.add(axis)

@@ -1,0 +1,196 @@
+"""``hpf.shard_step``: one sharded training step of a pure loss function.
+
+Layouts are resolved once, in ``init``. The steady-state step then runs plain tensors:
+gather units as the loss function reaches them, plain ``torch.autograd`` backward, one
+reduce-scatter per unit bucket, one scalar all-reduce for the loss and grad norm, and the
+optimizer on flat shards.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from . import tree as tree_util
+from .fsdp import BucketComm, UnitEngine
+from .mesh import Mesh, MeshError
+from .plan import Plan, plan as make_plan
+
+__all__ = ["shard_step", "ShardStep", "TrainState", "MixedPrecision", "default_device"]
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Compute in ``compute_dtype``, reduce grads in ``reduce_dtype``, keep master shards in
+    ``master_dtype``. ``MixedPrecision(torch.bfloat16)`` is the usual choice."""
+
+    compute_dtype: torch.dtype = torch.bfloat16
+    reduce_dtype: torch.dtype = torch.float32
+    master_dtype: torch.dtype = torch.float32
+
+
+_PRECISIONS = {"bf16": MixedPrecision(torch.bfloat16), "fp16": MixedPrecision(torch.float16)}
+
+
+class TrainState(NamedTuple):
+    """The sharded train state: one flat master shard per plan bucket, and optimizer state."""
+
+    params: list[torch.Tensor]
+    opt_state: Any
+
+
+def default_device() -> torch.device:
+    """The accelerator the process group drives, else the CPU (gloo)."""
+    if dist.is_initialized() and dist.get_backend() != "gloo" and torch.accelerator.is_available():
+        return torch.device(torch.accelerator.current_accelerator().type, torch.accelerator.current_device_index())
+    return torch.device("cpu")
+
+
+class ShardStep:
+    """The callable returned by :func:`shard_step`; see its docstring."""
+
+    def __init__(self, loss_fn: Callable, *, mesh: Mesh, optimizer, param_specs=None, fsdp_axes=None,
+                 mode: str = "production", mixed_precision: MixedPrecision | str | None = None,
+                 max_grad_norm: float | None = None):
+        if mode not in ("production", "validate"):
+            raise ValueError(f"mode={mode!r}: use 'production' or 'validate'")
+        if isinstance(mixed_precision, str):
+            if mixed_precision not in _PRECISIONS:
+                raise ValueError(f"mixed_precision={mixed_precision!r}: use one of {list(_PRECISIONS)} "
+                                 "or hpf.MixedPrecision(...)")
+            mixed_precision = _PRECISIONS[mixed_precision]
+        if max_grad_norm is not None and max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm={max_grad_norm}: must be positive, or None for no clipping")
+        for name in ("init", "update"):
+            if not callable(getattr(optimizer, name, None)):
+                raise TypeError(f"optimizer {optimizer!r} has no {name}(); pass hpf.optim.adamw(...) "
+                                "or another object with init(params) and update(grads, state, params)")
+        self.loss_fn, self.mesh, self.optimizer = loss_fn, mesh, optimizer
+        self.param_specs, self.fsdp_axes, self.mode = param_specs, fsdp_axes, mode
+        self.mp, self.max_grad_norm = mixed_precision, max_grad_norm
+        self.plan: Plan | None = None
+        self.engine: UnitEngine | None = None
+
+    # -- set-up, once ---------------------------------------------------------------------------
+    def init(self, full_params: Any) -> TrainState:
+        """Full params (the same on every rank) -> this rank's sharded train state."""
+        self.mesh.check_world()
+        if not dist.is_initialized() and self.mesh.size > 1:
+            raise MeshError(f"{self.mesh} has {self.mesh.size} ranks but no process group is running; "
+                            "start the job with hpf.launch(fn, world_size) or torchrun")
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.device = default_device()
+        self.plan = make_plan(full_params, self.mesh, self.param_specs, self.fsdp_axes)
+        _check_same_on_all_ranks(self.plan)
+        master = self.mp.master_dtype if self.mp else None
+        shards = [s.to(self.device) for s in self.plan.shards(full_params, self.rank, master)]
+        reduce = self.mp.reduce_dtype if self.mp else None
+        self.grad_shards = [torch.zeros_like(s, dtype=reduce or s.dtype) for s in shards]
+        self.engine = UnitEngine(self.plan, self.rank, BucketComm(self.plan),
+                                 self.mp.compute_dtype if self.mp else None, reduce, self.device)
+        self.dp_size = self.mesh.axis_size(self.plan.fsdp_axes)
+        self._replicas = [float(self.plan.replicas(b)) for b in self.plan.buckets]
+        opt = self.optimizer
+        self._opt = opt.for_plan(self.plan, self.rank) if hasattr(opt, "for_plan") else opt
+        return TrainState(shards, self._opt.init(shards))
+
+    # -- the step --------------------------------------------------------------------------------
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, float]]:
+        """One step on this rank's local batch. The state's buffers are updated in place
+        (donated): keep using the returned state."""
+        if self.engine is None:
+            raise RuntimeError("call step.init(full_params) first, and pass the state it returns")
+        t0 = time.perf_counter()
+        eng = self.engine
+        eng.begin(state.params, self.grad_shards)
+        with torch.autograd.graph.saved_tensors_hooks(eng.pack, eng.unpack):
+            loss = self.loss_fn(eng.params_tree(), batch)
+            _check_loss(loss)
+            loss.backward()
+        eng.finish()
+        grads = self.grad_shards
+        torch._foreach_div_(grads, float(self.dp_size))
+        sq = torch.stack([g.float().pow(2).sum() / r for g, r in zip(grads, self._replicas)]).sum()
+        totals = torch.stack([loss.detach().float(), sq])
+        if dist.is_initialized() and self.mesh.size > 1:
+            dist.all_reduce(totals)
+            totals[0] /= self.mesh.size
+        grad_norm = float(totals[1].sqrt())
+        if self.max_grad_norm is not None:
+            torch._foreach_mul_(grads, min(1.0, self.max_grad_norm / (grad_norm + 1e-6)))
+        t_opt = time.perf_counter()
+        params, opt_state = self._opt.update(grads, state.opt_state, state.params)
+        t1 = time.perf_counter()
+        metrics = {"loss": float(totals[0]), "grad_norm": grad_norm, "step_s": t1 - t0,
+                   "optimizer_s": t1 - t_opt, "comm_wait_s": eng.take_wait_s()}
+        return TrainState(params, opt_state), metrics
+
+    def full_params(self, state: TrainState) -> Any:
+        """The gathered full params, as a plain pytree of fresh tensors (the same on every rank)."""
+        plan = self.plan
+        local = {}
+        for b, shard in zip(plan.buckets, state.params):
+            full = torch.empty(b.padded_numel, dtype=shard.dtype, device=shard.device)
+            self.engine.comm.all_gather(b.index, full, shard).wait()
+            local.update(plan.views(b, full))
+        return plan.tree({p: _gather_compute_axes(plan, p, x).clone() for p, x in local.items()})
+
+
+def shard_step(loss_fn: Callable, *, mesh: Mesh, optimizer, param_specs=None, fsdp_axes=None,
+               mode: str = "production", mixed_precision: MixedPrecision | str | None = None,
+               max_grad_norm: float | None = None) -> ShardStep:
+    """Make a sharded training step for ``loss_fn(params, batch) -> scalar``.
+
+    ``param_specs``: None (shard every param over all FSDP axes), ``hpf.rules([...])`` or a
+    pytree of ``P``. ``fsdp_axes``: the data-parallel axes params are sharded and gathered
+    over (default: all mesh axes); other axes are stored and computed sharded.
+    ``mixed_precision``: None, "bf16" or ``hpf.MixedPrecision``. Returns a :class:`ShardStep`:
+    ``state = step.init(params)``, then ``state, metrics = step(state, batch)``.
+    """
+    if mode == "validate":
+        from .validate import ValidateStep
+
+        return ValidateStep(loss_fn, mesh=mesh, optimizer=optimizer, param_specs=param_specs,
+                            fsdp_axes=fsdp_axes, mixed_precision=mixed_precision, max_grad_norm=max_grad_norm)
+    return ShardStep(loss_fn, mesh=mesh, optimizer=optimizer, param_specs=param_specs, fsdp_axes=fsdp_axes,
+                     mode=mode, mixed_precision=mixed_precision, max_grad_norm=max_grad_norm)
+
+
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+                        f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+    if not loss.requires_grad:
+        raise ValueError("the loss does not depend on the params (it has no grad_fn): make loss_fn "
+                         "compute with the params it receives")
+
+
+def _check_same_on_all_ranks(plan: Plan) -> None:
+    """Fail at init, not in a hung collective, when ranks were given different params."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    mine = [(p, s.global_shape, str(s.dtype)) for p, s in plan.slots.items()]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for r, theirs in enumerate(everyone):
+        if theirs != mine:
+            diff = next((a, b) for a, b in zip(mine + [None] * len(theirs), theirs + [None] * len(mine)) if a != b)
+            raise ValueError(f"rank {r} has different params than rank {dist.get_rank()}: "
+                             f"{diff[1]} vs {diff[0]} (path, shape, dtype). Every rank must call "
+                             "step.init with the same full params tree")
+
+
+def _gather_compute_axes(plan: Plan, path: str, local: torch.Tensor) -> torch.Tensor:
+    """Undo the non-FSDP splits of one param: all-gather along each split dim."""
+    slot = plan.slots[path]
+    out = local
+    for dim in range(len(slot.spec)):
+        axes = tuple(a for a in slot.spec.dim_axes(dim) if a in plan.compute_axes)
+        if axes:
+            parts = [torch.empty_like(out) for _ in range(plan.mesh.axis_size(axes))]
+            dist.all_gather(parts, out.contiguous(), group=plan.mesh.group(axes))
+            out = torch.cat(parts, dim=dim)
+    return out
