@@ -1,0 +1,4 @@
+"""Pure-function models: params are plain pytrees, ``loss(params, batch)`` is a pure function."""
+from hpf.models import gpt
+
+__all__ = ["gpt"]

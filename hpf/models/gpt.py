@@ -1,0 +1,212 @@
+"""A dense decoder-only transformer written as pure functions over a plain dict pytree.
+
+The model is data, not a Module: ``init`` returns a dict of tensors and ``loss``/``forward``
+read it. That is what lets the sharding engine hand in gathered (or lazily gathered) params
+without any wrapping. ``params["blocks"]`` is a Python list, so each block becomes one FSDP
+unit, and the functions only *iterate* it in order (never ``len()``, never random access),
+because the engine passes a lazy list whose iteration gathers units on demand.
+
+The number of heads is not visible in the tensor shapes, so ``forward``/``loss`` take it as a
+keyword; ``loss_for(config)`` binds it and gives the ``loss_fn(params, batch)`` that
+``hpf.shard_step`` expects.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+__all__ = [
+    "GPTConfig", "CONFIGS", "num_params", "init", "forward", "loss", "loss_for",
+    "global_batch", "synthetic_batches",
+]
+
+NORM_EPS = 1e-5
+INIT_STD = 0.02
+SUCCESSORS_PER_TOKEN = 4  # each token of the synthetic Markov source has this many likely successors
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int
+    seq_len: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    d_ff: int | None = None  # None -> 4 * d_model
+
+    def __post_init__(self):
+        if self.d_ff is None:
+            object.__setattr__(self, "d_ff", 4 * self.d_model)
+        for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) > 0):
+                raise ValueError(f"GPTConfig.{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"GPTConfig.d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                f"pick n_heads that divides d_model"
+            )
+
+
+CONFIGS: dict[str, GPTConfig] = {
+    # Awkward on purpose: leaf, block-unit and root-unit sizes are odd or 2 mod 4 and not
+    # multiples of 3, so sharding over 2, 3 or 4 ranks always needs padding.
+    "tiny": GPTConfig(vocab_size=67, seq_len=16, d_model=25, n_layers=3, n_heads=5, d_ff=38),
+    # A few M params: CPU benchmarks and multi-process tests that must learn something.
+    "small": GPTConfig(vocab_size=512, seq_len=128, d_model=256, n_layers=4, n_heads=4),
+    # GPT-2-small-like shapes with a 32k vocab.
+    "medium": GPTConfig(vocab_size=32000, seq_len=1024, d_model=768, n_layers=12, n_heads=12),
+    # About 1B params: only for planning on meta tensors.
+    "1b": GPTConfig(vocab_size=32000, seq_len=2048, d_model=2048, n_layers=18, n_heads=16),
+}
+
+
+def num_params(config: GPTConfig) -> int:
+    """Parameter count from the config alone (no tensors), e.g. for plans and reports."""
+    d, f, v = config.d_model, config.d_ff, config.vocab_size
+    block = 2 * d + 3 * d * d + d * d + 2 * d * f
+    return v * d + config.seq_len * d + config.n_layers * block + d + d * v
+
+
+def init(config: GPTConfig, generator: torch.Generator | None = None, *,
+         device=None, dtype: torch.dtype = torch.float32) -> dict:
+    """Fresh params as a plain dict pytree.
+
+    Values are drawn in fp32 on the CPU from ``generator`` (default: a generator seeded 0), so
+    every rank and every device gets bit-identical params; ``device="meta"`` draws nothing.
+    Residual projections (w_o, w_down) are scaled by 1/sqrt(2*n_layers) as in GPT-2.
+    """
+    c = config
+    on_meta = torch.device(device).type == "meta" if device is not None else False
+    if generator is None and not on_meta:
+        generator = torch.Generator().manual_seed(0)
+
+    def normal(*shape: int, std: float = INIT_STD) -> torch.Tensor:
+        if on_meta:
+            return torch.empty(shape, device="meta", dtype=dtype)
+        return (torch.randn(shape, generator=generator) * std).to(device=device, dtype=dtype)
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, device=device, dtype=dtype)
+
+    residual_std = INIT_STD / math.sqrt(2 * c.n_layers)
+    d, f = c.d_model, c.d_ff
+    return {
+        "embed": normal(c.vocab_size, d),
+        "pos": normal(c.seq_len, d),
+        "blocks": [
+            {
+                "norm1": ones(d),
+                "w_qkv": normal(d, 3 * d),
+                "w_o": normal(d, d, std=residual_std),
+                "norm2": ones(d),
+                "w_up": normal(d, f),
+                "w_down": normal(f, d, std=residual_std),
+            }
+            for _ in range(c.n_layers)
+        ],
+        "norm_f": ones(d),
+        "head": normal(d, c.vocab_size),
+    }
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + NORM_EPS) * weight
+
+
+def forward(params: dict, tokens: torch.Tensor, *, n_heads: int | None = None) -> torch.Tensor:
+    """Logits [B, T, V] for int64 tokens [B, T]; computes in the params' dtype."""
+    if n_heads is None:
+        raise TypeError(
+            "gpt.forward/gpt.loss need n_heads= (the head count is not visible in the param shapes); "
+            "use gpt.loss_for(config) as the loss_fn, or functools.partial(gpt.loss, n_heads=config.n_heads)"
+        )
+    if tokens.dim() != 2 or tokens.dtype != torch.int64:
+        raise ValueError(f"tokens must be an int64 tensor [batch, time], got {tokens.dtype} {list(tokens.shape)}")
+    t = tokens.shape[1]
+    max_t = params["pos"].shape[0]
+    if t > max_t:
+        raise ValueError(f"sequence length {t} exceeds params['pos'] length {max_t} (config.seq_len)")
+    x = F.embedding(tokens, params["embed"]) + params["pos"][:t]
+    for blk in params["blocks"]:
+        q, k, v = rearrange(_rms_norm(x, blk["norm1"]) @ blk["w_qkv"],
+                            "b t (three h e) -> three b h t e", three=3, h=n_heads)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + rearrange(attn, "b h t e -> b t (h e)") @ blk["w_o"]
+        h = F.gelu(_rms_norm(x, blk["norm2"]) @ blk["w_up"], approximate="tanh")
+        x = x + h @ blk["w_down"]
+    return _rms_norm(x, params["norm_f"]) @ params["head"]
+
+
+def loss(params: dict, batch: torch.Tensor, *, n_heads: int | None = None) -> torch.Tensor:
+    """Mean next-token cross-entropy of ``batch`` [B, T+1]; the softmax runs in fp32 for any param dtype."""
+    if batch.dim() != 2 or batch.shape[1] < 2:
+        raise ValueError(f"batch must be [batch, time+1] token ids with time+1 >= 2, got shape {list(batch.shape)}")
+    logits = forward(params, batch[:, :-1], n_heads=n_heads)
+    return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+
+
+def loss_for(config: GPTConfig):
+    """``loss_fn(params, batch)`` for ``config``: what ``hpf.shard_step`` takes."""
+    return functools.partial(loss, n_heads=config.n_heads)
+
+
+# ---------------------------------------------------------------- synthetic data
+
+@functools.lru_cache(maxsize=8)
+def _markov_source(vocab_size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(successors [V, K], cumulative probs [V, K]): a sparse random transition matrix.
+
+    Stored as K successors per token instead of a dense [V, V] matrix, which for a 32k
+    vocab would take 4 GB.
+    """
+    rng = np.random.default_rng([seed, 0])
+    successors = rng.integers(vocab_size, size=(vocab_size, SUCCESSORS_PER_TOKEN))
+    probs = rng.dirichlet(np.ones(SUCCESSORS_PER_TOKEN), size=vocab_size)
+    cdf = np.cumsum(probs, axis=1)
+    cdf[:, -1] = 1.0  # guard against rounding leaving the last bucket just below 1
+    return successors, cdf
+
+
+def global_batch(config: GPTConfig, batch_size: int, seed: int, step: int) -> torch.Tensor:
+    """The whole batch [batch_size, seq_len+1] of ``step``: a pure function of (seed, step)."""
+    for name, value, least in (("batch_size", batch_size, 1), ("seed", seed, 0), ("step", step, 0)):
+        if not isinstance(value, (int, np.integer)) or value < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    successors, cdf = _markov_source(config.vocab_size, int(seed))
+    rng = np.random.default_rng([int(seed), 1, int(step)])
+    tokens = np.empty((batch_size, config.seq_len + 1), dtype=np.int64)
+    tokens[:, 0] = rng.integers(config.vocab_size, size=batch_size)
+    uniforms = rng.random((batch_size, config.seq_len))
+    for t in range(config.seq_len):
+        current = tokens[:, t]
+        choice = (uniforms[:, t, None] >= cdf[current]).sum(axis=1)
+        tokens[:, t + 1] = successors[current, choice]
+    return torch.from_numpy(tokens)
+
+
+def synthetic_batches(config: GPTConfig, batch_size: int, seed: int, *, rank: int = 0,
+                      world_size: int = 1, device=None) -> Iterator[torch.Tensor]:
+    """Endless local batches: rank r gets rows [r*B/W, (r+1)*B/W) of each step's global batch.
+
+    ``batch_size`` is the GLOBAL batch size, so the data seen by the whole job does not depend
+    on ``world_size`` and a single-process reference can replay it with ``global_batch``.
+    """
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    if batch_size % world_size:
+        raise ValueError(
+            f"batch_size={batch_size} (the global batch size) is not divisible by world_size={world_size}; "
+            f"use a multiple of {world_size}"
+        )
+    local = batch_size // world_size
+    step = 0
+    while True:
+        yield global_batch(config, batch_size, seed, step)[rank * local:(rank + 1) * local].to(device)
+        step += 1
