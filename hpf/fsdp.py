@@ -132,6 +132,7 @@ class UnitEngine:
             f.untyped_storage().resize_(0)
         self.units = list(plan.units)
         self.unit_buckets = {u: plan.units[u].buckets for u in self.units}
+        self._next_unit = dict(zip(self.units, self.units[1:]))
         # Per unit: the param views in slot order, and how to build its subtree from them.
         self._slices = {u: [(b, s.offset, s.numel, s.local_shape) for b in self.unit_buckets[u]
                             for s in bks[b].slots] for u in self.units}
@@ -200,9 +201,9 @@ class UnitEngine:
             self._free(prev)  # the loss function has moved past it
         self._gather(unit)
         self._wait(unit)
-        nxt = self.units.index(unit) + 1
-        if nxt < len(self.units):
-            self._gather(self.units[nxt])  # prefetch the next unit in tree order
+        nxt = self._next_unit.get(unit)
+        if nxt is not None:
+            self._gather(nxt)  # prefetch the next unit in tree order
         views = _GatherUnit.apply(self.anchor, self, unit)
         self._views[unit] = views
         return views if unit == ROOT else self._subtree[unit](views)
