@@ -43,7 +43,7 @@ class Mesh:
             self._check_axis(a)
         self.fast_axes = tuple(a for a in self.axis_names if a in fast)
         self.slow_axes = tuple(a for a in self.axis_names if a not in fast)
-        self._groups: dict[tuple[str, ...], object] = {}
+        self._groups: dict[tuple, object] = {}
 
     # -- pure geometry -------------------------------------------------------------------
     def axis_size(self, axes: str | Sequence[str]) -> int:
@@ -64,18 +64,20 @@ class Mesh:
             rank = rank * n + c
         return rank
 
-    def group_index(self, axes: str | Sequence[str], rank: int) -> int:
-        """Position of ``rank`` inside its group along ``axes`` (row-major over those axes)."""
+    def group_index(self, axes: str | Sequence[str], rank: int, *, order: Sequence[str] | None = None) -> int:
+        """Position of ``rank`` inside its group along ``axes``: row-major over the axes in
+        mesh order, or in ``order`` (e.g. fast axes first, for two-tier collectives)."""
         c = self.coords(rank)
         idx = 0
-        for a in self._ordered(axes):
+        for a in (self._ordered(axes) if order is None else tuple(order)):
             i = self._index(a)
             idx = idx * self.shape[i] + c[i]
         return idx
 
-    def group_ranks(self, axes: str | Sequence[str], rank: int) -> list[int]:
-        """The ranks that differ from ``rank`` only along ``axes``, sorted (= group order)."""
-        ordered = self._ordered(axes)
+    def group_ranks(self, axes: str | Sequence[str], rank: int, *, order: Sequence[str] | None = None) -> list[int]:
+        """The ranks that differ from ``rank`` only along ``axes``, by group position
+        (sorted, unless ``order`` linearizes the axes differently)."""
+        ordered = self._ordered(axes) if order is None else tuple(order)
         base = list(self.coords(rank))
         out = []
         for combo in itertools.product(*(range(self.shape[self._index(a)]) for a in ordered)):
@@ -104,29 +106,31 @@ class Mesh:
                 f"(or launch with world_size={self.size})"
             )
 
-    def group(self, axes: str | Sequence[str], timeout: timedelta | None = None):
+    def group(self, axes: str | Sequence[str], timeout: timedelta | None = None, *, tag: str = ""):
         """This rank's process group along ``axes``, created once (collectively) on first use.
 
-        Returns None for an empty axis set. Every rank must ask for the same axes in the same
-        order, as with any torch.distributed group creation.
+        Returns None for an empty axis set. ``tag`` asks for a separate group over the same
+        ranks (collectives issued from different threads each need their own). Every rank
+        must ask for the same groups in the same order, as with any torch.distributed group.
         """
         ordered = self._ordered(axes)
         if not ordered:
             return None
-        if ordered not in self._groups:
+        key = (ordered, tag)
+        if key not in self._groups:
             self.check_world()
             if not dist.is_initialized():
                 raise MeshError(
                     "process groups need a running job: start it with hpf.launch(fn, world_size) "
                     "or torchrun (a virtual mesh can only plan)"
                 )
-            if len(ordered) == len(self.axis_names):
-                self._groups[ordered] = dist.group.WORLD
+            if len(ordered) == len(self.axis_names) and not tag:
+                self._groups[key] = dist.group.WORLD
             else:
                 kwargs = {"timeout": timeout} if timeout is not None else {}
                 mine, _ = dist.new_subgroups_by_enumeration(self.all_groups(ordered), **kwargs)
-                self._groups[ordered] = mine
-        return self._groups[ordered]
+                self._groups[key] = mine
+        return self._groups[key]
 
     # -- helpers ---------------------------------------------------------------------------
     def _index(self, axis: str) -> int:

@@ -56,6 +56,9 @@ class Bucket:
     dtype: torch.dtype
     shard_size: int  # ranks in the shard group
     compute_axes: tuple[str, ...] = ()  # non-FSDP axes its params are split over
+    # Axes in the order that numbers shard positions. Mesh order, unless two-tier collectives
+    # number fast axes first, so each gather stage writes one contiguous block.
+    shard_order: tuple[str, ...] = ()
     slots: list[ParamSlot] = field(default_factory=list)
     numel: int = 0
 
@@ -131,7 +134,13 @@ class Plan:
         return self.mesh.size // bucket.shard_size // self.mesh.axis_size(bucket.compute_axes)
 
     def shard_index(self, bucket: Bucket, rank: int) -> int:
-        return self.mesh.group_index(bucket.shard_axes, rank) if bucket.shard_axes else 0
+        return self.mesh.group_index(bucket.shard_axes, rank, order=bucket.shard_order) if bucket.shard_axes else 0
+
+    def shard_ranks(self, bucket: Bucket, rank: int) -> list[int]:
+        """Global ranks of ``rank``'s shard group; entry i stores shard position i."""
+        if not bucket.shard_axes:
+            return [rank]
+        return self.mesh.group_ranks(bucket.shard_axes, rank, order=bucket.shard_order)
 
     def shards(self, full_params: Any, rank: int, dtype=None) -> list[torch.Tensor]:
         """This rank's flat shard of every bucket, from the full (unsharded) params."""
@@ -153,20 +162,23 @@ class Plan:
                 f"{len(self.units)} units, {len(self.buckets)} buckets)")
 
 
-def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[str] | None = None) -> Plan:
+def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[str] | None = None, *,
+         hierarchical: bool = False, default_shard_axes: Sequence[str] | None = None) -> Plan:
     """Resolve the sharding of ``params`` on ``mesh`` once.
 
     ``params`` may be meta tensors; ``mesh`` may be virtual. Axes of a spec that are in
     ``fsdp_axes`` (default: all mesh axes) mean "stored sharded, gathered for compute";
     other axes mean "stored and computed sharded". With no ``param_specs`` every parameter
-    is sharded over all FSDP axes.
+    is sharded over ``default_shard_axes`` (default: all FSDP axes; the fast-tier axes give
+    HSDP). ``hierarchical`` numbers shards fast-axes-first for two-tier collectives.
     """
     fsdp = tuple(mesh.axis_names) if fsdp_axes is None else tuple(fsdp_axes)
     for a in fsdp:
         if a not in mesh.axis_names:
             raise SpecError(f"fsdp_axes names {a!r}, which is not an axis of {mesh}")
     compute_axes = tuple(a for a in mesh.axis_names if a not in fsdp)
-    default = (lambda x: P(fsdp) if x.dim() >= 1 and fsdp else P())
+    shard_default = fsdp if default_shard_axes is None else tuple(default_shard_axes)
+    default = (lambda x: P(shard_default) if x.dim() >= 1 and shard_default else P())
     specs = resolve_specs(params, param_specs, mesh.axis_names, default)
     paths, leaves, treedef = tree_util.flatten(params)
     units_of = _unit_names(params)
@@ -182,9 +194,13 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
         split_axes = tuple(a for a in compute_axes if a in spec.axes())
         key = (unit, shard_axes, split_axes, leaf.dtype)
         if key not in by_key:
+            order = shard_axes
+            if hierarchical:
+                order = tuple(sorted(shard_axes, key=lambda a: a not in mesh.fast_axes))
             b = Bucket(index=len(buckets), unit=unit, shard_axes=shard_axes,
                        replicate_axes=tuple(a for a in fsdp if a not in shard_axes),
-                       dtype=leaf.dtype, shard_size=mesh.axis_size(shard_axes), compute_axes=split_axes)
+                       dtype=leaf.dtype, shard_size=mesh.axis_size(shard_axes), compute_axes=split_axes,
+                       shard_order=order)
             by_key[key] = b
             buckets.append(b)
             units.setdefault(unit, Unit(unit, [])).buckets.append(b.index)

@@ -39,7 +39,7 @@ def problems(draw):
               "blocks": [{k: v[0] for k, v in b.items()} for b in pairs["blocks"]]}
     specs = {"root": pairs["root"][1], "z": pairs["z"][1],
              "blocks": [{k: v[1] for k, v in b.items()} for b in pairs["blocks"]]}
-    return mesh, fsdp, params, specs
+    return mesh, fsdp, params, specs, draw(st.booleans())
 
 
 def reassemble(plan, params):
@@ -50,7 +50,7 @@ def reassemble(plan, params):
     out = {p: torch.full(s.global_shape, float("nan"), dtype=s.dtype) for p, s in plan.slots.items()}
     for r in range(mesh.size):
         for b in plan.buckets:
-            group = mesh.group_ranks(b.shard_axes, r) if b.shard_axes else [r]
+            group = mesh.group_ranks(b.shard_axes, r, order=b.shard_order) if b.shard_axes else [r]
             flat = torch.cat([shards[q][b.index] for q in group])
             assert flat.numel() == b.padded_numel and b.padded_numel % b.shard_size == 0
             for s in b.slots:
@@ -67,8 +67,8 @@ def reassemble(plan, params):
 @settings(max_examples=60, deadline=None)
 @given(problems())
 def test_shards_reassemble_exactly(problem):
-    mesh, fsdp, params, specs = problem
-    plan = hpf.plan(params, mesh, specs, fsdp_axes=fsdp)
+    mesh, fsdp, params, specs, hierarchical = problem
+    plan = hpf.plan(params, mesh, specs, fsdp_axes=fsdp, hierarchical=hierarchical)
     rebuilt = reassemble(plan, params)
     paths, leaves, _ = hpf.tree.flatten(params)
     for path, leaf in zip(paths, leaves):
