@@ -8,8 +8,9 @@ from .mesh import Mesh, MeshError
 from .plan import Plan, plan
 from .spec import P, SpecError, rules
 from .step import MixedPrecision, ShardStep, TrainState, shard_step
+from .topology import SlowLink, Topology
 from . import optim
 
-__all__ = ["P", "Mesh", "MeshError", "MixedPrecision", "Plan", "ShardStep", "SpecError", "TrainState",
+__all__ = ["P", "Mesh", "MeshError", "MixedPrecision", "Plan", "ShardStep", "SlowLink", "SpecError", "Topology", "TrainState",
            "optim", "plan", "rules", "shard_step", "tree"]
 __version__ = "0.1.0"

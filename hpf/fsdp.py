@@ -11,6 +11,7 @@ it is re-gathered exactly then, with the unit before it prefetched.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 from . import tree as tree_util
 from .plan import ROOT, Bucket, Plan
+from .report import collective_bytes
 
 __all__ = ["UnitEngine", "BucketComm", "MemoryStats"]
 
@@ -34,41 +36,78 @@ class _Done:
 DONE = _Done()
 
 
+class _Chain:
+    """A reduce-scatter whose replica all-reduce starts once it has landed."""
+
+    def __init__(self, first, then: Callable[[], Any]):
+        self.first, self.then = first, then
+
+    def wait(self) -> bool:
+        self.first.wait()
+        self.then().wait()
+        return True
+
+
 class BucketComm:
-    """Flat FSDP collectives for each bucket on torch.distributed process groups.
+    """Flat FSDP collectives for each bucket on torch.distributed process groups (async ops).
 
     Reduce-scatter and all-reduce sum; the engine divides once, by the data-parallel
     size, after every sum has landed, so the mean is exact in the reduce dtype.
     """
 
-    def __init__(self, plan: Plan):
-        self.plan = plan
-        self.shard_groups = [plan.mesh.group(b.shard_axes) if b.shard_size > 1 else None
-                             for b in plan.buckets]
-        self.replica_groups = [plan.mesh.group(b.replicate_axes)
-                               if plan.mesh.axis_size(b.replicate_axes) > 1 else None
+    persistent = False  # buffers are plain tensors the engine may free
+
+    def __init__(self, plan: Plan, device: torch.device, compute_dtypes, reduce_dtypes):
+        self.plan, self.device = plan, device
+        mesh = plan.mesh
+        self.shard_groups = [mesh.group(b.shard_axes) if b.shard_size > 1 else None for b in plan.buckets]
+        self.replica_groups = [mesh.group(b.replicate_axes) if mesh.axis_size(b.replicate_axes) > 1 else None
                                for b in plan.buckets]
+        self.bytes: Counter = Counter()  # (op, tier) -> bytes this rank sent (report.py's model)
+        self._ag_bytes = [_tier_bytes(mesh, b, compute_dtypes[b.index]) for b in plan.buckets]
+        self._rs_bytes = [_tier_bytes(mesh, b, reduce_dtypes[b.index]) for b in plan.buckets]
+
+    def full_buffer(self, b: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(self.plan.buckets[b].padded_numel, dtype=dtype, device=self.device)
+
+    grad_buffer = full_buffer
 
     def all_gather(self, b: int, out: torch.Tensor, shard: torch.Tensor):
         g = self.shard_groups[b]
         if g is None:
             out.copy_(shard)
             return DONE
+        self._count("all_gather", self._ag_bytes[b])
         return dist.all_gather_single(out, shard, group=g, async_op=True)
 
-    def reduce_scatter(self, b: int, out: torch.Tensor, full: torch.Tensor):
+    def reduce(self, b: int, shard: torch.Tensor, flat: torch.Tensor):
+        """shard <- this rank's slice of the sum of every data-parallel rank's flat grad."""
         g = self.shard_groups[b]
         if g is None:
-            if out.data_ptr() != full.data_ptr():
-                out.copy_(full)
-            return DONE
-        return dist.reduce_scatter_single(out, full, group=g, async_op=True)
+            if shard.data_ptr() != flat.data_ptr():
+                shard.copy_(flat)
+            handle = DONE
+        else:
+            self._count("reduce_scatter", self._rs_bytes[b])
+            handle = dist.reduce_scatter_single(shard, flat, group=g, async_op=True)
+        rg = self.replica_groups[b]
+        if rg is None:
+            return handle
+        return _Chain(handle, lambda: dist.all_reduce(shard, group=rg, async_op=True))
 
-    def all_reduce(self, b: int, t: torch.Tensor):
-        g = self.replica_groups[b]
-        if g is None:
-            return DONE
-        return dist.all_reduce(t, group=g, async_op=True)
+    def _count(self, op: str, tiers: dict) -> None:
+        for tier, n in tiers.items():
+            self.bytes[op, tier] += n
+
+    def close(self) -> None:
+        pass
+
+
+def _tier_bytes(mesh, bucket: Bucket, dtype: torch.dtype) -> dict:
+    if not bucket.shard_axes:
+        return {"fast": 0, "slow": 0}
+    itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
+    return collective_bytes(mesh, bucket.shard_axes, bucket.shard_numel * itemsize)
 
 
 @dataclass
@@ -116,7 +155,7 @@ class UnitEngine:
     """Runs one training step's forward and backward over a plan's units."""
 
     def __init__(self, plan: Plan, rank: int, comm, compute_dtype: torch.dtype | None,
-                 reduce_dtype: torch.dtype | None, device: torch.device):
+                 reduce_dtype: torch.dtype | None, device: torch.device, pipeline: bool = True):
         self.plan, self.rank, self.comm = plan, rank, comm
         self.device = device
         self.compute_dtype = compute_dtype
@@ -124,12 +163,17 @@ class UnitEngine:
         self.stats = MemoryStats()
         self.wait_s = 0.0
         bks = plan.buckets
-        cdt = [compute_dtype or b.dtype for b in bks]
-        # Persistent full buffers whose storage is resized to 0 while the unit is freed.
-        self.full = [torch.empty(b.padded_numel, dtype=d, device=device) for b, d in zip(bks, cdt)]
-        self.nbytes = [f.untyped_storage().nbytes() for f in self.full]
-        for f in self.full:
-            f.untyped_storage().resize_(0)
+        # Full buffers live as long as the engine. Plain ones are freed between uses by
+        # resizing their storage to 0, which keeps every view of them (params, saved
+        # tensors) valid to refill; a persistent transport owns shared ones instead.
+        self.full = [_own_base(comm.full_buffer(b.index, compute_dtype or b.dtype)) for b in bks]
+        self.nbytes = [f.numel() * f.element_size() for f in self.full]
+        self.persistent = comm.persistent
+        if not self.persistent:
+            for f in self.full:
+                f.untyped_storage().resize_(0)
+        self._live: set[str] = set()
+        self.pipeline = pipeline
         self.units = list(plan.units)
         self.unit_buckets = {u: plan.units[u].buckets for u in self.units}
         self._next_unit = dict(zip(self.units, self.units[1:]))
@@ -213,24 +257,23 @@ class UnitEngine:
 
     # -- gather / free -----------------------------------------------------------------------------
     def _gather(self, unit: str) -> None:
-        if unit in self._pending or self._is_live(unit):
+        if unit in self._live:
             return
         handles = []
         for b in self.unit_buckets[unit]:
             st = self.full[b].untyped_storage()
-            st.resize_(self.nbytes[b])
-            self._ptr_unit[st.data_ptr()] = unit
+            if not self.persistent:
+                st.resize_(self.nbytes[b])
+                self._ptr_unit[st.data_ptr()] = unit  # so backward can find and re-gather it
             handles.append(self.comm.all_gather(b, self.full[b], self.shards[b]))
         self._pending[unit] = handles
+        self._live.add(unit)
         self._account(unit, +1)
 
     def _wait(self, unit: str) -> None:
         handles = self._pending.pop(unit, ())
         if handles:
-            t = time.perf_counter()
-            for h in handles:
-                h.wait()
-            self.wait_s += time.perf_counter() - t
+            self._timed_wait(handles)
 
     def take_wait_s(self) -> float:
         """Seconds compute spent waiting on collectives since the last call."""
@@ -238,18 +281,16 @@ class UnitEngine:
         return out
 
     def _free(self, unit: str) -> None:
-        if not self._is_live(unit):
+        """Release a unit's gathered buffers (shared persistent ones stay until the next step)."""
+        if unit not in self._live or self.persistent:
             return
         self._wait(unit)
         for b in self.unit_buckets[unit]:
             st = self.full[b].untyped_storage()
             self._ptr_unit.pop(st.data_ptr(), None)
             st.resize_(0)
+        self._live.discard(unit)
         self._account(unit, -1)
-
-    def _is_live(self, unit: str) -> bool:
-        b = self.unit_buckets[unit][0]
-        return self.full[b].untyped_storage().nbytes() > 0
 
     def _account(self, unit: str, sign: int) -> None:
         s = self.stats
@@ -267,7 +308,7 @@ class UnitEngine:
         if type(saved) is not _Saved:
             return saved
         unit = saved.unit
-        if not self._is_live(unit) or unit in self._pending:
+        if unit not in self._live or unit in self._pending:
             self._gather(unit)
             self._wait(unit)
         pos = self._pos[unit]
@@ -282,39 +323,55 @@ class UnitEngine:
         for b in self.unit_buckets[unit]:
             bucket = self.plan.buckets[b]
             n = len(bucket.slots)
-            self.reductions.append((b, self._reduce_bucket(b, bucket, grads[i:i + n])))
+            self.reductions.append(self._reduce_bucket(b, bucket, grads[i:i + n]))
             i += n
 
     def _reduce_bucket(self, b: int, bucket: Bucket, grads) -> Any:
         shard = self.grad_shards[b]
-        flat = shard if not bucket.shard_axes else torch.empty(
-            bucket.padded_numel, dtype=shard.dtype, device=shard.device)
+        flat = shard if not bucket.shard_axes else self.comm.grad_buffer(b, shard.dtype)
         views = [flat[s.offset:s.offset + s.numel].view(s.local_shape) for s in bucket.slots]
         torch._foreach_copy_(views, list(grads))
         if bucket.padded_numel > bucket.numel:
             flat[bucket.numel:].zero_()
-        return self.comm.reduce_scatter(b, shard, flat), flat
+        handle = self.comm.reduce(b, shard, flat)
+        if not self.pipeline:
+            self._timed_wait([handle])
+        return handle
 
-    def finish(self) -> None:
-        """Wait for every reduction; then all-reduce shards over replica axes."""
+    def _timed_wait(self, handles) -> None:
         t = time.perf_counter()
-        replica = []
-        for b, (handle, _flat) in self.reductions:
-            handle.wait()
-            replica.append(self.comm.all_reduce(b, self.grad_shards[b]))
-        for h in replica:
+        for h in handles:
             h.wait()
         self.wait_s += time.perf_counter() - t
+
+    def finish(self) -> None:
+        """Wait for every reduction (the only place the step waits on them)."""
+        self._timed_wait(self.reductions)
         self.reductions = []
-        for u in list(self._views):
+        for u in list(self._live):
             self._free(u)
         self._views = {}
+        if self.persistent:  # shared buffers stay mapped; they are refilled next step
+            for u in list(self._live):
+                self._account(u, -1)
+            self._live.clear()
+            self._ptr_unit.clear()
 
 
 @dataclass
 class _Saved:
     unit: str
     tensor: torch.Tensor
+
+
+def _own_base(buf: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``buf``'s memory with a version counter of its own.
+
+    Transports carve many buffers out of one segment, whose slices share one version
+    counter: filling one unit's buffer would then count as an in-place change to every
+    other unit's params, and autograd would reject them."""
+    return torch.empty(0, dtype=buf.dtype, device=buf.device).set_(
+        buf.untyped_storage(), buf.storage_offset(), buf.shape, buf.stride())
 
 
 def _first_path(node: Any) -> str:

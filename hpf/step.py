@@ -18,6 +18,7 @@ from . import tree as tree_util
 from .fsdp import BucketComm, UnitEngine
 from .mesh import Mesh, MeshError
 from .plan import Plan, plan as make_plan
+from .topology import TieredComm, Topology
 
 __all__ = ["shard_step", "ShardStep", "TrainState", "MixedPrecision", "default_device"]
 
@@ -54,7 +55,7 @@ class ShardStep:
 
     def __init__(self, loss_fn: Callable, *, mesh: Mesh, optimizer, param_specs=None, fsdp_axes=None,
                  mode: str = "production", mixed_precision: MixedPrecision | str | None = None,
-                 max_grad_norm: float | None = None):
+                 max_grad_norm: float | None = None, topology: Topology | None = None, hsdp: bool = False):
         if mode not in ("production", "validate"):
             raise ValueError(f"mode={mode!r}: use 'production' or 'validate'")
         if isinstance(mixed_precision, str):
@@ -71,6 +72,7 @@ class ShardStep:
         self.loss_fn, self.mesh, self.optimizer = loss_fn, mesh, optimizer
         self.param_specs, self.fsdp_axes, self.mode = param_specs, fsdp_axes, mode
         self.mp, self.max_grad_norm = mixed_precision, max_grad_norm
+        self.topology, self.hsdp = topology, hsdp
         self.plan: Plan | None = None
         self.engine: UnitEngine | None = None
 
@@ -83,14 +85,24 @@ class ShardStep:
                             "start the job with hpf.launch(fn, world_size) or torchrun")
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.device = default_device()
-        self.plan = make_plan(full_params, self.mesh, self.param_specs, self.fsdp_axes)
+        fsdp = self.mesh.axis_names if self.fsdp_axes is None else tuple(self.fsdp_axes)
+        hier = self.topology is not None and self.topology.hierarchical
+        self.plan = make_plan(full_params, self.mesh, self.param_specs, self.fsdp_axes, hierarchical=hier,
+                              default_shard_axes=[a for a in fsdp if a in self.mesh.fast_axes] if self.hsdp else None)
         _check_same_on_all_ranks(self.plan)
         master = self.mp.master_dtype if self.mp else None
         shards = [s.to(self.device) for s in self.plan.shards(full_params, self.rank, master)]
         reduce = self.mp.reduce_dtype if self.mp else None
+        compute = self.mp.compute_dtype if self.mp else None
         self.grad_shards = [torch.zeros_like(s, dtype=reduce or s.dtype) for s in shards]
-        self.engine = UnitEngine(self.plan, self.rank, BucketComm(self.plan),
-                                 self.mp.compute_dtype if self.mp else None, reduce, self.device)
+        cdts = [compute or b.dtype for b in self.plan.buckets]
+        rdts = [g.dtype for g in self.grad_shards]
+        if self.topology is None:
+            comm = BucketComm(self.plan, self.device, cdts, rdts)
+        else:
+            comm = TieredComm(self.plan, self.topology, self.device, cdts, rdts)
+        self.engine = UnitEngine(self.plan, self.rank, comm, compute, reduce, self.device,
+                                 pipeline=self.topology is None or self.topology.pipeline)
         self.dp_size = self.mesh.axis_size(self.plan.fsdp_axes)
         self._replicas = [float(self.plan.replicas(b)) for b in self.plan.buckets]
         opt = self.optimizer
@@ -129,34 +141,49 @@ class ShardStep:
         return TrainState(params, opt_state), metrics
 
     def full_params(self, state: TrainState) -> Any:
-        """The gathered full params, as a plain pytree of fresh tensors (the same on every rank)."""
+        """The gathered full params, as a plain pytree of fresh tensors (the same on every rank).
+
+        A one-off, collective call (checkpoints, evaluation): it uses plain all-gathers,
+        not the step's transports."""
         plan = self.plan
         local = {}
         for b, shard in zip(plan.buckets, state.params):
-            full = torch.empty(b.padded_numel, dtype=shard.dtype, device=shard.device)
-            self.engine.comm.all_gather(b.index, full, shard).wait()
+            ranks = plan.shard_ranks(b, self.rank)  # entry i holds shard position i
+            if len(ranks) == 1:
+                full = shard
+            else:
+                parts = [torch.empty_like(shard) for _ in ranks]
+                dist.all_gather(parts, shard, group=plan.mesh.group(b.shard_axes))  # in rank order
+                by_rank = dict(zip(sorted(ranks), parts))
+                full = torch.cat([by_rank[r] for r in ranks])
             local.update(plan.views(b, full))
         return plan.tree({p: _gather_compute_axes(plan, p, x).clone() for p, x in local.items()})
 
 
 def shard_step(loss_fn: Callable, *, mesh: Mesh, optimizer, param_specs=None, fsdp_axes=None,
                mode: str = "production", mixed_precision: MixedPrecision | str | None = None,
-               max_grad_norm: float | None = None) -> ShardStep:
+               max_grad_norm: float | None = None, topology: Topology | None = None,
+               hsdp: bool = False) -> ShardStep:
     """Make a sharded training step for ``loss_fn(params, batch) -> scalar``.
 
     ``param_specs``: None (shard every param over all FSDP axes), ``hpf.rules([...])`` or a
     pytree of ``P``. ``fsdp_axes``: the data-parallel axes params are sharded and gathered
     over (default: all mesh axes); other axes are stored and computed sharded.
-    ``mixed_precision``: None, "bf16" or ``hpf.MixedPrecision``. Returns a :class:`ShardStep`:
+    ``mixed_precision``: None, "bf16" or ``hpf.MixedPrecision``. ``topology``: None (flat
+    collectives) or ``hpf.Topology(...)`` for two-tier collectives and the backward pipeline.
+    ``hsdp``: by default shard params only over the fast-tier FSDP axes and replicate them
+    across the slow tier. Returns a :class:`ShardStep`:
     ``state = step.init(params)``, then ``state, metrics = step(state, batch)``.
     """
     if mode == "validate":
         from .validate import ValidateStep
 
         return ValidateStep(loss_fn, mesh=mesh, optimizer=optimizer, param_specs=param_specs,
-                            fsdp_axes=fsdp_axes, mixed_precision=mixed_precision, max_grad_norm=max_grad_norm)
+                            fsdp_axes=fsdp_axes, mixed_precision=mixed_precision, max_grad_norm=max_grad_norm,
+                            topology=topology, hsdp=hsdp)
     return ShardStep(loss_fn, mesh=mesh, optimizer=optimizer, param_specs=param_specs, fsdp_axes=fsdp_axes,
-                     mode=mode, mixed_precision=mixed_precision, max_grad_norm=max_grad_norm)
+                     mode=mode, mixed_precision=mixed_precision, max_grad_norm=max_grad_norm,
+                     topology=topology, hsdp=hsdp)
 
 
 def _check_loss(loss: Any) -> None:

@@ -1,0 +1,254 @@
+"""Topology-aware FSDP collectives for a two-tier network.
+
+The fast tier (a host or supernode: the mesh's fast axes) and the slow tier (the links
+between them) get separate collectives:
+
+- all-gather: the slow tier first moves each rank's shard among the ranks with the same
+  fast coordinates, into one contiguous block of the full buffer; the fast tier then
+  gathers those blocks. On CPU ranks of one host the fast tier is shared memory, so the
+  full buffer is one shared segment that every local rank reads: params are views of it.
+- reduce-scatter: the fast tier reduces first, so the slow tier carries 1/n_fast of the
+  bytes, in one reduction per bucket, in the reduce dtype (fp32).
+
+Collectives run on worker threads, one FIFO per direction, each on its own process
+groups, so every rank issues them in the same order and compute never blocks on a
+slow-tier transfer: a unit's reduction is issued in its backward and waited for only
+before the optimizer (the cross-layer backward pipeline).
+"""
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+import time
+from collections import Counter
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .comm.shm import ShmGroup
+from .comm.transport import ProcessGroupTransport
+from .plan import Plan
+from .report import collective_bytes
+
+__all__ = ["Topology", "SlowLink", "TieredComm"]
+
+
+@dataclass(frozen=True)
+class SlowLink:
+    """EMULATION for benchmarks on one host: every slow-tier collective also sleeps
+    ``latency_s + bytes / bandwidth`` (bytes this rank sends across the slow tier), as a
+    slower network would take. Never use it in a real run."""
+
+    latency_s: float = 0.0
+    bandwidth: float = float("inf")  # bytes per second per rank
+
+    def delay(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Topology:
+    """How FSDP collectives use the two tiers.
+
+    hierarchical: two-stage collectives (slow-tier traffic / n_fast); else flat ones.
+    pipeline: reductions overlap the rest of backward; False waits for each unit's.
+    fast_transport: "shm" (CPU ranks of one host), "pg" (torch.distributed), or "auto".
+    slow_link: an emulated slow link, for benchmarks only.
+    """
+
+    hierarchical: bool = True
+    pipeline: bool = True
+    fast_transport: str = "auto"
+    slow_link: SlowLink | None = None
+    shm_bytes: int = 0  # shared-memory capacity; 0 sizes it from the plan
+    timeout_s: float = 300.0
+
+    def __post_init__(self):
+        if self.fast_transport not in ("auto", "shm", "pg"):
+            raise ValueError(f"fast_transport={self.fast_transport!r}: use 'auto', 'shm' or 'pg'")
+
+
+class _Handle:
+    """A collective in flight on a worker thread."""
+
+    def __init__(self, future: Future, timeout: float):
+        self.future, self.timeout = future, timeout
+
+    def wait(self) -> bool:
+        self.future.result(timeout=self.timeout)
+        return True
+
+
+class _Worker:
+    """One thread running jobs in submission order; the main thread is its only producer."""
+
+    def __init__(self, name: str):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, fn) -> Future:
+        fut: Future = Future()
+        self.jobs.put((fn, fut))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            fn, fut = job
+            try:
+                fn()
+                fut.set_result(None)
+            except BaseException as e:  # handed to whoever waits on the future
+                fut.set_exception(e)
+
+    def close(self) -> None:
+        self.jobs.put(None)
+
+
+class TieredComm:
+    """Per-bucket two-tier collectives behind the engine's comm interface."""
+
+    def __init__(self, plan: Plan, topology: Topology, device: torch.device, compute_dtypes, reduce_dtypes):
+        self.plan, self.topo = plan, topology
+        mesh = plan.mesh
+        rank = dist.get_rank()
+        self.timeout = topology.timeout_s
+        self.bytes = Counter()  # (op, tier) -> bytes this rank sent
+        self._link = topology.slow_link
+        self._gather_worker = _Worker("hpf-gather")
+        self._reduce_worker = _Worker("hpf-reduce")
+        use_shm = self._use_shm(topology, device)
+        self.persistent = use_shm
+        fast_axes = set(mesh.fast_axes)
+        self._stages = []
+        shm_need = 0
+        for b in plan.buckets:
+            fast = tuple(a for a in b.shard_order if a in fast_axes)
+            slow = tuple(a for a in b.shard_order if a not in fast_axes)
+            if not topology.hierarchical:
+                fast, slow = (), b.shard_order  # one flat collective, counted by tier
+            self._stages.append((fast, slow))
+            c, r = compute_dtypes[b.index], reduce_dtypes[b.index]
+            shm_need += b.padded_numel * (_size(c) + mesh.axis_size(fast) * _size(r)) + 256
+        self._fast = {}
+        for tag in ("gather", "reduce"):
+            for fast, slow in self._stages:
+                for axes, tier in ((fast, "fast"), (slow, "slow")):
+                    key = (tag, axes)
+                    if axes and key not in self._fast:
+                        group = mesh.group(axes, tag=tag)
+                        if tier == "fast" and use_shm:
+                            self._fast[key] = ShmGroup(group, topology.shm_bytes or shm_need,
+                                                       timeout=topology.timeout_s)
+                        else:
+                            self._fast[key] = ProcessGroupTransport(group, device)
+        self._replica = [mesh.group(b.replicate_axes, tag="replica") if mesh.axis_size(b.replicate_axes) > 1
+                         else None for b in plan.buckets]
+        self._rank = rank
+        self._device = device
+        self._compute_dtypes, self._reduce_dtypes = compute_dtypes, reduce_dtypes
+        # bytes each rank sends per call, by tier, from the same model as the plan report
+        self._ag_bytes = [self._tier_bytes(b, _size(compute_dtypes[b.index])) for b in plan.buckets]
+        self._rs_bytes = [self._tier_bytes(b, _size(reduce_dtypes[b.index])) for b in plan.buckets]
+
+    @staticmethod
+    def _use_shm(topology: Topology, device: torch.device) -> bool:
+        if topology.fast_transport == "pg" or device.type != "cpu":
+            return False
+        if topology.fast_transport == "shm":
+            return True
+        hosts = [None] * dist.get_world_size()
+        dist.all_gather_object(hosts, socket.gethostname())
+        return len(set(hosts)) == 1
+
+    def _tier_bytes(self, b, itemsize: int) -> dict:
+        if not b.shard_axes:
+            return {"fast": 0, "slow": 0}
+        return collective_bytes(self.plan.mesh, b.shard_axes, b.shard_numel * itemsize, self.topo.hierarchical)
+
+    # -- buffers -------------------------------------------------------------------------------
+    def full_buffer(self, b: int, dtype: torch.dtype) -> torch.Tensor:
+        fast, _ = self._stages[b]
+        bucket = self.plan.buckets[b]
+        if self.persistent and fast:
+            return self._fast[("gather", fast)].buffer(("full", b), bucket.padded_numel, dtype)
+        return torch.empty(bucket.padded_numel, dtype=dtype, device=self._device)
+
+    def grad_buffer(self, b: int, dtype: torch.dtype) -> torch.Tensor:
+        fast, _ = self._stages[b]
+        bucket = self.plan.buckets[b]
+        if self.persistent and fast:
+            return self._fast[("reduce", fast)].buffer(("grad", b), bucket.padded_numel, dtype, per_rank=True)
+        return torch.empty(bucket.padded_numel, dtype=dtype, device=self._device)
+
+    # -- collectives -----------------------------------------------------------------------------
+    def _slow_sleep(self, nbytes: int) -> None:
+        if self._link is not None and nbytes:
+            time.sleep(self._link.delay(nbytes))
+
+    def all_gather(self, b: int, out: torch.Tensor, shard: torch.Tensor) -> _Handle:
+        fast, slow = self._stages[b]
+        bucket = self.plan.buckets[b]
+        tiers = self._ag_bytes[b]
+
+        def job():
+            block = out
+            if fast:
+                i = self.plan.mesh.group_index(fast, self._rank)
+                n = bucket.padded_numel // self.plan.mesh.axis_size(fast)
+                block = out[i * n:(i + 1) * n]
+            if slow:
+                self._fast[("gather", slow)].all_gather_into(block, shard)
+                self._slow_sleep(tiers["slow"])
+            elif block.data_ptr() != shard.data_ptr():
+                block.copy_(shard)
+            if fast:
+                self._fast[("gather", fast)].all_gather_into(out, block)
+            self.bytes["all_gather", "fast"] += tiers["fast"]
+            self.bytes["all_gather", "slow"] += tiers["slow"]
+
+        return _Handle(self._gather_worker.submit(job), self.timeout)
+
+    def reduce(self, b: int, shard: torch.Tensor, flat: torch.Tensor) -> _Handle:
+        """shard <- this rank's slice of the sum of every data-parallel rank's flat grad."""
+        fast, slow = self._stages[b]
+        group = self._replica[b]
+        tiers = self._rs_bytes[b]
+        replica_slow = bool(set(self.plan.buckets[b].replicate_axes) - set(self.plan.mesh.fast_axes))
+
+        def job():
+            block = flat
+            if fast:
+                block = shard if not slow else torch.empty(
+                    flat.numel() // self.plan.mesh.axis_size(fast), dtype=flat.dtype, device=flat.device)
+                self._fast[("reduce", fast)].reduce_scatter(block, flat)
+            if slow:
+                self._fast[("reduce", slow)].reduce_scatter(shard, block)
+                self._slow_sleep(tiers["slow"])
+            elif not fast and shard.data_ptr() != flat.data_ptr():
+                shard.copy_(flat)
+            if group is not None:
+                dist.all_reduce(shard, group=group)
+                if replica_slow:
+                    self._slow_sleep(2 * shard.numel() * shard.element_size())
+            self.bytes["reduce_scatter", "fast"] += tiers["fast"]
+            self.bytes["reduce_scatter", "slow"] += tiers["slow"]
+
+        return _Handle(self._reduce_worker.submit(job), self.timeout)
+
+    def close(self) -> None:
+        self._gather_worker.close()
+        self._reduce_worker.close()
+        for t in self._fast.values():
+            if isinstance(t, ShmGroup):
+                t.close()
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
