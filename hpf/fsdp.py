@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from . import tree as tree_util
 from .plan import ROOT, Bucket, Plan
-from .report import collective_bytes
+from .report import bucket_gather_bytes
 
 __all__ = ["UnitEngine", "BucketComm", "MemoryStats"]
 
@@ -64,8 +64,8 @@ class BucketComm:
         self.replica_groups = [mesh.group(b.replicate_axes) if mesh.axis_size(b.replicate_axes) > 1 else None
                                for b in plan.buckets]
         self.bytes: Counter = Counter()  # (op, tier) -> bytes this rank sent (report.py's model)
-        self._ag_bytes = [_tier_bytes(mesh, b, compute_dtypes[b.index]) for b in plan.buckets]
-        self._rs_bytes = [_tier_bytes(mesh, b, reduce_dtypes[b.index]) for b in plan.buckets]
+        self._ag_bytes = [bucket_gather_bytes(mesh, b, compute_dtypes[b.index]) for b in plan.buckets]
+        self._rs_bytes = [bucket_gather_bytes(mesh, b, reduce_dtypes[b.index]) for b in plan.buckets]
 
     def full_buffer(self, b: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(self.plan.buckets[b].padded_numel, dtype=dtype, device=self.device)
@@ -101,13 +101,6 @@ class BucketComm:
 
     def close(self) -> None:
         pass
-
-
-def _tier_bytes(mesh, bucket: Bucket, dtype: torch.dtype) -> dict:
-    if not bucket.shard_axes:
-        return {"fast": 0, "slow": 0}
-    itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
-    return collective_bytes(mesh, bucket.shard_axes, bucket.shard_numel * itemsize)
 
 
 @dataclass

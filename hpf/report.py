@@ -14,10 +14,10 @@ import torch
 
 from .mesh import Mesh
 
-__all__ = ["PlanReport", "collective_bytes"]
+__all__ = ["PlanReport", "collective_bytes", "bucket_gather_bytes"]
 
 
-def _dtype_bytes(dtype: torch.dtype) -> int:
+def dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
@@ -33,6 +33,13 @@ def collective_bytes(mesh: Mesh, axes: tuple[str, ...], contribution: int,
     if hierarchical and n_fast > 1 and n_slow > 1:
         return {"fast": contribution * n_slow * (n_fast - 1), "slow": contribution * (n_slow - 1)}
     return {"fast": contribution * (n_fast - 1), "slow": contribution * (n - n_fast)}
+
+
+def bucket_gather_bytes(mesh: Mesh, bucket, dtype: torch.dtype, hierarchical: bool = False) -> dict[str, int]:
+    """Bytes one rank sends per tier to all-gather (or reduce-scatter) one bucket in ``dtype``."""
+    if not bucket.shard_axes:
+        return {"fast": 0, "slow": 0}
+    return collective_bytes(mesh, bucket.shard_axes, bucket.shard_numel * dtype_bytes(dtype), hierarchical)
 
 
 @dataclass
@@ -56,9 +63,9 @@ class PlanReport:
         unit_bytes: dict[str, int] = {}
         comm = {c: {"fast": 0, "slow": 0} for c in ("all_gather", "reduce_scatter", "all_reduce")}
         for b in plan.buckets:
-            master = _dtype_bytes(master_dtype or b.dtype)
-            compute = _dtype_bytes(compute_dtype or b.dtype)
-            reduce = _dtype_bytes(reduce_dtype or master_dtype or b.dtype)
+            master = dtype_bytes(master_dtype or b.dtype)
+            compute = dtype_bytes(compute_dtype or b.dtype)
+            reduce = dtype_bytes(reduce_dtype or master_dtype or b.dtype)
             params += b.shard_numel * master
             grads += b.shard_numel * reduce
             opt += b.shard_numel * 4 * optimizer_states

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from .comm.shm import ShmGroup
 from .comm.transport import ProcessGroupTransport
 from .plan import Plan
-from .report import collective_bytes
+from .report import bucket_gather_bytes, dtype_bytes
 
 __all__ = ["Topology", "SlowLink", "TieredComm"]
 
@@ -135,7 +135,8 @@ class TieredComm:
                 fast, slow = (), b.shard_order  # one flat collective, counted by tier
             self._stages.append((fast, slow))
             c, r = compute_dtypes[b.index], reduce_dtypes[b.index]
-            shm_need += b.padded_numel * (_size(c) + mesh.axis_size(fast) * _size(r)) + 256
+            # a shared full buffer and one grad row per local rank, each row cache-line aligned
+            shm_need += b.padded_numel * (dtype_bytes(c) + mesh.axis_size(fast) * dtype_bytes(r)) + 64 * (mesh.size + 1)
         self._fast = {}
         for tag in ("gather", "reduce"):
             for fast, slow in self._stages:
@@ -154,8 +155,9 @@ class TieredComm:
         self._device = device
         self._compute_dtypes, self._reduce_dtypes = compute_dtypes, reduce_dtypes
         # bytes each rank sends per call, by tier, from the same model as the plan report
-        self._ag_bytes = [self._tier_bytes(b, _size(compute_dtypes[b.index])) for b in plan.buckets]
-        self._rs_bytes = [self._tier_bytes(b, _size(reduce_dtypes[b.index])) for b in plan.buckets]
+        hier = topology.hierarchical
+        self._ag_bytes = [bucket_gather_bytes(mesh, b, compute_dtypes[b.index], hier) for b in plan.buckets]
+        self._rs_bytes = [bucket_gather_bytes(mesh, b, reduce_dtypes[b.index], hier) for b in plan.buckets]
 
     @staticmethod
     def _use_shm(topology: Topology, device: torch.device) -> bool:
@@ -166,11 +168,6 @@ class TieredComm:
         hosts = [None] * dist.get_world_size()
         dist.all_gather_object(hosts, socket.gethostname())
         return len(set(hosts)) == 1
-
-    def _tier_bytes(self, b, itemsize: int) -> dict:
-        if not b.shard_axes:
-            return {"fast": 0, "slow": 0}
-        return collective_bytes(self.plan.mesh, b.shard_axes, b.shard_numel * itemsize, self.topo.hierarchical)
 
     # -- buffers -------------------------------------------------------------------------------
     def full_buffer(self, b: int, dtype: torch.dtype) -> torch.Tensor:
@@ -249,6 +246,3 @@ class TieredComm:
             if isinstance(t, ShmGroup):
                 t.close()
 
-
-def _size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()
