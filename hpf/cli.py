@@ -1,0 +1,432 @@
+"""The ``hpf`` command: ``hpf train`` (the main job), ``hpf plan`` and ``hpf bench``.
+
+Every argument is checked in the driver process before any rank starts, so a mistake costs
+one line on stderr, not a traceback from four processes.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+import hpf
+from hpf.launch import RankError, launch
+from hpf.models import gpt
+from hpf.progress import Progress
+from hpf.step import default_device
+
+__all__ = ["main", "parse_mesh", "read_metrics", "save_plots", "parse_ratio_line"]
+
+DEFAULT_MESH = {"node": 2, "local": 2}  # 2 "hosts" x 2 local ranks: exercises both tiers
+DEFAULT_LR = {"adamw": 1e-2, "muon": 0.02}
+PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
+METRIC_FIELDS = ("step", "loss", "grad_norm", "step_s", "comm_wait_s", "optimizer_s", "tokens_per_s")
+RATIO_LINE = re.compile(r"^RATIO\s+(\S+)\s+(\S+)(?:\s+(\S+))?\s*$")
+BENCHMARKS_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+class CliError(Exception):
+    """A mistake in the command line or a missing optional part; printed as one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (the usage block is one --help away)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# ------------------------------------------------------------------ argument types
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"node=2,local=2"`` -> ``{"node": 2, "local": 2}`` (outer to inner, as hpf.Mesh takes)."""
+    axes: dict[str, int] = {}
+    for part in text.split(","):
+        name, sep, size = (s.strip() for s in part.partition("="))
+        if not sep or not name or not size.isdigit() or int(size) < 1:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a mesh; write name=size pairs, outer to inner, e.g. node=2,local=2")
+        if name in axes:
+            raise argparse.ArgumentTypeError(f"{text!r} names axis {name!r} twice")
+        axes[name] = int(size)
+    return axes
+
+
+def _axes_list(text: str) -> tuple[str, ...]:
+    axes = tuple(a.strip() for a in text.split(",") if a.strip())
+    if not axes:
+        raise argparse.ArgumentTypeError("give mesh axis names separated by commas, e.g. node,local")
+    return axes
+
+
+def _positive(kind):
+    def check(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+        return value
+    return check
+
+
+# ------------------------------------------------------------------ the parser
+
+def build_parser() -> argparse.ArgumentParser:
+    job = _Parser(add_help=False)
+    job.add_argument("--config", choices=sorted(gpt.CONFIGS), default="tiny",
+                     help="GPT config from hpf.models.gpt.CONFIGS (default: tiny)")
+    job.add_argument("--world-size", type=_positive(int), metavar="N",
+                     help="number of ranks; alone it gives a 1-D mesh dp=N (default: 4 as node=2,local=2)")
+    job.add_argument("--mesh", type=parse_mesh, metavar="AXES",
+                     help="named mesh axes, outer to inner; the last one is the fast tier "
+                          "(default: node=2,local=2)")
+    job.add_argument("--fsdp-axes", type=_axes_list, metavar="AXES",
+                     help="axes params are sharded and gathered over, e.g. local (default: all)")
+    job.add_argument("--mixed-precision", choices=sorted(PRECISIONS),
+                     help="compute dtype, with fp32 master shards and fp32 grad reduction (default: off)")
+
+    parser = _Parser(
+        prog="hpf", description="hpf: fully sharded training of pure-function models on PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,plan,bench}")
+
+    train = sub.add_parser(
+        "train", parents=[job], help="train the GPT on local processes (the main job)",
+        description="Train the pure-function GPT on local processes (hpf.launch) with synthetic data "
+                    "from a fixed random Markov source. Rank 0 shows progress and writes "
+                    "<out>/metrics.jsonl, one JSON object per step.")
+    train.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw", help="(default: adamw)")
+    train.add_argument("--steps", type=_positive(int), default=100, help="(default: 100)")
+    train.add_argument("--batch-size", type=_positive(int), default=32, metavar="B",
+                       help="global batch in sequences, split over the ranks (default: 32)")
+    train.add_argument("--lr", type=_positive(float),
+                       help=f"learning rate (default: {DEFAULT_LR['adamw']} for adamw, {DEFAULT_LR['muon']} for muon)")
+    train.add_argument("--mode", choices=("production", "validate"), default="production",
+                       help="validate runs the same plan with layout checks on every op (default: production)")
+    train.add_argument("--seed", type=int, default=0, help="seeds the init and the data (default: 0)")
+    train.add_argument("--out", type=Path, metavar="DIR", help="run folder (default: runs/<timestamp>)")
+    train.add_argument("--plot", action="store_true",
+                       help="save loss.png and step_breakdown.png into the run folder (needs matplotlib)")
+    train.add_argument("--timeout", type=_positive(float), default=3600.0, metavar="S",
+                       help="end the run after this many seconds; also bounds each collective (default: 3600)")
+    train.set_defaults(run=cmd_train)
+
+    plan = sub.add_parser(
+        "plan", parents=[job], help="print per-rank memory and communication for any config and mesh",
+        description="Print the plan report of a GPT config on a virtual mesh of any size, from meta "
+                    "tensors; starts no process. Example: hpf plan --config 1b --mesh node=96,local=8")
+    plan.add_argument("--hierarchical", action="store_true",
+                      help="count bytes for two-tier collectives (fast tier first, then the slow tier)")
+    plan.set_defaults(run=cmd_plan)
+
+    bench = sub.add_parser(
+        "bench", help="run benchmarks/*.py and print one table of their ratios",
+        description="Run each script in benchmarks/ as a subprocess and collect the lines "
+                    "'RATIO <name> <value> <target>' they print into one table.")
+    bench.add_argument("--quick", action="store_true", help="pass --quick to scripts that accept it")
+    bench.add_argument("--only", action="append", metavar="NAME",
+                       help="run only scripts whose file name contains NAME (repeatable)")
+    bench.add_argument("--dir", type=Path, default=BENCHMARKS_DIR, help="benchmarks folder (default: %(default)s)")
+    bench.add_argument("--timeout", type=_positive(float), default=1800.0, metavar="S",
+                       help="per-script limit in seconds (default: 1800)")
+    bench.set_defaults(run=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (CliError, ValueError) as e:  # hpf's SpecError and MeshError are ValueErrors
+        if os.environ.get("HPF_TRACEBACK"):
+            raise
+        print(f"hpf: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except RankError as e:
+        print(e.child_traceback or str(e), file=sys.stderr)
+        print(f"hpf: error: rank {e.rank} failed: {_last_line(e)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("hpf: interrupted", file=sys.stderr)
+        return 130
+
+
+def _last_line(e: RankError) -> str:
+    lines = (e.child_traceback or str(e)).strip().splitlines()
+    return lines[-1] if lines else "no message"
+
+
+# ------------------------------------------------------------------ shared: mesh and optional parts
+
+def _mesh(args) -> hpf.Mesh:
+    axes = args.mesh or (DEFAULT_MESH if args.world_size is None else {"dp": args.world_size})
+    mesh = hpf.Mesh(axes)
+    if args.world_size is not None and mesh.size != args.world_size:
+        raise CliError(f"--mesh {_mesh_text(axes)} has {mesh.size} ranks but --world-size is "
+                       f"{args.world_size}; make them agree or give only one")
+    return mesh
+
+
+def _mesh_text(axes) -> str:
+    return ",".join(f"{a}={n}" for a, n in axes.items())
+
+
+def _optional(module: str, flag: str, hint: str):
+    """Import a part that only some options need, or explain in one line what is missing."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name is None or not module.startswith(e.name):
+            raise  # the part exists but something it imports is missing: show the real error
+        raise CliError(f"{flag} needs {module}, which is missing: {hint}") from None
+
+
+# ------------------------------------------------------------------ hpf plan
+
+def cmd_plan(args) -> int:
+    config = gpt.CONFIGS[args.config]
+    mesh = _mesh(args)
+    plan = hpf.plan(gpt.init(config, device="meta"), mesh, fsdp_axes=args.fsdp_axes)
+    dtype = PRECISIONS.get(args.mixed_precision)
+    report = plan.report(compute_dtype=dtype, master_dtype=torch.float32 if dtype else None,
+                         reduce_dtype=torch.float32 if dtype else None, hierarchical=args.hierarchical)
+    print(f"GPT {args.config!r}: {gpt.num_params(config) / 1e6:,.1f}M params in {len(plan.slots)} tensors, "
+          f"{len(plan.units)} FSDP units, {len(plan.buckets)} flat buckets")
+    print(f"mesh {_mesh_text(dict(zip(mesh.axis_names, mesh.shape)))} ({mesh.size} ranks); "
+          f"FSDP axes {','.join(plan.fsdp_axes) or '-'}; fast tier {','.join(mesh.fast_axes)}; "
+          f"precision {args.mixed_precision or 'fp32'}; AdamW state counted")
+    print(report.format())
+    return 0
+
+
+# ------------------------------------------------------------------ hpf train
+
+@dataclass(frozen=True)
+class TrainJob:
+    """Everything a rank needs; plain data, so it travels to forked ranks unchanged."""
+
+    config: str
+    axes: dict
+    fsdp_axes: tuple | None
+    optimizer: str
+    lr: float
+    steps: int
+    batch_size: int
+    mode: str
+    seed: int
+    mixed_precision: str | None
+    metrics_path: str
+
+
+def _make_optimizer(name: str, lr: float):
+    if name == "muon":
+        return _optional("hpf.optim.muon", "--optimizer muon", "this build of hpf has no Muon yet").muon(lr=lr)
+    return hpf.optim.adamw(lr=lr)
+
+
+def _make_step(job: TrainJob, mesh: hpf.Mesh):
+    if job.mode == "validate":
+        _optional("hpf.validate", "--mode validate", "this build of hpf has no validation mode yet")
+    return hpf.shard_step(gpt.loss_for(gpt.CONFIGS[job.config]), mesh=mesh,
+                          optimizer=_make_optimizer(job.optimizer, job.lr), fsdp_axes=job.fsdp_axes,
+                          mode=job.mode, mixed_precision=job.mixed_precision)
+
+
+def _train_rank(rank: int, job: TrainJob) -> None:
+    """One rank of ``hpf train``; rank 0 also shows progress and writes the metrics."""
+    config = gpt.CONFIGS[job.config]
+    mesh = hpf.Mesh(job.axes)
+    step = _make_step(job, mesh)
+    state = step.init(gpt.init(config, torch.Generator().manual_seed(job.seed)))
+    batches = gpt.synthetic_batches(config, job.batch_size, job.seed, rank=rank, world_size=mesh.size,
+                                    device=default_device())
+    tokens_per_step = job.batch_size * config.seq_len
+    if rank != 0:
+        for _ in range(job.steps):
+            state, _ = step(state, next(batches))
+        return
+    progress = Progress(job.steps, label="train")
+    with open(job.metrics_path, "w") as out:
+        for i in range(1, job.steps + 1):
+            state, m = step(state, next(batches))
+            record = {"step": i, **{k: m[k] for k in METRIC_FIELDS[1:-1]},
+                      "tokens_per_s": tokens_per_step / m["step_s"]}
+            out.write(json.dumps(record) + "\n")
+            out.flush()  # a crashed or interrupted run keeps its metrics so far
+            progress.update(i, loss=f"{m['loss']:.4f}", tok_s=f"{record['tokens_per_s'] / 1e3:.1f}k",
+                            comm_wait=f"{m['comm_wait_s'] / m['step_s']:.0%}")
+    progress.close()
+
+
+def cmd_train(args) -> int:
+    mesh = _mesh(args)
+    config = gpt.CONFIGS[args.config]
+    if args.batch_size % mesh.size:
+        raise CliError(f"--batch-size {args.batch_size} is the global batch and must split evenly over "
+                       f"{mesh.size} ranks; use a multiple of {mesh.size}")
+    if args.plot:
+        _optional("matplotlib", "--plot", "pip install 'hpf[plot]' (or matplotlib)")
+    out = args.out or Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    if (out / "metrics.jsonl").exists():
+        raise CliError(f"--out {out} already holds a run (metrics.jsonl); pick another folder")
+    job = TrainJob(args.config, dict(zip(mesh.axis_names, mesh.shape)), args.fsdp_axes, args.optimizer,
+                   args.lr or DEFAULT_LR[args.optimizer], args.steps, args.batch_size, args.mode, args.seed,
+                   args.mixed_precision, str(out / "metrics.jsonl"))
+    _make_step(job, mesh)  # checks optimizer, mode and precision here, before any rank starts
+    plan = hpf.plan(gpt.init(config, device="meta"), mesh, fsdp_axes=args.fsdp_axes)  # checks the axes
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "run.json").write_text(json.dumps(
+        {**asdict(job), "hpf": hpf.__version__, "torch": torch.__version__,
+         "started": datetime.datetime.now().isoformat(timespec="seconds")}, indent=1) + "\n")
+    print(f"hpf train: GPT {args.config!r} ({gpt.num_params(config) / 1e6:.2f}M params, "
+          f"{len(plan.units)} FSDP units) on {mesh.size} ranks, mesh {_mesh_text(job.axes)}, "
+          f"{args.optimizer} lr {job.lr:g}, {args.mode} mode")
+    print(f"data: {args.batch_size} x {config.seq_len} tokens per step from a fixed random Markov source; "
+          f"run folder {out}")
+    started = time.perf_counter()
+    launch(_train_rank, mesh.size, job, timeout=args.timeout)
+    wall = time.perf_counter() - started
+    records = read_metrics(out / "metrics.jsonl")
+    files = [out / "metrics.jsonl", out / "run.json"]
+    if args.plot:
+        files += save_plots(records, out)
+    print(summary(records, wall, files))
+    return 0
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _breakdown(r: dict) -> tuple[float, float, float]:
+    """(compute, exposed communication, optimizer) seconds of one step."""
+    return r["step_s"] - r["comm_wait_s"] - r["optimizer_s"], r["comm_wait_s"], r["optimizer_s"]
+
+
+def summary(records: list[dict], wall_s: float, files: list[Path]) -> str:
+    median = {k: statistics.median(r[k] for r in records) for k in ("step_s", "tokens_per_s")}
+    compute, comm, opt = (statistics.median(x) for x in zip(*map(_breakdown, records)))
+    total_step = sum(r["step_s"] for r in records)
+    tail = records[-min(10, len(records)):]
+    return "\n".join([
+        f"done: {len(records)} steps in {wall_s:.1f} s (including process start)",
+        f"  loss        {records[0]['loss']:.4f} (step 1) -> {records[-1]['loss']:.4f} (step {len(records)}), "
+        f"mean of last {len(tail)}: {statistics.fmean(r['loss'] for r in tail):.4f}",
+        f"  step time   {median['step_s'] * 1e3:.1f} ms median: compute {compute * 1e3:.1f}, "
+        f"exposed comm {comm * 1e3:.1f}, optimizer {opt * 1e3:.1f} ms",
+        f"  throughput  {median['tokens_per_s']:,.0f} tokens/s median; waiting on communication "
+        f"{sum(r['comm_wait_s'] for r in records) / total_step:.0%} of step time",
+        "  files       " + "\n              ".join(str(f) for f in files),
+    ])
+
+
+def save_plots(records: list[dict], out: Path) -> list[Path]:
+    """loss.png (loss per step) and step_breakdown.png (compute / exposed comm / optimizer, stacked)."""
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend, safe in any process
+
+    steps = [r["step"] for r in records]
+    fig = Figure(figsize=(6, 3.5), layout="constrained")
+    ax = fig.subplots()
+    ax.plot(steps, [r["loss"] for r in records])
+    ax.set(xlabel="step", ylabel="loss (global mean)", title="training loss")
+    ax.grid(alpha=0.3)
+    loss_png = out / "loss.png"
+    fig.savefig(loss_png, dpi=120)
+
+    fig = Figure(figsize=(6, 3.5), layout="constrained")
+    ax = fig.subplots()
+    parts = [[1e3 * x for x in series] for series in zip(*map(_breakdown, records))]
+    ax.stackplot(steps, *parts, labels=["compute", "exposed communication", "optimizer"])
+    ax.set(xlabel="step", ylabel="ms", title="step time breakdown (rank 0)")
+    ax.legend(loc="upper right")
+    ax.set_ylim(0, 2 * statistics.median(r["step_s"] for r in records) * 1e3)  # first steps warm up
+    breakdown_png = out / "step_breakdown.png"
+    fig.savefig(breakdown_png, dpi=120)
+    return [loss_png, breakdown_png]
+
+
+# ------------------------------------------------------------------ hpf bench
+
+def parse_ratio_line(line: str) -> tuple[str, float, str] | None:
+    """``RATIO <name> <value> [<target>]`` -> (name, value, target); None for other lines."""
+    m = RATIO_LINE.match(line.strip())
+    if not m:
+        return None
+    try:
+        return m[1], float(m[2]), m[3] or ""
+    except ValueError:
+        return None
+
+
+def meets(value: float, target: str) -> str:
+    """"ok" or "MISS" against a target like "<=0.70" or ">=3"; "" without one."""
+    m = re.fullmatch(r"(<=|>=)(\S+)", target)
+    if not m:
+        return ""
+    bound = float(m[2])
+    return "ok" if (value <= bound if m[1] == "<=" else value >= bound) else "MISS"
+
+
+def _shown(value: float, target: str) -> str:
+    """The value one decimal finer than its target (0.9999996 vs >=0.999999), else 4 digits."""
+    m = re.fullmatch(r"(<=|>=)\d*\.?(\d*)", target)
+    return f"{value:.{len(m[2]) + 1}f}" if m else f"{value:.4g}"
+
+
+def cmd_bench(args) -> int:
+    if not args.dir.is_dir():
+        raise CliError(f"--dir {args.dir} is not a folder; point it at the repository's benchmarks/")
+    scripts = sorted(p for p in args.dir.glob("*.py") if p.name != "common.py" and not p.name.startswith("_"))
+    if args.only:
+        scripts = [p for p in scripts if any(s in p.name for s in args.only)]
+    if not scripts:
+        raise CliError(f"no benchmark scripts in {args.dir}" + (f" matching {args.only}" if args.only else ""))
+    rows, failed = [], []
+    for script in scripts:
+        quick = args.quick and "--quick" in script.read_text()
+        print(f"== {script.name}{' --quick' if quick else ''}", flush=True)
+        started = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, str(script)] + (["--quick"] if quick else []), cwd=args.dir,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        timer = threading.Timer(args.timeout, proc.kill)
+        timer.start()
+        for line in proc.stdout:
+            print("   " + line, end="", flush=True)
+            ratio = parse_ratio_line(line)
+            if ratio:
+                rows.append((script.name, *ratio))
+        rc = proc.wait()
+        timer.cancel()
+        print(f"   ({time.perf_counter() - started:.0f} s, exit code {rc})")
+        if rc:
+            failed.append(script.name)
+    print(ratio_table(rows))
+    if failed:
+        print(f"hpf: error: {len(failed)} benchmark(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def ratio_table(rows: list[tuple[str, str, float, str]]) -> str:
+    head = ("benchmark", "ratio", "value", "target", "")
+    body = [(b, n, _shown(v, t), t or "-", meets(v, t)) for b, n, v, t in rows]
+    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [head, *body]]
+    lines.insert(1, "-" * max(map(len, lines)))
+    if not body:
+        lines.append("(no RATIO lines were printed)")
+    return "\n".join(lines)

@@ -1,0 +1,175 @@
+"""The `hpf` command: train writes sane metrics and learns, plan reports any mesh, bench tabulates
+ratios, and bad arguments cost one line of stderr."""
+import io
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpf import cli
+from hpf.models import gpt
+from hpf.progress import Progress
+
+REPO = Path(__file__).resolve().parent.parent
+FIELDS = {"step", "loss", "grad_norm", "step_s", "comm_wait_s", "optimizer_s", "tokens_per_s"}
+
+
+def run_main(argv, capsys):
+    """(exit code, stdout, stderr) of `hpf <argv>` run in this process."""
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.slow
+def test_train_writes_metrics_plots_and_the_loss_falls(tmp_path):
+    steps, batch, seed = 25, 16, 3
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpf", "train", "--world-size", "2", "--steps", str(steps), "--batch-size",
+         str(batch), "--seed", str(seed), "--out", str(out), "--plot"],
+        capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert all(set(r) == FIELDS for r in records)
+
+    # Step 1's loss is the loss of the seeded init on step 0's global batch, computed here in one
+    # process with plain torch: the CLI trains the model, data and seed it says, and reports the
+    # global mean. 1e-5 relative: the same fp32 math, summed over 2 half-batches in another order.
+    config = gpt.CONFIGS["tiny"]
+    reference = gpt.loss_for(config)(gpt.init(config, torch.Generator().manual_seed(seed)),
+                                     gpt.global_batch(config, batch, seed, 0))
+    assert records[0]["loss"] == pytest.approx(reference.item(), rel=1e-5)
+    # It learns: from ln(vocab) ~ 4.2 (a uniform guess) to well below it in 25 steps.
+    assert records[0]["loss"] == pytest.approx(math.log(config.vocab_size), rel=0.01)
+    assert sum(r["loss"] for r in records[-5:]) / 5 < 0.75 * records[0]["loss"]
+
+    for r in records:
+        assert r["tokens_per_s"] == pytest.approx(batch * config.seq_len / r["step_s"], rel=1e-9)
+        assert 0 <= r["comm_wait_s"] <= r["step_s"] and 0 <= r["optimizer_s"] <= r["step_s"]
+        assert math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0
+    run = json.loads((out / "run.json").read_text())
+    assert (run["config"], run["steps"], run["seed"], run["axes"]) == ("tiny", steps, seed, {"dp": 2})
+    for png in ("loss.png", "step_breakdown.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert str(out / png) in proc.stdout
+    assert f"done: {steps} steps" in proc.stdout
+    assert f"{records[0]['loss']:.4f} (step 1) -> {records[-1]['loss']:.4f} (step {steps})" in proc.stdout
+
+
+def _mib(text: str, label: str) -> float:
+    return float(re.search(rf"{label}\s+([\d.]+) MiB", text)[1])
+
+
+def test_plan_at_768_ranks_reports_shards_and_totals(capsys):
+    code, out, err = run_main(["plan", "--config", "1b", "--mesh", "node=96,local=8"], capsys)
+    assert code == 0, err
+    assert "768 ranks" in out
+    # fp32 shards: the parameter count (from the config, not the plan) over 768 ranks, plus at
+    # most 767 padding elements per flat bucket (one bucket per unit: 18 blocks + the root).
+    exact = gpt.num_params(gpt.CONFIGS["1b"]) * 4 / 768 / 2**20
+    assert exact - 0.01 <= _mib(out, r"params \(shards\)") <= exact + 19 * 767 * 4 / 2**20 + 0.01
+    total_fast, total_slow = map(float, re.search(r"total\s+([\d.]+) MiB\s+([\d.]+) MiB", out).groups())
+    assert total_slow > total_fast > 0  # flat FSDP: 760 of each rank's 767 peers are across the slow tier
+
+    code, bf16, _ = run_main(["plan", "--config", "1b", "--mesh", "node=96,local=8",
+                              "--mixed-precision", "bf16"], capsys)
+    assert code == 0
+    # bf16 compute halves what is gathered; the fp32 master shards stay as they were.
+    assert _mib(bf16, "peak gathered units") == pytest.approx(_mib(out, "peak gathered units") / 2, abs=0.01)
+    assert _mib(bf16, r"params \(shards\)") == _mib(out, r"params \(shards\)")
+
+
+@pytest.mark.parametrize("argv, names", [
+    ([], "required"),
+    (["train", "--steps", "0"], "--steps"),
+    (["train", "--lr", "fast"], "--lr"),
+    (["train", "--config", "huge"], "--config"),
+    (["train", "--mesh", "node=2,local=x"], "--mesh"),
+    (["plan", "--mesh", "node=0"], "--mesh"),
+    (["train", "--world-size", "3", "--mesh", "node=2,local=2"], "--world-size"),
+    (["train", "--batch-size", "6"], "--batch-size"),
+    (["plan", "--fsdp-axes", "bogus"], "bogus"),  # raised by hpf.plan as a SpecError
+    (["bench", "--dir", "/no/such/folder"], "--dir"),
+])
+def test_bad_arguments_get_one_line_errors(argv, names, capsys):
+    code, out, err = run_main(argv, capsys)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("hpf") and "error:" in err and names in err and "Traceback" not in err
+
+
+def test_missing_matplotlib_and_reused_run_folder_are_one_line_errors(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an install without the plot extra sees
+    code, _, err = run_main(["train", "--plot", "--out", str(tmp_path / "a")], capsys)
+    assert code == 2 and err.count("\n") == 1 and "matplotlib" in err and "hpf[plot]" in err
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "metrics.jsonl").write_text("")
+    code, _, err = run_main(["train", "--out", str(tmp_path / "b")], capsys)
+    assert code == 2 and err.count("\n") == 1 and "--out" in err
+
+
+def test_mesh_argument_parses_outer_to_inner():
+    assert list(cli.parse_mesh("node=96, local=8").items()) == [("node", 96), ("local", 8)]
+
+
+def test_bench_tabulates_ratio_lines_and_reports_failures(tmp_path, capsys):
+    # report_ratio from the repository's benchmarks/common.py prints the lines bench parses.
+    (tmp_path / "a_fast.py").write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(REPO / "benchmarks")!r})
+        from common import report_ratio
+        print("a free-form table line")
+        report_ratio("hpf/fsdp2", 0.62, "<=0.70")
+        report_ratio("pearson", 0.99999971, ">=0.999999")
+        report_ratio("ns_batched/loop", 2.5, ">=3")
+        report_ratio("quick_flag_seen", float("--quick" in sys.argv))
+        """))
+    (tmp_path / "b_broken.py").write_text("raise SystemExit(3)\n")
+    (tmp_path / "common.py").write_text("raise SystemExit('helpers are not benchmarks')\n")
+    code, out, err = run_main(["bench", "--dir", str(tmp_path), "--quick"], capsys)
+    assert code == 1 and "b_broken.py" in err and "common.py" not in out
+    table = out[out.index("benchmark  "):].splitlines()
+    rows = {line.split()[1]: line.split()[2:] for line in table[2:]}
+    assert rows == {"hpf/fsdp2": ["0.620", "<=0.70", "ok"], "pearson": ["0.9999997", ">=0.999999", "ok"],
+                    "ns_batched/loop": ["2.5", ">=3", "MISS"], "quick_flag_seen": ["1", "-"]}
+
+    code, out, _ = run_main(["bench", "--dir", str(tmp_path), "--only", "fast"], capsys)
+    assert code == 0 and "b_broken" not in out and "quick_flag_seen  0" in out
+
+
+def test_progress_prints_about_ten_plain_lines_when_not_a_terminal():
+    stream = io.StringIO()
+    bar = Progress(25, label="train", stream=stream)
+    for i in range(1, 26):
+        bar.update(i, loss=f"{1 / i:.3f}")
+    bar.close()
+    lines = stream.getvalue().splitlines()
+    assert "\r" not in stream.getvalue()
+    assert [int(re.search(r"(\d+)/25", line)[1]) for line in lines] == [1, *range(2, 25, 2), 25]
+    assert "loss 0.040" in lines[-1]
+
+
+def test_progress_redraws_one_line_on_a_terminal():
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Terminal()
+    bar = Progress(3, stream=stream)
+    for i in range(1, 4):
+        bar.update(i, loss="1.0")
+    assert stream.getvalue().count("\r") == 3 and "\n" not in stream.getvalue()
+    bar.close()
+    assert stream.getvalue().endswith("\n") and "[" + "#" * 24 + "]" in stream.getvalue()
