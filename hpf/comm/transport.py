@@ -1,0 +1,154 @@
+"""The collective interface every tier's transport implements, and its torch.distributed version.
+
+Callers (the FSDP engine) pick a transport per tier: `ShmGroup` inside one host (CPU ranks),
+`ProcessGroupTransport` elsewhere (gloo, NCCL, HCCL; a symmetric-memory transport can sit
+behind the same protocol later). Buffers come from the transport itself
+(`buffer(key, numel, dtype)`), because the fast transports need them in memory they own.
+
+Byte counters: `bytes_sent[op]` counts the bytes this rank puts on the link under the
+bandwidth-optimal (ring) schedule, whatever the library really does, so tiers and runs
+compare: all-gather and reduce-scatter send (n-1)/n of the full buffer's bytes,
+all-reduce twice that. (gloo's reduce-scatter, built on all-reduce, really sends about
+2x; shared memory sends nothing on a wire, but a peer reads the same amount.)
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Transport", "ProcessGroupTransport"]
+
+REDUCE_OPS = ("sum", "mean")
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """Collectives over flat shards: rank r owns elements [r*k, (r+1)*k) of a full buffer."""
+
+    rank: int
+    world_size: int
+    bytes_sent: Counter  # op -> bytes this rank sent (ring convention, see module doc)
+    calls: Counter  # op -> number of calls
+
+    def buffer(self, key: object, numel: int, dtype: torch.dtype, *, per_rank: bool = False) -> torch.Tensor:
+        """The same tensor for the same key on every call. per_rank: this rank's own
+        region (a reduce_scatter/all_reduce input); otherwise one buffer all ranks see
+        (an all_gather output)."""
+        ...
+
+    def barrier(self) -> None: ...
+
+    def all_gather_into(self, full: torch.Tensor, shard: torch.Tensor) -> None:
+        """full <- concatenation of every rank's shard (full.numel() == world_size * shard.numel())."""
+        ...
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, op: str = "sum") -> None:
+        """out <- this rank's slice of the sum (or mean) of every rank's full."""
+        ...
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
+        """tensor <- sum (or mean) of every rank's tensor, in place."""
+        ...
+
+
+def check_op(op: str) -> None:
+    if op not in REDUCE_OPS:
+        raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
+
+
+def check_shards(full: torch.Tensor, shard: torch.Tensor, world_size: int, full_name: str, shard_name: str) -> int:
+    """Validate a full/shard pair; return the shard's numel."""
+    if full.dtype != shard.dtype:
+        raise ValueError(f"{full_name} is {full.dtype} but {shard_name} is {shard.dtype}; they must match")
+    if not full.is_contiguous():
+        raise ValueError(f"{full_name} must be contiguous")
+    if full.numel() != world_size * shard.numel():
+        raise ValueError(
+            f"{full_name} has {full.numel()} elements, but {shard_name} has {shard.numel()} and "
+            f"world_size is {world_size}: {full_name} must hold exactly world_size shards "
+            "(pad the flat buffer to a multiple of world_size)")
+    return shard.numel()
+
+
+def ring_bytes(full_bytes: int, world_size: int) -> int:
+    """Bytes one rank sends in a ring all-gather or reduce-scatter of a `full_bytes` buffer."""
+    return full_bytes * (world_size - 1) // world_size
+
+
+class BufferCache:
+    """Buffers by key: `get` makes one on first use, and errors if a key comes back with another spec."""
+
+    def __init__(self):
+        self._entries: dict[object, tuple[tuple, object]] = {}
+
+    def get(self, key, numel: int, dtype: torch.dtype, per_rank: bool, make):
+        spec = (numel, dtype, per_rank)
+        if key not in self._entries:
+            self._entries[key] = (spec, make())
+        old, value = self._entries[key]
+        if old != spec:
+            raise ValueError(f"buffer {key!r} exists as (numel, dtype, per_rank)={old}, asked for {spec}; "
+                             "use a new key for a different buffer")
+        return value
+
+    def values(self) -> list:
+        return [value for _, value in self._entries.values()]
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+class ProcessGroupTransport:
+    """`Transport` over a torch.distributed process group (all_gather_single / reduce_scatter_single)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, device: torch.device | str | None = None):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        if device is None:
+            on_accelerator = torch.accelerator.is_available() and dist.get_backend(group) != "gloo"
+            device = torch.accelerator.current_accelerator() if on_accelerator else "cpu"
+        self.device = torch.device(device)
+        self.bytes_sent: Counter = Counter()
+        self.calls: Counter = Counter()
+        self._buffers = BufferCache()
+
+    def buffer(self, key, numel, dtype, *, per_rank=False):
+        return self._buffers.get(key, numel, dtype, per_rank,
+                                 lambda: torch.empty(numel, dtype=dtype, device=self.device))
+
+    def barrier(self):
+        dist.barrier(group=self.group)
+
+    def _count(self, op: str, nbytes: int) -> None:
+        self.calls[op] += 1
+        self.bytes_sent[op] += nbytes
+
+    def all_gather_into(self, full, shard):
+        k = check_shards(full, shard, self.world_size, "full", "shard")
+        mine = full.view(-1)[self.rank * k:(self.rank + 1) * k]
+        if shard.data_ptr() == mine.data_ptr():
+            shard = shard.clone()  # in place: not every backend allows input aliasing output
+        dist.all_gather_single(full.view(-1), shard.reshape(-1).contiguous(), group=self.group)
+        self._count("all_gather", ring_bytes(full.numel() * full.element_size(), self.world_size))
+
+    def reduce_scatter(self, out, full, op="sum"):
+        check_op(op)
+        check_shards(full, out, self.world_size, "full", "out")
+        result = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
+        dist.reduce_scatter_single(result.view(-1), full.view(-1), group=self.group)
+        if op == "mean":
+            result.div_(self.world_size)  # gloo has no AVG; sum then divide on every backend
+        if result is not out:
+            out.copy_(result)
+        self._count("reduce_scatter", ring_bytes(full.numel() * full.element_size(), self.world_size))
+
+    def all_reduce(self, tensor, op="sum"):
+        check_op(op)
+        dist.all_reduce(tensor, group=self.group)
+        if op == "mean":
+            tensor.div_(self.world_size)
+        self._count("all_reduce", 2 * ring_bytes(tensor.numel() * tensor.element_size(), self.world_size))

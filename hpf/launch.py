@@ -1,0 +1,264 @@
+"""Local multi-process launch, and process-group setup that also works under torchrun.
+
+`launch(fn, world_size, *args)` forks `world_size` processes (fork, so functions defined in
+a notebook or REPL `__main__` work without pickling), gives each the environment torchrun
+would, initializes the default process group, runs `fn(rank, *args)` and returns the
+results in rank order. The first failure anywhere ends every rank and is re-raised here
+as `RankError` with the child's traceback, so a broken rank never leaves the others
+hanging in a collective.
+
+Code written for `launch` runs unchanged under torchrun: call `init_distributed()`
+(a no-op when the group already exists) at the top of the script.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import socket
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RankError", "launch", "init_distributed", "is_launched", "rank", "world_size"]
+
+_TERMINATE_GRACE_S = 2.0  # SIGTERM first, SIGKILL after this
+
+
+class RankError(RuntimeError):
+    """A rank raised, died, or a launch timed out; `rank` is the rank blamed (None on timeout)."""
+
+    def __init__(self, message: str, rank: int | None = None, child_traceback: str = ""):
+        super().__init__(message)
+        self.rank = rank
+        self.child_traceback = child_traceback
+
+
+def is_launched() -> bool:
+    """True inside `launch` or torchrun (the rendezvous environment is set)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def rank() -> int:
+    """This process's global rank (0 outside any launch)."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def world_size() -> int:
+    """Number of ranks (1 outside any launch)."""
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _as_timedelta(timeout: float | datetime.timedelta) -> datetime.timedelta:
+    return timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
+
+
+def init_distributed(timeout: float | datetime.timedelta = 300.0, backend: str | None = None) -> None:
+    """Initialize the default process group from torchrun-style env vars; no-op if it exists.
+
+    backend=None picks by device: gloo on CPU; with an accelerator, gloo for CPU tensors plus
+    the device's own backend (nccl, hccl, ...) for device tensors, and the device is set
+    from LOCAL_RANK. The timeout bounds every collective, so a lost peer raises instead of
+    hanging forever.
+    """
+    if dist.is_initialized():
+        return
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"init_distributed: environment variables {missing} are not set; start the script "
+            "with torchrun, or run the function through hpf.launch(fn, world_size)")
+    if backend is None:
+        backend = "gloo"
+        if torch.accelerator.is_available():
+            device = torch.accelerator.current_accelerator()
+            local_rank = int(os.environ.get("LOCAL_RANK", 0))
+            count = torch.accelerator.device_count()
+            if local_rank >= count:
+                raise RuntimeError(
+                    f"init_distributed: LOCAL_RANK={local_rank} but only {count} {device.type} "
+                    "device(s); start at most one rank per device, or pass backend='gloo'")
+            torch.accelerator.set_device_index(local_rank)
+            backend = f"cpu:gloo,{device.type}:{dist.get_default_backend_for_device(device)}"
+    dist.init_process_group(backend=backend, timeout=_as_timedelta(timeout))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL this child if the launching process dies (kernel restart)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _child(fn, rank_, world_size_, args, env, timeout, backend, conn) -> None:
+    _die_with_parent()
+    os.environ.update(env)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // world_size_))
+    try:
+        init_distributed(timeout=timeout, backend=backend)
+        message = ("ok", fn(rank_, *args))
+    except BaseException:  # noqa: BLE001 -- everything, incl. SystemExit, is reported to the parent
+        message = ("error", traceback.format_exc())
+    message += (time.monotonic(),)  # system-wide clock: the parent blames the earliest error
+    # plain pickle: tensors travel by value (torch's ForkingPickler would send file
+    # descriptors that the parent fetches from this process, which is about to exit)
+    try:
+        payload = pickle.dumps(message)
+    except Exception:  # noqa: BLE001 -- e.g. a lambda in the result
+        message = ("error", f"could not pickle the result of rank {rank_}:\n{traceback.format_exc()}",
+                   time.monotonic())
+        payload = pickle.dumps(message)
+    conn.send_bytes(payload)
+    conn.close()
+    if message[0] == "error":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # skip teardown: peers may be blocked in a collective with us; the parent ends them
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _exit_description(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _stop(procs: list) -> None:
+    """End every child still running (SIGTERM, then SIGKILL) and reap all of them."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + _TERMINATE_GRACE_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join()
+
+
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0,
+           backend: str | None = None, master_port: int | None = None,
+           env: dict[str, str] | None = None) -> list[Any]:
+    """Run `fn(rank, *args)` on `world_size` forked local processes; return their results by rank.
+
+    Each child gets torchrun's environment variables (plus `env`), a default process group
+    (see `init_distributed`; `backend` overrides the choice) and
+    `torch.set_num_threads(cores // world_size)`. Results travel back by pickle.
+    Tensors come back by value with their whole storage: return `.clone()`s of views.
+    The first rank that raises or dies ends all others and raises `RankError` here; after
+    `timeout` seconds everything is ended and `RankError` (rank None) is raised.
+    With an accelerator, the calling process must not have initialized it (as with any fork).
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"launch: world_size must be a positive int, got {world_size!r}")
+    if dist.is_initialized():
+        raise RuntimeError("launch: this process already has a process group; forked ranks would "
+                           "inherit it. Call hpf.launch from a driver process without one.")
+    ctx = mp.get_context("fork")
+    port = str(master_port or _free_port())
+    procs, conns = [], []
+    try:
+        for r in range(world_size):
+            child_env = {
+                "RANK": str(r), "LOCAL_RANK": str(r), "GROUP_RANK": "0", "ROLE_RANK": str(r),
+                "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+                "ROLE_WORLD_SIZE": str(world_size), "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+                "TORCHELASTIC_RUN_ID": f"hpf-{os.getpid()}-{port}", **(env or {})}
+            recv, send = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_child, name=f"hpf-rank{r}",
+                            args=(fn, r, world_size, args, child_env, timeout, backend, send))
+            p.start()
+            send.close()
+            procs.append(p)
+            conns.append(recv)
+        return _collect(procs, conns, timeout)
+    finally:
+        _stop(procs)
+        for c in conns:
+            c.close()
+        _remove_shm_leftovers([p.pid for p in procs if p.pid is not None])
+
+
+def _collect(procs: list, conns: list, timeout: float) -> list[Any]:
+    missing = object()
+    results = [missing] * len(procs)
+    deadline = time.monotonic() + timeout
+    while missing in results:
+        pending = [r for r, v in enumerate(results) if v is missing]
+        remaining = deadline - time.monotonic()
+        ready = set(mp.connection.wait([conns[r] for r in pending] + [procs[r].sentinel for r in pending],
+                                       timeout=max(0.0, remaining)))
+        if not ready:
+            raise RankError(f"hpf.launch: timed out after {timeout:g} s; ranks {pending} had not "
+                            "finished and were ended")
+        errors, deaths = [], []
+        for r in pending:
+            if conns[r] not in ready and procs[r].sentinel not in ready:
+                continue
+            message = None
+            try:
+                if conns[r].poll():
+                    message = pickle.loads(conns[r].recv_bytes())
+            except EOFError:
+                pass
+            except Exception as e:  # noqa: BLE001 -- e.g. a class the parent cannot import
+                raise RankError(f"hpf.launch: could not unpickle the result of rank {r}: {e!r}", rank=r) from e
+            if message is None:
+                procs[r].join(_TERMINATE_GRACE_S)  # pipe closed: the process is exiting
+                deaths.append(r)
+            elif message[0] == "error":
+                errors.append((message[2], r, message[1]))
+            else:
+                results[r] = message[1]
+        if deaths:  # a silent death is a root cause; peers' errors are its consequences
+            r = deaths[0]
+            raise RankError(f"hpf.launch: rank {r} {_exit_description(procs[r].exitcode)} without "
+                            "reporting a result or an exception; the other ranks were ended", rank=r)
+        if errors:
+            _, r, tb = min(errors)
+            raise RankError(f"hpf.launch: rank {r} raised (the other ranks were ended):\n{tb}",
+                            rank=r, child_traceback=tb)
+    for p in procs:  # ranks are past fn; give them a moment to tear the process group down
+        p.join(min(10.0, max(0.0, deadline - time.monotonic())))
+    return results
+
+
+def _remove_shm_leftovers(pids: list[int]) -> None:
+    """Unlink shared-memory segments a killed rank created but had not yet unlinked."""
+    from hpf.comm.shm import remove_leftovers
+
+    remove_leftovers(pids)
+
+
+# `hpf.launch` is this module's `launch` function once hpf/__init__.py exports it; keep
+# `hpf.launch.RankError`, `hpf.launch.init_distributed`, ... reachable through it too.
+for _name in ("RankError", "init_distributed", "is_launched", "rank", "world_size"):
+    setattr(launch, _name, globals()[_name])
+del _name

@@ -1,0 +1,188 @@
+"""hpf.launch: results by rank, torchrun env, fast failure on errors/deaths/timeouts, no zombies."""
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hpf.launch as hpf_launch
+from hpf.launch import RankError, init_distributed, launch
+
+
+def _zombie_children() -> list[int]:
+    """Pids of this process's children that exited but were never reaped."""
+    zombies = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] == "Z" and int(fields[1]) == os.getpid():
+                zombies.append(int(entry))
+    return zombies
+
+
+def _report(rank):
+    summed = torch.tensor([float(rank + 1)])
+    dist.all_reduce(summed)
+    env = {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                                      "MASTER_ADDR")}
+    return rank, dist.get_rank(), dist.get_world_size(), summed.item(), env, torch.get_num_threads()
+
+
+def test_results_come_back_in_rank_order_with_torchrun_env():
+    n = 3
+    results = launch(_report, n)
+    cores = len(os.sched_getaffinity(0))
+    expected = [(r, r, n, float(sum(range(1, n + 1))),
+                 {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
+                  "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1"},
+                 max(1, cores // n)) for r in range(n)]
+    assert results == expected
+    assert not dist.is_initialized()  # the parent stays clean: it can launch again
+
+
+def _args_and_env(rank, scale, offset):
+    return rank * scale + offset, os.environ["HPF_TEST_VAR"]
+
+
+def test_args_and_extra_env_reach_every_rank():
+    assert launch(_args_and_env, 2, 10, 1, env={"HPF_TEST_VAR": "x"}) == [(1, "x"), (11, "x")]
+
+
+def _raise_on_rank_1(rank):
+    if rank == 1:
+        raise ValueError("boom from rank 1")
+    dist.barrier()  # rank 0 would wait here forever if rank 1's failure did not end it
+    return rank
+
+
+def test_exception_in_one_rank_raises_rank_error_with_traceback_quickly():
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        launch(_raise_on_rank_1, 2, timeout=60)
+    assert time.monotonic() - start < 10  # far below the 60 s timeout: rank 0 was ended, not awaited
+    err = info.value
+    assert isinstance(err, RuntimeError) and err.rank == 1
+    assert "rank 1" in str(err) and "Traceback" in str(err)
+    assert "ValueError: boom from rank 1" in str(err) and "_raise_on_rank_1" in err.child_traceback
+    assert _zombie_children() == []
+
+
+def _die_on_rank_1(rank, how):
+    if rank == 1:
+        if how == "exit":
+            os._exit(7)
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+    return rank
+
+
+@pytest.mark.parametrize("how, says", [("exit", "exited with code 7"), ("kill", "was killed by SIGKILL")])
+def test_a_rank_dying_silently_ends_the_others(how, says):
+    start = time.monotonic()
+    with pytest.raises(RankError, match=f"rank 1 {says}") as info:
+        launch(_die_on_rank_1, 3, how, timeout=60)
+    assert time.monotonic() - start < 10
+    assert info.value.rank == 1
+    assert _zombie_children() == []
+
+
+def _sleep(rank):
+    time.sleep(60)
+
+
+def test_overall_timeout_ends_everything():
+    start = time.monotonic()
+    with pytest.raises(RankError, match=r"timed out after 1 s; ranks \[0, 1\]"):
+        launch(_sleep, 2, timeout=1.0)
+    assert time.monotonic() - start < 6  # 1 s timeout + SIGTERM grace
+    assert _zombie_children() == []
+
+
+def _unpicklable(rank):
+    return lambda: rank
+
+
+def test_unpicklable_result_is_a_clear_error():
+    with pytest.raises(RankError, match=r"could not pickle the result of rank \d"):
+        launch(_unpicklable, 2)
+
+
+def _tensor_result(rank):
+    return torch.full((3,), float(rank)), {"view": torch.arange(10.0)[2:4]}
+
+
+def test_tensors_come_back_after_the_children_exit():
+    results = launch(_tensor_result, 2)
+    for r, (full, nested) in enumerate(results):
+        assert torch.equal(full, torch.full((3,), float(r)))
+        assert torch.equal(nested["view"], torch.tensor([2.0, 3.0]))
+
+
+def test_bad_world_size():
+    with pytest.raises(ValueError, match="world_size must be a positive int"):
+        launch(_report, 0)
+
+
+def _run_python(code: str, env: dict, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow  # a fresh interpreter imports torch: about 3 s on 2 loaded cores
+def test_functions_defined_in_main_work_as_in_a_notebook():
+    # fork, unlike spawn, needs no pickling of fn: a function typed into __main__ runs as is
+    proc = _run_python("""
+        import torch, torch.distributed as dist
+        from hpf.launch import launch
+        def f(rank):
+            t = torch.tensor([rank + 1.0]); dist.all_reduce(t); return t.item()
+        print(launch(f, 2))
+        """, {})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[3.0, 3.0]"
+
+
+def _torchrun_style_rank(rank, port, queue):
+    """A plain forked process with only torchrun's env vars (no hpf.launch involved)."""
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    init_distributed(timeout=30)
+    init_distributed(timeout=30)  # second call: no-op
+    t = torch.tensor([hpf_launch.rank() + 1.0])
+    dist.all_reduce(t)
+    queue.put((dist.get_backend(), hpf_launch.rank(), hpf_launch.world_size(), t.item()))
+    dist.destroy_process_group()
+
+
+def test_init_distributed_under_torchrun_style_env():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_torchrun_style_rank, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = sorted(queue.get(timeout=30) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert results == [("gloo", 0, 2, 3.0), ("gloo", 1, 2, 3.0)]
+
+
+def test_init_distributed_without_env_says_what_to_do(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(RuntimeError, match="torchrun, or run the function through hpf.launch"):
+        init_distributed()
