@@ -4,6 +4,7 @@ Models are pure functions over pytrees of plain tensors; sharding is written as
 PartitionSpecs and resolved once into a plan (see DESIGN.md and README.md).
 """
 from . import tree
+from .launch import launch
 from .mesh import Mesh, MeshError
 from .plan import Plan, plan
 from .spec import P, SpecError, rules
@@ -12,5 +13,5 @@ from .topology import SlowLink, Topology
 from . import optim
 
 __all__ = ["P", "Mesh", "MeshError", "MixedPrecision", "Plan", "ShardStep", "SlowLink", "SpecError", "Topology", "TrainState",
-           "optim", "plan", "rules", "shard_step", "tree"]
+           "launch", "optim", "plan", "rules", "shard_step", "tree"]
 __version__ = "0.1.0"
