@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 import hpf
-from hpf.launch import RankError, launch
+from hpf.launch import RankError, init_distributed, is_launched, launch, rank, world_size
 from hpf.models import gpt
 from hpf.progress import Progress
 from hpf.step import default_device
@@ -92,12 +92,18 @@ def build_parser() -> argparse.ArgumentParser:
     job.add_argument("--world-size", type=_positive(int), metavar="N",
                      help="number of ranks; alone it gives a 1-D mesh dp=N (default: 4 as node=2,local=2)")
     job.add_argument("--mesh", type=parse_mesh, metavar="AXES",
-                     help="named mesh axes, outer to inner; the last one is the fast tier "
-                          "(default: node=2,local=2)")
+                     help="named mesh axes, outer to inner; the last one is the fast tier (default: "
+                          "node=2,local=2; under torchrun node=<machines>,local=<ranks per machine>)")
     job.add_argument("--fsdp-axes", type=_axes_list, metavar="AXES",
                      help="axes params are sharded and gathered over, e.g. local (default: all)")
     job.add_argument("--mixed-precision", choices=sorted(PRECISIONS),
                      help="compute dtype, with fp32 master shards and fp32 grad reduction (default: off)")
+    job.add_argument("--topology", choices=("two-tier", "flat"), default="two-tier",
+                     help="two-tier: fast-tier collectives first (shared memory between local CPU ranks), "
+                          "1/fast-size of the bytes over the slow tier, reductions overlapping backward; "
+                          "flat: one collective over all ranks (default: two-tier)")
+    job.add_argument("--hsdp", action="store_true",
+                     help="shard params within the fast tier only and replicate them across the slow tier")
 
     parser = _Parser(
         prog="hpf", description="hpf: fully sharded training of pure-function models on PyTorch.")
@@ -107,8 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
         "train", parents=[job], help="train the GPT on local processes (the main job)",
         description="Train the pure-function GPT on local processes (hpf.launch) with synthetic data "
                     "from a fixed random Markov source. Rank 0 shows progress and writes "
-                    "<out>/metrics.jsonl, one JSON object per step.")
-    train.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw", help="(default: adamw)")
+                    "<out>/metrics.jsonl, one JSON object per step. Under torchrun "
+                    "(torchrun --nproc-per-node 8 -m hpf train ...) each process is one rank.")
+    train.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                       help="muon: Muon for weight matrices, AdamW (lr %g) for embeddings, head and "
+                            "vectors (default: adamw)" % DEFAULT_LR["adamw"])
     train.add_argument("--steps", type=_positive(int), default=100, help="(default: 100)")
     train.add_argument("--batch-size", type=_positive(int), default=32, metavar="B",
                        help="global batch in sequences, split over the ranks (default: 32)")
@@ -128,8 +137,6 @@ def build_parser() -> argparse.ArgumentParser:
         "plan", parents=[job], help="print per-rank memory and communication for any config and mesh",
         description="Print the plan report of a GPT config on a virtual mesh of any size, from meta "
                     "tensors; starts no process. Example: hpf plan --config 1b --mesh node=96,local=8")
-    plan.add_argument("--hierarchical", action="store_true",
-                      help="count bytes for two-tier collectives (fast tier first, then the slow tier)")
     plan.set_defaults(run=cmd_plan)
 
     bench = sub.add_parser(
@@ -172,12 +179,20 @@ def _last_line(e: RankError) -> str:
 # ------------------------------------------------------------------ shared: mesh and optional parts
 
 def _mesh(args) -> hpf.Mesh:
-    axes = args.mesh or (DEFAULT_MESH if args.world_size is None else {"dp": args.world_size})
+    axes = args.mesh or ({"dp": args.world_size} if args.world_size else _default_axes())
     mesh = hpf.Mesh(axes)
     if args.world_size is not None and mesh.size != args.world_size:
         raise CliError(f"--mesh {_mesh_text(axes)} has {mesh.size} ranks but --world-size is "
                        f"{args.world_size}; make them agree or give only one")
     return mesh
+
+
+def _default_axes() -> dict[str, int]:
+    """2 x 2 locally; under torchrun, the machines it started: node x local ranks per machine."""
+    if not is_launched():
+        return DEFAULT_MESH
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))
+    return {"node": world_size() // local, "local": local} if world_size() > local else {"dp": local}
 
 
 def _mesh_text(axes) -> str:
@@ -196,18 +211,28 @@ def _optional(module: str, flag: str, hint: str):
 
 # ------------------------------------------------------------------ hpf plan
 
+def _plan(args, mesh: hpf.Mesh) -> hpf.Plan:
+    """The plan shard_step makes for these arguments, from meta tensors (shapes only)."""
+    fsdp = args.fsdp_axes or mesh.axis_names
+    return hpf.plan(gpt.init(gpt.CONFIGS[args.config], device="meta"), mesh, fsdp_axes=args.fsdp_axes,
+                    hierarchical=args.topology == "two-tier",
+                    default_shard_axes=[a for a in fsdp if a in mesh.fast_axes] if args.hsdp else None)
+
+
 def cmd_plan(args) -> int:
     config = gpt.CONFIGS[args.config]
     mesh = _mesh(args)
-    plan = hpf.plan(gpt.init(config, device="meta"), mesh, fsdp_axes=args.fsdp_axes)
+    plan = _plan(args, mesh)
     dtype = PRECISIONS.get(args.mixed_precision)
     report = plan.report(compute_dtype=dtype, master_dtype=torch.float32 if dtype else None,
-                         reduce_dtype=torch.float32 if dtype else None, hierarchical=args.hierarchical)
+                         reduce_dtype=torch.float32 if dtype else None,
+                         hierarchical=args.topology == "two-tier")
     print(f"GPT {args.config!r}: {gpt.num_params(config) / 1e6:,.1f}M params in {len(plan.slots)} tensors, "
           f"{len(plan.units)} FSDP units, {len(plan.buckets)} flat buckets")
     print(f"mesh {_mesh_text(dict(zip(mesh.axis_names, mesh.shape)))} ({mesh.size} ranks); "
           f"FSDP axes {','.join(plan.fsdp_axes) or '-'}; fast tier {','.join(mesh.fast_axes)}; "
-          f"precision {args.mixed_precision or 'fp32'}; AdamW state counted")
+          f"{args.topology} collectives{', HSDP' if args.hsdp else ''}; precision {args.mixed_precision or 'fp32'}; "
+          "AdamW state counted")
     print(report.format())
     return 0
 
@@ -228,12 +253,15 @@ class TrainJob:
     mode: str
     seed: int
     mixed_precision: str | None
+    topology: str
+    hsdp: bool
     metrics_path: str
 
 
 def _make_optimizer(name: str, lr: float):
     if name == "muon":
-        return _optional("hpf.optim.muon", "--optimizer muon", "this build of hpf has no Muon yet").muon(lr=lr)
+        muon = _optional("hpf.optim.muon", "--optimizer muon", "this build of hpf has no Muon yet").muon
+        return muon(lr=lr, adamw_lr=DEFAULT_LR["adamw"])
     return hpf.optim.adamw(lr=lr)
 
 
@@ -242,7 +270,8 @@ def _make_step(job: TrainJob, mesh: hpf.Mesh):
         _optional("hpf.validate", "--mode validate", "this build of hpf has no validation mode yet")
     return hpf.shard_step(gpt.loss_for(gpt.CONFIGS[job.config]), mesh=mesh,
                           optimizer=_make_optimizer(job.optimizer, job.lr), fsdp_axes=job.fsdp_axes,
-                          mode=job.mode, mixed_precision=job.mixed_precision)
+                          mode=job.mode, mixed_precision=job.mixed_precision, hsdp=job.hsdp,
+                          topology=hpf.Topology() if job.topology == "two-tier" else None)
 
 
 def _train_rank(rank: int, job: TrainJob) -> None:
@@ -272,32 +301,45 @@ def _train_rank(rank: int, job: TrainJob) -> None:
 
 
 def cmd_train(args) -> int:
+    """Fork the ranks here with hpf.launch, or, under torchrun, be one of them."""
+    torchrun = is_launched()
     mesh = _mesh(args)
     config = gpt.CONFIGS[args.config]
+    if torchrun and mesh.size != world_size():
+        raise CliError(f"--mesh has {mesh.size} ranks but torchrun started {world_size()}; make them agree")
     if args.batch_size % mesh.size:
         raise CliError(f"--batch-size {args.batch_size} is the global batch and must split evenly over "
                        f"{mesh.size} ranks; use a multiple of {mesh.size}")
     if args.plot:
         _optional("matplotlib", "--plot", "pip install 'hpf[plot]' (or matplotlib)")
     out = args.out or Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    if (out / "metrics.jsonl").exists():
+    lead = rank() == 0  # rank 0 under torchrun; the driver otherwise
+    if lead and (out / "metrics.jsonl").exists():
         raise CliError(f"--out {out} already holds a run (metrics.jsonl); pick another folder")
     job = TrainJob(args.config, dict(zip(mesh.axis_names, mesh.shape)), args.fsdp_axes, args.optimizer,
                    args.lr or DEFAULT_LR[args.optimizer], args.steps, args.batch_size, args.mode, args.seed,
-                   args.mixed_precision, str(out / "metrics.jsonl"))
+                   args.mixed_precision, args.topology, args.hsdp, str(out / "metrics.jsonl"))
     _make_step(job, mesh)  # checks optimizer, mode and precision here, before any rank starts
-    plan = hpf.plan(gpt.init(config, device="meta"), mesh, fsdp_axes=args.fsdp_axes)  # checks the axes
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "run.json").write_text(json.dumps(
-        {**asdict(job), "hpf": hpf.__version__, "torch": torch.__version__,
-         "started": datetime.datetime.now().isoformat(timespec="seconds")}, indent=1) + "\n")
-    print(f"hpf train: GPT {args.config!r} ({gpt.num_params(config) / 1e6:.2f}M params, "
-          f"{len(plan.units)} FSDP units) on {mesh.size} ranks, mesh {_mesh_text(job.axes)}, "
-          f"{args.optimizer} lr {job.lr:g}, {args.mode} mode")
-    print(f"data: {args.batch_size} x {config.seq_len} tokens per step from a fixed random Markov source; "
-          f"run folder {out}")
+    plan = _plan(args, mesh)  # checks the axes
+    if lead:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "run.json").write_text(json.dumps(
+            {**asdict(job), "hpf": hpf.__version__, "torch": torch.__version__,
+             "started": datetime.datetime.now().isoformat(timespec="seconds")}, indent=1) + "\n")
+        print(f"hpf train: GPT {args.config!r} ({gpt.num_params(config) / 1e6:.2f}M params, "
+              f"{len(plan.units)} FSDP units) on {mesh.size} ranks, mesh {_mesh_text(job.axes)}, "
+              f"{args.topology}{' HSDP' if args.hsdp else ''}, {args.optimizer} lr {job.lr:g}, {args.mode} mode")
+        print(f"data: {args.batch_size} x {config.seq_len} tokens per step from a fixed random Markov "
+              f"source; run folder {out}", flush=True)
     started = time.perf_counter()
-    launch(_train_rank, mesh.size, job, timeout=args.timeout)
+    if torchrun:
+        init_distributed(timeout=args.timeout)
+        _train_rank(rank(), job)
+        torch.distributed.destroy_process_group()
+    else:
+        launch(_train_rank, mesh.size, job, timeout=args.timeout)
+    if not lead:
+        return 0
     wall = time.perf_counter() - started
     records = read_metrics(out / "metrics.jsonl")
     files = [out / "metrics.jsonl", out / "run.json"]
@@ -323,7 +365,7 @@ def summary(records: list[dict], wall_s: float, files: list[Path]) -> str:
     total_step = sum(r["step_s"] for r in records)
     tail = records[-min(10, len(records)):]
     return "\n".join([
-        f"done: {len(records)} steps in {wall_s:.1f} s (including process start)",
+        f"done: {len(records)} steps in {wall_s:.1f} s",
         f"  loss        {records[0]['loss']:.4f} (step 1) -> {records[-1]['loss']:.4f} (step {len(records)}), "
         f"mean of last {len(tail)}: {statistics.fmean(r['loss'] for r in tail):.4f}",
         f"  step time   {median['step_s'] * 1e3:.1f} ms median: compute {compute * 1e3:.1f}, "

@@ -72,19 +72,31 @@ def _mib(text: str, label: str) -> float:
     return float(re.search(rf"{label}\s+([\d.]+) MiB", text)[1])
 
 
+def _slow_and_fast_totals(text: str) -> tuple[float, float]:
+    fast, slow = re.search(r"total\s+([\d.]+) MiB\s+([\d.]+) MiB", text).groups()
+    return float(slow), float(fast)
+
+
 def test_plan_at_768_ranks_reports_shards_and_totals(capsys):
-    code, out, err = run_main(["plan", "--config", "1b", "--mesh", "node=96,local=8"], capsys)
+    mesh = ["--config", "1b", "--mesh", "node=96,local=8"]
+    code, out, err = run_main(["plan", *mesh], capsys)
     assert code == 0, err
     assert "768 ranks" in out
     # fp32 shards: the parameter count (from the config, not the plan) over 768 ranks, plus at
     # most 767 padding elements per flat bucket (one bucket per unit: 18 blocks + the root).
     exact = gpt.num_params(gpt.CONFIGS["1b"]) * 4 / 768 / 2**20
     assert exact - 0.01 <= _mib(out, r"params \(shards\)") <= exact + 19 * 767 * 4 / 2**20 + 0.01
-    total_fast, total_slow = map(float, re.search(r"total\s+([\d.]+) MiB\s+([\d.]+) MiB", out).groups())
-    assert total_slow > total_fast > 0  # flat FSDP: 760 of each rank's 767 peers are across the slow tier
 
-    code, bf16, _ = run_main(["plan", "--config", "1b", "--mesh", "node=96,local=8",
-                              "--mixed-precision", "bf16"], capsys)
+    # Flat collectives send each shard to the 760 peers on other nodes over the slow tier;
+    # two-tier ones only to the 95 with the same local index: 8x fewer slow-tier bytes.
+    code, flat, _ = run_main(["plan", *mesh, "--topology", "flat"], capsys)
+    assert code == 0
+    slow_two_tier, _ = _slow_and_fast_totals(out)
+    slow_flat, fast_flat = _slow_and_fast_totals(flat)
+    assert slow_flat / slow_two_tier == pytest.approx(760 / 95, rel=1e-3)
+    assert slow_flat / fast_flat == pytest.approx(760 / 7, rel=1e-3)
+
+    code, bf16, _ = run_main(["plan", *mesh, "--mixed-precision", "bf16"], capsys)
     assert code == 0
     # bf16 compute halves what is gathered; the fp32 master shards stay as they were.
     assert _mib(bf16, "peak gathered units") == pytest.approx(_mib(out, "peak gathered units") / 2, abs=0.01)
