@@ -1,0 +1,63 @@
+"""Helpers shared by the benchmark scripts: interleaved timing, medians, tables.
+
+Timings interleave the contenders and rotate their order every round, so slow drift
+(thermal, a neighbour process on the shared cores) hits all of them equally; medians
+ignore the odd outlier.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Sequence
+
+
+def interleaved(contenders: dict[str, Callable[[], object]], *, rounds: int, calls: int,
+                before_each: Callable[[], None] | None = None) -> dict[str, list[float]]:
+    """Seconds per call of each contender: ``calls`` calls per round, order rotated each round.
+
+    ``before_each`` runs untimed before every call (e.g. a barrier that lines up ranks).
+    """
+    names = list(contenders)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            for _ in range(calls):
+                if before_each is not None:
+                    before_each()
+                t0 = time.perf_counter()
+                contenders[name]()
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def median_ms(seconds: Sequence[float]) -> float:
+    return statistics.median(seconds) * 1e3
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """A plain, aligned text table (floats with 3 significant decimals)."""
+    cells = [[f"{c:.3f}" if isinstance(c, float) else str(c) for c in row] for row in rows]
+    widths = [max(len(str(h)), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    print("  ".join(str(h).ljust(w) for h, w in zip(headers, widths)))
+    for row in cells:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+
+
+def mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.3f} MiB"
+
+
+def report_ratio(name: str, value: float, target: str = "") -> None:
+    """Print ``RATIO <name> <value> <target>``, the line ``hpf bench`` collects into its table.
+
+    ``name`` has no spaces (e.g. ``hpf/fsdp2``); ``target`` is ``"<=0.70"``, ``">=0.999999"``
+    or empty for a figure with no target. The table shows the value one decimal finer
+    than the target.
+    """
+    import re
+
+    if not name or any(c.isspace() for c in name):
+        raise ValueError(f"report_ratio: name {name!r} must be non-empty with no spaces")
+    if target and not re.fullmatch(r"(<=|>=)\d+(\.\d*)?", target):
+        raise ValueError(f"report_ratio: target {target!r} must look like '<=0.70' or '>=3'")
+    print(f"RATIO {name} {float(value)!r} {target}".rstrip(), flush=True)

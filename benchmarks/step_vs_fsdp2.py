@@ -1,0 +1,361 @@
+"""hpf production vs PyTorch FSDP2 vs a hand-written floor: one GPT training step, 2 ranks, gloo.
+
+All three start from the same params, see the same batches and use the same AdamW
+hyper-parameters; they run interleaved in one job (order rotated every round).
+  hpf    hpf.shard_step on the pure-function GPT (hpf.models.gpt).
+  fsdp2  fully_shard on each block and on the root of an nn.Module doing the same math,
+         torch.optim.AdamW(foreach=True).
+  floor  no framework: per unit one flat buffer, an autograd Function that all-gathers it
+         forward and reduce-scatters its grads backward (params are views), re-gather in
+         backward (not of the last block, still gathered), prefetch of the next unit,
+         torch.optim.AdamW(foreach=True) on the flat shards.
+Also printed: hpf's bytes sent per step vs the FSDP minimum, and torch.func.grad vs
+torch.autograd.grad on the same pure loss in one process (the path hpf took).
+Usage: python benchmarks/step_vs_fsdp2.py [--config small] [--batch 8] [--rounds 6] [--calls 3]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from collections import Counter
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+
+import hpf
+from hpf.launch import launch
+from hpf.models import gpt
+from hpf.plan import ROOT
+
+from common import interleaved, median_ms, mib, print_table
+
+WORLD = 2
+ROOT_KEYS = ("embed", "pos", "norm_f", "head")
+BLOCK_KEYS = ("norm1", "w_qkv", "w_o", "norm2", "w_up", "w_down")
+
+
+# -- the GPT math for FSDP2 and the floor, written per block (hpf runs gpt.loss itself; the
+#    step-0 loss check below shows the three compute the same function) -------------------
+def _rms_norm(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + gpt.NORM_EPS) * w
+
+
+def block(p: dict, x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    q, k, v = rearrange(_rms_norm(x, p["norm1"]) @ p["w_qkv"], "b t (three h e) -> three b h t e",
+                        three=3, h=n_heads)
+    attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    x = x + rearrange(attn, "b h t e -> b t (h e)") @ p["w_o"]
+    return x + F.gelu(_rms_norm(x, p["norm2"]) @ p["w_up"], approximate="tanh") @ p["w_down"]
+
+
+def embed_in(r: dict, tokens: torch.Tensor) -> torch.Tensor:
+    return F.embedding(tokens, r["embed"]) + r["pos"][:tokens.shape[1]]
+
+
+def head_loss(r: dict, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = _rms_norm(x, r["norm_f"]) @ r["head"]
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def global_mean(loss: torch.Tensor) -> float:
+    t = loss.detach().reshape(1).clone()
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
+
+
+# -- FSDP2 ---------------------------------------------------------------------------------
+class Params(nn.Module):
+    """Registers a dict of tensors as parameters with the same names."""
+
+    def __init__(self, tensors: dict):
+        super().__init__()
+        for name, t in tensors.items():
+            self.register_parameter(name, nn.Parameter(t.clone()))
+
+    def tensors(self, keys) -> dict:
+        return {k: getattr(self, k) for k in keys}
+
+
+class Block(Params):
+    def __init__(self, tensors: dict, n_heads: int):
+        super().__init__(tensors)
+        self.n_heads = n_heads
+
+    def forward(self, x):
+        return block(self.tensors(BLOCK_KEYS), x, self.n_heads)
+
+
+class GPTModule(Params):
+    def __init__(self, params: dict, n_heads: int):
+        super().__init__({k: params[k] for k in ROOT_KEYS})
+        self.blocks = nn.ModuleList(Block(b, n_heads) for b in params["blocks"])
+
+    def forward(self, batch):
+        r = self.tensors(ROOT_KEYS)
+        x = embed_in(r, batch[:, :-1])
+        for b in self.blocks:
+            x = b(x)
+        return head_loss(r, x, batch[:, 1:])
+
+
+def make_fsdp2(params, config, adamw):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = GPTModule(params, config.n_heads)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), foreach=True, **adamw)
+
+    def step(batch):
+        loss = model(batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return global_mean(loss)
+    return step
+
+
+# -- the hand-written floor ----------------------------------------------------------------
+class Unit:
+    """One flat buffer: this rank's shard (the optimizer's param), the full buffer whose
+    storage exists only while gathered, and the params as views into it."""
+
+    def __init__(self, tensors: dict):
+        rank = dist.get_rank()
+        self.names = list(tensors)
+        self.shapes = [t.shape for t in tensors.values()]
+        self.numel = sum(t.numel() for t in tensors.values())
+        shard = -(-self.numel // WORLD)
+        flat = torch.zeros(shard * WORLD)
+        flat[:self.numel] = torch.cat([t.reshape(-1) for t in tensors.values()])
+        self.shard = flat[rank * shard:(rank + 1) * shard].clone().requires_grad_()
+        self.shard.grad = torch.zeros_like(self.shard)
+        self.full = torch.empty(shard * WORLD)
+        self.nbytes = self.full.untyped_storage().nbytes()
+        self.full.untyped_storage().resize_(0)
+        self.gathering = None
+
+    def gather(self):  # async; wait() before use
+        if self.full.untyped_storage().nbytes() == 0:
+            self.full.untyped_storage().resize_(self.nbytes)
+            # .data: autograd must not see the refill as an in-place change of the saved views
+            self.gathering = dist.all_gather_single(self.full.data, self.shard.detach(), async_op=True)
+
+    def wait(self):
+        if self.gathering is not None:
+            self.gathering.wait()
+            self.gathering = None
+
+    def free(self):
+        self.wait()
+        self.full.untyped_storage().resize_(0)
+
+    def views(self, flat=None):
+        """The params as views of ``flat`` (default: the gathered buffer)."""
+        flat = self.full if flat is None else flat
+        return [v.view(s) for v, s in zip(flat[:self.numel].split([math.prod(s) for s in self.shapes]),
+                                          self.shapes)]
+
+
+class GatheredParams(torch.autograd.Function):
+    """Forward: the unit's params as views of its gathered buffer. Backward: their grads into
+    one flat buffer, free the unit, one async reduce-scatter into the shard's grad."""
+
+    @staticmethod
+    def forward(ctx, anchor, unit, pending):
+        ctx.unit, ctx.pending = unit, pending
+        unit.wait()
+        return tuple(unit.views())
+
+    @staticmethod
+    def backward(ctx, *grads):
+        unit = ctx.unit
+        flat = torch.empty(unit.full.numel())
+        flat[unit.numel:].zero_()
+        torch._foreach_copy_(unit.views(flat), list(grads))
+        unit.free()
+        ctx.pending.append((dist.reduce_scatter_single(unit.shard.grad, flat, async_op=True), flat))
+        return None, None, None
+
+
+class FreeAfterForward(torch.autograd.Function):
+    """Identity on a block's output: frees the unit in forward; when backward reaches the
+    block, re-gathers it (its saved tensors are views of the buffer) and prefetches the one before."""
+
+    @staticmethod
+    def forward(ctx, x, unit, before):
+        unit.free()
+        ctx.unit, ctx.before = unit, before
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.unit.gather()
+        ctx.unit.wait()
+        if ctx.before is not None:
+            ctx.before.gather()
+        return g, None, None
+
+
+def make_floor(params, config, adamw):
+    root = Unit({k: params[k] for k in ROOT_KEYS})
+    blocks = [Unit(b) for b in params["blocks"]]
+    units = [root, *blocks]
+    opt = torch.optim.AdamW([u.shard for u in units], foreach=True, **adamw)
+    grads = [u.shard.grad for u in units]
+
+    def step(batch):
+        pending = []
+        anchor = torch.empty(0, requires_grad=True)
+        root.gather()
+        blocks[0].gather()
+        r = dict(zip(root.names, GatheredParams.apply(anchor, root, pending)))
+        x = embed_in(r, batch[:, :-1])
+        for i, u in enumerate(blocks):
+            p = dict(zip(u.names, GatheredParams.apply(anchor, u, pending)))
+            if i + 1 < len(blocks):
+                blocks[i + 1].gather()
+            x = block(p, x, config.n_heads)
+            if i + 1 < len(blocks):  # the last block stays gathered: backward starts with it
+                x = FreeAfterForward.apply(x, u, blocks[i - 1] if i else None)
+            elif i:
+                blocks[i - 1].gather()  # backward needs it next
+        loss = head_loss(r, x, batch[:, 1:])
+        loss.backward()
+        for handle, _ in pending:
+            handle.wait()
+        torch._foreach_div_(grads, float(WORLD))
+        opt.step()
+        return global_mean(loss)
+    return step
+
+
+# -- hpf -----------------------------------------------------------------------------------
+def make_hpf(params, config, adamw):
+    step = hpf.shard_step(gpt.loss_for(config), mesh=hpf.Mesh({"dp": WORLD}),
+                          optimizer=hpf.optim.adamw(lr=adamw["lr"], betas=adamw["betas"], eps=adamw["eps"],
+                                                    weight_decay=adamw["weight_decay"]))
+    box = [step.init(params)]
+
+    def run(batch):
+        box[0], metrics = step(box[0], batch)
+        return metrics["loss"]
+    run.step = step
+    return run
+
+
+def fsdp_min_bytes(params) -> int:
+    """The FSDP minimum per rank and step: all-gather blocks twice and the root once, reduce-
+    scatter everything once; each moves (n-1)/n of the unit's buffer padded to n ranks."""
+    def padded(tensors):
+        return -(-sum(t.numel() for t in tensors) // WORLD) * WORLD * 4
+    root = padded([params[k] for k in ROOT_KEYS])
+    blocks = sum(padded(b.values()) for b in params["blocks"])
+    return (2 * blocks + root + (blocks + root)) * (WORLD - 1) // WORLD
+
+
+# -- the job -------------------------------------------------------------------------------
+def rank_main(rank, args):
+    config = gpt.CONFIGS[args.config]
+    params = gpt.init(config, torch.Generator().manual_seed(0))
+    adamw = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    local = args.batch // WORLD
+    batches = [gpt.global_batch(config, args.batch, 0, s)[rank * local:(rank + 1) * local] for s in range(8)]
+    impls = {"hpf": make_hpf(params, config, adamw), "fsdp2": make_fsdp2(params, config, adamw),
+             "floor": make_floor(params, config, adamw)}
+    losses = {n: [] for n in impls}
+
+    def contender(name):
+        def call():
+            losses[name].append(impls[name](batches[len(losses[name]) % len(batches)]))
+        return call
+    contenders = {n: contender(n) for n in impls}
+    for name in impls:  # warm-up; step 0 is the sanity check
+        for _ in range(args.warmup):
+            contenders[name]()
+    sent = impls["hpf"].step.engine.comm.bytes  # (op, tier) -> bytes, counted by the engine
+    sent.clear()
+    times = interleaved(contenders, rounds=args.rounds, calls=args.calls, before_each=dist.barrier)
+    per_step = Counter()
+    for (op, _tier), n in sent.items():
+        per_step[op] += n / (args.rounds * args.calls)
+    report = impls["hpf"].step.plan.report()
+    return {"times": times, "losses": losses, "sent": dict(per_step), "min_bytes": fsdp_min_bytes(params),
+            "report_bytes": sum(report.comm_total.values())}
+
+
+def func_grad_cost(config, batch, reps: int = 10) -> dict[str, float]:
+    """torch.func.grad vs torch.autograd.grad on the same pure loss, one process, one thread."""
+    loss_fn = gpt.loss_for(config)
+    params = gpt.init(config, torch.Generator().manual_seed(0))
+    leaves = [p.requires_grad_() for p in hpf.tree.flatten(params)[1]]
+    func_grad = torch.func.grad(loss_fn)
+    contenders = {"torch.func.grad": lambda: func_grad(params, batch),
+                  "torch.autograd.grad": lambda: torch.autograd.grad(loss_fn(params, batch), leaves)}
+    for c in contenders.values():
+        c()
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        times = interleaved(contenders, rounds=reps, calls=3)
+    finally:
+        torch.set_num_threads(before)
+    return {k: median_ms(v) for k, v in times.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="small", choices=sorted(gpt.CONFIGS))
+    ap.add_argument("--batch", type=int, default=8, help="global batch size (sequences)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--calls", type=int, default=3, help="timed steps per contender per round")
+    args = ap.parse_args()
+    config = gpt.CONFIGS[args.config]
+    print(f"GPT {args.config} ({gpt.num_params(config) / 1e6:.2f}M params), global batch {args.batch}, "
+          f"{WORLD} ranks, gloo, {torch.get_num_threads()} cores")
+    out = launch(rank_main, WORLD, args, timeout=1800)[0]
+
+    first = {n: l[0] for n, l in out["losses"].items()}
+    print("step-0 loss (sanity):  " + "  ".join(f"{n} {v:.7f}" for n, v in first.items()))
+    spread = max(abs(a - b) for a in first.values() for b in first.values())
+    drift = max(np.max(np.abs(np.array(out["losses"]["hpf"]) - np.array(l))) for l in out["losses"].values())
+    print(f"  max difference at step 0: {spread:.2e}; over all {len(out['losses']['hpf'])} steps: {drift:.2e}")
+    if spread > 1e-5 or drift > 1e-3:
+        raise SystemExit("the three implementations disagree: the comparison is meaningless")
+
+    med = {n: median_ms(t) for n, t in out["times"].items()}
+    print(f"\nmedian step time over {len(out['times']['hpf'])} interleaved steps each:")
+    print_table(["impl", "ms/step", "min ms", "max ms"],
+                [[n, med[n], min(t) * 1e3, max(t) * 1e3] for n, t in out["times"].items()])
+    best = {n: min(t) for n, t in out["times"].items()}  # least disturbed by other processes
+    for other, target in (("fsdp2", 0.70), ("floor", 1.10)):
+        print(f"hpf/{other} = {med['hpf'] / med[other]:.3f} of medians, {best['hpf'] / best[other]:.3f} "
+              f"of minimums   (target <= {target:.2f})")
+
+    sent = out["sent"]
+    total = sum(sent.values())
+    print(f"\nbytes sent per rank per step by hpf (counted in the engine): {mib(total)} "
+          + ", ".join(f"{k} {mib(v)}" for k, v in sorted(sent.items())))
+    print(f"FSDP minimum (2 AG of blocks + 1 AG of root + 1 RS of all, (n-1)/n, padded): {mib(out['min_bytes'])}"
+          f"   ratio {total / out['min_bytes']:.3f}   (plan report: {mib(out['report_bytes'])})")
+    if total < out["min_bytes"]:
+        print("  (below it: the last block is still gathered when backward starts, so it is not re-gathered)")
+
+    batch = gpt.global_batch(config, args.batch // WORLD, 0, 0)
+    cost = func_grad_cost(config, batch)
+    fg, ag = cost["torch.func.grad"], cost["torch.autograd.grad"]
+    print(f"\ngrad of the pure loss, one process, 1 thread, local batch {args.batch // WORLD}: "
+          f"torch.func.grad {fg:.2f} ms, torch.autograd.grad {ag:.2f} ms -> func.grad costs {fg / ag:.2f}x "
+          "(hpf uses plain autograd)")
+
+
+if __name__ == "__main__":
+    main()
