@@ -1,0 +1,47 @@
+"""Device kernels for hpf behind one dispatch by device type.
+
+newton_schulz orthogonalizes a batch of matrices (Muon's direction). Backends: "reference" (plain
+torch, any device), "cuda" (optional Triton kernel for the symmetric products), "npu" (torch_npu,
+imported only when used).
+"""
+from __future__ import annotations
+
+import torch
+
+from .backends import cuda, npu, reference
+from .schedules import SCHEDULES, CoefficientSpec, resolve_coefficients
+
+__all__ = ["newton_schulz", "resolve_coefficients", "SCHEDULES", "BACKENDS"]
+
+# backend name -> module; a tensor on device type T uses BACKENDS[T] when present, else "reference".
+BACKENDS = {"reference": reference, "cuda": cuda, "npu": npu}
+
+
+def newton_schulz(
+    X: torch.Tensor,
+    coefficients: CoefficientSpec = "keller",
+    steps: int = 5,
+    *,
+    backend: str | None = None,
+    compute_dtype: torch.dtype | None = None,
+    eps: float = 1e-7,
+) -> torch.Tensor:
+    """Approximate the orthogonal polar factor U Vᵀ of each matrix in X [..., m, n].
+
+    Every leading dim is a batch dim; each matrix is normalized by its own Frobenius norm.
+    coefficients: "keller", "polar_express", one (a, b, c) tuple for every step, or a list of
+    `steps` tuples. compute_dtype defaults to the backend's choice (fp32 on CPU, bf16 on
+    accelerators). Returns a tensor of X's shape and dtype.
+    """
+    if not isinstance(X, torch.Tensor) or X.ndim < 2:
+        shape = tuple(X.shape) if isinstance(X, torch.Tensor) else type(X).__name__
+        raise ValueError(f"newton_schulz needs a tensor of shape [..., m, n], got {shape}")
+    if X.numel() == 0:
+        raise ValueError(f"newton_schulz got an empty tensor of shape {tuple(X.shape)}")
+    schedule, norm_scale = resolve_coefficients(coefficients, steps)
+    name = backend or (X.device.type if X.device.type in BACKENDS else "reference")
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; use one of {sorted(BACKENDS)} or None (by device)")
+    return BACKENDS[name].newton_schulz(
+        X, schedule, norm_scale=norm_scale, eps=eps, compute_dtype=compute_dtype
+    )
