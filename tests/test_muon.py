@@ -75,7 +75,7 @@ def test_matches_torch_muon_and_adamw_over_20_steps(scale, adjust_lr_fn, nestero
                adamw_lr=3e-3, adamw_weight_decay=0.05, ns_compute_dtype=BF16)
     params, state = run_both(params, random_grads(params, 20), opt, [torch_muon, torch_adamw], tparams)
     assert_leaves_close(params, tparams)
-    assert state["step"] == 20
+    assert int(state.count) == 20
 
 
 def test_expert_weights_equal_per_expert_torch_runs():
@@ -102,11 +102,11 @@ def test_lr_schedule_callable():
     params = {"w": torch.randn(20, 30, generator=torch.Generator().manual_seed(4))}
     tparams = torch_leaves(params)
     torch_muon = torch.optim.Muon(tparams, lr=0.0, weight_decay=0.1, adjust_lr_fn="original")
-    schedule = lambda step: 0.02 / (1 + step)  # noqa: E731
+    schedule = lambda step: 0.02 / step  # 1-based step, as hpf.optim.adamw  # noqa: E731
     opt = muon(lr=schedule, weight_decay=0.1, ns_compute_dtype=BF16)
     state = opt.init(params)
     for step, (grad,) in enumerate(random_grads(params, 5)):
-        torch_muon.param_groups[0]["lr"] = schedule(step)
+        torch_muon.param_groups[0]["lr"] = schedule(step + 1)
         tparams[0].grad = grad.clone()
         torch_muon.step()
         params, state = opt.update({"w": grad}, state, params)
@@ -149,10 +149,10 @@ def test_state_is_eager_and_mirrors_params():
     params = make_params()
     state = muon().init(params)
     treedef = optree.tree_structure(params)
-    assert optree.tree_structure(state["exp_avg"]) == treedef
-    assert optree.tree_structure(state["exp_avg_sq"]) == treedef
-    assert state["exp_avg_sq"]["blocks"][0]["w_in"].numel() == 0  # Muon needs no second moment
-    assert state["exp_avg_sq"]["embed"].shape == params["embed"].shape
+    assert optree.tree_structure(state.exp_avg) == treedef
+    assert optree.tree_structure(state.exp_avg_sq) == treedef
+    assert state.exp_avg_sq["blocks"][0]["w_in"].numel() == 0  # Muon needs no second moment
+    assert state.exp_avg_sq["embed"].shape == params["embed"].shape
 
 
 def test_update_scale_values():

@@ -2,9 +2,10 @@
 
 Matrices (ndim >= 2; ndim > 2 is a batch of matrices over the leading dims, e.g. MoE experts
 [E, m, n]) step along the orthogonalized momentum; vectors, embeddings and the head use AdamW.
-The math is split into batch functions (muon_momentum_, orthogonalize, apply_muon_updates_,
-adamw_update_) so the distributed Muon can run the same code on the matrices an owner gathers:
-momentum is elementwise and works on shards, only orthogonalize needs whole matrices.
+The math is split into batch functions (muon_momentum_, orthogonalize, apply_muon_updates_;
+AdamW.apply from hpf.optim.adamw for the rest) so the distributed Muon can run the same code on
+the matrices an owner gathers: momentum is elementwise and works on shards, only orthogonalize
+needs whole matrices.
 The momentum and update rules are torch.optim.Muon's (torch 2.13), so results match it.
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Sequence, Union
 
 import optree
@@ -19,21 +21,16 @@ import torch
 
 from hpf_kernels import newton_schulz, resolve_coefficients
 
+from .adamw import AdamW, adamw, schedule_value
+
 __all__ = [
-    "muon", "Optimizer", "muon_momentum_", "orthogonalize", "muon_direction", "update_scale",
-    "apply_muon_updates_", "adamw_update_", "default_use_adamw",
+    "muon", "Muon", "MuonState", "muon_momentum_", "orthogonalize", "muon_direction",
+    "update_scale", "apply_muon_updates_", "default_use_adamw",
 ]
 
 Schedule = Union[float, Callable[[int], float]]
 ADAMW_PATH = re.compile(r"(^|/)(embed|pos|head)($|/)")
 SCALES = ("keller", "original", "moonlight", "match_rms_adamw")
-
-
-class Optimizer(NamedTuple):
-    """optax-style pair: init(params) -> state; update(grads, state, params) -> (params, state)."""
-
-    init: Callable[[Any], Any]
-    update: Callable[[Any, Any, Any], tuple[Any, Any]]
 
 
 def default_use_adamw(path: str, tensor: torch.Tensor) -> bool:
@@ -107,30 +104,63 @@ def apply_muon_updates_(params: Sequence[torch.Tensor], directions: Sequence[tor
         torch._foreach_add_(ps, ds, alpha=-step)
 
 
-def adamw_update_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                  exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor], *, step: int,
-                  lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    """One AdamW step in place, the op order of torch.optim.AdamW(foreach=True); step counts from 1."""
-    params, grads, exp_avgs, exp_avg_sqs = map(list, (params, grads, exp_avgs, exp_avg_sqs))
-    if not params:
-        return
-    beta1, beta2 = betas
-    if weight_decay:
-        torch._foreach_mul_(params, 1 - lr * weight_decay)
-    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
-    denom = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denom, (1 - beta2**step) ** 0.5)
-    torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(params, exp_avgs, denom, -(lr / (1 - beta1**step)))
+class MuonState(NamedTuple):
+    count: torch.Tensor  # steps taken, a 0-dim int64 tensor (checkpointable, same on every rank)
+    exp_avg: Any  # Muon params: momentum buffer; AdamW params: first moment
+    exp_avg_sq: Any  # AdamW params: second moment; Muon params: an empty tensor (same tree everywhere)
 
 
-def _value(schedule: Schedule, step: int, name: str) -> float:
-    value = schedule(step) if callable(schedule) else schedule
-    if not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(f"{name} must be a number >= 0 (or a callable step -> number), got {value!r}")
-    return float(value)
+@dataclass(frozen=True)
+class Muon:
+    """Muon for tensors with ndim >= 2, AdamW for the rest and for paths use_adamw(path, t) picks.
+
+    update(grads, state, params) changes params and state in place (donated, as with
+    hpf.optim.adamw: no copy of the model, FSDP shards stay views into their buffers) and
+    returns them.
+    """
+
+    lr: Schedule = 0.02
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    coefficients: Any = "keller"
+    scale: Union[str, float] = "keller"
+    weight_decay: float = 0.0
+    adamw: AdamW = AdamW(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    use_adamw: Callable[[str, torch.Tensor], bool] = default_use_adamw
+    ns_compute_dtype: torch.dtype | None = None
+
+    def on_muon(self, path: str, p: torch.Tensor) -> bool:
+        return p.ndim >= 2 and not self.use_adamw(path, p)
+
+    def init(self, params: Any) -> MuonState:
+        paths, leaves, treedef = _flatten(params, "params")
+        exp_avg = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in leaves]
+        exp_avg_sq = [p.new_empty(0) if self.on_muon(path, p) else torch.zeros_like(p)
+                      for path, p in zip(paths, leaves)]
+        return MuonState(torch.zeros((), dtype=torch.int64), treedef.unflatten(exp_avg),
+                         treedef.unflatten(exp_avg_sq))
+
+    def update(self, grads: Any, state: MuonState, params: Any) -> tuple[Any, MuonState]:
+        paths, leaves, treedef = _flatten(params, "params")
+        grad_leaves = _leaves_like(grads, treedef, paths, leaves, "grads")
+        avg = _leaves_like(state.exp_avg, treedef, paths, leaves, "state.exp_avg")
+        avg_sq = optree.tree_leaves(state.exp_avg_sq)
+        state.count.add_(1)
+        step = int(state.count)
+        is_muon = [self.on_muon(path, p) for path, p in zip(paths, leaves)]
+
+        def pick(xs, want):
+            return [x for x, m in zip(xs, is_muon) if m == want]
+
+        directions = muon_direction(pick(grad_leaves, True), pick(avg, True), momentum=self.momentum,
+                                    nesterov=self.nesterov, ns_steps=self.ns_steps,
+                                    coefficients=self.coefficients, compute_dtype=self.ns_compute_dtype)
+        apply_muon_updates_(pick(leaves, True), directions, lr=schedule_value(self.lr, step),
+                            weight_decay=self.weight_decay, scale=self.scale)
+        self.adamw.apply(pick(leaves, False), pick(grad_leaves, False), pick(avg, False),
+                         pick(avg_sq, False), step)
+        return params, state
 
 
 def muon(lr: Schedule = 0.02, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
@@ -138,54 +168,23 @@ def muon(lr: Schedule = 0.02, momentum: float = 0.95, nesterov: bool = True, ns_
          adamw_lr: Schedule = 3e-4, adamw_betas: tuple[float, float] = (0.9, 0.95),
          adamw_eps: float = 1e-8, adamw_weight_decay: float = 0.0,
          use_adamw: Callable[[str, torch.Tensor], bool] | None = None,
-         ns_compute_dtype: torch.dtype | None = None) -> Optimizer:
-    """Muon for tensors with ndim >= 2, AdamW for the rest and for paths use_adamw(path, tensor) picks.
+         ns_compute_dtype: torch.dtype | None = None) -> Muon:
+    """hpf.optim.muon: an optax-style Muon (see Muon) with an AdamW fallback for non-matrices.
 
-    update(grads, state, params) changes params and state in place (no copy of the model, and
-    FSDP shards stay views into their flat buffers) and returns them. lr and adamw_lr may be
-    callables of the step count (0 on the first update). ns_compute_dtype: None = the kernel's
-    choice for the device (fp32 on CPU, bf16 on accelerators).
+    lr and adamw_lr may be callables of the 1-based step, as in hpf.optim.adamw. scale: "keller"
+    (torch's "original"), "moonlight" (torch's "match_rms_adamw") or a number. ns_compute_dtype:
+    None = the kernel's choice for the device (fp32 on CPU, bf16 on accelerators).
     """
     resolve_coefficients(coefficients, ns_steps)  # bad coefficients fail here, not at step 1
     update_scale(1, 1, scale)
     if not 0.0 <= momentum < 1.0:
-        raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
-    if not all(0.0 <= b < 1.0 for b in adamw_betas) or len(adamw_betas) != 2:
-        raise ValueError(f"adamw_betas must be two numbers in [0, 1), got {adamw_betas!r}")
-    use_adamw = use_adamw or default_use_adamw
-
-    def on_muon(path: str, p: torch.Tensor) -> bool:
-        return p.ndim >= 2 and not use_adamw(path, p)
-
-    def init(params):
-        paths, leaves, treedef = _flatten(params, "params")
-        exp_avg = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in leaves]
-        exp_avg_sq = [p.new_empty(0) if on_muon(path, p) else torch.zeros_like(p)
-                      for path, p in zip(paths, leaves)]
-        return {"step": 0, "exp_avg": treedef.unflatten(exp_avg),
-                "exp_avg_sq": treedef.unflatten(exp_avg_sq)}
-
-    def update(grads, state, params):
-        paths, leaves, treedef = _flatten(params, "params")
-        grad_leaves = _leaves_like(grads, treedef, paths, leaves, "grads")
-        avg = _leaves_like(state["exp_avg"], treedef, paths, leaves, "state['exp_avg']")
-        avg_sq = optree.tree_leaves(state["exp_avg_sq"])
-        step = state["step"]
-        is_muon = [on_muon(path, p) for path, p in zip(paths, leaves)]
-        pick = lambda xs, want: [x for x, m in zip(xs, is_muon) if m == want]  # noqa: E731
-
-        lr_now = _value(lr, step, "lr")
-        directions = muon_direction(pick(grad_leaves, True), pick(avg, True), momentum=momentum,
-                                    nesterov=nesterov, ns_steps=ns_steps, coefficients=coefficients,
-                                    compute_dtype=ns_compute_dtype)
-        apply_muon_updates_(pick(leaves, True), directions, lr=lr_now, weight_decay=weight_decay,
-                            scale=scale)
-        adamw_update_(pick(leaves, False), pick(grad_leaves, False), pick(avg, False),
-                      pick(avg_sq, False), step=step + 1, lr=_value(adamw_lr, step, "adamw_lr"),
-                      betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
-        return params, {**state, "step": step + 1}
-
-    return Optimizer(init, update)
+        raise ValueError(f"muon: momentum must be in [0, 1), got {momentum!r}")
+    if (not callable(lr) and lr < 0) or weight_decay < 0:
+        raise ValueError(f"muon: lr and weight_decay must be >= 0, got lr={lr}, "
+                         f"weight_decay={weight_decay}")
+    fallback = adamw(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
+    return Muon(lr, momentum, nesterov, ns_steps, coefficients, scale, weight_decay, fallback,
+                use_adamw or default_use_adamw, ns_compute_dtype)
 
 
 def _flatten(tree, what: str):
