@@ -261,7 +261,11 @@ class TrainJob:
 def _make_optimizer(name: str, lr: float):
     if name == "muon":
         muon = _optional("hpf.optim.muon", "--optimizer muon", "this build of hpf has no Muon yet").muon
-        return muon(lr=lr, adamw_lr=DEFAULT_LR["adamw"])
+        optimizer = muon(lr=lr, adamw_lr=DEFAULT_LR["adamw"])
+        if not hasattr(optimizer, "for_plan"):  # how shard_step hands an optimizer the layout of its shards
+            raise CliError("--optimizer muon: this build's hpf.optim.muon works on full tensors only; "
+                           "the sharded (distributed) Muon is not there yet")
+        return optimizer
     return hpf.optim.adamw(lr=lr)
 
 
@@ -295,8 +299,8 @@ def _train_rank(rank: int, job: TrainJob) -> None:
                       "tokens_per_s": tokens_per_step / m["step_s"]}
             out.write(json.dumps(record) + "\n")
             out.flush()  # a crashed or interrupted run keeps its metrics so far
-            progress.update(i, loss=f"{m['loss']:.4f}", tok_s=f"{record['tokens_per_s'] / 1e3:.1f}k",
-                            comm_wait=f"{m['comm_wait_s'] / m['step_s']:.0%}")
+            progress.update(i, {"loss": f"{m['loss']:.4f}", "tokens/s": f"{record['tokens_per_s'] / 1e3:.1f}k",
+                                "comm wait": f"{m['comm_wait_s'] / m['step_s']:.0%}"})
     progress.close()
 
 

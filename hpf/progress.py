@@ -17,9 +17,9 @@ LINES_WHEN_NOT_A_TTY = 10
 
 
 class Progress:
-    """``update(done, **fields)`` after each item; ``close()`` at the end.
+    """``update(done, {"loss": "1.23", ...})`` after each item; ``close()`` at the end.
 
-    Fields are shown as ``name value`` after the count; pre-format them as strings.
+    Fields are shown as ``name value`` after the count; pre-format the values as strings.
     """
 
     def __init__(self, total: int, *, label: str = "", stream: TextIO | None = None):
@@ -30,7 +30,8 @@ class Progress:
         self.start = time.perf_counter()
         self.width = 0
 
-    def update(self, done: int, **fields: str) -> None:
+    def update(self, done: int, fields: dict[str, str] | None = None) -> None:
+        fields = fields or {}
         if self.is_tty:
             line = self._line(done, fields)
             self.stream.write("\r" + line.ljust(self.width))

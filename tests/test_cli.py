@@ -165,7 +165,7 @@ def test_progress_prints_about_ten_plain_lines_when_not_a_terminal():
     stream = io.StringIO()
     bar = Progress(25, label="train", stream=stream)
     for i in range(1, 26):
-        bar.update(i, loss=f"{1 / i:.3f}")
+        bar.update(i, {"loss": f"{1 / i:.3f}"})
     bar.close()
     lines = stream.getvalue().splitlines()
     assert "\r" not in stream.getvalue()
@@ -181,7 +181,7 @@ def test_progress_redraws_one_line_on_a_terminal():
     stream = Terminal()
     bar = Progress(3, stream=stream)
     for i in range(1, 4):
-        bar.update(i, loss="1.0")
+        bar.update(i, {"loss": "1.0"})
     assert stream.getvalue().count("\r") == 3 and "\n" not in stream.getvalue()
     bar.close()
     assert stream.getvalue().endswith("\n") and "[" + "#" * 24 + "]" in stream.getvalue()
