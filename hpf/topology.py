@@ -23,6 +23,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 
 import torch
@@ -74,11 +75,18 @@ class Topology:
 class _Handle:
     """A collective in flight on a worker thread."""
 
-    def __init__(self, future: Future, timeout: float):
-        self.future, self.timeout = future, timeout
+    def __init__(self, future: Future, timeout: float, what: str):
+        self.future, self.timeout, self.what = future, timeout, what
 
     def wait(self) -> bool:
-        self.future.result(timeout=self.timeout)
+        # A backstop at twice the timeout, so the transport's own timeout (a ShmTimeout that
+        # names the ranks that did not arrive) reaches the caller first.
+        done, _ = futures_wait([self.future], timeout=2 * self.timeout)
+        if not done:
+            raise TimeoutError(f"hpf: {self.what} did not finish within {2 * self.timeout:g} s "
+                               "(2 x Topology.timeout_s): a peer rank died, hangs, or does not run "
+                               "the same steps")
+        self.future.result()  # re-raises the collective's own error
         return True
 
 
@@ -96,15 +104,20 @@ class _Worker:
         return fut
 
     def _run(self) -> None:
+        failed = None
         while True:
             job = self.jobs.get()
             if job is None:
                 return
             fn, fut = job
+            if failed is not None:  # the ranks are out of step: every later collective would hang
+                fut.set_exception(failed)
+                continue
             try:
                 fn()
                 fut.set_result(None)
-            except BaseException as e:  # handed to whoever waits on the future
+            except BaseException as e:  # handed to whoever waits on this or any later future
+                failed = e
                 fut.set_exception(e)
 
     def close(self) -> None:
@@ -210,7 +223,7 @@ class TieredComm:
             self.bytes["all_gather", "fast"] += tiers["fast"]
             self.bytes["all_gather", "slow"] += tiers["slow"]
 
-        return _Handle(self._gather_worker.submit(job), self.timeout)
+        return _Handle(self._gather_worker.submit(job), self.timeout, f"the all-gather of bucket {b}")
 
     def reduce(self, b: int, shard: torch.Tensor, flat: torch.Tensor) -> _Handle:
         """shard <- this rank's slice of the sum of every data-parallel rank's flat grad."""
@@ -237,7 +250,7 @@ class TieredComm:
             self.bytes["reduce_scatter", "fast"] += tiers["fast"]
             self.bytes["reduce_scatter", "slow"] += tiers["slow"]
 
-        return _Handle(self._reduce_worker.submit(job), self.timeout)
+        return _Handle(self._reduce_worker.submit(job), self.timeout, f"the reduction of bucket {b}")
 
     def close(self) -> None:
         self._gather_worker.close()
