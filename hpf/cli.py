@@ -32,7 +32,7 @@ __all__ = ["main", "parse_mesh", "read_metrics", "save_plots", "parse_ratio_line
 DEFAULT_MESH = {"node": 2, "local": 2}  # 2 "hosts" x 2 local ranks: exercises both tiers
 DEFAULT_LR = {"adamw": 1e-2, "muon": 0.02}
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
-METRIC_FIELDS = ("step", "loss", "grad_norm", "step_s", "comm_wait_s", "optimizer_s", "tokens_per_s")
+STEP_METRICS = ("loss", "grad_norm", "step_s", "comm_wait_s", "optimizer_s")  # from shard_step's metrics
 RATIO_LINE = re.compile(r"^RATIO\s+(\S+)\s+(\S+)(?:\s+(\S+))?\s*$")
 BENCHMARKS_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -71,14 +71,15 @@ def _axes_list(text: str) -> tuple[str, ...]:
     return axes
 
 
-def _positive(kind):
+def _positive(kind, least=None):
+    """An argparse type: a number > 0 (or >= ``least``)."""
     def check(text: str):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if value <= 0 if least is None else value < least:
+            raise argparse.ArgumentTypeError(f"{text!r} must be " + ("positive" if least is None else f">= {least}"))
         return value
     return check
 
@@ -125,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"learning rate (default: {DEFAULT_LR['adamw']} for adamw, {DEFAULT_LR['muon']} for muon)")
     train.add_argument("--mode", choices=("production", "validate"), default="production",
                        help="validate runs the same plan with layout checks on every op (default: production)")
-    train.add_argument("--seed", type=int, default=0, help="seeds the init and the data (default: 0)")
+    train.add_argument("--seed", type=_positive(int, least=0), default=0,
+                       help="seeds the init and the data (default: 0)")
     train.add_argument("--out", type=Path, metavar="DIR", help="run folder (default: runs/<timestamp>)")
     train.add_argument("--plot", action="store_true",
                        help="save loss.png and step_breakdown.png into the run folder (needs matplotlib)")
@@ -295,8 +297,7 @@ def _train_rank(rank: int, job: TrainJob) -> None:
     with open(job.metrics_path, "w") as out:
         for i in range(1, job.steps + 1):
             state, m = step(state, next(batches))
-            record = {"step": i, **{k: m[k] for k in METRIC_FIELDS[1:-1]},
-                      "tokens_per_s": tokens_per_step / m["step_s"]}
+            record = {"step": i, **{k: m[k] for k in STEP_METRICS}, "tokens_per_s": tokens_per_step / m["step_s"]}
             out.write(json.dumps(record) + "\n")
             out.flush()  # a crashed or interrupted run keeps its metrics so far
             progress.update(i, {"loss": f"{m['loss']:.4f}", "tokens/s": f"{record['tokens_per_s'] / 1e3:.1f}k",
