@@ -10,8 +10,11 @@ from .plan import Plan, plan
 from .spec import P, SpecError, rules
 from .step import MixedPrecision, ShardStep, TrainState, shard_step
 from .topology import SlowLink, Topology
+from .collectives import all_gather, all_to_all, axis_index, psum
+from .validate import check_plan
 from . import optim
 
 __all__ = ["P", "Mesh", "MeshError", "MixedPrecision", "Plan", "ShardStep", "SlowLink", "SpecError", "Topology", "TrainState",
-           "launch", "optim", "plan", "rules", "shard_step", "tree"]
+           "all_gather", "all_to_all", "axis_index", "check_plan", "launch", "optim", "plan", "psum", "rules",
+           "shard_step", "tree"]
 __version__ = "0.1.0"

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from . import tree as tree_util
+from .collectives import SPMD, spmd
 from .fsdp import BucketComm, UnitEngine
 from .mesh import Mesh, MeshError
 from .plan import Plan, plan as make_plan
@@ -104,6 +105,13 @@ class ShardStep:
         self.engine = UnitEngine(self.plan, self.rank, comm, compute, reduce, self.device,
                                  pipeline=self.topology is None or self.topology.pipeline)
         self.dp_size = self.mesh.axis_size(self.plan.fsdp_axes)
+        self._spmd = SPMD(self.mesh, self.rank, self.plan.fsdp_axes)
+        n_compute = self.mesh.axis_size(self.plan.compute_axes)
+        self._loss_seed = None if n_compute == 1 else 1.0 / n_compute
+        # Buckets replicated over non-FSDP axes hold partial grads there (see hpf.collectives).
+        partial = [(b.index, tuple(a for a in self.plan.compute_axes if a not in b.compute_axes))
+                   for b in self.plan.buckets]
+        self._compute_sums = [(b, self.mesh.group(axes)) for b, axes in partial if self.mesh.axis_size(axes) > 1]
         self._replicas = [float(self.plan.replicas(b)) for b in self.plan.buckets]
         opt = self.optimizer
         self._opt = opt.for_plan(self.plan, self.rank) if hasattr(opt, "for_plan") else opt
@@ -117,12 +125,7 @@ class ShardStep:
             raise RuntimeError("call step.init(full_params) first, and pass the state it returns")
         t0 = time.perf_counter()
         eng = self.engine
-        eng.begin(state.params, self.grad_shards)
-        with torch.autograd.graph.saved_tensors_hooks(eng.pack, eng.unpack):
-            loss = self.loss_fn(eng.params_tree(), batch)
-            _check_loss(loss)
-            loss.backward()
-        eng.finish()
+        loss = self._forward_backward(state, batch)
         grads = self.grad_shards
         torch._foreach_div_(grads, float(self.dp_size))
         sq = torch.stack([g.float().pow(2).sum() / r for g, r in zip(grads, self._replicas)]).sum()
@@ -139,6 +142,27 @@ class ShardStep:
         metrics = {"loss": float(totals[0]), "grad_norm": grad_norm, "step_s": t1 - t0,
                    "optimizer_s": t1 - t_opt, "comm_wait_s": eng.take_wait_s()}
         return TrainState(params, opt_state), metrics
+
+    def _forward_backward(self, state: TrainState, batch: Any) -> torch.Tensor:
+        """Run loss_fn and backward; leaves the grads of the local losses, summed over the FSDP
+        axes, in ``self.grad_shards``. Returns this rank's loss."""
+        eng = self.engine
+        eng.begin(state.params, self.grad_shards)
+        with torch.autograd.graph.saved_tensors_hooks(eng.pack, eng.unpack), spmd(self._spmd):
+            loss = self._run_loss(eng.params_tree(), batch)
+            _check_loss(loss)
+            if self._loss_seed is None:
+                loss.backward()
+            else:  # the loss is replicated over non-FSDP axes: each copy carries 1/n (see hpf.collectives)
+                loss.backward(torch.full_like(loss, self._loss_seed))
+        eng.finish()
+        for b, group in self._compute_sums:
+            dist.all_reduce(self.grad_shards[b], group=group)
+        return loss
+
+    def _run_loss(self, params: Any, batch: Any) -> torch.Tensor:
+        """The call of loss_fn; validation mode wraps params and batch here."""
+        return self.loss_fn(params, batch)
 
     def full_params(self, state: TrainState) -> Any:
         """The gathered full params, as a plain pytree of fresh tensors (the same on every rank).
