@@ -316,7 +316,7 @@ def cmd_train(args) -> int:
         raise CliError(f"--batch-size {args.batch_size} is the global batch and must split evenly over "
                        f"{mesh.size} ranks; use a multiple of {mesh.size}")
     if args.plot:
-        _optional("matplotlib", "--plot", "pip install 'hpf[plot]' (or matplotlib)")
+        _optional("matplotlib", "--plot", "pip install matplotlib (the plot extra: pip install -e '.[plot]')")
     out = args.out or Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     lead = rank() == 0  # rank 0 under torchrun; the driver otherwise
     if lead and (out / "metrics.jsonl").exists():

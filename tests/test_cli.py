@@ -125,7 +125,7 @@ def test_bad_arguments_get_one_line_errors(argv, names, capsys):
 def test_missing_matplotlib_and_reused_run_folder_are_one_line_errors(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an install without the plot extra sees
     code, _, err = run_main(["train", "--plot", "--out", str(tmp_path / "a")], capsys)
-    assert code == 2 and err.count("\n") == 1 and "matplotlib" in err and "hpf[plot]" in err
+    assert code == 2 and err.count("\n") == 1 and "pip install matplotlib" in err
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "metrics.jsonl").write_text("")
     code, _, err = run_main(["train", "--out", str(tmp_path / "b")], capsys)
