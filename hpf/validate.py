@@ -1460,6 +1460,7 @@ def check_grads(step: ShardStep, state: TrainState, batch: Any, *, rtol: float =
     each data-parallel rank's local batch and averaged, with hpf collectives acting as on one
     rank. A path fails when max |sharded - reference| > atol + rtol * max |reference|; then
     raises :class:`GradientMismatchError` naming the paths; otherwise returns the report.
+    Under mixed precision the reference computes in the compute dtype too; loosen rtol to match.
     """
     if step.engine is None:
         raise RuntimeError("check_grads: call step.init(full_params) first")
