@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from . import tree as tree_util
 from .plan import ROOT, Bucket, Plan
-from .report import bucket_gather_bytes
+from .report import bucket_allreduce_bytes, bucket_gather_bytes
 
 __all__ = ["UnitEngine", "BucketComm", "MemoryStats"]
 
@@ -55,7 +55,9 @@ class BucketComm:
     size, after every sum has landed, so the mean is exact in the reduce dtype.
     """
 
-    persistent = False  # buffers are plain tensors the engine may free
+    def is_shared(self, b: int) -> bool:
+        """Whether bucket b's full buffer is transport-owned shared memory (never freed)."""
+        return False
 
     def __init__(self, plan: Plan, device: torch.device, compute_dtypes, reduce_dtypes):
         self.plan, self.device = plan, device
@@ -66,6 +68,7 @@ class BucketComm:
         self.bytes: Counter = Counter()  # (op, tier) -> bytes this rank sent (report.py's model)
         self._ag_bytes = [bucket_gather_bytes(mesh, b, compute_dtypes[b.index]) for b in plan.buckets]
         self._rs_bytes = [bucket_gather_bytes(mesh, b, reduce_dtypes[b.index]) for b in plan.buckets]
+        self._ar_bytes = [bucket_allreduce_bytes(mesh, b, reduce_dtypes[b.index]) for b in plan.buckets]
 
     def full_buffer(self, b: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(self.plan.buckets[b].padded_numel, dtype=dtype, device=self.device)
@@ -93,6 +96,7 @@ class BucketComm:
         rg = self.replica_groups[b]
         if rg is None:
             return handle
+        self._count("all_reduce", self._ar_bytes[b])
         return _Chain(handle, lambda: dist.all_reduce(shard, group=rg, async_op=True))
 
     def _count(self, op: str, tiers: dict) -> None:
@@ -158,17 +162,19 @@ class UnitEngine:
         bks = plan.buckets
         # Full buffers live as long as the engine. Plain ones are freed between uses by
         # resizing their storage to 0, which keeps every view of them (params, saved
-        # tensors) valid to refill; a persistent transport owns shared ones instead.
+        # tensors) valid to refill; a shared-memory transport owns shared ones instead.
         self.full = [_own_base(comm.full_buffer(b.index, compute_dtype or b.dtype)) for b in bks]
         self.nbytes = [f.numel() * f.element_size() for f in self.full]
-        self.persistent = comm.persistent
-        if not self.persistent:
-            for f in self.full:
+        self.shared = [comm.is_shared(b.index) for b in bks]
+        for f, shared in zip(self.full, self.shared):
+            if not shared:
                 f.untyped_storage().resize_(0)
         self._live: set[str] = set()
         self.pipeline = pipeline
         self.units = list(plan.units)
         self.unit_buckets = {u: plan.units[u].buckets for u in self.units}
+        # A unit wholly in shared memory stays mapped for the step: no free, no re-gather.
+        self.unit_shared = {u: all(self.shared[b] for b in bs) for u, bs in self.unit_buckets.items()}
         self._next_unit = dict(zip(self.units, self.units[1:]))
         # Per unit: the param views in slot order, and how to build its subtree from them.
         self._slices = {u: [(b, s.offset, s.numel, s.local_shape) for b in self.unit_buckets[u]
@@ -255,7 +261,7 @@ class UnitEngine:
         handles = []
         for b in self.unit_buckets[unit]:
             st = self.full[b].untyped_storage()
-            if not self.persistent:
+            if not self.shared[b]:
                 st.resize_(self.nbytes[b])
                 self._ptr_unit[st.data_ptr()] = unit  # so backward can find and re-gather it
             handles.append(self.comm.all_gather(b, self.full[b], self.shards[b]))
@@ -274,14 +280,15 @@ class UnitEngine:
         return out
 
     def _free(self, unit: str) -> None:
-        """Release a unit's gathered buffers (shared persistent ones stay until the next step)."""
-        if unit not in self._live or self.persistent:
+        """Release a unit's gathered buffers (shared-memory units stay until the step ends)."""
+        if unit not in self._live or self.unit_shared[unit]:
             return
         self._wait(unit)
         for b in self.unit_buckets[unit]:
-            st = self.full[b].untyped_storage()
-            self._ptr_unit.pop(st.data_ptr(), None)
-            st.resize_(0)
+            if not self.shared[b]:
+                st = self.full[b].untyped_storage()
+                self._ptr_unit.pop(st.data_ptr(), None)
+                st.resize_(0)
         self._live.discard(unit)
         self._account(unit, -1)
 
@@ -343,12 +350,10 @@ class UnitEngine:
         self.reductions = []
         for u in list(self._live):
             self._free(u)
+        for u in list(self._live):  # shared units stay mapped; they are refilled next step
+            self._account(u, -1)
+        self._live.clear()
         self._views = {}
-        if self.persistent:  # shared buffers stay mapped; they are refilled next step
-            for u in list(self._live):
-                self._account(u, -1)
-            self._live.clear()
-            self._ptr_unit.clear()
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch
 
 from .mesh import Mesh
 
-__all__ = ["PlanReport", "collective_bytes", "bucket_gather_bytes"]
+__all__ = ["PlanReport", "collective_bytes", "bucket_gather_bytes", "bucket_allreduce_bytes", "dtype_bytes"]
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -42,6 +42,16 @@ def bucket_gather_bytes(mesh: Mesh, bucket, dtype: torch.dtype, hierarchical: bo
     return collective_bytes(mesh, bucket.shard_axes, bucket.shard_numel * dtype_bytes(dtype), hierarchical)
 
 
+def bucket_allreduce_bytes(mesh: Mesh, bucket, dtype: torch.dtype, hierarchical: bool = False) -> dict[str, int]:
+    """Bytes one rank sends per tier to all-reduce its grad shard over the bucket's replicas
+    (HSDP): a reduce-scatter plus an all-gather over the replicate axes."""
+    m = mesh.axis_size(bucket.replicate_axes)
+    if m == 1:
+        return {"fast": 0, "slow": 0}
+    part = -(-bucket.shard_numel // m) * dtype_bytes(dtype)
+    return {t: 2 * n for t, n in collective_bytes(mesh, bucket.replicate_axes, part, hierarchical).items()}
+
+
 @dataclass
 class PlanReport:
     world_size: int
@@ -55,10 +65,12 @@ class PlanReport:
     @classmethod
     def of(cls, plan, *, compute_dtype: torch.dtype | None = None, master_dtype: torch.dtype | None = None,
            reduce_dtype: torch.dtype | None = None, optimizer_states: int = 2,
-           hierarchical: bool = False) -> "PlanReport":
+           hierarchical: bool = False, regather: bool = True) -> "PlanReport":
+        """``regather=False``: blocks stay gathered through backward (a shared-memory fast tier)."""
         from .plan import ROOT
 
         mesh = plan.mesh
+        last_unit = list(plan.units)[-1]
         params = grads = opt = padded_total = 0
         unit_bytes: dict[str, int] = {}
         comm = {c: {"fast": 0, "slow": 0} for c in ("all_gather", "reduce_scatter", "all_reduce")}
@@ -72,20 +84,17 @@ class PlanReport:
             replicas = mesh.size // b.shard_size
             padded_total += b.padded_numel * master * replicas
             unit_bytes[b.unit] = unit_bytes.get(b.unit, 0) + b.padded_numel * compute
-            gathers = 1 if b.unit == ROOT else 2  # blocks are gathered again in backward
+            # backward re-gathers every block but the last, which is still gathered
+            gathers = 2 if regather and b.unit not in (ROOT, last_unit) else 1
             if b.shard_axes:
-                for tier, n in collective_bytes(mesh, b.shard_axes, b.shard_numel * compute,
-                                                hierarchical).items():
+                for tier, n in bucket_gather_bytes(mesh, b, compute_dtype or b.dtype, hierarchical).items():
                     comm["all_gather"][tier] += gathers * n
-                for tier, n in collective_bytes(mesh, b.shard_axes, b.shard_numel * reduce,
-                                                hierarchical).items():
+                for tier, n in bucket_gather_bytes(mesh, b, reduce_dtype or master_dtype or b.dtype,
+                                                   hierarchical).items():
                     comm["reduce_scatter"][tier] += n
-            if b.replicate_axes:
-                # all-reduce of the shard grad = reduce-scatter + all-gather over the replicas
-                m = mesh.axis_size(b.replicate_axes)
-                for tier, n in collective_bytes(mesh, b.replicate_axes, -(-b.shard_numel // m) * reduce,
-                                                hierarchical).items():
-                    comm["all_reduce"][tier] += 2 * n
+            for tier, n in bucket_allreduce_bytes(mesh, b, reduce_dtype or master_dtype or b.dtype,
+                                                  hierarchical).items():
+                comm["all_reduce"][tier] += n
         blocks = sorted((v for k, v in unit_bytes.items() if k != ROOT), reverse=True)
         peak = unit_bytes.get(ROOT, 0) + sum(blocks[:2])
         return cls(mesh.size, params, grads, opt, peak, padded_total, comm)

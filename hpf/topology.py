@@ -32,7 +32,7 @@ import torch.distributed as dist
 from .comm.shm import ShmGroup
 from .comm.transport import ProcessGroupTransport
 from .plan import Plan
-from .report import bucket_gather_bytes, dtype_bytes
+from .report import bucket_allreduce_bytes, bucket_gather_bytes, dtype_bytes
 
 __all__ = ["Topology", "SlowLink", "TieredComm"]
 
@@ -137,7 +137,7 @@ class TieredComm:
         self._gather_worker = _Worker("hpf-gather")
         self._reduce_worker = _Worker("hpf-reduce")
         use_shm = self._use_shm(topology, device)
-        self.persistent = use_shm
+        self._use_shm_fast = use_shm
         fast_axes = set(mesh.fast_axes)
         self._stages = []
         shm_need = 0
@@ -171,6 +171,7 @@ class TieredComm:
         hier = topology.hierarchical
         self._ag_bytes = [bucket_gather_bytes(mesh, b, compute_dtypes[b.index], hier) for b in plan.buckets]
         self._rs_bytes = [bucket_gather_bytes(mesh, b, reduce_dtypes[b.index], hier) for b in plan.buckets]
+        self._ar_bytes = [bucket_allreduce_bytes(mesh, b, reduce_dtypes[b.index], hier) for b in plan.buckets]
 
     @staticmethod
     def _use_shm(topology: Topology, device: torch.device) -> bool:
@@ -183,17 +184,21 @@ class TieredComm:
         return len(set(hosts)) == 1
 
     # -- buffers -------------------------------------------------------------------------------
+    def is_shared(self, b: int) -> bool:
+        """Bucket b's fast tier is shared memory: its full buffer is one segment per host."""
+        return self._use_shm_fast and bool(self._stages[b][0])
+
     def full_buffer(self, b: int, dtype: torch.dtype) -> torch.Tensor:
-        fast, _ = self._stages[b]
         bucket = self.plan.buckets[b]
-        if self.persistent and fast:
+        if self.is_shared(b):
+            fast, _ = self._stages[b]
             return self._fast[("gather", fast)].buffer(("full", b), bucket.padded_numel, dtype)
         return torch.empty(bucket.padded_numel, dtype=dtype, device=self._device)
 
     def grad_buffer(self, b: int, dtype: torch.dtype) -> torch.Tensor:
-        fast, _ = self._stages[b]
         bucket = self.plan.buckets[b]
-        if self.persistent and fast:
+        if self.is_shared(b):
+            fast, _ = self._stages[b]
             return self._fast[("reduce", fast)].buffer(("grad", b), bucket.padded_numel, dtype, per_rank=True)
         return torch.empty(bucket.padded_numel, dtype=dtype, device=self._device)
 
@@ -229,8 +234,7 @@ class TieredComm:
         """shard <- this rank's slice of the sum of every data-parallel rank's flat grad."""
         fast, slow = self._stages[b]
         group = self._replica[b]
-        tiers = self._rs_bytes[b]
-        replica_slow = bool(set(self.plan.buckets[b].replicate_axes) - set(self.plan.mesh.fast_axes))
+        tiers, replica = self._rs_bytes[b], self._ar_bytes[b]
 
         def job():
             block = flat
@@ -245,10 +249,10 @@ class TieredComm:
                 shard.copy_(flat)
             if group is not None:
                 dist.all_reduce(shard, group=group)
-                if replica_slow:
-                    self._slow_sleep(2 * shard.numel() * shard.element_size())
-            self.bytes["reduce_scatter", "fast"] += tiers["fast"]
-            self.bytes["reduce_scatter", "slow"] += tiers["slow"]
+                self._slow_sleep(replica["slow"])
+            for tier in ("fast", "slow"):
+                self.bytes["reduce_scatter", tier] += tiers[tier]
+                self.bytes["all_reduce", tier] += replica[tier]
 
         return _Handle(self._reduce_worker.submit(job), self.timeout, f"the reduction of bucket {b}")
 
