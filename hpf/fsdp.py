@@ -175,13 +175,15 @@ class UnitEngine:
         self.unit_buckets = {u: plan.units[u].buckets for u in self.units}
         # A unit wholly in shared memory stays mapped for the step: no free, no re-gather.
         self.unit_shared = {u: all(self.shared[b] for b in bs) for u, bs in self.unit_buckets.items()}
+        # Full buffers of units that are freed in forward, so backward must re-gather them.
+        self._freeable = {id(self.full[b]): u for u, bs in self.unit_buckets.items()
+                          if u != ROOT and not self.unit_shared[u] for b in bs}
         self._next_unit = dict(zip(self.units, self.units[1:]))
         # Per unit: the param views in slot order, and how to build its subtree from them.
         self._slices = {u: [(b, s.offset, s.numel, s.local_shape) for b in self.unit_buckets[u]
                             for s in bks[b].slots] for u in self.units}
         self._subtree = {u: self._subtree_builder(u) for u in self.units if u != ROOT}
         self._skeleton, self._skeleton_leaves = self._skeleton_of(plan)
-        self._ptr_unit: dict[int, str] = {}
         self._pending: dict[str, list] = {}  # unit -> in-flight gather handles
         self.grad_shards: list[torch.Tensor] = []
         self.reductions: list[tuple[int, Any]] = []
@@ -263,7 +265,6 @@ class UnitEngine:
             st = self.full[b].untyped_storage()
             if not self.shared[b]:
                 st.resize_(self.nbytes[b])
-                self._ptr_unit[st.data_ptr()] = unit  # so backward can find and re-gather it
             handles.append(self.comm.all_gather(b, self.full[b], self.shards[b]))
         self._pending[unit] = handles
         self._live.add(unit)
@@ -286,9 +287,7 @@ class UnitEngine:
         self._wait(unit)
         for b in self.unit_buckets[unit]:
             if not self.shared[b]:
-                st = self.full[b].untyped_storage()
-                self._ptr_unit.pop(st.data_ptr(), None)
-                st.resize_(0)
+                self.full[b].untyped_storage().resize_(0)
         self._live.discard(unit)
         self._account(unit, -1)
 
@@ -301,8 +300,9 @@ class UnitEngine:
 
     # -- saved-tensor hooks: re-gather freed units when backward needs them ---------------------
     def pack(self, t: torch.Tensor):
-        unit = self._ptr_unit.get(t.untyped_storage().data_ptr())
-        return t if unit is None or unit == ROOT else _Saved(unit, t)
+        base = t._base  # params are views of a unit's full buffer; most saved tensors are not views
+        unit = None if base is None else self._freeable.get(id(base))
+        return t if unit is None else _Saved(unit, t)
 
     def unpack(self, saved):
         if type(saved) is not _Saved:
@@ -328,7 +328,8 @@ class UnitEngine:
 
     def _reduce_bucket(self, b: int, bucket: Bucket, grads) -> Any:
         shard = self.grad_shards[b]
-        flat = shard if not bucket.shard_axes else self.comm.grad_buffer(b, shard.dtype)
+        unsharded = bucket.shard_size == 1 and not self.shared[b]
+        flat = shard if unsharded else self.comm.grad_buffer(b, shard.dtype)
         views = [flat[s.offset:s.offset + s.numel].view(s.local_shape) for s in bucket.slots]
         torch._foreach_copy_(views, list(grads))
         if bucket.padded_numel > bucket.numel:

@@ -210,7 +210,7 @@ def _collect(procs: list, conns: list, timeout: float) -> list[Any]:
     missing = object()
     results = [missing] * len(procs)
     deadline = time.monotonic() + timeout
-    while missing in results:
+    while any(v is missing for v in results):
         pending = [r for r, v in enumerate(results) if v is missing]
         remaining = deadline - time.monotonic()
         ready = set(mp.connection.wait([conns[r] for r in pending] + [procs[r].sentinel for r in pending],

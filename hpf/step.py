@@ -112,7 +112,7 @@ class ShardStep:
         partial = [(b.index, tuple(a for a in self.plan.compute_axes if a not in b.compute_axes))
                    for b in self.plan.buckets]
         self._compute_sums = [(b, self.mesh.group(axes)) for b, axes in partial if self.mesh.axis_size(axes) > 1]
-        self._replicas = [float(self.plan.replicas(b)) for b in self.plan.buckets]
+        self._replica_counts = torch.tensor([float(self.plan.replicas(b)) for b in self.plan.buckets])
         opt = self.optimizer
         self._opt = opt.for_plan(self.plan, self.rank) if hasattr(opt, "for_plan") else opt
         return TrainState(shards, self._opt.init(shards))
@@ -128,7 +128,8 @@ class ShardStep:
         loss = self._forward_backward(state, batch)
         grads = self.grad_shards
         torch._foreach_div_(grads, float(self.dp_size))
-        sq = torch.stack([g.float().pow(2).sum() / r for g, r in zip(grads, self._replicas)]).sum()
+        norms = torch.stack(torch._foreach_norm(grads)).float()
+        sq = (norms.square() / self._replica_counts).sum()
         totals = torch.stack([loss.detach().float(), sq])
         if dist.is_initialized() and self.mesh.size > 1:
             dist.all_reduce(totals)
