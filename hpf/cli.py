@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
         "plan", parents=[job], help="print per-rank memory and communication for any config and mesh",
         description="Print the plan report of a GPT config on a virtual mesh of any size, from meta "
                     "tensors; starts no process. Example: hpf plan --config 1b --mesh node=96,local=8")
+    plan.add_argument("--check", action="store_true",
+                      help="also run validation mode for rank 0's view of the mesh on meta tensors "
+                           "(hpf.check_plan): layouts and shapes of the whole step, forward and backward")
     plan.set_defaults(run=cmd_plan)
 
     bench = sub.add_parser(
@@ -236,6 +239,10 @@ def cmd_plan(args) -> int:
           f"{args.topology} collectives{', HSDP' if args.hsdp else ''}; precision {args.mixed_precision or 'fp32'}; "
           "AdamW state counted")
     print(report.format())
+    if args.check:
+        one_sequence = torch.empty(1, config.seq_len + 1, dtype=torch.int64, device="meta")
+        print(hpf.check_plan(gpt.loss_for(config), gpt.init(config, device="meta"), mesh, one_sequence,
+                             fsdp_axes=args.fsdp_axes, mixed_precision=args.mixed_precision))
     return 0
 
 

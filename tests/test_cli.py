@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import hpf
 from hpf import cli
 from hpf.models import gpt
 from hpf.progress import Progress
@@ -101,6 +102,25 @@ def test_plan_at_768_ranks_reports_shards_and_totals(capsys):
     # bf16 compute halves what is gathered; the fp32 master shards stay as they were.
     assert _mib(bf16, "peak gathered units") == pytest.approx(_mib(out, "peak gathered units") / 2, abs=0.01)
     assert _mib(bf16, r"params \(shards\)") == _mib(out, r"params \(shards\)")
+
+
+def test_plan_check_validates_the_whole_step_at_768_ranks(capsys):
+    code, out, err = run_main(["plan", "--config", "tiny", "--mesh", "node=96,local=8", "--check"], capsys)
+    assert code == 0, err
+    n_tensors = len(hpf.tree.flatten(gpt.init(gpt.CONFIGS["tiny"], device="meta"))[1])
+    assert re.search(rf"plan check OK on .*'node': 96, 'local': 8.*: {n_tensors} params, [1-9]\d* ops checked", out)
+
+
+def test_validate_mode_trains_the_same_model(tmp_path, capsys):
+    code, out, err = run_main(["train", "--world-size", "1", "--steps", "2", "--mode", "validate",
+                               "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    assert "validate mode" in out
+    first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    config = gpt.CONFIGS["tiny"]
+    reference = gpt.loss_for(config)(gpt.init(config, torch.Generator().manual_seed(0)),
+                                     gpt.global_batch(config, 32, 0, 0))
+    assert first["loss"] == pytest.approx(reference.item(), rel=1e-6)  # same fp32 math, one process
 
 
 @pytest.mark.parametrize("argv, names", [
