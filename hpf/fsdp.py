@@ -170,6 +170,8 @@ class UnitEngine:
             if not shared:
                 f.untyped_storage().resize_(0)
         self._live: set[str] = set()
+        self._pending: dict[str, list] = {}  # unit -> in-flight gather handles
+        self._begun = None
         self.pipeline = pipeline
         self.units = list(plan.units)
         self.unit_buckets = {u: plan.units[u].buckets for u in self.units}
@@ -184,7 +186,6 @@ class UnitEngine:
                             for s in bks[b].slots] for u in self.units}
         self._subtree = {u: self._subtree_builder(u) for u in self.units if u != ROOT}
         self._skeleton, self._skeleton_leaves = self._skeleton_of(plan)
-        self._pending: dict[str, list] = {}  # unit -> in-flight gather handles
         self.grad_shards: list[torch.Tensor] = []
         self.reductions: list[tuple[int, Any]] = []
 
@@ -222,7 +223,12 @@ class UnitEngine:
 
     # -- a step ----------------------------------------------------------------------------------
     def begin(self, shards: list[torch.Tensor], grad_shards: list[torch.Tensor]) -> None:
-        """Start a step: cast shards to the compute dtype and start gathering the first units."""
+        """Start a step: cast shards to the compute dtype and start gathering the first units.
+
+        The step calls this right after the optimizer, so the next step's first gathers
+        overlap whatever the caller does between steps; ``ready_for`` tells whether that
+        prefetch still matches the shards the next step is given."""
+        self._abandon()
         cdt = self.compute_dtype
         self.shards = [s if cdt is None or s.dtype == cdt else s.to(cdt) for s in shards]
         self.grad_shards = grad_shards
@@ -233,6 +239,23 @@ class UnitEngine:
         self.anchor = torch.empty(0, device=self.device, requires_grad=True)
         for u in self.units[:2]:
             self._gather(u)
+        self._begun = (list(shards), [s._version for s in shards])
+
+    def ready_for(self, shards: list[torch.Tensor]) -> bool:
+        """True if ``begin`` ran for exactly these shards and nothing has written to them since."""
+        begun = self._begun
+        return begun is not None and len(begun[0]) == len(shards) and all(
+            a is b and a._version == v for a, b, v in zip(begun[0], shards, begun[1]))
+
+    def _abandon(self) -> None:
+        """Drop gathers started for shards that are no longer current."""
+        for u in list(self._live):
+            self._wait(u)
+            self._free(u)
+        for u in list(self._live):  # shared units
+            self._account(u, -1)
+        self._live.clear()
+        self._begun = None
 
     def enter(self, unit: str):
         """Called when the loss function reaches ``unit``: its params, gathered."""

@@ -139,6 +139,7 @@ class ShardStep:
             torch._foreach_mul_(grads, min(1.0, self.max_grad_norm / (grad_norm + 1e-6)))
         t_opt = time.perf_counter()
         params, opt_state = self._opt.update(grads, state.opt_state, state.params)
+        eng.begin(params, self.grad_shards)  # the next step's first gathers overlap the caller's work
         t1 = time.perf_counter()
         metrics = {"loss": float(totals[0]), "grad_norm": grad_norm, "step_s": t1 - t0,
                    "optimizer_s": t1 - t_opt, "comm_wait_s": eng.take_wait_s()}
@@ -148,7 +149,8 @@ class ShardStep:
         """Run loss_fn and backward; leaves the grads of the local losses, summed over the FSDP
         axes, in ``self.grad_shards``. Returns this rank's loss."""
         eng = self.engine
-        eng.begin(state.params, self.grad_shards)
+        if not eng.ready_for(state.params):
+            eng.begin(state.params, self.grad_shards)
         with torch.autograd.graph.saved_tensors_hooks(eng.pack, eng.unpack), spmd(self._spmd):
             loss = self._run_loss(eng.params_tree(), batch)
             _check_loss(loss)

@@ -54,7 +54,8 @@ def _make_step(loss_fn=None, **kwargs):
 
 
 def _run_variants(rank):
-    """Each variant for STEPS steps: losses, final full params, and step 1's byte counters."""
+    """Each variant for STEPS steps: losses, final full params, and the byte counters of the
+    steady-state step 2 (a step gathers the next step's first units once its optimizer is done)."""
     out = {}
     for name, kwargs in VARIANTS.items():
         step = _make_step(**kwargs)
@@ -73,7 +74,10 @@ def _run_variants(rank):
             losses.append(metrics["loss"])
             norms.append(metrics["grad_norm"])
             if s == 0:
-                comm_bytes, gathers_step1 = dict(step.engine.comm.bytes), list(gathers)
+                bytes_before, gathers_before = dict(step.engine.comm.bytes), list(gathers)
+            if s == 1:
+                comm_bytes = {k: n - bytes_before.get(k, 0) for k, n in step.engine.comm.bytes.items()}
+                gathers_step = [n - m for n, m in zip(gathers, gathers_before)]
         hier = kwargs.get("topology") is not None and kwargs["topology"].hierarchical
         full = step.full_params(state)
         step.engine.comm.close()
@@ -83,7 +87,7 @@ def _run_variants(rank):
             "grad_norms": norms,
             "params": dict(zip(paths, (x.numpy() for x in leaves))) if rank == 0 else None,
             "bytes": comm_bytes,
-            "gathers": gathers_step1,
+            "gathers": gathers_step,
             "bucket_units": [b.unit for b in step.plan.buckets],
             "report": step.plan.report(hierarchical=hier).comm,
         }
