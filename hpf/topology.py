@@ -17,6 +17,7 @@ before the optimizer (the cross-layer backward pipeline).
 """
 from __future__ import annotations
 
+import itertools
 import queue
 import socket
 import threading
@@ -124,6 +125,9 @@ class _Worker:
         self.jobs.put(None)
 
 
+_INSTANCES = itertools.count()
+
+
 class TieredComm:
     """Per-bucket two-tier collectives behind the engine's comm interface."""
 
@@ -150,19 +154,23 @@ class TieredComm:
             c, r = compute_dtypes[b.index], reduce_dtypes[b.index]
             # a shared full buffer and one grad row per local rank, each row cache-line aligned
             shm_need += b.padded_numel * (dtype_bytes(c) + mesh.axis_size(fast) * dtype_bytes(r)) + 64 * (mesh.size + 1)
+        # Process groups of its own: its worker threads may still be gathering the next
+        # step's first units while another step (another engine on the same mesh) runs.
+        # Every rank builds its comms in the same order, so the instance numbers agree.
+        instance = next(_INSTANCES)
         self._fast = {}
         for tag in ("gather", "reduce"):
             for fast, slow in self._stages:
                 for axes, tier in ((fast, "fast"), (slow, "slow")):
                     key = (tag, axes)
                     if axes and key not in self._fast:
-                        group = mesh.group(axes, tag=tag)
+                        group = mesh.group(axes, tag=f"{tag}{instance}")
                         if tier == "fast" and use_shm:
                             self._fast[key] = ShmGroup(group, topology.shm_bytes or shm_need,
                                                        timeout=topology.timeout_s)
                         else:
                             self._fast[key] = ProcessGroupTransport(group, device)
-        self._replica = [mesh.group(b.replicate_axes, tag="replica") if mesh.axis_size(b.replicate_axes) > 1
+        self._replica = [mesh.group(b.replicate_axes, tag=f"replica{instance}") if mesh.axis_size(b.replicate_axes) > 1
                          else None for b in plan.buckets]
         self._rank = rank
         self._device = device
