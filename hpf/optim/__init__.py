@@ -3,3 +3,7 @@
 from .adamw import AdamW, adamw
 
 __all__ = ["AdamW", "adamw"]
+from .dist_muon import DistMuon
+from .muon import Muon, MuonState
+
+__all__ += ["DistMuon", "Muon", "MuonState"]

@@ -129,6 +129,13 @@ class Muon:
     adamw: AdamW = AdamW(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     use_adamw: Callable[[str, torch.Tensor], bool] = default_use_adamw
     ns_compute_dtype: torch.dtype | None = None
+    comm_dtype: torch.dtype | None = None  # what matrix pieces travel in under shard_step (None: grads' dtype)
+
+    def for_plan(self, plan, rank: int):
+        """This optimizer on the flat shards of ``plan`` (hpf.shard_step calls it): distributed Muon."""
+        from .dist_muon import DistMuon
+
+        return DistMuon(self, plan, rank, self.comm_dtype)
 
     def on_muon(self, path: str, p: torch.Tensor) -> bool:
         return p.ndim >= 2 and not self.use_adamw(path, p)
@@ -168,12 +175,13 @@ def muon(lr: Schedule = 0.02, momentum: float = 0.95, nesterov: bool = True, ns_
          adamw_lr: Schedule = 3e-4, adamw_betas: tuple[float, float] = (0.9, 0.95),
          adamw_eps: float = 1e-8, adamw_weight_decay: float = 0.0,
          use_adamw: Callable[[str, torch.Tensor], bool] | None = None,
-         ns_compute_dtype: torch.dtype | None = None) -> Muon:
+         ns_compute_dtype: torch.dtype | None = None, comm_dtype: torch.dtype | None = None) -> Muon:
     """hpf.optim.muon: an optax-style Muon (see Muon) with an AdamW fallback for non-matrices.
 
     lr and adamw_lr may be callables of the 1-based step, as in hpf.optim.adamw. scale: "keller"
     (torch's "original"), "moonlight" (torch's "match_rms_adamw") or a number. ns_compute_dtype:
-    None = the kernel's choice for the device (fp32 on CPU, bf16 on accelerators).
+    None = the kernel's choice for the device (fp32 on CPU, bf16 on accelerators). comm_dtype: the
+    dtype split matrices travel in under hpf.shard_step, e.g. torch.bfloat16 (None: the grads').
     """
     resolve_coefficients(coefficients, ns_steps)  # bad coefficients fail here, not at step 1
     update_scale(1, 1, scale)
@@ -184,7 +192,7 @@ def muon(lr: Schedule = 0.02, momentum: float = 0.95, nesterov: bool = True, ns_
                          f"weight_decay={weight_decay}")
     fallback = adamw(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
     return Muon(lr, momentum, nesterov, ns_steps, coefficients, scale, weight_decay, fallback,
-                use_adamw or default_use_adamw, ns_compute_dtype)
+                use_adamw or default_use_adamw, ns_compute_dtype, comm_dtype)
 
 
 def _flatten(tree, what: str):
