@@ -1,9 +1,11 @@
 """Functional optimizers, optax-style: ``init(params) -> state`` and
-``update(grads, state, params) -> (new_params, new_state)``."""
+``update(grads, state, params) -> (new_params, new_state)``.
+
+``hpf.optim.adamw(...)`` and ``hpf.optim.muon(...)`` are the factories (they shadow their
+submodules as attributes; ``from hpf.optim.muon import ...`` still reaches the module).
+"""
 from .adamw import AdamW, adamw
-
-__all__ = ["AdamW", "adamw"]
 from .dist_muon import DistMuon
-from .muon import Muon, MuonState
+from .muon import Muon, MuonState, muon
 
-__all__ += ["DistMuon", "Muon", "MuonState"]
+__all__ = ["AdamW", "DistMuon", "Muon", "MuonState", "adamw", "muon"]
