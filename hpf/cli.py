@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
 import json
 import os
 import re
@@ -204,16 +203,6 @@ def _mesh_text(axes) -> str:
     return ",".join(f"{a}={n}" for a, n in axes.items())
 
 
-def _optional(module: str, flag: str, hint: str):
-    """Import a part that only some options need, or explain in one line what is missing."""
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name is None or not module.startswith(e.name):
-            raise  # the part exists but something it imports is missing: show the real error
-        raise CliError(f"{flag} needs {module}, which is missing: {hint}") from None
-
-
 # ------------------------------------------------------------------ hpf plan
 
 def _plan(args, mesh: hpf.Mesh) -> hpf.Plan:
@@ -268,19 +257,12 @@ class TrainJob:
 
 
 def _make_optimizer(name: str, lr: float):
-    if name == "muon":
-        muon = _optional("hpf.optim.muon", "--optimizer muon", "this build of hpf has no Muon yet").muon
-        optimizer = muon(lr=lr, adamw_lr=DEFAULT_LR["adamw"])
-        if not hasattr(optimizer, "for_plan"):  # how shard_step hands an optimizer the layout of its shards
-            raise CliError("--optimizer muon: this build's hpf.optim.muon works on full tensors only; "
-                           "the sharded (distributed) Muon is not there yet")
-        return optimizer
+    if name == "muon":  # AdamW at its own default lr for embeddings, head and vectors
+        return hpf.optim.muon(lr=lr, adamw_lr=DEFAULT_LR["adamw"])
     return hpf.optim.adamw(lr=lr)
 
 
 def _make_step(job: TrainJob, mesh: hpf.Mesh):
-    if job.mode == "validate":
-        _optional("hpf.validate", "--mode validate", "this build of hpf has no validation mode yet")
     return hpf.shard_step(gpt.loss_for(gpt.CONFIGS[job.config]), mesh=mesh,
                           optimizer=_make_optimizer(job.optimizer, job.lr), fsdp_axes=job.fsdp_axes,
                           mode=job.mode, mixed_precision=job.mixed_precision, hsdp=job.hsdp,
@@ -323,7 +305,11 @@ def cmd_train(args) -> int:
         raise CliError(f"--batch-size {args.batch_size} is the global batch and must split evenly over "
                        f"{mesh.size} ranks; use a multiple of {mesh.size}")
     if args.plot:
-        _optional("matplotlib", "--plot", "pip install matplotlib (the plot extra: pip install -e '.[plot]')")
+        try:
+            import matplotlib  # noqa: F401 -- only checked here; save_plots imports what it draws with
+        except ModuleNotFoundError:
+            raise CliError("--plot needs matplotlib: pip install matplotlib "
+                           "(the plot extra: pip install -e '.[plot]')") from None
     out = args.out or Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     lead = rank() == 0  # rank 0 under torchrun; the driver otherwise
     if lead and (out / "metrics.jsonl").exists():

@@ -123,6 +123,25 @@ def test_validate_mode_trains_the_same_model(tmp_path, capsys):
     assert first["loss"] == pytest.approx(reference.item(), rel=1e-6)  # same fp32 math, one process
 
 
+def test_muon_option_trains_with_muon(tmp_path, capsys):
+    code, _, err = run_main(["train", "--world-size", "1", "--steps", "2", "--optimizer", "muon",
+                             "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # Reference: one step of hpf.optim.muon on the full params with plain autograd, in this process.
+    config = gpt.CONFIGS["tiny"]
+    loss_fn, params = gpt.loss_for(config), gpt.init(config, torch.Generator().manual_seed(0))
+    optimizer = hpf.optim.muon(lr=cli.DEFAULT_LR["muon"], adamw_lr=cli.DEFAULT_LR["adamw"])
+    leaves = [p.requires_grad_() for p in hpf.tree.flatten(params)[1]]
+    grads = torch.autograd.grad(loss_fn(params, gpt.global_batch(config, 32, 0, 0)), leaves)
+    with torch.no_grad():
+        params = hpf.tree.unflatten(hpf.tree.structure(params), [p.detach() for p in leaves])
+        params, _ = optimizer.update(hpf.tree.unflatten(hpf.tree.structure(params), list(grads)),
+                                     optimizer.init(params), params)
+        second = loss_fn(params, gpt.global_batch(config, 32, 0, 1))
+    assert losses[1] == pytest.approx(second.item(), rel=1e-5)  # fp32; flat shards vs full tensors
+
+
 @pytest.mark.parametrize("argv, names", [
     ([], "required"),
     (["train", "--steps", "0"], "--steps"),

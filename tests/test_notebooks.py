@@ -10,8 +10,7 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 
 @pytest.mark.slow
-# muon.ipynb joins this list when the sharded Muon lands (it needs hpf.optim.muon on shards).
-@pytest.mark.parametrize("name", ["quickstart.ipynb"])
+@pytest.mark.parametrize("name", ["quickstart.ipynb", "muon.ipynb"])
 def test_notebook_runs_without_errors(name, tmp_path):
     notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
     # "python3" is the kernel of the interpreter running the tests (jupyter_client maps it to
