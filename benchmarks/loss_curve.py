@@ -18,6 +18,8 @@ import hpf
 from hpf.launch import launch
 from hpf.models import gpt
 
+from common import report_ratio
+
 MESH = {"node": 2, "local": 2}
 
 
@@ -78,6 +80,8 @@ def main():
     print(f"Pearson correlation: {pearson:.9f} (1 - r = {1 - pearson:.1e})   (target >= 0.999999)")
     print(f"max relative loss difference: {rel.max():.3e} (step {int(rel.argmax())}), "
           f"median {np.median(rel):.3e}")
+    report_ratio("loss-curve/pearson", pearson, ">=0.999999")
+    report_ratio("loss-curve/max-rel-diff", float(rel.max()))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ import torch
 
 from hpf_kernels import newton_schulz
 
+from common import report_ratio
+
 
 def sync():
     if torch.accelerator.is_available():
@@ -54,6 +56,7 @@ def main():
                        "looped": lambda: [newton_schulz(x) for x in X]}, reps)
         print(f"{count:>5} x ({m}x{n}) {t['batched']:>11.1f} {t['looped']:>10.1f} "
               f"{t['looped'] / t['batched']:>14.1f}x")
+        report_ratio(f"ns-looped/batched/{count}x{m}x{n}", t["looped"] / t["batched"], ">=3" if m < 512 else "")
 
     print("\ncompute dtype, batched (error vs fp64: fp32 ~1e-6, bf16 ~1e-2)")
     print(f"{'set':>18} {'fp32 ms':>9} {'bf16 ms':>9} {'bf16/fp32':>10}")

@@ -32,7 +32,7 @@ from hpf.launch import launch
 from hpf.models import gpt
 from hpf.topology import Topology
 
-from common import interleaved, median_ms, mib, print_table
+from common import interleaved, median_ms, mib, print_table, report_ratio
 
 WORLD = 2
 ROOT_KEYS = ("embed", "pos", "norm_f", "head")
@@ -327,7 +327,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--calls", type=int, default=3, help="timed steps per contender per round")
-    ap.add_argument("--shm", action="store_true", help="also time hpf with its shared-memory fast tier")
+    ap.add_argument("--no-shm", dest="shm", action="store_false",
+                    help="skip hpf with its shared-memory fast tier (the hpf train default)")
     args = ap.parse_args()
     config = gpt.CONFIGS[args.config]
     print(f"GPT {args.config} ({gpt.num_params(config) / 1e6:.2f}M params), global batch {args.batch}, "
@@ -351,6 +352,7 @@ def main():
         for other, target in (("fsdp2", 0.70), ("floor", 1.10)):
             print(f"{mine}/{other} = {med[mine] / med[other]:.3f}   (target <= {target:.2f}; "
                   f"CPU time {cpu[mine] / cpu[other]:.3f})")
+            report_ratio(f"{mine}/{other}", med[mine] / med[other], f"<={target:.2f}")
 
     sent = out["sent"]
     total = sum(sent.values())
@@ -367,6 +369,7 @@ def main():
     print(f"\ngrad of the pure loss, one process, 1 thread, local batch {args.batch // WORLD}: "
           f"torch.func.grad {fg:.2f} ms, torch.autograd.grad {ag:.2f} ms -> func.grad costs {fg / ag:.2f}x "
           "(hpf uses plain autograd)")
+    report_ratio("func.grad/autograd.grad", fg / ag)
 
 
 if __name__ == "__main__":
