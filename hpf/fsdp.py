@@ -237,8 +237,11 @@ class UnitEngine:
         self._pos: dict[str, int] = {}
         self._views: dict[str, tuple] = {}
         self.anchor = torch.empty(0, device=self.device, requires_grad=True)
-        for u in self.units[:2]:
-            self._gather(u)
+        # Plain buffers: the first two units (memory bound). Units in shared memory cost no
+        # memory to keep, so all of them are queued now, to stream in ahead of the compute.
+        for i, u in enumerate(self.units):
+            if i < 2 or self.unit_shared[u]:
+                self._gather(u)
         self._begun = (list(shards), [s._version for s in shards])
 
     def ready_for(self, shards: list[torch.Tensor]) -> bool:
