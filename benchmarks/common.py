@@ -6,6 +6,7 @@ ignore the odd outlier.
 """
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from typing import Callable, Sequence
@@ -61,3 +62,25 @@ def report_ratio(name: str, value: float, target: str = "") -> None:
     if target and not re.fullmatch(r"(<=|>=)\d+(\.\d*)?", target):
         raise ValueError(f"report_ratio: target {target!r} must look like '<=0.70' or '>=3'")
     print(f"RATIO {name} {float(value)!r} {target}".rstrip(), flush=True)
+
+
+def step_bench_parser(doc: str, *, config: str = "small", batch: int = 8, warmup: int = 2, rounds: int = 5,
+                      calls: int = 2) -> argparse.ArgumentParser:
+    """The options every interleaved step benchmark takes; a script adds its own after."""
+    from hpf.models import gpt
+
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--config", default=config, choices=sorted(gpt.CONFIGS))
+    ap.add_argument("--batch", type=int, default=batch, help="global batch size (sequences)")
+    ap.add_argument("--warmup", type=int, default=warmup)
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--calls", type=int, default=calls, help="timed steps per contender per round")
+    ap.add_argument("--quick", action="store_true", help="2 rounds of 1 step, for a smoke run")
+    return ap
+
+
+def parse_step_args(ap: argparse.ArgumentParser) -> argparse.Namespace:
+    args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.calls, args.warmup = 2, 1, 1
+    return args

@@ -13,7 +13,6 @@ Usage: python benchmarks/muon_dist.py [--config small] [--rounds 5] [--calls 2] 
 """
 from __future__ import annotations
 
-import argparse
 
 import torch
 import torch.distributed as dist
@@ -24,7 +23,7 @@ from hpf.models import gpt
 from hpf.optim.adamw import schedule_value
 from hpf.optim.muon import MuonState, apply_muon_updates_, muon, muon_momentum_, orthogonalize, update_scale
 
-from common import interleaved, median_ms, mib, print_table, report_ratio
+from common import interleaved, median_ms, mib, print_table, report_ratio, parse_step_args, step_bench_parser
 
 WORLD = 4
 
@@ -124,14 +123,7 @@ def rank_main(rank, args):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="small", choices=sorted(gpt.CONFIGS))
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--calls", type=int, default=2, help="timed steps per contender per round")
-    ap.add_argument("--quick", action="store_true", help="2 rounds of 1 step, for a smoke run")
-    args = ap.parse_args()
-    if args.quick:
-        args.rounds, args.calls = 2, 1
+    args = parse_step_args(step_bench_parser(__doc__))
     config = gpt.CONFIGS[args.config]
     print(f"Muon optimizer step, GPT {args.config} params ({gpt.num_params(config) / 1e6:.2f}M), {WORLD} ranks, gloo")
     out = launch(rank_main, WORLD, args, timeout=1800)

@@ -15,7 +15,6 @@ Usage: python benchmarks/muon_step.py [--config small] [--world 2] [--batch 8] [
 """
 from __future__ import annotations
 
-import argparse
 
 import numpy as np
 import torch
@@ -27,7 +26,7 @@ from hpf.models import gpt
 from hpf.optim.adamw import schedule_value
 from hpf.optim.muon import apply_muon_updates_, muon, muon_direction, update_scale
 
-from common import interleaved, median_ms, print_table, report_ratio
+from common import interleaved, median_ms, print_table, report_ratio, parse_step_args, step_bench_parser
 from step_vs_fsdp2 import GPTModule, global_mean
 
 MUON = dict(lr=0.02, weight_decay=0.1, adamw_lr=1e-3, adamw_weight_decay=0.1)
@@ -115,17 +114,9 @@ def rank_main(rank, args):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="small", choices=sorted(gpt.CONFIGS))
+    ap = step_bench_parser(__doc__)
     ap.add_argument("--world", type=int, default=2, help="ranks")
-    ap.add_argument("--batch", type=int, default=8, help="global batch size (sequences)")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--calls", type=int, default=2, help="timed steps per contender per round")
-    ap.add_argument("--quick", action="store_true", help="2 rounds of 1 step, for a smoke run")
-    args = ap.parse_args()
-    if args.quick:
-        args.rounds, args.calls = 2, 1
+    args = parse_step_args(ap)
     config = gpt.CONFIGS[args.config]
     print(f"GPT {args.config} ({gpt.num_params(config) / 1e6:.2f}M params) training step with Muon, "
           f"global batch {args.batch}, {args.world} ranks, gloo")

@@ -15,7 +15,6 @@ Usage: python benchmarks/step_vs_fsdp2.py [--config small] [--batch 8] [--rounds
 """
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from collections import Counter
@@ -32,7 +31,7 @@ from hpf.launch import launch
 from hpf.models import gpt
 from hpf.topology import Topology
 
-from common import interleaved, median_ms, mib, print_table, report_ratio
+from common import interleaved, median_ms, mib, print_table, report_ratio, parse_step_args, step_bench_parser
 
 WORLD = 2
 ROOT_KEYS = ("embed", "pos", "norm_f", "head")
@@ -321,15 +320,10 @@ def func_grad_cost(config, batch, reps: int = 10) -> dict[str, float]:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="small", choices=sorted(gpt.CONFIGS))
-    ap.add_argument("--batch", type=int, default=8, help="global batch size (sequences)")
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--calls", type=int, default=3, help="timed steps per contender per round")
+    ap = step_bench_parser(__doc__, warmup=3, rounds=6, calls=3)
     ap.add_argument("--no-shm", dest="shm", action="store_false",
                     help="skip hpf with its shared-memory fast tier (the hpf train default)")
-    args = ap.parse_args()
+    args = parse_step_args(ap)
     config = gpt.CONFIGS[args.config]
     print(f"GPT {args.config} ({gpt.num_params(config) / 1e6:.2f}M params), global batch {args.batch}, "
           f"{WORLD} ranks, gloo, {torch.get_num_threads()} cores")

@@ -19,7 +19,6 @@ Usage: python benchmarks/topology.py [--config small] [--layers N] [--batch 8] [
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 from collections import Counter
@@ -33,7 +32,7 @@ from hpf import SlowLink, Topology
 from hpf.launch import launch
 from hpf.models import gpt
 
-from common import interleaved, median_ms, mib, print_table, report_ratio
+from common import interleaved, median_ms, mib, print_table, report_ratio, parse_step_args, step_bench_parser
 from shm_vs_gloo import _bench as shm_vs_gloo_bench
 from step_vs_fsdp2 import GPTModule, global_mean
 
@@ -155,21 +154,15 @@ def check_same_math(losses: dict) -> None:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="small", choices=sorted(gpt.CONFIGS))
+    ap = step_bench_parser(__doc__)
     ap.add_argument("--layers", type=int, default=0, help="override the config's n_layers (0: keep)")
-    ap.add_argument("--batch", type=int, default=8, help="global batch size (sequences)")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--calls", type=int, default=2, help="timed steps per contender per round")
     ap.add_argument("--latency-ms", type=float, default=2.0, help="emulated slow link: latency per collective")
     ap.add_argument("--bandwidth-mbs", type=float, default=100.0, help="emulated slow link: MB/s per rank")
     ap.add_argument("--mib", type=int, nargs="+", default=[1, 4, 16, 64], help="shm vs gloo sizes")
     ap.add_argument("--reps", type=int, default=7, help="shm vs gloo repetitions")
-    ap.add_argument("--quick", action="store_true", help="fewer rounds and sizes, for a smoke run")
-    args = ap.parse_args()
+    args = parse_step_args(ap)
     if args.quick:
-        args.rounds, args.warmup, args.mib, args.reps = 2, 1, [1, 64], 3
+        args.mib, args.reps = [1, 64], 3
     config = config_of(args)
     print(f"GPT {args.config}, {config.n_layers} layers ({gpt.num_params(config) / 1e6:.2f}M params), global batch {args.batch}, "
           f"mesh {MESH}, gloo, torch {torch.__version__}")
