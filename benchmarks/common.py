@@ -84,3 +84,32 @@ def parse_step_args(ap: argparse.ArgumentParser) -> argparse.Namespace:
     if args.quick:
         args.rounds, args.calls, args.warmup = 2, 1, 1
     return args
+
+
+def time_steps(impls: dict[str, Callable], batches: Sequence, args, *,
+               after_warmup: Callable[[dict], None] | None = None):
+    """Run every impl (``impl(batch) -> loss``) on the same list of batches: ``args.warmup``
+    untimed steps each (step 0 doubles as the sanity check), then ``interleaved`` timed steps,
+    lined up across ranks by a barrier. Returns (wall seconds, losses, process CPU seconds)
+    per impl. ``after_warmup(losses)`` runs between the two, e.g. to check step 0 agrees."""
+    import torch.distributed as dist
+
+    losses = {n: [] for n in impls}
+    cpu = {n: [] for n in impls}  # all threads' CPU time: the work, without waiting for a core
+
+    def contender(name):
+        def call():
+            t = time.process_time()
+            losses[name].append(impls[name](batches[len(losses[name]) % len(batches)]))
+            cpu[name].append(time.process_time() - t)
+        return call
+    contenders = {n: contender(n) for n in impls}
+    for call in contenders.values():
+        for _ in range(args.warmup):
+            call()
+    for c in cpu.values():
+        c.clear()
+    if after_warmup is not None:
+        after_warmup(losses)
+    times = interleaved(contenders, rounds=args.rounds, calls=args.calls, before_each=dist.barrier)
+    return times, losses, cpu

@@ -26,8 +26,8 @@ from hpf.models import gpt
 from hpf.optim.adamw import schedule_value
 from hpf.optim.muon import apply_muon_updates_, muon, muon_direction, update_scale
 
-from common import interleaved, median_ms, print_table, report_ratio, parse_step_args, step_bench_parser
-from step_vs_fsdp2 import GPTModule, global_mean
+from common import median_ms, parse_step_args, print_table, report_ratio, step_bench_parser, time_steps
+from step_vs_fsdp2 import fsdp2_gpt, global_mean
 
 MUON = dict(lr=0.02, weight_decay=0.1, adamw_lr=1e-3, adamw_weight_decay=0.1)
 
@@ -65,14 +65,7 @@ class GatherAllMuon:
 
 
 def make_fsdp2(params, config, world):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    model = GPTModule(params, config.n_heads)
-    mesh = init_device_mesh("cpu", (world,))
-    for b in model.blocks:
-        fully_shard(b, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = fsdp2_gpt(params, config, (world,))
     opt = GatherAllMuon(model, muon(**MUON))
 
     def step(batch):
@@ -99,17 +92,7 @@ def rank_main(rank, args):
     local = args.batch // args.world
     batches = [gpt.global_batch(config, args.batch, 0, s)[rank * local:(rank + 1) * local] for s in range(8)]
     impls = {"hpf": make_hpf(params, config, args.world), "fsdp2": make_fsdp2(params, config, args.world)}
-    losses = {n: [] for n in impls}
-
-    def contender(name):
-        def call():
-            losses[name].append(impls[name](batches[len(losses[name]) % len(batches)]))
-        return call
-    contenders = {n: contender(n) for n in impls}
-    for name in impls:
-        for _ in range(args.warmup):
-            contenders[name]()
-    times = interleaved(contenders, rounds=args.rounds, calls=args.calls, before_each=dist.barrier)
+    times, losses, _cpu = time_steps(impls, batches, args)
     return {"times": times, "losses": losses}
 
 

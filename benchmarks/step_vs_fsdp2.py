@@ -16,7 +16,6 @@ Usage: python benchmarks/step_vs_fsdp2.py [--config small] [--batch 8] [--rounds
 from __future__ import annotations
 
 import math
-import time
 from collections import Counter
 
 import numpy as np
@@ -31,7 +30,7 @@ from hpf.launch import launch
 from hpf.models import gpt
 from hpf.topology import Topology
 
-from common import interleaved, median_ms, mib, print_table, report_ratio, parse_step_args, step_bench_parser
+from common import interleaved, median_ms, mib, parse_step_args, print_table, report_ratio, step_bench_parser, time_steps
 
 WORLD = 2
 ROOT_KEYS = ("embed", "pos", "norm_f", "head")
@@ -102,15 +101,22 @@ class GPTModule(Params):
         return head_loss(r, x, batch[:, 1:])
 
 
-def make_fsdp2(params, config, adamw):
+def fsdp2_gpt(params, config, shape: tuple, names: tuple | None = None) -> GPTModule:
+    """The GPT as an nn.Module with ``fully_shard`` on each block and on the root, over a CPU
+    DeviceMesh of ``shape`` (2-D: HSDP, replicated over dim 0 and sharded over dim 1)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     model = GPTModule(params, config.n_heads)
-    mesh = init_device_mesh("cpu", (WORLD,))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     for b in model.blocks:
         fully_shard(b, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return model
+
+
+def adamw_step(model: nn.Module, adamw: dict):
+    """A plain PyTorch training step with foreach AdamW: ``step(batch) -> global mean loss``."""
     opt = torch.optim.AdamW(model.parameters(), foreach=True, **adamw)
 
     def step(batch):
@@ -120,6 +126,10 @@ def make_fsdp2(params, config, adamw):
         opt.zero_grad(set_to_none=True)
         return global_mean(loss)
     return step
+
+
+def make_fsdp2(params, config, adamw):
+    return adamw_step(fsdp2_gpt(params, config, (WORLD,)), adamw)
 
 
 # -- the hand-written floor ----------------------------------------------------------------
@@ -271,27 +281,14 @@ def rank_main(rank, args):
              "floor": make_floor(params, config, adamw)}
     if args.shm:  # hpf's own fast tier for ranks of one host: shared memory instead of gloo
         impls["hpf-shm"] = make_hpf(params, config, adamw, Topology(fast_transport="shm"))
-    losses = {n: [] for n in impls}
-    cpu = {n: [] for n in impls}  # process CPU seconds (all threads): the work, without waiting for a core
-
-    def contender(name):
-        def call():
-            t = time.process_time()
-            losses[name].append(impls[name](batches[len(losses[name]) % len(batches)]))
-            cpu[name].append(time.process_time() - t)
-        return call
-    contenders = {n: contender(n) for n in impls}
-    for name in impls:  # warm-up; step 0 is the sanity check
-        for _ in range(args.warmup):
-            contenders[name]()
-    first = [l[0] for l in losses.values()]
-    if max(first) - min(first) > 1e-5:
-        raise RuntimeError(f"step-0 losses differ, so the implementations do not compute the same thing: {losses}")
     sent = impls["hpf"].step.engine.comm.bytes  # (op, tier) -> bytes, counted by the engine
-    sent.clear()
-    for c in cpu.values():
-        c.clear()
-    times = interleaved(contenders, rounds=args.rounds, calls=args.calls, before_each=dist.barrier)
+
+    def check_and_reset(losses):
+        first = [l[0] for l in losses.values()]
+        if max(first) - min(first) > 1e-5:
+            raise RuntimeError(f"step-0 losses differ, so the implementations do not compute the same thing: {losses}")
+        sent.clear()
+    times, losses, cpu = time_steps(impls, batches, args, after_warmup=check_and_reset)
     per_step = Counter()
     for (op, _tier), n in sent.items():
         per_step[op] += n / (args.rounds * args.calls)

@@ -21,20 +21,18 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections import Counter
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 import hpf
 from hpf import SlowLink, Topology
 from hpf.launch import launch
 from hpf.models import gpt
 
-from common import interleaved, median_ms, mib, print_table, report_ratio, parse_step_args, step_bench_parser
+from common import median_ms, mib, parse_step_args, print_table, report_ratio, step_bench_parser, time_steps
 from shm_vs_gloo import _bench as shm_vs_gloo_bench
-from step_vs_fsdp2 import GPTModule, global_mean
+from step_vs_fsdp2 import adamw_step, fsdp2_gpt
 
 MESH = {"node": 2, "local": 2}
 WORLD = 4
@@ -63,42 +61,17 @@ def make_hpf(params, config, mesh, **kwargs):
 
 
 def make_fsdp2_hsdp(params, config):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    model = GPTModule(params, config.n_heads)
-    mesh = init_device_mesh("cpu", (MESH["node"], MESH["local"]), mesh_dim_names=("node", "local"))
-    for b in model.blocks:
-        fully_shard(b, mesh=mesh)  # a 2-D mesh: replicate over dim 0, shard over dim 1 (HSDP)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), foreach=True, **ADAMW)
-
-    def run(batch):
-        loss = model(batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return global_mean(loss)
-    return run
+    return adamw_step(fsdp2_gpt(params, config, (MESH["node"], MESH["local"]), ("node", "local")), ADAMW)
 
 
 def _time(impls, batches, args):
-    """Interleaved seconds per step, losses per impl (each impl walks the same batch list)."""
-    losses = {n: [] for n in impls}
-
-    def contender(name):
-        def call():
-            losses[name].append(impls[name](batches[len(losses[name]) % len(batches)]))
-        return call
-    contenders = {n: contender(n) for n in impls}
-    for c in contenders.values():  # warm-up; step 0 is the sanity check
-        for _ in range(args.warmup):
-            c()
-    for run in impls.values():
-        if hasattr(run, "metrics"):
-            run.step.engine.comm.bytes.clear()
-            run.metrics.clear()
-    times = interleaved(contenders, rounds=args.rounds, calls=args.calls, before_each=dist.barrier)
+    """Interleaved seconds per step and losses per impl (each impl walks the same batch list)."""
+    def reset_counters(_losses):
+        for run in impls.values():
+            if hasattr(run, "metrics"):
+                run.step.engine.comm.bytes.clear()
+                run.metrics.clear()
+    times, losses, _cpu = time_steps(impls, batches, args, after_warmup=reset_counters)
     return times, losses
 
 

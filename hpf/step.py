@@ -14,7 +14,6 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import tree as tree_util
 from .collectives import SPMD, spmd
 from .fsdp import BucketComm, UnitEngine
 from .mesh import Mesh, MeshError
