@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import optree
 import torch
@@ -17,6 +17,9 @@ import torch
 from . import tree as tree_util
 from .mesh import Mesh
 from .spec import P, SpecError, resolve_specs
+
+if TYPE_CHECKING:
+    from .report import PlanReport
 
 __all__ = ["Plan", "Bucket", "ParamSlot", "Unit", "plan", "ROOT"]
 

@@ -441,7 +441,7 @@ def _getitem(call, operands):
     adv_nd = max((1 if not isinstance(items[i], torch.Tensor) or items[i].dtype in (torch.bool, torch.uint8)
                   else items[i].dim() for i in adv), default=0)
     adjacent = bool(adv) and adv == list(range(adv[0], adv[-1] + 1))
-    m, out, pos, adv_at = [LOCAL] * x.dim(), [], 0, None
+    m, pos, adv_at = [LOCAL] * x.dim(), 0, None
     if adv and not adjacent:
         adv_at, pos = 0, adv_nd
     d = 0

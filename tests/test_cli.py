@@ -3,7 +3,6 @@ ratios, and bad arguments cost one line of stderr."""
 import io
 import json
 import math
-import os
 import re
 import subprocess
 import sys
