@@ -152,11 +152,11 @@ class UnitEngine:
     """Runs one training step's forward and backward over a plan's units."""
 
     def __init__(self, plan: Plan, rank: int, comm, compute_dtype: torch.dtype | None,
-                 reduce_dtype: torch.dtype | None, device: torch.device, pipeline: bool = True):
+                 device: torch.device, pipeline: bool = True):
+        """Grads are reduced in the dtype of the grad shards the step passes to ``begin``."""
         self.plan, self.rank, self.comm = plan, rank, comm
         self.device = device
         self.compute_dtype = compute_dtype
-        self.reduce_dtype = reduce_dtype
         self.stats = MemoryStats()
         self.wait_s = 0.0
         bks = plan.buckets
@@ -187,7 +187,7 @@ class UnitEngine:
         self._subtree = {u: self._subtree_builder(u) for u in self.units if u != ROOT}
         self._skeleton, self._skeleton_leaves = self._skeleton_of(plan)
         self.grad_shards: list[torch.Tensor] = []
-        self.reductions: list[tuple[int, Any]] = []
+        self.reductions: list = []  # handles of this step's grad reductions
 
     # -- building the params tree the loss function sees ------------------------------------
     def _subtree_builder(self, unit: str) -> Callable[[list[torch.Tensor]], Any]:

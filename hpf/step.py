@@ -101,7 +101,7 @@ class ShardStep:
             comm = BucketComm(self.plan, self.device, cdts, rdts)
         else:
             comm = TieredComm(self.plan, self.topology, self.device, cdts, rdts)
-        self.engine = UnitEngine(self.plan, self.rank, comm, compute, reduce, self.device,
+        self.engine = UnitEngine(self.plan, self.rank, comm, compute, self.device,
                                  pipeline=self.topology is None or self.topology.pipeline)
         self.dp_size = self.mesh.axis_size(self.plan.fsdp_axes)
         self._spmd = SPMD(self.mesh, self.rank, self.plan.fsdp_axes)

@@ -132,7 +132,7 @@ class TieredComm:
     """Per-bucket two-tier collectives behind the engine's comm interface."""
 
     def __init__(self, plan: Plan, topology: Topology, device: torch.device, compute_dtypes, reduce_dtypes):
-        self.plan, self.topo = plan, topology
+        self.plan = plan
         mesh = plan.mesh
         rank = dist.get_rank()
         self.timeout = topology.timeout_s
@@ -174,7 +174,6 @@ class TieredComm:
                          else None for b in plan.buckets]
         self._rank = rank
         self._device = device
-        self._compute_dtypes, self._reduce_dtypes = compute_dtypes, reduce_dtypes
         # bytes each rank sends per call, by tier, from the same model as the plan report
         hier = topology.hierarchical
         self._ag_bytes = [bucket_gather_bytes(mesh, b, compute_dtypes[b.index], hier) for b in plan.buckets]
