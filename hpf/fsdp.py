@@ -11,7 +11,7 @@ it is re-gathered exactly then, with the unit before it prefetched.
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -32,20 +32,39 @@ class _Done:
     def wait(self) -> bool:
         return True
 
+    def done(self) -> bool:
+        return True
+
 
 DONE = _Done()
+
+
+def is_done(handle) -> bool:
+    """Whether a collective handle (ours, or a torch.distributed Work) has finished; never blocks."""
+    return handle.done() if hasattr(handle, "done") else handle.is_completed()
 
 
 class _Chain:
     """A reduce-scatter whose replica all-reduce starts once it has landed."""
 
     def __init__(self, first, then: Callable[[], Any]):
-        self.first, self.then = first, then
+        self.first, self.then, self.second = first, then, None
+
+    def _start_second(self) -> None:
+        if self.second is None:
+            self.first.wait()
+            self.second = self.then()
 
     def wait(self) -> bool:
-        self.first.wait()
-        self.then().wait()
+        self._start_second()
+        self.second.wait()
         return True
+
+    def done(self) -> bool:
+        if self.second is None and not is_done(self.first):
+            return False
+        self._start_second()
+        return is_done(self.second)
 
 
 class BucketComm:
@@ -63,8 +82,10 @@ class BucketComm:
         self.plan, self.device = plan, device
         mesh = plan.mesh
         self.shard_groups = [mesh.group(b.shard_axes) if b.shard_size > 1 else None for b in plan.buckets]
-        self.replica_groups = [mesh.group(b.replicate_axes) if mesh.axis_size(b.replicate_axes) > 1 else None
-                               for b in plan.buckets]
+        # Replica all-reduces start when a poll finds their reduce-scatter landed, a moment that
+        # differs across ranks: on groups of their own, no other collective can interleave.
+        self.replica_groups = [mesh.group(b.replicate_axes, tag="replica")
+                               if mesh.axis_size(b.replicate_axes) > 1 else None for b in plan.buckets]
         self.bytes: Counter = Counter()  # (op, tier) -> bytes this rank sent (report.py's model)
         self._ag_bytes = [bucket_gather_bytes(mesh, b, compute_dtypes[b.index]) for b in plan.buckets]
         self._rs_bytes = [bucket_gather_bytes(mesh, b, reduce_dtypes[b.index]) for b in plan.buckets]
@@ -175,6 +196,10 @@ class UnitEngine:
         self.pipeline = pipeline
         self.units = list(plan.units)
         self.unit_buckets = {u: plan.units[u].buckets for u in self.units}
+        self._bucket_unit = [None] * len(bks)
+        for u, bs in self.unit_buckets.items():
+            for b in bs:
+                self._bucket_unit[b] = u
         # A unit wholly in shared memory stays mapped for the step: no free, no re-gather.
         self.unit_shared = {u: all(self.shared[b] for b in bs) for u, bs in self.unit_buckets.items()}
         # Full buffers of units that are freed in forward, so backward must re-gather them.
@@ -188,6 +213,17 @@ class UnitEngine:
         self._skeleton, self._skeleton_leaves = self._skeleton_of(plan)
         self.grad_shards: list[torch.Tensor] = []
         self.reductions: list = []  # handles of this step's grad reductions
+        # Optimizer overlap: the step sets update_buckets(bucket indices) for one step; the
+        # engine calls it, in reduction order, as soon as a unit's grads have landed, then
+        # starts the next step's gather of the unit if begin() would (see _refill).
+        self.update_buckets: Callable[[list[int]], None] | None = None
+        self._landing: deque = deque()  # (unit, handles) reduced but not yet handed to update_buckets
+        self._next: dict[str, list] = {}  # unit -> [(master shard, its version)] gathered for the next step
+        self._refill_later: list[str] = []
+        self._early = {u for i, u in enumerate(self.units) if i < 2 or self.unit_shared[u]}
+        # Refilling in backward is safe for the collective order only when backward never
+        # re-gathers (every unit shared); otherwise refills wait for finish().
+        self._refill_in_backward = all(self.unit_shared.values())
 
     # -- building the params tree the loss function sees ------------------------------------
     def _subtree_builder(self, unit: str) -> Callable[[list[torch.Tensor]], Any]:
@@ -227,10 +263,13 @@ class UnitEngine:
 
         The step calls this right after the optimizer, so the next step's first gathers
         overlap whatever the caller does between steps; ``ready_for`` tells whether that
-        prefetch still matches the shards the next step is given."""
-        self._abandon()
-        cdt = self.compute_dtype
-        self.shards = [s if cdt is None or s.dtype == cdt else s.to(cdt) for s in shards]
+        prefetch still matches the shards the next step is given. Units refilled during the
+        last backward (optimizer overlap) are kept if their shards are still these."""
+        kept = {u for u, recs in self._next.items()
+                if all(shards[b] is m and m._version == v for b, (m, v) in zip(self.unit_buckets[u], recs))}
+        self._abandon(keep=kept)
+        self.shards = [self.shards[b] if self._bucket_unit[b] in kept else self._cast(s) for b, s in enumerate(shards)]
+        self._masters = list(shards)
         self.grad_shards = grad_shards
         self.reductions = []
         self._order: list[str] = []  # units in the order the loss function reached them
@@ -239,10 +278,14 @@ class UnitEngine:
         self.anchor = torch.empty(0, device=self.device, requires_grad=True)
         # Plain buffers: the first two units (memory bound). Units in shared memory cost no
         # memory to keep, so all of them are queued now, to stream in ahead of the compute.
-        for i, u in enumerate(self.units):
-            if i < 2 or self.unit_shared[u]:
+        for u in self.units:
+            if u in self._early:
                 self._gather(u)
         self._begun = (list(shards), [s._version for s in shards])
+
+    def _cast(self, shard: torch.Tensor) -> torch.Tensor:
+        cdt = self.compute_dtype
+        return shard if cdt is None or shard.dtype == cdt else shard.to(cdt)
 
     def ready_for(self, shards: list[torch.Tensor]) -> bool:
         """True if ``begin`` ran for exactly these shards and nothing has written to them since."""
@@ -250,14 +293,12 @@ class UnitEngine:
         return begun is not None and len(begun[0]) == len(shards) and all(
             a is b and a._version == v for a, b, v in zip(begun[0], shards, begun[1]))
 
-    def _abandon(self) -> None:
+    def _abandon(self, keep=frozenset()) -> None:
         """Drop gathers started for shards that are no longer current."""
         for u in list(self._live):
-            self._wait(u)
-            self._free(u)
-        for u in list(self._live):  # shared units
-            self._account(u, -1)
-        self._live.clear()
+            if u not in keep:
+                self._release(u)
+        self._next = {}
         self._begun = None
 
     def enter(self, unit: str):
@@ -307,8 +348,13 @@ class UnitEngine:
         return out
 
     def _free(self, unit: str) -> None:
-        """Release a unit's gathered buffers (shared-memory units stay until the step ends)."""
-        if unit not in self._live or self.unit_shared[unit]:
+        """Free a unit the loss function is done with (shared-memory units stay until the step ends)."""
+        if not self.unit_shared[unit]:
+            self._release(unit)
+
+    def _release(self, unit: str) -> None:
+        """Release a unit's gathered buffers: plain storage goes back to size 0."""
+        if unit not in self._live:
             return
         self._wait(unit)
         for b in self.unit_buckets[unit]:
@@ -331,6 +377,8 @@ class UnitEngine:
         return t if unit is None else _Saved(unit, t)
 
     def unpack(self, saved):
+        if self._landing:  # backward is running: a good moment to update units whose grads landed
+            self._deliver(block=False)
         if type(saved) is not _Saved:
             return saved
         unit = saved.unit
@@ -345,12 +393,41 @@ class UnitEngine:
     # -- backward: one flat reduce-scatter per bucket --------------------------------------------
     def reduce_unit(self, unit: str, grads: tuple) -> None:
         self._free(unit)
-        i = 0
+        i, handles = 0, []
         for b in self.unit_buckets[unit]:
             bucket = self.plan.buckets[b]
             n = len(bucket.slots)
-            self.reductions.append(self._reduce_bucket(b, bucket, grads[i:i + n]))
+            handles.append(self._reduce_bucket(b, bucket, grads[i:i + n]))
             i += n
+        if self.update_buckets is None:
+            self.reductions += handles
+        else:  # (wait on each handle once: a second wait of a gloo reduce-scatter copies its result again)
+            self._landing.append((unit, handles))
+            self._deliver(block=False)
+
+    def _deliver(self, block: bool) -> None:
+        """Hand units whose reductions have landed to ``update_buckets``, in reduction order
+        (the same on every rank, whatever each rank's timing)."""
+        while self._landing:
+            unit, handles = self._landing[0]
+            if not block and not all(is_done(h) for h in handles):
+                return
+            self._timed_wait(handles)
+            self._landing.popleft()
+            self.update_buckets(self.unit_buckets[unit])
+            if unit in self._early:
+                if self._refill_in_backward:
+                    self._refill(unit)
+                else:
+                    self._refill_later.append(unit)
+
+    def _refill(self, unit: str) -> None:
+        """The unit's shards were just updated: start the next step's gather of it now."""
+        self._release(unit)  # this step is done with it (its reduction has landed on every rank)
+        for b in self.unit_buckets[unit]:
+            self.shards[b] = self._cast(self._masters[b])
+        self._gather(unit)
+        self._next[unit] = [(self._masters[b], self._masters[b]._version) for b in self.unit_buckets[unit]]
 
     def _reduce_bucket(self, b: int, bucket: Bucket, grads) -> Any:
         shard = self.grad_shards[b]
@@ -373,13 +450,16 @@ class UnitEngine:
 
     def finish(self) -> None:
         """Wait for every reduction (the only place the step waits on them)."""
+        if self.update_buckets is not None:
+            self._deliver(block=True)
         self._timed_wait(self.reductions)
         self.reductions = []
         for u in list(self._live):
-            self._free(u)
-        for u in list(self._live):  # shared units stay mapped; they are refilled next step
-            self._account(u, -1)
-        self._live.clear()
+            if u not in self._next:
+                self._release(u)
+        for u in self._refill_later:
+            self._refill(u)
+        self._refill_later = []
         self._views = {}
 
 

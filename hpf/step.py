@@ -55,7 +55,8 @@ class ShardStep:
 
     def __init__(self, loss_fn: Callable, *, mesh: Mesh, optimizer, param_specs=None, fsdp_axes=None,
                  mode: str = "production", mixed_precision: MixedPrecision | str | None = None,
-                 max_grad_norm: float | None = None, topology: Topology | None = None, hsdp: bool = False):
+                 max_grad_norm: float | None = None, topology: Topology | None = None, hsdp: bool = False,
+                 overlap_optimizer: bool = True):
         if mode not in ("production", "validate"):
             raise ValueError(f"mode={mode!r}: use 'production' or 'validate'")
         if isinstance(mixed_precision, str):
@@ -73,6 +74,7 @@ class ShardStep:
         self.param_specs, self.fsdp_axes, self.mode = param_specs, fsdp_axes, mode
         self.mp, self.max_grad_norm = mixed_precision, max_grad_norm
         self.topology, self.hsdp = topology, hsdp
+        self._want_overlap = overlap_optimizer
         self.plan: Plan | None = None
         self.engine: UnitEngine | None = None
 
@@ -114,6 +116,13 @@ class ShardStep:
         self._replica_counts = torch.tensor([float(self.plan.replicas(b)) for b in self.plan.buckets])
         opt = self.optimizer
         self._opt = opt.for_plan(self.plan, self.rank) if hasattr(opt, "for_plan") else opt
+        # Optimizer overlap: an elementwise optimizer updates each unit as soon as its grads
+        # land, while backward and the other reductions go on, and the next step's first
+        # gathers start right after. Global clipping and partial-sum all-reduces need every
+        # grad first, and validation checks grads before anything is updated: those keep
+        # the update after backward.
+        self.overlap_optimizer = (self._want_overlap and self.mode == "production" and self.max_grad_norm is None
+                                  and not self._compute_sums and hasattr(self._opt, "partial_update"))
         return TrainState(shards, self._opt.init(shards))
 
     # -- the step --------------------------------------------------------------------------------
@@ -124,9 +133,23 @@ class ShardStep:
             raise RuntimeError("call step.init(full_params) first, and pass the state it returns")
         t0 = time.perf_counter()
         eng = self.engine
-        loss = self._forward_backward(state, batch)
         grads = self.grad_shards
-        torch._foreach_div_(grads, float(self.dp_size))
+        opt_s = [0.0]
+        if self.overlap_optimizer:
+            update = self._opt.partial_update(state.opt_state, state.params)
+
+            def update_buckets(buckets: list[int]) -> None:
+                t = time.perf_counter()
+                torch._foreach_div_([grads[b] for b in buckets], float(self.dp_size))
+                update(buckets, grads)
+                opt_s[0] += time.perf_counter() - t
+            eng.update_buckets = update_buckets
+        try:
+            loss = self._forward_backward(state, batch)
+        finally:
+            eng.update_buckets = None
+        if not self.overlap_optimizer:
+            torch._foreach_div_(grads, float(self.dp_size))
         norms = torch.stack(torch._foreach_norm(grads)).float()
         sq = (norms.square() / self._replica_counts).sum()
         totals = torch.stack([loss.detach().float(), sq])
@@ -137,11 +160,14 @@ class ShardStep:
         if self.max_grad_norm is not None:
             torch._foreach_mul_(grads, min(1.0, self.max_grad_norm / (grad_norm + 1e-6)))
         t_opt = time.perf_counter()
-        params, opt_state = self._opt.update(grads, state.opt_state, state.params)
+        if self.overlap_optimizer:  # already applied, unit by unit, during backward
+            params, opt_state = state.params, state.opt_state
+        else:
+            params, opt_state = self._opt.update(grads, state.opt_state, state.params)
         eng.begin(params, self.grad_shards)  # the next step's first gathers overlap the caller's work
         t1 = time.perf_counter()
         metrics = {"loss": float(totals[0]), "grad_norm": grad_norm, "step_s": t1 - t0,
-                   "optimizer_s": t1 - t_opt, "comm_wait_s": eng.take_wait_s()}
+                   "optimizer_s": t1 - t_opt + opt_s[0], "comm_wait_s": eng.take_wait_s()}
         return TrainState(params, opt_state), metrics
 
     def _forward_backward(self, state: TrainState, batch: Any) -> torch.Tensor:
@@ -189,7 +215,7 @@ class ShardStep:
 def shard_step(loss_fn: Callable, *, mesh: Mesh, optimizer, param_specs=None, fsdp_axes=None,
                mode: str = "production", mixed_precision: MixedPrecision | str | None = None,
                max_grad_norm: float | None = None, topology: Topology | None = None,
-               hsdp: bool = False) -> ShardStep:
+               hsdp: bool = False, overlap_optimizer: bool = True) -> ShardStep:
     """Make a sharded training step for ``loss_fn(params, batch) -> scalar``.
 
     ``param_specs``: None (shard every param over all FSDP axes), ``hpf.rules([...])`` or a
@@ -198,7 +224,10 @@ def shard_step(loss_fn: Callable, *, mesh: Mesh, optimizer, param_specs=None, fs
     ``mixed_precision``: None, "bf16" or ``hpf.MixedPrecision``. ``topology``: None (flat
     collectives) or ``hpf.Topology(...)`` for two-tier collectives and the backward pipeline.
     ``hsdp``: by default shard params only over the fast-tier FSDP axes and replicate them
-    across the slow tier. Returns a :class:`ShardStep`:
+    across the slow tier. ``overlap_optimizer``: update each unit as soon as its grads have
+    landed, during backward (an optimizer with ``partial_update``, such as AdamW, with no
+    ``max_grad_norm``; bitwise the same result); False updates after backward. Returns a
+    :class:`ShardStep`:
     ``state = step.init(params)``, then ``state, metrics = step(state, batch)``.
     """
     if mode == "validate":
@@ -209,7 +238,7 @@ def shard_step(loss_fn: Callable, *, mesh: Mesh, optimizer, param_specs=None, fs
                             topology=topology, hsdp=hsdp)
     return ShardStep(loss_fn, mesh=mesh, optimizer=optimizer, param_specs=param_specs, fsdp_axes=fsdp_axes,
                      mode=mode, mixed_precision=mixed_precision, max_grad_norm=max_grad_norm,
-                     topology=topology, hsdp=hsdp)
+                     topology=topology, hsdp=hsdp, overlap_optimizer=overlap_optimizer)
 
 
 def _check_loss(loss: Any) -> None:

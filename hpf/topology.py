@@ -90,6 +90,9 @@ class _Handle:
         self.future.result()  # re-raises the collective's own error
         return True
 
+    def done(self) -> bool:
+        return self.future.done()
+
 
 class _Worker:
     """One thread running jobs in submission order; the main thread is its only producer."""
@@ -210,9 +213,15 @@ class TieredComm:
         return torch.empty(bucket.padded_numel, dtype=dtype, device=self._device)
 
     # -- collectives -----------------------------------------------------------------------------
-    def _slow_sleep(self, nbytes: int) -> None:
+    def _over_slow_link(self, collective, nbytes: int) -> None:
+        """Run a slow-tier collective; with an emulated link, stretch it to the link's time.
+
+        The real transfer (loopback on one host) is part of the emulated link's time, not
+        extra to it: only what is left of ``latency + bytes / bandwidth`` is slept."""
+        start = time.perf_counter()
+        collective()
         if self._link is not None and nbytes:
-            time.sleep(self._link.delay(nbytes))
+            time.sleep(max(0.0, self._link.delay(nbytes) - (time.perf_counter() - start)))
 
     def all_gather(self, b: int, out: torch.Tensor, shard: torch.Tensor) -> _Handle:
         fast, slow = self._stages[b]
@@ -226,15 +235,14 @@ class TieredComm:
                 n = bucket.padded_numel // self.plan.mesh.axis_size(fast)
                 block = out[i * n:(i + 1) * n]
             if slow:
-                self._fast[("gather", slow)].all_gather_into(block, shard)
-                self._slow_sleep(tiers["slow"])
+                self._over_slow_link(lambda: self._fast[("gather", slow)].all_gather_into(block, shard),
+                                     tiers["slow"])
             elif block.data_ptr() != shard.data_ptr():
                 block.copy_(shard)
             if fast:
                 self._fast[("gather", fast)].all_gather_into(out, block)
-            self.bytes["all_gather", "fast"] += tiers["fast"]
-            self.bytes["all_gather", "slow"] += tiers["slow"]
 
+        self._count("all_gather", tiers)
         return _Handle(self._gather_worker.submit(job), self.timeout, f"the all-gather of bucket {b}")
 
     def reduce(self, b: int, shard: torch.Tensor, flat: torch.Tensor) -> _Handle:
@@ -250,18 +258,21 @@ class TieredComm:
                     flat.numel() // self.plan.mesh.axis_size(fast), dtype=flat.dtype, device=flat.device)
                 self._fast[("reduce", fast)].reduce_scatter(block, flat)
             if slow:
-                self._fast[("reduce", slow)].reduce_scatter(shard, block)
-                self._slow_sleep(tiers["slow"])
+                self._over_slow_link(lambda: self._fast[("reduce", slow)].reduce_scatter(shard, block),
+                                     tiers["slow"])
             elif not fast and shard.data_ptr() != flat.data_ptr():
                 shard.copy_(flat)
             if group is not None:
-                dist.all_reduce(shard, group=group)
-                self._slow_sleep(replica["slow"])
-            for tier in ("fast", "slow"):
-                self.bytes["reduce_scatter", tier] += tiers[tier]
-                self.bytes["all_reduce", tier] += replica[tier]
+                self._over_slow_link(lambda: dist.all_reduce(shard, group=group), replica["slow"])
 
+        self._count("reduce_scatter", tiers)
+        self._count("all_reduce", replica)
         return _Handle(self._reduce_worker.submit(job), self.timeout, f"the reduction of bucket {b}")
+
+    def _count(self, op: str, tiers: dict) -> None:
+        """Bytes are counted as collectives are issued (on the caller's thread)."""
+        for tier, n in tiers.items():
+            self.bytes[op, tier] += n
 
     def close(self) -> None:
         self._gather_worker.close()

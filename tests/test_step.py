@@ -77,7 +77,8 @@ def train(rank, mesh, config=TINY, steps=STEPS, loss_fn=None, **kwargs):
         norms.append(metrics["grad_norm"])
     full = [p.numpy() for p in hpf.tree.flatten(step.full_params(state))[1]]
     return {"losses": losses, "norms": norms, "params": full,
-            "master_dtypes": {str(s.dtype) for s in state.params}, "peak_blocks": step.engine.stats.peak_blocks}
+            "master_dtypes": {str(s.dtype) for s in state.params}, "peak_blocks": step.engine.stats.peak_blocks,
+            "overlap": step.overlap_optimizer}
 
 
 class LiveBlocks(TorchDispatchMode):
@@ -135,8 +136,10 @@ def two_rank_checks(rank):
     return {
         "plain": train(rank, mesh),  # the simplest call: loss, mesh, optimizer
         "again": train(rank, mesh),
+        "after_backward": train(rank, mesh, overlap_optimizer=False),
         "clipped": train(rank, mesh, max_grad_norm=CLIP),
         "bf16": {**train(rank, mesh, loss_fn=recording_loss, mixed_precision="bf16"), "compute_dtypes": dtypes},
+        "bf16_after_backward": train(rank, mesh, mixed_precision="bf16", overlap_optimizer=False),
         "memory": gathered_peaks(rank, mesh),
         "bad_mesh": error_of(lambda: train(rank, hpf.Mesh({"dp": 3}), steps=0)),
     }
@@ -185,6 +188,21 @@ def test_two_runs_are_bitwise_identical(two_ranks):
     assert two_ranks["again"]["losses"] == two_ranks["plain"]["losses"]
     for a, b in zip(two_ranks["again"]["params"], two_ranks["plain"]["params"]):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("run", ["plain", "bf16"])
+def test_optimizer_overlap_is_bitwise_the_update_after_backward(two_ranks, run):
+    """Updating each unit as its grads land (and gathering it for the next step right away)
+    is only a schedule: the same elementwise math on the same numbers."""
+    overlapped, after = two_ranks[run], two_ranks[f"{run}_after_backward" if run != "plain" else "after_backward"]
+    assert overlapped["overlap"] and not after["overlap"]
+    assert overlapped["losses"] == after["losses"] and overlapped["norms"] == after["norms"]
+    for a, b in zip(overlapped["params"], after["params"]):
+        assert np.array_equal(a, b)
+
+
+def test_clipping_updates_after_backward(two_ranks):
+    assert not two_ranks["clipped"]["overlap"]  # the global norm needs every grad first
 
 
 def test_max_grad_norm_clips_like_clip_grad_norm_(two_ranks):

@@ -38,6 +38,7 @@ VARIANTS = {  # name -> shard_step keywords
     "hier_pg": {"topology": Topology(fast_transport="pg")},
     "hier_pg_no_pipeline": {"topology": Topology(fast_transport="pg", pipeline=False)},
     "hier_shm": {"topology": Topology(fast_transport="shm")},
+    "hier_shm_update_after_backward": {"topology": Topology(fast_transport="shm"), "overlap_optimizer": False},
     "hier_shm_no_pipeline": {"topology": Topology(fast_transport="shm", pipeline=False)},
     "hsdp_shm": {"topology": Topology(fast_transport="shm"), "hsdp": True},
 }
@@ -179,6 +180,19 @@ def test_byte_counters_and_plan_report_follow_the_tier_model(runs, variant):
         assert result["report"]["all_reduce"][tier] == 0  # full shard: no replicas
 
 
+def test_update_during_backward_is_bitwise_the_update_after_it(runs):
+    overlapped, after = runs[0]["hier_shm"], runs[0]["hier_shm_update_after_backward"]
+    assert overlapped["losses"] == after["losses"] and overlapped["grad_norms"] == after["grad_norms"]
+    for path, value in after["params"].items():
+        assert np.array_equal(overlapped["params"][path], value), path
+
+
+def test_shared_memory_units_are_gathered_once_per_step(runs):
+    # units refilled during backward (optimizer overlap) are not gathered again by the next step
+    for variant in ("hier_shm", "hier_shm_update_after_backward"):
+        assert runs[0][variant]["gathers"] == [1] * len(runs[0][variant]["bucket_units"]), variant
+
+
 def test_two_tier_slow_bytes_are_one_over_local_of_flat(runs):
     hier, flat = runs[0]["hier_pg"], runs[0]["flat_tiered"]
     assert hier["gathers"] == flat["gathers"]  # same schedule, so bytes compare per call
@@ -295,6 +309,60 @@ def _stalls_in_backward(rank, pipeline, patience):
         state, _ = step(state, _local_batch(s, rank))
     engine.comm.close()
     return len(link.stalled)
+
+
+class _RecordingAdamW:
+    """AdamW that logs which buckets each partial update touches, next to the engine's events."""
+
+    def __init__(self, events):
+        self.inner, self.events = hpf.optim.adamw(lr=LR, weight_decay=WEIGHT_DECAY), events
+
+    def init(self, params):
+        return self.inner.init(params)
+
+    def update(self, grads, state, params):
+        return self.inner.update(grads, state, params)
+
+    def partial_update(self, state, params):
+        apply = self.inner.partial_update(state, params)
+
+        def logged(buckets, grads):
+            self.events.append(("update", tuple(buckets)))
+            apply(buckets, grads)
+        return logged
+
+
+def _overlap_schedule(rank, pipeline):
+    """Step 2's order of updates, all-gathers started and finish(), by unit (one bucket each)."""
+    events = []
+    step = hpf.shard_step(gpt.loss_for(CONFIG), mesh=hpf.Mesh(MESH), optimizer=_RecordingAdamW(events),
+                          topology=Topology(fast_transport="shm", pipeline=pipeline))
+    state = step.init(gpt.init(CONFIG))
+    engine = step.engine
+    all_gather, finish = engine.comm.all_gather, engine.finish
+    engine.comm.all_gather = lambda b, *args: (events.append(("gather", (b,))), all_gather(b, *args))[1]
+    engine.finish = lambda: (events.append(("finish",)), finish())[1]
+    state, _ = step(state, _local_batch(0, rank))
+    events.clear()
+    step(state, _local_batch(1, rank))
+    engine.comm.close()
+    unit_of = {tuple(u.buckets): name for name, u in step.plan.units.items()}
+    return [(e[0], unit_of[e[1]]) if len(e) > 1 else e for e in events]
+
+
+def test_units_are_updated_and_regathered_as_their_reductions_land():
+    units = ["blocks/2", "blocks/1", "blocks/0", "<root>"]  # the order backward reduces them
+    for pipeline in (True, False):
+        events = launch(_overlap_schedule, WORLD, pipeline, timeout=120)[0]
+        # after each update comes that unit's gather for the next step, nothing gathered twice
+        updated = [e for e in events if e[0] == "update"]
+        assert updated == [("update", u) for u in units]
+        refills = events[events.index(updated[0]):]
+        assert [e for e in refills if e[0] == "gather"] == [("gather", u) for u in units]
+        for u in units:
+            assert refills.index(("gather", u)) == refills.index(("update", u)) + 1
+        if not pipeline:  # each reduction is waited for in backward: every update precedes finish()
+            assert events.index(("finish",)) > events.index(("gather", "<root>"))
 
 
 def _pipeline_cases(rank):

@@ -42,14 +42,25 @@ class AdamW:
     def update(self, grads: Any, state: AdamWState, params: Any) -> tuple[Any, AdamWState]:
         """Returns (new params, new state). Params and state buffers are updated in place
         (donated, as with ``jax.jit(donate_argnums=...)``): do not reuse the inputs."""
-        p = optree.tree_leaves(params)
         g = optree.tree_leaves(grads)
+        self.partial_update(state, params)(range(len(g)), g)
+        return params, state
+
+    def partial_update(self, state: AdamWState, params: Any) -> Callable[[list[int], list], None]:
+        """Start one step whose update is applied a few leaves at a time, as their grads
+        become final: returns ``apply(indices, grads)``, which updates the leaves at
+        ``indices`` (of the flattened params) from ``grads[i]``. The math is elementwise, so
+        any split of the leaves gives exactly one ``update``'s result (the step count moves
+        on once, here)."""
+        p = optree.tree_leaves(params)
         m = optree.tree_leaves(state.exp_avg)
         v = optree.tree_leaves(state.exp_avg_sq)
         state.count.add_(1)
         step = int(state.count)
-        self.apply(p, g, m, v, step)
-        return params, state
+
+        def apply(indices: list[int], grads: list) -> None:
+            self.apply(*([x[i] for i in indices] for x in (p, grads, m, v)), step)
+        return apply
 
     def apply(self, p: list, g: list, m: list, v: list, step: int, lr_scale: float = 1.0) -> None:
         """The AdamW math on flat lists of tensors (shared with Muon's AdamW fallback)."""
