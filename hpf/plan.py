@@ -166,7 +166,7 @@ class Plan:
 
 
 def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[str] | None = None, *,
-         hierarchical: bool = False, default_shard_axes: Sequence[str] | None = None) -> Plan:
+         hierarchical: bool = False, default_shard_axes: Sequence[str] | None = None, bucket_bytes: int = 0) -> Plan:
     """Resolve the sharding of ``params`` on ``mesh`` once.
 
     ``params`` may be meta tensors; ``mesh`` may be virtual. Axes of a spec that are in
@@ -174,7 +174,12 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
     other axes mean "stored and computed sharded". With no ``param_specs`` every parameter
     is sharded over ``default_shard_axes`` (default: all FSDP axes; the fast-tier axes give
     HSDP). ``hierarchical`` numbers shards fast-axes-first for two-tier collectives.
+    ``bucket_bytes`` caps a bucket (one flat buffer, one fused collective): a unit's params
+    of one layout and dtype fill buckets in tree order, a new one starting where the next
+    param would pass the cap (0: one bucket each; a param bigger than the cap gets its own).
     """
+    if not isinstance(bucket_bytes, int) or bucket_bytes < 0:
+        raise ValueError(f"bucket_bytes={bucket_bytes!r}: use a byte count > 0, or 0 for one bucket per unit")
     fsdp = tuple(mesh.axis_names) if fsdp_axes is None else tuple(fsdp_axes)
     for a in fsdp:
         if a not in mesh.axis_names:
@@ -196,7 +201,10 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
         shard_axes = tuple(a for a in mesh.axis_names if a in fsdp and a in spec.axes())
         split_axes = tuple(a for a in compute_axes if a in spec.axes())
         key = (unit, shard_axes, split_axes, leaf.dtype)
-        if key not in by_key:
+        nbytes = leaf.numel() * leaf.element_size() // mesh.axis_size(split_axes)
+        full = key in by_key and bucket_bytes and by_key[key].numel and (
+            (by_key[key].numel * leaf.element_size() + nbytes) > bucket_bytes)
+        if key not in by_key or full:
             order = shard_axes
             if hierarchical:
                 order = tuple(sorted(shard_axes, key=lambda a: a not in mesh.fast_axes))

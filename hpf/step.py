@@ -90,7 +90,8 @@ class ShardStep:
         fsdp = self.mesh.axis_names if self.fsdp_axes is None else tuple(self.fsdp_axes)
         hier = self.topology is not None and self.topology.hierarchical
         self.plan = make_plan(full_params, self.mesh, self.param_specs, self.fsdp_axes, hierarchical=hier,
-                              default_shard_axes=[a for a in fsdp if a in self.mesh.fast_axes] if self.hsdp else None)
+                              default_shard_axes=[a for a in fsdp if a in self.mesh.fast_axes] if self.hsdp else None,
+                              bucket_bytes=self.topology.bucket_bytes if self.topology else 0)
         _check_same_on_all_ranks(self.plan)
         master = self.mp.master_dtype if self.mp else None
         shards = [s.to(self.device) for s in self.plan.shards(full_params, self.rank, master)]

@@ -10,10 +10,11 @@ between them) get separate collectives:
 - reduce-scatter: the fast tier reduces first, so the slow tier carries 1/n_fast of the
   bytes, in one reduction per bucket, in the reduce dtype (fp32).
 
-Collectives run on worker threads, one FIFO per direction, each on its own process
-groups, so every rank issues them in the same order and compute never blocks on a
-slow-tier transfer: a unit's reduction is issued in its backward and waited for only
-before the optimizer (the cross-layer backward pipeline).
+Collectives run on worker threads, one FIFO per tier and direction, each on its own
+process groups, so every rank runs them in the order it issued them, a bucket's slow
+stage overlaps the next bucket's fast stage, and compute never blocks on a slow-tier
+transfer: a unit's reduction is issued in its backward and waited for only when its
+optimizer update needs it (the cross-layer backward pipeline).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from collections import Counter
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -59,6 +61,8 @@ class Topology:
     pipeline: reductions overlap the rest of backward; False waits for each unit's.
     fast_transport: "shm" (CPU ranks of one host), "pg" (torch.distributed), or "auto".
     slow_link: an emulated slow link, for benchmarks only.
+    bucket_bytes: split units into buckets of at most this many bytes, each its own fused
+    collective, so one bucket's slow stage overlaps the next one's fast stage (0: a bucket per unit).
     """
 
     hierarchical: bool = True
@@ -67,10 +71,14 @@ class Topology:
     slow_link: SlowLink | None = None
     shm_bytes: int = 0  # shared-memory capacity; 0 sizes it from the plan
     timeout_s: float = 300.0
+    bucket_bytes: int = 0  # cap on one fused collective (hpf.plan's bucket_bytes); 0: one per unit
 
     def __post_init__(self):
         if self.fast_transport not in ("auto", "shm", "pg"):
             raise ValueError(f"fast_transport={self.fast_transport!r}: use 'auto', 'shm' or 'pg'")
+        if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 0:
+            raise ValueError(f"bucket_bytes={self.bucket_bytes!r}: use a byte count > 0, or 0 for one "
+                             "bucket per unit")
 
 
 class _Handle:
@@ -94,18 +102,22 @@ class _Handle:
         return self.future.done()
 
 
+def _pipeline(*stages: tuple["_Worker", Callable[[], None]]) -> Future:
+    """Run ``fn`` of each (worker, fn) stage in turn, each on its worker; the future ends with
+    the last. Every job passes through the same workers in the same order, so each worker
+    (one tier's process group) runs its collectives in the order the main thread issued them."""
+    fut: Future = Future()
+    stages[0][0].jobs.put((stages, fut))
+    return fut
+
+
 class _Worker:
-    """One thread running jobs in submission order; the main thread is its only producer."""
+    """One thread running pipeline stages in the order they reach it."""
 
     def __init__(self, name: str):
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
-
-    def submit(self, fn) -> Future:
-        fut: Future = Future()
-        self.jobs.put((fn, fut))
-        return fut
 
     def _run(self) -> None:
         failed = None
@@ -113,16 +125,20 @@ class _Worker:
             job = self.jobs.get()
             if job is None:
                 return
-            fn, fut = job
+            stages, fut = job
             if failed is not None:  # the ranks are out of step: every later collective would hang
                 fut.set_exception(failed)
                 continue
             try:
-                fn()
-                fut.set_result(None)
+                stages[0][1]()
             except BaseException as e:  # handed to whoever waits on this or any later future
                 failed = e
                 fut.set_exception(e)
+                continue
+            if len(stages) > 1:
+                stages[1][0].jobs.put((stages[1:], fut))
+            else:
+                fut.set_result(None)
 
     def close(self) -> None:
         self.jobs.put(None)
@@ -141,8 +157,8 @@ class TieredComm:
         self.timeout = topology.timeout_s
         self.bytes = Counter()  # (op, tier) -> bytes this rank sent
         self._link = topology.slow_link
-        self._gather_worker = _Worker("hpf-gather")
-        self._reduce_worker = _Worker("hpf-reduce")
+        # One worker per tier and direction: a bucket's slow stage overlaps the next one's fast stage.
+        self._workers = {(d, t): _Worker(f"hpf-{d}-{t}") for d in ("gather", "reduce") for t in ("slow", "fast")}
         use_shm = self._use_shm(topology, device)
         self._use_shm_fast = use_shm
         fast_axes = set(mesh.fast_axes)
@@ -228,22 +244,27 @@ class TieredComm:
         bucket = self.plan.buckets[b]
         tiers = self._ag_bytes[b]
 
-        def job():
-            block = out
-            if fast:
-                i = self.plan.mesh.group_index(fast, self._rank)
-                n = bucket.padded_numel // self.plan.mesh.axis_size(fast)
-                block = out[i * n:(i + 1) * n]
+        block = out  # slow stage: this rank's block of the full buffer, among its fast-tier peers
+        if fast:
+            i = self.plan.mesh.group_index(fast, self._rank)
+            n = bucket.padded_numel // self.plan.mesh.axis_size(fast)
+            block = out[i * n:(i + 1) * n]
+
+        def slow_stage():
             if slow:
                 self._over_slow_link(lambda: self._fast[("gather", slow)].all_gather_into(block, shard),
                                      tiers["slow"])
             elif block.data_ptr() != shard.data_ptr():
                 block.copy_(shard)
+
+        def fast_stage():
             if fast:
                 self._fast[("gather", fast)].all_gather_into(out, block)
 
         self._count("all_gather", tiers)
-        return _Handle(self._gather_worker.submit(job), self.timeout, f"the all-gather of bucket {b}")
+        w = self._workers
+        return _Handle(_pipeline((w["gather", "slow"], slow_stage), (w["gather", "fast"], fast_stage)),
+                       self.timeout, f"the all-gather of bucket {b}")
 
     def reduce(self, b: int, shard: torch.Tensor, flat: torch.Tensor) -> _Handle:
         """shard <- this rank's slice of the sum of every data-parallel rank's flat grad."""
@@ -251,12 +272,17 @@ class TieredComm:
         group = self._replica[b]
         tiers, replica = self._rs_bytes[b], self._ar_bytes[b]
 
-        def job():
-            block = flat
+        block = flat  # fast stage: the sum over this rank's fast-tier peers of its block
+        if fast and slow:
+            block = torch.empty(flat.numel() // self.plan.mesh.axis_size(fast), dtype=flat.dtype, device=flat.device)
+        elif fast:
+            block = shard
+
+        def fast_stage():
             if fast:
-                block = shard if not slow else torch.empty(
-                    flat.numel() // self.plan.mesh.axis_size(fast), dtype=flat.dtype, device=flat.device)
                 self._fast[("reduce", fast)].reduce_scatter(block, flat)
+
+        def slow_stage():
             if slow:
                 self._over_slow_link(lambda: self._fast[("reduce", slow)].reduce_scatter(shard, block),
                                      tiers["slow"])
@@ -267,7 +293,9 @@ class TieredComm:
 
         self._count("reduce_scatter", tiers)
         self._count("all_reduce", replica)
-        return _Handle(self._reduce_worker.submit(job), self.timeout, f"the reduction of bucket {b}")
+        w = self._workers
+        return _Handle(_pipeline((w["reduce", "fast"], fast_stage), (w["reduce", "slow"], slow_stage)),
+                       self.timeout, f"the reduction of bucket {b}")
 
     def _count(self, op: str, tiers: dict) -> None:
         """Bytes are counted as collectives are issued (on the caller's thread)."""
@@ -275,8 +303,8 @@ class TieredComm:
             self.bytes[op, tier] += n
 
     def close(self) -> None:
-        self._gather_worker.close()
-        self._reduce_worker.close()
+        for worker in self._workers.values():
+            worker.close()
         for t in self._fast.values():
             if isinstance(t, ShmGroup):
                 t.close()

@@ -1,6 +1,7 @@
 """The plan: shards reassemble to the params exactly, and the report's totals add up."""
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -39,7 +40,7 @@ def problems(draw):
               "blocks": [{k: v[0] for k, v in b.items()} for b in pairs["blocks"]]}
     specs = {"root": pairs["root"][1], "z": pairs["z"][1],
              "blocks": [{k: v[1] for k, v in b.items()} for b in pairs["blocks"]]}
-    return mesh, fsdp, params, specs, draw(st.booleans())
+    return mesh, fsdp, params, specs, draw(st.booleans()), draw(st.sampled_from([0, 8, 40, 200]))
 
 
 def reassemble(plan, params):
@@ -67,8 +68,8 @@ def reassemble(plan, params):
 @settings(max_examples=60, deadline=None)
 @given(problems())
 def test_shards_reassemble_exactly(problem):
-    mesh, fsdp, params, specs, hierarchical = problem
-    plan = hpf.plan(params, mesh, specs, fsdp_axes=fsdp, hierarchical=hierarchical)
+    mesh, fsdp, params, specs, hierarchical, bucket_bytes = problem
+    plan = hpf.plan(params, mesh, specs, fsdp_axes=fsdp, hierarchical=hierarchical, bucket_bytes=bucket_bytes)
     rebuilt = reassemble(plan, params)
     paths, leaves, _ = hpf.tree.flatten(params)
     for path, leaf in zip(paths, leaves):
@@ -86,6 +87,25 @@ def test_units_are_list_elements():
     plan = hpf.plan(params, hpf.Mesh({"dp": 4}))
     assert list(plan.units) == ["<root>", "blocks/0", "blocks/1", "blocks/2"]
     assert plan.slots["blocks/1/w_up"].unit == "blocks/1" and plan.slots["embed"].unit == "<root>"
+
+
+def test_bucket_bytes_caps_buckets_in_tree_order():
+    params = gpt.init(gpt.CONFIGS["tiny"], device="meta")
+    mesh = hpf.Mesh({"dp": 4})
+    whole = hpf.plan(params, mesh)
+    cap = 4 * 1000  # tiny's block: two 25-vectors, 25x25, 25x75, 25x38 and 38x25 fp32 matrices
+    split = hpf.plan(params, mesh, bucket_bytes=cap)
+    assert len(split.buckets) > len(split.units) == len(whole.units) == len(whole.buckets)
+    for name, unit in split.units.items():
+        buckets = [split.buckets[i] for i in unit.buckets]
+        # the unit's params, in tree order, dealt into consecutive buckets
+        assert [s.path for b in buckets for s in b.slots] == [s.path for s in whole.buckets[whole.units[name].buckets[0]].slots]
+        for b in buckets:
+            assert b.numel * 4 <= cap or len(b.slots) == 1, (name, [s.path for s in b.slots])
+        for b, after in zip(buckets, buckets[1:]):  # a bucket closes only when the next param would not fit
+            assert (b.numel + after.slots[0].numel) * 4 > cap
+    with pytest.raises(ValueError, match="bucket_bytes=-1"):
+        hpf.plan(params, mesh, bucket_bytes=-1)
 
 
 def test_768_rank_plan_of_1b_gpt_adds_up():

@@ -39,6 +39,7 @@ VARIANTS = {  # name -> shard_step keywords
     "hier_pg_no_pipeline": {"topology": Topology(fast_transport="pg", pipeline=False)},
     "hier_shm": {"topology": Topology(fast_transport="shm")},
     "hier_shm_update_after_backward": {"topology": Topology(fast_transport="shm"), "overlap_optimizer": False},
+    "hier_shm_small_buckets": {"topology": Topology(fast_transport="shm", bucket_bytes=16 << 10)},
     "hier_shm_no_pipeline": {"topology": Topology(fast_transport="shm", pipeline=False)},
     "hsdp_shm": {"topology": Topology(fast_transport="shm"), "hsdp": True},
 }
@@ -187,6 +188,11 @@ def test_update_during_backward_is_bitwise_the_update_after_it(runs):
         assert np.array_equal(overlapped["params"][path], value), path
 
 
+def test_small_buckets_split_units(runs):
+    units = runs[0]["hier_shm_small_buckets"]["bucket_units"]  # it matches the reference above
+    assert len(units) > len(set(units))
+
+
 def test_shared_memory_units_are_gathered_once_per_step(runs):
     # units refilled during backward (optimizer overlap) are not gathered again by the next step
     for variant in ("hier_shm", "hier_shm_update_after_backward"):
@@ -283,7 +289,7 @@ class _GatedLink(SlowLink):
     stalled: list = field(default_factory=list, compare=False)
 
     def delay(self, nbytes: int) -> float:
-        if threading.current_thread().name == "hpf-reduce" and not self.gate.wait(self.patience):
+        if threading.current_thread().name == "hpf-reduce-slow" and not self.gate.wait(self.patience):
             self.stalled.append(nbytes)
             self.gate.set()  # one stall proves the point; let the rest of the step run
         return 0.0
