@@ -440,6 +440,7 @@ class UnitEngine:
         handle = self.comm.reduce(b, shard, flat)
         if not self.pipeline:
             self._timed_wait([handle])
+            return DONE  # waited: no one may wait on it again
         return handle
 
     def _timed_wait(self, handles) -> None:
