@@ -17,9 +17,11 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from typing import Any, Callable
@@ -87,7 +89,10 @@ def init_distributed(timeout: float | datetime.timedelta = 300.0, backend: str |
                     "device(s); start at most one rank per device, or pass backend='gloo'")
             torch.accelerator.set_device_index(local_rank)
             backend = f"cpu:gloo,{device.type}:{dist.get_default_backend_for_device(device)}"
-    dist.init_process_group(backend=backend, timeout=_as_timedelta(timeout))
+    rendezvous = os.environ.get("HPF_RENDEZVOUS_FILE")  # set by launch: no port to race for
+    init = {"init_method": f"file://{rendezvous}", "rank": int(os.environ["RANK"]),
+            "world_size": int(os.environ["WORLD_SIZE"])} if rendezvous else {}
+    dist.init_process_group(backend=backend, timeout=_as_timedelta(timeout), **init)
 
 
 def _free_port() -> int:
@@ -173,6 +178,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
     The first rank that raises or dies ends all others and raises `RankError` here; after
     `timeout` seconds everything is ended and `RankError` (rank None) is raised.
     With an accelerator, the calling process must not have initialized it (as with any fork).
+    The ranks rendezvous through a file store in a private temporary folder, so concurrent
+    launches never race for a port; ``master_port`` makes them use a TCP store on that port.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"launch: world_size must be a positive int, got {world_size!r}")
@@ -181,6 +188,9 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
                            "inherit it. Call hpf.launch from a driver process without one.")
     ctx = mp.get_context("fork")
     port = str(master_port or _free_port())
+    # The ranks meet in a file store in a private folder: no port to race other launches for.
+    rendezvous_dir = None if master_port else tempfile.mkdtemp(prefix="hpf-rendezvous-")
+    rendezvous = {"HPF_RENDEZVOUS_FILE": os.path.join(rendezvous_dir, "store")} if rendezvous_dir else {}
     procs, conns = [], []
     try:
         for r in range(world_size):
@@ -190,7 +200,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
                 "ROLE_WORLD_SIZE": str(world_size), "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default",
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
                 "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-                "TORCHELASTIC_RUN_ID": f"hpf-{os.getpid()}-{port}", **(env or {})}
+                "TORCHELASTIC_RUN_ID": f"hpf-{os.getpid()}-{port}", **rendezvous, **(env or {})}
             recv, send = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_child, name=f"hpf-rank{r}",
                             args=(fn, r, world_size, args, child_env, timeout, backend, send))
@@ -204,6 +214,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
         for c in conns:
             c.close()
         _remove_shm_leftovers([p.pid for p in procs if p.pid is not None])
+        if rendezvous_dir:
+            shutil.rmtree(rendezvous_dir, ignore_errors=True)
 
 
 def _collect(procs: list, conns: list, timeout: float) -> list[Any]:

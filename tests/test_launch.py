@@ -51,6 +51,19 @@ def test_results_come_back_in_rank_order_with_torchrun_env():
     assert not dist.is_initialized()  # the parent stays clean: it can launch again
 
 
+def _rendezvous_file(rank):
+    path = os.environ["HPF_RENDEZVOUS_FILE"]
+    return path, os.path.exists(path)
+
+
+def test_ranks_rendezvous_in_a_private_file_that_is_removed_afterwards():
+    """No free-port race between concurrent launches: the store is a file in a fresh folder."""
+    results = launch(_rendezvous_file, 2)
+    path = results[0][0]
+    assert results == [(path, True)] * 2
+    assert not os.path.exists(os.path.dirname(path))
+
+
 def _args_and_env(rank, scale, offset):
     return rank * scale + offset, os.environ["HPF_TEST_VAR"]
 
