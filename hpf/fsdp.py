@@ -7,6 +7,11 @@ the unit's grads into one flat buffer and launches its reduce-scatter. A block u
 buffer is freed (its storage resized to zero) once the forward moves two units on;
 autograd's saved-tensor hooks tell the engine when backward needs a freed unit again, so
 it is re-gathered exactly then, with the unit before it prefetched.
+
+With an elementwise optimizer the step hands each unit to the optimizer as soon as its
+reductions have landed (polled while backward runs, in reduction order), and the units the
+next step needs first start gathering right after their update: only the last unit's
+reduction, update and gather stay between one step's backward and the next forward.
 """
 from __future__ import annotations
 
@@ -423,7 +428,9 @@ class UnitEngine:
 
     def _refill(self, unit: str) -> None:
         """The unit's shards were just updated: start the next step's gather of it now."""
-        self._release(unit)  # this step is done with it (its reduction has landed on every rank)
+        # This step is done with it: its reduction has landed here, so the peers that share
+        # its buffer have passed its fast-tier reduction, hence its backward.
+        self._release(unit)
         for b in self.unit_buckets[unit]:
             self.shards[b] = self._cast(self._masters[b])
         self._gather(unit)
