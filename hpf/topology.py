@@ -229,7 +229,7 @@ class TieredComm:
         return torch.empty(bucket.padded_numel, dtype=dtype, device=self._device)
 
     # -- collectives -----------------------------------------------------------------------------
-    def _over_slow_link(self, collective, nbytes: int) -> None:
+    def _over_slow_link(self, collective: Callable[[], object], nbytes: int) -> None:
         """Run a slow-tier collective; with an emulated link, stretch it to the link's time.
 
         The real transfer (loopback on one host) is part of the emulated link's time, not
