@@ -178,8 +178,7 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
     of one layout and dtype fill buckets in tree order, a new one starting where the next
     param would pass the cap (0: one bucket each; a param bigger than the cap gets its own).
     """
-    if not isinstance(bucket_bytes, int) or bucket_bytes < 0:
-        raise ValueError(f"bucket_bytes={bucket_bytes!r}: use a byte count > 0, or 0 for one bucket per unit")
+    check_bucket_bytes(bucket_bytes)
     fsdp = tuple(mesh.axis_names) if fsdp_axes is None else tuple(fsdp_axes)
     for a in fsdp:
         if a not in mesh.axis_names:
@@ -201,10 +200,9 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
         shard_axes = tuple(a for a in mesh.axis_names if a in fsdp and a in spec.axes())
         split_axes = tuple(a for a in compute_axes if a in spec.axes())
         key = (unit, shard_axes, split_axes, leaf.dtype)
-        nbytes = leaf.numel() * leaf.element_size() // mesh.axis_size(split_axes)
-        full = key in by_key and bucket_bytes and by_key[key].numel and (
-            (by_key[key].numel * leaf.element_size() + nbytes) > bucket_bytes)
-        if key not in by_key or full:
+        b = by_key.get(key)
+        if b is None or (bucket_bytes and b.numel and
+                         (b.numel + math.prod(local_shape)) * leaf.element_size() > bucket_bytes):
             order = shard_axes
             if hierarchical:
                 order = tuple(sorted(shard_axes, key=lambda a: a not in mesh.fast_axes))
@@ -215,7 +213,6 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
             by_key[key] = b
             buckets.append(b)
             units.setdefault(unit, Unit(unit, [])).buckets.append(b.index)
-        b = by_key[key]
         slot = ParamSlot(path, spec, tuple(leaf.shape), local_shape, leaf.dtype, unit, b.index, b.numel)
         b.slots.append(slot)
         b.numel += slot.numel
@@ -223,6 +220,11 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
     if not units[ROOT].buckets:
         del units[ROOT]
     return Plan(mesh, fsdp, compute_axes, specs, slots, buckets, units, treedef)
+
+
+def check_bucket_bytes(bucket_bytes: int) -> None:
+    if not isinstance(bucket_bytes, int) or bucket_bytes < 0:
+        raise ValueError(f"bucket_bytes={bucket_bytes!r}: use a byte count > 0, or 0 for one bucket per unit")
 
 
 def _unit_names(params: Any) -> list[str]:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from .comm.shm import ShmGroup
 from .comm.transport import ProcessGroupTransport
-from .plan import Plan
+from .plan import Plan, check_bucket_bytes
 from .report import bucket_allreduce_bytes, bucket_gather_bytes, dtype_bytes
 
 __all__ = ["Topology", "SlowLink", "TieredComm"]
@@ -76,9 +76,7 @@ class Topology:
     def __post_init__(self):
         if self.fast_transport not in ("auto", "shm", "pg"):
             raise ValueError(f"fast_transport={self.fast_transport!r}: use 'auto', 'shm' or 'pg'")
-        if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 0:
-            raise ValueError(f"bucket_bytes={self.bucket_bytes!r}: use a byte count > 0, or 0 for one "
-                             "bucket per unit")
+        check_bucket_bytes(self.bucket_bytes)
 
 
 class _Handle:
