@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from . import tree as tree_util
 from .plan import ROOT, Bucket, Plan
-from .report import bucket_allreduce_bytes, bucket_gather_bytes
+from .report import bucket_allreduce_bytes, bucket_gather_bytes, count_bytes
 
 __all__ = ["UnitEngine", "BucketComm", "MemoryStats"]
 
@@ -106,7 +106,7 @@ class BucketComm:
         if g is None:
             out.copy_(shard)
             return DONE
-        self._count("all_gather", self._ag_bytes[b])
+        count_bytes(self.bytes, "all_gather", self._ag_bytes[b])
         return dist.all_gather_single(out, shard, group=g, async_op=True)
 
     def reduce(self, b: int, shard: torch.Tensor, flat: torch.Tensor):
@@ -117,17 +117,13 @@ class BucketComm:
                 shard.copy_(flat)
             handle = DONE
         else:
-            self._count("reduce_scatter", self._rs_bytes[b])
+            count_bytes(self.bytes, "reduce_scatter", self._rs_bytes[b])
             handle = dist.reduce_scatter_single(shard, flat, group=g, async_op=True)
         rg = self.replica_groups[b]
         if rg is None:
             return handle
-        self._count("all_reduce", self._ar_bytes[b])
+        count_bytes(self.bytes, "all_reduce", self._ar_bytes[b])
         return _Chain(handle, lambda: dist.all_reduce(shard, group=rg, async_op=True))
-
-    def _count(self, op: str, tiers: dict) -> None:
-        for tier, n in tiers.items():
-            self.bytes[op, tier] += n
 
     def close(self) -> None:
         pass
@@ -201,10 +197,6 @@ class UnitEngine:
         self.pipeline = pipeline
         self.units = list(plan.units)
         self.unit_buckets = {u: plan.units[u].buckets for u in self.units}
-        self._bucket_unit = [None] * len(bks)
-        for u, bs in self.unit_buckets.items():
-            for b in bs:
-                self._bucket_unit[b] = u
         # A unit wholly in shared memory stays mapped for the step: no free, no re-gather.
         self.unit_shared = {u: all(self.shared[b] for b in bs) for u, bs in self.unit_buckets.items()}
         # Full buffers of units that are freed in forward, so backward must re-gather them.
@@ -223,7 +215,7 @@ class UnitEngine:
         # starts the next step's gather of the unit if begin() would (see _refill).
         self.update_buckets: Callable[[list[int]], None] | None = None
         self._landing: deque = deque()  # (unit, handles) reduced but not yet handed to update_buckets
-        self._next: dict[str, list] = {}  # unit -> [(master shard, its version)] gathered for the next step
+        self._next: dict[str, list] = {}  # unit -> _snapshot of its master shards, gathered for the next step
         self._refill_later: list[str] = []
         self._early = {u for i, u in enumerate(self.units) if i < 2 or self.unit_shared[u]}
         # Refilling in backward is safe for the collective order only when backward never
@@ -270,10 +262,10 @@ class UnitEngine:
         overlap whatever the caller does between steps; ``ready_for`` tells whether that
         prefetch still matches the shards the next step is given. Units refilled during the
         last backward (optimizer overlap) are kept if their shards are still these."""
-        kept = {u for u, recs in self._next.items()
-                if all(shards[b] is m and m._version == v for b, (m, v) in zip(self.unit_buckets[u], recs))}
+        kept = {u for u, snapshot in self._next.items() if _untouched(snapshot, shards)}
         self._abandon(keep=kept)
-        self.shards = [self.shards[b] if self._bucket_unit[b] in kept else self._cast(s) for b, s in enumerate(shards)]
+        buckets = self.plan.buckets
+        self.shards = [self.shards[b] if buckets[b].unit in kept else self._cast(s) for b, s in enumerate(shards)]
         self._masters = list(shards)
         self.grad_shards = grad_shards
         self.reductions = []
@@ -286,7 +278,7 @@ class UnitEngine:
         for u in self.units:
             if u in self._early:
                 self._gather(u)
-        self._begun = (list(shards), [s._version for s in shards])
+        self._begun = _snapshot(shards, range(len(shards)))
 
     def _cast(self, shard: torch.Tensor) -> torch.Tensor:
         cdt = self.compute_dtype
@@ -295,8 +287,7 @@ class UnitEngine:
     def ready_for(self, shards: list[torch.Tensor]) -> bool:
         """True if ``begin`` ran for exactly these shards and nothing has written to them since."""
         begun = self._begun
-        return begun is not None and len(begun[0]) == len(shards) and all(
-            a is b and a._version == v for a, b, v in zip(begun[0], shards, begun[1]))
+        return begun is not None and len(begun) == len(shards) and _untouched(begun, shards)
 
     def _abandon(self, keep=frozenset()) -> None:
         """Drop gathers started for shards that are no longer current."""
@@ -434,7 +425,7 @@ class UnitEngine:
         for b in self.unit_buckets[unit]:
             self.shards[b] = self._cast(self._masters[b])
         self._gather(unit)
-        self._next[unit] = [(self._masters[b], self._masters[b]._version) for b in self.unit_buckets[unit]]
+        self._next[unit] = _snapshot(self._masters, self.unit_buckets[unit])
 
     def _reduce_bucket(self, b: int, bucket: Bucket, grads) -> Any:
         shard = self.grad_shards[b]
@@ -475,6 +466,15 @@ class UnitEngine:
 class _Saved:
     unit: str
     tensor: torch.Tensor
+
+
+def _snapshot(shards: list[torch.Tensor], indices) -> list[tuple]:
+    """(index, tensor, version) of shards[i]: enough to tell later that nothing replaced or wrote them."""
+    return [(i, shards[i], shards[i]._version) for i in indices]
+
+
+def _untouched(snapshot: list[tuple], shards: list[torch.Tensor]) -> bool:
+    return all(i < len(shards) and shards[i] is t and t._version == v for i, t, v in snapshot)
 
 
 def _own_base(buf: torch.Tensor) -> torch.Tensor:

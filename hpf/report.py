@@ -52,6 +52,12 @@ def bucket_allreduce_bytes(mesh: Mesh, bucket, dtype: torch.dtype, hierarchical:
     return {t: 2 * n for t, n in collective_bytes(mesh, bucket.replicate_axes, part, hierarchical).items()}
 
 
+def count_bytes(counter, op: str, tiers: dict[str, int]) -> None:
+    """Add one collective's bytes per tier to ``counter[op, tier]`` (the comms' byte counters)."""
+    for tier, n in tiers.items():
+        counter[op, tier] += n
+
+
 @dataclass
 class PlanReport:
     world_size: int

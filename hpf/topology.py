@@ -35,7 +35,7 @@ import torch.distributed as dist
 from .comm.shm import ShmGroup
 from .comm.transport import ProcessGroupTransport
 from .plan import Plan, check_bucket_bytes
-from .report import bucket_allreduce_bytes, bucket_gather_bytes, dtype_bytes
+from .report import bucket_allreduce_bytes, bucket_gather_bytes, count_bytes, dtype_bytes
 
 __all__ = ["Topology", "SlowLink", "TieredComm"]
 
@@ -259,7 +259,7 @@ class TieredComm:
             if fast:
                 self._fast[("gather", fast)].all_gather_into(out, block)
 
-        self._count("all_gather", tiers)
+        count_bytes(self.bytes, "all_gather", tiers)  # as issued, on the caller's thread
         w = self._workers
         return _Handle(_pipeline((w["gather", "slow"], slow_stage), (w["gather", "fast"], fast_stage)),
                        self.timeout, f"the all-gather of bucket {b}")
@@ -289,16 +289,11 @@ class TieredComm:
             if group is not None:
                 self._over_slow_link(lambda: dist.all_reduce(shard, group=group), replica["slow"])
 
-        self._count("reduce_scatter", tiers)
-        self._count("all_reduce", replica)
+        count_bytes(self.bytes, "reduce_scatter", tiers)
+        count_bytes(self.bytes, "all_reduce", replica)
         w = self._workers
         return _Handle(_pipeline((w["reduce", "fast"], fast_stage), (w["reduce", "slow"], slow_stage)),
                        self.timeout, f"the reduction of bucket {b}")
-
-    def _count(self, op: str, tiers: dict) -> None:
-        """Bytes are counted as collectives are issued (on the caller's thread)."""
-        for tier, n in tiers.items():
-            self.bytes[op, tier] += n
 
     def close(self) -> None:
         for worker in self._workers.values():
