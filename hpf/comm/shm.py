@@ -28,13 +28,12 @@ import os
 import secrets
 import socket
 import time
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .transport import BufferCache, check_op, check_shards, ring_bytes
+from .transport import BufferCache, CallCounters, check_op, check_shards, ring_bytes
 
 __all__ = ["ShmGroup", "ShmTimeout", "remove_leftovers"]
 
@@ -122,7 +121,7 @@ def _map_segment(group, rank: int, nbytes: int, name_prefix: str) -> torch.Tenso
     return segment
 
 
-class ShmGroup:
+class ShmGroup(CallCounters):
     """Shared-memory `Transport` for the ranks of a host-local process group.
 
     Create it collectively on every rank of `group` (None = the default group); the group is
@@ -140,6 +139,7 @@ class ShmGroup:
                  timeout: float = 300.0):
         if nbytes <= 0:
             raise ValueError(f"ShmGroup: nbytes must be positive, got {nbytes}")
+        super().__init__()
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.global_ranks = dist.get_process_group_ranks(group) if group is not None else list(
@@ -156,8 +156,6 @@ class ShmGroup:
         self._next = header
         self._regions = BufferCache()  # key -> _Region
         self._scratch = None  # fp32 accumulator chunk, made on first use
-        self.bytes_sent: Counter = Counter()
-        self.calls: Counter = Counter()
 
     # ---- memory -------------------------------------------------------------------------
     def buffer(self, key, numel: int, dtype: torch.dtype, *, per_rank: bool = False) -> torch.Tensor:
@@ -246,10 +244,6 @@ class ShmGroup:
             sleep_s = min(2 * sleep_s, _MAX_SLEEP_S)
 
     # ---- collectives ------------------------------------------------------------------------
-    def _count(self, op: str, nbytes: int) -> None:
-        self.calls[op] += 1
-        self.bytes_sent[op] += nbytes
-
     def all_gather_into(self, full: torch.Tensor, shard: torch.Tensor) -> None:
         """Write `shard` into this rank's slice of the shared `full`, then barrier.
 

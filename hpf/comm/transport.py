@@ -101,10 +101,23 @@ class BufferCache:
         self._entries.clear()
 
 
-class ProcessGroupTransport:
+class CallCounters:
+    """The `Transport` protocol's counters, kept the same way by every transport."""
+
+    def __init__(self):
+        self.bytes_sent: Counter = Counter()
+        self.calls: Counter = Counter()
+
+    def _count(self, op: str, nbytes: int) -> None:
+        self.calls[op] += 1
+        self.bytes_sent[op] += nbytes
+
+
+class ProcessGroupTransport(CallCounters):
     """`Transport` over a torch.distributed process group (all_gather_single / reduce_scatter_single)."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, device: torch.device | str | None = None):
+        super().__init__()
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -112,8 +125,6 @@ class ProcessGroupTransport:
             on_accelerator = torch.accelerator.is_available() and dist.get_backend(group) != "gloo"
             device = torch.accelerator.current_accelerator() if on_accelerator else "cpu"
         self.device = torch.device(device)
-        self.bytes_sent: Counter = Counter()
-        self.calls: Counter = Counter()
         self._buffers = BufferCache()
 
     def buffer(self, key, numel, dtype, *, per_rank=False):
@@ -122,10 +133,6 @@ class ProcessGroupTransport:
 
     def barrier(self):
         dist.barrier(group=self.group)
-
-    def _count(self, op: str, nbytes: int) -> None:
-        self.calls[op] += 1
-        self.bytes_sent[op] += nbytes
 
     def all_gather_into(self, full, shard):
         k = check_shards(full, shard, self.world_size, "full", "shard")
