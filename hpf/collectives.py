@@ -128,7 +128,8 @@ def psum(x: torch.Tensor, axis: str | Sequence[str]) -> torch.Tensor:
 
 
 # -- all_gather --------------------------------------------------------------------------------------
-def _gather0(x: torch.Tensor, group, n: int) -> torch.Tensor:
+def gather_dim0(x: torch.Tensor, group, n: int) -> torch.Tensor:
+    """Every rank's ``x`` of ``group`` (size n), concatenated along dim 0 in group-rank order."""
     out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
     dist.all_gather_single(out, x.contiguous(), group=group)
     return out
@@ -144,7 +145,7 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, n, dim):
         ctx.group, ctx.n, ctx.dim = group, n, dim
-        return _gather0(x.movedim(dim, 0), group, n).movedim(0, dim)
+        return gather_dim0(x.movedim(dim, 0), group, n).movedim(0, dim)
 
     @staticmethod
     def backward(ctx, grad):

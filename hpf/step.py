@@ -14,7 +14,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .collectives import SPMD, spmd
+from .collectives import SPMD, gather_dim0, spmd
 from .fsdp import BucketComm, UnitEngine
 from .mesh import Mesh, MeshError
 from .plan import Plan, plan as make_plan
@@ -273,7 +273,5 @@ def _gather_compute_axes(plan: Plan, path: str, local: torch.Tensor) -> torch.Te
     for dim in range(len(slot.spec)):
         axes = tuple(a for a in slot.spec.dim_axes(dim) if a in plan.compute_axes)
         if axes:
-            parts = [torch.empty_like(out) for _ in range(plan.mesh.axis_size(axes))]
-            dist.all_gather(parts, out.contiguous(), group=plan.mesh.group(axes))
-            out = torch.cat(parts, dim=dim)
+            out = gather_dim0(out.movedim(dim, 0), plan.mesh.group(axes), plan.mesh.axis_size(axes)).movedim(0, dim)
     return out
