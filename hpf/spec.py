@@ -9,15 +9,24 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, Iterable, Sequence
 
+import optree
 import torch
 
 from . import tree as tree_util
 
-__all__ = ["P", "Rules", "rules", "SpecError", "resolve_specs"]
+__all__ = ["P", "Rules", "rules", "SpecError", "SpecTreeError", "IndivisibleSpecError", "resolve_specs"]
 
 
 class SpecError(ValueError):
     """A spec, rule or mesh that cannot describe the parameters; the message names the path."""
+
+
+class SpecTreeError(SpecError):
+    """A pytree of specs that does not have the params' structure."""
+
+
+class IndivisibleSpecError(SpecError):
+    """A non-FSDP axis that does not divide the dim it splits (only FSDP axes are padded)."""
 
 
 class P(tuple):
@@ -108,18 +117,13 @@ def resolve_specs(
 
 
 def _specs_from_tree(params: Any, spec_tree: Any, paths: list[str]) -> list[P]:
-    import optree
-
-    spec_leaves, spec_def = optree.tree_flatten(
-        spec_tree, is_leaf=lambda x: isinstance(x, P) or x is None, none_is_leaf=True
-    )
-    param_def = tree_util.structure(params)
-    if spec_def != param_def:
-        spec_paths = ["/".join(map(str, p)) for p in optree.tree_paths(
-            spec_tree, is_leaf=lambda x: isinstance(x, P) or x is None, none_is_leaf=True)]
+    is_spec = lambda x: isinstance(x, P) or x is None  # noqa: E731
+    spec_leaves, spec_def = optree.tree_flatten(spec_tree, is_leaf=is_spec, none_is_leaf=True)
+    if spec_def != tree_util.structure(params):
+        spec_paths = [tree_util.path_str(p) for p in optree.tree_paths(spec_tree, is_leaf=is_spec, none_is_leaf=True)]
         missing = sorted(set(paths) - set(spec_paths))
         extra = sorted(set(spec_paths) - set(paths))
-        raise SpecError(
+        raise SpecTreeError(
             "param_specs tree does not have the structure of params: "
             f"paths without a spec: {missing[:5]}{'...' if len(missing) > 5 else ''}; "
             f"specs with no parameter: {extra[:5]}{'...' if len(extra) > 5 else ''}. "

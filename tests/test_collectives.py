@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import hpf
 from hpf import P
 from hpf.collectives import SPMD, _AllReduce, all_gather, all_to_all, axis_index, psum, spmd
-from hpf.launch import launch
+from hpf.launcher import launch
 from hpf.mesh import MeshError
 
 TP = hpf.Mesh({"tp": 2})

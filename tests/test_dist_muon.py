@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import hpf
 from hpf import P
-from hpf.launch import launch
+from hpf.launcher import launch
 from hpf.models import gpt
 from hpf.optim.dist_muon import DistMuon, assign_owners, ns_flops
 from hpf.optim.muon import muon

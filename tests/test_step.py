@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import hpf
 from hpf import P
-from hpf.launch import launch
+from hpf.launcher import launch
 from hpf.models import gpt
 
 TINY = gpt.CONFIGS["tiny"]  # every leaf and unit size is odd or 2 mod 4: shards on 2 and 4 ranks are padded

@@ -19,7 +19,7 @@ import torch
 
 import hpf
 from hpf import SlowLink, Topology
-from hpf.launch import RankError, launch
+from hpf.launcher import RankError, launch
 from hpf.models import gpt
 from hpf.tree import flatten
 

@@ -15,7 +15,7 @@ import hpf
 from hpf import P
 from hpf import all_gather, all_to_all, axis_index, check_plan, psum
 from hpf.collectives import SPMD, _AllReduce, spmd
-from hpf.launch import launch
+from hpf.launcher import launch
 from hpf.models import gpt
 from hpf.validate import (
     PARTIAL, VARYING, BatchMismatchError, CollectiveError, GradientMismatchError, IndivisibleSpecError,
@@ -96,10 +96,10 @@ def track():
     """Run ops under a tracker on a virtual 2-rank "tp" mesh; ``track.put(t, entry)`` sets a layout."""
     mesh = hpf.Mesh({"tp": 2})
     tracker = Tracker(mesh, ())
-    from hpf.validate import _info
+    from hpf.validate import make_info
 
     def put(t, entry):
-        tracker.set(t, _info((entry,), ("test",), ("parameter", "x")))
+        tracker.set(t, make_info((entry,), ("test",), ("parameter", "x")))
         return t
 
     tracker.put = put

@@ -16,7 +16,7 @@ import torch
 
 from . import tree as tree_util
 from .mesh import Mesh
-from .spec import P, SpecError, resolve_specs
+from .spec import IndivisibleSpecError, P, SpecError, resolve_specs
 
 if TYPE_CHECKING:
     from .report import PlanReport
@@ -248,10 +248,10 @@ def _local_shape(path: str, leaf: torch.Tensor, spec: P, mesh: Mesh, compute_axe
             continue
         n = mesh.axis_size(axes)
         if shape[dim] % n:
-            raise SpecError(
-                f"parameter {path!r}: dim {dim} has size {shape[dim]}, which the non-FSDP axes "
-                f"{tuple(axes)} of spec {spec!r} ({n} ranks) do not divide. Only FSDP axes are "
-                f"padded; pick a size divisible by {n} or shard this dim over FSDP axes instead"
+            raise IndivisibleSpecError(
+                f"parameter {path!r} dim {dim} has size {shape[dim]}, which the non-FSDP axes "
+                f"{tuple(axes)} of its spec {spec!r} ({n} ranks) do not divide; only FSDP axes are "
+                f"padded. Pick a size divisible by {n}, or shard this dim over FSDP axes instead"
             )
         shape[dim] //= n
     return tuple(shape)
