@@ -33,6 +33,14 @@ class P(tuple):
     """A PartitionSpec: one entry per leading tensor dim, each None, an axis name or a tuple of names.
 
     Trailing dims that are not listed are replicated. ``P()`` is fully replicated.
+
+    Args:
+        entries: per dim, None (replicated), a mesh axis name, or a tuple of names (the dim
+            split over their product, outer axis first).
+
+    Raises:
+        SpecError: an entry that is none of those. Axis names are checked against the mesh
+            when the plan is made.
     """
 
     def __new__(cls, *entries: None | str | Sequence[str]):
@@ -90,7 +98,19 @@ class Rules:
 
 
 def rules(pairs: Iterable[tuple[str, P]]) -> Rules:
-    """``hpf.rules([(regex, P), ...])``: map parameter paths to specs, first match wins."""
+    """``hpf.rules([(regex, P), ...])``: map parameter paths to specs, first match wins.
+
+    Args:
+        pairs: (regex, P) pairs; a regex must match the whole "/"-joined path (re.fullmatch).
+
+    Returns:
+        A callable ``path -> P`` to pass as ``param_specs``.
+
+    Raises:
+        SpecError: a pair maps to something that is not a ``P`` (here), or, when the plan is
+            made, a path no pattern matches (the message lists the patterns).
+        re.error: a pattern that is not a regular expression.
+    """
     return Rules(pairs)
 
 
