@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import hpf
-from hpf import P
 from hpf.collectives import SPMD, all_gather, all_to_all, axis_index, psum, spmd
 from hpf.launcher import launch
 from hpf.mesh import MeshError

@@ -9,7 +9,6 @@ import functools
 from collections import Counter
 
 import numpy as np
-import optree
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
