@@ -21,16 +21,18 @@ from pathlib import Path
 import torch
 
 import hpf
-from hpf.launch import RankError, init_distributed, is_launched, launch, rank, world_size
+from hpf.launcher import RankError, init_distributed, is_launched, launch, rank, world_size
 from hpf.models import gpt
 from hpf.progress import Progress
-from hpf.step import default_device
+from hpf.api import STEPS
+from hpf.device import default_device
+from hpf.step import step_plan
+from hpf.types import PRECISIONS, MixedPrecision
 
 __all__ = ["main", "parse_mesh", "read_metrics", "save_plots", "parse_ratio_line"]
 
 DEFAULT_MESH = {"node": 2, "local": 2}  # 2 "hosts" x 2 local ranks: exercises both tiers
 DEFAULT_LR = {"adamw": 1e-2, "muon": 0.02}
-PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 STEP_METRICS = ("loss", "grad_norm", "step_s", "comm_wait_s", "optimizer_s")  # from shard_step's metrics
 RATIO_LINE = re.compile(r"^RATIO\s+(\S+)\s+(\S+)(?:\s+(\S+))?\s*$")
 BENCHMARKS_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -123,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="global batch in sequences, split over the ranks (default: 32)")
     train.add_argument("--lr", type=_positive(float),
                        help=f"learning rate (default: {DEFAULT_LR['adamw']} for adamw, {DEFAULT_LR['muon']} for muon)")
-    train.add_argument("--mode", choices=("production", "validate"), default="production",
+    train.add_argument("--mode", choices=tuple(STEPS), default="production",
                        help="validate runs the same plan with layout checks on every op (default: production)")
     train.add_argument("--seed", type=_positive(int, least=0), default=0,
                        help="seeds the init and the data (default: 0)")
@@ -208,19 +210,21 @@ def _mesh_text(axes) -> str:
 
 def _plan(args, mesh: hpf.Mesh) -> hpf.Plan:
     """The plan shard_step makes for these arguments, from meta tensors (shapes only)."""
-    fsdp = args.fsdp_axes or mesh.axis_names
-    return hpf.plan(gpt.init(gpt.CONFIGS[args.config], device="meta"), mesh, fsdp_axes=args.fsdp_axes,
-                    hierarchical=args.topology == "two-tier",
-                    default_shard_axes=[a for a in fsdp if a in mesh.fast_axes] if args.hsdp else None)
+    return step_plan(gpt.init(gpt.CONFIGS[args.config], device="meta"), mesh, fsdp_axes=args.fsdp_axes,
+                     topology=_topology(args.topology), hsdp=args.hsdp)
+
+
+def _topology(name: str) -> hpf.Topology | None:
+    return hpf.Topology() if name == "two-tier" else None
 
 
 def cmd_plan(args) -> int:
     config = gpt.CONFIGS[args.config]
     mesh = _mesh(args)
     plan = _plan(args, mesh)
-    dtype = PRECISIONS.get(args.mixed_precision)
-    report = plan.report(compute_dtype=dtype, master_dtype=torch.float32 if dtype else None,
-                         reduce_dtype=torch.float32 if dtype else None,
+    mp = MixedPrecision.parse(args.mixed_precision)
+    report = plan.report(compute_dtype=mp.compute_dtype if mp else None, master_dtype=mp.master_dtype if mp else None,
+                         reduce_dtype=mp.reduce_dtype if mp else None,
                          hierarchical=args.topology == "two-tier")
     print(f"GPT {args.config!r}: {gpt.num_params(config) / 1e6:,.1f}M params in {len(plan.slots)} tensors, "
           f"{len(plan.units)} FSDP units, {len(plan.buckets)} flat buckets")
@@ -270,7 +274,7 @@ def _make_step(job: TrainJob, mesh: hpf.Mesh):
     return hpf.shard_step(gpt.loss_for(gpt.CONFIGS[job.config]), mesh=mesh,
                           optimizer=_make_optimizer(job.optimizer, job.lr), fsdp_axes=job.fsdp_axes,
                           mode=job.mode, mixed_precision=job.mixed_precision, hsdp=job.hsdp,
-                          topology=hpf.Topology() if job.topology == "two-tier" else None)
+                          topology=_topology(job.topology))
 
 
 def _train_rank(rank: int, job: TrainJob) -> None:
