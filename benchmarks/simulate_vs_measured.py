@@ -23,7 +23,7 @@ import torch
 
 import hpf
 from hpf import sim
-from hpf.launch import launch
+from hpf.launcher import launch
 from hpf.models import gpt
 from hpf.sim.calibrate import calibrate
 

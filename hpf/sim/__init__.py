@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from .. import plan as make_plan
+from ..planning import plan as make_plan
 from ..mesh import Mesh
 from .hardware import PROFILES, Hardware, Link, hardware, load_calibration
 from .model import (Options, SimResult, allreduce_time, default_unit_flops, ring_time, simulate_plan,

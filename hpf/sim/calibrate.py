@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..launch import launch
+from ..launcher import launch
 from ..models import gpt
 
 __all__ = ["calibrate", "fit_alpha_beta"]

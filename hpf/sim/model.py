@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from ..plan import ROOT, Plan
+from ..planning import ROOT, Plan
 from ..report import bucket_allreduce_bytes, bucket_gather_bytes, collective_bytes, dtype_bytes
 from .hardware import Hardware, Link
 
