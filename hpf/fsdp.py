@@ -378,6 +378,12 @@ class UnitEngine:
         self._reset_step()
         self._begun = _snapshot(shards, range(len(shards)))
 
+    def start_backward(self) -> None:
+        """Backward begins: a unit read from here on is a checkpoint recomputing, and each
+        freed unit may be gathered once more without counting as extra."""
+        self.in_backward = True
+        self._seen = set(self._live)
+
     @contextlib.contextmanager
     def running(self):
         """Around a step's forward and backward: no cyclic garbage collection, so units are
@@ -427,6 +433,9 @@ class UnitEngine:
             if latest not in (None, unit) and self.leases and not self._holds[latest]:
                 self._free(latest)
             self._latest = unit
+            if unit not in self._live and self.stats.live_blocks >= 2:  # drop prefetches the function skipped
+                for u in [u for u in self._live if u not in self._pos and u != ROOT]:
+                    self._free(u)
         self._gather(unit)
         self._wait(unit)
         if unit != ROOT:
@@ -643,7 +652,10 @@ class UnitEngine:
         for u in self._refill_later:
             self._refill(u)
         self._refill_later = []
-        self._predict = dict(zip(self._order, self._order[1:]))
+        if self._order:  # next step: predict the read order, and start on its first units
+            self._predict = dict(zip(self._order, self._order[1:]))
+            first = [u for u in self.units if u == ROOT] + self._order
+            self._early = set(first[:2]) | {u for u in self.units if self.unit_shared[u]}
         self._reset_step()
 
 

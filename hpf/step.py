@@ -213,7 +213,7 @@ class ShardStep:
         with hooks:
             loss = self._run_loss(eng.params_tree(), batch)
             _check_loss(loss)
-            eng.in_backward = True
+            eng.start_backward()
             loss.backward(None if seed is None else torch.full_like(loss, seed))
         return loss
 

@@ -209,12 +209,12 @@ def run_all(rank, mesh_axes, topology_cases=()):
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return launch(run_all, world_size=2, args=({"dp": 2},))[0]
+    return launch(run_all, 2, {"dp": 2}, timeout=400)[0]
 
 
 @pytest.fixture(scope="module")
 def two_by_two():
-    return launch(run_all, world_size=4, args=({"node": 2, "local": 2}, ("read_all_first", "tied_across_units")))[0]
+    return launch(run_all, 4, {"node": 2, "local": 2}, ("read_all_first", "tied_across_units"), timeout=500)[0]
 
 
 def check(result, name):
