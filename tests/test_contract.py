@@ -161,6 +161,7 @@ CASES = {
     "func_grad": (loop, "root", {"grad": "torch.func"}),
     "func_grad_read_all_first": (read_all_first, "across", {"grad": "torch.func"}),
     "func_grad_inside": (grad_inside, None, {"grad": "torch.func"}),
+    "func_grad_validate": (loop, "same_block", {"grad": "torch.func", "mode": "validate"}),
 }
 
 
