@@ -661,7 +661,7 @@ class UnitEngine:
 
 def explain_freed(err: RuntimeError) -> Exception:
     """A clear error for reading a freed unit through a view that outlived its param tensors."""
-    if "data is not allocated" not in str(err):
+    if "data is not allocated" not in str(err) and "for storage of size 0" not in str(err):
         return err
     return RuntimeError(
         "loss_fn read an FSDP unit's param through a view (a slice, .T, .chunk, ...) after dropping every "

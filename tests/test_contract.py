@@ -255,3 +255,24 @@ def test_loop_style_costs_no_extra_gathers_and_patterns_say_what_they_cost(two_r
 def test_single_process_patterns_match_plain_torch():
     for name in ("read_all_first", "tied_across_units", "same_block_twice", "slices", "func_grad"):
         check(train(0, hpf.Mesh({"dp": 1}), name), name)
+
+
+def test_a_view_that_outlives_its_param_tensors_is_a_clear_error_not_garbage():
+    def views_only(params, tokens):
+        wts = [blk["w"].T for blk in params["blocks"]]  # the param tensors themselves are dropped
+        x = params["embed"][tokens[:, :-1]]
+        for wt in wts:
+            x = x + torch.tanh(x @ wt.T)
+        return head_loss(params, x, tokens)
+
+    step = hpf.shard_step(views_only, mesh=hpf.Mesh({"dp": 1}), optimizer=hpf.optim.adamw(**ADAMW))
+    state = step.init(init())
+    with pytest.raises(RuntimeError, match=r"through a view .* Keep the param tensor"):
+        step(state, batch_of(0))
+
+
+def test_params_that_overlap_without_being_one_tensor_are_an_error():
+    params = init()
+    params["head"] = params["embed"][1:]  # a slice, not the same tensor: would train untied
+    with pytest.raises(hpf.SpecError, match="'embed' and 'head' overlap in memory"):
+        hpf.plan(params, hpf.Mesh({"dp": 2}))
