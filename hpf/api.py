@@ -22,7 +22,7 @@ STEPS: dict[str, type[ShardStep]] = {cls.mode: cls for cls in (ShardStep, Valida
 def shard_step(loss_fn: Callable, *, mesh: Mesh, optimizer, param_specs=None, fsdp_axes=None,
                mode: str = "production", mixed_precision: MixedPrecision | str | None = None,
                max_grad_norm: float | None = None, topology: Topology | None = None,
-               hsdp: bool = False, overlap_optimizer: bool = True) -> ShardStep:
+               hsdp: bool = False, overlap_optimizer: bool = True, grad: str = "autograd") -> ShardStep:
     """Make a sharded training step for ``loss_fn(params, batch) -> scalar``.
 
     ``state = step.init(params)``, then ``state, metrics = step(state, batch)``.
@@ -47,16 +47,19 @@ def shard_step(loss_fn: Callable, *, mesh: Mesh, optimizer, param_specs=None, fs
             (an optimizer with ``partial_update``, such as AdamW, with no ``max_grad_norm``;
             bitwise the same result); False updates after backward. Validation mode always
             updates after backward.
+        grad: "autograd" (the default, and the faster: benchmarks/grad_modes.py) or
+            "torch.func", which takes ``torch.func.grad_and_value`` of loss_fn over every unit
+            gathered at once.
 
     Returns:
         A :class:`ShardStep` (a :class:`hpf.validate.ValidateStep` for ``mode="validate"``).
 
     Raises:
-        ValueError: an unknown ``mode`` or ``mixed_precision``, or ``max_grad_norm <= 0``.
+        ValueError: an unknown ``mode``, ``grad`` or ``mixed_precision``, or ``max_grad_norm <= 0``.
         TypeError: ``optimizer`` has no ``init``/``update``.
     """
     if mode not in STEPS:
         raise ValueError(f"mode={mode!r}: use one of {list(STEPS)}")
     return STEPS[mode](loss_fn, mesh=mesh, optimizer=optimizer, param_specs=param_specs, fsdp_axes=fsdp_axes,
                        mixed_precision=mixed_precision, max_grad_norm=max_grad_norm, topology=topology,
-                       hsdp=hsdp, overlap_optimizer=overlap_optimizer)
+                       hsdp=hsdp, overlap_optimizer=overlap_optimizer, grad=grad)

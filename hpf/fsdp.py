@@ -15,7 +15,10 @@ reduction, update and gather stay between one step's backward and the next forwa
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
+import warnings
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -25,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from . import tree as tree_util
-from .planning import ROOT, Bucket, Plan
+from .planning import ROOT, Plan, _unit_names
 from .report import bucket_allreduce_bytes, bucket_gather_bytes, count_bytes
 
 __all__ = ["UnitEngine", "BucketComm", "MemoryStats"]
@@ -131,30 +134,62 @@ class BucketComm:
 
 @dataclass
 class MemoryStats:
-    """Gathered-buffer accounting, to show what FSDP keeps alive."""
+    """Gathered-buffer accounting: what FSDP keeps alive, and what an access pattern costs."""
 
     live_bytes: int = 0
     peak_bytes: int = 0
     live_blocks: int = 0  # gathered units other than the root
     peak_blocks: int = 0
+    gathers: int = 0  # unit gathers, all steps
+    # Gathers beyond loop-style use (each unit once in forward and at most once in backward):
+    # a unit read again after it was freed, in forward or in backward.
+    extra_gathers: int = 0
 
 
 class _GatherUnit(torch.autograd.Function):
-    """Hands out a gathered unit's params as views; backward reduces their grads."""
+    """Hands out a gathered unit's params as views; backward adds their grads into the unit's
+    grad buffers, which are reduced once every entry of the unit this step has reported.
+    ``setup_context`` and a generated vmap rule let it run inside torch.func transforms."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, anchor, engine, unit):  # noqa: ARG004 - anchor only makes backward run
-        ctx.engine, ctx.unit = engine, unit
+    def forward(anchor, engine, unit):  # noqa: ARG004 - anchor only makes backward run
         return tuple(engine.unit_views(unit))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # noqa: ARG004
+        ctx.engine, ctx.unit = inputs[1], inputs[2]
 
     @staticmethod
     def backward(ctx, *grads):
         ctx.engine.reduce_unit(ctx.unit, grads)
         return None, None, None
 
+    @staticmethod
+    def jvp(ctx, *tangents):  # noqa: ARG004 - the params do not depend on the anchor
+        return tuple(torch.zeros_like(v) for v in ctx.engine.unit_views(ctx.unit))
+
+
+class _Lease:
+    """Tagged on the param tensors of one entry of a unit. When the loss function has dropped
+    all of them, the unit may be freed: CPython drops them at the last reference, the same
+    moment on every rank (the step keeps the cyclic collector off while it runs)."""
+
+    __slots__ = ("engine", "unit", "step")
+
+    def __init__(self, engine: "UnitEngine", unit: str, step: int):
+        self.engine, self.unit, self.step = engine, unit, step
+        engine._holds[unit] += 1
+
+    def __del__(self):
+        self.engine._dropped(self.unit, self.step)
+
 
 class _UnitList(list):
-    """A list of FSDP units that gathers each one when the loss function reaches it."""
+    """A list of FSDP units (a real list of their names) that gathers a unit whenever the loss
+    function reads it: by index, negative index, iteration (any number of times), reversed;
+    a slice is another such list."""
 
     def __init__(self, engine: "UnitEngine", names: list[str]):
         super().__init__(names)
@@ -162,16 +197,27 @@ class _UnitList(list):
 
     def __getitem__(self, i):
         if isinstance(i, slice):
-            return [self._engine.enter(n) for n in list.__getitem__(self, i)]
+            return _UnitList(self._engine, list.__getitem__(self, i))
         return self._engine.enter(list.__getitem__(self, i))
 
     def __iter__(self):
         for name in list.__iter__(self):
             yield self._engine.enter(name)
 
+    def __reversed__(self):
+        for name in list.__reversed__(self):
+            yield self._engine.enter(name)
+
 
 class UnitEngine:
-    """Runs one training step's forward and backward over a plan's units."""
+    """Runs one training step's forward and backward over a plan's units.
+
+    A unit is gathered when the loss function reads it and stays gathered while the function
+    holds any of its param tensors (a lease on them); it is freed once they are dropped and
+    the function has moved to another unit, so loop-style use keeps at most two blocks live.
+    Read again later, it is gathered again. Each read is one autograd entry; grads of all
+    entries of a unit add up in its grad buffers, reduced once per step.
+    """
 
     def __init__(self, plan: Plan, rank: int, comm, compute_dtype: torch.dtype | None,
                  device: torch.device, pipeline: bool = True):
@@ -181,6 +227,11 @@ class UnitEngine:
         self.compute_dtype = compute_dtype
         self.stats = MemoryStats()
         self.wait_s = 0.0
+        # False: units stay gathered from first read to backward, with no saved-tensor hooks
+        # (torch.func.grad/vjp inside loss_fn refuse those hooks; the step switches on its own).
+        self.leases = True
+        self.warn_extra = False  # validation mode: warn, naming the unit and op, at each extra gather
+        self.describe_op: Callable[[], str] | None = None
         bks = plan.buckets
         # Full buffers live as long as the engine. Plain ones are freed between uses by
         # resizing their storage to 0, which keeps every view of them (params, saved
@@ -194,6 +245,7 @@ class UnitEngine:
         self._live: set[str] = set()
         self._pending: dict[str, list] = {}  # unit -> in-flight gather handles
         self._begun = None
+        self._step = 0
         self.pipeline = pipeline
         self.units = list(plan.units)
         self.unit_buckets = {u: plan.units[u].buckets for u in self.units}
@@ -203,11 +255,16 @@ class UnitEngine:
         self._freeable = {id(self.full[b]): u for u, bs in self.unit_buckets.items()
                           if u != ROOT and not self.unit_shared[u] for b in bs}
         self._next_unit = dict(zip(self.units, self.units[1:]))
+        self._predict: dict[str, str] = {}  # unit -> the unit read after it last step (prefetch)
         # Per unit: the param views in slot order, and how to build its subtree from them.
         self._slices = {u: [(b, s.offset, s.numel, s.local_shape) for b in self.unit_buckets[u]
                             for s in bks[b].slots] for u in self.units}
-        self._subtree = {u: self._subtree_builder(u) for u in self.units if u != ROOT}
+        self._slot_paths = {u: [s.path for b in self.unit_buckets[u] for s in bks[b].slots] for u in self.units}
+        self._slot_at = {p: (u, i) for u, ps in self._slot_paths.items() for i, p in enumerate(ps)}
+        self._leaf_paths = plan.leaf_paths or list(plan.slots)
         self._skeleton, self._skeleton_leaves = self._skeleton_of(plan)
+        self._subtree = {name: self._subtree_builder(name) for kind, v in self._skeleton_leaves
+                         if kind == "units" for name in v}
         self.grad_shards: list[torch.Tensor] = []
         self.reductions: list = []  # handles of this step's grad reductions
         # Optimizer overlap: the step sets update_buckets(bucket indices) for one step; the
@@ -221,40 +278,82 @@ class UnitEngine:
         # Refilling in backward is safe for the collective order only when backward never
         # re-gathers (every unit shared); otherwise refills wait for finish().
         self._refill_in_backward = all(self.unit_shared.values())
+        self._reset_step()
 
     # -- building the params tree the loss function sees ------------------------------------
-    def _subtree_builder(self, unit: str) -> Callable[[list[torch.Tensor]], Any]:
-        parts = unit.split("/")
-        node: Any = optree.tree_unflatten(self.plan.treedef, list(self.plan.slots))
-        for key in parts:
+    def _subtree_builder(self, unit: str) -> Callable[[], Any]:
+        """The subtree of list element ``unit``; a tied leaf is read through its owner's unit."""
+        node: Any = optree.tree_unflatten(self.plan.treedef, self._leaf_paths)
+        for key in unit.split("/"):
             node = node[int(key)] if isinstance(node, list) else node[key]
         _, leaves, treedef = tree_util.flatten(node)
-        order = [p for b in self.unit_buckets[unit] for p in (s.path for s in self.plan.buckets[b].slots)]
-        index = [order.index(p) for p in leaves]
-        return lambda views: optree.tree_unflatten(treedef, [views[i] for i in index])
+        owners = [self._slot_at[self.plan.ties.get(p, p)] for p in leaves]
+        need = sorted(dict.fromkeys(u for u, _ in owners), key=lambda u: u == unit)  # its own unit last
+        where = [(need.index(u), i) for u, i in owners]
+
+        def build():
+            views = [self._views_of(u) for u in need]
+            return optree.tree_unflatten(treedef, [views[k][i] for k, i in where])
+        return build
 
     def _skeleton_of(self, plan: Plan):
-        paths_tree = optree.tree_unflatten(plan.treedef, list(plan.slots))
+        paths_tree = optree.tree_unflatten(plan.treedef, self._leaf_paths)
         leaves, skeleton = optree.tree_flatten(paths_tree, is_leaf=lambda x: isinstance(x, list),
                                                none_is_leaf=True)
+        unit_of = dict(zip(self._leaf_paths, _unit_names(paths_tree)))
         out = []
         for leaf in leaves:
             if isinstance(leaf, list):  # a list of units: remember their names
-                first = _first_path(leaf)
-                prefix = plan.slots[first].unit.rsplit("/", 1)[0]
+                prefix = unit_of[_first_path(leaf)].rsplit("/", 1)[0]
                 out.append(("units", [f"{prefix}/{i}" for i in range(len(leaf))]))
             else:
                 out.append(("root", leaf))
         return skeleton, out
 
     def params_tree(self) -> Any:
-        """The loss function's params: root params as views, unit lists gathered lazily."""
-        root = dict(zip((s.path for b in self.unit_buckets.get(ROOT, []) for s in self.plan.buckets[b].slots),
-                        self.enter(ROOT))) if ROOT in self.units else {}
-        leaves = [root[v] if kind == "root" else _UnitList(self, v) for kind, v in self._skeleton_leaves]
+        """The loss function's params: root params as views, unit lists gathered when read."""
+        root = self._views_of(ROOT) if ROOT in self.units else ()
+        self._root_views = root
+        leaves = [root[self._slot_at[self.plan.ties.get(v, v)][1]] if kind == "root" else _UnitList(self, v)
+                  for kind, v in self._skeleton_leaves]
         return optree.tree_unflatten(self._skeleton, leaves)
 
+    def gathered_tree(self) -> Any:
+        """Every unit gathered at once, as one params tree of plain views (grad="torch.func"):
+        tied paths hold one tensor."""
+        for u in self.units:
+            self._gather(u)
+        by_path = {}
+        for u in self.units:
+            self._wait(u)
+            self._entries[u] += 1  # reduce_tree reports its grads
+            by_path.update(zip(self._slot_paths[u], self.unit_views(u)))
+        return self.plan.tree(by_path)
+
+    def reduce_tree(self, grads: Any) -> None:
+        """Reduce grads of ``gathered_tree``'s params; a tied param's grads are summed first."""
+        sums: dict[str, torch.Tensor] = {}
+        for p, g in zip(self._leaf_paths, optree.tree_leaves(grads, none_is_leaf=True)):
+            o = self.plan.ties.get(p, p)
+            sums[o] = g if o not in sums else sums[o] + g
+        for u in reversed(self.units):  # backward's order: the first units land last
+            self.reduce_unit(u, tuple(sums[p] for p in self._slot_paths[u]))
+
     # -- a step ----------------------------------------------------------------------------------
+    def _reset_step(self) -> None:
+        self._step += 1  # leases of earlier steps are stale
+        self._order: list[str] = []  # block units in the order the loss function first read them
+        self._pos: dict[str, int] = {}
+        self._entries: Counter = Counter()  # unit -> autograd entries whose backward has not run
+        self._holds: Counter = Counter()  # unit -> live leases
+        self._acc: dict[str, list] = {}  # unit -> flat grad buffers, summed over its entries
+        self._reduced: set[str] = set()
+        self._latest: str | None = None  # the block unit read last
+        self._want: str | None = None  # a prefetch waiting for a free slot
+        self._root_views = None
+        self.in_backward = False
+        self._seen: set[str] = set(self._live)  # units gathered in this phase (forward / backward)
+
     def begin(self, shards: list[torch.Tensor], grad_shards: list[torch.Tensor]) -> None:
         """Start a step: cast shards to the compute dtype and start gathering the first units.
 
@@ -269,16 +368,33 @@ class UnitEngine:
         self._masters = list(shards)
         self.grad_shards = grad_shards
         self.reductions = []
-        self._order: list[str] = []  # units in the order the loss function reached them
-        self._pos: dict[str, int] = {}
-        self._views: dict[str, tuple] = {}
+        self._landing.clear()
         self.anchor = torch.empty(0, device=self.device, requires_grad=True)
         # Plain buffers: the first two units (memory bound). Units in shared memory cost no
         # memory to keep, so all of them are queued now, to stream in ahead of the compute.
         for u in self.units:
             if u in self._early:
                 self._gather(u)
+        self._reset_step()
         self._begun = _snapshot(shards, range(len(shards)))
+
+    def start_backward(self) -> None:
+        """Backward begins: a unit read from here on is a checkpoint recomputing, and each
+        freed unit may be gathered once more without counting as extra."""
+        self.in_backward = True
+        self._seen = set(self._live)
+
+    @contextlib.contextmanager
+    def running(self):
+        """Around a step's forward and backward: no cyclic garbage collection, so units are
+        freed at the same moments on every rank (their gathers are collectives)."""
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            yield
+        finally:
+            if was:
+                gc.enable()
 
     def _cast(self, shard: torch.Tensor) -> torch.Tensor:
         cdt = self.compute_dtype
@@ -298,23 +414,64 @@ class UnitEngine:
         self._begun = None
 
     def enter(self, unit: str):
-        """Called when the loss function reaches ``unit``: its params, gathered."""
-        if unit in self._views:
+        """Called whenever the loss function reads list element ``unit``: its params, gathered."""
+        return self._subtree[unit]()
+
+    def _views_of(self, unit: str) -> tuple:
+        """A new autograd entry of ``unit`` (gathered if it is not): its params as views."""
+        if unit == ROOT and self._root_views is not None:
+            return self._root_views
+        if self.in_backward:  # a checkpoint recomputing: values only; the forward's entries take the grads
+            self._gather(unit)
             self._wait(unit)
-            return self._views[unit] if unit == ROOT else self._subtree[unit](self._views[unit])
-        prev = self._order[-1] if self._order else ROOT
-        self._pos[unit] = len(self._order)
-        self._order.append(unit)
-        if unit != ROOT and prev != ROOT:
-            self._free(prev)  # the loss function has moved past it
+            return tuple(self.unit_views(unit))
+        if unit != ROOT:
+            if unit not in self._pos:
+                self._pos[unit] = len(self._order)
+                self._order.append(unit)
+            latest = self._latest
+            if latest not in (None, unit) and self.leases and not self._holds[latest]:
+                self._free(latest)
+            self._latest = unit
+            if unit not in self._live and self.stats.live_blocks >= 2:  # drop prefetches the function skipped
+                for u in [u for u in self._live if u not in self._pos and u != ROOT]:
+                    self._free(u)
         self._gather(unit)
         self._wait(unit)
-        nxt = self._next_unit.get(unit)
-        if nxt is not None:
-            self._gather(nxt)  # prefetch the next unit in tree order
+        if unit != ROOT:
+            self._prefetch_after(unit)
         views = _GatherUnit.apply(self.anchor, self, unit)
-        self._views[unit] = views
-        return views if unit == ROOT else self._subtree[unit](views)
+        self._entries[unit] += 1
+        if self.leases and unit != ROOT:
+            lease = _Lease(self, unit, self._step)
+            for v in views:
+                v._hpf_lease = lease
+        return views
+
+    def _prefetch_after(self, unit: str) -> None:
+        """Start gathering the unit read after ``unit`` last step (first step: tree order),
+        within the bound of two gathered blocks; else once a block is freed."""
+        nxt = self._predict.get(unit) or self._next_unit.get(unit)
+        if nxt is None or nxt in self._pos or nxt in self._live:
+            return
+        if self.stats.live_blocks < 2:
+            self._gather(nxt)
+        else:
+            self._want = nxt
+
+    def _dropped(self, unit: str, step: int) -> None:
+        """A lease died: free the unit if nothing holds it and the function has moved on."""
+        if step != self._step:
+            return
+        self._holds[unit] -= 1
+        if self._holds[unit] or unit == self._latest or self.in_backward:
+            return
+        self._free(unit)
+        want = self._want
+        if want is not None and self.stats.live_blocks < 2:
+            self._want = None
+            if want not in self._pos:
+                self._gather(want)
 
     def unit_views(self, unit: str) -> list[torch.Tensor]:
         return [self.full[b][off:off + n].view(shape) for b, off, n, shape in self._slices[unit]]
@@ -323,6 +480,9 @@ class UnitEngine:
     def _gather(self, unit: str) -> None:
         if unit in self._live:
             return
+        if unit in self._seen:
+            self._extra(unit)
+        self._seen.add(unit)
         handles = []
         for b in self.unit_buckets[unit]:
             st = self.full[b].untyped_storage()
@@ -331,17 +491,28 @@ class UnitEngine:
             handles.append(self.comm.all_gather(b, self.full[b], self.shards[b]))
         self._pending[unit] = handles
         self._live.add(unit)
+        self.stats.gathers += 1
         self._account(unit, +1)
 
-    def _wait(self, unit: str) -> None:
-        handles = self._pending.pop(unit, ())
-        if handles:
-            self._timed_wait(handles)
+    def _extra(self, unit: str) -> None:
+        self.stats.extra_gathers += 1
+        if self.warn_extra:
+            phase = "backward" if self.in_backward else "forward"
+            op = f", at op {self.describe_op()}" if self.describe_op and not self.in_backward else ""
+            warnings.warn(f"hpf: unit {unit!r} is gathered again in {phase}{op}: loss_fn read it after it was "
+                          "freed (its params were dropped and another unit was read). Correct, but it costs one "
+                          "more all-gather per step; read each unit's params in one stretch to avoid it",
+                          stacklevel=2)
 
     def take_wait_s(self) -> float:
         """Seconds compute spent waiting on collectives since the last call."""
         out, self.wait_s = self.wait_s, 0.0
         return out
+
+    def _wait(self, unit: str) -> None:
+        handles = self._pending.pop(unit, ())
+        if handles:
+            self._timed_wait(handles)
 
     def _free(self, unit: str) -> None:
         """Free a unit the loss function is done with (shared-memory units stay until the step ends)."""
@@ -370,7 +541,8 @@ class UnitEngine:
     def pack(self, t: torch.Tensor):
         base = t._base  # params are views of a unit's full buffer; most saved tensors are not views
         unit = None if base is None else self._freeable.get(id(base))
-        return t if unit is None else _Saved(unit, t)
+        # A detached alias: saving must not hold the param tensor (its lease) alive.
+        return t if unit is None else _Saved(unit, t.detach())
 
     def unpack(self, saved):
         if self._landing:  # backward is running: a good moment to update units whose grads landed
@@ -381,20 +553,43 @@ class UnitEngine:
         if unit not in self._live or unit in self._pending:
             self._gather(unit)
             self._wait(unit)
-        pos = self._pos[unit]
-        if pos > 0 and self._order[pos - 1] != ROOT:
+        pos = self._pos.get(unit, 0)
+        if pos > 0 and self._entries[self._order[pos - 1]]:
             self._gather(self._order[pos - 1])  # prefetch the unit backward reaches next
         return saved.tensor
 
     # -- backward: one flat reduce-scatter per bucket --------------------------------------------
     def reduce_unit(self, unit: str, grads: tuple) -> None:
+        """One entry's grads: add them to the unit's grad buffers; reduce once all are in."""
+        self._entries[unit] -= 1
+        flats = self._acc.get(unit)
+        first = flats is None
+        if first:
+            flats = self._acc[unit] = [self._grad_flat(b) for b in self.unit_buckets[unit]]
+        i = 0
+        for b, flat in zip(self.unit_buckets[unit], flats):
+            slots = self.plan.buckets[b].slots
+            views = [flat[s.offset:s.offset + s.numel].view(s.local_shape) for s in slots]
+            (torch._foreach_copy_ if first else torch._foreach_add_)(views, list(grads[i:i + len(slots)]))
+            i += len(slots)
+        if not self._entries[unit]:
+            self._reduce(unit)
+
+    def _grad_flat(self, b: int) -> torch.Tensor:
+        bucket, shard = self.plan.buckets[b], self.grad_shards[b]
+        unsharded = bucket.shard_size == 1 and not self.shared[b]
+        flat = shard if unsharded else self.comm.grad_buffer(b, shard.dtype)
+        if bucket.padded_numel > bucket.numel:
+            flat[bucket.numel:].zero_()
+        return flat
+
+    def _reduce(self, unit: str) -> None:
+        flats = self._acc.pop(unit, None)
+        if flats is None:  # never read this step (or its params never reached the loss): zero grads
+            flats = [self._grad_flat(b).zero_() for b in self.unit_buckets[unit]]
+        self._reduced.add(unit)
         self._free(unit)
-        i, handles = 0, []
-        for b in self.unit_buckets[unit]:
-            bucket = self.plan.buckets[b]
-            n = len(bucket.slots)
-            handles.append(self._reduce_bucket(b, bucket, grads[i:i + n]))
-            i += n
+        handles = [self._reduce_flat(b, flat) for b, flat in zip(self.unit_buckets[unit], flats)]
         if self.update_buckets is None:
             self.reductions += handles
         else:  # (wait on each handle once: a second wait of a gloo reduce-scatter copies its result again)
@@ -424,18 +619,12 @@ class UnitEngine:
         self._release(unit)
         for b in self.unit_buckets[unit]:
             self.shards[b] = self._cast(self._masters[b])
+        self._seen.discard(unit)  # the next step's gather, not an extra one
         self._gather(unit)
         self._next[unit] = _snapshot(self._masters, self.unit_buckets[unit])
 
-    def _reduce_bucket(self, b: int, bucket: Bucket, grads) -> Any:
-        shard = self.grad_shards[b]
-        unsharded = bucket.shard_size == 1 and not self.shared[b]
-        flat = shard if unsharded else self.comm.grad_buffer(b, shard.dtype)
-        views = [flat[s.offset:s.offset + s.numel].view(s.local_shape) for s in bucket.slots]
-        torch._foreach_copy_(views, list(grads))
-        if bucket.padded_numel > bucket.numel:
-            flat[bucket.numel:].zero_()
-        handle = self.comm.reduce(b, shard, flat)
+    def _reduce_flat(self, b: int, flat: torch.Tensor) -> Any:
+        handle = self.comm.reduce(b, self.grad_shards[b], flat)
         if not self.pipeline:
             self._timed_wait([handle])
             return DONE  # waited: no one may wait on it again
@@ -448,7 +637,11 @@ class UnitEngine:
         self.wait_s += time.perf_counter() - t
 
     def finish(self) -> None:
-        """Wait for every reduction (the only place the step waits on them)."""
+        """Reduce what backward has not (units not read, or read but unused), then wait for
+        every reduction (the only place the step waits on them)."""
+        for u in self.units:
+            if u not in self._reduced:
+                self._reduce(u)
         if self.update_buckets is not None:
             self._deliver(block=True)
         self._timed_wait(self.reductions)
@@ -459,7 +652,21 @@ class UnitEngine:
         for u in self._refill_later:
             self._refill(u)
         self._refill_later = []
-        self._views = {}
+        if self._order:  # next step: predict the read order, and start on its first units
+            self._predict = dict(zip(self._order, self._order[1:]))
+            first = [u for u in self.units if u == ROOT] + self._order
+            self._early = set(first[:2]) | {u for u in self.units if self.unit_shared[u]}
+        self._reset_step()
+
+
+def explain_freed(err: RuntimeError) -> Exception:
+    """A clear error for reading a freed unit through a view that outlived its param tensors."""
+    if "data is not allocated" not in str(err) and "for storage of size 0" not in str(err):
+        return err
+    return RuntimeError(
+        "loss_fn read an FSDP unit's param through a view (a slice, .T, .chunk, ...) after dropping every "
+        "reference to the param tensors themselves, so hpf had freed the unit. Keep the param tensor (e.g. "
+        "blk['w']) alive while its views are in use, or take the views where they are used")
 
 
 @dataclass

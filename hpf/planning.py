@@ -119,6 +119,10 @@ class Plan:
     buckets: list[Bucket]
     units: dict[str, Unit]  # ROOT first, then list elements in tree order
     treedef: optree.PyTreeSpec
+    # Tied weights: one tensor at several paths is one parameter. Its slot is the owner's;
+    # every other path (an alias) maps to the owner here. All leaf paths, in tree order.
+    ties: dict[str, str] = field(default_factory=dict)
+    leaf_paths: list[str] = field(default_factory=list)
 
     # -- parameter <-> shard conversions (used at init, checkpointing and in tests) --------
     def local_block(self, path: str, full: torch.Tensor, rank: int) -> torch.Tensor:
@@ -164,12 +168,12 @@ class Plan:
     def shards(self, full_params: Any, rank: int, dtype=None) -> list[torch.Tensor]:
         """This rank's flat shard of every bucket, from the full (unsharded) params."""
         paths, leaves, _ = tree_util.flatten(full_params)
-        local = {p: self.local_block(p, x, rank) for p, x in zip(paths, leaves)}
+        local = {p: self.local_block(p, x, rank) for p, x in zip(paths, leaves) if p not in self.ties}
         return [self.shard_of(b, self.flat_buffer(b, local, dtype), rank).clone() for b in self.buckets]
 
     def tree(self, by_path: dict[str, Any]) -> Any:
         """Rebuild the params pytree from ``{path: value}``."""
-        return tree_util.unflatten(self.treedef, [by_path[p] for p in self.slots])
+        return tree_util.unflatten(self.treedef, [by_path[self.ties.get(p, p)] for p in self.leaf_paths or self.slots])
 
     def report(self, **kwargs) -> "PlanReport":
         from .report import PlanReport
@@ -221,6 +225,7 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
     specs = resolve_specs(params, param_specs, mesh.axis_names, default)
     paths, leaves, treedef = tree_util.flatten(params)
     units_of = _unit_names(params)
+    ties = _ties(paths, leaves, units_of)
 
     buckets: list[Bucket] = []
     units: dict[str, Unit] = {ROOT: Unit(ROOT, [])}
@@ -228,6 +233,11 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
     slots: dict[str, ParamSlot] = {}
     for path, leaf, unit in zip(paths, leaves, units_of):
         spec = specs[path]
+        if path in ties:
+            if spec != specs[ties[path]]:
+                raise SpecError(f"parameters {ties[path]!r} and {path!r} are one tied tensor but have specs "
+                                f"{specs[ties[path]]!r} and {spec!r}: give both paths the same spec")
+            continue
         local_shape = _local_shape(path, leaf, spec, mesh, compute_axes)
         shard_axes = tuple(a for a in mesh.axis_names if a in fsdp and a in spec.axes())
         split_axes = tuple(a for a in compute_axes if a in spec.axes())
@@ -251,12 +261,45 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
         slots[path] = slot
     if not units[ROOT].buckets:
         del units[ROOT]
-    return Plan(mesh, fsdp, compute_axes, specs, slots, buckets, units, treedef)
+    return Plan(mesh, fsdp, compute_axes, specs, slots, buckets, units, treedef, ties, list(paths))
 
 
 def check_bucket_bytes(bucket_bytes: int) -> None:
     if not isinstance(bucket_bytes, int) or bucket_bytes < 0:
         raise ValueError(f"bucket_bytes={bucket_bytes!r}: use a byte count > 0, or 0 for one bucket per unit")
+
+
+def _ties(paths: list[str], leaves: list, units_of: list[str]) -> dict[str, str]:
+    """alias path -> owner path, for one tensor at several paths (the same object, or the same
+    memory, shape and strides). The owner is its first path in the root unit, else its first
+    path. Leaves that overlap in memory any other way are an error: they would train untied."""
+    def key(x):
+        if not isinstance(x, torch.Tensor) or x.device.type == "meta" or x.numel() == 0:
+            return ("object", id(x))
+        return (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype)
+
+    groups: dict[Any, list[int]] = {}
+    for i, x in enumerate(leaves):
+        groups.setdefault(key(x), []).append(i)
+    ties, spans = {}, []
+    for k, idx in groups.items():
+        owner = next((i for i in idx if units_of[i] == ROOT), idx[0])
+        ties.update({paths[i]: paths[owner] for i in idx if i != owner})
+        if k[0] != "object":
+            x = leaves[owner]
+            end = x.storage_offset() + sum((n - 1) * st for n, st in zip(x.shape, x.stride())) + 1
+            spans.append((k[0], x.storage_offset() * x.element_size(), end * x.element_size(), paths[owner]))
+    spans.sort()
+    reach = (None, 0, "")  # the span reaching furthest so far: (storage, end, path)
+    for ptr, start, end, b in spans:
+        if ptr == reach[0] and start < reach[1]:
+            a = reach[2]
+            raise SpecError(f"parameters {a!r} and {b!r} overlap in memory but are not the same tensor (a view "
+                            "such as a transpose or slice of another param). Tie weights by passing the same "
+                            "tensor at both paths, and transpose or slice it inside loss_fn")
+        if ptr != reach[0] or end > reach[1]:
+            reach = (ptr, end, b)
+    return ties
 
 
 def _unit_names(params: Any) -> list[str]:

@@ -7,6 +7,7 @@ optimizer on flat shards.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Callable
 
@@ -15,7 +16,7 @@ import torch.distributed as dist
 
 from .collectives import SPMD, gather_dim0, spmd
 from .device import default_device
-from .fsdp import BucketComm, UnitEngine
+from .fsdp import BucketComm, UnitEngine, explain_freed
 from .mesh import Mesh, MeshError
 from .planning import Plan, plan as make_plan
 from .topology import TieredComm, Topology
@@ -45,7 +46,11 @@ class ShardStep:
     def __init__(self, loss_fn: Callable, *, mesh: Mesh, optimizer, param_specs=None, fsdp_axes=None,
                  mixed_precision: MixedPrecision | str | None = None,
                  max_grad_norm: float | None = None, topology: Topology | None = None, hsdp: bool = False,
-                 overlap_optimizer: bool = True):
+                 overlap_optimizer: bool = True, grad: str = "autograd"):
+        if grad not in ("autograd", "torch.func"):
+            raise ValueError(f"grad={grad!r}: use 'autograd' (the default, faster: benchmarks/grad_modes.py) "
+                             "or 'torch.func'")
+        self.grad = grad
         mixed_precision = MixedPrecision.parse(mixed_precision)
         if max_grad_norm is not None and max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm={max_grad_norm}: must be positive, or None for no clipping")
@@ -161,16 +166,39 @@ class ShardStep:
         eng = self.engine
         if not eng.ready_for(state.params):
             eng.begin(state.params, self.grad_shards)
-        with torch.autograd.graph.saved_tensors_hooks(eng.pack, eng.unpack), spmd(self._spmd):
-            loss = self.call_loss(eng.params_tree(), batch)
-            _check_loss(loss)
-            if self._loss_seed is None:
-                loss.backward()
-            else:  # the loss is replicated over non-FSDP axes: each copy carries 1/n (see hpf.collectives)
-                loss.backward(torch.full_like(loss, self._loss_seed))
+        with spmd(self._spmd), eng.running():
+            try:
+                loss = self._grads(batch)
+            except RuntimeError as err:
+                if not (eng.leases and "saved tensor hooks" in str(err)):
+                    raise explain_freed(err) from err
+                # torch.func.grad/vjp inside loss_fn refuse saved-tensor hooks: from now on keep
+                # each unit gathered from its first read to its backward, and run the step again.
+                eng.leases = False
+                eng.begin(state.params, self.grad_shards)
+                loss = self._grads(batch)
         eng.finish()
         for b, group in self._compute_sums:
             dist.all_reduce(self.grad_shards[b], group=group)
+        return loss
+
+    def _grads(self, batch: Any) -> torch.Tensor:
+        """Forward and backward of loss_fn (grads go to the engine); returns this rank's loss."""
+        eng, seed = self.engine, self._loss_seed  # seed: the loss is replicated over non-FSDP axes,
+        if self.grad == "torch.func":               # so each copy carries 1/n (see hpf.collectives)
+            def scaled(params):
+                loss = self.call_loss(params, batch)
+                _check_loss(loss)
+                return (loss if seed is None else loss * seed), loss
+            grads, (_, loss) = torch.func.grad_and_value(scaled, has_aux=True)(eng.gathered_tree())
+            eng.reduce_tree(grads)
+            return loss
+        hooks = torch.autograd.graph.saved_tensors_hooks(eng.pack, eng.unpack) if eng.leases else contextlib.nullcontext()
+        with hooks:
+            loss = self.call_loss(eng.params_tree(), batch)
+            _check_loss(loss)
+            eng.start_backward()
+            loss.backward(None if seed is None else torch.full_like(loss, seed))
         return loss
 
     def call_loss(self, params: Any, batch: Any) -> torch.Tensor:

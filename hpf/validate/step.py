@@ -64,6 +64,7 @@ class ValidateStep(ShardStep):
         tracker = Tracker(self.mesh, self.plan.fsdp_axes, self.mp.compute_dtype if self.mp else None)
         params = tracker.track_params(params, self.plan)
         batch = tracker.track_batch(batch)
+        self.engine.warn_extra, self.engine.describe_op = True, lambda: getattr(tracker, "last_op", "(none yet)")
         with tracker:
             loss = self.loss_fn(params, batch)
         tracker.check_loss(loss)

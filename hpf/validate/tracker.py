@@ -77,7 +77,7 @@ class Tracker(TorchFunctionMode):
     # -- entry points ----------------------------------------------------------------------------
     def param_info(self, plan: Plan, path: str) -> Info:
         """Replicated over FSDP axes (gathered), sharded over the others as the spec says."""
-        spec, layout, why = plan.slots[path].spec, [None] * len(self.axes), [None] * len(self.axes)
+        spec, layout, why = plan.slots[plan.ties.get(path, path)].spec, [None] * len(self.axes), [None] * len(self.axes)
         for d in range(len(spec)):
             split = [a for a in spec.dim_axes(d) if a not in self.fsdp_axes]
             for k, a in enumerate(split):
@@ -156,6 +156,7 @@ class Tracker(TorchFunctionMode):
         if rule.kind == "pass":
             return func(*args, **kwargs)
         self.ops += 1
+        self.last_op = rule.name  # the engine names it when a read forces an extra gather
         call = Call(rule.name, func, args, kwargs)
         if rule.kind == "collective":
             return self._collective(call, func)
@@ -194,7 +195,9 @@ class Tracker(TorchFunctionMode):
             return
         in_flags = [e[2] for e in map(self._entry, operands) if e is not None and e[2] is not None]
         for t in outs:
-            flag = torch.isfinite(t).all() if t.is_floating_point() else None
+            # (on a detached alias: isfinite's composite abs() would save t for backward, and a
+            # checkpoint's recomputation, which runs untracked, would then save fewer tensors)
+            flag = torch.isfinite(t.detach()).all() if t.is_floating_point() else None
             self.set(t, info, flag)
             if flag is not None:
                 self._records.append((call.op, info.src, flag, in_flags))
@@ -481,11 +484,14 @@ class _TrackedUnits(list):
     def __getitem__(self, i):
         with torch._C.DisableTorchFunction():  # the engine's gathers are not the model's ops
             out = self._units[i]
-        names = list.__getitem__(self, i)
         if isinstance(i, slice):
-            return [self._track(n, s) for n, s in zip(names, out)]
-        return self._track(names, out)
+            return _TrackedUnits(out, self._tracker, self._plan)
+        return self._track(list.__getitem__(self, i), out)
 
     def __iter__(self):
         for i in range(len(self)):
+            yield self[i]
+
+    def __reversed__(self):
+        for i in reversed(range(len(self))):
             yield self[i]
