@@ -9,8 +9,8 @@ from .mesh import Mesh, MeshError
 from .plan import Plan, plan
 from .spec import P, SpecError, rules
 from .step import MixedPrecision, ShardStep, TrainState, shard_step
-from .topology import SlowLink, Topology
-from .collectives import all_gather, all_to_all, axis_index, psum
+from .comm.tiered import SlowLink, Topology
+from .comm.collectives import all_gather, all_to_all, axis_index, psum
 from .validate import check_plan
 from . import optim
 

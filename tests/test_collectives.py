@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import hpf
 from hpf import P
-from hpf.collectives import SPMD, _AllReduce, all_gather, all_to_all, axis_index, psum, spmd
+from hpf.comm.collectives import SPMD, _AllReduce, all_gather, all_to_all, axis_index, psum, spmd
 from hpf.launch import launch
 from hpf.mesh import MeshError
 

@@ -1,0 +1,266 @@
+"""Explicit collectives over the non-FSDP mesh axes, as in ``jax.shard_map``.
+
+Inside ``loss_fn`` a parameter split over a non-FSDP axis (tensor or expert parallel) is
+the local block, and the function combines blocks itself: ``hpf.psum``, ``hpf.all_gather``,
+``hpf.all_to_all``, ``hpf.axis_index``. The step says which mesh and rank are running by
+setting an :class:`SPMD` context while ``loss_fn`` runs. Outside any step they act as on a
+one-rank mesh (identities, index 0), so the same ``loss_fn`` runs unsharded on full params
+as a single-process reference.
+
+Gradient semantics: every backward is the exact adjoint of its forward, so grads are right
+for any program with no layout types at run time (production sees plain tensors):
+
+* ``psum``: all-reduce forward, all-reduce of the cotangent backward.
+* ``all_gather``: reduce-scatter (sum) backward.
+* ``all_to_all``: the inverse all-to-all backward.
+
+The convention that makes these adjoints correct: a value replicated over an axis carries a
+*partial* cotangent on each rank (the true cotangent is their sum). The step seeds each
+rank's backward with ``1/n`` for a loss replicated over ``n`` non-FSDP ranks, and sums the
+grads of params replicated over a non-FSDP axis. ``psum`` with an *identity* backward (as in
+shard_map with replication checking) is only right together with implicit ``pvary`` casts
+on every replicated value that meets a per-rank value (Megatron's ``f``); a plain-tensor
+production step cannot insert those, so its grads for e.g. an embedding feeding a
+tensor-parallel block would miss the other ranks' contributions. The adjoint convention
+needs no such casts.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.overrides import handle_torch_function, has_torch_function
+
+from ..mesh import Mesh, MeshError
+
+__all__ = ["psum", "all_gather", "all_to_all", "axis_index", "SPMD", "spmd", "current"]
+
+
+@dataclass(frozen=True)
+class SPMD:
+    """Which mesh and rank the running ``loss_fn`` belongs to.
+
+    ``virtual``: no process group (a plan check on meta tensors); collectives then only
+    produce outputs of the right shape.
+    """
+
+    mesh: Mesh
+    rank: int
+    fsdp_axes: tuple[str, ...]
+    virtual: bool = False
+
+    def axes(self, axis: str | Sequence[str], op: str) -> tuple[str, ...]:
+        """``axis`` as a tuple of non-FSDP mesh axes, in mesh order; errors name the op."""
+        want = (axis,) if isinstance(axis, str) else tuple(axis)
+        if not want:
+            raise MeshError(f"hpf.{op}: give at least one mesh axis name")
+        for a in want:
+            if a not in self.mesh.axis_names:
+                raise MeshError(f"hpf.{op}: {a!r} is not an axis of {self.mesh}; axes are "
+                                f"{self.mesh.axis_names}")
+            if a in self.fsdp_axes:
+                raise MeshError(
+                    f"hpf.{op} over {a!r}: that is an FSDP axis. Its params arrive gathered and its "
+                    f"ranks see different batches, which the step averages itself; explicit "
+                    f"collectives are for the other (tensor/expert parallel) axes. Leave {a!r} out "
+                    f"of fsdp_axes to compute sharded over it")
+        return tuple(a for a in self.mesh.axis_names if a in want)
+
+
+_CURRENT: contextvars.ContextVar[SPMD | None] = contextvars.ContextVar("hpf_spmd", default=None)
+
+
+def current() -> SPMD | None:
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def spmd(ctx: SPMD | None) -> Iterator[None]:
+    """Run the body as ``ctx``'s rank (None: as a one-rank mesh)."""
+    token = _CURRENT.set(ctx)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def _setup(axis, op: str):
+    """(group, size, virtual) of the current context; size 1 outside any step."""
+    ctx = _CURRENT.get()
+    if ctx is None:
+        return None, 1, False
+    axes = ctx.axes(axis, op)
+    n = ctx.mesh.axis_size(axes)
+    group = None if ctx.virtual or n == 1 else ctx.mesh.group(axes)
+    return group, n, ctx.virtual
+
+
+# -- psum ------------------------------------------------------------------------------------------
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def psum(x: torch.Tensor, axis: str | Sequence[str]) -> torch.Tensor:
+    """Sum ``x`` over the ranks of ``axis``: every rank gets the total (all-reduce).
+
+    Backward all-reduces the cotangent (the exact adjoint, see the module doc). Outside a
+    step it returns ``x`` as on a one-rank mesh.
+
+    Args:
+        x: this rank's tensor; the same shape on every rank of the group.
+        axis: a non-FSDP mesh axis name, or several (one group over all of them).
+
+    Raises:
+        MeshError: ``axis`` is empty, not an axis of the step's mesh, or an FSDP axis.
+    """
+    if has_torch_function((x,)):
+        return handle_torch_function(psum, (x,), x, axis)
+    group, n, virtual = _setup(axis, "psum")
+    if n == 1:
+        return x.view_as(x)  # a new tensor, never the input itself (validation tracks tensors)
+    if virtual:
+        return x.clone()
+    return _AllReduce.apply(x, group)
+
+
+# -- all_gather --------------------------------------------------------------------------------------
+def gather_dim0(x: torch.Tensor, group, n: int) -> torch.Tensor:
+    """Every rank's ``x`` of ``group`` (size n), concatenated along dim 0 in group-rank order."""
+    out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
+    dist.all_gather_single(out, x.contiguous(), group=group)
+    return out
+
+
+def _reduce_scatter0(x: torch.Tensor, group, n: int) -> torch.Tensor:
+    out = x.new_empty((x.shape[0] // n,) + tuple(x.shape[1:]))
+    dist.reduce_scatter_single(out, x.contiguous(), group=group)
+    return out
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, n, dim):
+        ctx.group, ctx.n, ctx.dim = group, n, dim
+        return gather_dim0(x.movedim(dim, 0), group, n).movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter0(grad.movedim(ctx.dim, 0), ctx.group, ctx.n).movedim(0, ctx.dim), None, None, None
+
+
+def all_gather(x: torch.Tensor, axis: str | Sequence[str], dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``, in rank order along ``axis``.
+
+    Backward reduce-scatters (sums) the cotangent back to each rank's block.
+
+    Args:
+        x: this rank's block; the same shape on every rank of the group.
+        axis: a non-FSDP mesh axis name, or several.
+        dim: the dim to concatenate along (negative counts from the end).
+
+    Raises:
+        MeshError: ``axis`` is empty, not an axis of the step's mesh, or an FSDP axis.
+        IndexError: ``dim`` is out of range for ``x``.
+    """
+    if has_torch_function((x,)):
+        return handle_torch_function(all_gather, (x,), x, axis, dim=dim)
+    group, n, virtual = _setup(axis, "all_gather")
+    dim = _dim(x, dim, "all_gather", "dim")
+    if n == 1:
+        return x.view_as(x)
+    if virtual:
+        return torch.cat([x] * n, dim)
+    return _AllGather.apply(x, group, n, dim)
+
+
+# -- all_to_all ----------------------------------------------------------------------------------------
+def _exchange(x: torch.Tensor, group, n: int, split_dim: int, concat_dim: int) -> torch.Tensor:
+    send = torch.stack(x.chunk(n, split_dim)).contiguous()  # [n, chunk...]: chunk j goes to rank j
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return torch.cat(recv.unbind(0), concat_dim)  # block j came from rank j
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, n, split_dim, concat_dim):
+        ctx.args = group, n, concat_dim, split_dim  # the inverse exchange swaps the dims
+        return _exchange(x, group, n, split_dim, concat_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange(grad, *ctx.args), None, None, None, None
+
+
+def all_to_all(x: torch.Tensor, axis: str | Sequence[str], split_dim: int, concat_dim: int) -> torch.Tensor:
+    """Split ``x`` into n chunks along ``split_dim``, send chunk j to rank j of ``axis``, and
+    concatenate the chunks received along ``concat_dim`` (in sender order).
+
+    Backward runs the inverse exchange (``split_dim`` and ``concat_dim`` swapped).
+
+    Args:
+        x: this rank's tensor; the same shape on every rank of the group.
+        axis: a non-FSDP mesh axis name, or several (n = the product of their sizes).
+        split_dim: the dim cut into n equal chunks, one per destination rank.
+        concat_dim: the dim the received chunks are joined along.
+
+    Raises:
+        MeshError: ``axis`` is empty, not an axis of the step's mesh, or an FSDP axis.
+        IndexError: ``split_dim`` or ``concat_dim`` is out of range for ``x``.
+        ValueError: n does not divide ``x.shape[split_dim]`` (pad it to a multiple of n).
+    """
+    if has_torch_function((x,)):
+        return handle_torch_function(all_to_all, (x,), x, axis, split_dim, concat_dim)
+    group, n, virtual = _setup(axis, "all_to_all")
+    split_dim = _dim(x, split_dim, "all_to_all", "split_dim")
+    concat_dim = _dim(x, concat_dim, "all_to_all", "concat_dim")
+    if x.shape[split_dim] % n:
+        raise ValueError(f"hpf.all_to_all over {axis!r}: split_dim {split_dim} has size "
+                         f"{x.shape[split_dim]}, which {n} ranks do not divide; pad it to a multiple of {n}")
+    if n == 1:
+        return x.view_as(x)
+    if virtual:
+        return torch.cat(x.chunk(n, split_dim), concat_dim)
+    return _AllToAll.apply(x, group, n, split_dim, concat_dim)
+
+
+# -- axis_index ----------------------------------------------------------------------------------------
+def axis_index(axis: str | Sequence[str]) -> torch.Tensor:
+    """This rank's position along ``axis``: a 0-dim int64 CPU tensor (usable to index device
+    tensors without a sync). Index with the tensor, e.g. ``x[i]`` or ``x.narrow(0, i * n, n)``,
+    so validation mode can follow it; ``int(i)`` also works but is not tracked. Outside a
+    step it is 0.
+
+    Args:
+        axis: a non-FSDP mesh axis name, or several (row-major position over them, in mesh order).
+
+    Raises:
+        MeshError: ``axis`` is empty, not an axis of the step's mesh, or an FSDP axis.
+    """
+    if torch._C._is_torch_function_mode_enabled():
+        return handle_torch_function(axis_index, (), axis)
+    ctx = _CURRENT.get()
+    if ctx is None:
+        return torch.tensor(0)
+    return torch.tensor(ctx.mesh.group_index(ctx.axes(axis, "axis_index"), ctx.rank))
+
+
+def _dim(x: torch.Tensor, dim: int, op: str, name: str) -> int:
+    if not -x.dim() <= dim < max(x.dim(), 1):
+        raise IndexError(f"hpf.{op}: {name}={dim} is out of range for a tensor of shape {tuple(x.shape)}")
+    return dim % max(x.dim(), 1)
