@@ -20,8 +20,9 @@ import torch.distributed as dist
 import hpf
 from hpf.launcher import launch
 from hpf.models import gpt
-from hpf.optim.adamw import schedule_value
-from hpf.optim.muon import MuonState, apply_muon_updates_, muon, muon_momentum_, orthogonalize, update_scale
+from hpf.optim.adamw_optimizer import schedule_value
+from hpf.optim.muon_math import MuonState, apply_muon_updates_, muon_momentum_, orthogonalize, update_scale
+from hpf.optim.muon_optimizer import muon
 
 from common import interleaved, median_ms, mib, print_table, report_ratio, parse_step_args, step_bench_parser
 

@@ -23,8 +23,9 @@ import torch.distributed as dist
 import hpf
 from hpf.launcher import launch
 from hpf.models import gpt
-from hpf.optim.adamw import schedule_value
-from hpf.optim.muon import apply_muon_updates_, muon, muon_direction, update_scale
+from hpf.optim.adamw_optimizer import schedule_value
+from hpf.optim.muon_math import apply_muon_updates_, muon_direction, update_scale
+from hpf.optim.muon_optimizer import muon
 
 from common import median_ms, parse_step_args, print_table, report_ratio, step_bench_parser, time_steps
 from step_vs_fsdp2 import fsdp2_gpt, global_mean

@@ -28,7 +28,7 @@ from einops import rearrange
 import hpf
 from hpf.launcher import launch
 from hpf.models import gpt
-from hpf.topology import Topology
+from hpf import Topology
 
 from common import interleaved, median_ms, mib, parse_step_args, print_table, report_ratio, step_bench_parser, time_steps
 

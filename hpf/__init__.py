@@ -12,8 +12,8 @@ from .spec import P, SpecError, rules
 from .types import MixedPrecision, TrainState
 from .step import ShardStep
 from .api import shard_step
-from .topology import SlowLink, Topology
-from .collectives import all_gather, all_to_all, axis_index, psum
+from .comm.tiered import SlowLink, Topology
+from .comm.collectives import all_gather, all_to_all, axis_index, psum
 from .validate import check_plan
 from . import optim
 

@@ -9,7 +9,7 @@ from typing import Callable
 
 from .mesh import Mesh
 from .step import ShardStep
-from .topology import Topology
+from .comm.tiered import Topology
 from .types import MixedPrecision
 from .validate import ValidateStep
 

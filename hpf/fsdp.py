@@ -21,115 +21,16 @@ import time
 import warnings
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import optree
 import torch
-import torch.distributed as dist
 
 from . import tree as tree_util
+from .comm.transport import DONE, UnitComm, is_done
 from .planning import ROOT, Plan, _unit_names
-from .report import bucket_allreduce_bytes, bucket_gather_bytes, count_bytes
 
-__all__ = ["UnitEngine", "BucketComm", "MemoryStats"]
-
-
-class _Done:
-    """A finished collective: lets single-rank groups skip communication with one code path."""
-
-    def wait(self) -> bool:
-        return True
-
-    def done(self) -> bool:
-        return True
-
-
-DONE = _Done()
-
-
-def is_done(handle) -> bool:
-    """Whether a collective handle (ours, or a torch.distributed Work) has finished; never blocks."""
-    return handle.done() if hasattr(handle, "done") else handle.is_completed()
-
-
-class _Chain:
-    """A reduce-scatter whose replica all-reduce starts once it has landed."""
-
-    def __init__(self, first, then: Callable[[], Any]):
-        self.first, self.then, self.second = first, then, None
-
-    def _start_second(self) -> None:
-        if self.second is None:
-            self.first.wait()
-            self.second = self.then()
-
-    def wait(self) -> bool:
-        self._start_second()
-        self.second.wait()
-        return True
-
-    def done(self) -> bool:
-        if self.second is None and not is_done(self.first):
-            return False
-        self._start_second()
-        return is_done(self.second)
-
-
-class BucketComm:
-    """Flat FSDP collectives for each bucket on torch.distributed process groups (async ops).
-
-    Reduce-scatter and all-reduce sum; the engine divides once, by the data-parallel
-    size, after every sum has landed, so the mean is exact in the reduce dtype.
-    """
-
-    def is_shared(self, b: int) -> bool:
-        """Whether bucket b's full buffer is transport-owned shared memory (never freed)."""
-        return False
-
-    def __init__(self, plan: Plan, device: torch.device, compute_dtypes, reduce_dtypes):
-        self.plan, self.device = plan, device
-        mesh = plan.mesh
-        self.shard_groups = [mesh.group(b.shard_axes) if b.shard_size > 1 else None for b in plan.buckets]
-        # Replica all-reduces start when a poll finds their reduce-scatter landed, a moment that
-        # differs across ranks: on groups of their own, no other collective can interleave.
-        self.replica_groups = [mesh.group(b.replicate_axes, tag="replica")
-                               if mesh.axis_size(b.replicate_axes) > 1 else None for b in plan.buckets]
-        self.bytes: Counter = Counter()  # (op, tier) -> bytes this rank sent (report.py's model)
-        self._ag_bytes = [bucket_gather_bytes(mesh, b, compute_dtypes[b.index]) for b in plan.buckets]
-        self._rs_bytes = [bucket_gather_bytes(mesh, b, reduce_dtypes[b.index]) for b in plan.buckets]
-        self._ar_bytes = [bucket_allreduce_bytes(mesh, b, reduce_dtypes[b.index]) for b in plan.buckets]
-
-    def full_buffer(self, b: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(self.plan.buckets[b].padded_numel, dtype=dtype, device=self.device)
-
-    grad_buffer = full_buffer
-
-    def all_gather(self, b: int, out: torch.Tensor, shard: torch.Tensor):
-        g = self.shard_groups[b]
-        if g is None:
-            out.copy_(shard)
-            return DONE
-        count_bytes(self.bytes, "all_gather", self._ag_bytes[b])
-        return dist.all_gather_single(out, shard, group=g, async_op=True)
-
-    def reduce(self, b: int, shard: torch.Tensor, flat: torch.Tensor):
-        """shard <- this rank's slice of the sum of every data-parallel rank's flat grad."""
-        g = self.shard_groups[b]
-        if g is None:
-            if shard.data_ptr() != flat.data_ptr():
-                shard.copy_(flat)
-            handle = DONE
-        else:
-            count_bytes(self.bytes, "reduce_scatter", self._rs_bytes[b])
-            handle = dist.reduce_scatter_single(shard, flat, group=g, async_op=True)
-        rg = self.replica_groups[b]
-        if rg is None:
-            return handle
-        count_bytes(self.bytes, "all_reduce", self._ar_bytes[b])
-        return _Chain(handle, lambda: dist.all_reduce(shard, group=rg, async_op=True))
-
-    def close(self) -> None:
-        pass
+__all__ = ["UnitEngine", "MemoryStats"]
 
 
 @dataclass
@@ -219,7 +120,7 @@ class UnitEngine:
     entries of a unit add up in its grad buffers, reduced once per step.
     """
 
-    def __init__(self, plan: Plan, rank: int, comm, compute_dtype: torch.dtype | None,
+    def __init__(self, plan: Plan, rank: int, comm: UnitComm, compute_dtype: torch.dtype | None,
                  device: torch.device, pipeline: bool = True):
         """Grads are reduced in the dtype of the grad shards the step passes to ``begin``."""
         self.plan, self.rank, self.comm = plan, rank, comm
@@ -267,10 +168,10 @@ class UnitEngine:
                          if kind == "units" for name in v}
         self.grad_shards: list[torch.Tensor] = []
         self.reductions: list = []  # handles of this step's grad reductions
-        # Optimizer overlap: the step sets update_buckets(bucket indices) for one step; the
-        # engine calls it, in reduction order, as soon as a unit's grads have landed, then
-        # starts the next step's gather of the unit if begin() would (see _refill).
-        self.update_buckets: Callable[[list[int]], None] | None = None
+        # Optimizer overlap: the step passes update_buckets(bucket indices) for one step (see
+        # overlapping); the engine calls it, in reduction order, as soon as a unit's grads
+        # have landed, then starts the next step's gather of the unit if begin() would (_refill).
+        self._update_buckets: Callable[[list[int]], None] | None = None
         self._landing: deque = deque()  # (unit, handles) reduced but not yet handed to update_buckets
         self._next: dict[str, list] = {}  # unit -> _snapshot of its master shards, gathered for the next step
         self._refill_later: list[str] = []
@@ -395,6 +296,17 @@ class UnitEngine:
         finally:
             if was:
                 gc.enable()
+
+    @contextlib.contextmanager
+    def overlapping(self, update_buckets: Callable[[list[int]], None] | None) -> Iterator[None]:
+        """Within the block (one step's forward, backward and ``finish``), hand each unit's
+        buckets to ``update_buckets`` as soon as their reductions land (None: no overlap,
+        ``finish`` waits for every reduction)."""
+        self._update_buckets = update_buckets
+        try:
+            yield
+        finally:
+            self._update_buckets = None
 
     def _cast(self, shard: torch.Tensor) -> torch.Tensor:
         cdt = self.compute_dtype
@@ -590,7 +502,7 @@ class UnitEngine:
         self._reduced.add(unit)
         self._free(unit)
         handles = [self._reduce_flat(b, flat) for b, flat in zip(self.unit_buckets[unit], flats)]
-        if self.update_buckets is None:
+        if self._update_buckets is None:
             self.reductions += handles
         else:  # (wait on each handle once: a second wait of a gloo reduce-scatter copies its result again)
             self._landing.append((unit, handles))
@@ -605,7 +517,7 @@ class UnitEngine:
                 return
             self._timed_wait(handles)
             self._landing.popleft()
-            self.update_buckets(self.unit_buckets[unit])
+            self._update_buckets(self.unit_buckets[unit])
             if unit in self._early:
                 if self._refill_in_backward:
                     self._refill(unit)
@@ -642,7 +554,7 @@ class UnitEngine:
         for u in self.units:
             if u not in self._reduced:
                 self._reduce(u)
-        if self.update_buckets is not None:
+        if self._update_buckets is not None:
             self._deliver(block=True)
         self._timed_wait(self.reductions)
         self.reductions = []

@@ -11,6 +11,9 @@ import math
 from datetime import timedelta
 from typing import Mapping, Sequence
 
+# The mesh makes its process groups itself, so it talks to torch.distributed directly: it sits
+# below hpf/comm/ (whose collectives and byte model read the mesh), and hpf.comm.world's
+# helpers would make the two import each other.
 import torch.distributed as dist
 
 __all__ = ["Mesh", "MeshError"]

@@ -9,21 +9,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import optree
 import torch
 
 from . import tree as tree_util
 from .mesh import Mesh
+from .report import PlanReport
 from .spec import IndivisibleSpecError, P, SpecError, resolve_specs
-
-if TYPE_CHECKING:
-    from .report import PlanReport
+from .tree import ROOT
 
 __all__ = ["Plan", "Bucket", "ParamSlot", "Unit", "plan", "ROOT"]
-
-ROOT = "<root>"
 
 
 @dataclass(frozen=True)
@@ -58,7 +55,7 @@ class Bucket:
     replicate_axes: tuple[str, ...]  # FSDP axes it is replicated over (grads all-reduced)
     dtype: torch.dtype
     shard_size: int  # ranks in the shard group
-    compute_axes: tuple[str, ...] = ()  # non-FSDP axes its params are split over
+    split_axes: tuple[str, ...] = ()  # non-FSDP axes its params are split over (Plan.compute_axes: all of them)
     # Axes in the order that numbers shard positions. Mesh order, unless two-tier collectives
     # number fast axes first, so each gather stage writes one contiguous block.
     shard_order: tuple[str, ...] = ()
@@ -154,7 +151,7 @@ class Plan:
 
     def replicas(self, bucket: Bucket) -> int:
         """How many ranks store an identical copy of each shard (to count it once in norms)."""
-        return self.mesh.size // bucket.shard_size // self.mesh.axis_size(bucket.compute_axes)
+        return self.mesh.size // bucket.shard_size // self.mesh.axis_size(bucket.split_axes)
 
     def shard_index(self, bucket: Bucket, rank: int) -> int:
         return self.mesh.group_index(bucket.shard_axes, rank, order=bucket.shard_order) if bucket.shard_axes else 0
@@ -175,9 +172,7 @@ class Plan:
         """Rebuild the params pytree from ``{path: value}``."""
         return tree_util.unflatten(self.treedef, [by_path[self.ties.get(p, p)] for p in self.leaf_paths or self.slots])
 
-    def report(self, **kwargs) -> "PlanReport":
-        from .report import PlanReport
-
+    def report(self, **kwargs) -> PlanReport:
         return PlanReport.of(self, **kwargs)
 
     def __repr__(self) -> str:
@@ -250,7 +245,7 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
                 order = tuple(sorted(shard_axes, key=lambda a: a not in mesh.fast_axes))
             b = Bucket(index=len(buckets), unit=unit, shard_axes=shard_axes,
                        replicate_axes=tuple(a for a in fsdp if a not in shard_axes),
-                       dtype=leaf.dtype, shard_size=mesh.axis_size(shard_axes), compute_axes=split_axes,
+                       dtype=leaf.dtype, shard_size=mesh.axis_size(shard_axes), split_axes=split_axes,
                        shard_order=order)
             by_key[key] = b
             buckets.append(b)

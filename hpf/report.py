@@ -1,10 +1,6 @@
 """The plan report: per-rank memory and per-step communication, computed from the plan alone.
 
-Byte model (also what the engine's counters use): a collective over a group of n ranks in
-which each rank contributes c bytes makes every rank send c bytes to each of its n - 1
-peers (direct exchange). A peer is across the slow tier when it differs from the rank in a
-slow (non-fast) mesh axis. Hierarchical collectives exchange along the slow axes only the
-1/n_fast part of the data that the fast tier has already gathered or reduced.
+Bytes follow hpf/comm/cost.py's model, the one the comms' byte counters use.
 """
 from __future__ import annotations
 
@@ -12,50 +8,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .mesh import Mesh
+from .comm.cost import OPS, TIERS, bucket_comm_bytes, dtype_bytes
+from .tree import ROOT
 
-__all__ = ["PlanReport", "collective_bytes", "bucket_gather_bytes", "bucket_allreduce_bytes", "dtype_bytes"]
-
-
-def dtype_bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()
-
-
-def collective_bytes(mesh: Mesh, axes: tuple[str, ...], contribution: int,
-                     hierarchical: bool = False) -> dict[str, int]:
-    """Bytes one rank sends per tier for an all-gather or reduce-scatter over ``axes``.
-
-    ``contribution`` is one rank's shard, in bytes. Returns {"fast": b, "slow": b}.
-    """
-    n = mesh.axis_size(axes)
-    n_fast = mesh.axis_size(tuple(a for a in axes if a in mesh.fast_axes))
-    n_slow = n // n_fast
-    if hierarchical and n_fast > 1 and n_slow > 1:
-        return {"fast": contribution * n_slow * (n_fast - 1), "slow": contribution * (n_slow - 1)}
-    return {"fast": contribution * (n_fast - 1), "slow": contribution * (n - n_fast)}
-
-
-def bucket_gather_bytes(mesh: Mesh, bucket, dtype: torch.dtype, hierarchical: bool = False) -> dict[str, int]:
-    """Bytes one rank sends per tier to all-gather (or reduce-scatter) one bucket in ``dtype``."""
-    if not bucket.shard_axes:
-        return {"fast": 0, "slow": 0}
-    return collective_bytes(mesh, bucket.shard_axes, bucket.shard_numel * dtype_bytes(dtype), hierarchical)
-
-
-def bucket_allreduce_bytes(mesh: Mesh, bucket, dtype: torch.dtype, hierarchical: bool = False) -> dict[str, int]:
-    """Bytes one rank sends per tier to all-reduce its grad shard over the bucket's replicas
-    (HSDP): a reduce-scatter plus an all-gather over the replicate axes."""
-    m = mesh.axis_size(bucket.replicate_axes)
-    if m == 1:
-        return {"fast": 0, "slow": 0}
-    part = -(-bucket.shard_numel // m) * dtype_bytes(dtype)
-    return {t: 2 * n for t, n in collective_bytes(mesh, bucket.replicate_axes, part, hierarchical).items()}
-
-
-def count_bytes(counter, op: str, tiers: dict[str, int]) -> None:
-    """Add one collective's bytes per tier to ``counter[op, tier]`` (the comms' byte counters)."""
-    for tier, n in tiers.items():
-        counter[op, tier] += n
+__all__ = ["PlanReport"]
 
 
 @dataclass
@@ -72,42 +28,36 @@ class PlanReport:
     def of(cls, plan, *, compute_dtype: torch.dtype | None = None, master_dtype: torch.dtype | None = None,
            reduce_dtype: torch.dtype | None = None, optimizer_states: int = 2,
            hierarchical: bool = False, regather: bool = True) -> "PlanReport":
-        """``regather=False``: blocks stay gathered through backward (a shared-memory fast tier)."""
-        from .planning import ROOT
-
+        """``plan``: an hpf.plan.Plan. ``regather=False``: blocks stay gathered through backward
+        (a shared-memory fast tier)."""
         mesh = plan.mesh
         last_unit = list(plan.units)[-1]
         params = grads = opt = padded_total = 0
         unit_bytes: dict[str, int] = {}
-        comm = {c: {"fast": 0, "slow": 0} for c in ("all_gather", "reduce_scatter", "all_reduce")}
+        comm = {op: dict.fromkeys(TIERS, 0) for op in OPS}
         for b in plan.buckets:
             master = dtype_bytes(master_dtype or b.dtype)
             compute = dtype_bytes(compute_dtype or b.dtype)
-            reduce = dtype_bytes(reduce_dtype or master_dtype or b.dtype)
+            reduce_dtype_b = reduce_dtype or master_dtype or b.dtype
             params += b.shard_numel * master
-            grads += b.shard_numel * reduce
+            grads += b.shard_numel * dtype_bytes(reduce_dtype_b)
             opt += b.shard_numel * 4 * optimizer_states
             replicas = mesh.size // b.shard_size
             padded_total += b.padded_numel * master * replicas
             unit_bytes[b.unit] = unit_bytes.get(b.unit, 0) + b.padded_numel * compute
             # backward re-gathers every block but the last, which is still gathered
             gathers = 2 if regather and b.unit not in (ROOT, last_unit) else 1
-            if b.shard_axes:
-                for tier, n in bucket_gather_bytes(mesh, b, compute_dtype or b.dtype, hierarchical).items():
-                    comm["all_gather"][tier] += gathers * n
-                for tier, n in bucket_gather_bytes(mesh, b, reduce_dtype or master_dtype or b.dtype,
-                                                   hierarchical).items():
-                    comm["reduce_scatter"][tier] += n
-            for tier, n in bucket_allreduce_bytes(mesh, b, reduce_dtype or master_dtype or b.dtype,
-                                                  hierarchical).items():
-                comm["all_reduce"][tier] += n
+            ops = bucket_comm_bytes(mesh, b, compute_dtype or b.dtype, reduce_dtype_b, hierarchical)
+            for op, tiers in ops.items():
+                for tier, n in tiers.items():
+                    comm[op][tier] += (gathers if op == "all_gather" else 1) * n
         blocks = sorted((v for k, v in unit_bytes.items() if k != ROOT), reverse=True)
         peak = unit_bytes.get(ROOT, 0) + sum(blocks[:2])
         return cls(mesh.size, params, grads, opt, peak, padded_total, comm)
 
     @property
     def comm_total(self) -> dict[str, int]:
-        return {t: sum(c[t] for c in self.comm.values()) for t in ("fast", "slow")}
+        return {t: sum(c[t] for c in self.comm.values()) for t in TIERS}
 
     def format(self) -> str:
         def mib(n: int) -> str:

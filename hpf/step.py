@@ -14,12 +14,14 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .collectives import SPMD, gather_dim0, spmd
+from .comm.collectives import SPMD, gather_dim0, spmd
+from .comm.flat import BucketComm
+from .comm.tiered import TieredComm, Topology
 from .device import default_device
-from .fsdp import BucketComm, UnitEngine, explain_freed
+from .fsdp import UnitEngine, explain_freed
 from .mesh import Mesh, MeshError
+from .optim.base import ForPlan, Optimizer, PartialUpdate
 from .planning import Plan, plan as make_plan
-from .topology import TieredComm, Topology
 from .types import MixedPrecision, TrainState
 
 __all__ = ["ShardStep", "step_plan"]
@@ -54,10 +56,9 @@ class ShardStep:
         mixed_precision = MixedPrecision.parse(mixed_precision)
         if max_grad_norm is not None and max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm={max_grad_norm}: must be positive, or None for no clipping")
-        for name in ("init", "update"):
-            if not callable(getattr(optimizer, name, None)):
-                raise TypeError(f"optimizer {optimizer!r} has no {name}(); pass hpf.optim.adamw(...) "
-                                "or another object with init(params) and update(grads, state, params)")
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"optimizer {optimizer!r} is not an hpf.optim.Optimizer: pass hpf.optim.adamw(...) "
+                            "or another object with init(params) and update(grads, state, params)")
         self.loss_fn, self.mesh, self.optimizer = loss_fn, mesh, optimizer
         self.param_specs, self.fsdp_axes = param_specs, fsdp_axes
         self.mp, self.max_grad_norm = mixed_precision, max_grad_norm
@@ -95,20 +96,20 @@ class ShardStep:
         self._spmd = SPMD(self.mesh, self.rank, self.plan.fsdp_axes)
         n_compute = self.mesh.axis_size(self.plan.compute_axes)
         self._loss_seed = None if n_compute == 1 else 1.0 / n_compute
-        # Buckets replicated over non-FSDP axes hold partial grads there (see hpf.collectives).
-        partial = [(b.index, tuple(a for a in self.plan.compute_axes if a not in b.compute_axes))
+        # Buckets replicated over non-FSDP axes hold partial grads there (see hpf.comm.collectives).
+        partial = [(b.index, tuple(a for a in self.plan.compute_axes if a not in b.split_axes))
                    for b in self.plan.buckets]
         self._compute_sums = [(b, self.mesh.group(axes)) for b, axes in partial if self.mesh.axis_size(axes) > 1]
         self._replica_counts = torch.tensor([float(self.plan.replicas(b)) for b in self.plan.buckets])
         opt = self.optimizer
-        self._opt = opt.for_plan(self.plan, self.rank) if hasattr(opt, "for_plan") else opt
+        self._opt = opt.for_plan(self.plan, self.rank) if isinstance(opt, ForPlan) else opt
         # Optimizer overlap: an elementwise optimizer updates each unit as soon as its grads
         # land, while backward and the other reductions go on, and the next step's first
         # gathers start right after. Global clipping and partial-sum all-reduces need every
         # grad first (and validation, which checks grads before any update, passes
         # overlap_optimizer=False): those keep the update after backward.
         self.overlap_optimizer = (self._want_overlap and self.max_grad_norm is None
-                                  and not self._compute_sums and hasattr(self._opt, "partial_update"))
+                                  and not self._compute_sums and isinstance(self._opt, PartialUpdate))
         return TrainState(shards, self._opt.init(shards))
 
     # -- the step --------------------------------------------------------------------------------
@@ -121,6 +122,7 @@ class ShardStep:
         eng = self.engine
         grads = self.grad_shards
         opt_s = [0.0]
+        update_buckets = None
         if self.overlap_optimizer:
             update = self._opt.partial_update(state.opt_state, state.params)
 
@@ -129,11 +131,8 @@ class ShardStep:
                 torch._foreach_div_([grads[b] for b in buckets], float(self.dp_size))
                 update(buckets, grads)
                 opt_s[0] += time.perf_counter() - t
-            eng.update_buckets = update_buckets
-        try:
+        with eng.overlapping(update_buckets):
             loss = self.forward_backward(state, batch)
-        finally:
-            eng.update_buckets = None
         if not self.overlap_optimizer:
             torch._foreach_div_(grads, float(self.dp_size))
         norms = torch.stack(torch._foreach_norm(grads)).float()
@@ -185,7 +184,7 @@ class ShardStep:
     def _grads(self, batch: Any) -> torch.Tensor:
         """Forward and backward of loss_fn (grads go to the engine); returns this rank's loss."""
         eng, seed = self.engine, self._loss_seed  # seed: the loss is replicated over non-FSDP axes,
-        if self.grad == "torch.func":               # so each copy carries 1/n (see hpf.collectives)
+        if self.grad == "torch.func":               # so each copy carries 1/n (see hpf.comm.collectives)
             def scaled(params):
                 loss = self.call_loss(params, batch)
                 _check_loss(loss)

@@ -11,7 +11,11 @@ from typing import Any, Callable
 import optree
 import torch
 
-__all__ = ["path_str", "flatten", "unflatten", "map_with_path", "paths", "structure", "check_leaves"]
+__all__ = ["ROOT", "path_str", "flatten", "unflatten", "map_with_path", "paths", "structure", "check_leaves"]
+
+# The FSDP unit of the leaves outside every list of the params tree (the rest of the tree);
+# here, not in plan.py, so that the plan and its report (which plan.py imports) both read it.
+ROOT = "<root>"
 
 
 def path_str(path: tuple) -> str:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from .backends import cuda, npu, reference
-from .schedules import SCHEDULES, CoefficientSpec, resolve_coefficients
+from .coefficients import NAMED_COEFFICIENTS, CoefficientSpec, resolve_coefficients
 
-__all__ = ["newton_schulz", "resolve_coefficients", "SCHEDULES", "BACKENDS"]
+__all__ = ["newton_schulz", "resolve_coefficients", "NAMED_COEFFICIENTS", "BACKENDS"]
 
 # backend name -> module; a tensor on device type T uses BACKENDS[T] when present, else "reference".
 BACKENDS = {"reference": reference, "cuda": cuda, "npu": npu}
@@ -38,10 +38,10 @@ def newton_schulz(
         raise ValueError(f"newton_schulz needs a tensor of shape [..., m, n], got {shape}")
     if X.numel() == 0:
         raise ValueError(f"newton_schulz got an empty tensor of shape {tuple(X.shape)}")
-    schedule, norm_scale = resolve_coefficients(coefficients, steps)
+    per_step, norm_scale = resolve_coefficients(coefficients, steps)
     name = backend or (X.device.type if X.device.type in BACKENDS else "reference")
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; use one of {sorted(BACKENDS)} or None (by device)")
     return BACKENDS[name].newton_schulz(
-        X, schedule, norm_scale=norm_scale, eps=eps, compute_dtype=compute_dtype
+        X, per_step, norm_scale=norm_scale, eps=eps, compute_dtype=compute_dtype
     )

@@ -10,12 +10,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("hpf", "hpf_kernels")
 MAX_LINES = 700
 
-# Known cycles that the other half of issue 12 (refactor-comm) removes; delete this list
-# once both halves are merged and the test passes without it.
-ALLOWED_CYCLES = {
-    frozenset({"hpf.planning", "hpf.report"}),  # Plan.report imports report, which imports the plan's ROOT
-    frozenset({"hpf.optim.muon", "hpf.optim.dist_muon"}),  # Muon.for_plan imports DistMuon
-}
 
 
 def module_name(path: Path) -> str:
@@ -97,7 +91,7 @@ def is_package_edge(a: str, b: str) -> bool:
 def test_no_import_cycles_between_library_modules():
     graph = import_graph()
     graph = {a: {b for b in bs if not is_package_edge(a, b)} for a, bs in graph.items()}
-    found = [c for c in cycles(graph) if frozenset(c) not in ALLOWED_CYCLES]
+    found = list(cycles(graph))
     assert not found, f"import cycles (imports inside functions count): {found}"
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hpf
-from hpf.collectives import SPMD, all_gather, all_to_all, axis_index, psum, spmd
+from hpf.comm.collectives import SPMD, all_gather, all_to_all, axis_index, psum, spmd
 from hpf.launcher import launch
 from hpf.mesh import MeshError
 from references import autograd_grads

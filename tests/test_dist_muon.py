@@ -15,7 +15,6 @@ wrongly, a missed update, a norm across experts, a padding element leaking in) m
 by ~lr * |O| ~ 1e-3 or turns it into NaN.
 """
 import functools
-import importlib
 
 import numpy as np
 import optree
@@ -27,8 +26,9 @@ import hpf
 from hpf import P
 from hpf.launcher import launch
 from hpf.models import gpt
+from hpf.optim import muon_math, muon_optimizer
 from hpf.optim.dist_muon import DistMuon, assign_owners, ns_flops
-from hpf.optim.muon import muon
+from hpf.optim.muon_optimizer import muon
 from references import functional_training
 
 MUON = dict(lr=0.02, weight_decay=0.1, adamw_lr=1e-2, adamw_weight_decay=0.05)
@@ -38,7 +38,6 @@ PAD_VALUE = 7.0  # params' padding starts here and must stay exactly here; grads
 D, FF, E, H, V = 7, 10, 4, 5, 13  # sizes chosen so shards are padded at 2 and 4 ranks and experts straddle
 EP_RULES = hpf.rules([(r".*expert_scale", P(("ep", "dp"))), (r".*experts_\w+", P("ep", "dp")), (r".*", P("dp"))])
 HSDP_RULES = hpf.rules([(r"blocks/\d+/(w_\w+|gate|experts_\w+)", P("local")), (r".*", P())])
-muon_module = importlib.import_module("hpf.optim.muon")  # the module (hpf.optim.muon may be the function)
 
 
 # -- a tiny pure-function MoE model: dense mixture of E experts, [E, m, n] expert weights -----
@@ -94,7 +93,7 @@ def reference_muon(params, steps=STEPS, **kwargs):
 def reference_torch(params, steps=STEPS):
     """torch.optim.Muon on every 2-D matrix and expert slice; torch.optim.AdamW on the rest."""
     paths, leaves, treedef = hpf.tree.flatten(params)
-    is_muon = [p.ndim >= 2 and not muon_module.default_use_adamw(path, p) for path, p in zip(paths, leaves)]
+    is_muon = [p.ndim >= 2 and not muon_optimizer.default_use_adamw(path, p) for path, p in zip(paths, leaves)]
     tparams = [p.clone().requires_grad_() for p in leaves]
     slices = {i: [p[e].detach().clone().requires_grad_() for e in range(p.shape[0])]
               for i, p in enumerate(tparams) if is_muon[i] and p.ndim == 3}
@@ -124,7 +123,7 @@ class Counting:
         self.sends: list[tuple[int, int, int, str]] = []  # (step, peer, numel, dtype) per isend
 
     def __enter__(self):
-        ns, batch = muon_module.newton_schulz, torch.distributed.batch_isend_irecv
+        ns, batch = muon_math.newton_schulz, torch.distributed.batch_isend_irecv
 
         def counting_ns(X, *args, **kwargs):
             self.ns.append((self.step, (X.numel() // (X.shape[-2] * X.shape[-1]), *X.shape[-2:])))
@@ -135,11 +134,11 @@ class Counting:
                            for op in ops if op.op is torch.distributed.isend]
             return batch(ops)
         self._restore = ns, batch
-        muon_module.newton_schulz, torch.distributed.batch_isend_irecv = counting_ns, counting_batch
+        muon_math.newton_schulz, torch.distributed.batch_isend_irecv = counting_ns, counting_batch
         return self
 
     def __exit__(self, *exc):
-        muon_module.newton_schulz, torch.distributed.batch_isend_irecv = self._restore
+        muon_math.newton_schulz, torch.distributed.batch_isend_irecv = self._restore
 
 
 def with_padding(plan, rank, shards, value):
@@ -392,7 +391,7 @@ def test_moe_training_at_4_ranks_and_gpt_on_2x2_hsdp_match_single_process(four_r
 
 # -- single process: the plan-time logic ---------------------------------------------------------
 def muon_paths(plan):
-    return {p for p, s in plan.slots.items() if len(s.local_shape) >= 2 and not muon_module.default_use_adamw(p, None)}
+    return {p for p, s in plan.slots.items() if len(s.local_shape) >= 2 and not muon_optimizer.default_use_adamw(p, None)}
 
 
 def test_owners_are_unique_among_holders_and_balanced():
@@ -436,7 +435,7 @@ def test_matrix_split_over_a_non_fsdp_matrix_dim_is_an_error():
     with pytest.raises(ValueError, match=r"'blocks/0/w_in'.*matrix dim 1 over the non-FSDP axes \('tp',\)"):
         muon().for_plan(plan, 0)
     # the same split routed to AdamW is fine, and so is a split of the experts' batch dim
-    muon(use_adamw=lambda path, t: "w_in" in path or muon_module.default_use_adamw(path, t)).for_plan(plan, 0)
+    muon(use_adamw=lambda path, t: "w_in" in path or muon_optimizer.default_use_adamw(path, t)).for_plan(plan, 0)
 
 
 def test_shards_of_the_wrong_shape_are_an_error():

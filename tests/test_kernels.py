@@ -116,7 +116,7 @@ def test_dtype_and_compute_dtype():
     [
         ((1.0, 2.0), 5, "three finite numbers"),
         ([KELLER] * 4, 5, "4 per-step tuples but steps=5"),
-        ("nope", 5, "unknown coefficients schedule"),
+        ("nope", 5, "unknown coefficients"),
         ((1.0, float("nan"), 1.0), 5, "finite"),
         ([KELLER, (1.0, 2.0)], 2, r"coefficients\[1\]"),
         ("keller", 0, "steps must be a positive int"),

@@ -13,7 +13,8 @@ import optree
 import pytest
 import torch
 
-from hpf.optim.muon import muon, update_scale
+from hpf.optim.muon_math import update_scale
+from hpf.optim.muon_optimizer import muon
 
 ATOL = 1e-6
 BF16 = torch.bfloat16

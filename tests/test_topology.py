@@ -143,7 +143,7 @@ def _shard_bytes() -> dict[str, int]:
 
 
 # Bytes one rank sends over the slow tier per all-gather or reduce-scatter, in shards,
-# under report.py's documented model (each rank sends its contribution to every peer):
+# under hpf/comm/cost.py's documented model (each rank sends its contribution to every peer):
 # flat: its shard to the 2 ranks of the other node; two-tier: its shard to the 1 rank of
 # the other node with the same local index (the fast stage then moves 2-shard blocks
 # between the 2 local ranks).

@@ -7,7 +7,7 @@ from einops import rearrange
 
 import hpf
 from hpf import all_gather, all_to_all, axis_index, psum
-from hpf.collectives import SPMD, spmd
+from hpf.comm.collectives import SPMD, spmd
 from hpf.validate import (PARTIAL, VARYING, CollectiveError, PartialSumError, ShardedContractionError,
                           ShardingMismatchError, Tracker, make_info)
 

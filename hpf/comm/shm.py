@@ -33,7 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .transport import BufferCache, CallCounters, check_op, check_shards, ring_bytes
+from .cost import ring_bytes
+from .transport import BufferCache, CallCounters, check_op, check_shards
 
 __all__ = ["ShmGroup", "ShmTimeout", "remove_leftovers"]
 

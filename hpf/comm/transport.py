@@ -1,4 +1,8 @@
-"""The collective interface every tier's transport implements, and its torch.distributed version.
+"""The two comm interfaces, and the torch.distributed transport.
+
+- `Transport`: one tier's collectives over flat shards (shared memory, a process group).
+- `UnitComm`: the FSDP engine's per-bucket collectives, built from transports or process
+  groups (`hpf.comm.flat.BucketComm`, `hpf.comm.tiered.TieredComm`).
 
 Callers (the FSDP engine) pick a transport per tier: `ShmGroup` inside one host (CPU ranks),
 `ProcessGroupTransport` elsewhere (gloo, NCCL, HCCL; a symmetric-memory transport can sit
@@ -14,12 +18,14 @@ all-reduce twice that. (gloo's reduce-scatter, built on all-reduce, really sends
 from __future__ import annotations
 
 from collections import Counter
-from typing import Protocol, runtime_checkable
+from typing import Protocol, Union, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Transport", "ProcessGroupTransport"]
+from .cost import ring_bytes
+
+__all__ = ["Transport", "ProcessGroupTransport", "UnitComm", "Handle", "DONE", "is_done"]
 
 REDUCE_OPS = ("sum", "mean")
 
@@ -54,6 +60,72 @@ class Transport(Protocol):
         ...
 
 
+class _Pollable(Protocol):
+    """A collective in flight (hpf's own handles)."""
+
+    def wait(self) -> bool: ...
+
+    def done(self) -> bool: ...
+
+
+# What a UnitComm's collectives return: one of hpf's handles, or a torch.distributed Work
+# (which says is_completed() instead of done()); `is_done` reads both.
+Handle = Union[_Pollable, dist.Work]
+
+
+class _Done:
+    """A finished collective: lets single-rank groups skip communication with one code path."""
+
+    def wait(self) -> bool:
+        return True
+
+    def done(self) -> bool:
+        return True
+
+
+DONE = _Done()
+
+
+def is_done(handle: Handle) -> bool:
+    """Whether a collective handle (ours, or a torch.distributed Work) has finished; never blocks."""
+    return handle.done() if hasattr(handle, "done") else handle.is_completed()
+
+
+@runtime_checkable
+class UnitComm(Protocol):
+    """The FSDP engine's collectives, per plan bucket b (hpf.fsdp.UnitEngine calls them).
+
+    Every rank issues them in the same order. Reductions sum; the engine divides by the
+    data-parallel size once every sum has landed.
+    """
+
+    bytes: Counter  # (op, tier) -> bytes this rank sent, by hpf.comm.cost's model
+
+    def is_shared(self, b: int) -> bool:
+        """Whether bucket b's full buffer is transport-owned shared memory (never freed)."""
+        ...
+
+    def full_buffer(self, b: int, dtype: torch.dtype) -> torch.Tensor:
+        """Bucket b's gathered (padded) flat buffer, for the engine to keep."""
+        ...
+
+    def grad_buffer(self, b: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat buffer for bucket b's full grads, the input of ``reduce``."""
+        ...
+
+    def all_gather(self, b: int, out: torch.Tensor, shard: torch.Tensor) -> Handle:
+        """out <- every shard-group rank's ``shard`` of bucket b, in shard order."""
+        ...
+
+    def reduce(self, b: int, shard: torch.Tensor, flat: torch.Tensor) -> Handle:
+        """shard <- this rank's slice of the sum of every data-parallel rank's flat grad."""
+        ...
+
+    def close(self) -> None:
+        """Stop workers and release transports (shared memory)."""
+        ...
+
+
 def check_op(op: str) -> None:
     if op not in REDUCE_OPS:
         raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
@@ -71,11 +143,6 @@ def check_shards(full: torch.Tensor, shard: torch.Tensor, world_size: int, full_
             f"world_size is {world_size}: {full_name} must hold exactly world_size shards "
             "(pad the flat buffer to a multiple of world_size)")
     return shard.numel()
-
-
-def ring_bytes(full_bytes: int, world_size: int) -> int:
-    """Bytes one rank sends in a ring all-gather or reduce-scatter of a `full_bytes` buffer."""
-    return full_bytes * (world_size - 1) // world_size
 
 
 class BufferCache:

@@ -1,11 +1,14 @@
 """Functional optimizers, optax-style: ``init(params) -> state`` and
-``update(grads, state, params) -> (new_params, new_state)``.
+``update(grads, state, params) -> (new_params, new_state)`` (protocols in base.py).
 
-``hpf.optim.adamw(...)`` and ``hpf.optim.muon(...)`` are the factories (they shadow their
-submodules as attributes; ``from hpf.optim.muon import ...`` still reaches the module).
+``hpf.optim.adamw(...)`` and ``hpf.optim.muon(...)`` are the factories; their modules are
+adamw_optimizer.py and muon_optimizer.py, so no function shadows a module.
 """
-from .adamw import AdamW, adamw
+from .adamw_optimizer import AdamW, AdamWState, adamw
+from .base import ForPlan, Optimizer, PartialUpdate
 from .dist_muon import DistMuon
-from .muon import Muon, MuonState, muon
+from .muon_math import MuonState
+from .muon_optimizer import Muon, muon
 
-__all__ = ["AdamW", "DistMuon", "Muon", "MuonState", "adamw", "muon"]
+__all__ = ["AdamW", "AdamWState", "DistMuon", "ForPlan", "Muon", "MuonState", "Optimizer", "PartialUpdate",
+           "adamw", "muon"]

@@ -13,8 +13,9 @@ says which ranks hold which elements of every matrix, so:
   of the result. Ranks in other shard groups (HSDP or non-FSDP replicas) never take part.
 - An owner's same-shape matrices (MoE experts included) go into one batched NS call.
 
-The math is hpf.optim.muon's (muon_momentum_, orthogonalize, apply_muon_updates_, AdamW.apply),
-so a sharded run matches the single-device optimizer on the full params.
+The math is hpf.optim.muon_math's (muon_momentum_, orthogonalize, apply_muon_updates_, and
+AdamW.apply), so a sharded run matches the single-device optimizer on the full params. Pieces
+travel point-to-point through hpf.comm.world.exchange.
 """
 from __future__ import annotations
 
@@ -24,11 +25,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
+from ..comm import world
 from ..planning import Bucket, ParamSlot, Plan
-from .adamw import schedule_value
-from .muon import Muon, MuonState, apply_muon_updates_, muon_momentum_, orthogonalize, update_scale
+from .adamw_optimizer import schedule_value
+from .muon_math import MuonState, apply_muon_updates_, muon_momentum_, orthogonalize, update_scale
 
 __all__ = ["DistMuon", "assign_owners", "ns_flops"]
 
@@ -111,9 +112,20 @@ class DistMuon:
     The state is MuonState(count, exp_avg: one buffer shaped like each shard (momentum or
     AdamW's first moment), exp_avg_sq: per bucket, AdamW's second moment of this rank's AdamW
     elements only), created eagerly, with the same structure on every rank.
+
+    Args:
+        muon: the hpf.optim.Muon whose hyper-parameters and AdamW fallback to run.
+        plan: the step's plan (hpf.plan.Plan): which rank holds which piece of each matrix.
+        rank: this process's global rank.
+        comm_dtype: the dtype matrix pieces travel in (None: the grads').
+
+    Raises:
+        ValueError: at construction, a Muon matrix split along a matrix dim by non-FSDP axes
+            (no rank has whole matrices); in ``init``/``update``, shards that are not one flat
+            shard per plan bucket.
     """
 
-    def __init__(self, muon: Muon, plan: Plan, rank: int, comm_dtype: torch.dtype | None = None):
+    def __init__(self, muon, plan: Plan, rank: int, comm_dtype: torch.dtype | None = None):
         self.muon, self.plan, self.rank, self.comm_dtype = muon, plan, rank, comm_dtype
         muon_paths = {path for path, s in plan.slots.items() if muon.on_muon(path, _meta(s))}
         for path in sorted(muon_paths):
@@ -189,7 +201,7 @@ class DistMuon:
         m.adamw.apply([params[b][s] for b, s, _ in self.adamw], [grads[b][s] for b, s, _ in self.adamw],
                       [state.exp_avg[b][s] for b, s, _ in self.adamw],
                       [state.exp_avg_sq[b][c] for b, _, c in self.adamw], step)
-        _wait(pending)
+        world.wait_all(pending)
 
         # 2. one NS per matrix, same shapes batched: those wholly here and those this rank owns.
         matrices = [u.view(x.shape) for x, u in zip(self.local, local_ups)]
@@ -207,7 +219,7 @@ class DistMuon:
         lr = schedule_value(m.lr, step)
         here = self.local + self.owned
         self._apply(params, here, [d[x.in_matrix] for x, d in zip(here, directions)], lr)
-        _wait(pending)
+        world.wait_all(pending)
         self._apply(params, self.held, held_dirs, lr)
         return params, state
 
@@ -220,10 +232,8 @@ class DistMuon:
 
     def _exchange(self, sends, recvs) -> list:
         """Post point-to-point sends and receives, each (peer global rank, tensor, tag), as one batch."""
-        ops = [dist.P2POp(dist.isend, t, peer, tag=tag) for peer, t, tag in sends]
-        ops += [dist.P2POp(dist.irecv, t, peer, tag=tag) for peer, t, tag in recvs]
         self.bytes_sent += sum(t.numel() * t.element_size() for _, t, _ in sends)
-        return dist.batch_isend_irecv(ops) if ops else []
+        return world.exchange(sends, recvs)
 
     def _apply(self, params, matrices: list[_Matrix], directions: list[torch.Tensor], lr: float) -> None:
         """apply_muon_updates_ on flat pieces (as [1, k] views): the scale of each piece's whole
@@ -270,8 +280,3 @@ def _check_whole_matrices(plan: Plan, slot: ParamSlot) -> None:
                 f"is split along matrix dim {dim} over the non-FSDP axes {tuple(axes)}, so no rank has "
                 f"whole matrices for Newton-Schulz. Shard that dim over FSDP axes instead, split only "
                 f"a leading batch dim (e.g. experts), or route the param to AdamW with use_adamw")
-
-
-def _wait(requests: list) -> None:
-    for r in requests:
-        r.wait()

@@ -5,7 +5,7 @@ stage over p ranks of one tier takes ``latency + (p-1)*alpha + bytes/beta``, whe
 ``bytes`` is what one rank sends on that tier (``(p-1)/p * n`` for a ring over an n-byte
 buffer). So the simulator's bytes are the plan report's bytes, by construction.
 
-The schedule replays what ``hpf.fsdp.UnitEngine`` and ``hpf.topology.TieredComm`` do:
+The schedule replays what ``hpf.fsdp.UnitEngine`` and ``hpf.comm.tiered.TieredComm`` do:
 one compute thread; collectives on FIFO workers (one per tier and direction for the
 two-tier comm, one per process group for torch.distributed); gathers issued on entry of
 the unit before (prefetch), re-gathers in backward, reductions that overlap the next
@@ -16,10 +16,10 @@ DDP run through the same machinery with their own schedules.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..planning import ROOT, Plan
-from ..report import bucket_allreduce_bytes, bucket_gather_bytes, collective_bytes, dtype_bytes
+from ..comm.cost import bucket_comm_bytes, collective_bytes
 from .hardware import Hardware, Link
 
 __all__ = ["ring_time", "allreduce_time", "two_tier_time", "Options", "SimResult", "simulate_plan",
@@ -124,7 +124,6 @@ def _unit_costs(plan: Plan, hw: Hardware, opts: Options, flops: dict, measured: 
     world = mesh.size
     emu = Link(alpha=0.0, beta=opts.emulated_slow[1], latency=opts.emulated_slow[0]) if opts.emulated_slow else None
     units = []
-    last_block = list(plan.units)[-1]
     for name, unit in plan.units.items():
         if measured is not None:  # calibrated seconds of forward + backward on this machine
             total = measured["root_s"] if name == ROOT else measured["block_s"]
@@ -138,9 +137,8 @@ def _unit_costs(plan: Plan, hw: Hardware, opts: Options, flops: dict, measured: 
             if opts.strategy == "ddp":
                 continue
             hier = opts.strategy == "hpf" and opts.topology and opts.hierarchical
-            ag = bucket_gather_bytes(mesh, b, _dtype(opts.compute_bytes), hier)
-            rs = bucket_gather_bytes(mesh, b, _dtype(opts.reduce_bytes), hier)
-            ar = bucket_allreduce_bytes(mesh, b, _dtype(opts.reduce_bytes), hier)
+            per_op = bucket_comm_bytes(mesh, b, _dtype(opts.compute_bytes), _dtype(opts.reduce_bytes), hier)
+            ag, rs, ar = per_op["all_gather"], per_op["reduce_scatter"], per_op["all_reduce"]
             fast_axes = tuple(a for a in b.shard_axes if a in mesh.fast_axes)
             p_fast = mesh.axis_size(fast_axes)
             p_slow = b.shard_size // p_fast

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from .. import tree as tree_util
-from ..collectives import spmd
+from ..comm.collectives import spmd
 from ..step import ShardStep
 from ..types import TrainState
 from .errors import GradientMismatchError

@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
-from ..collectives import SPMD, spmd
+from ..comm.collectives import SPMD, spmd
 from ..mesh import Mesh
 from ..planning import Plan, plan as make_plan
 from ..types import MixedPrecision

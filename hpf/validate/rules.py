@@ -20,7 +20,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
-from .. import collectives
+from ..comm import collectives
 from .layout import LOCAL, SUM, WHOLE
 
 __all__ = ["Call", "Rule", "RULES", "rule", "register", "rule_for", "operands_of", "CASTS"]

@@ -24,7 +24,7 @@ import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .. import collectives
+from ..comm import collectives
 from .. import tree as tree_util
 from ..fsdp import _UnitList
 from ..mesh import Mesh

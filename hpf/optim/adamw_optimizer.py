@@ -29,6 +29,21 @@ def schedule_value(lr: float | Callable[[int], float], step: int) -> float:
 
 @dataclass(frozen=True)
 class AdamW:
+    """AdamW as torch.optim.AdamW computes it, on any pytree of tensors (``init``/``update``).
+
+    Build it with :func:`adamw`, which checks the hyper-parameters.
+
+    Args:
+        lr: learning rate, or a function of the 1-based step.
+        betas: decay rates of the first and second moments.
+        eps: added to the square root of the second moment.
+        weight_decay: decoupled weight decay (params *= 1 - lr * weight_decay).
+
+    Raises:
+        Nothing at construction (the dataclass does not check its fields; :func:`adamw` does).
+        ``update`` raises optree's ValueError when grads, state and params differ in structure.
+    """
+
     lr: float | Callable[[int], float] = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -83,7 +98,17 @@ class AdamW:
 
 def adamw(lr: float | Callable[[int], float] = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
           eps: float = 1e-8, weight_decay: float = 0.01) -> AdamW:
-    """``hpf.optim.adamw``: an optax-style AdamW with ``init`` and ``update``."""
+    """``hpf.optim.adamw``: an optax-style AdamW with ``init``, ``update`` and ``partial_update``.
+
+    Args:
+        lr: learning rate, or a function of the 1-based step.
+        betas: decay rates of the first and second moments, each in [0, 1).
+        eps: added to the square root of the second moment, >= 0.
+        weight_decay: decoupled weight decay, >= 0.
+
+    Raises:
+        ValueError: a negative lr, eps or weight_decay, or a beta outside [0, 1).
+    """
     if (callable(lr) is False and lr < 0) or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
         raise ValueError(f"adamw: invalid hyper-parameters lr={lr}, betas={betas}, eps={eps}, "
                          f"weight_decay={weight_decay}; lr, eps, weight_decay >= 0 and 0 <= betas < 1")

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import handle_torch_function, has_torch_function
 
-from .mesh import Mesh, MeshError
+from ..mesh import Mesh, MeshError
 
 __all__ = ["psum", "all_gather", "all_to_all", "axis_index", "SPMD", "spmd", "current"]
 
@@ -116,7 +116,18 @@ class _AllReduce(torch.autograd.Function):
 
 
 def psum(x: torch.Tensor, axis: str | Sequence[str]) -> torch.Tensor:
-    """Sum ``x`` over the ranks of ``axis`` (one axis name or several): every rank gets the total."""
+    """Sum ``x`` over the ranks of ``axis``: every rank gets the total (all-reduce).
+
+    Backward all-reduces the cotangent (the exact adjoint, see the module doc). Outside a
+    step it returns ``x`` as on a one-rank mesh.
+
+    Args:
+        x: this rank's tensor; the same shape on every rank of the group.
+        axis: a non-FSDP mesh axis name, or several (one group over all of them).
+
+    Raises:
+        MeshError: ``axis`` is empty, not an axis of the step's mesh, or an FSDP axis.
+    """
     if has_torch_function((x,)):
         return handle_torch_function(psum, (x,), x, axis)
     group, n, virtual = _setup(axis, "psum")
@@ -153,7 +164,19 @@ class _AllGather(torch.autograd.Function):
 
 
 def all_gather(x: torch.Tensor, axis: str | Sequence[str], dim: int = 0) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along ``dim``, in rank order along ``axis``."""
+    """Concatenate every rank's ``x`` along ``dim``, in rank order along ``axis``.
+
+    Backward reduce-scatters (sums) the cotangent back to each rank's block.
+
+    Args:
+        x: this rank's block; the same shape on every rank of the group.
+        axis: a non-FSDP mesh axis name, or several.
+        dim: the dim to concatenate along (negative counts from the end).
+
+    Raises:
+        MeshError: ``axis`` is empty, not an axis of the step's mesh, or an FSDP axis.
+        IndexError: ``dim`` is out of range for ``x``.
+    """
     if has_torch_function((x,)):
         return handle_torch_function(all_gather, (x,), x, axis, dim=dim)
     group, n, virtual = _setup(axis, "all_gather")
@@ -186,7 +209,21 @@ class _AllToAll(torch.autograd.Function):
 
 def all_to_all(x: torch.Tensor, axis: str | Sequence[str], split_dim: int, concat_dim: int) -> torch.Tensor:
     """Split ``x`` into n chunks along ``split_dim``, send chunk j to rank j of ``axis``, and
-    concatenate the chunks received along ``concat_dim`` (in sender order)."""
+    concatenate the chunks received along ``concat_dim`` (in sender order).
+
+    Backward runs the inverse exchange (``split_dim`` and ``concat_dim`` swapped).
+
+    Args:
+        x: this rank's tensor; the same shape on every rank of the group.
+        axis: a non-FSDP mesh axis name, or several (n = the product of their sizes).
+        split_dim: the dim cut into n equal chunks, one per destination rank.
+        concat_dim: the dim the received chunks are joined along.
+
+    Raises:
+        MeshError: ``axis`` is empty, not an axis of the step's mesh, or an FSDP axis.
+        IndexError: ``split_dim`` or ``concat_dim`` is out of range for ``x``.
+        ValueError: n does not divide ``x.shape[split_dim]`` (pad it to a multiple of n).
+    """
     if has_torch_function((x,)):
         return handle_torch_function(all_to_all, (x,), x, axis, split_dim, concat_dim)
     group, n, virtual = _setup(axis, "all_to_all")
@@ -206,7 +243,15 @@ def all_to_all(x: torch.Tensor, axis: str | Sequence[str], split_dim: int, conca
 def axis_index(axis: str | Sequence[str]) -> torch.Tensor:
     """This rank's position along ``axis``: a 0-dim int64 CPU tensor (usable to index device
     tensors without a sync). Index with the tensor, e.g. ``x[i]`` or ``x.narrow(0, i * n, n)``,
-    so validation mode can follow it; ``int(i)`` also works but is not tracked."""
+    so validation mode can follow it; ``int(i)`` also works but is not tracked. Outside a
+    step it is 0.
+
+    Args:
+        axis: a non-FSDP mesh axis name, or several (row-major position over them, in mesh order).
+
+    Raises:
+        MeshError: ``axis`` is empty, not an axis of the step's mesh, or an FSDP axis.
+    """
     if torch._C._is_torch_function_mode_enabled():
         return handle_torch_function(axis_index, (), axis)
     ctx = _CURRENT.get()

@@ -1,4 +1,6 @@
-"""Newton-Schulz coefficient schedules: names, tuples and per-step lists resolved to one list.
+"""Newton-Schulz coefficients: names, tuples and per-step lists resolved to one (a, b, c) per step.
+
+(hpf.optim's lr "schedules" are another thing: a learning rate as a function of the step.)
 
 Each step applies the odd quintic p(x) = a x + b x^3 + c x^5 to every singular value.
 """
@@ -35,7 +37,7 @@ POLAR_EXPRESS = tuple(
 POLAR_EXPRESS_NORM_SCALE = _SAFETY
 
 # name -> (per-step coefficients, factor on the Frobenius norm used to normalize the input)
-SCHEDULES: dict[str, tuple[tuple[Coefficients, ...], float]] = {
+NAMED_COEFFICIENTS: dict[str, tuple[tuple[Coefficients, ...], float]] = {
     "keller": (KELLER, 1.0),
     "polar_express": (POLAR_EXPRESS, POLAR_EXPRESS_NORM_SCALE),
 }
@@ -55,24 +57,24 @@ def _check_triple(value, what: str) -> Coefficients:
 
 
 def resolve_coefficients(coefficients: CoefficientSpec, steps: int) -> tuple[list[Coefficients], float]:
-    """Return (one (a, b, c) per step, norm scale) for a schedule name, one tuple, or a per-step list."""
+    """Return (one (a, b, c) per step, norm scale) for a coefficients name, one tuple, or a per-step list."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
     if isinstance(coefficients, str):
-        if coefficients not in SCHEDULES:
+        if coefficients not in NAMED_COEFFICIENTS:
             raise ValueError(
-                f"unknown coefficients schedule {coefficients!r}; use one of {sorted(SCHEDULES)}, "
+                f"unknown coefficients name {coefficients!r}; use one of {sorted(NAMED_COEFFICIENTS)}, "
                 f"one (a, b, c) tuple, or a list of {steps} tuples"
             )
-        schedule, norm_scale = SCHEDULES[coefficients]
-        return [schedule[min(i, len(schedule) - 1)] for i in range(steps)], norm_scale
+        per_step, norm_scale = NAMED_COEFFICIENTS[coefficients]
+        return [per_step[min(i, len(per_step) - 1)] for i in range(steps)], norm_scale
     if isinstance(coefficients, (tuple, list)) and coefficients and all(
         isinstance(v, (int, float)) for v in coefficients
     ):  # a flat sequence of numbers is one (a, b, c) used at every step
         return [_check_triple(coefficients, "coefficients")] * steps, 1.0
     if not isinstance(coefficients, (tuple, list)) or len(coefficients) == 0:
         raise ValueError(
-            f"coefficients must be a schedule name {sorted(SCHEDULES)}, one (a, b, c) tuple, "
+            f"coefficients must be a name {sorted(NAMED_COEFFICIENTS)}, one (a, b, c) tuple, "
             f"or a list of (a, b, c) tuples, got {coefficients!r}"
         )
     if len(coefficients) != steps:

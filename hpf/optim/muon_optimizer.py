@@ -2,112 +2,34 @@
 
 Matrices (ndim >= 2; ndim > 2 is a batch of matrices over the leading dims, e.g. MoE experts
 [E, m, n]) step along the orthogonalized momentum; vectors, embeddings and the head use AdamW.
-The math is split into batch functions (muon_momentum_, orthogonalize, apply_muon_updates_;
-AdamW.apply from hpf.optim.adamw for the rest) so the distributed Muon can run the same code on
-the matrices an owner gathers: momentum is elementwise and works on shards, only orthogonalize
-needs whole matrices.
-The momentum and update rules are torch.optim.Muon's (torch 2.13), so results match it.
+The math lives in hpf.optim.muon_math (AdamW.apply for the rest), so the distributed Muon
+(hpf.optim.dist_muon, which ``Muon.for_plan`` returns) runs the same code on flat shards.
+This module is hpf/optim/muon_optimizer.py, not muon.py: ``hpf.optim.muon`` is the factory.
 """
 from __future__ import annotations
 
-import math
 import re
-from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Sequence, Union
+from typing import Any, Callable, Union
 
 import optree
 import torch
 
-from hpf_kernels import newton_schulz, resolve_coefficients
+from hpf_kernels import resolve_coefficients
 
-from .adamw import AdamW, adamw, schedule_value
+from .adamw_optimizer import AdamW, adamw, schedule_value
+from .dist_muon import DistMuon
+from .muon_math import MuonState, apply_muon_updates_, muon_direction, update_scale
 
-__all__ = [
-    "muon", "Muon", "MuonState", "muon_momentum_", "orthogonalize", "muon_direction",
-    "update_scale", "apply_muon_updates_", "default_use_adamw",
-]
+__all__ = ["muon", "Muon", "MuonState", "default_use_adamw"]
 
 Schedule = Union[float, Callable[[int], float]]
 ADAMW_PATH = re.compile(r"(^|/)(embed|pos|head)($|/)")
-SCALES = ("keller", "original", "moonlight", "match_rms_adamw")
 
 
 def default_use_adamw(path: str, tensor: torch.Tensor) -> bool:
     """Embeddings, positions and the output head stay on AdamW, as in Keller's and Moonlight's Muon."""
     return ADAMW_PATH.search(path) is not None
-
-
-def update_scale(rows: int, cols: int, scale: Union[str, float]) -> float:
-    """Multiplier on lr for one [rows, cols] matrix, so updates have a shape-independent RMS.
-
-    "keller" / "original": sqrt(max(1, rows/cols)) (torch's "original");
-    "moonlight" / "match_rms_adamw": 0.2 * sqrt(max(rows, cols)), RMS of AdamW's update; a number: itself.
-    """
-    if scale in ("keller", "original"):
-        return math.sqrt(max(1, rows / cols))  # math.sqrt, as torch, so lr * scale rounds the same
-    if scale in ("moonlight", "match_rms_adamw"):
-        return 0.2 * math.sqrt(max(rows, cols))
-    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
-        return float(scale)
-    raise ValueError(f"scale must be one of {SCALES} or a number, got {scale!r}")
-
-
-def muon_momentum_(grads: Sequence[torch.Tensor], bufs: Sequence[torch.Tensor], momentum: float,
-                   nesterov: bool) -> list[torch.Tensor]:
-    """buf <- mu*buf + (1-mu)*g in place (torch.optim.Muon's lerp form); return what to orthogonalize.
-
-    Elementwise, so it runs on shards as well as on full matrices.
-    """
-    torch._foreach_lerp_(list(bufs), list(grads), 1 - momentum)
-    if nesterov:
-        return list(torch._foreach_lerp(list(grads), list(bufs), momentum))
-    return list(bufs)
-
-
-def orthogonalize(matrices: Sequence[torch.Tensor], *, ns_steps: int = 5, coefficients="keller",
-                  compute_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-    """Newton-Schulz of each matrix; same-shape matrices (any leading batch dims) go in one batched call."""
-    groups: dict[tuple, list[int]] = defaultdict(list)
-    for i, m in enumerate(matrices):
-        groups[(tuple(m.shape[-2:]), m.dtype, m.device)].append(i)
-    out: list[torch.Tensor] = [None] * len(matrices)  # type: ignore[list-item]
-    for (shape, _, _), members in groups.items():
-        parts = [matrices[i].reshape(-1, *shape) for i in members]
-        stacked = parts[0] if len(parts) == 1 else torch.cat(parts)
-        ortho = newton_schulz(stacked, coefficients, ns_steps, compute_dtype=compute_dtype)
-        for i, piece in zip(members, ortho.split([p.shape[0] for p in parts])):
-            out[i] = piece.view(matrices[i].shape)
-    return out
-
-
-def muon_direction(grads: Sequence[torch.Tensor], bufs: Sequence[torch.Tensor], *, momentum: float,
-                   nesterov: bool = True, ns_steps: int = 5, coefficients="keller",
-                   compute_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-    """Momentum (bufs updated in place), then orthogonalization: Muon's unscaled step directions."""
-    updates = muon_momentum_(grads, bufs, momentum, nesterov)
-    return orthogonalize(updates, ns_steps=ns_steps, coefficients=coefficients,
-                         compute_dtype=compute_dtype)
-
-
-def apply_muon_updates_(params: Sequence[torch.Tensor], directions: Sequence[torch.Tensor], *,
-                        lr: float, weight_decay: float, scale: Union[str, float]) -> None:
-    """p *= 1 - lr*wd (decoupled), then p -= lr * scale(m, n) * direction, in place."""
-    if weight_decay:
-        torch._foreach_mul_(list(params), 1 - lr * weight_decay)
-    by_step: dict[float, tuple[list, list]] = defaultdict(lambda: ([], []))
-    for p, d in zip(params, directions):
-        step = lr * update_scale(p.shape[-2], p.shape[-1], scale)
-        by_step[step][0].append(p)
-        by_step[step][1].append(d)
-    for step, (ps, ds) in by_step.items():
-        torch._foreach_add_(ps, ds, alpha=-step)
-
-
-class MuonState(NamedTuple):
-    count: torch.Tensor  # steps taken, a 0-dim int64 tensor (checkpointable, same on every rank)
-    exp_avg: Any  # Muon params: momentum buffer; AdamW params: first moment
-    exp_avg_sq: Any  # AdamW params: second moment; Muon params: an empty tensor (same tree everywhere)
 
 
 @dataclass(frozen=True)
@@ -116,7 +38,23 @@ class Muon:
 
     update(grads, state, params) changes params and state in place (donated, as with
     hpf.optim.adamw: no copy of the model, FSDP shards stay views into their buffers) and
-    returns them.
+    returns them. Build it with :func:`muon`, which checks the hyper-parameters; under
+    hpf.shard_step, ``for_plan`` turns it into the layout-driven :class:`DistMuon`.
+
+    Args:
+        lr: Muon's learning rate, or a function of the 1-based step.
+        momentum, nesterov: torch.optim.Muon's momentum (lerp form) and Nesterov flag.
+        ns_steps, coefficients: Newton-Schulz steps and coefficients (hpf_kernels names or tuples).
+        scale: the per-shape lr multiplier ("keller", "moonlight", ... or a number).
+        weight_decay: decoupled weight decay on the Muon params.
+        adamw: the AdamW run on the other params.
+        use_adamw: ``(path, tensor) -> bool``, True routes a matrix to AdamW.
+        ns_compute_dtype: Newton-Schulz dtype (None: the kernel's choice for the device).
+        comm_dtype: the dtype split matrices travel in under hpf.shard_step (None: the grads').
+
+    Raises:
+        TypeError: ``init``/``update`` get a leaf that is not a floating-point tensor.
+        ValueError: ``update`` gets grads or state whose structure or shapes differ from params'.
     """
 
     lr: Schedule = 0.02
@@ -131,10 +69,8 @@ class Muon:
     ns_compute_dtype: torch.dtype | None = None
     comm_dtype: torch.dtype | None = None  # what matrix pieces travel in under shard_step (None: grads' dtype)
 
-    def for_plan(self, plan, rank: int):
+    def for_plan(self, plan, rank: int) -> DistMuon:
         """This optimizer on the flat shards of ``plan`` (hpf.shard_step calls it): distributed Muon."""
-        from .dist_muon import DistMuon
-
         return DistMuon(self, plan, rank, self.comm_dtype)
 
     def on_muon(self, path: str, p: torch.Tensor) -> bool:
@@ -178,10 +114,22 @@ def muon(lr: Schedule = 0.02, momentum: float = 0.95, nesterov: bool = True, ns_
          ns_compute_dtype: torch.dtype | None = None, comm_dtype: torch.dtype | None = None) -> Muon:
     """hpf.optim.muon: an optax-style Muon (see Muon) with an AdamW fallback for non-matrices.
 
-    lr and adamw_lr may be callables of the 1-based step, as in hpf.optim.adamw. scale: "keller"
-    (torch's "original"), "moonlight" (torch's "match_rms_adamw") or a number. ns_compute_dtype:
-    None = the kernel's choice for the device (fp32 on CPU, bf16 on accelerators). comm_dtype: the
-    dtype split matrices travel in under hpf.shard_step, e.g. torch.bfloat16 (None: the grads').
+    Args:
+        lr: Muon's learning rate, or a callable of the 1-based step (as in hpf.optim.adamw).
+        momentum: in [0, 1); nesterov: Nesterov momentum, as torch.optim.Muon.
+        ns_steps: Newton-Schulz steps; coefficients: "keller", "polar_express", one (a, b, c)
+            tuple, or a list of ns_steps tuples.
+        scale: "keller" (torch's "original"), "moonlight" (torch's "match_rms_adamw") or a number.
+        weight_decay: decoupled weight decay of the Muon params, >= 0.
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW fallback's hyper-parameters.
+        use_adamw: ``(path, tensor) -> bool`` (default: embeddings, positions and the head).
+        ns_compute_dtype: None = the kernel's choice for the device (fp32 on CPU, bf16 on accelerators).
+        comm_dtype: the dtype split matrices travel in under hpf.shard_step, e.g. torch.bfloat16
+            (None: the grads').
+
+    Raises:
+        ValueError: unknown or malformed coefficients, an unknown scale, momentum outside
+            [0, 1), a negative lr or weight_decay, or invalid AdamW hyper-parameters.
     """
     resolve_coefficients(coefficients, ns_steps)  # bad coefficients fail here, not at step 1
     update_scale(1, 1, scale)

@@ -15,6 +15,10 @@ process groups, so every rank runs them in the order it issued them, a bucket's 
 stage overlaps the next bucket's fast stage, and compute never blocks on a slow-tier
 transfer: a unit's reduction is issued in its backward and waited for only when its
 optimizer update needs it (the cross-layer backward pipeline).
+
+`Topology` (re-exported as ``hpf.Topology``) is the user's configuration of `TieredComm`, and
+`SlowLink` the slow-link emulation for benchmarks on one host; both live here, beside the
+code that reads them.
 """
 from __future__ import annotations
 
@@ -32,10 +36,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .comm.shm import ShmGroup
-from .comm.transport import ProcessGroupTransport
-from .planning import Plan, check_bucket_bytes
-from .report import bucket_allreduce_bytes, bucket_gather_bytes, count_bytes, dtype_bytes
+from ..planning import Plan, check_bucket_bytes
+from . import world
+from .cost import bucket_comm_bytes, count_bytes, dtype_bytes
+from .shm import ShmGroup
+from .transport import ProcessGroupTransport, Transport
 
 __all__ = ["Topology", "SlowLink", "TieredComm"]
 
@@ -44,7 +49,15 @@ __all__ = ["Topology", "SlowLink", "TieredComm"]
 class SlowLink:
     """EMULATION for benchmarks on one host: every slow-tier collective also sleeps
     ``latency_s + bytes / bandwidth`` (bytes this rank sends across the slow tier), as a
-    slower network would take. Never use it in a real run."""
+    slower network would take. Never use it in a real run.
+
+    Args:
+        latency_s: seconds added to every slow-tier collective.
+        bandwidth: bytes per second per rank (inf: latency only).
+
+    Raises:
+        Nothing: any numbers are accepted; the sleep is never negative.
+    """
 
     latency_s: float = 0.0
     bandwidth: float = float("inf")  # bytes per second per rank
@@ -55,14 +68,24 @@ class SlowLink:
 
 @dataclass(frozen=True)
 class Topology:
-    """How FSDP collectives use the two tiers.
+    """How FSDP collectives use the two tiers (``hpf.shard_step(..., topology=Topology())``).
 
-    hierarchical: two-stage collectives (slow-tier traffic / n_fast); else flat ones.
-    pipeline: reductions overlap the rest of backward; False waits for each unit's.
-    fast_transport: "shm" (CPU ranks of one host), "pg" (torch.distributed), or "auto".
-    slow_link: an emulated slow link, for benchmarks only.
-    bucket_bytes: split units into buckets of at most this many bytes, each its own fused
-    collective, so one bucket's slow stage overlaps the next one's fast stage (0: a bucket per unit).
+    Args:
+        hierarchical: two-stage collectives (slow-tier traffic / n_fast); False: flat ones,
+            still run on the tier workers.
+        pipeline: reductions overlap the rest of backward; False waits for each unit's.
+        fast_transport: "shm" (shared memory, CPU ranks of one host), "pg" (torch.distributed),
+            or "auto" (shm when every rank is a CPU process on one host).
+        slow_link: an emulated slow link, for benchmarks only.
+        shm_bytes: the shared-memory capacity; 0 sizes it from the plan.
+        timeout_s: seconds a collective may take before it raises instead of hanging.
+        bucket_bytes: split units into buckets of at most this many bytes, each its own fused
+            collective, so one bucket's slow stage overlaps the next one's fast stage (0: a
+            bucket per unit).
+
+    Raises:
+        ValueError: ``fast_transport`` is not "auto", "shm" or "pg", or ``bucket_bytes`` is
+            not an int >= 0.
     """
 
     hierarchical: bool = True
@@ -151,7 +174,7 @@ class TieredComm:
     def __init__(self, plan: Plan, topology: Topology, device: torch.device, compute_dtypes, reduce_dtypes):
         self.plan = plan
         mesh = plan.mesh
-        rank = dist.get_rank()
+        rank = world.rank()
         self.timeout = topology.timeout_s
         self.bytes = Counter()  # (op, tier) -> bytes this rank sent
         self._link = topology.slow_link
@@ -175,27 +198,25 @@ class TieredComm:
         # step's first units while another step (another engine on the same mesh) runs.
         # Every rank builds its comms in the same order, so the instance numbers agree.
         instance = next(_INSTANCES)
-        self._fast = {}
+        self._transports: dict[tuple[str, tuple[str, ...]], Transport] = {}  # (direction, axes): both tiers
         for tag in ("gather", "reduce"):
             for fast, slow in self._stages:
                 for axes, tier in ((fast, "fast"), (slow, "slow")):
                     key = (tag, axes)
-                    if axes and key not in self._fast:
+                    if axes and key not in self._transports:
                         group = mesh.group(axes, tag=f"{tag}{instance}")
                         if tier == "fast" and use_shm:
-                            self._fast[key] = ShmGroup(group, topology.shm_bytes or shm_need,
-                                                       timeout=topology.timeout_s)
+                            self._transports[key] = ShmGroup(group, topology.shm_bytes or shm_need,
+                                                             timeout=topology.timeout_s)
                         else:
-                            self._fast[key] = ProcessGroupTransport(group, device)
+                            self._transports[key] = ProcessGroupTransport(group, device)
         self._replica = [mesh.group(b.replicate_axes, tag=f"replica{instance}") if mesh.axis_size(b.replicate_axes) > 1
                          else None for b in plan.buckets]
         self._rank = rank
         self._device = device
-        # bytes each rank sends per call, by tier, from the same model as the plan report
-        hier = topology.hierarchical
-        self._ag_bytes = [bucket_gather_bytes(mesh, b, compute_dtypes[b.index], hier) for b in plan.buckets]
-        self._rs_bytes = [bucket_gather_bytes(mesh, b, reduce_dtypes[b.index], hier) for b in plan.buckets]
-        self._ar_bytes = [bucket_allreduce_bytes(mesh, b, reduce_dtypes[b.index], hier) for b in plan.buckets]
+        # bytes each rank sends per call, by op and tier, from the same model as the plan report
+        self._op_bytes = [bucket_comm_bytes(mesh, b, compute_dtypes[b.index], reduce_dtypes[b.index],
+                                            topology.hierarchical) for b in plan.buckets]
 
     @staticmethod
     def _use_shm(topology: Topology, device: torch.device) -> bool:
@@ -203,9 +224,7 @@ class TieredComm:
             return False
         if topology.fast_transport == "shm":
             return True
-        hosts = [None] * dist.get_world_size()
-        dist.all_gather_object(hosts, socket.gethostname())
-        return len(set(hosts)) == 1
+        return len(set(world.all_gather_object(socket.gethostname()))) == 1
 
     # -- buffers -------------------------------------------------------------------------------
     def is_shared(self, b: int) -> bool:
@@ -216,14 +235,14 @@ class TieredComm:
         bucket = self.plan.buckets[b]
         if self.is_shared(b):
             fast, _ = self._stages[b]
-            return self._fast[("gather", fast)].buffer(("full", b), bucket.padded_numel, dtype)
+            return self._transports[("gather", fast)].buffer(("full", b), bucket.padded_numel, dtype)
         return torch.empty(bucket.padded_numel, dtype=dtype, device=self._device)
 
     def grad_buffer(self, b: int, dtype: torch.dtype) -> torch.Tensor:
         bucket = self.plan.buckets[b]
         if self.is_shared(b):
             fast, _ = self._stages[b]
-            return self._fast[("reduce", fast)].buffer(("grad", b), bucket.padded_numel, dtype, per_rank=True)
+            return self._transports[("reduce", fast)].buffer(("grad", b), bucket.padded_numel, dtype, per_rank=True)
         return torch.empty(bucket.padded_numel, dtype=dtype, device=self._device)
 
     # -- collectives -----------------------------------------------------------------------------
@@ -240,7 +259,7 @@ class TieredComm:
     def all_gather(self, b: int, out: torch.Tensor, shard: torch.Tensor) -> _Handle:
         fast, slow = self._stages[b]
         bucket = self.plan.buckets[b]
-        tiers = self._ag_bytes[b]
+        tiers = self._op_bytes[b]["all_gather"]
 
         block = out  # slow stage: this rank's block of the full buffer, among its fast-tier peers
         if fast:
@@ -250,14 +269,14 @@ class TieredComm:
 
         def slow_stage():
             if slow:
-                self._over_slow_link(lambda: self._fast[("gather", slow)].all_gather_into(block, shard),
+                self._over_slow_link(lambda: self._transports[("gather", slow)].all_gather_into(block, shard),
                                      tiers["slow"])
             elif block.data_ptr() != shard.data_ptr():
                 block.copy_(shard)
 
         def fast_stage():
             if fast:
-                self._fast[("gather", fast)].all_gather_into(out, block)
+                self._transports[("gather", fast)].all_gather_into(out, block)
 
         count_bytes(self.bytes, "all_gather", tiers)  # as issued, on the caller's thread
         w = self._workers
@@ -268,7 +287,7 @@ class TieredComm:
         """shard <- this rank's slice of the sum of every data-parallel rank's flat grad."""
         fast, slow = self._stages[b]
         group = self._replica[b]
-        tiers, replica = self._rs_bytes[b], self._ar_bytes[b]
+        tiers, replica = self._op_bytes[b]["reduce_scatter"], self._op_bytes[b]["all_reduce"]
 
         block = flat  # fast stage: the sum over this rank's fast-tier peers of its block
         if fast and slow:
@@ -278,11 +297,11 @@ class TieredComm:
 
         def fast_stage():
             if fast:
-                self._fast[("reduce", fast)].reduce_scatter(block, flat)
+                self._transports[("reduce", fast)].reduce_scatter(block, flat)
 
         def slow_stage():
             if slow:
-                self._over_slow_link(lambda: self._fast[("reduce", slow)].reduce_scatter(shard, block),
+                self._over_slow_link(lambda: self._transports[("reduce", slow)].reduce_scatter(shard, block),
                                      tiers["slow"])
             elif not fast and shard.data_ptr() != flat.data_ptr():
                 shard.copy_(flat)
@@ -298,7 +317,7 @@ class TieredComm:
     def close(self) -> None:
         for worker in self._workers.values():
             worker.close()
-        for t in self._fast.values():
+        for t in self._transports.values():
             if isinstance(t, ShmGroup):
                 t.close()
 

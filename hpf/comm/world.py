@@ -1,0 +1,67 @@
+"""The process-group facts and the one-off collectives outside the per-bucket comms.
+
+hpf talks to torch.distributed only under hpf/comm/, in hpf/launch.py (which starts the
+process group) and in hpf/mesh.py (which makes the groups, and lies below hpf/comm/): the
+step, validation and distributed Muon call these helpers.
+Ranks are global ranks; ``group=None`` is the whole world. The collectives inherit the
+process group's timeout (hpf.launch sets one), so a dead peer ends in an error, not a hang.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["is_distributed", "rank", "world_size", "backend", "all_reduce", "all_gather_object",
+           "exchange", "wait_all"]
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def is_distributed() -> bool:
+    """Whether a torch.distributed process group is running."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """This process's global rank (0 without a process group)."""
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    """The number of ranks (1 without a process group)."""
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def backend() -> str | None:
+    """The default group's backend ("gloo", "nccl", ...), or None without a process group."""
+    return dist.get_backend() if is_distributed() else None
+
+
+def all_reduce(tensor: torch.Tensor, group=None, op: str = "sum") -> None:
+    """tensor <- the sum (op="sum") or maximum (op="max") of every rank's tensor, in place."""
+    if op not in _OPS:
+        raise ValueError(f"all_reduce: op={op!r}; use one of {sorted(_OPS)}")
+    dist.all_reduce(tensor, op=_OPS[op], group=group)
+
+
+def all_gather_object(obj: Any, group=None) -> list:
+    """Every rank's picklable ``obj``, by group rank (for checks and set-up, not hot paths)."""
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def exchange(sends: Sequence[tuple[int, torch.Tensor, int]], recvs: Sequence[tuple[int, torch.Tensor, int]]) -> list:
+    """Post point-to-point sends and receives, each (peer global rank, tensor, tag), as one
+    batch; returns the requests to ``wait_all`` on. Every send needs the peer's matching
+    receive (same tag, same size)."""
+    ops = [dist.P2POp(dist.isend, t, peer, tag=tag) for peer, t, tag in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer, tag=tag) for peer, t, tag in recvs]
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def wait_all(requests: list) -> None:
+    for r in requests:
+        r.wait()

@@ -1,0 +1,44 @@
+"""The optimizer protocols hpf.shard_step relies on, as optax's base.py declares its own.
+
+An optimizer is functional: ``init(params) -> state`` and ``update(grads, state, params) ->
+(new params, new state)``; hpf's optimizers update params and state in place (donated) and
+return them. Two optional capabilities, each its own protocol that the step checks with
+``isinstance``:
+
+- `PartialUpdate`: an elementwise optimizer can update a few leaves at a time, so the step
+  updates each FSDP unit as soon as its grads have landed (optimizer overlap).
+- `ForPlan`: an optimizer that needs the plan's layout (distributed Muon) returns the form
+  that runs on the step's flat shards.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, runtime_checkable
+
+__all__ = ["Optimizer", "PartialUpdate", "ForPlan"]
+
+
+@runtime_checkable
+class Optimizer(Protocol):
+    def init(self, params: Any) -> Any:
+        """The optimizer state for ``params`` (a pytree of tensors, or the step's flat shards)."""
+        ...
+
+    def update(self, grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
+        """One step: returns (new params, new state)."""
+        ...
+
+
+@runtime_checkable
+class PartialUpdate(Protocol):
+    def partial_update(self, state: Any, params: Any) -> Callable[[list[int], list], None]:
+        """Start one step; returns ``apply(indices, grads)``, which updates the leaves at
+        ``indices`` (of the flattened params) from ``grads[i]``. Any split of the leaves over
+        calls gives exactly one ``update``'s result."""
+        ...
+
+
+@runtime_checkable
+class ForPlan(Protocol):
+    def for_plan(self, plan: Any, rank: int) -> Optimizer:
+        """This optimizer on the flat shards of ``plan`` (an hpf.plan.Plan) as ``rank`` holds them."""
+        ...
