@@ -22,14 +22,14 @@ NO_MATPLOTLIB = ("import sys; sys.modules['matplotlib'] = None; from hpf.cli imp
                  "raise SystemExit(main())")  # what an install without the plot extra sees
 
 
-def hpf_cmd(*args, env=None, code=None, timeout=240, cwd=None):
+def hpf_cmd(*args, env=None, code=None, timeout=240):
     """subprocess.run of `python -m hpf <args>` (or `python -c <code> <args>`) with this checkout first."""
     rendezvous = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     env = {**{k: v for k, v in os.environ.items() if k not in rendezvous},
            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env or {})}
     argv = [sys.executable, "-c", code] if code else [sys.executable, "-m", "hpf"]
     return subprocess.run(argv + [str(a) for a in args], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=cwd)
+                          env=env)
 
 
 def one_error_line(proc) -> str:
