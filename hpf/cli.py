@@ -6,8 +6,10 @@ one line on stderr, not a traceback from four processes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
+import math
 import os
 import re
 import statistics
@@ -23,16 +25,23 @@ import torch
 import hpf
 from hpf.launcher import RankError, init_distributed, is_launched, launch, rank, world_size
 from hpf.models import gpt
+from hpf.optim.dist_muon import muon_plan_state
+from hpf.plots import breakdown, save_plots
 from hpf.progress import Progress
 from hpf.api import STEPS
 from hpf.device import default_device
 from hpf.step import step_plan
 from hpf.types import PRECISIONS, MixedPrecision
+from hpf.report import PlanReport
 
 __all__ = ["main", "parse_mesh", "read_metrics", "save_plots", "parse_ratio_line"]
 
 DEFAULT_MESH = {"node": 2, "local": 2}  # 2 "hosts" x 2 local ranks: exercises both tiers
-DEFAULT_LR = {"adamw": 1e-2, "muon": 0.02}
+# Per config: AdamW lr (also Muon's AdamW fallback), Muon lr, linear warmup steps. Picked so the
+# first 10 steps at the default batch fall steadily (small at a flat 0.01 started above ln V and
+# oscillated); tiny and small were measured, medium and 1b are GPT-2/3 practice.
+TRAIN_DEFAULTS = {"tiny": (1e-2, 0.02, 0), "small": (3e-3, 0.02, 20), "medium": (6e-4, 0.02, 100),
+                  "1b": (3e-4, 0.02, 200)}
 STEP_METRICS = ("loss", "grad_norm", "step_s", "comm_wait_s", "optimizer_s")  # from shard_step's metrics
 RATIO_LINE = re.compile(r"^RATIO\s+(\S+)\s+(\S+)(?:\s+(\S+))?\s*$")
 BENCHMARKS_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -56,9 +65,11 @@ def parse_mesh(text: str) -> dict[str, int]:
     axes: dict[str, int] = {}
     for part in text.split(","):
         name, sep, size = (s.strip() for s in part.partition("="))
-        if not sep or not name or not size.isdigit() or int(size) < 1:
+        if not sep or not name or not size.isdigit():
             raise argparse.ArgumentTypeError(
                 f"{text!r} is not a mesh; write name=size pairs, outer to inner, e.g. node=2,local=2")
+        if int(size) < 1:
+            raise argparse.ArgumentTypeError(f"{text!r} gives axis {name!r} size {int(size)}; sizes must be >= 1")
         if name in axes:
             raise argparse.ArgumentTypeError(f"{text!r} names axis {name!r} twice")
         axes[name] = int(size)
@@ -106,40 +117,47 @@ def build_parser() -> argparse.ArgumentParser:
                           "flat: one collective over all ranks (default: two-tier)")
     job.add_argument("--hsdp", action="store_true",
                      help="shard params within the fast tier only and replicate them across the slow tier")
+    optimizer = _Parser(add_help=False)  # train and plan (its state and owners), not simulate
+    optimizer.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                           help="muon: Muon for weight matrices (one momentum each; owners balanced by "
+                                "Newton-Schulz FLOPs), AdamW for embeddings, head and vectors (default: adamw)")
 
     parser = _Parser(
         prog="hpf", description="hpf: fully sharded training of pure-function models on PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{train,plan,bench,simulate}")
 
     train = sub.add_parser(
-        "train", parents=[job], help="train the GPT on local processes (the main job)",
+        "train", parents=[job, optimizer], help="train the GPT on local processes (the main job)",
         description="Train the pure-function GPT on local processes (hpf.launch) with synthetic data "
                     "from a fixed random Markov source. Rank 0 shows progress and writes "
                     "<out>/metrics.jsonl, one JSON object per step. Under torchrun "
                     "(torchrun --nproc-per-node 8 -m hpf train ...) each process is one rank.")
-    train.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
-                       help="muon: Muon for weight matrices, AdamW (lr %g) for embeddings, head and "
-                            "vectors (default: adamw)" % DEFAULT_LR["adamw"])
     train.add_argument("--steps", type=_positive(int), default=100, help="(default: 100)")
     train.add_argument("--batch-size", type=_positive(int), default=32, metavar="B",
                        help="global batch in sequences, split over the ranks (default: 32)")
+    defaults = "; ".join(f"{c} {a:g}/{m:g}, {w} warmup" for c, (a, m, w) in TRAIN_DEFAULTS.items())
     train.add_argument("--lr", type=_positive(float),
-                       help=f"learning rate (default: {DEFAULT_LR['adamw']} for adamw, {DEFAULT_LR['muon']} for muon)")
+                       help=f"peak learning rate (default per config, adamw/muon lr and warmup steps: {defaults}; "
+                            "picked so the first 10 steps fall steadily. Muon's AdamW part keeps the adamw default)")
+    train.add_argument("--warmup", type=_positive(int, least=0), metavar="STEPS",
+                       help="steps of linear lr warmup from 0 (default: per config, see --lr)")
     train.add_argument("--mode", choices=tuple(STEPS), default="production",
                        help="validate runs the same plan with layout checks on every op (default: production)")
     train.add_argument("--seed", type=_positive(int, least=0), default=0,
                        help="seeds the init and the data (default: 0)")
     train.add_argument("--out", type=Path, metavar="DIR", help="run folder (default: runs/<timestamp>)")
     train.add_argument("--plot", action="store_true",
-                       help="save loss.png and step_breakdown.png into the run folder (needs matplotlib)")
+                       help="save loss.png and step_breakdown.png into the run folder (needs matplotlib; "
+                            "without it one line says so and training goes on)")
     train.add_argument("--timeout", type=_positive(float), default=3600.0, metavar="S",
                        help="end the run after this many seconds; also bounds each collective (default: 3600)")
     train.set_defaults(run=cmd_train)
 
     plan = sub.add_parser(
-        "plan", parents=[job], help="print per-rank memory and communication for any config and mesh",
+        "plan", parents=[job, optimizer], help="print per-rank memory and communication for any config and mesh",
         description="Print the plan report of a GPT config on a virtual mesh of any size, from meta "
-                    "tensors; starts no process. Example: hpf plan --config 1b --mesh node=96,local=8")
+                    "tensors; starts no process. Example: hpf plan --config 1b --mesh node=96,local=8 "
+                    "(also how to size a config too big to train here)")
     plan.add_argument("--check", action="store_true",
                       help="also run validation mode for rank 0's view of the mesh on meta tensors "
                            "(hpf.check_plan): layouts and shapes of the whole step, forward and backward")
@@ -167,11 +185,17 @@ def main(argv: list[str] | None = None) -> int:
     except (CliError, ValueError) as e:  # hpf's SpecError and MeshError are ValueErrors
         if os.environ.get("HPF_TRACEBACK"):
             raise
-        print(f"hpf: error: {' '.join(str(e).split())}", file=sys.stderr)
+        if rank() == 0:  # under torchrun every rank checks the same arguments: one line, not one each
+            print(f"hpf: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    except RankError as e:
-        print(e.child_traceback or str(e), file=sys.stderr)
-        print(f"hpf: error: rank {e.rank} failed: {_last_line(e)}", file=sys.stderr)
+    except RankError as e:  # a rank's traceback (when it sent one), then one line
+        if e.child_traceback:
+            print(e.child_traceback, file=sys.stderr)
+        if e.rank is None:  # the launch timed out: no rank to blame
+            what = f"{' '.join(str(e).removeprefix('hpf.launch: ').split())} (--timeout)"
+        else:
+            what = f"rank {e.rank} failed: {_last_line(e)}"
+        print(f"hpf: error: {what}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("hpf: interrupted", file=sys.stderr)
@@ -218,20 +242,35 @@ def _topology(name: str) -> hpf.Topology | None:
     return hpf.Topology() if name == "two-tier" else None
 
 
-def cmd_plan(args) -> int:
-    config = gpt.CONFIGS[args.config]
-    mesh = _mesh(args)
-    plan = _plan(args, mesh)
+def _report(args, plan: hpf.Plan) -> tuple[PlanReport, str]:
+    """The plan report for these arguments, its optimizer state counted for --optimizer, and a
+    line that says what that state is."""
     mp = MixedPrecision.parse(args.mixed_precision)
     report = plan.report(compute_dtype=mp.compute_dtype if mp else None, master_dtype=mp.master_dtype if mp else None,
                          reduce_dtype=mp.reduce_dtype if mp else None,
                          hierarchical=args.topology == "two-tier")
+    if args.optimizer == "adamw":
+        return report, "optimizer state: AdamW, two fp32 moments per element"
+    most, load, n_muon = muon_plan_state(hpf.optim.muon(), plan)
+    busiest = max(range(plan.mesh.size), key=lambda r: (load[r], -r))
+    balance = (f"Newton-Schulz FLOPs per rank max/mean {load[busiest] / (sum(load.values()) / plan.mesh.size):.2f} "
+               f"(busiest rank {busiest}: {load[busiest] / 1e9:,.2f} GFLOP per step)" if load else "no matrices")
+    return (dataclasses.replace(report, optimizer_bytes=most * 4),
+            f"optimizer state: Muon, one fp32 momentum per element of its {n_muon} matrices, AdamW's two "
+            f"moments for the other {len(plan.slots) - n_muon} tensors (the busiest rank's count); {balance}")
+
+
+def cmd_plan(args) -> int:
+    config = gpt.CONFIGS[args.config]
+    mesh = _mesh(args)
+    plan = _plan(args, mesh)
+    report, state = _report(args, plan)
     print(f"GPT {args.config!r}: {gpt.num_params(config) / 1e6:,.1f}M params in {len(plan.slots)} tensors, "
           f"{len(plan.units)} FSDP units, {len(plan.buckets)} flat buckets")
     print(f"mesh {_mesh_text(dict(zip(mesh.axis_names, mesh.shape)))} ({mesh.size} ranks); "
           f"FSDP axes {','.join(plan.fsdp_axes) or '-'}; fast tier {','.join(mesh.fast_axes)}; "
-          f"{args.topology} collectives{', HSDP' if args.hsdp else ''}; precision {args.mixed_precision or 'fp32'}; "
-          "AdamW state counted")
+          f"{args.topology} collectives{', HSDP' if args.hsdp else ''}; precision {args.mixed_precision or 'fp32'}")
+    print(state)
     print(report.format())
     print(f"predicted step time, exposed communication and tokens/s, hpf vs FSDP2 vs Megatron DDP: "
           f"hpf simulate --config {args.config} --mesh {_mesh_text(dict(zip(mesh.axis_names, mesh.shape)))} "
@@ -262,25 +301,41 @@ class TrainJob:
     topology: str
     hsdp: bool
     metrics_path: str
+    warmup: int = 0
 
 
-def _make_optimizer(name: str, lr: float):
-    if name == "muon":  # AdamW at its own default lr for embeddings, head and vectors
-        return hpf.optim.muon(lr=lr, adamw_lr=DEFAULT_LR["adamw"])
-    return hpf.optim.adamw(lr=lr)
+@dataclass(frozen=True)
+class Warmup:
+    """``lr`` ramped linearly over the first ``steps`` steps (1-based), then held: an lr callable
+    for hpf.optim. (Lead: hpf.optim's shared schedules replace this at merge.)"""
+
+    lr: float
+    steps: int
+
+    def __call__(self, step: int) -> float:
+        return self.lr * min(1.0, step / self.steps) if self.steps else self.lr
+
+
+def _make_optimizer(name: str, lr: float, adamw_lr: float, warmup: int):
+    if name == "muon":  # AdamW at the config's AdamW lr for embeddings, head and vectors
+        return hpf.optim.muon(lr=Warmup(lr, warmup), adamw_lr=Warmup(adamw_lr, warmup))
+    return hpf.optim.adamw(lr=Warmup(lr, warmup))
 
 
 def _make_step(job: TrainJob, mesh: hpf.Mesh):
     return hpf.shard_step(gpt.loss_for(gpt.CONFIGS[job.config]), mesh=mesh,
-                          optimizer=_make_optimizer(job.optimizer, job.lr), fsdp_axes=job.fsdp_axes,
-                          mode=job.mode, mixed_precision=job.mixed_precision, hsdp=job.hsdp,
-                          topology=_topology(job.topology))
+                          optimizer=_make_optimizer(job.optimizer, job.lr, TRAIN_DEFAULTS[job.config][0], job.warmup),
+                          fsdp_axes=job.fsdp_axes, mode=job.mode, mixed_precision=job.mixed_precision,
+                          hsdp=job.hsdp, topology=_topology(job.topology))
 
 
 def _train_rank(rank: int, job: TrainJob) -> None:
     """One rank of ``hpf train``; rank 0 also shows progress and writes the metrics."""
     config = gpt.CONFIGS[job.config]
     mesh = hpf.Mesh(job.axes)
+    progress = Progress(job.steps, label="train") if rank == 0 else None
+    if progress:  # a big config's first step can take minutes: say it has begun, and that it runs
+        progress.start(f"step 1 of {job.steps}: init, first gathers and warm-up")
     step = _make_step(job, mesh)
     state = step.init(gpt.init(config, torch.Generator().manual_seed(job.seed)))
     batches = gpt.synthetic_batches(config, job.batch_size, job.seed, rank=rank, world_size=mesh.size,
@@ -290,16 +345,89 @@ def _train_rank(rank: int, job: TrainJob) -> None:
         for _ in range(job.steps):
             state, _ = step(state, next(batches))
         return
-    progress = Progress(job.steps, label="train")
-    with open(job.metrics_path, "w") as out:
-        for i in range(1, job.steps + 1):
-            state, m = step(state, next(batches))
-            record = {"step": i, **{k: m[k] for k in STEP_METRICS}, "tokens_per_s": tokens_per_step / m["step_s"]}
-            out.write(json.dumps(record) + "\n")
-            out.flush()  # a crashed or interrupted run keeps its metrics so far
-            progress.update(i, {"loss": f"{m['loss']:.4f}", "tokens/s": f"{record['tokens_per_s'] / 1e3:.1f}k",
-                                "comm wait": f"{m['comm_wait_s'] / m['step_s']:.0%}"})
-    progress.close()
+    try:
+        with open(job.metrics_path, "w") as out:
+            for i in range(1, job.steps + 1):
+                state, m = step(state, next(batches))
+                record = {"step": i, **{k: m[k] for k in STEP_METRICS}, "tokens_per_s": tokens_per_step / m["step_s"]}
+                out.write(json.dumps(record) + "\n")
+                out.flush()  # a crashed or interrupted run keeps its metrics so far
+                progress.update(i, {"loss": f"{m['loss']:.4f}", "tokens/s": f"{record['tokens_per_s'] / 1e3:.1f}k",
+                                    "comm wait": f"{m['comm_wait_s'] / m['step_s']:.0%}"})
+    finally:
+        progress.close()
+
+
+def _banner(job: TrainJob, n_units: int) -> str:
+    """The first line of a run, the same under hpf.launch and torchrun."""
+    config = gpt.CONFIGS[job.config]
+    warmup = f" after {job.warmup} warmup steps" if job.warmup else ""
+    return (f"hpf train: GPT {job.config!r} ({gpt.num_params(config) / 1e6:.2f}M params, {n_units} FSDP units) "
+            f"on {math.prod(job.axes.values())} ranks, mesh {_mesh_text(job.axes)}, "
+            f"{job.topology}{' HSDP' if job.hsdp else ''}, {job.optimizer} lr {job.lr:g}{warmup}, "
+            f"{job.mixed_precision or 'fp32'} compute, {job.mode} mode")
+
+
+def _host_memory_available() -> int:
+    """Bytes the host can still give: MemAvailable (Linux), else its free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _activation_bytes(config: gpt.GPTConfig, tokens: int, compute_bytes: int) -> int:
+    """Saved activations of gpt.loss for ``tokens`` tokens: about L*(13d + 2f) values per token
+    in the compute dtype plus 3V fp32 (logits, softmax, their grad), fitted on small configs."""
+    per_token = config.n_layers * (13 * config.d_model + 2 * config.d_ff) * compute_bytes + 3 * config.vocab_size * 4
+    return tokens * per_token
+
+
+def _check_memory(job: TrainJob, report: PlanReport, local_ranks: int) -> None:
+    """Refuse, before anything is allocated, a run whose ranks on this machine would not fit.
+
+    On the CPU the local ranks share the host's memory. Under torchrun with an accelerator each
+    rank checks its own device (the driver of hpf.launch must not touch the device before the
+    fork, so there only the host is checked)."""
+    config = gpt.CONFIGS[job.config]
+    parts = {"params": report.params_bytes, "grads": report.grad_bytes, "optimizer": report.optimizer_bytes,
+             "gathered": report.peak_gathered_bytes,
+             "activations ~": _activation_bytes(config, job.batch_size // report.world_size * config.seq_len,
+                                                2 if job.mixed_precision else 4)}
+    init_copy = gpt.num_params(config) * 4  # each rank builds the full params on the host, then shards them
+    if is_launched() and torch.accelerator.is_available():
+        available, _ = torch.accelerator.get_memory_info(int(os.environ.get("LOCAL_RANK", 0)))
+        where, ranks = f"{torch.accelerator.current_accelerator().type} memory free", 1
+    else:
+        parts["full init copy"] = init_copy
+        available, where, ranks = _host_memory_available(), "host memory available", local_ranks
+    per_rank = sum(parts.values())
+    if per_rank * ranks <= available:
+        return
+    gib = lambda n: f"{n / 2**30:.2f}"  # noqa: E731
+    raise CliError(
+        f"--config {job.config} needs about {gib(per_rank)} GiB per rank ("
+        + ", ".join(f"{k} {gib(v)}" for k, v in parts.items()) + f") x {ranks} rank(s) here = "
+        f"{gib(per_rank * ranks)} GiB, but {where} is {gib(available)} GiB; hpf plan --config {job.config} "
+        "is the tool for sizing it on a bigger mesh (or lower --batch-size or the ranks)")
+
+
+def _prepare_out(out: Path) -> None:
+    """Create the run folder, or say in one line why it cannot be."""
+    if out.exists() and not out.is_dir():
+        raise CliError(f"--out {out} is a file, not a folder; pick a folder for the run")
+    if (out / "metrics.jsonl").exists():
+        raise CliError(f"--out {out} already holds a run (metrics.jsonl); pick another folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / ".write-test").touch()
+        (out / ".write-test").unlink()
+    except OSError as e:
+        raise CliError(f"--out {out} cannot be written ({e.strerror}); pick a folder you can write to") from None
 
 
 def cmd_train(args) -> int:
@@ -312,29 +440,33 @@ def cmd_train(args) -> int:
     if args.batch_size % mesh.size:
         raise CliError(f"--batch-size {args.batch_size} is the global batch and must split evenly over "
                        f"{mesh.size} ranks; use a multiple of {mesh.size}")
+    plots = None
     if args.plot:
         try:
-            import matplotlib  # noqa: F401 -- only checked here; save_plots imports what it draws with
-        except ModuleNotFoundError:
-            raise CliError("--plot needs matplotlib: pip install matplotlib "
-                           "(the plot extra: pip install -e '.[plot]')") from None
+            import matplotlib  # noqa: F401 -- only checked here; hpf.plots imports what it draws with
+            plots = "loss.png, step_breakdown.png"
+        except ImportError:
+            plots = "skipped: matplotlib is not installed"
+            if rank() == 0:
+                print("hpf: warning: --plot skipped: matplotlib is not installed (pip install matplotlib, or "
+                      "pip install -e '.[plot]'); training goes on", file=sys.stderr, flush=True)
     out = args.out or Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     lead = rank() == 0  # rank 0 under torchrun; the driver otherwise
-    if lead and (out / "metrics.jsonl").exists():
-        raise CliError(f"--out {out} already holds a run (metrics.jsonl); pick another folder")
+    adamw_lr, muon_lr, warmup = TRAIN_DEFAULTS[args.config]
     job = TrainJob(args.config, dict(zip(mesh.axis_names, mesh.shape)), args.fsdp_axes, args.optimizer,
-                   args.lr or DEFAULT_LR[args.optimizer], args.steps, args.batch_size, args.mode, args.seed,
-                   args.mixed_precision, args.topology, args.hsdp, str(out / "metrics.jsonl"))
+                   args.lr or (muon_lr if args.optimizer == "muon" else adamw_lr), args.steps, args.batch_size,
+                   args.mode, args.seed, args.mixed_precision, args.topology, args.hsdp,
+                   str(out / "metrics.jsonl"), warmup if args.warmup is None else args.warmup)
     _make_step(job, mesh)  # checks optimizer, mode and precision here, before any rank starts
     plan = _plan(args, mesh)  # checks the axes
+    _check_memory(job, _report(args, plan)[0],
+                  int(os.environ.get("LOCAL_WORLD_SIZE", mesh.size)) if torchrun else mesh.size)
     if lead:
-        out.mkdir(parents=True, exist_ok=True)
+        _prepare_out(out)
         (out / "run.json").write_text(json.dumps(
-            {**asdict(job), "hpf": hpf.__version__, "torch": torch.__version__,
+            {**asdict(job), "plots": plots, "hpf": hpf.__version__, "torch": torch.__version__,
              "started": datetime.datetime.now().isoformat(timespec="seconds")}, indent=1) + "\n")
-        print(f"hpf train: GPT {args.config!r} ({gpt.num_params(config) / 1e6:.2f}M params, "
-              f"{len(plan.units)} FSDP units) on {mesh.size} ranks, mesh {_mesh_text(job.axes)}, "
-              f"{args.topology}{' HSDP' if args.hsdp else ''}, {args.optimizer} lr {job.lr:g}, {args.mode} mode")
+        print(_banner(job, len(plan.units)))
         print(f"data: {args.batch_size} x {config.seq_len} tokens per step from a fixed random Markov "
               f"source; run folder {out}", flush=True)
     started = time.perf_counter()
@@ -349,8 +481,9 @@ def cmd_train(args) -> int:
     wall = time.perf_counter() - started
     records = read_metrics(out / "metrics.jsonl")
     files = [out / "metrics.jsonl", out / "run.json"]
-    if args.plot:
-        files += save_plots(records, out)
+    if plots and not plots.startswith("skipped"):
+        files += save_plots(records, out, f"loss: GPT {args.config!r}, mesh {_mesh_text(job.axes)}, "
+                                          f"{args.optimizer}{', ' + args.mixed_precision if args.mixed_precision else ''}")
     print(summary(records, wall, files))
     return 0
 
@@ -360,14 +493,9 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _breakdown(r: dict) -> tuple[float, float, float]:
-    """(compute, exposed communication, optimizer) seconds of one step."""
-    return r["step_s"] - r["comm_wait_s"] - r["optimizer_s"], r["comm_wait_s"], r["optimizer_s"]
-
-
 def summary(records: list[dict], wall_s: float, files: list[Path]) -> str:
     median = {k: statistics.median(r[k] for r in records) for k in ("step_s", "tokens_per_s")}
-    compute, comm, opt = (statistics.median(x) for x in zip(*map(_breakdown, records)))
+    compute, comm, opt = (statistics.median(x) for x in zip(*map(breakdown, records)))
     total_step = sum(r["step_s"] for r in records)
     tail = records[-min(10, len(records)):]
     return "\n".join([
@@ -380,31 +508,6 @@ def summary(records: list[dict], wall_s: float, files: list[Path]) -> str:
         f"{sum(r['comm_wait_s'] for r in records) / total_step:.0%} of step time",
         "  files       " + "\n              ".join(str(f) for f in files),
     ])
-
-
-def save_plots(records: list[dict], out: Path) -> list[Path]:
-    """loss.png (loss per step) and step_breakdown.png (compute / exposed comm / optimizer, stacked)."""
-    from matplotlib.figure import Figure  # no pyplot: no GUI backend, safe in any process
-
-    steps = [r["step"] for r in records]
-    fig = Figure(figsize=(6, 3.5), layout="constrained")
-    ax = fig.subplots()
-    ax.plot(steps, [r["loss"] for r in records])
-    ax.set(xlabel="step", ylabel="loss (global mean)", title="training loss")
-    ax.grid(alpha=0.3)
-    loss_png = out / "loss.png"
-    fig.savefig(loss_png, dpi=120)
-
-    fig = Figure(figsize=(6, 3.5), layout="constrained")
-    ax = fig.subplots()
-    parts = [[1e3 * x for x in series] for series in zip(*map(_breakdown, records))]
-    ax.stackplot(steps, *parts, labels=["compute", "exposed communication", "optimizer"])
-    ax.set(xlabel="step", ylabel="ms", title="step time breakdown (rank 0)")
-    ax.legend(loc="upper right")
-    ax.set_ylim(0, 2 * statistics.median(r["step_s"] for r in records) * 1e3)  # first steps warm up
-    breakdown_png = out / "step_breakdown.png"
-    fig.savefig(breakdown_png, dpi=120)
-    return [loss_png, breakdown_png]
 
 
 # ------------------------------------------------------------------ hpf bench

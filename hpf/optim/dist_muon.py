@@ -31,7 +31,7 @@ from ..planning import Bucket, ParamSlot, Plan
 from .adamw_optimizer import schedule_value
 from .muon_math import MuonState, apply_muon_updates_, muon_momentum_, orthogonalize, update_scale
 
-__all__ = ["DistMuon", "assign_owners", "ns_flops"]
+__all__ = ["DistMuon", "assign_owners", "ns_flops", "muon_paths", "muon_plan_state"]
 
 
 def ns_flops(shape: Sequence[int], steps: int) -> int:
@@ -40,9 +40,42 @@ def ns_flops(shape: Sequence[int], steps: int) -> int:
     return math.prod(shape[:-2]) * steps * (4 * r * r * s + 2 * r ** 3)
 
 
+def muon_paths(muon: Muon, plan: Plan) -> set[str]:
+    """Paths of the params Muon orthogonalizes; the rest take its AdamW fallback."""
+    return {path for path, s in plan.slots.items() if muon.on_muon(path, _meta(s))}
+
+
+def muon_plan_state(muon: Muon, plan: Plan) -> tuple[int, Counter, int]:
+    """(optimizer-state elements of the rank that holds most, NS FLOPs per rank, Muon matrices)
+    of DistMuon on ``plan``, without building it: for hpf plan on meta tensors at any size.
+
+    As DistMuon.init allocates: one buffer per shard element (Muon's momentum, or AdamW's first
+    moment) plus AdamW's second moment of the shard's AdamW elements, which differ by rank.
+    """
+    paths = muon_paths(muon, plan)
+    adamw: dict[tuple[int, int], int] = {}  # (bucket, shard position) -> AdamW elements there
+    most = 0
+    for r in range(plan.mesh.size):
+        n = 0
+        for b in plan.buckets:
+            key = (b.index, plan.shard_index(b, r))
+            if key not in adamw:
+                lo, hi = b.shard_range(key[1])
+                adamw[key] = sum(max(0, min(s.offset + s.numel, hi) - max(s.offset, lo))
+                                 for s in b.slots if s.path not in paths)
+            n += b.shard_numel + adamw[key]
+        most = max(most, n)
+    return most, assign_owners(plan, paths, muon.ns_steps)[1], len(paths)
+
+
 def _shard_groups(plan: Plan, bucket: Bucket) -> list[tuple[int, ...]]:
     """Every shard group of ``bucket`` (global ranks by shard position), in a fixed order."""
-    return list(dict.fromkeys(tuple(plan.shard_ranks(bucket, r)) for r in range(plan.mesh.size)))
+    groups, seen = [], set()
+    for r in range(plan.mesh.size):  # one group_ranks call per group, not per rank: 768 ranks in ms
+        if r not in seen:
+            groups.append(tuple(plan.shard_ranks(bucket, r)))
+            seen.update(groups[-1])
+    return groups
 
 
 def assign_owners(plan: Plan, muon_paths: set[str], steps: int
@@ -127,10 +160,10 @@ class DistMuon:
 
     def __init__(self, muon, plan: Plan, rank: int, comm_dtype: torch.dtype | None = None):
         self.muon, self.plan, self.rank, self.comm_dtype = muon, plan, rank, comm_dtype
-        muon_paths = {path for path, s in plan.slots.items() if muon.on_muon(path, _meta(s))}
-        for path in sorted(muon_paths):
+        on_muon = muon_paths(muon, plan)
+        for path in sorted(on_muon):
             _check_whole_matrices(plan, plan.slots[path])
-        self.owners, self.ns_load = assign_owners(plan, muon_paths, muon.ns_steps)
+        self.owners, self.ns_load = assign_owners(plan, on_muon, muon.ns_steps)
         self.adamw: list[tuple[int, slice, slice]] = []  # (bucket, in shard, in exp_avg_sq)
         self.local: list[_Matrix] = []  # wholly in this rank's shard
         self.owned: list[_Matrix] = []  # split; this rank orthogonalizes them
@@ -145,7 +178,7 @@ class DistMuon:
             for slot in b.slots:
                 start, stop = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
                 mine = slice(start - lo, max(start, stop) - lo)
-                if slot.path not in muon_paths:
+                if slot.path not in on_muon:
                     if start < stop:
                         self.adamw.append((b.index, mine, slice(n_adamw, n_adamw + stop - start)))
                         n_adamw += stop - start
