@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import torch
@@ -148,7 +147,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer steps and repetitions")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("device_check.py needs a CUDA GPU; on CPU the other benchmarks apply")
+        print("device_check.py: no CUDA GPU here, nothing to check (the other benchmarks cover the CPU)")
+        return
     steps, reps, rounds = (3, 3, 2) if args.quick else (8, 7, 5)
     print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}")
     # Phase 1, no process group: the CPU reference of the step-equivalence check.
