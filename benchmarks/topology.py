@@ -8,6 +8,7 @@ they run interleaved in one job (order rotated every round, medians):
   hier_pg       Topology(fast_transport="pg"): two-tier collectives, both tiers on gloo
   hier_shm      Topology(fast_transport="shm"): two-tier, fast tier in shared memory
   hsdp_shm      hier_shm with hsdp=True
+  limit         the same model unsharded on each rank's local batch, no communication at all
   fsdp2_hsdp    torch FSDP2 fully_shard on a (2, 2) DeviceMesh (replicate dim 0, shard dim 1),
                 nn.Module of the same math (benchmarks/step_vs_fsdp2.py), torch.optim.AdamW
 Printed: (1) bytes over the slow tier per step, two-tier vs flat; (2) shared-memory vs gloo
@@ -33,7 +34,7 @@ from hpf.models import gpt
 
 from common import median_ms, mib, parse_step_args, print_table, report_ratio, step_bench_parser, time_steps
 from shm_vs_gloo import _bench as shm_vs_gloo_bench
-from step_vs_fsdp2 import adamw_step, fsdp2_gpt
+from step_vs_fsdp2 import LOCAL_LOSS, adamw_step, fsdp2_gpt, make_limit
 
 MESH = {"node": 2, "local": 2}
 WORLD = 4
@@ -92,6 +93,7 @@ def rank_main(rank, args):
     # (1) + (3): no slow link; every variant and FSDP2 HSDP, interleaved
     impls = {n: make_hpf(params, config, mesh, **kw) for n, kw in VARIANTS.items()}
     impls["fsdp2_hsdp"] = make_fsdp2_hsdp(params, config)
+    impls["limit"] = make_limit(params, config, ADAMW)
     times, losses = _time(impls, batches, args)
     steps = args.rounds * args.calls
     out["times"], out["losses"] = times, losses
@@ -120,6 +122,7 @@ def rank_main(rank, args):
 
 def check_same_math(losses: dict) -> None:
     """Every implementation must compute the same losses, or their timings compare nothing."""
+    losses = {n: v for n, v in losses.items() if n not in LOCAL_LOSS}
     ref = np.array(losses["flat"])
     drift = max(float(np.max(np.abs(np.array(v) - ref))) for v in losses.values())
     first = {n: v[0] for n, v in losses.items()}
@@ -195,6 +198,7 @@ def main():
     report_ratio("step/hier_shm/flat", med["hier_shm"] / med["flat"])
     report_ratio("step/hier_shm/fsdp2_hsdp", med["hier_shm"] / med["fsdp2_hsdp"], "<=0.8")
     report_ratio("step/hsdp_shm/fsdp2_hsdp", med["hsdp_shm"] / med["fsdp2_hsdp"], "<=0.8")
+    report_ratio("step/hier_shm/limit", med["hier_shm"] / med["limit"])
 
     # (4) emulated slow link
     check_same_math({"flat": out["losses"]["flat"][:len(out["slow_losses"]["link_pipeline_on"])],

@@ -1,0 +1,133 @@
+"""Named ranges on a step's timeline, for ``hpf train --trace``; free when tracing is off.
+
+The engine and the comm workers mark what a step spends its time on (unit gathers, each
+unit's forward and backward, each bucket's reduction, the slow-tier stage, the optimizer per
+unit, and every wait) with ``span("hpf/...")``. With tracing off, ``span`` is one global
+check that returns a shared no-op context manager. With tracing on, each span is a
+``torch.profiler.record_function`` range, so hpf's ranges sit in the same Chrome/Perfetto
+trace as torch's own ops, on the thread that ran them.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+__all__ = ["span", "tracing", "merge_traces"]
+
+_on = False
+_NULL = contextlib.nullcontext()
+_events: list[tuple[str, int, int, int]] = []  # (name, native thread id, start ns, end ns), wall clock
+
+
+class _Span:
+    """Records one range on the calling thread (torch's profiler only sees the thread that
+    started it, and hpf's comm workers run on their own threads)."""
+
+    __slots__ = ("name", "t0")
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __enter__(self):
+        self.t0 = time.time_ns()
+
+    def __exit__(self, *exc) -> None:
+        _events.append((self.name, threading.get_native_id(), self.t0, time.time_ns()))
+
+
+def span(name: str):
+    """A context manager marking ``name`` on the timeline while tracing; a no-op otherwise."""
+    return _Span(name) if _on else _NULL
+
+
+@contextlib.contextmanager
+def tracing(path: str | Path, *, skip_steps: int = 2, steps: int = 3) -> Iterator[Callable[[], None]]:
+    """Trace ``steps`` steps after ``skip_steps`` warm-up steps into a Chrome trace at ``path``.
+
+    Yields ``advance()``, to be called once after every training step. torch's profiler
+    records the ops; hpf's spans from every thread are added to the same file. The trace is
+    written when the traced steps end, or when the context exits, whichever comes first.
+
+    Args:
+      path: the JSON file to write (its folder must exist).
+      skip_steps: steps left out at the start (first-step set-up and allocations).
+      steps: steps recorded.
+    Raises:
+      ValueError: when ``steps`` < 1 or ``skip_steps`` < 0.
+    """
+    if steps < 1 or skip_steps < 0:
+        raise ValueError(f"tracing(steps={steps}, skip_steps={skip_steps}): need steps >= 1 and skip_steps >= 0")
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    prof = torch.profiler.profile(activities=activities)
+    done = [0]
+
+    def start() -> None:
+        global _on
+        _events.clear()
+        prof.start()
+        _on = True
+
+    def stop() -> None:
+        global _on
+        _on = False
+        prof.stop()
+        _write(prof, Path(path))
+
+    def advance() -> None:
+        done[0] += 1
+        if done[0] == skip_steps:
+            start()
+        elif done[0] == skip_steps + steps:
+            stop()
+
+    if skip_steps == 0:
+        start()
+    try:
+        yield advance
+    finally:
+        if _on:
+            stop()
+
+
+def _write(prof, path: Path) -> None:
+    """torch's trace of the ops, plus hpf's spans as complete events on their threads."""
+    prof.export_chrome_trace(str(path))
+    with open(path) as f:
+        data = json.load(f)
+    base_us = data.get("baseTimeNanoseconds", 0) / 1e3  # torch's ts are wall-clock us minus this
+    pid = os.getpid()
+    data.setdefault("traceEvents", []).extend(
+        {"ph": "X", "cat": "hpf", "name": name, "pid": pid, "tid": tid, "ts": t0 / 1e3 - base_us,
+         "dur": (t1 - t0) / 1e3} for name, tid, t0, t1 in list(_events))
+    _events.clear()
+    with open(path, "w") as f:
+        json.dump(data, f)
+
+
+def merge_traces(paths: list[str | Path], out: str | Path) -> Path:
+    """One Chrome trace from one file per rank: rank r's events get process id r and the
+    process name "rank r", so the ranks stack as rows in Perfetto or chrome://tracing.
+    Timestamps are wall clock on every rank, so local ranks line up."""
+    events = []
+    for rank, p in enumerate(paths):
+        with open(p) as f:
+            data = json.load(f)
+        shift = data.get("baseTimeNanoseconds", 0) / 1e3
+        for e in data.get("traceEvents", []):
+            if isinstance(e, dict) and e.get("ph") not in (None, "M"):
+                events.append({**e, "pid": rank, **({"ts": e["ts"] + shift} if "ts" in e else {})})
+        events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": rank, "args": {"sort_index": rank}})
+    out = Path(out)
+    with open(out, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+    return out

@@ -1,0 +1,59 @@
+"""hpf.trace: spans from every thread land in torch's Chrome trace; off, they record nothing."""
+import json
+import threading
+
+import torch
+
+from hpf import trace
+
+
+def _names(path):
+    with open(path) as f:
+        return [e for e in json.load(f)["traceEvents"] if e.get("cat") == "hpf"]
+
+
+def test_spans_from_all_threads_in_the_traced_steps_only(tmp_path):
+    out = tmp_path / "t.json"
+
+    def worker():
+        with trace.span("hpf/worker"):
+            torch.ones(8).sum()
+    with trace.tracing(out, skip_steps=1, steps=2) as advance:
+        for i in range(5):
+            with trace.span(f"hpf/step{i}"):
+                torch.ones(8).sum()
+                t = threading.Thread(target=worker)
+                t.start()
+                t.join()
+            advance()
+    events = _names(out)
+    assert sorted({e["name"] for e in events}) == ["hpf/step1", "hpf/step2", "hpf/worker"]
+    assert len({e["tid"] for e in events}) == 3  # the main thread and two workers
+    torch_ops = [e for e in json.load(open(out))["traceEvents"] if e.get("cat") == "cpu_op"]
+    assert torch_ops, "torch's own ops are missing from the trace"
+    step1 = next(e for e in events if e["name"] == "hpf/step1")
+    assert any(step1["ts"] <= o["ts"] <= step1["ts"] + step1["dur"] for o in torch_ops), \
+        "hpf's spans and torch's ops are not on one clock"
+
+
+def test_off_records_nothing():
+    assert trace.span("hpf/x") is trace.span("hpf/y")  # the shared no-op
+    with trace.span("hpf/x"):
+        pass
+    assert trace._events == []
+
+
+def test_merge_gives_one_process_per_rank(tmp_path):
+    paths = []
+    for r in range(2):
+        p = tmp_path / f"r{r}.json"
+        with trace.tracing(p, skip_steps=0, steps=1) as advance:
+            with trace.span(f"hpf/rank{r}"):
+                torch.ones(4).sum()
+            advance()
+        paths.append(p)
+    merged = json.load(open(trace.merge_traces(paths, tmp_path / "all.json")))["traceEvents"]
+    spans = {e["name"]: e["pid"] for e in merged if e.get("cat") == "hpf"}
+    assert spans == {"hpf/rank0": 0, "hpf/rank1": 1}
+    names = {e["pid"]: e["args"]["name"] for e in merged if e.get("name") == "process_name"}
+    assert names == {0: "rank 0", 1: "rank 1"}
