@@ -22,8 +22,7 @@ ODD = llama.LlamaConfig(vocab_size=67, seq_len=16, d_model=30, n_layers=2, n_hea
 # attention with repeat_kv vs SDPA with enable_gqa, rearrange vs view/transpose), so results
 # differ by a few ulps through 2 layers. Measured: the losses agree bitwise and the worst grad
 # element uses 7% of rtol 1e-5 / atol 1e-6 (max error 9e-7 of the largest grad), while a real
-# mistake (RoPE
-# interleaved instead of rotate_half, another rope_theta, a missed norm) moves the loss by
+# mistake (RoPE interleaved instead of rotate_half, another rope_theta) moves the loss by
 # >100x the tolerance (see test_rope_layout_mistake_is_caught).
 TOL = dict(rtol=1e-5, atol=1e-6)
 
