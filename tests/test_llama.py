@@ -202,40 +202,63 @@ def test_tiny_trains_on_cpu():
 # ------------------------------------------------------------------ sharded hpf vs plain torch
 
 STEPS, BATCH, SEED = 4, 8, 0
-ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+ADAMW = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+LR = 1e-2
+SCHEDULE = hpf.optim.schedules.cosine(LR, total_steps=STEPS, warmup=2, min_lr=1e-3)
 SHARDED = llama.CONFIGS["tiny"]  # untied: tied weights in shard_step are another change's subject
 
 
-def reference_run():
+def reference_run(masked):
+    """Plain autograd + torch.optim.AdamW on the full model; ``masked``: a no-decay param group
+    for norms and embeddings and the cosine schedule through LambdaLR."""
     params = llama.init(SHARDED, torch.Generator().manual_seed(SEED))
-    leaves = [p.requires_grad_() for p in hpf.tree.flatten(params)[1]]
-    opt = torch.optim.AdamW(leaves, **ADAMW)
+    paths, leaves, _ = hpf.tree.flatten(params)
+    for x in leaves:
+        x.requires_grad_(True)
+    decay = [hpf.optim.default_weight_decay_mask(p, x) or not masked for p, x in zip(paths, leaves)]
+    opt = torch.optim.AdamW([{"params": [x for x, d in zip(leaves, decay) if d]},
+                             {"params": [x for x, d in zip(leaves, decay) if not d], "weight_decay": 0.0}],
+                            lr=LR, **ADAMW)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: SCHEDULE(e + 1) / LR if masked else 1.0)
     losses = []
     for s in range(STEPS):
         loss = llama.loss_for(SHARDED)(params, gpt.global_batch(SHARDED, BATCH, SEED, s))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        sched.step()
         losses.append(loss.item())
     return losses, [p.detach().numpy() for p in leaves]
 
 
-def sharded_run(rank):
+def sharded_runs(rank):
     mesh = hpf.Mesh({"dp": 2})
-    step = hpf.shard_step(llama.loss_for(SHARDED), mesh=mesh, optimizer=hpf.optim.adamw(**ADAMW))
-    state = step.init(llama.init(SHARDED, torch.Generator().manual_seed(SEED)))
-    batches = gpt.synthetic_batches(SHARDED, BATCH, SEED, rank=rank, world_size=mesh.size)
-    losses = [step(state, next(batches))[1]["loss"] for _ in range(STEPS)]
-    return losses, [p.numpy() for p in hpf.tree.flatten(step.full_params(state))[1]]
+    out = {}
+    for masked in (False, True):
+        optimizer = (hpf.optim.adamw(lr=SCHEDULE, weight_decay_mask=hpf.optim.default_weight_decay_mask, **ADAMW)
+                     if masked else hpf.optim.adamw(lr=LR, **ADAMW))
+        step = hpf.shard_step(llama.loss_for(SHARDED), mesh=mesh, optimizer=optimizer)
+        state = step.init(llama.init(SHARDED, torch.Generator().manual_seed(SEED)))
+        batches = gpt.synthetic_batches(SHARDED, BATCH, SEED, rank=rank, world_size=mesh.size)
+        losses = [step(state, next(batches))[1]["loss"] for _ in range(STEPS)]
+        out[masked] = losses, [p.numpy() for p in hpf.tree.flatten(step.full_params(state))[1]]
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return launch(sharded_runs, 2, timeout=240)[0]
 
 
 @pytest.mark.slow
-def test_two_rank_hpf_llama_matches_torch_adamw():
-    (losses, params), _ = launch(sharded_run, 2, timeout=240)
-    ref_losses, ref_params = reference_run()
+@pytest.mark.parametrize("masked", [False, True], ids=["plain_adamw", "decay_mask_and_cosine"])
+def test_two_rank_hpf_llama_matches_torch_adamw(two_ranks, masked):
+    losses, params = two_ranks[masked]
+    ref_losses, ref_params = reference_run(masked)
     # Tolerances as in tests/test_step.py: per-rank means then a reduce-scatter sum the same
     # numbers in another order (a few ulps); AdamW amplifies ulp noise in near-cancelling grad
-    # elements to ~1e-6 absolute on updates of size lr=1e-2, so params get atol lr/500.
+    # elements to ~1e-6 absolute on updates of size lr=1e-2, so params get atol lr/500. A norm
+    # that decays when it should not moves by lr*wd*|p| = 1e-3 per step: 50x that.
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
     assert ref_losses[-1] < ref_losses[0] - 0.1  # it trained: the comparison is not of 4 idle steps
     for got, want in zip(params, ref_params):
