@@ -1,4 +1,4 @@
-"""The ``hpf`` command: ``hpf train`` (the main job), ``hpf plan`` and ``hpf bench``.
+"""The ``hpf`` command: ``hpf train`` (the main job), ``hpf prepare``, ``hpf plan`` and ``hpf bench``.
 
 Every argument is checked in the driver process before any rank starts, so a mistake costs
 one line on stderr, not a traceback from four processes.
@@ -6,6 +6,7 @@ one line on stderr, not a traceback from four processes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -21,8 +22,10 @@ from pathlib import Path
 import torch
 
 import hpf
+from hpf import data as token_data
 from hpf.launch import RankError, init_distributed, is_launched, launch, rank, world_size
-from hpf.models import gpt
+from hpf.models import gpt, llama
+from hpf.optim.schedules import NAMES as SCHEDULES, Schedule
 from hpf.progress import Progress
 from hpf.step import default_device
 
@@ -32,6 +35,8 @@ DEFAULT_MESH = {"node": 2, "local": 2}  # 2 "hosts" x 2 local ranks: exercises b
 DEFAULT_LR = {"adamw": 1e-2, "muon": 0.02}
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 STEP_METRICS = ("loss", "grad_norm", "step_s", "comm_wait_s", "optimizer_s")  # from shard_step's metrics
+MODELS = {"gpt": gpt, "llama": llama}  # pure-function model modules: CONFIGS, init, loss_for, num_params
+EVAL_BATCHES = 4  # held-out batches (of --batch-size sequences) per evaluation, the same ones each time
 RATIO_LINE = re.compile(r"^RATIO\s+(\S+)\s+(\S+)(?:\s+(\S+))?\s*$")
 BENCHMARKS_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -87,8 +92,11 @@ def _positive(kind, least=None):
 
 def build_parser() -> argparse.ArgumentParser:
     job = _Parser(add_help=False)
-    job.add_argument("--config", choices=sorted(gpt.CONFIGS), default="tiny",
-                     help="GPT config from hpf.models.gpt.CONFIGS (default: tiny)")
+    job.add_argument("--model", choices=sorted(MODELS), default="gpt",
+                     help="hpf.models.gpt (dense GPT) or hpf.models.llama (RoPE, GQA, SwiGLU) (default: gpt)")
+    job.add_argument("--config", choices=sorted(set().union(*(m.CONFIGS for m in MODELS.values()))), default="tiny",
+                     help="config from the model's CONFIGS: gpt %s; llama %s (default: tiny)"
+                          % ("/".join(gpt.CONFIGS), "/".join(llama.CONFIGS)))
     job.add_argument("--world-size", type=_positive(int), metavar="N",
                      help="number of ranks; alone it gives a 1-D mesh dp=N (default: 4 as node=2,local=2)")
     job.add_argument("--mesh", type=parse_mesh, metavar="AXES",
@@ -107,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = _Parser(
         prog="hpf", description="hpf: fully sharded training of pure-function models on PyTorch.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,plan,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,prepare,plan,bench}")
 
     train = sub.add_parser(
         "train", parents=[job], help="train the GPT on local processes (the main job)",
@@ -132,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="save loss.png and step_breakdown.png into the run folder (needs matplotlib)")
     train.add_argument("--timeout", type=_positive(float), default=3600.0, metavar="S",
                        help="end the run after this many seconds; also bounds each collective (default: 3600)")
+    _add_data_and_schedule_options(train)
     train.set_defaults(run=cmd_train)
+    _add_prepare_parser(sub)
 
     plan = sub.add_parser(
         "plan", parents=[job], help="print per-rank memory and communication for any config and mesh",
@@ -205,23 +215,37 @@ def _mesh_text(axes) -> str:
 
 # ------------------------------------------------------------------ hpf plan
 
+def _model_config(model: str, name: str, vocab_size: int | None = None):
+    """(model module, config) for ``--model``/``--config``; ``vocab_size`` from --data's meta.json."""
+    module = MODELS[model]
+    if name not in module.CONFIGS:
+        raise CliError(f"--config {name} is not a {model} config; pick one of {', '.join(module.CONFIGS)}")
+    config = module.CONFIGS[name]
+    return module, (dataclasses.replace(config, vocab_size=vocab_size) if vocab_size else config)
+
+
+def _title(model: str, name: str) -> str:
+    return f"{ {'gpt': 'GPT', 'llama': 'Llama'}[model]} {name!r}"
+
+
 def _plan(args, mesh: hpf.Mesh) -> hpf.Plan:
     """The plan shard_step makes for these arguments, from meta tensors (shapes only)."""
     fsdp = args.fsdp_axes or mesh.axis_names
-    return hpf.plan(gpt.init(gpt.CONFIGS[args.config], device="meta"), mesh, fsdp_axes=args.fsdp_axes,
+    module, config = _model_config(args.model, args.config, getattr(args, "vocab_size", None))
+    return hpf.plan(module.init(config, device="meta"), mesh, fsdp_axes=args.fsdp_axes,
                     hierarchical=args.topology == "two-tier",
                     default_shard_axes=[a for a in fsdp if a in mesh.fast_axes] if args.hsdp else None)
 
 
 def cmd_plan(args) -> int:
-    config = gpt.CONFIGS[args.config]
+    module, config = _model_config(args.model, args.config)
     mesh = _mesh(args)
     plan = _plan(args, mesh)
     dtype = PRECISIONS.get(args.mixed_precision)
     report = plan.report(compute_dtype=dtype, master_dtype=torch.float32 if dtype else None,
                          reduce_dtype=torch.float32 if dtype else None,
                          hierarchical=args.topology == "two-tier")
-    print(f"GPT {args.config!r}: {gpt.num_params(config) / 1e6:,.1f}M params in {len(plan.slots)} tensors, "
+    print(f"{_title(args.model, args.config)}: {module.num_params(config) / 1e6:,.1f}M params in {len(plan.slots)} tensors, "
           f"{len(plan.units)} FSDP units, {len(plan.buckets)} flat buckets")
     print(f"mesh {_mesh_text(dict(zip(mesh.axis_names, mesh.shape)))} ({mesh.size} ranks); "
           f"FSDP axes {','.join(plan.fsdp_axes) or '-'}; fast tier {','.join(mesh.fast_axes)}; "
@@ -230,7 +254,7 @@ def cmd_plan(args) -> int:
     print(report.format())
     if args.check:
         one_sequence = torch.empty(1, config.seq_len + 1, dtype=torch.int64, device="meta")
-        print(hpf.check_plan(gpt.loss_for(config), gpt.init(config, device="meta"), mesh, one_sequence,
+        print(hpf.check_plan(module.loss_for(config), module.init(config, device="meta"), mesh, one_sequence,
                              fsdp_axes=args.fsdp_axes, mixed_precision=args.mixed_precision))
     return 0
 
@@ -254,51 +278,98 @@ class TrainJob:
     topology: str
     hsdp: bool
     metrics_path: str
+    model: str = "gpt"
+    data: str | None = None  # a folder `hpf prepare` wrote; None: the synthetic Markov source
+    vocab_size: int | None = None  # from the data's meta.json
+    eval_every: int = 0
+    schedule: str = "constant"
+    warmup: int = 0
+
+    def model_config(self):
+        return _model_config(self.model, self.config, self.vocab_size)
+
+    def eval_due(self, i: int) -> bool:
+        """--eval-every N: after every N-th step and after the last one."""
+        return bool(self.eval_every) and (i % self.eval_every == 0 or i == self.steps)
 
 
-def _make_optimizer(name: str, lr: float):
-    if name == "muon":  # AdamW at its own default lr for embeddings, head and vectors
-        return hpf.optim.muon(lr=lr, adamw_lr=DEFAULT_LR["adamw"])
-    return hpf.optim.adamw(lr=lr)
+def _make_optimizer(job: TrainJob):
+    """--optimizer at --lr along --schedule/--warmup; AdamW decays matrices only
+    (hpf.optim.default_weight_decay_mask: not norms, biases or embeddings)."""
+    def lr(peak: float) -> Schedule:
+        return Schedule(job.schedule, peak, total_steps=job.steps, warmup=job.warmup)
+    if job.optimizer == "muon":  # AdamW at its own default lr for embeddings, head and vectors
+        return hpf.optim.muon(lr=lr(job.lr), adamw_lr=lr(DEFAULT_LR["adamw"]))
+    return hpf.optim.adamw(lr=lr(job.lr), weight_decay_mask=hpf.optim.default_weight_decay_mask)
 
 
 def _make_step(job: TrainJob, mesh: hpf.Mesh):
-    return hpf.shard_step(gpt.loss_for(gpt.CONFIGS[job.config]), mesh=mesh,
-                          optimizer=_make_optimizer(job.optimizer, job.lr), fsdp_axes=job.fsdp_axes,
+    module, config = job.model_config()
+    return hpf.shard_step(module.loss_for(config), mesh=mesh, optimizer=_make_optimizer(job), fsdp_axes=job.fsdp_axes,
                           mode=job.mode, mixed_precision=job.mixed_precision, hsdp=job.hsdp,
                           topology=hpf.Topology() if job.topology == "two-tier" else None)
 
 
 def _train_rank(rank: int, job: TrainJob) -> None:
     """One rank of ``hpf train``; rank 0 also shows progress and writes the metrics."""
-    config = gpt.CONFIGS[job.config]
+    module, config = job.model_config()
     mesh = hpf.Mesh(job.axes)
     step = _make_step(job, mesh)
-    state = step.init(gpt.init(config, torch.Generator().manual_seed(job.seed)))
-    batches = gpt.synthetic_batches(config, job.batch_size, job.seed, rank=rank, world_size=mesh.size,
-                                    device=default_device())
+    state = step.init(module.init(config, torch.Generator().manual_seed(job.seed)))
+    device, where = default_device(), dict(rank=rank, world_size=mesh.size)
+    if job.data:
+        batches = token_data.TokenData(job.data, "train").batches(job.batch_size, config.seq_len, job.seed,
+                                                                  device=device, **where)
+    else:
+        batches = gpt.synthetic_batches(config, job.batch_size, job.seed, device=device, **where)
+    evaluate = _evaluator(job, module.loss_for(config), config.seq_len, where, device) if job.eval_every else None
     tokens_per_step = job.batch_size * config.seq_len
     if rank != 0:
-        for _ in range(job.steps):
+        for i in range(1, job.steps + 1):
             state, _ = step(state, next(batches))
+            if evaluate and job.eval_due(i):
+                evaluate(step, state)
         return
     progress = Progress(job.steps, label="train")
+    shown = {}
     with open(job.metrics_path, "w") as out:
         for i in range(1, job.steps + 1):
             state, m = step(state, next(batches))
             record = {"step": i, **{k: m[k] for k in STEP_METRICS}, "tokens_per_s": tokens_per_step / m["step_s"]}
+            if evaluate and job.eval_due(i):
+                record["eval_loss"] = evaluate(step, state)
+                shown["eval"] = f"{record['eval_loss']:.4f}"
             out.write(json.dumps(record) + "\n")
             out.flush()  # a crashed or interrupted run keeps its metrics so far
-            progress.update(i, {"loss": f"{m['loss']:.4f}", "tokens/s": f"{record['tokens_per_s'] / 1e3:.1f}k",
+            progress.update(i, {"loss": f"{m['loss']:.4f}", **shown, "tokens/s": f"{record['tokens_per_s'] / 1e3:.1f}k",
                                 "comm wait": f"{m['comm_wait_s'] / m['step_s']:.0%}"})
     progress.close()
+
+
+def _evaluator(job: TrainJob, loss_fn, seq_len: int, where: dict, device):
+    """``evaluate(step, state) -> held-out loss``, collective: the mean loss of the gathered params
+    over the same EVAL_BATCHES batches of the val split each time, each rank on its own rows."""
+    val = token_data.TokenData(job.data, "val")
+    batches = val.batches(job.batch_size, seq_len, seed=job.seed, device=device, **where)
+    fixed = [next(batches) for _ in range(EVAL_BATCHES)]
+
+    def evaluate(step, state) -> float:
+        params = step.full_params(state)
+        with torch.no_grad():
+            total = torch.stack([loss_fn(params, b).float() for b in fixed]).mean()
+        if torch.distributed.is_initialized() and where["world_size"] > 1:
+            torch.distributed.all_reduce(total)
+            total /= where["world_size"]
+        return float(total)
+    return evaluate
 
 
 def cmd_train(args) -> int:
     """Fork the ranks here with hpf.launch, or, under torchrun, be one of them."""
     torchrun = is_launched()
     mesh = _mesh(args)
-    config = gpt.CONFIGS[args.config]
+    args.vocab_size = _check_data_options(args)
+    module, config = _model_config(args.model, args.config, args.vocab_size)
     if torchrun and mesh.size != world_size():
         raise CliError(f"--mesh has {mesh.size} ranks but torchrun started {world_size()}; make them agree")
     if args.batch_size % mesh.size:
@@ -316,7 +387,9 @@ def cmd_train(args) -> int:
         raise CliError(f"--out {out} already holds a run (metrics.jsonl); pick another folder")
     job = TrainJob(args.config, dict(zip(mesh.axis_names, mesh.shape)), args.fsdp_axes, args.optimizer,
                    args.lr or DEFAULT_LR[args.optimizer], args.steps, args.batch_size, args.mode, args.seed,
-                   args.mixed_precision, args.topology, args.hsdp, str(out / "metrics.jsonl"))
+                   args.mixed_precision, args.topology, args.hsdp, str(out / "metrics.jsonl"), args.model,
+                   str(args.data) if args.data else None, args.vocab_size, args.eval_every or 0, args.schedule,
+                   args.warmup)
     _make_step(job, mesh)  # checks optimizer, mode and precision here, before any rank starts
     plan = _plan(args, mesh)  # checks the axes
     if lead:
@@ -324,11 +397,14 @@ def cmd_train(args) -> int:
         (out / "run.json").write_text(json.dumps(
             {**asdict(job), "hpf": hpf.__version__, "torch": torch.__version__,
              "started": datetime.datetime.now().isoformat(timespec="seconds")}, indent=1) + "\n")
-        print(f"hpf train: GPT {args.config!r} ({gpt.num_params(config) / 1e6:.2f}M params, "
+        print(f"hpf train: {_title(args.model, args.config)} ({module.num_params(config) / 1e6:.2f}M params, "
               f"{len(plan.units)} FSDP units) on {mesh.size} ranks, mesh {_mesh_text(job.axes)}, "
-              f"{args.topology}{' HSDP' if args.hsdp else ''}, {args.optimizer} lr {job.lr:g}, {args.mode} mode")
-        print(f"data: {args.batch_size} x {config.seq_len} tokens per step from a fixed random Markov "
-              f"source; run folder {out}", flush=True)
+              f"{args.topology}{' HSDP' if args.hsdp else ''}, {args.optimizer} lr {job.lr:g} "
+              f"({args.schedule}{f', warmup {args.warmup}' if args.warmup else ''}), {args.mode} mode")
+        source = (f"{args.data} (vocab {args.vocab_size}, held-out loss every {args.eval_every} steps)"
+                  if args.data and args.eval_every else args.data or "a fixed random Markov source")
+        print(f"data: {args.batch_size} x {config.seq_len} tokens per step from {source}; run folder {out}",
+              flush=True)
     started = time.perf_counter()
     if torchrun:
         init_distributed(timeout=args.timeout)
@@ -366,12 +442,21 @@ def summary(records: list[dict], wall_s: float, files: list[Path]) -> str:
         f"done: {len(records)} steps in {wall_s:.1f} s",
         f"  loss        {records[0]['loss']:.4f} (step 1) -> {records[-1]['loss']:.4f} (step {len(records)}), "
         f"mean of last {len(tail)}: {statistics.fmean(r['loss'] for r in tail):.4f}",
+        *_eval_summary(records),
         f"  step time   {median['step_s'] * 1e3:.1f} ms median: compute {compute * 1e3:.1f}, "
         f"exposed comm {comm * 1e3:.1f}, optimizer {opt * 1e3:.1f} ms",
         f"  throughput  {median['tokens_per_s']:,.0f} tokens/s median; waiting on communication "
         f"{sum(r['comm_wait_s'] for r in records) / total_step:.0%} of step time",
         "  files       " + "\n              ".join(str(f) for f in files),
     ])
+
+
+def _eval_summary(records: list[dict]) -> list[str]:
+    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    if not evals:
+        return []
+    return [f"  eval loss   {evals[0][1]:.4f} (step {evals[0][0]}) -> {evals[-1][1]:.4f} (step {evals[-1][0]}), "
+            f"held-out, {len(evals)} evaluations"]
 
 
 def save_plots(records: list[dict], out: Path) -> list[Path]:
@@ -381,7 +466,11 @@ def save_plots(records: list[dict], out: Path) -> list[Path]:
     steps = [r["step"] for r in records]
     fig = Figure(figsize=(6, 3.5), layout="constrained")
     ax = fig.subplots()
-    ax.plot(steps, [r["loss"] for r in records])
+    ax.plot(steps, [r["loss"] for r in records], label="train")
+    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    if evals:
+        ax.plot(*zip(*evals), marker="o", label="held-out")
+        ax.legend()
     ax.set(xlabel="step", ylabel="loss (global mean)", title="training loss")
     ax.grid(alpha=0.3)
     loss_png = out / "loss.png"
@@ -397,6 +486,78 @@ def save_plots(records: list[dict], out: Path) -> list[Path]:
     breakdown_png = out / "step_breakdown.png"
     fig.savefig(breakdown_png, dpi=120)
     return [loss_png, breakdown_png]
+
+
+# ------------------------------------------------------------------ hpf train --data, hpf prepare
+
+def _add_data_and_schedule_options(train: argparse.ArgumentParser) -> None:
+    train.add_argument("--data", type=Path, metavar="DIR",
+                       help="train on a token folder from `hpf prepare` (its vocab sets the model's) "
+                            "instead of the synthetic Markov source")
+    train.add_argument("--eval-every", type=_positive(int), metavar="N",
+                       help="with --data: held-out loss every N steps and at the end (eval_loss in the "
+                            "progress line and metrics.jsonl)")
+    train.add_argument("--schedule", choices=SCHEDULES, default="constant",
+                       help="learning rate over the run, after --warmup (default: constant)")
+    train.add_argument("--warmup", type=_positive(int, least=0), default=0, metavar="N",
+                       help="linear warmup steps (default: 0)")
+
+
+def _check_data_options(args) -> int | None:
+    """The vocab of --data (None without it), after checking the data options together."""
+    if args.eval_every and not args.data:
+        raise CliError("--eval-every needs --data DIR (held-out text); the synthetic source has no split")
+    if args.schedule != "constant" and args.warmup >= args.steps:
+        raise CliError(f"--warmup {args.warmup} must be below --steps {args.steps} for the {args.schedule} schedule")
+    if not args.data:
+        return None
+    try:
+        return int(token_data.read_meta(args.data)["vocab_size"])
+    except FileNotFoundError as e:
+        raise CliError(f"--data: {e}") from None
+
+
+def _add_prepare_parser(sub) -> None:
+    prepare = sub.add_parser(
+        "prepare", help="tokenize text files into a token folder for hpf train --data",
+        description="Tokenize text into train.bin / val.bin (uint16 or uint32 token ids, nanoGPT's layout) "
+                    "and meta.json. Folders are searched recursively for files matching --glob. "
+                    "Example: hpf prepare \"$(python3 -c 'import sysconfig; print(sysconfig.get_path(\"stdlib\"))')\" "
+                    "--glob '*.py' --out data/stdlib")
+    prepare.add_argument("inputs", nargs="+", type=Path, metavar="TEXT_FILES", help="text files or folders")
+    prepare.add_argument("--out", type=Path, required=True, metavar="DIR", help="the token folder to write")
+    prepare.add_argument("--tokenizer", default="bytes", metavar="PATH",
+                         help="'bytes' (vocab 257: bytes + end of document) or a local tokenizer.json "
+                              "(needs the tokenizers package) (default: bytes)")
+    prepare.add_argument("--val-fraction", type=_positive(float), default=0.05, metavar="F",
+                         help="share of the tokens held out, taken from the end (default: 0.05)")
+    prepare.add_argument("--glob", default="*", metavar="PATTERN",
+                         help="which files of a folder to take, e.g. '*.py' (default: all)")
+    prepare.set_defaults(run=cmd_prepare)
+
+
+def cmd_prepare(args) -> int:
+    files = []
+    for item in args.inputs:
+        if item.is_dir():
+            found = sorted(p for p in item.rglob(args.glob) if p.is_file())
+            if not found:
+                raise CliError(f"folder {item} has no files matching --glob {args.glob!r}")
+            files += found
+        elif item.is_file():
+            files.append(item)
+        else:
+            raise CliError(f"{item} is neither a file nor a folder")
+    started = time.perf_counter()
+    try:
+        meta = token_data.prepare(files, args.out, tokenizer=args.tokenizer, val_fraction=args.val_fraction)
+    except (FileNotFoundError, ModuleNotFoundError) as e:
+        raise CliError(str(e)) from None
+    n = meta["tokens"]
+    print(f"hpf prepare: {len(files)} files -> {args.out}: {n['train']:,} train + {n['val']:,} val tokens "
+          f"({meta['dtype']}, vocab {meta['vocab_size']}, tokenizer {meta['tokenizer']}) "
+          f"in {time.perf_counter() - started:.1f} s")
+    return 0
 
 
 # ------------------------------------------------------------------ hpf bench
