@@ -43,7 +43,7 @@ def test_bytes_prepare_writes_the_byte_stream_with_document_ends(tmp_path, corpu
 
 
 def _word_tokenizer(path, n_words):
-    tokenizers = pytest.importorskip("tokenizers")
+    import tokenizers  # the test extra; hpf.data imports it only for a tokenizer.json
     vocab = {"<unk>": 0, "<|endoftext|>": 1, **{f"w{i}": i + 2 for i in range(n_words)}}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()

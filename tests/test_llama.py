@@ -7,13 +7,12 @@ import math
 import numpy as np
 import pytest
 import torch
+import transformers  # the test extra; the library itself never imports it
 from einops import rearrange
 
 import hpf
 from hpf.launch import launch
 from hpf.models import gpt, llama
-
-transformers = pytest.importorskip("transformers")  # the test extra; the library never imports it
 
 # Odd sizes: d_model 30, 5 query heads on 1 kv head (GQA 5:1), head_dim 6, d_ff 37, vocab 67.
 ODD = llama.LlamaConfig(vocab_size=67, seq_len=16, d_model=30, n_layers=2, n_heads=5, n_kv_heads=1, d_ff=37,

@@ -27,14 +27,12 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from hpf.models.gpt import synthetic_batches  # noqa: F401 -- same synthetic source, for `hpf train`
+from hpf.models.gpt import INIT_STD, param_makers, synthetic_batches
 
 __all__ = [
     "LlamaConfig", "CONFIGS", "num_params", "init", "forward", "loss", "loss_for",
     "from_hf", "to_hf", "synthetic_batches",
 ]
-
-INIT_STD = 0.02
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,26 +91,14 @@ def init(config: LlamaConfig, generator: torch.Generator | None = None, *,
     gets bit-identical params; ``device="meta"`` draws nothing. wo and w_down are scaled by
     1/sqrt(2*n_layers) as in GPT-2. Tied: ``params["head"] is params["embed"]``."""
     c = config
-    on_meta = device is not None and torch.device(device).type == "meta"
-    if generator is None and not on_meta:
-        generator = torch.Generator().manual_seed(0)
-
-    def normal(*shape: int, std: float = INIT_STD) -> torch.Tensor:
-        if on_meta:
-            return torch.empty(shape, device="meta", dtype=dtype)
-        return (torch.randn(shape, generator=generator) * std).to(device=device, dtype=dtype)
-
-    def ones(n: int) -> torch.Tensor:
-        return torch.ones(n, device=device, dtype=dtype)
-
+    normal, ones = param_makers(generator, device, dtype)
     d, f, q, kv = c.d_model, c.d_ff, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     residual_std = INIT_STD / math.sqrt(2 * c.n_layers)
     embed = normal(c.vocab_size, d)
     blocks = [{"attn_norm": ones(d), "wq": normal(q, d), "wk": normal(kv, d), "wv": normal(kv, d),
                "wo": normal(d, q, std=residual_std), "mlp_norm": ones(d), "w_gate": normal(f, d),
                "w_up": normal(f, d), "w_down": normal(d, f, std=residual_std)} for _ in range(c.n_layers)]
-    norm = ones(d)
-    return {"embed": embed, "blocks": blocks, "norm": norm,
+    return {"embed": embed, "blocks": blocks, "norm": ones(d),
             "head": embed if c.tie_embeddings else normal(c.vocab_size, d)}
 
 
