@@ -1,5 +1,6 @@
 """hpf.data: token files from text, and the deterministic, rank-split, resumable windows."""
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -141,3 +142,9 @@ def test_errors_name_the_problem(tmp_path, prepared, corpus):
     (prepared / "meta.json").write_text(json.dumps({"format": "other"}))
     with pytest.raises(ValueError, match="hpf-tokens"):
         data.TokenData(prepared)
+
+
+def test_missing_tokenizers_is_a_clear_error(tmp_path, corpus, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tokenizers", None)
+    with pytest.raises(ModuleNotFoundError, match="pip install tokenizers"):
+        data.prepare(corpus, tmp_path / "tok", tokenizer=str(tmp_path / "tokenizer.json"))

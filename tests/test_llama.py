@@ -3,6 +3,7 @@ random init, nothing downloaded), the HF checkpoint round trip, and a sharded hp
 plain torch autograd + torch.optim.AdamW on the full model."""
 import dataclasses
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -262,3 +263,10 @@ def test_two_rank_hpf_llama_matches_torch_adamw(two_ranks, masked):
     assert ref_losses[-1] < ref_losses[0] - 0.1  # it trained: the comparison is not of 4 idle steps
     for got, want in zip(params, ref_params):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5)
+
+
+def test_missing_safetensors_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    with pytest.raises(ModuleNotFoundError, match="pip install safetensors"):
+        llama.to_hf(ODD, llama.init(ODD), tmp_path)

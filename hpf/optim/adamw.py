@@ -29,7 +29,8 @@ EMBEDDING_PATH = re.compile(r"(^|/)(embed|pos|wte|wpe|tok_embeddings)($|/)")
 
 def default_weight_decay_mask(path: str, tensor: torch.Tensor) -> bool:
     """Decay matrices only: not norms or biases (ndim < 2), not embeddings (path ``embed``/``pos``).
-    A head tied to the embedding is the embedding (one param), so it does not decay either."""
+    A head tied to the embedding, where tied weights are one param (named by its first path,
+    ``embed``), does not decay either."""
     return tensor.ndim >= 2 and EMBEDDING_PATH.search(path) is None
 
 
