@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 import hpf
-from hpf.launch import launch
+from hpf.launcher import launch
 from hpf.models import gpt
 
 from common import report_ratio

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import hpf
-from hpf.launch import launch
+from hpf.launcher import launch
 from hpf.models import gpt
 from hpf.optim.adamw import schedule_value
 from hpf.optim.muon import MuonState, apply_muon_updates_, muon, muon_momentum_, orthogonalize, update_scale

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from hpf.comm import ShmGroup
-from hpf.launch import launch
+from hpf.launcher import launch
 
 
 def _time(fn, reps: int) -> list[float]:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 import hpf
-from hpf.launch import launch
+from hpf.launcher import launch
 from hpf.models import gpt
 from hpf.topology import Topology
 

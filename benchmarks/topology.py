@@ -28,7 +28,7 @@ import torch
 
 import hpf
 from hpf import SlowLink, Topology
-from hpf.launch import launch
+from hpf.launcher import launch
 from hpf.models import gpt
 
 from common import median_ms, mib, parse_step_args, print_table, report_ratio, step_bench_parser, time_steps

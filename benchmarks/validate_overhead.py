@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import hpf
-from hpf.launch import launch
+from hpf.launcher import launch
 from hpf.models import gpt
 from hpf.validate import check_plan
 

@@ -1,14 +1,17 @@
 """hpf: JAX-style fully sharded training of pure-function models on PyTorch.
 
 Models are pure functions over pytrees of plain tensors; sharding is written as
-PartitionSpecs and resolved once into a plan (see DESIGN.md and README.md).
+PartitionSpecs and resolved once into a plan. The module map, the data flow and which
+module owns which decision are in docs/architecture.md; the user guide is README.md.
 """
 from . import tree
-from .launch import launch
+from .launcher import launch
 from .mesh import Mesh, MeshError
-from .plan import Plan, plan
+from .planning import Plan, plan
 from .spec import P, SpecError, rules
-from .step import MixedPrecision, ShardStep, TrainState, shard_step
+from .types import MixedPrecision, TrainState
+from .step import ShardStep
+from .api import shard_step
 from .topology import SlowLink, Topology
 from .collectives import all_gather, all_to_all, axis_index, psum
 from .validate import check_plan

@@ -6,7 +6,6 @@ one line on stderr, not a traceback from four processes.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -16,26 +15,29 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 import hpf
 from hpf import data as token_data
-from hpf.launch import RankError, init_distributed, is_launched, launch, rank, world_size
+from hpf.launcher import RankError, init_distributed, is_launched, launch, rank, world_size
 from hpf.models import gpt, llama
 from hpf.optim.schedules import NAMES as SCHEDULES, Schedule
 from hpf.progress import Progress
-from hpf.step import default_device
+from hpf.api import STEPS
+from hpf.device import default_device
+from hpf.step import step_plan
+from hpf.types import PRECISIONS, MixedPrecision
 
 __all__ = ["main", "parse_mesh", "read_metrics", "save_plots", "parse_ratio_line"]
 
 DEFAULT_MESH = {"node": 2, "local": 2}  # 2 "hosts" x 2 local ranks: exercises both tiers
 DEFAULT_LR = {"adamw": 1e-2, "muon": 0.02}
-PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 STEP_METRICS = ("loss", "grad_norm", "step_s", "comm_wait_s", "optimizer_s")  # from shard_step's metrics
 MODELS = {"gpt": gpt, "llama": llama}  # pure-function model modules: CONFIGS, init, loss_for, num_params
+TITLES = {"gpt": "GPT", "llama": "Llama"}
 EVAL_BATCHES = 4  # held-out batches (of --batch-size sequences) per evaluation, the same ones each time
 RATIO_LINE = re.compile(r"^RATIO\s+(\S+)\s+(\S+)(?:\s+(\S+))?\s*$")
 BENCHMARKS_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -115,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = _Parser(
         prog="hpf", description="hpf: fully sharded training of pure-function models on PyTorch.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,prepare,plan,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,prepare,plan,bench,simulate}")
 
     train = sub.add_parser(
         "train", parents=[job], help="train the GPT on local processes (the main job)",
@@ -131,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="global batch in sequences, split over the ranks (default: 32)")
     train.add_argument("--lr", type=_positive(float),
                        help=f"learning rate (default: {DEFAULT_LR['adamw']} for adamw, {DEFAULT_LR['muon']} for muon)")
-    train.add_argument("--mode", choices=("production", "validate"), default="production",
+    train.add_argument("--mode", choices=tuple(STEPS), default="production",
                        help="validate runs the same plan with layout checks on every op (default: production)")
     train.add_argument("--seed", type=_positive(int, least=0), default=0,
                        help="seeds the init and the data (default: 0)")
@@ -164,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--timeout", type=_positive(float), default=1800.0, metavar="S",
                        help="per-script limit in seconds (default: 1800)")
     bench.set_defaults(run=cmd_bench)
+    _add_simulate(sub, job)
     return parser
 
 
@@ -221,37 +224,38 @@ def _model_config(model: str, name: str, vocab_size: int | None = None):
     if name not in module.CONFIGS:
         raise CliError(f"--config {name} is not a {model} config; pick one of {', '.join(module.CONFIGS)}")
     config = module.CONFIGS[name]
-    return module, (dataclasses.replace(config, vocab_size=vocab_size) if vocab_size else config)
-
-
-def _title(model: str, name: str) -> str:
-    return f"{ {'gpt': 'GPT', 'llama': 'Llama'}[model]} {name!r}"
+    return module, (replace(config, vocab_size=vocab_size) if vocab_size else config)
 
 
 def _plan(args, mesh: hpf.Mesh) -> hpf.Plan:
     """The plan shard_step makes for these arguments, from meta tensors (shapes only)."""
-    fsdp = args.fsdp_axes or mesh.axis_names
     module, config = _model_config(args.model, args.config, getattr(args, "vocab_size", None))
-    return hpf.plan(module.init(config, device="meta"), mesh, fsdp_axes=args.fsdp_axes,
-                    hierarchical=args.topology == "two-tier",
-                    default_shard_axes=[a for a in fsdp if a in mesh.fast_axes] if args.hsdp else None)
+    return step_plan(module.init(config, device="meta"), mesh, fsdp_axes=args.fsdp_axes,
+                     topology=_topology(args.topology), hsdp=args.hsdp)
+
+
+def _topology(name: str) -> hpf.Topology | None:
+    return hpf.Topology() if name == "two-tier" else None
 
 
 def cmd_plan(args) -> int:
     module, config = _model_config(args.model, args.config)
     mesh = _mesh(args)
     plan = _plan(args, mesh)
-    dtype = PRECISIONS.get(args.mixed_precision)
-    report = plan.report(compute_dtype=dtype, master_dtype=torch.float32 if dtype else None,
-                         reduce_dtype=torch.float32 if dtype else None,
+    mp = MixedPrecision.parse(args.mixed_precision)
+    report = plan.report(compute_dtype=mp.compute_dtype if mp else None, master_dtype=mp.master_dtype if mp else None,
+                         reduce_dtype=mp.reduce_dtype if mp else None,
                          hierarchical=args.topology == "two-tier")
-    print(f"{_title(args.model, args.config)}: {module.num_params(config) / 1e6:,.1f}M params in {len(plan.slots)} tensors, "
+    print(f"{TITLES[args.model]} {args.config!r}: {module.num_params(config) / 1e6:,.1f}M params in {len(plan.slots)} tensors, "
           f"{len(plan.units)} FSDP units, {len(plan.buckets)} flat buckets")
     print(f"mesh {_mesh_text(dict(zip(mesh.axis_names, mesh.shape)))} ({mesh.size} ranks); "
           f"FSDP axes {','.join(plan.fsdp_axes) or '-'}; fast tier {','.join(mesh.fast_axes)}; "
           f"{args.topology} collectives{', HSDP' if args.hsdp else ''}; precision {args.mixed_precision or 'fp32'}; "
           "AdamW state counted")
     print(report.format())
+    print(f"predicted step time, exposed communication and tokens/s, hpf vs FSDP2 vs Megatron DDP: "
+          f"hpf simulate --config {args.config} --mesh {_mesh_text(dict(zip(mesh.axis_names, mesh.shape)))} "
+          "--hardware cloudmatrix384 (or h100, or a calibration file)")
     if args.check:
         one_sequence = torch.empty(1, config.seq_len + 1, dtype=torch.int64, device="meta")
         print(hpf.check_plan(module.loss_for(config), module.init(config, device="meta"), mesh, one_sequence,
@@ -307,7 +311,7 @@ def _make_step(job: TrainJob, mesh: hpf.Mesh):
     module, config = job.model_config()
     return hpf.shard_step(module.loss_for(config), mesh=mesh, optimizer=_make_optimizer(job), fsdp_axes=job.fsdp_axes,
                           mode=job.mode, mixed_precision=job.mixed_precision, hsdp=job.hsdp,
-                          topology=hpf.Topology() if job.topology == "two-tier" else None)
+                          topology=_topology(job.topology))
 
 
 def _train_rank(rank: int, job: TrainJob) -> None:
@@ -316,18 +320,19 @@ def _train_rank(rank: int, job: TrainJob) -> None:
     mesh = hpf.Mesh(job.axes)
     step = _make_step(job, mesh)
     state = step.init(module.init(config, torch.Generator().manual_seed(job.seed)))
-    device, where = default_device(), dict(rank=rank, world_size=mesh.size)
+    where = dict(rank=rank, world_size=mesh.size, device=default_device())
     if job.data:
-        batches = token_data.TokenData(job.data, "train").batches(job.batch_size, config.seq_len, job.seed,
-                                                                  device=device, **where)
+        batches = token_data.TokenData(job.data, "train").batches(job.batch_size, config.seq_len, job.seed, **where)
+        val = token_data.TokenData(job.data, "val").batches(job.batch_size, config.seq_len, job.seed, **where)
+        # the same EVAL_BATCHES held-out batches at every evaluation (--eval-every needs --data)
+        evaluate = token_data.HeldOut(module.loss_for(config), [next(val) for _ in range(EVAL_BATCHES)])
     else:
-        batches = gpt.synthetic_batches(config, job.batch_size, job.seed, device=device, **where)
-    evaluate = _evaluator(job, module.loss_for(config), config.seq_len, where, device) if job.eval_every else None
+        batches = gpt.synthetic_batches(config, job.batch_size, job.seed, **where)
     tokens_per_step = job.batch_size * config.seq_len
     if rank != 0:
         for i in range(1, job.steps + 1):
             state, _ = step(state, next(batches))
-            if evaluate and job.eval_due(i):
+            if job.eval_due(i):
                 evaluate(step, state)
         return
     progress = Progress(job.steps, label="train")
@@ -336,7 +341,7 @@ def _train_rank(rank: int, job: TrainJob) -> None:
         for i in range(1, job.steps + 1):
             state, m = step(state, next(batches))
             record = {"step": i, **{k: m[k] for k in STEP_METRICS}, "tokens_per_s": tokens_per_step / m["step_s"]}
-            if evaluate and job.eval_due(i):
+            if job.eval_due(i):
                 record["eval_loss"] = evaluate(step, state)
                 shown["eval"] = f"{record['eval_loss']:.4f}"
             out.write(json.dumps(record) + "\n")
@@ -344,24 +349,6 @@ def _train_rank(rank: int, job: TrainJob) -> None:
             progress.update(i, {"loss": f"{m['loss']:.4f}", **shown, "tokens/s": f"{record['tokens_per_s'] / 1e3:.1f}k",
                                 "comm wait": f"{m['comm_wait_s'] / m['step_s']:.0%}"})
     progress.close()
-
-
-def _evaluator(job: TrainJob, loss_fn, seq_len: int, where: dict, device):
-    """``evaluate(step, state) -> held-out loss``, collective: the mean loss of the gathered params
-    over the same EVAL_BATCHES batches of the val split each time, each rank on its own rows."""
-    val = token_data.TokenData(job.data, "val")
-    batches = val.batches(job.batch_size, seq_len, seed=job.seed, device=device, **where)
-    fixed = [next(batches) for _ in range(EVAL_BATCHES)]
-
-    def evaluate(step, state) -> float:
-        params = step.full_params(state)
-        with torch.no_grad():
-            total = torch.stack([loss_fn(params, b).float() for b in fixed]).mean()
-        if torch.distributed.is_initialized() and where["world_size"] > 1:
-            torch.distributed.all_reduce(total)
-            total /= where["world_size"]
-        return float(total)
-    return evaluate
 
 
 def cmd_train(args) -> int:
@@ -397,7 +384,7 @@ def cmd_train(args) -> int:
         (out / "run.json").write_text(json.dumps(
             {**asdict(job), "hpf": hpf.__version__, "torch": torch.__version__,
              "started": datetime.datetime.now().isoformat(timespec="seconds")}, indent=1) + "\n")
-        print(f"hpf train: {_title(args.model, args.config)} ({module.num_params(config) / 1e6:.2f}M params, "
+        print(f"hpf train: {TITLES[args.model]} {args.config!r} ({module.num_params(config) / 1e6:.2f}M params, "
               f"{len(plan.units)} FSDP units) on {mesh.size} ranks, mesh {_mesh_text(job.axes)}, "
               f"{args.topology}{' HSDP' if args.hsdp else ''}, {args.optimizer} lr {job.lr:g} "
               f"({args.schedule}{f', warmup {args.warmup}' if args.warmup else ''}), {args.mode} mode")
@@ -537,24 +524,14 @@ def _add_prepare_parser(sub) -> None:
 
 
 def cmd_prepare(args) -> int:
-    files = []
-    for item in args.inputs:
-        if item.is_dir():
-            found = sorted(p for p in item.rglob(args.glob) if p.is_file())
-            if not found:
-                raise CliError(f"folder {item} has no files matching --glob {args.glob!r}")
-            files += found
-        elif item.is_file():
-            files.append(item)
-        else:
-            raise CliError(f"{item} is neither a file nor a folder")
     started = time.perf_counter()
     try:
-        meta = token_data.prepare(files, args.out, tokenizer=args.tokenizer, val_fraction=args.val_fraction)
+        meta = token_data.prepare(args.inputs, args.out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
+                                  glob=args.glob)
     except (FileNotFoundError, ModuleNotFoundError) as e:
         raise CliError(str(e)) from None
     n = meta["tokens"]
-    print(f"hpf prepare: {len(files)} files -> {args.out}: {n['train']:,} train + {n['val']:,} val tokens "
+    print(f"hpf prepare: {len(meta['sources'])} files -> {args.out}: {n['train']:,} train + {n['val']:,} val tokens "
           f"({meta['dtype']}, vocab {meta['vocab_size']}, tokenizer {meta['tokenizer']}) "
           f"in {time.perf_counter() - started:.1f} s")
     return 0
@@ -631,3 +608,91 @@ def ratio_table(rows: list[tuple[str, str, float, str]]) -> str:
     if not body:
         lines.append("(no RATIO lines were printed)")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ hpf simulate
+
+def _add_simulate(sub, job) -> None:
+    simulate = sub.add_parser(
+        "simulate", parents=[job], help="predict step time and exposed communication at any scale (no processes)",
+        description="Predict step time, exposed communication and tokens/s of hpf, FSDP2 and Megatron DDP from "
+                    "the plan alone (hpf.sim: alpha-beta links per tier, the step's schedule as an event "
+                    "simulation). Example: hpf simulate --config 1b --mesh node=48,local=16 --hardware "
+                    "cloudmatrix384 --mixed-precision bf16")
+    simulate.add_argument("--hardware", default="cloudmatrix384", metavar="NAME|FILE",
+                          help="a published profile (cloudmatrix384, ascend910c-roce, h100, h200) or a calibration "
+                               "JSON from `python -m hpf.sim.calibrate` (default: cloudmatrix384)")
+    simulate.add_argument("--local-batch", type=_positive(int), default=4, metavar="B",
+                          help="sequences per rank per step (weak scaling; default: 4)")
+    simulate.add_argument("--sweep", metavar="N,N,...",
+                          help="rank counts for a scaling curve, e.g. 16,32,64,128,256,512,768 (meshes of whole "
+                               "fast domains: node=N/fast,local=fast)")
+    simulate.add_argument("--plot", type=Path, metavar="DIR",
+                          help="with --sweep: write step_time.png, exposed_comm.png, tokens_per_rank.png into DIR "
+                               "(needs matplotlib)")
+    simulate.add_argument("--no-pipeline", action="store_true", help="hpf waits for each unit's reduction")
+    simulate.set_defaults(run=cmd_simulate)
+
+
+def cmd_simulate(args) -> int:
+    from hpf import sim
+
+    if args.model != "gpt":
+        raise CliError("hpf simulate models the GPT only; drop --model")
+    hw = sim.hardware(args.hardware)
+    kw = dict(local_batch=args.local_batch, mixed_precision=args.mixed_precision, topology=args.topology,
+              fsdp_axes=args.fsdp_axes, pipeline=not args.no_pipeline)
+    strategies = ("hsdp" if args.hsdp else "hpf", "fsdp2", "ddp")
+    if args.plot and not args.sweep:
+        raise CliError("--plot draws the scaling curve: give --sweep too")
+    if args.sweep:
+        try:
+            ranks = [int(n) for n in args.sweep.split(",")]
+        except ValueError:
+            raise CliError(f"--sweep {args.sweep!r}: give rank counts separated by commas, e.g. 16,32,64") from None
+        rows = sim.sweep(args.config, ranks, hw, strategies, **kw)
+    else:
+        mesh = _mesh(args)
+        rows = [(mesh.size, sim.compare(args.config, mesh, hw, strategies, **kw))]
+    print(f"hpf simulate: GPT {args.config!r}, {args.local_batch} x {gpt.CONFIGS[args.config].seq_len} tokens per "
+          f"rank, {args.mixed_precision or 'fp32'}, hardware {hw.name}, hpf {args.topology}"
+          f"{' HSDP' if args.hsdp else ''}; FSDP2 and Megatron DDP as modelled in hpf.sim")
+    print(f"{'ranks':>6} {'strategy':<8} {'step ms':>9} {'exposed':>8} {'tokens/s':>12} {'tok/s/rank':>11} "
+          f"{'vs hpf':>7} {'fast busy ms':>12} {'slow busy ms':>12}")
+    for n, res in rows:
+        base = res[strategies[0]].step_s
+        for name, r in res.items():
+            print(f"{n:>6} {name:<8} {r.step_s * 1e3:>9.2f} {r.exposed_share:>8.1%} {r.tokens_per_s:>12,.0f} "
+                  f"{r.tokens_per_s / n:>11,.0f} {r.step_s / base - 1:>+7.1%} {r.busy_s['fast'] * 1e3:>12.2f} "
+                  f"{r.busy_s['slow'] * 1e3:>12.2f}")
+    for note in hw.notes:
+        print(f"  note: {note}")
+    if args.plot:
+        for f in save_simulate_plots(rows, args.plot):
+            print(f"  wrote {f}")
+    return 0
+
+
+def save_simulate_plots(rows, out: Path) -> list[Path]:
+    """step_time.png, exposed_comm.png, tokens_per_rank.png of a sweep, one line per strategy."""
+    try:
+        from matplotlib.figure import Figure
+    except ModuleNotFoundError:
+        raise CliError("--plot needs matplotlib: pip install matplotlib (the plot extra: pip install -e '.[plot]')") from None
+    out.mkdir(parents=True, exist_ok=True)
+    ranks = [n for n, _ in rows]
+    files = []
+    for fname, label, value in (("step_time.png", "step time (ms)", lambda r, n: r.step_s * 1e3),
+                                ("exposed_comm.png", "exposed communication (% of step)",
+                                 lambda r, n: 100 * r.exposed_share),
+                                ("tokens_per_rank.png", "tokens/s per rank", lambda r, n: r.tokens_per_s / n)):
+        fig = Figure(figsize=(6, 3.5), layout="constrained")
+        ax = fig.subplots()
+        for name in rows[0][1]:
+            ax.plot(ranks, [value(res[name], n) for n, res in rows], marker="o", label=name)
+        ax.set(xlabel="ranks", ylabel=label, xscale="log", title=label)
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.savefig(out / fname, dpi=120)
+        files.append(out / fname)
+    return files

@@ -21,7 +21,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-__all__ = ["prepare", "read_meta", "TokenData", "Batches", "BYTE_VOCAB", "EOT_BYTE"]
+__all__ = ["prepare", "text_files", "read_meta", "TokenData", "Batches", "HeldOut", "BYTE_VOCAB", "EOT_BYTE"]
 
 FORMAT, VERSION = "hpf-tokens", 1
 EOT_BYTE = 256  # the byte tokenizer's end-of-document token, after the 256 byte values
@@ -52,20 +52,34 @@ def _hf_encoder(path: Path):
     return encode, tok.get_vocab_size(), eot, str(path.resolve())
 
 
-def prepare(text_files: Sequence[str | os.PathLike], out_dir: str | os.PathLike, tokenizer: str = "bytes",
-            val_fraction: float = 0.05) -> dict:
-    """Tokenize ``text_files`` (in the order given, each followed by the end-of-document token
-    when the tokenizer has one) into ``out_dir``; the last ``val_fraction`` of the token stream
-    is the held-out split (nanoGPT's convention). ``tokenizer``: "bytes" (vocab 257: 256 byte
-    values + end-of-document) or a local HF ``tokenizer.json``. Returns the header it wrote."""
-    if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
-    files = [Path(f) for f in text_files]
+def text_files(inputs: Sequence[str | os.PathLike], glob: str = "*") -> list[Path]:
+    """Files in the order given; a folder stands for its files matching ``glob``, recursively, sorted."""
+    files = []
+    for item in map(Path, inputs):
+        if item.is_dir():
+            found = sorted(p for p in item.rglob(glob) if p.is_file())
+            if not found:
+                raise FileNotFoundError(f"folder {item} has no files matching {glob!r}")
+            files += found
+        elif item.is_file():
+            files.append(item)
+        else:
+            raise FileNotFoundError(f"{item} is neither a file nor a folder")
     if not files:
         raise ValueError("prepare: no text files given")
-    missing = [str(f) for f in files if not f.is_file()]
-    if missing:
-        raise FileNotFoundError(f"prepare: not a file: {', '.join(missing[:5])}")
+    return files
+
+
+def prepare(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike, tokenizer: str = "bytes",
+            val_fraction: float = 0.05, glob: str = "*") -> dict:
+    """Tokenize the ``text_files(inputs, glob)`` (in that order, each followed by the
+    end-of-document token when the tokenizer has one) into ``out_dir``; the last ``val_fraction``
+    of the token stream is the held-out split (nanoGPT's convention). ``tokenizer``: "bytes"
+    (vocab 257: 256 byte values + end-of-document) or a local HF ``tokenizer.json``. Returns the
+    header it wrote."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
+    files = text_files(inputs, glob)
     encode, vocab, eot, name = _byte_encoder() if tokenizer == "bytes" else _hf_encoder(Path(tokenizer))
     dtype = np.uint16 if vocab < 2 ** 16 else np.uint32
     parts = []
@@ -188,3 +202,21 @@ class Batches:
             row.copy_(self.data.window(start, self.seq_len + 1))  # the one copy: to int64
         self.step += 1
         return out if self.device is None else out.to(self.device)
+
+
+class HeldOut:
+    """``HeldOut(loss_fn, batches)(step, state) -> float``: the mean loss of the gathered params
+    (``step.full_params``) over this rank's rows of fixed held-out batches, averaged over ranks.
+    Collective: every rank calls it at the same step."""
+
+    def __init__(self, loss_fn, batches: list[torch.Tensor]):
+        self.loss_fn, self.batches = loss_fn, batches
+
+    def __call__(self, step, state) -> float:
+        params = step.full_params(state)
+        with torch.no_grad():
+            total = torch.stack([self.loss_fn(params, b).float() for b in self.batches]).mean()
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(total)
+            total /= torch.distributed.get_world_size()
+        return float(total)

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import tree as tree_util
-from .plan import ROOT, Bucket, Plan
+from .planning import ROOT, Bucket, Plan
 from .report import bucket_allreduce_bytes, bucket_gather_bytes, count_bytes
 
 __all__ = ["UnitEngine", "BucketComm", "MemoryStats"]

@@ -25,6 +25,14 @@ class Mesh:
 
     ``fast_axes`` are the axes whose ranks share a fast tier (a host, a supernode); by
     default the innermost axis. Every other axis crosses the slow tier.
+
+    Args:
+        axes: axis name -> size, outer to inner; the product is the world size.
+        fast_axes: the axes whose ranks share the fast tier (default: the last axis).
+
+    Raises:
+        MeshError: no axes, an empty or non-string name, a size that is not a positive int,
+            or a fast axis that is not a mesh axis.
     """
 
     def __init__(self, axes: Mapping[str, int], *, fast_axes: Sequence[str] | None = None):

@@ -73,7 +73,7 @@ class PlanReport:
            reduce_dtype: torch.dtype | None = None, optimizer_states: int = 2,
            hierarchical: bool = False, regather: bool = True) -> "PlanReport":
         """``regather=False``: blocks stay gathered through backward (a shared-memory fast tier)."""
-        from .plan import ROOT
+        from .planning import ROOT
 
         mesh = plan.mesh
         last_unit = list(plan.units)[-1]

@@ -9,21 +9,38 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, Iterable, Sequence
 
+import optree
 import torch
 
 from . import tree as tree_util
 
-__all__ = ["P", "Rules", "rules", "SpecError", "resolve_specs"]
+__all__ = ["P", "Rules", "rules", "SpecError", "SpecTreeError", "IndivisibleSpecError", "resolve_specs"]
 
 
 class SpecError(ValueError):
     """A spec, rule or mesh that cannot describe the parameters; the message names the path."""
 
 
+class SpecTreeError(SpecError):
+    """A pytree of specs that does not have the params' structure."""
+
+
+class IndivisibleSpecError(SpecError):
+    """A non-FSDP axis that does not divide the dim it splits (only FSDP axes are padded)."""
+
+
 class P(tuple):
     """A PartitionSpec: one entry per leading tensor dim, each None, an axis name or a tuple of names.
 
     Trailing dims that are not listed are replicated. ``P()`` is fully replicated.
+
+    Args:
+        entries: per dim, None (replicated), a mesh axis name, or a tuple of names (the dim
+            split over their product, outer axis first).
+
+    Raises:
+        SpecError: an entry that is none of those. Axis names are checked against the mesh
+            when the plan is made.
     """
 
     def __new__(cls, *entries: None | str | Sequence[str]):
@@ -81,7 +98,19 @@ class Rules:
 
 
 def rules(pairs: Iterable[tuple[str, P]]) -> Rules:
-    """``hpf.rules([(regex, P), ...])``: map parameter paths to specs, first match wins."""
+    """``hpf.rules([(regex, P), ...])``: map parameter paths to specs, first match wins.
+
+    Args:
+        pairs: (regex, P) pairs; a regex must match the whole "/"-joined path (re.fullmatch).
+
+    Returns:
+        A callable ``path -> P`` to pass as ``param_specs``.
+
+    Raises:
+        SpecError: a pair maps to something that is not a ``P`` (here), or, when the plan is
+            made, a path no pattern matches (the message lists the patterns).
+        re.error: a pattern that is not a regular expression.
+    """
     return Rules(pairs)
 
 
@@ -108,18 +137,13 @@ def resolve_specs(
 
 
 def _specs_from_tree(params: Any, spec_tree: Any, paths: list[str]) -> list[P]:
-    import optree
-
-    spec_leaves, spec_def = optree.tree_flatten(
-        spec_tree, is_leaf=lambda x: isinstance(x, P) or x is None, none_is_leaf=True
-    )
-    param_def = tree_util.structure(params)
-    if spec_def != param_def:
-        spec_paths = ["/".join(map(str, p)) for p in optree.tree_paths(
-            spec_tree, is_leaf=lambda x: isinstance(x, P) or x is None, none_is_leaf=True)]
+    is_spec = lambda x: isinstance(x, P) or x is None  # noqa: E731
+    spec_leaves, spec_def = optree.tree_flatten(spec_tree, is_leaf=is_spec, none_is_leaf=True)
+    if spec_def != tree_util.structure(params):
+        spec_paths = [tree_util.path_str(p) for p in optree.tree_paths(spec_tree, is_leaf=is_spec, none_is_leaf=True)]
         missing = sorted(set(paths) - set(spec_paths))
         extra = sorted(set(spec_paths) - set(paths))
-        raise SpecError(
+        raise SpecTreeError(
             "param_specs tree does not have the structure of params: "
             f"paths without a spec: {missing[:5]}{'...' if len(missing) > 5 else ''}; "
             f"specs with no parameter: {extra[:5]}{'...' if len(extra) > 5 else ''}. "

@@ -8,62 +8,45 @@ optimizer on flat shards.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from .collectives import SPMD, gather_dim0, spmd
+from .device import default_device
 from .fsdp import BucketComm, UnitEngine
 from .mesh import Mesh, MeshError
-from .plan import Plan, plan as make_plan
+from .planning import Plan, plan as make_plan
 from .topology import TieredComm, Topology
+from .types import MixedPrecision, TrainState
 
-__all__ = ["shard_step", "ShardStep", "TrainState", "MixedPrecision", "default_device"]
-
-
-@dataclass(frozen=True)
-class MixedPrecision:
-    """Compute in ``compute_dtype``, reduce grads in ``reduce_dtype``, keep master shards in
-    ``master_dtype``. ``MixedPrecision(torch.bfloat16)`` is the usual choice."""
-
-    compute_dtype: torch.dtype = torch.bfloat16
-    reduce_dtype: torch.dtype = torch.float32
-    master_dtype: torch.dtype = torch.float32
-
-
-_PRECISIONS = {"bf16": MixedPrecision(torch.bfloat16), "fp16": MixedPrecision(torch.float16)}
-
-
-class TrainState(NamedTuple):
-    """The sharded train state: one flat master shard per plan bucket, and optimizer state."""
-
-    params: list[torch.Tensor]
-    opt_state: Any
-
-
-def default_device() -> torch.device:
-    """The accelerator the process group drives, else the CPU (gloo)."""
-    if dist.is_initialized() and dist.get_backend() != "gloo" and torch.accelerator.is_available():
-        return torch.device(torch.accelerator.current_accelerator().type, torch.accelerator.current_device_index())
-    return torch.device("cpu")
+__all__ = ["ShardStep", "step_plan"]
 
 
 class ShardStep:
-    """The callable returned by :func:`shard_step`; see its docstring."""
+    """The production step: the callable :func:`hpf.shard_step` returns for ``mode="production"``.
+
+    Subclasses (validation mode) extend two documented hooks, :meth:`forward_backward` and
+    :meth:`call_loss`, and name their mode in the class attribute :attr:`mode`.
+
+    Args:
+        loss_fn, mesh, optimizer, param_specs, fsdp_axes, mixed_precision, max_grad_norm,
+        topology, hsdp, overlap_optimizer: as for :func:`hpf.shard_step`.
+
+    Raises:
+        ValueError: an unknown ``mixed_precision`` name, or ``max_grad_norm <= 0``.
+        TypeError: ``optimizer`` has no ``init``/``update``.
+    """
+
+    #: The ``mode=`` of :func:`hpf.shard_step` that makes this class.
+    mode = "production"
 
     def __init__(self, loss_fn: Callable, *, mesh: Mesh, optimizer, param_specs=None, fsdp_axes=None,
-                 mode: str = "production", mixed_precision: MixedPrecision | str | None = None,
+                 mixed_precision: MixedPrecision | str | None = None,
                  max_grad_norm: float | None = None, topology: Topology | None = None, hsdp: bool = False,
                  overlap_optimizer: bool = True):
-        if mode not in ("production", "validate"):
-            raise ValueError(f"mode={mode!r}: use 'production' or 'validate'")
-        if isinstance(mixed_precision, str):
-            if mixed_precision not in _PRECISIONS:
-                raise ValueError(f"mixed_precision={mixed_precision!r}: use one of {list(_PRECISIONS)} "
-                                 "or hpf.MixedPrecision(...)")
-            mixed_precision = _PRECISIONS[mixed_precision]
+        mixed_precision = MixedPrecision.parse(mixed_precision)
         if max_grad_norm is not None and max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm={max_grad_norm}: must be positive, or None for no clipping")
         for name in ("init", "update"):
@@ -71,7 +54,7 @@ class ShardStep:
                 raise TypeError(f"optimizer {optimizer!r} has no {name}(); pass hpf.optim.adamw(...) "
                                 "or another object with init(params) and update(grads, state, params)")
         self.loss_fn, self.mesh, self.optimizer = loss_fn, mesh, optimizer
-        self.param_specs, self.fsdp_axes, self.mode = param_specs, fsdp_axes, mode
+        self.param_specs, self.fsdp_axes = param_specs, fsdp_axes
         self.mp, self.max_grad_norm = mixed_precision, max_grad_norm
         self.topology, self.hsdp = topology, hsdp
         self._want_overlap = overlap_optimizer
@@ -87,11 +70,8 @@ class ShardStep:
                             "start the job with hpf.launch(fn, world_size) or torchrun")
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.device = default_device()
-        fsdp = self.mesh.axis_names if self.fsdp_axes is None else tuple(self.fsdp_axes)
-        hier = self.topology is not None and self.topology.hierarchical
-        self.plan = make_plan(full_params, self.mesh, self.param_specs, self.fsdp_axes, hierarchical=hier,
-                              default_shard_axes=[a for a in fsdp if a in self.mesh.fast_axes] if self.hsdp else None,
-                              bucket_bytes=self.topology.bucket_bytes if self.topology else 0)
+        self.plan = step_plan(full_params, self.mesh, self.param_specs, self.fsdp_axes, topology=self.topology,
+                              hsdp=self.hsdp)
         _check_same_on_all_ranks(self.plan)
         master = self.mp.master_dtype if self.mp else None
         shards = [s.to(self.device) for s in self.plan.shards(full_params, self.rank, master)]
@@ -120,9 +100,9 @@ class ShardStep:
         # Optimizer overlap: an elementwise optimizer updates each unit as soon as its grads
         # land, while backward and the other reductions go on, and the next step's first
         # gathers start right after. Global clipping and partial-sum all-reduces need every
-        # grad first, and validation checks grads before anything is updated: those keep
-        # the update after backward.
-        self.overlap_optimizer = (self._want_overlap and self.mode == "production" and self.max_grad_norm is None
+        # grad first (and validation, which checks grads before any update, passes
+        # overlap_optimizer=False): those keep the update after backward.
+        self.overlap_optimizer = (self._want_overlap and self.max_grad_norm is None
                                   and not self._compute_sums and hasattr(self._opt, "partial_update"))
         return TrainState(shards, self._opt.init(shards))
 
@@ -146,7 +126,7 @@ class ShardStep:
                 opt_s[0] += time.perf_counter() - t
             eng.update_buckets = update_buckets
         try:
-            loss = self._forward_backward(state, batch)
+            loss = self.forward_backward(state, batch)
         finally:
             eng.update_buckets = None
         if not self.overlap_optimizer:
@@ -171,14 +151,18 @@ class ShardStep:
                    "optimizer_s": t1 - t_opt + opt_s[0], "comm_wait_s": eng.take_wait_s()}
         return TrainState(params, opt_state), metrics
 
-    def _forward_backward(self, state: TrainState, batch: Any) -> torch.Tensor:
+    def forward_backward(self, state: TrainState, batch: Any) -> torch.Tensor:
         """Run loss_fn and backward; leaves the grads of the local losses, summed over the FSDP
-        axes, in ``self.grad_shards``. Returns this rank's loss."""
+        axes, in ``self.grad_shards``. Returns this rank's loss. Updates nothing.
+
+        A hook: subclasses extend it with checks before and after (validation mode checks the
+        state and batch first and the grads after); :func:`hpf.validate.check_grads` calls it
+        to get grads without an update."""
         eng = self.engine
         if not eng.ready_for(state.params):
             eng.begin(state.params, self.grad_shards)
         with torch.autograd.graph.saved_tensors_hooks(eng.pack, eng.unpack), spmd(self._spmd):
-            loss = self._run_loss(eng.params_tree(), batch)
+            loss = self.call_loss(eng.params_tree(), batch)
             _check_loss(loss)
             if self._loss_seed is None:
                 loss.backward()
@@ -189,8 +173,10 @@ class ShardStep:
             dist.all_reduce(self.grad_shards[b], group=group)
         return loss
 
-    def _run_loss(self, params: Any, batch: Any) -> torch.Tensor:
-        """The call of loss_fn; validation mode wraps params and batch here."""
+    def call_loss(self, params: Any, batch: Any) -> torch.Tensor:
+        """The one call of ``loss_fn`` inside :meth:`forward_backward`.
+
+        A hook: subclasses wrap params and batch here (validation mode tracks their layouts)."""
         return self.loss_fn(params, batch)
 
     def full_params(self, state: TrainState) -> Any:
@@ -213,33 +199,22 @@ class ShardStep:
         return plan.tree({p: _gather_compute_axes(plan, p, x).clone() for p, x in local.items()})
 
 
-def shard_step(loss_fn: Callable, *, mesh: Mesh, optimizer, param_specs=None, fsdp_axes=None,
-               mode: str = "production", mixed_precision: MixedPrecision | str | None = None,
-               max_grad_norm: float | None = None, topology: Topology | None = None,
-               hsdp: bool = False, overlap_optimizer: bool = True) -> ShardStep:
-    """Make a sharded training step for ``loss_fn(params, batch) -> scalar``.
+def step_plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes=None, *,
+              topology: Topology | None = None, hsdp: bool = False) -> Plan:
+    """The plan :func:`hpf.shard_step` makes for these arguments (the CLI's ``hpf plan`` prints it).
 
-    ``param_specs``: None (shard every param over all FSDP axes), ``hpf.rules([...])`` or a
-    pytree of ``P``. ``fsdp_axes``: the data-parallel axes params are sharded and gathered
-    over (default: all mesh axes); other axes are stored and computed sharded.
-    ``mixed_precision``: None, "bf16" or ``hpf.MixedPrecision``. ``topology``: None (flat
-    collectives) or ``hpf.Topology(...)`` for two-tier collectives and the backward pipeline.
-    ``hsdp``: by default shard params only over the fast-tier FSDP axes and replicate them
-    across the slow tier. ``overlap_optimizer``: update each unit as soon as its grads have
-    landed, during backward (an optimizer with ``partial_update``, such as AdamW, with no
-    ``max_grad_norm``; bitwise the same result); False updates after backward. Returns a
-    :class:`ShardStep`:
-    ``state = step.init(params)``, then ``state, metrics = step(state, batch)``.
+    Args:
+        params: the full params (meta tensors are enough).
+        mesh, param_specs, fsdp_axes, topology, hsdp: as for :func:`hpf.shard_step`.
+
+    Raises:
+        SpecError: as :func:`hpf.plan`.
     """
-    if mode == "validate":
-        from .validate import ValidateStep
-
-        return ValidateStep(loss_fn, mesh=mesh, optimizer=optimizer, param_specs=param_specs,
-                            fsdp_axes=fsdp_axes, mixed_precision=mixed_precision, max_grad_norm=max_grad_norm,
-                            topology=topology, hsdp=hsdp)
-    return ShardStep(loss_fn, mesh=mesh, optimizer=optimizer, param_specs=param_specs, fsdp_axes=fsdp_axes,
-                     mode=mode, mixed_precision=mixed_precision, max_grad_norm=max_grad_norm,
-                     topology=topology, hsdp=hsdp, overlap_optimizer=overlap_optimizer)
+    fsdp = mesh.axis_names if fsdp_axes is None else tuple(fsdp_axes)
+    return make_plan(params, mesh, param_specs, fsdp_axes,
+                     hierarchical=topology is not None and topology.hierarchical,
+                     default_shard_axes=[a for a in fsdp if a in mesh.fast_axes] if hsdp else None,
+                     bucket_bytes=topology.bucket_bytes if topology else 0)
 
 
 def _check_loss(loss: Any) -> None:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from .comm.shm import ShmGroup
 from .comm.transport import ProcessGroupTransport
-from .plan import Plan, check_bucket_bytes
+from .planning import Plan, check_bucket_bytes
 from .report import bucket_allreduce_bytes, bucket_gather_bytes, count_bytes, dtype_bytes
 
 __all__ = ["Topology", "SlowLink", "TieredComm"]

@@ -19,9 +19,13 @@ def path_str(path: tuple) -> str:
     return "/".join(str(k) for k in path)
 
 
-def flatten(tree: Any) -> tuple[list[str], list[Any], optree.PyTreeSpec]:
-    """Flatten ``tree`` into (paths, leaves, treedef); None is a leaf so structure is never lost."""
-    raw_paths, leaves, treedef = optree.tree_flatten_with_path(tree, none_is_leaf=True)
+def flatten(tree: Any, none_is_leaf: bool = True) -> tuple[list[str], list[Any], optree.PyTreeSpec]:
+    """Flatten ``tree`` into (paths, leaves, treedef).
+
+    By default None is a leaf, so a params tree's structure is never lost (and a None leaf
+    gets a named error). ``none_is_leaf=False`` drops None subtrees, as optax does for
+    optimizer inputs (hpf.optim's flattening)."""
+    raw_paths, leaves, treedef = optree.tree_flatten_with_path(tree, none_is_leaf=none_is_leaf)
     return [path_str(p) for p in raw_paths], leaves, treedef
 
 

@@ -3,17 +3,19 @@ grads of a tensor-parallel step against plain autograd on the unsharded model.
 
 The two-rank checks run in one launched job per module fixture; the tests compare numbers.
 """
+import functools
+
 import numpy as np
 import optree
 import pytest
 import torch
-import torch.nn.functional as F
 
 import hpf
-from hpf import P
-from hpf.collectives import SPMD, _AllReduce, all_gather, all_to_all, axis_index, psum, spmd
-from hpf.launch import launch
+from hpf.collectives import SPMD, all_gather, all_to_all, axis_index, psum, spmd
+from hpf.launcher import launch
 from hpf.mesh import MeshError
+from references import autograd_grads
+from toy_models import TP_MLP_SPECS, psum_with_identity_backward, tp_mlp_batch, tp_mlp_loss, tp_mlp_params
 
 TP = hpf.Mesh({"tp": 2})
 SHAPE = (4, 6)  # every collective below splits or gathers dims of this shape over 2 ranks
@@ -93,34 +95,12 @@ def test_virtual_mesh_gives_shapes_and_coordinates():
 
 
 # -- a tensor-parallel step: the grads the adjoint convention gives are the true grads -------------
-V, D, FF = 7, 6, 8
-TP_SPECS = hpf.rules([(r"blocks/\d+/w_up", P(None, "tp")), (r"blocks/\d+/w_down", P("tp", None)), (r".*", P())])
-
-
-def tp_params():
-    g = torch.Generator().manual_seed(0)
-    r = lambda *s: torch.randn(*s, generator=g) * 0.5  # noqa: E731
-    return {"embed": r(V, D), "blocks": [{"w_up": r(D, FF), "w_down": r(FF, D)} for _ in range(2)], "head": r(D, V)}
-
-
-def tp_loss(params, batch):
-    """A replicated embedding feeds Megatron MLPs: its grad needs every rank's MLP branch."""
-    h = params["embed"][batch[:, :-1]]
-    for blk in params["blocks"]:
-        h = h + psum(torch.tanh(h @ blk["w_up"]) @ blk["w_down"], "tp")
-    return F.cross_entropy((h @ params["head"]).flatten(0, 1), batch[:, 1:].flatten())
-
-
-def tp_batch():
-    return torch.randint(0, V, (3, 5), generator=torch.Generator().manual_seed(1))
-
-
 def _tp_grads(rank, identity_psum_backward):
-    if identity_psum_backward:  # shard_map's transpose without its implicit pvary casts
-        _AllReduce.backward = staticmethod(lambda ctx, grad: (grad, None))
-    step = hpf.shard_step(tp_loss, mesh=TP, optimizer=hpf.optim.adamw(lr=0.0), param_specs=TP_SPECS, fsdp_axes=())
-    state = step.init(tp_params())
-    step(state, tp_batch())
+    # identity_psum_backward: shard_map's transpose without its implicit pvary casts
+    loss_fn = functools.partial(tp_mlp_loss, psum=psum_with_identity_backward) if identity_psum_backward else tp_mlp_loss
+    step = hpf.shard_step(loss_fn, mesh=TP, optimizer=hpf.optim.adamw(lr=0.0), param_specs=TP_MLP_SPECS, fsdp_axes=())
+    state = step.init(tp_mlp_params())
+    step(state, tp_mlp_batch())
     grads = step.full_params(hpf.TrainState(step.grad_shards, None))
     return optree.tree_map(lambda t: t.numpy(), grads)
 
@@ -131,10 +111,7 @@ def tp_grads():
 
 
 def reference_grads():
-    params = tp_params()
-    leaves = [p.requires_grad_() for p in hpf.tree.flatten(params)[1]]
-    tp_loss(params, tp_batch()).backward()
-    return dict(zip(hpf.tree.paths(params), (p.grad.numpy() for p in leaves)))
+    return {p: g.numpy() for p, g in autograd_grads(tp_mlp_loss, tp_mlp_params(), tp_mlp_batch()).items()}
 
 
 def test_tensor_parallel_grads_match_plain_autograd(tp_grads):

@@ -128,7 +128,7 @@ def test_errors_name_the_problem(tmp_path, prepared, corpus):
         data.TokenData(prepared, "val").batches(2, 10_000)
     with pytest.raises(ValueError, match="multiple of world_size"):
         data.TokenData(prepared).batches(6, 8, world_size=4)
-    with pytest.raises(FileNotFoundError, match="not a file"):
+    with pytest.raises(FileNotFoundError, match="neither a file nor a folder"):
         data.prepare([tmp_path / "missing.txt"], tmp_path / "x")
     with pytest.raises(ValueError, match="val_fraction"):
         data.prepare(corpus, tmp_path / "x", val_fraction=1.5)

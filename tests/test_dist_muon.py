@@ -25,10 +25,11 @@ import torch.nn.functional as F
 
 import hpf
 from hpf import P
-from hpf.launch import launch
+from hpf.launcher import launch
 from hpf.models import gpt
 from hpf.optim.dist_muon import DistMuon, assign_owners, ns_flops
 from hpf.optim.muon import muon
+from references import functional_training
 
 MUON = dict(lr=0.02, weight_decay=0.1, adamw_lr=1e-2, adamw_weight_decay=0.05)
 STEPS = 3
@@ -333,17 +334,7 @@ def reference_training(loss_name, steps=4):
     """Plain autograd on the full params + hpf's single-device Muon (losses, final leaves)."""
     loss_fn, params, batches = {"gpt": (gpt.loss_for(TINY), gpt_params(), gpt_batches),
                                 "moe": (moe_loss, moe_init(), moe_batch)}[loss_name]
-    paths, leaves, treedef = hpf.tree.flatten(params)
-    opt = muon(**MUON)
-    state = opt.init(params)
-    losses = []
-    for s in range(steps):
-        leaves = [p.detach().requires_grad_() for p in hpf.tree.flatten(params)[1]]
-        loss = loss_fn(hpf.tree.unflatten(treedef, leaves), batches(s))
-        grads = torch.autograd.grad(loss, leaves)
-        params, state = opt.update(hpf.tree.unflatten(treedef, list(grads)),
-                                   state, hpf.tree.unflatten(treedef, [p.detach() for p in leaves]))
-        losses.append(loss.item())
+    losses, params = functional_training(loss_fn, params, batches, muon(**MUON), steps)
     return losses, hpf.tree.flatten(params)[1]
 
 

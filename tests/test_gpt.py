@@ -7,6 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hpf.models import gpt
+from references import adamw_training
 
 TINY = gpt.CONFIGS["tiny"]
 
@@ -242,19 +243,7 @@ def test_synthetic_batches_rejects_indivisible_batch():
 
 
 def test_adamw_makes_the_loss_fall():
-    params = gpt.init(TINY)
-    leaves = flat(params)
-    for leaf in leaves:
-        leaf.requires_grad_(True)
-    opt = torch.optim.AdamW(leaves, lr=1e-2)
-    loss_fn = gpt.loss_for(TINY)
     data = gpt.synthetic_batches(TINY, 16, seed=0)
-    losses = []
-    for _ in range(40):
-        value = loss_fn(params, next(data))
-        opt.zero_grad()
-        value.backward()
-        opt.step()
-        losses.append(value.item())
+    losses, _, _ = adamw_training(gpt.loss_for(TINY), gpt.init(TINY), lambda _: next(data), 40, lr=1e-2)
     assert losses[0] == pytest.approx(math.log(TINY.vocab_size), abs=0.2)  # small init: near uniform
     assert sum(losses[-5:]) / 5 < losses[0] - 1.0, losses

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import hpf.launch as hpf_launch
-from hpf.launch import RankError, init_distributed, launch
+import hpf.launcher as hpf_launch
+from hpf.launcher import RankError, init_distributed, launch
 
 
 def _zombie_children() -> list[int]:
@@ -157,7 +157,7 @@ def test_functions_defined_in_main_work_as_in_a_notebook():
     # fork, unlike spawn, needs no pickling of fn: a function typed into __main__ runs as is
     proc = _run_python("""
         import torch, torch.distributed as dist
-        from hpf.launch import launch
+        from hpf.launcher import launch
         def f(rank):
             t = torch.tensor([rank + 1.0]); dist.all_reduce(t); return t.item()
         print(launch(f, 2))

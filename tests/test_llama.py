@@ -12,7 +12,7 @@ import transformers  # the test extra; the library itself never imports it
 from einops import rearrange
 
 import hpf
-from hpf.launch import launch
+from hpf.launcher import launch
 from hpf.models import gpt, llama
 
 # Odd sizes: d_model 30, 5 query heads on 1 kv head (GQA 5:1), head_dim 6, d_ff 37, vocab 67.

@@ -11,7 +11,7 @@ from torch.overrides import TorchFunctionMode
 
 from hpf.comm import ProcessGroupTransport, ShmGroup, ShmTimeout, Transport
 from hpf.comm.shm import SHM_DIR
-from hpf.launch import RankError, launch
+from hpf.launcher import RankError, launch
 
 SHARD_NUMELS = (1, 37, 4099)  # odd sizes: shard starts fall off every alignment
 DTYPES = (torch.float32, torch.bfloat16)

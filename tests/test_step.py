@@ -9,15 +9,15 @@ import functools
 from collections import Counter
 
 import numpy as np
-import optree
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hpf
 from hpf import P
-from hpf.launch import launch
+from hpf.launcher import launch
 from hpf.models import gpt
+from references import adamw_training
 
 TINY = gpt.CONFIGS["tiny"]  # every leaf and unit size is odd or 2 mod 4: shards on 2 and 4 ranks are padded
 DEEP = dataclasses.replace(TINY, n_layers=5)  # enough blocks that "at most two gathered" means something
@@ -48,20 +48,10 @@ def reference(config=TINY, steps=STEPS, max_grad_norm=None, compute_dtype=torch.
     """(losses, pre-clip grad norms, final params) of plain autograd + torch.optim.AdamW.
 
     ``compute_dtype`` other than fp32: the loss runs on casts of the fp32 master params."""
-    params = gpt.init(config, torch.Generator().manual_seed(SEED))
-    leaves = [p.requires_grad_() for p in hpf.tree.flatten(params)[1]]
-    opt = torch.optim.AdamW(leaves, **ADAMW)
-    losses, norms = [], []
-    for s in range(steps):
-        compute = optree.tree_map(lambda p: p.to(compute_dtype), params) if compute_dtype != torch.float32 else params
-        loss = gpt.loss_for(config)(compute, full_batch(config, s))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if max_grad_norm is not None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(leaves, max_grad_norm)))
-        opt.step()
-        losses.append(loss.item())
-    return losses, norms, [p.detach().clone() for p in leaves]
+    losses, norms, params = adamw_training(gpt.loss_for(config), gpt.init(config, torch.Generator().manual_seed(SEED)),
+                                           lambda s: full_batch(config, s), steps, max_grad_norm=max_grad_norm,
+                                           compute_dtype=compute_dtype, **ADAMW)
+    return losses, norms, list(params.values())
 
 
 def train(rank, mesh, config=TINY, steps=STEPS, loss_fn=None, **kwargs):

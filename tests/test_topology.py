@@ -19,8 +19,9 @@ import torch
 
 import hpf
 from hpf import SlowLink, Topology
-from hpf.launch import RankError, launch
+from hpf.launcher import RankError, launch
 from hpf.models import gpt
+from references import adamw_training
 from hpf.tree import flatten
 
 CONFIG = gpt.CONFIGS["tiny"]
@@ -99,20 +100,10 @@ def _run_variants(rank):
 @pytest.fixture(scope="module")
 def reference():
     """Plain autograd and torch.optim.AdamW on the full model and the full global batch."""
-    params = gpt.init(CONFIG)
-    paths, leaves, _ = flatten(params)
-    for x in leaves:
-        x.requires_grad_(True)
-    opt = torch.optim.AdamW(leaves, lr=LR, weight_decay=WEIGHT_DECAY)
-    losses, norms = [], []
-    for s in range(STEPS):
-        loss = gpt.loss(params, gpt.global_batch(CONFIG, BATCH, seed=0, step=s), n_heads=CONFIG.n_heads)
-        opt.zero_grad()
-        loss.backward()
-        norms.append(torch.cat([x.grad.flatten() for x in leaves]).norm().item())
-        opt.step()
-        losses.append(loss.item())
-    return losses, norms, {p: x.detach().numpy() for p, x in zip(paths, leaves)}
+    losses, norms, params = adamw_training(
+        lambda p, b: gpt.loss(p, b, n_heads=CONFIG.n_heads), gpt.init(CONFIG),
+        lambda s: gpt.global_batch(CONFIG, BATCH, seed=0, step=s), STEPS, lr=LR, weight_decay=WEIGHT_DECAY)
+    return losses, norms, {p: x.numpy() for p, x in params.items()}
 
 
 @pytest.fixture(scope="module")

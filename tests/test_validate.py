@@ -1,79 +1,40 @@
-"""Validation mode: layout rules, the fail-fast error classes, plan checks at 768 ranks in one
-process, gradient equivalence, and bit-identical results to production.
+"""Validation mode: the fail-fast error classes, plan checks at 768 ranks in one process,
+gradient equivalence, and bit-identical results to production (the op rules: test_validate_rules.py).
 
 Expected layouts and grads are written down or computed independently (plain autograd on the
 unsharded model); the two-rank runs are grouped into one launched job per fixture.
 """
+import functools
+
 import numpy as np
 import optree
 import pytest
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 
 import hpf
 from hpf import P
-from hpf import all_gather, all_to_all, axis_index, check_plan, psum
-from hpf.collectives import SPMD, _AllReduce, spmd
-from hpf.launch import launch
+from hpf import axis_index, check_plan
+from hpf.launcher import launch
 from hpf.models import gpt
 from hpf.validate import (
-    PARTIAL, VARYING, BatchMismatchError, CollectiveError, GradientMismatchError, IndivisibleSpecError,
-    LossNotReplicatedError, NonFiniteError, ParamsTreeError, PartialSumError, PrecisionError,
-    ShardedContractionError, ShardingMismatchError, Tracker, check_grads,
+    CHECKS, BatchMismatchError, GradientMismatchError, IndivisibleSpecError, LossNotReplicatedError, NonFiniteError,
+    ParamsTreeError, PartialSumError, PrecisionError, ShardedContractionError, check_grads,
 )
-
-# -- a small tensor-parallel transformer (Megatron layout: heads and the MLP split over "tp") ---------
-V, D, HEAD_DIM, FF, T = 17, 16, 2, 24, 6  # D, FF and D // HEAD_DIM heads divide by tp = 2 and tp = 8
-TP_SPECS = hpf.rules([(r"blocks/\d+/w_(q|k|v|up)", P(None, "tp")), (r"blocks/\d+/w_(o|down)", P("tp", None)),
-                      (r".*", P())])
-
-
-def tp_params(seed=0, layers=2):
-    g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g) * 0.3  # noqa: E731
-    return {"embed": r(V, D),
-            "blocks": [{"norm": 1 + r(D) * 0.1, "w_q": r(D, D), "w_k": r(D, D), "w_v": r(D, D), "w_o": r(D, D),
-                        "w_up": r(D, FF), "w_down": r(FF, D)} for _ in range(layers)],
-            "head": r(D, V)}
-
-
-def rms(x, w):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
-
-
-def attention(a, blk):
-    q, k, v = (rearrange(a @ blk[n], "b t (h e) -> b h t e", e=HEAD_DIM) for n in ("w_q", "w_k", "w_v"))
-    return rearrange(F.scaled_dot_product_attention(q, k, v, is_causal=True), "b h t e -> b t (h e)")
-
-
-def tp_loss(params, batch, mlp=None):
-    h = params["embed"][batch[:, :-1]]
-    for blk in params["blocks"]:
-        a = rms(h, blk["norm"])
-        h = h + psum(attention(a, blk) @ blk["w_o"], "tp")
-        h = h + (mlp or tp_mlp)(a, blk)
-    return F.cross_entropy((h @ params["head"]).flatten(0, 1), batch[:, 1:].flatten())
-
-
-def tp_mlp(a, blk):
-    return psum(F.gelu(a @ blk["w_up"]) @ blk["w_down"], "tp")
-
-
-def tokens(n, seed=1):
-    return torch.randint(0, V, (n, T + 1), generator=torch.Generator().manual_seed(seed))
-
+from references import autograd_grads
+from toy_models import (D, MEGATRON_SPECS, megatron_loss, megatron_mlp, megatron_params, megatron_tokens,
+                        psum_with_identity_backward)
 
 BIG_TP = hpf.Mesh({"dp": 96, "tp": 8})  # 768 ranks
 
 
-def plan_check(loss_fn, specs=TP_SPECS, mesh=BIG_TP, **kwargs):
-    return check_plan(loss_fn, tp_params(), mesh, tokens(4), param_specs=specs, fsdp_axes=("dp",), **kwargs)
+def plan_check(loss_fn, specs=MEGATRON_SPECS, mesh=BIG_TP, **kwargs):
+    return check_plan(loss_fn, megatron_params(), mesh, megatron_tokens(4), param_specs=specs, fsdp_axes=("dp",), **kwargs)
 
 
 # ============================================================================ plan checks at scale
 def test_plan_check_of_a_tensor_parallel_model_on_768_ranks():
-    report = plan_check(tp_loss, rank=BIG_TP.size - 1)
+    report = plan_check(megatron_loss, rank=BIG_TP.size - 1)
     assert report.ops > 50 and report.unused == []
     assert report.loss_layout == "dp: varying (different on each rank), tp: replicated"
 
@@ -86,133 +47,37 @@ def test_plan_check_of_the_gpt_on_768_ranks():
     assert report.plan.mesh.size == 768 and report.unused == []
 
 
-# ============================================================================ layout rules
-AXES = ("tp",)
-S0, S1, S2, R = (0, 0), (1, 0), (2, 0), None
+# ============================================================================ the fail-fast checks
+def test_the_checks_are_the_documented_error_classes():
+    assert [c.__name__ for c in CHECKS] == [
+        "PartialSumError", "ShardedContractionError", "LossNotReplicatedError", "BatchMismatchError",
+        "ParamsTreeError", "PrecisionError", "NonFiniteError", "IndivisibleSpecError"]
+    assert issubclass(ParamsTreeError, hpf.SpecError) and issubclass(IndivisibleSpecError, hpf.SpecError)
 
 
-@pytest.fixture
-def track():
-    """Run ops under a tracker on a virtual 2-rank "tp" mesh; ``track.put(t, entry)`` sets a layout."""
-    mesh = hpf.Mesh({"tp": 2})
-    tracker = Tracker(mesh, ())
-    from hpf.validate import _info
-
-    def put(t, entry):
-        tracker.set(t, _info((entry,), ("test",), ("parameter", "x")))
-        return t
-
-    tracker.put = put
-    tracker.entry = lambda t: tracker.info(t).layout[0]
-    with spmd(SPMD(mesh, 0, (), virtual=True)):
-        yield tracker
-
-
-def t(*shape):
-    return torch.randn(*shape)
-
-
-LAYOUT_CASES = {  # name -> (inputs as (shape, entry), fn, expected entry of the output)
-    "add broadcasts a size-1 replicated dim": ([((4, 6), S1), ((4, 1), R)], lambda x, y: x + y, S1),
-    "matmul keeps a free sharded dim": ([((4, 6), R), ((6, 3), S1)], lambda x, w: x @ w, S1),
-    "matmul over a shared sharded dim is partial": ([((4, 6), S1), ((6, 3), S0)], lambda x, w: x @ w, PARTIAL),
-    "einsum contraction is partial": ([((2, 4, 6), S2), ((6, 3), S0)], lambda x, w: torch.einsum("bij,jk->bik", x, w),
-                                      PARTIAL),
-    "linear maps the weight's out dim": ([((4, 6), R), ((3, 6), S0)], lambda x, w: F.linear(x, w), S1),
-    "partial times a number stays partial": ([((4, 6), PARTIAL)], lambda x: x * 0.5 - x, PARTIAL),
-    "psum completes a partial sum": ([((4, 6), PARTIAL)], lambda x: psum(x, "tp"), R),
-    "split heads keeps the shard on heads": ([((2, 3, 8), S2)],
-                                             lambda x: rearrange(x, "b t (h e) -> b h t e", e=2), S1),
-    "merge heads keeps it on the merged dim": ([((2, 4, 3, 2), S1)],
-                                               lambda x: rearrange(x, "b h t e -> b t (h e)"), S2),
-    "merging a minor sharded dim is varying": ([((2, 3, 4), S1)], lambda x: x.flatten(0, 1), VARYING),
-    "transpose moves the shard": ([((4, 6), S0)], lambda x: x.T, S1),
-    "full slice keeps the shard": ([((4, 6), S0)], lambda x: x[:, 1:3, None], S0),
-    "partial slice of a sharded dim is varying": ([((4, 6), S0)], lambda x: x[1:3], VARYING),
-    "sum over a sharded dim is partial": ([((4, 6), S1)], lambda x: x.sum(-1), PARTIAL),
-    "sum over another dim keeps it": ([((4, 6), S1)], lambda x: x.sum(0), S0),
-    "cat along another dim keeps it": ([((4, 6), S1), ((2, 6), S1)], lambda x, y: torch.cat([x, y]), S1),
-    "cat along the sharded dim is varying": ([((4, 6), S1), ((4, 2), S1)], lambda x, y: torch.cat([x, y], 1), VARYING),
-    "split along another dim keeps it": ([((4, 6), S1)], lambda x: x.split(2)[1], S1),
-    "embedding of a column-split table": ([((2, 3), R), ((9, 4), S1)],
-                                          lambda i, w: F.embedding(i.long().abs() % 9, w), S2),
-    "embedding of a row-split table is varying": ([((2, 3), R), ((9, 4), S0)],
-                                                  lambda i, w: F.embedding(i.long().abs() % 9, w), VARYING),
-    "softmax over another dim keeps it": ([((4, 6), S0)], lambda x: x.softmax(-1), S0),
-    "attention keeps sharded heads": ([((2, 4, 3, 2), S1)] * 3, lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
-                                      S1),
-    "a cast keeps it": ([((4, 6), S1)], lambda x: x.to(torch.float64), S1),
-    "zeros_like keeps the local shape": ([((4, 6), S1)], lambda x: torch.zeros_like(x), S1),
-    "an op without a rule is varying": ([((4, 6), S1)], lambda x: torch.diff(x, dim=0), VARYING),
-    "all_gather the sharded dim replicates": ([((4, 6), S1)], lambda x: all_gather(x, "tp", dim=1), R),
-    "all_to_all moves the shard": ([((4, 6), S1)], lambda x: all_to_all(x, "tp", 0, 1), S0),
-    "axis_index is varying": ([], lambda: axis_index("tp") + 1, VARYING),
-}
-
-
-@pytest.mark.parametrize("name", list(LAYOUT_CASES))
-def test_layout_rules(track, name):
-    inputs, fn, expected = LAYOUT_CASES[name]
-    args = [track.put(t(*shape), entry) for shape, entry in inputs]
-    with track:
-        out = fn(*args)
-    assert track.entry(out) == expected
-
-
-LAYOUT_ERRORS = {  # name -> (inputs, fn, error type, words the message must hold)
-    "nonlinear op on a partial sum": ([((4, 6), PARTIAL)], lambda x: x.exp(), PartialSumError, ["exp", "hpf.psum"]),
-    "partial plus complete": ([((4, 6), PARTIAL), ((4, 6), R)], lambda x, y: x + y, PartialSumError, ["add"]),
-    "partial plus a number": ([((4, 6), PARTIAL)], lambda x: x + 1.0, PartialSumError, ["the number 1.0"]),
-    "product of two partials": ([((4, 6), PARTIAL)] * 2, lambda x, y: x * y, PartialSumError, ["two partial"]),
-    "op without a rule on a partial": ([((4, 6), PARTIAL)], lambda x: torch.diff(x), PartialSumError,
-                                       ["no layout rule"]),
-    "elementwise with a misaligned shard": ([((4, 6), S1), ((4, 6), R)], lambda x, y: x * y, ShardingMismatchError,
-                                            ["mul", "replicated"]),
-    "contraction with a replicated operand": ([((4, 6), S1), ((6, 3), R)], lambda x, w: x @ w,
-                                              ShardedContractionError, ["matmul", "contracts dim 1"]),
-    "mean over a sharded dim": ([((4, 6), S1)], lambda x: x.mean(-1), ShardedContractionError, ["mean", ".sum()"]),
-    "softmax over a sharded dim": ([((4, 6), S1)], lambda x: x.softmax(-1), ShardedContractionError,
-                                   ["softmax", "all_gather"]),
-    "cross-entropy over split classes": ([((4, 6), S1)], lambda x: F.cross_entropy(x, torch.zeros(4, dtype=torch.long)),
-                                         ShardedContractionError, ["cross_entropy", "dim 1"]),
-    "psum of a replicated value": ([((4, 6), R)], lambda x: psum(x, "tp"), CollectiveError, ["psum", "already"]),
-}
-
-
-@pytest.mark.parametrize("name", list(LAYOUT_ERRORS))
-def test_layout_errors(track, name):
-    inputs, fn, error, words = LAYOUT_ERRORS[name]
-    args = [track.put(t(*shape), entry) for shape, entry in inputs]
-    with pytest.raises(error) as info, track:
-        fn(*args)
-    for w in words + ["parameter 'x'", "'tp'"]:
-        assert w in str(info.value)
-
-
-# ============================================================================ the eight error classes
 def no_psum_mlp(a, blk):
     return F.gelu(a @ blk["w_up"]) @ blk["w_down"]
 
 
-def test_1_missing_psum_is_a_partial_sum_error():
+def test_partial_sum_error_for_a_missing_psum():
     with pytest.raises(PartialSumError) as info:
-        plan_check(lambda p, b: tp_loss(p, b, mlp=no_psum_mlp))
+        plan_check(lambda p, b: megatron_loss(p, b, mlp=no_psum_mlp))
     msg = str(info.value)
     assert msg.startswith("add:") and "'blocks/0/w_down'" in msg and "hpf.psum(x, 'tp')" in msg
 
 
-def test_2_contraction_over_a_sharded_dim_without_reduction():
+def test_sharded_contraction_error_without_reduction():
     specs = hpf.rules([(r"blocks/\d+/w_(q|k|v|up)", P(None, "tp")), (r"blocks/\d+/w_o", P("tp", None)), (r".*", P())])
     with pytest.raises(ShardedContractionError) as info:  # w_down left replicated: nothing lines up with w_up's split
-        plan_check(tp_loss, specs)
+        plan_check(megatron_loss, specs)
     msg = str(info.value)
     assert msg.startswith("matmul contracts") and "'blocks/0/w_up'" in msg and "'blocks/0/w_down'" in msg
     assert "shard dim 0 of parameter 'blocks/0/w_down'" in msg
 
 
-def test_3_loss_not_replicated_by_layout():
+def test_loss_not_replicated_error_by_layout():
     def each_rank_its_own_row(params, batch):
-        return tp_loss(params, batch[axis_index("tp")][None])
+        return megatron_loss(params, batch[axis_index("tp")][None])
 
     with pytest.raises(LossNotReplicatedError) as info:
         plan_check(each_rank_its_own_row)
@@ -220,18 +85,18 @@ def test_3_loss_not_replicated_by_layout():
     assert "varying" in msg and "'tp'" in msg and "axis_index" in msg and "parameter 'head'" in msg
 
 
-def test_5_spec_tree_of_another_structure():
-    specs = optree.tree_map(lambda _: P(), tp_params())
+def test_params_tree_error_for_a_spec_tree_of_another_structure():
+    specs = optree.tree_map(lambda _: P(), megatron_params())
     del specs["blocks"][1]["w_o"]
     with pytest.raises(ParamsTreeError) as info:
-        plan_check(tp_loss, specs)
+        plan_check(megatron_loss, specs)
     assert "check_plan" in str(info.value) and "'blocks/1/w_o'" in str(info.value)
 
 
-def test_6_implicit_upcast_under_bf16():
+def test_precision_error_for_an_implicit_upcast_under_bf16():
     def fp32_scale(params, batch):
         scale = torch.ones(D, device=params["head"].device)  # float32, meets bf16 activations
-        return tp_loss({**params, "embed": params["embed"] * scale}, batch)
+        return megatron_loss({**params, "embed": params["embed"] * scale}, batch)
 
     with pytest.raises(PrecisionError) as info:
         plan_check(fp32_scale, mixed_precision="bf16")
@@ -239,10 +104,10 @@ def test_6_implicit_upcast_under_bf16():
     assert msg.startswith("mul:") and "parameter 'embed'" in msg and ".to(torch.bfloat16)" in msg
 
 
-def test_8_non_fsdp_axis_must_divide():
+def test_indivisible_spec_error_when_a_non_fsdp_axis_does_not_divide():
     specs = hpf.rules([(r"head", P(None, "tp")), (r".*", P())])  # V = 17 columns over 8 ranks
     with pytest.raises(IndivisibleSpecError) as info:
-        plan_check(tp_loss, specs)
+        plan_check(megatron_loss, specs)
     assert "'head' dim 1 has size 17" in str(info.value) and "check_plan" in str(info.value)
 
 
@@ -251,36 +116,36 @@ ONE = hpf.Mesh({"dp": 1, "tp": 1})
 
 
 def one_rank_step(loss_fn):
-    step = hpf.shard_step(loss_fn, mesh=ONE, optimizer=hpf.optim.adamw(lr=1e-2), param_specs=TP_SPECS,
+    step = hpf.shard_step(loss_fn, mesh=ONE, optimizer=hpf.optim.adamw(lr=1e-2), param_specs=MEGATRON_SPECS,
                           fsdp_axes=("dp",), mode="validate")
-    return step, step.init(tp_params())
+    return step, step.init(megatron_params())
 
 
-def test_7_non_finite_loss_names_the_first_op():
+def test_non_finite_error_names_the_first_op_of_the_loss():
     def log_of_negative(params, batch):
         h = params["embed"][batch[:, :-1]]
         return torch.log(h @ params["head"] - 100.0).mean()
 
     step, state = one_rank_step(log_of_negative)
     with pytest.raises(NonFiniteError) as info:
-        step(state, tokens(2))
+        step(state, megatron_tokens(2))
     assert "at log (inputs finite" in str(info.value) and "parameter 'head'" in str(info.value)
 
 
-def test_7_non_finite_grads_name_the_parameter():
+def test_non_finite_error_names_the_parameter_of_the_grads():
     def sqrt_at_zero(params, batch):  # finite loss; d sqrt(x)/dx at 0 is inf, times 0 -> nan
-        return tp_loss(params, batch) + (params["blocks"][1]["norm"] * 0).sqrt().sum()
+        return megatron_loss(params, batch) + (params["blocks"][1]["norm"] * 0).sqrt().sum()
 
     step, state = one_rank_step(sqrt_at_zero)
     with pytest.raises(NonFiniteError) as info:
-        step(state, tokens(2))
+        step(state, megatron_tokens(2))
     assert "the grads of ['blocks/1/norm']" in str(info.value)
 
 
-def test_5_state_of_another_plan():
-    step, state = one_rank_step(tp_loss)
+def test_params_tree_error_for_a_state_of_another_plan():
+    step, state = one_rank_step(megatron_loss)
     with pytest.raises(ParamsTreeError) as info:
-        step(hpf.TrainState(state.params[1:], state.opt_state), tokens(2))
+        step(hpf.TrainState(state.params[1:], state.opt_state), megatron_tokens(2))
     first = step.plan.buckets[0].slots[0].path  # the state lost bucket 0: the message names its params
     assert str(info.value).startswith("step(state, batch): the state does not match") and repr(first) in str(info.value)
 
@@ -289,7 +154,7 @@ def test_5_state_of_another_plan():
 ADAMW = dict(lr=1e-2, weight_decay=0.0)
 
 
-def _equivalence(rank, mesh, fsdp_axes, specs, loss_fn, params, batches):
+def _equivalence(rank, mesh, fsdp_axes, specs, loss_fn, params, batches, wrong_loss_fn=None):
     """Production and validation from the same params; then check_grads on a fresh state."""
     dp = mesh.axis_size(fsdp_axes)
     i = mesh.group_index(fsdp_axes, rank) if fsdp_axes else 0
@@ -307,9 +172,11 @@ def _equivalence(rank, mesh, fsdp_axes, specs, loss_fn, params, batches):
     state = step.init(params)
     report = step.check_grads(state, local[0], rtol=1e-5, atol=1e-7)
     out["report"] = (report.errors, optree.tree_map(lambda x: x.numpy(), report.sharded))
-    _AllReduce.backward = staticmethod(lambda ctx, grad: (grad, None))  # a collective with a wrong backward
+    # the same model with a collective whose backward is wrong (check_grads works on either mode's step)
+    wrong = hpf.shard_step(wrong_loss_fn or loss_fn, mesh=mesh, optimizer=hpf.optim.adamw(**ADAMW),
+                           param_specs=specs, fsdp_axes=fsdp_axes)
     try:
-        check_grads(step, state, local[0])
+        check_grads(wrong, wrong.init(params), local[0])
         out["wrong_backward"] = None
     except GradientMismatchError as err:
         out["wrong_backward"] = str(err)
@@ -324,25 +191,23 @@ def assert_close_to_scale(got, want, path):
 
 
 def reference_grads(loss_fn, params, batch):
-    leaves = [p.clone().requires_grad_() for p in hpf.tree.flatten(params)[1]]
-    tree = hpf.tree.unflatten(hpf.tree.structure(params), leaves)
-    loss_fn(tree, batch).backward()
-    return {p: x.grad.numpy() for p, x in zip(hpf.tree.paths(params), leaves)}
+    return {p: g.numpy() for p, g in autograd_grads(loss_fn, params, batch).items()}
 
 
 TINY = gpt.CONFIGS["tiny"]
 RUNS = {
     "gpt_dp2": (hpf.Mesh({"dp": 2}), ("dp",), None, gpt.loss_for(TINY), gpt.init(TINY),
                 [gpt.global_batch(TINY, 4, 0, s) for s in range(2)]),
-    "tp2": (hpf.Mesh({"tp": 2}), (), TP_SPECS, tp_loss, tp_params(), [tokens(3, seed=s) for s in range(2)]),
+    "tp2": (hpf.Mesh({"tp": 2}), (), MEGATRON_SPECS, megatron_loss, megatron_params(), [megatron_tokens(3, seed=s) for s in range(2)]),
 }
+WRONG_BACKWARD = {"tp2": functools.partial(megatron_loss, psum=psum_with_identity_backward)}
 
 
 @pytest.fixture(scope="module", params=list(RUNS))
 def equivalence(request):
     mesh, fsdp_axes, specs, loss_fn, params, batches = RUNS[request.param]
     return request.param, launch(_equivalence, mesh.size, mesh, fsdp_axes, specs, loss_fn, params, batches,
-                                 timeout=240)
+                                 WRONG_BACKWARD.get(request.param), timeout=240)
 
 
 def test_validate_and_production_are_identical(equivalence):
@@ -379,21 +244,21 @@ def test_check_grads_catches_a_wrong_collective_backward(equivalence):
 
 # -- errors only several ranks can see ---------------------------------------------------------------------
 def dropout_mlp(a, blk):  # dropout on replicated activations: each rank's mask must be the same
-    return F.dropout(tp_mlp(a, blk), 0.5)
+    return F.dropout(megatron_mlp(a, blk), 0.5)
 
 
 def _rank_errors(rank):
     torch.manual_seed(rank)  # per-rank RNG: dropout masks differ across "tp"
     cases = {
-        "batch_shape": (tp_loss, tokens(3)[: 3 - rank]),
-        "batch_values": (tp_loss, tokens(3, seed=rank)),
-        "loss_values": (lambda p, b: tp_loss(p, b, mlp=dropout_mlp), tokens(3)),
+        "batch_shape": (megatron_loss, megatron_tokens(3)[: 3 - rank]),
+        "batch_values": (megatron_loss, megatron_tokens(3, seed=rank)),
+        "loss_values": (lambda p, b: megatron_loss(p, b, mlp=dropout_mlp), megatron_tokens(3)),
     }
     out = {}
     for name, (loss_fn, batch) in cases.items():
-        step = hpf.shard_step(loss_fn, mesh=hpf.Mesh({"tp": 2}), optimizer=hpf.optim.adamw(), param_specs=TP_SPECS,
+        step = hpf.shard_step(loss_fn, mesh=hpf.Mesh({"tp": 2}), optimizer=hpf.optim.adamw(), param_specs=MEGATRON_SPECS,
                               fsdp_axes=(), mode="validate")
-        state = step.init(tp_params())
+        state = step.init(megatron_params())
         try:
             step(state, batch)
             out[name] = None
@@ -407,17 +272,17 @@ def rank_errors():
     return launch(_rank_errors, 2, timeout=240)[0]
 
 
-def test_4_batch_shapes_differ_across_ranks(rank_errors):
+def test_batch_mismatch_error_for_shapes_across_ranks(rank_errors):
     kind, msg = rank_errors["batch_shape"]
     assert kind == BatchMismatchError.__name__ and "rank 1" in msg and "(2, 7)" in msg and "(3, 7)" in msg
 
 
-def test_4_batch_values_differ_across_tensor_parallel_ranks(rank_errors):
+def test_batch_mismatch_error_for_values_across_tensor_parallel_ranks(rank_errors):
     kind, msg = rank_errors["batch_values"]
     assert kind == BatchMismatchError.__name__ and "differ only along the non-FSDP axes ('tp',)" in msg
 
 
-def test_3_loss_values_differ_across_tensor_parallel_ranks(rank_errors):
+def test_loss_not_replicated_error_for_values_across_tensor_parallel_ranks(rank_errors):
     kind, msg = rank_errors["loss_values"]
     assert kind == LossNotReplicatedError.__name__ and "ranks [0, 1]" in msg and "dropout" in msg
 
@@ -425,9 +290,9 @@ def test_3_loss_values_differ_across_tensor_parallel_ranks(rank_errors):
 @pytest.mark.slow
 def test_validate_equals_production_on_dp_x_tp():
     mesh = hpf.Mesh({"dp": 2, "tp": 2})
-    batches = [tokens(4, seed=s) for s in range(2)]
-    runs = launch(_equivalence, 4, mesh, ("dp",), TP_SPECS, tp_loss, tp_params(), batches, timeout=300)
-    want = reference_grads(tp_loss, tp_params(), batches[0])
+    batches = [megatron_tokens(4, seed=s) for s in range(2)]
+    runs = launch(_equivalence, 4, mesh, ("dp",), MEGATRON_SPECS, megatron_loss, megatron_params(), batches, timeout=300)
+    want = reference_grads(megatron_loss, megatron_params(), batches[0])
     for out in runs:
         assert out["production"][0] == out["validate"][0]
         for path, got in zip(*hpf.tree.flatten(out["report"][1])[:2]):

@@ -24,7 +24,7 @@ from einops import rearrange
 
 __all__ = [
     "GPTConfig", "CONFIGS", "num_params", "init", "forward", "loss", "loss_for",
-    "global_batch", "synthetic_batches",
+    "global_batch", "synthetic_batches", "unit_flops",
 ]
 
 NORM_EPS = 1e-5
@@ -217,3 +217,14 @@ def synthetic_batches(config: GPTConfig, batch_size: int, seed: int, *, rank: in
     while True:
         yield global_batch(config, batch_size, seed, step)[rank * local:(rank + 1) * local].to(device)
         step += 1
+
+
+def unit_flops(config: GPTConfig, local_batch: int) -> dict[str, float]:
+    """Forward FLOPs per FSDP unit for ``local_batch`` sequences (the hook ``hpf simulate`` reads;
+    backward counts twice these). A block: its matmuls, 2 x tokens x params, and attention's
+    QK^T and AV, 4 x tokens x seq_len x d_model; the root: the head (the embedding is a lookup)."""
+    c = config
+    tokens = local_batch * c.seq_len
+    d, f = c.d_model, c.d_ff
+    block = 2 * tokens * (4 * d * d + 2 * d * f) + 4 * tokens * c.seq_len * d
+    return {"<root>": 2.0 * tokens * d * c.vocab_size, **{f"blocks/{i}": float(block) for i in range(c.n_layers)}}

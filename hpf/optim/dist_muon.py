@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..plan import Bucket, ParamSlot, Plan
+from ..planning import Bucket, ParamSlot, Plan
 from .adamw import schedule_value
 from .muon import Muon, MuonState, apply_muon_updates_, muon_momentum_, orthogonalize, update_scale
 

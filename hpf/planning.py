@@ -16,7 +16,7 @@ import torch
 
 from . import tree as tree_util
 from .mesh import Mesh
-from .spec import P, SpecError, resolve_specs
+from .spec import IndivisibleSpecError, P, SpecError, resolve_specs
 
 if TYPE_CHECKING:
     from .report import PlanReport
@@ -95,6 +95,22 @@ class Unit:
 
 @dataclass
 class Plan:
+    """The resolved sharding of one params tree on one mesh, made once by :func:`plan`.
+
+    It holds, per parameter, its spec and slot (bucket and offset); per bucket, its shard
+    and replicate axes; and the FSDP units in tree order. Its methods convert between full
+    params, flat buffers and shards (init, checkpoints, tests).
+
+    Args (made by :func:`plan`, not by hand):
+        mesh: the mesh it was resolved on; fsdp_axes / compute_axes: the gathered axes and
+            the stored-and-computed-sharded ones; specs: path -> P; slots: path -> ParamSlot;
+            buckets: the flat buffers; units: the FSDP units, root first; treedef: the params'
+            structure (to rebuild the tree).
+
+    Raises:
+        KeyError: a method given a path that is not a parameter of the plan.
+    """
+
     mesh: Mesh
     fsdp_axes: tuple[str, ...]
     compute_axes: tuple[str, ...]  # non-FSDP axes: stored and computed sharded
@@ -177,6 +193,22 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
     ``bucket_bytes`` caps a bucket (one flat buffer, one fused collective): a unit's params
     of one layout and dtype fill buckets in tree order, a new one starting where the next
     param would pass the cap (0: one bucket each; a param bigger than the cap gets its own).
+
+    Args:
+        params: the full params pytree (meta tensors are enough).
+        mesh: the mesh, of any size (no process group is needed).
+        param_specs: None, a ``P`` for every param, ``hpf.rules([...])`` / any ``path -> P``
+            callable, or a pytree of ``P`` (None leaves mean ``P()``) with the params' structure.
+        fsdp_axes: the axes params are stored sharded over and gathered for compute.
+        hierarchical, default_shard_axes, bucket_bytes: as above.
+
+    Raises:
+        SpecError: a spec naming a non-axis or an axis twice, more entries than dims, no
+            matching rule, ``fsdp_axes`` naming a non-axis; its subclasses
+            :class:`~hpf.spec.SpecTreeError` (a spec tree of another structure) and
+            :class:`~hpf.spec.IndivisibleSpecError` (a non-FSDP axis that does not divide its dim).
+        TypeError: a params leaf that is not a tensor.
+        ValueError: a ``bucket_bytes`` that is not an int >= 0.
     """
     check_bucket_bytes(bucket_bytes)
     fsdp = tuple(mesh.axis_names) if fsdp_axes is None else tuple(fsdp_axes)
@@ -248,10 +280,10 @@ def _local_shape(path: str, leaf: torch.Tensor, spec: P, mesh: Mesh, compute_axe
             continue
         n = mesh.axis_size(axes)
         if shape[dim] % n:
-            raise SpecError(
-                f"parameter {path!r}: dim {dim} has size {shape[dim]}, which the non-FSDP axes "
-                f"{tuple(axes)} of spec {spec!r} ({n} ranks) do not divide. Only FSDP axes are "
-                f"padded; pick a size divisible by {n} or shard this dim over FSDP axes instead"
+            raise IndivisibleSpecError(
+                f"parameter {path!r} dim {dim} has size {shape[dim]}, which the non-FSDP axes "
+                f"{tuple(axes)} of its spec {spec!r} ({n} ranks) do not divide; only FSDP axes are "
+                f"padded. Pick a size divisible by {n}, or shard this dim over FSDP axes instead"
             )
         shape[dim] //= n
     return tuple(shape)

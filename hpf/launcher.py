@@ -180,6 +180,21 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
     With an accelerator, the calling process must not have initialized it (as with any fork).
     The ranks rendezvous through a file store in a private temporary folder, so concurrent
     launches never race for a port; ``master_port`` makes them use a TCP store on that port.
+    ``hpf.launch.init_distributed()`` and ``hpf.launch.RankError`` reach this module's names.
+
+    Args:
+        fn: called as ``fn(rank, *args)`` in each child; its result must pickle.
+        world_size: the number of ranks (processes) to fork.
+        args: passed to every rank after its rank.
+        timeout: seconds until every rank is ended and ``RankError`` raised.
+        backend: the process-group backend (default: nccl/hccl with an accelerator, else gloo).
+        master_port: use a TCP store on this port instead of a file store.
+        env: extra environment variables for the children.
+
+    Raises:
+        ValueError: ``world_size`` is not a positive int.
+        RuntimeError: this process already has a process group.
+        RankError: a rank raised or died (its traceback is in the message), or the timeout passed.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"launch: world_size must be a positive int, got {world_size!r}")

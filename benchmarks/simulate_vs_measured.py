@@ -1,0 +1,136 @@
+"""hpf simulate, validated: calibrate, PREDICT, then run and measure the same steps here.
+
+For each case (GPT config, ranks, hpf two-tier or flat, with or without an emulated slow
+link via hpf.SlowLink, and FSDP2 on the same shapes) the prediction is made first, from a
+calibration file (made now unless --calibration is given), then the real step runs
+(hpf.shard_step as `hpf train` builds it; FSDP2 as benchmarks/step_vs_fsdp2.py) and its
+median step time and comm_wait_s are measured. Printed per case: predicted / measured step
+time as RATIO sim/<case>/step_err = max(p/m, m/p) (target <= 1.25, i.e. 0.8-1.25) and the
+exposed-communication share difference in points (target <= 5).
+
+    python benchmarks/simulate_vs_measured.py [--quick] [--calibration calib.json] [--steps 6]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+import hpf
+from hpf import sim
+from hpf.launcher import launch
+from hpf.models import gpt
+from hpf.sim.calibrate import calibrate
+
+from common import print_table, report_ratio
+from step_vs_fsdp2 import adamw_step, fsdp2_gpt
+
+LOCAL_BATCH = {"tiny": 4, "small": 2, "medium": 1}
+LINK = (2e-3, 100e6)  # emulated slow link: 2 ms per collective, 100 MB/s per rank
+
+
+def cases(quick: bool) -> list[dict]:
+    configs = ["tiny", "small"] if quick else ["tiny", "small", "medium"]
+    out = []
+    for cfg in configs:
+        for ranks in ((2,) if quick and cfg == "tiny" else (2, 4)):
+            axes = {"dp": 2} if ranks == 2 else {"node": 2, "local": 2}
+            for topo in ("two-tier", "flat"):
+                out.append(dict(config=cfg, axes=axes, strategy="hpf", topology=topo, link=None))
+            if ranks == 4:
+                out.append(dict(config=cfg, axes=axes, strategy="hpf", topology="two-tier", link=LINK))
+            out.append(dict(config=cfg, axes=axes, strategy="fsdp2", topology="flat", link=None))
+    return out
+
+
+def name_of(c: dict) -> str:
+    ranks = 1
+    for n in c["axes"].values():
+        ranks *= n
+    tag = c["strategy"] if c["strategy"] != "hpf" else f"hpf-{c['topology']}"
+    return f"{c['config']}/{ranks}r/{tag}" + ("/slowlink" if c["link"] else "")
+
+
+def _measure_rank(rank, c, steps, warmup):
+    cfg = gpt.CONFIGS[c["config"]]
+    mesh = hpf.Mesh(c["axes"])
+    params = gpt.init(cfg, torch.Generator().manual_seed(0))
+    local = LOCAL_BATCH[c["config"]]
+    batches = [gpt.global_batch(cfg, local * mesh.size, 0, s)[rank * local:(rank + 1) * local] for s in range(4)]
+    times, waits = [], []
+    if c["strategy"] == "fsdp2":
+        step = adamw_step(fsdp2_gpt(params, cfg, (mesh.size,)), dict(lr=1e-3))
+        for i in range(warmup + steps):
+            torch.distributed.barrier()
+            t = time.perf_counter()
+            step(batches[i % 4])
+            if i >= warmup:
+                times.append(time.perf_counter() - t)
+                waits.append(float("nan"))
+    else:
+        link = hpf.SlowLink(*c["link"]) if c["link"] else None
+        topo = hpf.Topology(slow_link=link) if c["topology"] == "two-tier" else None
+        step = hpf.shard_step(gpt.loss_for(cfg), mesh=mesh, optimizer=hpf.optim.adamw(lr=1e-3), topology=topo)
+        state = step.init(params)
+        for i in range(warmup + steps):
+            torch.distributed.barrier()
+            state, m = step(state, batches[i % 4])
+            if i >= warmup:
+                times.append(m["step_s"])
+                waits.append(m["comm_wait_s"])
+        step.engine.comm.close()
+    everyone = [None] * mesh.size
+    torch.distributed.all_gather_object(everyone, (times, waits))
+    if rank:
+        return None
+    step_s = [max(ts) for ts in zip(*(e[0] for e in everyone))]  # the slowest rank's step
+    return statistics.median(step_s), statistics.median(waits[i] / times[i] for i in range(len(times)))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny and small, fewer cases and steps (a few minutes)")
+    ap.add_argument("--calibration", help="a calibration JSON (default: calibrate now)")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    args = ap.parse_args()
+    if args.quick:
+        args.steps, args.warmup = 5, 2
+    todo = cases(args.quick)
+    path = args.calibration
+    if path is None:
+        shapes = sorted({(c["config"], LOCAL_BATCH[c["config"]]) for c in todo})
+        print(f"calibrating (world sizes 2 and 4, shapes {shapes}) ...", flush=True)
+        path = os.path.join(tempfile.mkdtemp(), "calib.json")
+        with open(path, "w") as f:
+            json.dump(calibrate((2, 4), shapes, reps=3 if args.quick else 7), f)
+    hw_shm, hw_gloo = sim.load_calibration(path), sim.load_calibration(path, transport="gloo")
+    predicted = {}
+    for c in todo:  # every prediction before any measurement
+        hw = hw_shm if c["topology"] == "two-tier" else hw_gloo
+        predicted[name_of(c)] = sim.simulate(c["config"], c["axes"], hw, c["strategy"],
+                                             local_batch=LOCAL_BATCH[c["config"]], topology=c["topology"],
+                                             emulated_slow=c["link"])
+    rows = []
+    for c in todo:
+        n = name_of(c)
+        ranks = hpf.Mesh(c["axes"]).size
+        step_s, share = launch(_measure_rank, ranks, c, args.steps, args.warmup, timeout=1800)[0]
+        p = predicted[n]
+        rows.append([n, p.step_s * 1e3, step_s * 1e3, p.step_s / step_s, f"{p.exposed_share:.1%}",
+                     "-" if share != share else f"{share:.1%}"])
+        print_table(["case", "pred ms", "meas ms", "pred/meas", "pred exposed", "meas exposed"], [rows[-1]])
+        report_ratio(f"sim/{n}/step_err", max(p.step_s / step_s, step_s / p.step_s), "<=1.25")
+        if share == share:
+            report_ratio(f"sim/{n}/exposed_pts", abs(p.exposed_share - share) * 100, "<=5")
+    print("\nall cases (the machine's load at measurement time is not in the calibration):")
+    print_table(["case", "pred ms", "meas ms", "pred/meas", "pred exposed", "meas exposed"], rows)
+
+
+if __name__ == "__main__":
+    main()

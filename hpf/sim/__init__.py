@@ -1,0 +1,92 @@
+"""``hpf simulate``: predict step time, exposed communication and tokens/s of any mesh from the
+plan alone (meta tensors, no processes), for hpf and for the FSDP2 and Megatron DDP baselines.
+
+    from hpf import sim
+    r = sim.simulate("1b", {"node": 48, "local": 16}, "cloudmatrix384", local_batch=4, mixed_precision="bf16")
+    r.step_s, r.exposed_share, r.tokens_per_s
+
+Models: a module with ``init(config, device="meta")`` and ``CONFIGS``; ``unit_flops(config,
+local_batch) -> {unit: forward FLOPs}`` if it has one (else 2 x tokens x matrix params), and
+``unit_a2a(config, local_batch, mesh) -> {unit: (bytes, axes)}`` for MoE all-to-alls.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+
+from ..planning import plan as make_plan
+from ..mesh import Mesh
+from .hardware import PROFILES, Hardware, Link, hardware, load_calibration
+from .model import (Options, SimResult, allreduce_time, default_unit_flops, ring_time, simulate_plan,
+                    two_tier_time)
+
+__all__ = ["simulate", "compare", "sweep", "sweep_mesh", "Hardware", "Link", "Options", "SimResult", "PROFILES",
+           "hardware", "load_calibration", "ring_time", "allreduce_time", "two_tier_time", "STRATEGIES"]
+
+STRATEGIES = ("hpf", "hsdp", "fsdp2", "ddp")
+_BYTES = {None: 4, "bf16": 2, "fp16": 2}
+
+
+def _model(model):
+    if isinstance(model, ModuleType):
+        return model
+    if model == "gpt":
+        from ..models import gpt
+        return gpt
+    import importlib
+    return importlib.import_module(f"hpf.models.{model}")
+
+
+def simulate(config, mesh, hw: Hardware | str, strategy: str = "hpf", *, local_batch: int = 1, model="gpt",
+             mixed_precision: str | None = None, topology: str = "two-tier", fsdp_axes=None, pipeline: bool = True,
+             overlap_optimizer: bool = True, emulated_slow: tuple[float, float] | None = None,
+             shm: bool | None = None, steps: int = 3) -> SimResult:
+    """One strategy on one mesh. ``config``: a name in the model's CONFIGS or a config object;
+    ``mesh``: an hpf.Mesh or {axis: size}; ``hw``: a Hardware, a profile name or a calibration
+    file. ``strategy``: "hpf", "hsdp" (hpf sharding over the fast tier only), "fsdp2", "ddp".
+    ``topology``: "two-tier" (hpf.Topology()) or "flat" (topology=None), as ``hpf train``."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy {strategy!r}: use one of {STRATEGIES}")
+    if mixed_precision not in _BYTES:
+        raise ValueError(f"mixed_precision {mixed_precision!r}: use None, 'bf16' or 'fp16'")
+    mod = _model(model)
+    cfg_name = config if isinstance(config, str) else None
+    cfg = mod.CONFIGS[config] if isinstance(config, str) else config
+    mesh = mesh if isinstance(mesh, Mesh) else Mesh(dict(mesh))
+    hw = hardware(hw) if isinstance(hw, str) else hw
+    is_hpf = strategy in ("hpf", "hsdp")
+    tiered = is_hpf and topology == "two-tier"
+    fsdp = tuple(fsdp_axes or mesh.axis_names)
+    plan = make_plan(mod.init(cfg, device="meta"), mesh, fsdp_axes=fsdp_axes, hierarchical=tiered,
+                     default_shard_axes=[a for a in fsdp if a in mesh.fast_axes] if strategy == "hsdp" else None)
+    flops = mod.unit_flops(cfg, local_batch) if hasattr(mod, "unit_flops") else default_unit_flops(
+        plan, local_batch * getattr(cfg, "seq_len", 1))
+    a2a = mod.unit_a2a(cfg, local_batch, mesh) if hasattr(mod, "unit_a2a") else None
+    opts = Options(strategy="hpf" if is_hpf else strategy, topology=tiered, hierarchical=tiered,
+                   pipeline=pipeline, overlap_optimizer=overlap_optimizer,
+                   shm=(hw.shared_links and tiered) if shm is None else shm,
+                   compute_bytes=_BYTES[mixed_precision], reduce_bytes=4, emulated_slow=emulated_slow, steps=steps)
+    measured = hw.compute.get(f"{cfg_name}/{local_batch}/{mesh.size}") if cfg_name else None
+    tokens = local_batch * getattr(cfg, "seq_len", 1) * mesh.size
+    return simulate_plan(plan, hw, opts, flops, tokens=tokens, measured=measured, a2a=a2a)
+
+
+def compare(config, mesh, hw, strategies=("hpf", "fsdp2", "ddp"), **kw) -> dict[str, SimResult]:
+    """The same job under several strategies (hpf, FSDP2, Megatron DDP by default)."""
+    return {s: simulate(config, mesh, hw, s, **kw) for s in strategies}
+
+
+def sweep_mesh(ranks: int, hw: Hardware) -> dict[str, int]:
+    """The mesh of ``ranks`` ranks on ``hw``: fast domains ("local") of hw.fast_domain ranks."""
+    fast = hw.fast_domain or ranks
+    if ranks <= fast:
+        return {"local": ranks}
+    if ranks % fast:
+        raise ValueError(f"{ranks} ranks do not fill whole fast domains of {fast} ranks on {hw.name}; "
+                         f"use a multiple of {fast}")
+    return {"node": ranks // fast, "local": fast}
+
+
+def sweep(config, ranks_list, hw, strategies=("hpf", "fsdp2", "ddp"), **kw) -> list[tuple[int, dict]]:
+    """(ranks, {strategy: SimResult}) along a scaling curve (weak scaling: fixed local batch)."""
+    hw = hardware(hw) if isinstance(hw, str) else hw
+    return [(n, compare(config, sweep_mesh(n, hw), hw, strategies, **kw)) for n in ranks_list]

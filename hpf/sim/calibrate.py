@@ -1,0 +1,146 @@
+"""Calibrate the ``local-cpu`` profile on this machine: alpha and beta of gloo and of the
+shared-memory transport (ShmGroup) per group size, AdamW's memory rate, a big matmul's
+peak, and the seconds of a GPT block and root (forward + backward) at the model's shapes,
+measured with every rank computing at once (the cores are shared as in a real run).
+
+    python -m hpf.sim.calibrate --out calib.json [--world-sizes 2 4] [--shapes small/2 tiny/4]
+
+Runs only when asked: the tests never calibrate. Pass the file as ``--hardware calib.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import socket
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..launcher import launch
+from ..models import gpt
+
+__all__ = ["calibrate", "fit_alpha_beta"]
+
+
+def fit_alpha_beta(p: int, sizes: list[int], seconds: list[float]) -> tuple[float, float]:
+    """Least squares of t = (p-1)*alpha + (p-1)/p * n/beta over buffer sizes n (bytes)."""
+    slope, intercept = np.polyfit(np.asarray(sizes, float), np.asarray(seconds, float), 1)
+    slope = max(slope, 1e-15)
+    return max(intercept, 0.0) / (p - 1), (p - 1) / p / slope
+
+
+def _median_slowest(fn, reps: int, pick=statistics.median) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    slowest = [None] * dist.get_world_size()
+    dist.all_gather_object(slowest, times)
+    return pick([max(ts) for ts in zip(*slowest)])
+
+
+def _comm_rank(rank, sizes, reps):
+    from ..comm import ShmGroup
+
+    n = dist.get_world_size()
+    largest = max(sizes) // 4 // n * n
+    group = ShmGroup(None, nbytes=(n + 1) * largest * 4 + (1 << 20))
+    full_all = group.buffer("full", largest, torch.float32)
+    grad_all = group.buffer("grad", largest, torch.float32, per_rank=True)
+    out = {}
+    for nbytes in sizes:
+        numel = nbytes // 4 // n * n
+        k = numel // n
+        full, shard, res = torch.randn(numel), torch.randn(k), torch.empty(k)
+        out[nbytes] = {
+            ("gloo", "all_gather"): _median_slowest(lambda: dist.all_gather_single(full, shard), reps),
+            ("gloo", "reduce_scatter"): _median_slowest(lambda: dist.reduce_scatter_single(res, full), reps),
+            ("shm", "all_gather"): _median_slowest(lambda: group.all_gather_into(full_all[:numel], shard), reps),
+            ("shm", "reduce_scatter"): _median_slowest(lambda: group.reduce_scatter(res, grad_all[:numel]), reps),
+        }
+    group.close()
+    return out
+
+
+def _compute_rank(rank, shapes, reps):
+    """Seconds of forward + backward of a 1- and a 3-layer GPT at each (config, local batch); the
+    fastest rep of each, as other load on the machine only ever adds time."""
+    out = {}
+    for name, batch in shapes:
+        times = {}
+        for layers in (1, 3):
+            cfg = dataclasses.replace(gpt.CONFIGS[name], n_layers=layers)
+            params = gpt.init(cfg)
+            leaves = [p.requires_grad_() for p in torch.utils._pytree.tree_leaves(params)]
+            data = gpt.global_batch(cfg, batch, 0, 0)
+            loss_fn = gpt.loss_for(cfg)
+            times[layers] = _median_slowest(lambda: torch.autograd.grad(loss_fn(params, data), leaves), reps, min)
+        block = max((times[3] - times[1]) / 2, 1e-6)
+        out[f"{name}/{batch}/{dist.get_world_size()}"] = {"block_s": block, "root_s": max(times[1] - block, 0.0)}
+    # AdamW's memory rate (the optimizer and copy model) and a big matmul's peak, also under load
+    n = 1 << 22
+    p = torch.nn.Parameter(torch.randn(n))
+    p.grad = torch.randn(n)
+    opt = torch.optim.AdamW([p], foreach=True)
+    adamw_s = _median_slowest(opt.step, reps)
+    a = torch.randn(1024, 1024)
+    mm_s = _median_slowest(lambda: a @ a, reps)
+    return out, 28 * n / adamw_s, 2 * 1024 ** 3 / mm_s
+
+
+def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)), sizes_mib=(0.0625, 0.25, 1, 4, 16),
+              reps: int = 7) -> dict:
+    """Measure and fit; returns the calibration dict (``json.dump`` it; hardware() loads the file)."""
+    sizes = [int(m * 2 ** 20) for m in sizes_mib]
+    links: dict = {"gloo": {}, "shm": {}}
+    compute, mem_bw, peak = {}, [], []
+    for w in world_sizes:
+        meas = launch(_comm_rank, w, sizes, reps, timeout=1800)[0]
+        for transport in ("gloo", "shm"):
+            link = {}
+            for op, key in (("all_gather", ""), ("reduce_scatter", "rs_")):
+                alpha, beta = fit_alpha_beta(w, sizes, [meas[s][transport, op] for s in sizes])
+                link[key + "alpha"], link[key + "beta"] = alpha, beta
+            link["source"] = f"fitted on {len(sizes)} sizes {sizes_mib} MiB, {w} ranks, median of {reps}"
+            links[transport][w] = link
+        comp, bw, pk = launch(_compute_rank, w, list(shapes), reps, timeout=1800)[0]
+        compute.update(comp)
+        mem_bw.append(bw)
+        peak.append(pk)
+    peak_flops = max(peak)
+    effs = []
+    for key, c in compute.items():
+        name, batch, _ = key.split("/")
+        flops = gpt.unit_flops(gpt.CONFIGS[name], int(batch))
+        if c["block_s"] > 1e-5:  # a block lost in the noise says nothing about efficiency
+            effs.append(min(1.0, 3 * flops["blocks/0"] / c["block_s"] / peak_flops))
+    return {"host": socket.gethostname(), "when": datetime.datetime.now().isoformat(timespec="seconds"),
+            "torch": torch.__version__, "peak_flops": peak_flops, "efficiency": statistics.median(effs) if effs else 0.5,
+            "mem_bw": statistics.median(mem_bw), "links": links, "compute": compute}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--shapes", nargs="+", default=["tiny/4", "small/2"], help="config/local_batch pairs")
+    ap.add_argument("--reps", type=int, default=7)
+    args = ap.parse_args(argv)
+    shapes = [(s.split("/")[0], int(s.split("/")[1])) for s in args.shapes]
+    result = calibrate(args.world_sizes, shapes, reps=args.reps)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps({k: v for k, v in result.items() if k != "compute"}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Hardware profiles for ``hpf simulate``: compute peak, links per tier, memory bandwidth.
+
+Every published figure carries its source and a confidence note. The published profiles
+are inputs, not measurements: change them (``Hardware.replace``) when better figures exist.
+The ``local-cpu`` profile is filled by calibration (``hpf.sim.calibrate``) and loaded from
+its JSON file; nothing here measures anything.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+__all__ = ["Link", "Hardware", "PROFILES", "hardware", "load_calibration"]
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Link:
+    """An alpha-beta link: a collective over p ranks of an n-byte buffer takes
+    ``latency + (p-1)*alpha + (p-1)/p * n / beta`` (ring). ``rs_alpha``/``rs_beta`` give a
+    reduce-scatter its own figures where it differs (gloo builds it on all-reduce)."""
+
+    alpha: float  # seconds per ring step
+    beta: float  # bytes per second per rank, one direction
+    latency: float = 0.0  # seconds per collective (an emulated SlowLink's latency)
+    rs_alpha: float | None = None
+    rs_beta: float | None = None
+    source: str = ""
+
+    def figures(self, op: str) -> tuple[float, float]:
+        if op == "reduce_scatter" and self.rs_beta is not None:
+            return self.rs_alpha if self.rs_alpha is not None else self.alpha, self.rs_beta
+        return self.alpha, self.beta
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One rank's compute and the links of the two tiers.
+
+    ``fast_domain``: ranks that share the fast link (the mesh's last axis by default);
+    ``scale_out``: the link between ``slow_domain``-rank groups (beyond a supernode), used for
+    the slow tier when the mesh has more ranks than ``slow_domain``.
+    ``shared_links``: True when both tiers' bytes pass through one host's memory system
+    (local CPU ranks), so a flat collective's tier times add; False for separate networks,
+    where the slowest tier bounds a flat ring.
+    """
+
+    name: str
+    peak_flops: float  # per rank, compute dtype
+    efficiency: float  # achieved / peak for the model's matmuls (MFU-like)
+    mem_bw: float  # bytes/s per rank (copies, optimizer)
+    fast: Link | dict  # a Link, or {group size: Link} as calibration fits them
+    slow: Link | dict
+    fast_domain: int
+    slow_domain: int = 0  # 0: no scale-out tier
+    scale_out: Link | None = None
+    shared_links: bool = False
+    kernel_overhead_s: float = 0.0  # per unit and pass (launch / Python); CPU calibration fills it
+    fsdp2_unit_overhead_s: float = 0.0  # per unit and pass: FSDP2's hooks and DTensor wrapping
+    compute: dict = field(default_factory=dict)  # calibrated: "config/local_batch/ranks" -> unit seconds
+    notes: tuple[str, ...] = ()
+
+    def replace(self, **kw) -> "Hardware":
+        return dataclasses.replace(self, **kw)
+
+    def link(self, tier: str, group: int, world: int) -> Link:
+        """The link of ``tier`` ("fast"/"slow") for a collective over ``group`` ranks of a ``world``-rank job."""
+        if tier == "slow" and self.scale_out is not None and self.slow_domain and world > self.slow_domain:
+            return self.scale_out
+        links = self.fast if tier == "fast" else self.slow
+        if isinstance(links, Link):
+            return links
+        return links[min(links, key=lambda w: (abs(w - group), w))]  # the nearest group size measured
+
+
+# -- published profiles ------------------------------------------------------------------------
+_CM_SRC = ("arXiv 2506.12708 (CloudMatrix384, Zuo et al. 2025) via secondary summaries "
+           "(emergentmind.com topic page; besthub.dev / Architects' Tech Alliance article), not the PDF itself")
+_ASSUMED = "assumption of this profile, not a published figure"
+
+_UB = Link(alpha=1.0e-6, beta=196 * GB,
+           source=f"UB plane: >392 GB/s unidirectional per 910C (14 x 400 Gbps), i.e. 196 GB/s per die; "
+                  f"alpha ~1 us (summaries: sub-microsecond inter-node latency); {_CM_SRC}. Confidence: medium")
+_UB_INTER = dataclasses.replace(_UB, alpha=2.0e-6, beta=0.97 * 196 * GB,
+                                source="UB between nodes of one supernode: near-uniform bandwidth and latency "
+                                       "per the summaries (two-tier non-blocking Clos); 3% and +1 us are "
+                                       f"{_ASSUMED}. Confidence: low-medium")
+_ROCE = Link(alpha=5.0e-6, beta=25 * GB,
+             source=f"RDMA plane: up to 400 Gbps unidirectional RoCE per NPU (50 GB/s per card, 25 GB/s per die); "
+                    f"{_CM_SRC}; alpha 5 us is {_ASSUMED}. Confidence: medium")
+
+ASCEND_910C = dict(
+    peak_flops=376e12,  # 752 TFLOPS bf16 per package, 2 dies
+    mem_bw=1.6e12,  # 3.2 TB/s per package
+    notes=("Ascend 910C: 2 dies per card, 752 TFLOPS bf16 and 128 GB / 3.2 TB/s HBM per package, so "
+           f"~376 TFLOPS, 64 GB, 1.6 TB/s per die (one rank = one die); {_CM_SRC}. Confidence: medium",
+           f"efficiency 0.45 (MFU of a dense 1B GPT's matmuls on the die) is {_ASSUMED}",),
+)
+
+PROFILES: dict[str, Hardware] = {
+    "cloudmatrix384": Hardware(
+        name="cloudmatrix384", efficiency=0.45, fast=_UB, slow=_UB_INTER, fast_domain=16,
+        slow_domain=768, scale_out=_ROCE,
+        notes=ASCEND_910C["notes"] + (
+            "CloudMatrix384: 384 cards = 768 dies in 48 nodes of 8 cards; fast tier = one node (16 dies), "
+            "slow tier = UB between nodes, RoCE beyond 768 dies. " + _CM_SRC,),
+        **{k: v for k, v in ASCEND_910C.items() if k != "notes"}),
+    # The same machine if the tier between nodes were RoCE (a cluster of 8-card nodes without the
+    # UB supernode): the two-tier topology's case.
+    "ascend910c-roce": Hardware(
+        name="ascend910c-roce", efficiency=0.45, fast=_UB, slow=_ROCE, fast_domain=16,
+        notes=ASCEND_910C["notes"] + ("8-card nodes joined by RoCE only (what-if, not a product figure)",),
+        **{k: v for k, v in ASCEND_910C.items() if k != "notes"}),
+    "h100": Hardware(
+        name="h100", peak_flops=989e12, efficiency=0.45, mem_bw=3.35e12,
+        fast=Link(alpha=2e-6, beta=450 * GB, source="NVLink4: 900 GB/s bidirectional = 450 GB/s per direction per "
+                  "GPU (NVIDIA H100 SXM datasheet); alpha 2 us is an assumption. Confidence: high (bandwidth)"),
+        slow=Link(alpha=5e-6, beta=50 * GB, source="NDR InfiniBand 400 Gb/s = 50 GB/s per GPU (one ConnectX-7 per "
+                  "GPU, DGX H100); alpha 5 us is an assumption. Confidence: high (bandwidth)"),
+        fast_domain=8,
+        notes=("H100 SXM: 989 TFLOPS dense bf16, 80 GB HBM3 at 3.35 TB/s (NVIDIA datasheet). Confidence: high",
+               f"efficiency 0.45 is {_ASSUMED}")),
+    "h200": Hardware(
+        name="h200", peak_flops=989e12, efficiency=0.45, mem_bw=4.8e12,
+        fast=Link(alpha=2e-6, beta=450 * GB, source="NVLink4 as H100"),
+        slow=Link(alpha=5e-6, beta=50 * GB, source="NDR InfiniBand as H100"),
+        fast_domain=8,
+        notes=("H200 SXM: H100 compute, 141 GB HBM3e at 4.8 TB/s (NVIDIA datasheet). Confidence: high",)),
+}
+
+
+def hardware(name_or_path: str) -> Hardware:
+    """A published profile by name, or the ``local-cpu`` profile from a calibration JSON file."""
+    if name_or_path in PROFILES:
+        return PROFILES[name_or_path]
+    if name_or_path == "local-cpu":
+        raise ValueError("--hardware local-cpu needs a calibration: run `python -m hpf.sim.calibrate --out "
+                         "calib.json` once, then pass --hardware calib.json")
+    if os.path.isfile(name_or_path):
+        return load_calibration(name_or_path)
+    raise ValueError(f"unknown hardware {name_or_path!r}: use one of {sorted(PROFILES)} or a calibration "
+                     "JSON file written by hpf.sim.calibrate")
+
+
+def _link(d: dict | None) -> Link | None:
+    return None if d is None else Link(**d)
+
+
+def load_calibration(path: str | os.PathLike, transport: str = "shm") -> Hardware:
+    """The ``local-cpu`` Hardware of a calibration file. The fast tier is shared memory
+    (``transport="shm"``, what hpf's two-tier collectives use on one host) or gloo ("gloo")."""
+    with open(path) as f:
+        c = json.load(f)
+    links = {k: {int(w): _link(v) for w, v in per.items()} for k, per in c["links"].items()}
+    return Hardware(
+        name="local-cpu", peak_flops=c["peak_flops"], efficiency=c["efficiency"], mem_bw=c["mem_bw"],
+        fast=links[transport], slow=links["gloo"], fast_domain=0, shared_links=True,
+        kernel_overhead_s=c.get("kernel_overhead_s", 0.0), compute=c.get("compute", {}),
+        notes=(f"calibrated on {c.get('host', '?')} at {c.get('when', '?')}",))

@@ -1,0 +1,484 @@
+"""The cost model and the step's schedule as an event simulation over FSDP units.
+
+Communication is alpha-beta per tier on the plan report's byte model (``hpf.report``): a
+stage over p ranks of one tier takes ``latency + (p-1)*alpha + bytes/beta``, where
+``bytes`` is what one rank sends on that tier (``(p-1)/p * n`` for a ring over an n-byte
+buffer). So the simulator's bytes are the plan report's bytes, by construction.
+
+The schedule replays what ``hpf.fsdp.UnitEngine`` and ``hpf.topology.TieredComm`` do:
+one compute thread; collectives on FIFO workers (one per tier and direction for the
+two-tier comm, one per process group for torch.distributed); gathers issued on entry of
+the unit before (prefetch), re-gathers in backward, reductions that overlap the next
+unit's backward (pipeline), optimizer updates as reductions land, and the next step's
+first gathers issued after their update: the exposed boundary chain. FSDP2 and Megatron
+DDP run through the same machinery with their own schedules.
+"""
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from ..planning import ROOT, Plan
+from ..report import bucket_allreduce_bytes, bucket_gather_bytes, collective_bytes, dtype_bytes
+from .hardware import Hardware, Link
+
+__all__ = ["ring_time", "allreduce_time", "two_tier_time", "Options", "SimResult", "simulate_plan",
+           "default_unit_flops"]
+
+ADAMW_BYTES_PER_ELEMENT = 28  # read param, grad, m, v; write param, m, v (fp32)
+
+
+# -- alpha-beta formulas ---------------------------------------------------------------------
+def ring_time(p: int, nbytes: float, alpha: float, beta: float) -> float:
+    """Ring all-gather or reduce-scatter of an ``nbytes`` buffer over p ranks."""
+    return (p - 1) * alpha + (p - 1) / p * nbytes / beta if p > 1 else 0.0
+
+
+def allreduce_time(p: int, nbytes: float, alpha: float, beta: float) -> float:
+    """Ring all-reduce: a reduce-scatter then an all-gather."""
+    return 2 * ring_time(p, nbytes, alpha, beta)
+
+
+def two_tier_time(p_fast: int, p_slow: int, nbytes: float, fast: Link, slow: Link) -> float:
+    """Hierarchical all-gather or reduce-scatter: a fast-tier stage on the whole buffer and a
+    slow-tier stage on 1/p_fast of it (serial for one buffer; the schedule pipelines buckets)."""
+    return ring_time(p_fast, nbytes, fast.alpha, fast.beta) + ring_time(p_slow, nbytes / p_fast, slow.alpha, slow.beta)
+
+
+def stage_time(link: Link, p: int, nbytes_sent: float, op: str = "all_gather") -> float:
+    """One tier's stage: ``nbytes_sent`` is what one rank sends (the report's per-tier bytes)."""
+    if p <= 1:
+        return 0.0
+    alpha, beta = link.figures(op)
+    return link.latency + (p - 1) * alpha + nbytes_sent / beta
+
+
+# -- inputs -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Options:
+    """What runs: ``strategy`` "hpf" (also HSDP: an hsdp plan), "fsdp2" or "ddp"; for hpf,
+    ``topology`` (TieredComm on worker threads; False: torch.distributed ops on one process
+    group), ``hierarchical``, ``pipeline``, ``overlap_optimizer``, and ``shm`` (the fast tier is
+    shared memory: units stay mapped, no re-gather). ``emulated_slow``: an hpf.SlowLink's
+    (latency, bandwidth) stretching slow-tier stages. Dtype sizes in bytes."""
+
+    strategy: str = "hpf"
+    topology: bool = True
+    hierarchical: bool = True
+    pipeline: bool = True
+    overlap_optimizer: bool = True
+    shm: bool = False
+    compute_bytes: int = 4
+    reduce_bytes: int = 4
+    emulated_slow: tuple[float, float] | None = None
+    ddp_bucket_bytes: int = 40_000_000 * 4  # Megatron's default bucket: 40M params, fp32 grads
+    steps: int = 3  # simulated; the last is reported (steady state)
+
+
+@dataclass
+class SimResult:
+    step_s: float
+    compute_s: float
+    exposed_comm_s: float  # compute waiting on collectives (the engine's comm_wait_s)
+    optimizer_s: float
+    busy_s: dict[str, float]  # per tier: seconds its links were busy
+    bytes: dict[str, dict[str, int]]  # collective -> tier -> bytes one rank sent per step
+    tokens: int = 0  # global tokens per step
+
+    @property
+    def exposed_share(self) -> float:
+        return self.exposed_comm_s / self.step_s if self.step_s else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_s if self.step_s else 0.0
+
+
+def default_unit_flops(plan: Plan, tokens: int) -> dict[str, float]:
+    """Forward FLOPs per unit when the model gives none: 2 x tokens x its matrix params."""
+    out: dict[str, float] = defaultdict(float)
+    for s in plan.slots.values():
+        if len(s.local_shape) >= 2:
+            out[s.unit] += 2.0 * tokens * s.numel
+    return {u: out.get(u, 0.0) for u in plan.units}
+
+
+@dataclass
+class _Unit:
+    name: str
+    fwd_s: float
+    bwd_s: float
+    gather: list  # per bucket: [(worker, seconds, tier, op, bytes)] stages in order
+    reduce: list
+    update_s: float
+    gather_copy_s: float = 0.0  # FSDP2's copy-out of the gathered buffer into params
+    reduce_copy_s: float = 0.0  # packing grads into the flat reduce buffer (both)
+    full_grad_bytes: int = 0
+    a2a_s: float = 0.0  # per pass (forward, backward): blocking all-to-alls (MoE dispatch + combine)
+
+
+# -- per-unit costs from the plan ----------------------------------------------------------------
+def _unit_costs(plan: Plan, hw: Hardware, opts: Options, flops: dict, measured: dict | None,
+                a2a: dict | None = None) -> list[_Unit]:
+    mesh = plan.mesh
+    world = mesh.size
+    emu = Link(alpha=0.0, beta=opts.emulated_slow[1], latency=opts.emulated_slow[0]) if opts.emulated_slow else None
+    units = []
+    last_block = list(plan.units)[-1]
+    for name, unit in plan.units.items():
+        if measured is not None:  # calibrated seconds of forward + backward on this machine
+            total = measured["root_s"] if name == ROOT else measured["block_s"]
+        else:
+            total = 3 * flops.get(name, 0.0) / (hw.peak_flops * hw.efficiency) + 2 * hw.kernel_overhead_s
+        gathers, reduces, numel, full_grad = [], [], 0, 0
+        for bi in unit.buckets:
+            b = plan.buckets[bi]
+            numel += b.shard_numel
+            full_grad += b.padded_numel * opts.reduce_bytes
+            if opts.strategy == "ddp":
+                continue
+            hier = opts.strategy == "hpf" and opts.topology and opts.hierarchical
+            ag = bucket_gather_bytes(mesh, b, _dtype(opts.compute_bytes), hier)
+            rs = bucket_gather_bytes(mesh, b, _dtype(opts.reduce_bytes), hier)
+            ar = bucket_allreduce_bytes(mesh, b, _dtype(opts.reduce_bytes), hier)
+            fast_axes = tuple(a for a in b.shard_axes if a in mesh.fast_axes)
+            p_fast = mesh.axis_size(fast_axes)
+            p_slow = b.shard_size // p_fast
+            g, r = _stages(hw, opts, world, b.shard_size, p_fast, p_slow, ag, rs, hier, emu)
+            if ar["fast"] or ar["slow"]:  # HSDP: the replica all-reduce follows the reduce-scatter
+                m = mesh.axis_size(b.replicate_axes)
+                worker = "reduce-slow" if opts.strategy == "hpf" and opts.topology else "replica"
+                t = _flat_time(hw, opts, world, m, ar, "all_reduce", emu, steps=2 * (m - 1))
+                r.append((worker, t, "slow" if ar["slow"] else "fast", "all_reduce", ar))
+            gathers.append(g)
+            reduces.append(r)
+        copy = lambda nbytes: 2 * nbytes / hw.mem_bw  # noqa: E731 - read + write
+        units.append(_Unit(
+            name, total / 3, 2 * total / 3, gathers, reduces,
+            update_s=numel * ADAMW_BYTES_PER_ELEMENT / hw.mem_bw,
+            gather_copy_s=copy(sum(plan.buckets[bi].padded_numel for bi in unit.buckets) * opts.compute_bytes),
+            reduce_copy_s=copy(full_grad), full_grad_bytes=full_grad,
+            a2a_s=_a2a_time(hw, opts, plan, *a2a[name]) if a2a and name in a2a else 0.0))
+    return units
+
+
+def _a2a_time(hw: Hardware, opts: Options, plan: Plan, nbytes: int, axes: tuple[str, ...]) -> float:
+    """Dispatch + combine of ``nbytes`` (one rank's tokens) over ``axes``: each rank keeps 1/p."""
+    mesh = plan.mesh
+    p = mesh.axis_size(axes)
+    tier = "fast" if all(a in mesh.fast_axes for a in axes) else "slow"
+    link = _fast_link(hw, opts, p, mesh.size) if tier == "fast" else hw.link("slow", p, mesh.size)
+    return 2 * stage_time(link, p, (p - 1) / p * nbytes, "all_to_all")
+
+
+def _dtype(nbytes: int):
+    import torch
+
+    return {1: torch.int8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[nbytes]
+
+
+def _flat_time(hw: Hardware, opts: Options, world: int, p: int, tiers: dict, op: str, emu: Link | None,
+               steps: int | None = None) -> float:
+    """One collective over p ranks that spans both tiers in one stage (a flat ring)."""
+    if p <= 1:
+        return 0.0
+    slow, fast = hw.link("slow", p, world), _fast_link(hw, opts, p, world)
+    alpha, beta = slow.figures(op)
+    steps = p - 1 if steps is None else steps
+    if hw.shared_links:  # one host: both tiers' bytes go through the same transport
+        t = slow.latency + steps * alpha + (tiers["fast"] + tiers["slow"]) / beta
+    else:  # separate networks: the slowest tier bounds the ring
+        t = slow.latency + steps * alpha + max(tiers["fast"] / fast.figures(op)[1], tiers["slow"] / beta)
+    if emu is not None and tiers["slow"]:
+        t = max(t, emu.latency + tiers["slow"] / emu.beta)
+    return t
+
+
+def _fast_link(hw: Hardware, opts: Options, p: int, world: int) -> Link:
+    if hw.shared_links and not opts.shm:  # a local run's fast tier on torch.distributed is gloo too
+        return hw.link("slow", p, world)
+    return hw.link("fast", p, world)
+
+
+def _stages(hw, opts, world, p, p_fast, p_slow, ag, rs, hier, emu):
+    """(gather stages, reduce stages) of one bucket: (worker, seconds, tier, op, bytes) each."""
+    if opts.strategy == "hpf" and opts.topology and hier and p_fast > 1:
+        fast = _fast_link(hw, opts, p_fast, world)
+        slow = hw.link("slow", p_slow, world)
+
+        def slow_t(tiers, op):
+            t = stage_time(slow, p_slow, tiers["slow"], op)
+            return max(t, emu.latency + tiers["slow"] / emu.beta) if emu is not None and tiers["slow"] else t
+        g = [("gather-slow", slow_t(ag, "all_gather"), "slow", "all_gather", {"slow": ag["slow"]}),
+             ("gather-fast", stage_time(fast, p_fast, ag["fast"], "all_gather"), "fast", "all_gather",
+              {"fast": ag["fast"]})]
+        r = [("reduce-fast", stage_time(fast, p_fast, rs["fast"], "reduce_scatter"), "fast", "reduce_scatter",
+              {"fast": rs["fast"]}),
+             ("reduce-slow", slow_t(rs, "reduce_scatter"), "slow", "reduce_scatter", {"slow": rs["slow"]})]
+        return g, r  # a bucket with no slow part still passes the slow worker, in order, as in TieredComm
+    tier = "slow" if ag["slow"] else "fast"
+    if opts.strategy == "hpf" and opts.topology:  # TieredComm, one flat stage on the slow worker
+        gw, rw = "gather-slow", "reduce-slow"
+    elif hw.shared_links:  # torch.distributed on one process group: one gloo thread runs them in order
+        gw = rw = "pg"
+    else:  # accelerator streams: all-gather and reduce-scatter on their own streams
+        gw, rw = "ag", "rs"
+    return ([(gw, _flat_time(hw, opts, world, p, ag, "all_gather", emu), tier, "all_gather", ag)],
+            [(rw, _flat_time(hw, opts, world, p, rs, "reduce_scatter", emu), tier, "reduce_scatter", rs)])
+
+
+# -- the event simulation -------------------------------------------------------------------------
+class _Timeline:
+    """One compute thread and FIFO collective workers; times in seconds."""
+
+    def __init__(self):
+        self.t = 0.0
+        self.free = defaultdict(float)
+        self.reset_counters()
+
+    def reset_counters(self):
+        self.busy, self.wait, self.compute_s, self.opt_s = Counter(), 0.0, 0.0, 0.0
+        self.bytes = {op: {"fast": 0, "slow": 0} for op in ("all_gather", "reduce_scatter", "all_reduce")}
+
+    def submit(self, stages) -> float:
+        t = self.t
+        for worker, seconds, tier, op, nbytes in stages:
+            t = max(t, self.free[worker]) + seconds
+            self.free[worker] = t
+            self.busy[tier] += seconds
+            for k, n in nbytes.items():
+                self.bytes[op][k] += n
+        return t
+
+    def wait_until(self, end: float):
+        if end > self.t:
+            self.wait += end - self.t
+            self.t = end
+
+    def run(self, seconds: float, optimizer: bool = False):
+        self.t += seconds
+        if optimizer:
+            self.opt_s += seconds
+        else:
+            self.compute_s += seconds
+
+
+def _a2a(tl: _Timeline, u: _Unit) -> None:
+    """MoE all-to-alls sit between a unit's matmuls: compute waits for them."""
+    if u.a2a_s:
+        tl.wait += u.a2a_s
+        tl.t += u.a2a_s
+
+
+def _issue(tl: _Timeline, per_bucket: list) -> float:
+    return max((tl.submit(stages) for stages in per_bucket), default=tl.t)
+
+
+def _hpf_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float) -> None:
+    """UnitEngine + ShardStep, step after step (see hpf/fsdp.py)."""
+    by = {u.name: u for u in units}
+    root = by.get(ROOT)
+    blocks = [u for u in units if u.name != ROOT]
+    order = ([root] if root else []) + blocks
+    early = {u.name for u in order} if opts.shm else {u.name for u in order[:2]}
+    live: dict[str, float] = {}
+
+    def gather(u):
+        if u.name not in live:
+            live[u.name] = _issue(tl, u.gather)
+
+    for step in range(opts.steps):
+        if step == opts.steps - 1:
+            tl.reset_counters()
+            start = tl.t
+        for name in early:  # begin(): the first units (all, in shared memory), unless refilled already
+            gather(by[name])
+        landing: list = []
+        refill_later = []
+
+        def deliver(block: bool):
+            while landing and (block or landing[0][1] <= tl.t):
+                u, end = landing.pop(0)
+                tl.wait_until(end)
+                tl.run(u.update_s, optimizer=True)
+                if u.name in early:
+                    if opts.shm:  # every unit shared: refill in backward
+                        live.pop(u.name, None)
+                        gather(u)
+                    else:
+                        refill_later.append(u)
+
+        if root:
+            tl.wait_until(live[ROOT])
+        if blocks:
+            gather(blocks[0])
+        for i, u in enumerate(blocks):
+            if i and not opts.shm:
+                live.pop(blocks[i - 1].name, None)  # freed: the loss function moved on
+            gather(u)
+            tl.wait_until(live[u.name])
+            if i + 1 < len(blocks):
+                gather(blocks[i + 1])
+            _a2a(tl, u)
+            tl.run(u.fwd_s)
+        if root:
+            tl.run(root.fwd_s + root.bwd_s)  # head forward and backward (the embedding's is small)
+        for i in reversed(range(len(blocks))):
+            u = blocks[i]
+            gather(u)  # a re-gather unless still live (the last block, or shared memory)
+            tl.wait_until(live[u.name])
+            if i:
+                gather(blocks[i - 1])
+            if opts.overlap_optimizer:
+                deliver(block=False)
+            _a2a(tl, u)
+            tl.run(u.bwd_s)
+            _reduce(tl, u, opts, landing, live)
+            if opts.overlap_optimizer:
+                deliver(block=False)
+        if root:
+            _reduce(tl, root, opts, landing, live)
+        # finish(): every reduction, the remaining updates, then the next step's first gathers
+        if opts.overlap_optimizer:
+            deliver(block=True)
+        else:
+            for u, end in landing:
+                tl.wait_until(end)
+            tl.run(sum(u.update_s for u in units), optimizer=True)
+            refill_later = [by[n] for n in early]
+        for name in list(live):
+            if name not in early:
+                live.pop(name)
+        for u in refill_later:
+            live.pop(u.name, None)
+            gather(u)
+        wait_before = tl.wait
+        tl.wait_until(tl.t + norm_s)  # the loss and grad-norm all-reduce (not an engine wait)
+        tl.wait = wait_before
+    tl.step_s = tl.t - start
+
+
+def _reduce(tl: _Timeline, u: _Unit, opts: Options, landing: list, live: dict) -> None:
+    if not opts.shm:
+        live.pop(u.name, None)
+    tl.run(u.reduce_copy_s)  # grads packed into the flat buffer
+    end = _issue(tl, u.reduce)
+    if not opts.pipeline:
+        tl.wait_until(end)
+    landing.append((u, end))
+
+
+def _fsdp2_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float, overhead_s: float,
+                 run_ahead: bool) -> None:
+    """torch FSDP2 (fully_shard per block and on the root): all-gather with copy-out, forward
+    prefetch only where the CPU runs ahead of the device, backward prefetch of one unit,
+    reduce-scatter with copy-in overlapping backward, the optimizer after backward."""
+    root = next((u for u in units if u.name == ROOT), None)
+    blocks = [u for u in units if u.name != ROOT]
+    for step in range(opts.steps):
+        if step == opts.steps - 1:
+            tl.reset_counters()
+            start = tl.t
+        pending: dict[str, float] = {}
+
+        def unshard(u):
+            if u.name not in pending:
+                pending[u.name] = _issue(tl, u.gather)
+            tl.wait_until(pending.pop(u.name))
+            tl.run(u.gather_copy_s + overhead_s)
+
+        if root:
+            unshard(root)
+        for i, u in enumerate(blocks):
+            unshard(u)
+            if run_ahead and i + 1 < len(blocks):  # the CPU issues the next all-gather while the device computes
+                pending[blocks[i + 1].name] = _issue(tl, blocks[i + 1].gather)
+            _a2a(tl, u)
+            tl.run(u.fwd_s)
+        if root:
+            tl.run(root.fwd_s + root.bwd_s)
+        ends = []
+        for i in reversed(range(len(blocks))):
+            u = blocks[i]
+            unshard(u)
+            if i:
+                pending[blocks[i - 1].name] = _issue(tl, blocks[i - 1].gather)
+            _a2a(tl, u)
+            tl.run(u.bwd_s + overhead_s)
+            tl.run(u.reduce_copy_s)
+            ends.append(_issue(tl, u.reduce))
+        if root:
+            tl.run(root.reduce_copy_s + overhead_s)
+            ends.append(_issue(tl, root.reduce))
+        for e in ends:
+            tl.wait_until(e)
+        tl.run(sum(u.update_s for u in units), optimizer=True)
+        wait_before = tl.wait
+        tl.wait_until(tl.t + norm_s)
+        tl.wait = wait_before
+    tl.step_s = tl.t - start
+
+
+def _ddp_steps(units: list[_Unit], tl: _Timeline, opts: Options, plan: Plan, hw: Hardware, norm_s: float,
+               replicas_numel: int) -> None:
+    """Megatron DDP: full replicas; grads fill buckets in backward order and each full bucket's
+    all-reduce starts at once, overlapping the rest of backward; the optimizer on full params."""
+    mesh, world = plan.mesh, plan.mesh.size
+    root = next((u for u in units if u.name == ROOT), None)
+    blocks = [u for u in units if u.name != ROOT]
+    axes = tuple(mesh.axis_names)
+
+    def allreduce(nbytes: int):
+        tiers = {t: 2 * n for t, n in collective_bytes(mesh, axes, -(-nbytes // world)).items()}
+        t = _flat_time(hw, opts, world, world, tiers, "all_reduce", None, steps=2 * (world - 1))
+        return [("ar", t, "slow" if tiers["slow"] else "fast", "all_reduce", tiers)]
+
+    for step in range(opts.steps):
+        if step == opts.steps - 1:
+            tl.reset_counters()
+            start = tl.t
+        for u in blocks:
+            _a2a(tl, u)
+            tl.run(u.fwd_s)
+        if root:
+            tl.run(root.fwd_s + root.bwd_s)
+        ends, filled = [], 0
+        last = root or blocks[0]
+        for u in list(reversed(blocks)) + ([root] if root else []):
+            if u is not root:
+                _a2a(tl, u)
+                tl.run(u.bwd_s)
+            filled += u.full_grad_bytes
+            if filled >= opts.ddp_bucket_bytes or u is last:
+                ends.append(tl.submit(allreduce(filled)))
+                filled = 0
+        for e in ends:
+            tl.wait_until(e)
+        tl.run(replicas_numel * ADAMW_BYTES_PER_ELEMENT / hw.mem_bw, optimizer=True)
+        wait_before = tl.wait
+        tl.wait_until(tl.t + norm_s)
+        tl.wait = wait_before
+    tl.step_s = tl.t - start
+
+
+def simulate_plan(plan: Plan, hw: Hardware, opts: Options, unit_flops: dict[str, float], *, tokens: int = 0,
+                  measured: dict | None = None, a2a: dict | None = None) -> SimResult:
+    """Simulate steps of ``plan`` on ``hw``; ``unit_flops`` is the forward FLOPs per unit on one
+    rank's local batch; ``measured`` replaces them with calibrated seconds per unit; ``a2a``:
+    unit -> (bytes one rank sends per all-to-all, mesh axes), for MoE dispatch and combine."""
+    world = plan.mesh.size
+    units = _unit_costs(plan, hw, opts, unit_flops, measured, a2a)
+    norm = hw.link("slow", world, world)
+    norm_s = 2 * ring_time(world, 8 * world, norm.alpha, norm.beta) + norm.latency if world > 1 else 0.0
+    tl = _Timeline()
+    if opts.strategy == "hpf":
+        _hpf_steps(units, tl, opts, norm_s)
+    elif opts.strategy == "fsdp2":
+        _fsdp2_steps(units, tl, opts, norm_s, hw.fsdp2_unit_overhead_s, run_ahead=not hw.shared_links)
+    elif opts.strategy == "ddp":
+        full = sum(b.numel for b in plan.buckets)
+        _ddp_steps(units, tl, opts, plan, hw, norm_s, full)
+    else:
+        raise ValueError(f"strategy {opts.strategy!r}: use 'hpf', 'fsdp2' or 'ddp'")
+    busy = {"fast": tl.busy["fast"], "slow": tl.busy["slow"]}
+    return SimResult(tl.step_s, tl.compute_s, tl.wait, tl.opt_s, busy, tl.bytes, tokens)

@@ -1,0 +1,28 @@
+"""Validation mode: the production plan, with every tensor's layout checked through every op.
+
+One concern per module:
+
+* :mod:`~hpf.validate.errors`      the error classes, one per check (``CHECKS``);
+* :mod:`~hpf.validate.layout`      what a layout is, and how errors describe it;
+* :mod:`~hpf.validate.rules`       the op rules, each registered where it is written;
+* :mod:`~hpf.validate.tracker`     the ``TorchFunctionMode`` that carries layouts through ``loss_fn``;
+* :mod:`~hpf.validate.step`        ``ValidateStep``: the production step with every check on;
+* :mod:`~hpf.validate.plan_check`  ``check_plan``: one rank's view of any mesh, on meta tensors;
+* :mod:`~hpf.validate.grads`       ``check_grads``: sharded grads vs a single-process reference.
+"""
+from .errors import (CHECKS, BatchMismatchError, CollectiveError, GradientMismatchError, IndivisibleSpecError,
+                     LayoutError, LossNotReplicatedError, NonFiniteError, ParamsTreeError, PartialSumError,
+                     PrecisionError, ShardedContractionError, ShardingMismatchError)
+from .grads import GradReport, check_grads
+from .layout import PARTIAL, VARYING, Info, describe, make_info
+from .plan_check import PlanCheck, check_plan
+from .step import ValidateStep
+from .tracker import Tracker
+
+__all__ = [
+    "LayoutError", "PartialSumError", "ShardingMismatchError", "ShardedContractionError",
+    "LossNotReplicatedError", "BatchMismatchError", "ParamsTreeError", "PrecisionError",
+    "NonFiniteError", "IndivisibleSpecError", "CollectiveError", "GradientMismatchError", "CHECKS",
+    "ValidateStep", "check_plan", "check_grads", "PlanCheck", "GradReport", "Tracker",
+    "PARTIAL", "VARYING", "Info", "describe", "make_info",
+]

@@ -1,0 +1,101 @@
+"""The errors validation mode raises: one class per check, defined here and nowhere else.
+
+The fail-fast checks, in the order the docs and tests name them (:data:`CHECKS`):
+
+* :class:`PartialSumError`         a pending partial sum used as a complete value (a missing ``hpf.psum``);
+* :class:`ShardedContractionError` a contraction or reduction over a sharded dim that no reduction completes;
+* :class:`LossNotReplicatedError`  a loss that differs across the ranks of a non-FSDP axis;
+* :class:`BatchMismatchError`      local batches that differ where they must agree;
+* :class:`ParamsTreeError`         a params tree, spec tree or train state of another structure;
+* :class:`PrecisionError`          an op that silently leaves the mixed-precision compute dtype;
+* :class:`NonFiniteError`          a non-finite loss or grad, named where it first appeared;
+* :class:`IndivisibleSpecError`    a non-FSDP axis that does not divide the dim it splits.
+
+Besides these, :class:`ShardingMismatchError`, :class:`CollectiveError` and
+:class:`GradientMismatchError` (from ``check_grads``) are :class:`LayoutError`\\ s too.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from .. import spec
+
+__all__ = [
+    "LayoutError", "PartialSumError", "ShardingMismatchError", "ShardedContractionError",
+    "LossNotReplicatedError", "BatchMismatchError", "ParamsTreeError", "PrecisionError",
+    "NonFiniteError", "IndivisibleSpecError", "CollectiveError", "GradientMismatchError", "CHECKS",
+    "as_layout_errors",
+]
+
+
+class LayoutError(ValueError):
+    """Validation found a tensor whose layout, dtype or value contradicts the plan."""
+
+
+class PartialSumError(LayoutError):
+    """A pending partial sum is used as a complete value: a ``hpf.psum`` is missing."""
+
+
+class ShardingMismatchError(LayoutError):
+    """Operands of one op are split differently over a non-FSDP axis."""
+
+
+class ShardedContractionError(ShardingMismatchError):
+    """A contraction or reduction runs over a dim sharded on a non-FSDP axis in a way no
+    reduction can complete: the other operand is not sharded alike, or the op (mean, max,
+    softmax, a norm, cross-entropy, attention) needs the whole dim."""
+
+
+class LossNotReplicatedError(LayoutError):
+    """The loss differs (by layout or by value) across the ranks of a non-FSDP axis."""
+
+
+class BatchMismatchError(LayoutError):
+    """Local batches differ in shape or dtype across ranks, or in content across the ranks
+    of a non-FSDP axis (which must see the same batch)."""
+
+
+class ParamsTreeError(LayoutError, spec.SpecTreeError):
+    """A params tree, spec tree or train state does not have the plan's structure."""
+
+
+class PrecisionError(LayoutError):
+    """An op silently leaves the mixed-precision compute dtype."""
+
+
+class NonFiniteError(LayoutError):
+    """A non-finite loss or grad; the message names where it first appeared."""
+
+
+class IndivisibleSpecError(LayoutError, spec.IndivisibleSpecError):
+    """A non-FSDP axis does not divide the dim it splits (only FSDP axes are padded)."""
+
+
+class CollectiveError(LayoutError):
+    """An hpf collective applied to a layout it cannot mean (e.g. psum of a replicated value)."""
+
+
+class GradientMismatchError(LayoutError):
+    """Sharded grads differ from the single-process reference beyond the tolerance."""
+
+
+#: The fail-fast checks of validation mode, in their documented order.
+CHECKS: tuple[type[LayoutError], ...] = (
+    PartialSumError, ShardedContractionError, LossNotReplicatedError, BatchMismatchError,
+    ParamsTreeError, PrecisionError, NonFiniteError, IndivisibleSpecError,
+)
+
+
+@contextlib.contextmanager
+def as_layout_errors(op: str) -> Iterator[None]:
+    """Re-raise the planner's spec-tree and divisibility errors (hpf.spec, checked once there)
+    as this module's :class:`ParamsTreeError` / :class:`IndivisibleSpecError`, prefixed by ``op``."""
+    try:
+        yield
+    except LayoutError:
+        raise
+    except spec.SpecTreeError as err:
+        raise ParamsTreeError(f"{op}: {err}") from None
+    except spec.IndivisibleSpecError as err:
+        raise IndivisibleSpecError(f"{op}: {err}") from None

@@ -1,0 +1,186 @@
+"""The validating step: the production step (hpf.step) with every check of validation mode on."""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from .. import tree as tree_util
+from ..step import ShardStep
+from ..types import TrainState
+from .errors import BatchMismatchError, LossNotReplicatedError, NonFiniteError, ParamsTreeError, as_layout_errors
+from .grads import GradReport, check_grads
+from .tracker import Tracker
+
+__all__ = ["ValidateStep"]
+
+
+class ValidateStep(ShardStep):
+    """``hpf.shard_step(..., mode="validate")``: the production step with every check on.
+
+    Per step, beyond production: the state must match the plan (ParamsTreeError); the local
+    batch must have the same shapes and dtypes on every rank and the same content across
+    non-FSDP ranks (BatchMismatchError); every op's layouts must agree (PartialSumError,
+    ShardedContractionError, PrecisionError and more); the loss must be complete and
+    replicated (PartialSumError, LossNotReplicatedError); no loss or grad may be non-finite
+    (NonFiniteError). Losses and grads are bit-identical to production's: the same ops run on
+    the same plain tensors. The optimizer always updates after backward (overlap off), since
+    grads are checked before anything is updated.
+
+    Args:
+        loss_fn, mesh, optimizer, ...: as for :func:`hpf.shard_step`.
+
+    Raises:
+        ValueError, TypeError: as :class:`hpf.ShardStep`; then, per call, the
+        :class:`~hpf.validate.errors.LayoutError` of the first failed check.
+    """
+
+    mode = "validate"
+
+    def __init__(self, loss_fn: Callable, **kwargs):
+        super().__init__(loss_fn, **{**kwargs, "overlap_optimizer": False})
+        self.ops_checked = 0
+
+    def init(self, full_params: Any) -> TrainState:
+        with as_layout_errors("shard_step(mode='validate').init"):
+            state = super().init(full_params)
+        self._state_sig = [(tuple(s.shape), s.dtype) for s in state.params]
+        return state
+
+    def forward_backward(self, state: TrainState, batch: Any) -> torch.Tensor:
+        """The production hook, with the state and batch checked before and the grads after."""
+        if self.engine is None:
+            raise RuntimeError("call step.init(full_params) first, and pass the state it returns")
+        self._check_state(state)
+        self._check_batch(batch)
+        loss = super().forward_backward(state, batch)
+        self._check_grads_finite()
+        return loss
+
+    def call_loss(self, params: Any, batch: Any) -> torch.Tensor:
+        """The production hook, with params and batch tracked and the loss checked."""
+        tracker = Tracker(self.mesh, self.plan.fsdp_axes, self.mp.compute_dtype if self.mp else None)
+        params = tracker.track_params(params, self.plan)
+        batch = tracker.track_batch(batch)
+        with tracker:
+            loss = self.loss_fn(params, batch)
+        tracker.check_loss(loss)
+        self.ops_checked = tracker.ops
+        self._check_loss_values(loss, tracker)
+        return loss
+
+    def check_grads(self, state: TrainState, batch: Any, *, rtol: float = 1e-3, atol: float = 1e-6) -> "GradReport":
+        """Sharded grads vs a single-process reference, without updating ``state``; see :func:`check_grads`."""
+        return check_grads(self, state, batch, rtol=rtol, atol=atol)
+
+    # -- checks -------------------------------------------------------------------------------------
+    def _check_state(self, state: Any) -> None:
+        shards = getattr(state, "params", None)
+        sig = None if not isinstance(shards, (list, tuple)) else [
+            (tuple(s.shape), s.dtype) if isinstance(s, torch.Tensor) else None for s in shards]
+        if sig == self._state_sig:
+            return
+        where = "it is not a TrainState" if sig is None else next(
+            (f"bucket {i} (params {[s.path for s in self.plan.buckets[i].slots][:3]}) is {got}, the plan "
+             f"expects {want}" for i, (got, want) in enumerate(zip(sig, self._state_sig)) if got != want),
+            f"it has {len(sig)} shards, the plan has {len(self._state_sig)} buckets")
+        raise ParamsTreeError(f"step(state, batch): the state does not match this step's plan: {where}. "
+                              "Pass the state returned by this step's init (or by its previous call)")
+
+    def _check_batch(self, batch: Any) -> None:
+        paths, leaves, _ = tree_util.flatten(batch)
+        sig = [(p, tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else (p, type(x).__name__, None)
+               for p, x in zip(paths, leaves)]
+        sums = [_checksum(x) for x in leaves if isinstance(x, torch.Tensor)]
+        if not dist.is_initialized() or self.mesh.size == 1:
+            return
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (sig, sums))
+        for r, (theirs, _) in enumerate(everyone):
+            if theirs != sig:
+                diff = next(((a, b) for a, b in zip(sig, theirs) if a != b),
+                            (sig[len(theirs)] if len(sig) > len(theirs) else None,
+                             theirs[len(sig)] if len(theirs) > len(sig) else None))
+                raise BatchMismatchError(
+                    f"step(state, batch): the local batch of rank {r} differs from rank {self.rank}'s: "
+                    f"{_fmt_leaf(diff[1])} vs {_fmt_leaf(diff[0])} (leaf, shape, dtype). Every rank must pass a "
+                    "local batch of the same shapes and dtypes (split the global batch evenly)")
+        group = self.mesh.group_ranks(self.plan.compute_axes, self.rank) if self.plan.compute_axes else [self.rank]
+        for r in group:
+            if everyone[r][1] != sums:
+                leaf = next(p for p, a, b in zip([p for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor)],
+                                                  sums, everyone[r][1]) if a != b)
+                raise BatchMismatchError(
+                    f"step(state, batch): {_fmt_leaf((leaf, '', ''))} holds different values on ranks {self.rank} "
+                    f"and {r}, "
+                    f"which differ only along the non-FSDP axes {self.plan.compute_axes}; those ranks compute one "
+                    "model replica together and must get the same local batch. Pick the batch by the "
+                    f"data-parallel position (mesh.group_index({self.plan.fsdp_axes!r}, rank)), not the global rank")
+
+    def _check_loss_values(self, loss: torch.Tensor, tracker: Tracker) -> None:
+        """The same loss across non-FSDP ranks (LossNotReplicatedError) and a finite loss
+        (NonFiniteError), decided together by all ranks."""
+        value = loss.detach().float().reshape(1)
+        if dist.is_initialized() and self.mesh.size > 1:
+            values = value.new_empty(dist.get_world_size())
+            dist.all_gather_single(values, value)
+        else:
+            values = value
+        values = values.cpu()
+        bad = [r for r, v in enumerate(values.tolist()) if not math.isfinite(v)]
+        if bad:
+            origin = tracker.first_nonfinite() if self.rank in bad else None
+            origins = [origin]
+            if dist.is_initialized() and self.mesh.size > 1:
+                origins = [None] * dist.get_world_size()
+                dist.all_gather_object(origins, origin)
+            r = bad[0]
+            raise NonFiniteError(
+                f"the loss is non-finite on rank(s) {bad}; on rank {r} the first non-finite value in the "
+                f"forward appeared at {origins[r if len(origins) > 1 else 0] or 'an op with no recorded output'}"
+                ". Check that op's inputs (log/sqrt of non-positive values, division by zero, overflow in low "
+                "precision)")
+        for group in self.mesh.all_groups(self.plan.compute_axes) if self.plan.compute_axes else []:
+            vals = values[group]
+            if not torch.allclose(vals, vals[:1].expand_as(vals), rtol=1e-5, atol=0.0):
+                raise LossNotReplicatedError(
+                    f"the loss differs across ranks {group}, which differ only along the non-FSDP axes "
+                    f"{self.plan.compute_axes}: {vals.tolist()}. Those ranks must compute the same loss: check "
+                    "for random ops (dropout) with per-rank seeds, or a per-rank input that layouts cannot see")
+
+    def _check_grads_finite(self) -> None:
+        """NonFiniteError naming the parameters whose grads are non-finite, decided together by all ranks."""
+        plan, flags, paths = self.plan, [], []
+        for bucket, shard in zip(plan.buckets, self.grad_shards):
+            start, _ = bucket.shard_range(plan.shard_index(bucket, self.rank))
+            bad = ~torch.isfinite(shard)
+            for slot in bucket.slots:
+                lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, start + shard.numel())
+                flags.append(bad[lo - start:hi - start].any() if lo < hi else bad.new_zeros(()))
+                paths.append(slot.path)
+        if not flags:
+            return
+        flags = torch.stack(flags).float()
+        if dist.is_initialized() and self.mesh.size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        bad_paths = [p for p, f in zip(paths, flags.tolist()) if f]
+        if bad_paths:
+            raise NonFiniteError(
+                f"the loss is finite but the grads of {bad_paths[:8]} are not (first in parameter order: "
+                f"{bad_paths[0]!r}). The backward of an op on that parameter's path produced inf/nan, e.g. sqrt or "
+                "pow at 0, or log near 0; clamp its input away from the singular point")
+
+
+def _checksum(x: torch.Tensor) -> str:
+    """A position-weighted sum: equal batches give equal sums, swapped rows almost surely do not."""
+    flat = x.detach().reshape(-1).double()
+    weights = torch.arange(flat.numel(), device=flat.device, dtype=torch.float64).remainder_(1009).add_(1)
+    return float((flat * weights).sum()).hex()  # hex: NaN compares equal to NaN
+
+
+def _fmt_leaf(leaf) -> str:
+    if leaf is None:
+        return "nothing"
+    return f"{f'batch leaf {leaf[0]!r}' if leaf[0] else 'the batch'} {leaf[1]} {leaf[2] or ''}".strip()

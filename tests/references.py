@@ -1,0 +1,60 @@
+"""Single-process references the tests compare hpf against: plain torch autograd on the full,
+unsharded model, computed independently of the code under test."""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import optree
+import torch
+
+import hpf
+
+
+def autograd_grads(loss_fn: Callable, params: Any, batch: Any) -> dict[str, torch.Tensor]:
+    """{path: grad} of ``loss_fn(params, batch)`` by plain autograd on fresh copies of the params."""
+    paths, leaves, treedef = hpf.tree.flatten(params)
+    leaves = [p.detach().clone().requires_grad_() for p in leaves]
+    loss_fn(hpf.tree.unflatten(treedef, leaves), batch).backward()
+    return {p: x.grad for p, x in zip(paths, leaves)}
+
+
+def adamw_training(loss_fn: Callable, params: Any, batches: Callable[[int], Any], steps: int, *,
+                   max_grad_norm: float | None = None, compute_dtype: torch.dtype = torch.float32,
+                   **adamw) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """(losses, pre-clip global grad norms, final params by path) of plain autograd and
+    torch.optim.AdamW(**adamw) on ``batches(step)``. ``compute_dtype`` other than fp32: the
+    loss runs on casts of the fp32 master params."""
+    paths, leaves, treedef = hpf.tree.flatten(params)
+    leaves = [p.detach().clone().requires_grad_() for p in leaves]
+    params = hpf.tree.unflatten(treedef, leaves)
+    opt = torch.optim.AdamW(leaves, **adamw)
+    losses, norms = [], []
+    for s in range(steps):
+        compute = optree.tree_map(lambda p: p.to(compute_dtype), params) if compute_dtype != torch.float32 else params
+        loss = loss_fn(compute, batches(s))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(leaves, math.inf if max_grad_norm is None
+                                                          else max_grad_norm)))
+        opt.step()
+        losses.append(loss.item())
+    return losses, norms, {p: x.detach() for p, x in zip(paths, leaves)}
+
+
+def functional_training(loss_fn: Callable, params: Any, batches: Callable[[int], Any], optimizer,
+                        steps: int) -> tuple[list[float], Any]:
+    """(losses, final params) of plain autograd grads fed to a functional (optax-style) optimizer,
+    e.g. hpf's single-device ``hpf.optim.muon`` on full tensors."""
+    treedef = hpf.tree.structure(params)
+    state = optimizer.init(params)
+    losses = []
+    for s in range(steps):
+        leaves = [p.detach().requires_grad_() for p in hpf.tree.flatten(params)[1]]
+        loss = loss_fn(hpf.tree.unflatten(treedef, leaves), batches(s))
+        grads = torch.autograd.grad(loss, leaves)
+        with torch.no_grad():
+            params, state = optimizer.update(hpf.tree.unflatten(treedef, list(grads)), state,
+                                             hpf.tree.unflatten(treedef, [p.detach() for p in leaves]))
+        losses.append(loss.item())
+    return losses, params

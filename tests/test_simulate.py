@@ -1,0 +1,106 @@
+"""hpf.sim: the alpha-beta formulas by hand, bytes equal to the plan report's, schedule
+properties that must hold for any inputs, and the CLI. No calibration runs here."""
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import hpf
+from hpf import cli, sim
+from hpf.models import gpt
+from hpf.sim.model import stage_time
+
+CM = sim.PROFILES["cloudmatrix384"]
+IDEAL = sim.Link(alpha=0.0, beta=math.inf)
+
+
+def test_ring_allreduce_and_two_tier_by_hand():
+    # 4 ranks, 1 MB, alpha 10 us, beta 1 GB/s: 3 steps + 3/4 of 1 ms
+    assert sim.ring_time(4, 1e6, 1e-5, 1e9) == pytest.approx(3e-5 + 0.75e-3)
+    assert sim.allreduce_time(4, 1e6, 1e-5, 1e9) == pytest.approx(2 * (3e-5 + 0.75e-3))
+    assert sim.ring_time(1, 1e6, 1e-5, 1e9) == 0.0
+    fast, slow = sim.Link(alpha=1e-6, beta=100e9), sim.Link(alpha=1e-5, beta=10e9)
+    # 8 fast x 4 slow, 64 MB: fast ring on 64 MB, then a slow ring on 8 MB
+    expect = (7e-6 + 7 / 8 * 64e6 / 100e9) + (3e-5 + 3 / 4 * 8e6 / 10e9)
+    assert sim.two_tier_time(8, 4, 64e6, fast, slow) == pytest.approx(expect)
+    # a stage in the report's bytes: (p-1)/p * n sent gives the ring formula exactly
+    assert stage_time(slow, 4, 3 / 4 * 8e6) == pytest.approx(3e-5 + 3 / 4 * 8e6 / 10e9)
+
+
+@pytest.mark.parametrize("axes,topology,hsdp", [({"node": 4, "local": 8}, "two-tier", False),
+                                               ({"node": 4, "local": 8}, "flat", False),
+                                               ({"node": 2, "local": 4}, "two-tier", True),
+                                               ({"dp": 6}, "flat", False)])
+def test_predicted_bytes_equal_the_plan_reports(axes, topology, hsdp):
+    mesh = hpf.Mesh(axes)
+    fsdp = mesh.axis_names
+    plan = hpf.plan(gpt.init(gpt.CONFIGS["small"], device="meta"), mesh, hierarchical=topology == "two-tier",
+                    default_shard_axes=[a for a in fsdp if a in mesh.fast_axes] if hsdp else None)
+    report = plan.report(compute_dtype=torch.bfloat16, reduce_dtype=torch.float32, master_dtype=torch.float32,
+                         hierarchical=topology == "two-tier")
+    r = sim.simulate("small", mesh, CM, "hsdp" if hsdp else "hpf", mixed_precision="bf16", topology=topology)
+    assert r.bytes == report.comm
+
+
+def test_shared_memory_skips_the_backward_regathers_as_the_report_says():
+    mesh = hpf.Mesh({"dp": 2})
+    plan = hpf.plan(gpt.init(gpt.CONFIGS["small"], device="meta"), mesh, hierarchical=True)
+    r = sim.simulate("small", mesh, CM, shm=True)
+    assert r.bytes == plan.report(hierarchical=True, regather=False).comm
+
+
+@pytest.mark.parametrize("hw_name", ["cloudmatrix384", "ascend910c-roce", "h100"])
+@pytest.mark.parametrize("ranks", [16, 64, 256])
+def test_pipeline_on_is_never_slower_than_off(hw_name, ranks):
+    hw = sim.PROFILES[hw_name]
+    mesh = sim.sweep_mesh(ranks, hw)
+    for cfg, batch in (("1b", 1), ("small", 2)):
+        on = sim.simulate(cfg, mesh, hw, local_batch=batch)
+        off = sim.simulate(cfg, mesh, hw, local_batch=batch, pipeline=False)
+        assert on.step_s <= off.step_s * (1 + 1e-12)
+        assert on.exposed_comm_s <= off.exposed_comm_s + 1e-12
+
+
+@pytest.mark.parametrize("strategy", sim.STRATEGIES)
+def test_ideal_links_give_no_exposed_comm_and_the_compute_time(strategy):
+    hw = dataclasses.replace(CM, fast=IDEAL, slow=IDEAL, scale_out=None, mem_bw=math.inf)
+    r = sim.simulate("1b", {"node": 4, "local": 16}, hw, strategy, local_batch=2)
+    flops = gpt.unit_flops(gpt.CONFIGS["1b"], 2)
+    compute = 3 * sum(flops.values()) / (hw.peak_flops * hw.efficiency)  # forward + 2x backward, by hand
+    assert r.exposed_comm_s == 0.0
+    assert r.step_s == pytest.approx(compute, rel=1e-12)
+    assert r.tokens_per_s == pytest.approx(64 * 2 * 2048 / compute)
+
+
+def test_a_slow_tier_costs_flat_fsdp2_more_than_two_tier_hpf():
+    hw = sim.PROFILES["ascend910c-roce"]
+    res = sim.compare("1b", {"node": 16, "local": 16}, hw, local_batch=1, mixed_precision="bf16")
+    # the slow tier carries 1/16 of hpf's bytes but all of FSDP2's flat ring
+    assert res["hpf"].busy_s["slow"] < res["fsdp2"].busy_s["slow"] / 8
+    assert res["hpf"].step_s < res["fsdp2"].step_s
+
+
+def test_cli_simulate_prints_the_three_strategies(capsys):
+    code = cli.main(["simulate", "--config", "small", "--mesh", "node=4,local=16", "--hardware", "h100"])
+    out = capsys.readouterr().out
+    assert code == 0
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith("64 ")]
+    assert [r[1] for r in rows] == ["hpf", "fsdp2", "ddp"]
+    expect = sim.simulate("small", {"node": 4, "local": 16}, "h100", "fsdp2", local_batch=4)
+    assert float(rows[1][2]) == pytest.approx(expect.step_s * 1e3, abs=0.006)
+
+
+def test_cli_simulate_sweep_and_errors(capsys):
+    assert cli.main(["simulate", "--config", "small", "--sweep", "16,32", "--hardware", "cloudmatrix384"]) == 0
+    out = capsys.readouterr().out
+    assert sum(line.strip().startswith(("16 ", "32 ")) for line in out.splitlines()) == 6
+    assert cli.main(["simulate", "--config", "small", "--sweep", "24"]) == 2
+    assert "multiple of 16" in capsys.readouterr().err
+    assert cli.main(["simulate", "--config", "small", "--hardware", "nope"]) == 2
+    assert "unknown hardware" in capsys.readouterr().err
+
+
+def test_plan_points_to_simulate(capsys):
+    assert cli.main(["plan", "--config", "tiny", "--mesh", "node=2,local=2"]) == 0
+    assert "hpf simulate --config tiny --mesh node=2,local=2" in capsys.readouterr().out
