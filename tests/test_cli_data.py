@@ -63,6 +63,7 @@ def test_train_llama_on_data_reports_held_out_loss(tmp_path, token_dir, capsys):
     (["train", "--model", "llama", "--config", "medium"], "llama"),
     (["train", "--schedule", "cosine", "--warmup", "100", "--steps", "100"], "--warmup"),
     (["prepare", "/no/such/file", "--out", "/tmp/x"], "neither"),
+    (["simulate", "--model", "llama"], "GPT only"),
 ])
 def test_bad_data_arguments_get_one_line_errors(argv, names, capsys):
     code, _, err = run_main(argv, capsys)
