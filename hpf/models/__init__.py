@@ -1,4 +1,4 @@
 """Pure-function models: params are plain pytrees, ``loss(params, batch)`` is a pure function."""
-from hpf.models import gpt
+from hpf.models import gpt, llama
 
-__all__ = ["gpt"]
+__all__ = ["gpt", "llama"]

@@ -74,16 +74,11 @@ def num_params(config: GPTConfig) -> int:
     return v * d + config.seq_len * d + config.n_layers * block + d + d * v
 
 
-def init(config: GPTConfig, generator: torch.Generator | None = None, *,
-         device=None, dtype: torch.dtype = torch.float32) -> dict:
-    """Fresh params as a plain dict pytree.
-
-    Values are drawn in fp32 on the CPU from ``generator`` (default: a generator seeded 0), so
-    every rank and every device gets bit-identical params; ``device="meta"`` draws nothing.
-    Residual projections (w_o, w_down) are scaled by 1/sqrt(2*n_layers) as in GPT-2.
-    """
-    c = config
-    on_meta = torch.device(device).type == "meta" if device is not None else False
+def param_makers(generator: torch.Generator | None, device, dtype: torch.dtype):
+    """(normal(*shape, std=INIT_STD), ones(n)) for an ``init``: values drawn in fp32 on the CPU
+    from ``generator`` (None: seeded 0) and then moved, so every device gets the same bits;
+    on the meta device they draw nothing."""
+    on_meta = device is not None and torch.device(device).type == "meta"
     if generator is None and not on_meta:
         generator = torch.Generator().manual_seed(0)
 
@@ -94,7 +89,19 @@ def init(config: GPTConfig, generator: torch.Generator | None = None, *,
 
     def ones(n: int) -> torch.Tensor:
         return torch.ones(n, device=device, dtype=dtype)
+    return normal, ones
 
+
+def init(config: GPTConfig, generator: torch.Generator | None = None, *,
+         device=None, dtype: torch.dtype = torch.float32) -> dict:
+    """Fresh params as a plain dict pytree.
+
+    Values are drawn in fp32 on the CPU from ``generator`` (default: a generator seeded 0), so
+    every rank and every device gets bit-identical params; ``device="meta"`` draws nothing.
+    Residual projections (w_o, w_down) are scaled by 1/sqrt(2*n_layers) as in GPT-2.
+    """
+    c = config
+    normal, ones = param_makers(generator, device, dtype)
     residual_std = INIT_STD / math.sqrt(2 * c.n_layers)
     d, f = c.d_model, c.d_ff
     return {

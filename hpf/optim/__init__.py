@@ -4,11 +4,12 @@
 ``hpf.optim.adamw(...)`` and ``hpf.optim.muon(...)`` are the factories; their modules are
 adamw_optimizer.py and muon_optimizer.py, so no function shadows a module.
 """
-from .adamw_optimizer import AdamW, AdamWState, adamw
+from . import schedules
+from .adamw_optimizer import AdamW, AdamWState, adamw, default_weight_decay_mask
 from .base import ForPlan, Optimizer, PartialUpdate
 from .dist_muon import DistMuon
 from .muon_math import MuonState
 from .muon_optimizer import Muon, muon
 
 __all__ = ["AdamW", "AdamWState", "DistMuon", "ForPlan", "Muon", "MuonState", "Optimizer", "PartialUpdate",
-           "adamw", "muon"]
+           "adamw", "default_weight_decay_mask", "muon", "schedules"]

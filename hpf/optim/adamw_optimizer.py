@@ -3,17 +3,35 @@
 Same arithmetic as ``torch.optim.AdamW`` (decoupled weight decay, bias correction,
 eps added after the square root), so a sharded run can be checked against it. Inside
 ``hpf.shard_step`` the leaves are flat shards; standalone they are ordinary params.
+
+``weight_decay_mask`` picks the params that decay: None (the default) decays every param, as
+``torch.optim.AdamW`` does; ``default_weight_decay_mask`` is the usual choice for transformers
+(matrices decay; norms, biases and embeddings do not) and what ``hpf train`` uses; any
+``mask(path, tensor) -> bool`` or a pytree of bools shaped like the params works too. Under
+``hpf.shard_step`` the mask is resolved once per flat shard (``for_plan``).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, NamedTuple
 
 import optree
 import torch
 
-__all__ = ["adamw", "AdamW", "AdamWState", "schedule_value"]
+from hpf import tree as tree_util
+
+__all__ = ["adamw", "AdamW", "AdamWState", "schedule_value", "default_weight_decay_mask"]
+
+EMBEDDING_PATH = re.compile(r"(^|/)(embed|pos|wte|wpe|tok_embeddings)($|/)")
+
+
+def default_weight_decay_mask(path: str, tensor: torch.Tensor) -> bool:
+    """Decay matrices only: not norms or biases (ndim < 2), not embeddings (path ``embed``/``pos``).
+    A head tied to the embedding, where tied weights are one param (named by its first path,
+    ``embed``), does not decay either."""
+    return tensor.ndim >= 2 and EMBEDDING_PATH.search(path) is None
 
 
 class AdamWState(NamedTuple):
@@ -48,6 +66,41 @@ class AdamW:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.01
+    weight_decay_mask: Any = None  # None: all; mask(path, tensor) -> bool; or a pytree of bools
+    _shard_decay: Any = field(default=None, repr=False, compare=False)  # per flat shard: slices (for_plan)
+
+    def for_plan(self, plan, rank: int) -> "AdamW":
+        """This optimizer on ``plan``'s flat shards (``hpf.shard_step`` calls it): the mask
+        becomes, per shard, the element ranges of the params that decay."""
+        if self.weight_decay_mask is None:
+            return self
+        decays = self._mask_by_path(plan.tree({p: torch.empty(s.global_shape, dtype=s.dtype, device="meta")
+                                               for p, s in plan.slots.items()}))
+        shards = []
+        for b in plan.buckets:
+            lo, hi = b.shard_range(plan.shard_index(b, rank))
+            ranges = [(max(s.offset, lo) - lo, min(s.offset + s.numel, hi) - lo) for s in b.slots if decays[s.path]]
+            shards.append(tuple(slice(a, z) for a, z in ranges if a < z))
+        return replace(self, _shard_decay=tuple(shards))
+
+    def _mask_by_path(self, params: Any) -> dict[str, bool]:
+        paths, leaves, treedef = tree_util.flatten(params)
+        mask = self.weight_decay_mask
+        if callable(mask):
+            return {p: bool(mask(p, x)) for p, x in zip(paths, leaves)}
+        if tree_util.structure(mask) != treedef:
+            raise ValueError(f"weight_decay_mask must be a callable(path, tensor) or a pytree of bools shaped "
+                             f"like the params; got {tree_util.structure(mask)}, params are {treedef}")
+        return dict(zip(paths, (bool(m) for m in tree_util.flatten(mask)[1])))
+
+    def _decay_views(self, params: Any, leaves: list) -> list[list[torch.Tensor]]:
+        """Per leaf, the tensors weight decay multiplies: all, none, or a shard's decayed ranges."""
+        if self._shard_decay is not None:
+            return [[leaf[s] for s in slices] for leaf, slices in zip(leaves, self._shard_decay)]
+        if self.weight_decay_mask is None:
+            return [[leaf] for leaf in leaves]
+        decays = self._mask_by_path(params)
+        return [[leaf] if d else [] for leaf, d in zip(leaves, decays.values())]
 
     def init(self, params: Any) -> AdamWState:
         zeros = optree.tree_map(torch.zeros_like, params)
@@ -70,21 +123,26 @@ class AdamW:
         p = optree.tree_leaves(params)
         m = optree.tree_leaves(state.exp_avg)
         v = optree.tree_leaves(state.exp_avg_sq)
+        decay = self._decay_views(params, p) if self.weight_decay else None
         state.count.add_(1)
         step = int(state.count)
 
         def apply(indices: list[int], grads: list) -> None:
-            self.apply(*([x[i] for i in indices] for x in (p, grads, m, v)), step)
+            self.apply(*([x[i] for i in indices] for x in (p, grads, m, v)), step,
+                       decay=None if decay is None else [t for i in indices for t in decay[i]])
         return apply
 
-    def apply(self, p: list, g: list, m: list, v: list, step: int, lr_scale: float = 1.0) -> None:
-        """The AdamW math on flat lists of tensors (shared with Muon's AdamW fallback)."""
+    def apply(self, p: list, g: list, m: list, v: list, step: int, lr_scale: float = 1.0,
+              decay: list | None = None) -> None:
+        """The AdamW math on flat lists of tensors (shared with Muon's AdamW fallback);
+        weight decay multiplies ``decay`` (views into ``p``; None: all of ``p``)."""
         if not p:
             return
         lr = schedule_value(self.lr, step) * lr_scale
         b1, b2 = self.betas
-        if self.weight_decay:
-            torch._foreach_mul_(p, 1.0 - lr * self.weight_decay)
+        decay = p if decay is None else decay
+        if self.weight_decay and decay:
+            torch._foreach_mul_(decay, 1.0 - lr * self.weight_decay)
         torch._foreach_lerp_(m, g, 1.0 - b1)
         torch._foreach_mul_(v, b2)
         torch._foreach_addcmul_(v, g, g, 1.0 - b2)
@@ -97,14 +155,16 @@ class AdamW:
 
 
 def adamw(lr: float | Callable[[int], float] = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-          eps: float = 1e-8, weight_decay: float = 0.01) -> AdamW:
+          eps: float = 1e-8, weight_decay: float = 0.01, weight_decay_mask: Any = None) -> AdamW:
     """``hpf.optim.adamw``: an optax-style AdamW with ``init``, ``update`` and ``partial_update``.
 
     Args:
-        lr: learning rate, or a function of the 1-based step.
+        lr: learning rate, or a function of the 1-based step (see hpf.optim.schedules).
         betas: decay rates of the first and second moments, each in [0, 1).
         eps: added to the square root of the second moment, >= 0.
         weight_decay: decoupled weight decay, >= 0.
+        weight_decay_mask: which params decay (None: all, as torch;
+            ``default_weight_decay_mask``: matrices but not embeddings).
 
     Raises:
         ValueError: a negative lr, eps or weight_decay, or a beta outside [0, 1).
@@ -112,4 +172,4 @@ def adamw(lr: float | Callable[[int], float] = 1e-3, betas: tuple[float, float] 
     if (callable(lr) is False and lr < 0) or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
         raise ValueError(f"adamw: invalid hyper-parameters lr={lr}, betas={betas}, eps={eps}, "
                          f"weight_decay={weight_decay}; lr, eps, weight_decay >= 0 and 0 <= betas < 1")
-    return AdamW(lr, tuple(betas), eps, weight_decay)
+    return AdamW(lr, tuple(betas), eps, weight_decay, weight_decay_mask)

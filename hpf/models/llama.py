@@ -1,0 +1,263 @@
+"""Llama as pure functions over a plain dict pytree: RMSNorm, RoPE, grouped-query attention,
+SwiGLU, tied or untied embeddings; the same math and weight layout as transformers'
+``LlamaForCausalLM``, so ``from_hf``/``to_hf`` move weights without any permutation.
+
+Params (each ``blocks`` element is one FSDP unit; matrices are [out, in] as in ``nn.Linear``)::
+
+    {"embed": [V, D],
+     "blocks": [{"attn_norm": [D], "wq": [H*hd, D], "wk": [KV*hd, D], "wv": [KV*hd, D],
+                 "wo": [D, H*hd], "mlp_norm": [D], "w_gate": [F, D], "w_up": [F, D],
+                 "w_down": [D, F]}, ...],
+     "norm": [D], "head": [V, D]}   # tied: params["head"] is params["embed"] (one tensor)
+
+RoPE is the "rotate_half" form (the two halves of each head are the pair), as transformers
+computes it; HF checkpoints store q_proj/k_proj already permuted for that form, so weights
+load unchanged (tests/test_llama.py checks it against transformers). As in gpt.py, the
+forward only iterates ``params["blocks"]`` once, in order.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+from hpf.models.gpt import INIT_STD, param_makers, synthetic_batches
+
+__all__ = [
+    "LlamaConfig", "CONFIGS", "num_params", "init", "forward", "loss", "loss_for",
+    "from_hf", "to_hf", "synthetic_batches",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    seq_len: int  # training window; RoPE itself has no length limit
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+    head_dim: int | None = None  # None -> d_model // n_heads
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            if self.d_model % self.n_heads:
+                raise ValueError(f"LlamaConfig.d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                                 "pick n_heads that divides d_model or give head_dim")
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
+        for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "head_dim"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value > 0):
+                raise ValueError(f"LlamaConfig.{name} must be a positive int, got {value!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"LlamaConfig.n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}; "
+                             "each key/value head serves a whole group of query heads")
+        if self.head_dim % 2:
+            raise ValueError(f"LlamaConfig.head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+
+
+CONFIGS: dict[str, LlamaConfig] = {
+    # Odd sizes (GQA 6 heads on 2 kv heads, head_dim 4, d_ff 37): shards over 2-4 ranks need padding.
+    "tiny": LlamaConfig(vocab_size=67, seq_len=16, d_model=24, n_layers=3, n_heads=6, n_kv_heads=2, d_ff=37),
+    # ~1.3M params: learns byte-level text on CPU in a few minutes (`hpf train --model llama --data`).
+    "small": LlamaConfig(vocab_size=256, seq_len=128, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=344),
+    # Llama-3.2-1B's shapes: for planning on meta tensors.
+    "1b": LlamaConfig(vocab_size=128256, seq_len=2048, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+                      d_ff=8192, rope_theta=500000.0, tie_embeddings=True),
+}
+
+
+def num_params(config: LlamaConfig) -> int:
+    """Parameter count from the config alone (a tied head counts once)."""
+    c = config
+    attn = c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)
+    block = 2 * c.d_model + attn + 3 * c.d_model * c.d_ff
+    return c.vocab_size * c.d_model * (1 if c.tie_embeddings else 2) + c.n_layers * block + c.d_model
+
+
+def init(config: LlamaConfig, generator: torch.Generator | None = None, *,
+         device=None, dtype: torch.dtype = torch.float32) -> dict:
+    """Fresh params, drawn in fp32 on the CPU from ``generator`` (default: seeded 0), so every rank
+    gets bit-identical params; ``device="meta"`` draws nothing. wo and w_down are scaled by
+    1/sqrt(2*n_layers) as in GPT-2. Tied: ``params["head"] is params["embed"]``."""
+    c = config
+    normal, ones = param_makers(generator, device, dtype)
+    d, f, q, kv = c.d_model, c.d_ff, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    residual_std = INIT_STD / math.sqrt(2 * c.n_layers)
+    embed = normal(c.vocab_size, d)
+    blocks = [{"attn_norm": ones(d), "wq": normal(q, d), "wk": normal(kv, d), "wv": normal(kv, d),
+               "wo": normal(d, q, std=residual_std), "mlp_norm": ones(d), "w_gate": normal(f, d),
+               "w_up": normal(f, d), "w_down": normal(d, f, std=residual_std)} for _ in range(c.n_layers)]
+    return {"embed": embed, "blocks": blocks, "norm": ones(d),
+            "head": embed if c.tie_embeddings else normal(c.vocab_size, d)}
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: normalize in fp32, cast back, then scale."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rope_cos_sin(config: LlamaConfig, t: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [t, head_dim] for positions 0..t-1, computed in fp32 as transformers does."""
+    hd = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd))
+    freqs = torch.arange(t, device=device).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def forward(params: dict, tokens: torch.Tensor, *, config: LlamaConfig | None = None) -> torch.Tensor:
+    """Logits [B, T, V] for int64 tokens [B, T]; computes in the params' dtype."""
+    if config is None:
+        raise TypeError("llama.forward/llama.loss need config= (head counts are not all visible in the shapes); "
+                        "use llama.loss_for(config) as the loss_fn")
+    if tokens.dim() != 2 or tokens.dtype != torch.int64:
+        raise ValueError(f"tokens must be an int64 tensor [batch, time], got {tokens.dtype} {list(tokens.shape)}")
+    c = config
+    x = F.embedding(tokens, params["embed"])
+    cos, sin = rope_cos_sin(c, tokens.shape[1], x.device, x.dtype)
+    for blk in params["blocks"]:
+        h = rms_norm(x, blk["attn_norm"], c.norm_eps)
+        q = rearrange(F.linear(h, blk["wq"]), "b t (h e) -> b h t e", e=c.head_dim)
+        k = rearrange(F.linear(h, blk["wk"]), "b t (h e) -> b h t e", e=c.head_dim)
+        v = rearrange(F.linear(h, blk["wv"]), "b t (h e) -> b h t e", e=c.head_dim)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.n_kv_heads != c.n_heads)
+        x = x + F.linear(rearrange(attn, "b h t e -> b t (h e)"), blk["wo"])
+        h = rms_norm(x, blk["mlp_norm"], c.norm_eps)
+        x = x + F.linear(F.silu(F.linear(h, blk["w_gate"])) * F.linear(h, blk["w_up"]), blk["w_down"])
+    return F.linear(rms_norm(x, params["norm"], c.norm_eps), params["head"])
+
+
+def loss(params: dict, batch: torch.Tensor, *, config: LlamaConfig | None = None) -> torch.Tensor:
+    """Mean next-token cross-entropy of ``batch`` [B, T+1] over ``batch[:, 1:]`` (transformers'
+    ``labels=batch``); the softmax runs in fp32 for any param dtype."""
+    if batch.dim() != 2 or batch.shape[1] < 2:
+        raise ValueError(f"batch must be [batch, time+1] token ids with time+1 >= 2, got shape {list(batch.shape)}")
+    logits = forward(params, batch[:, :-1], config=config)
+    return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+
+
+def loss_for(config: LlamaConfig):
+    """``loss_fn(params, batch)`` for ``config``: what ``hpf.shard_step`` takes."""
+    return functools.partial(loss, config=config)
+
+
+# ---------------------------------------------------------------- transformers checkpoints
+
+_HF_BLOCK = {"attn_norm": "input_layernorm", "wq": "self_attn.q_proj", "wk": "self_attn.k_proj",
+             "wv": "self_attn.v_proj", "wo": "self_attn.o_proj", "mlp_norm": "post_attention_layernorm",
+             "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj"}
+
+
+def _safetensors():
+    try:
+        import safetensors.torch
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError("llama.from_hf/to_hf need the safetensors package: pip install safetensors "
+                                  "(the hf extra: pip install -e '.[hf]')") from None
+    return safetensors.torch
+
+
+def _config_from_hf(hf: dict, path: Path) -> LlamaConfig:
+    if hf.get("model_type", "llama") != "llama":
+        raise ValueError(f"{path}/config.json has model_type={hf.get('model_type')!r}; llama.from_hf reads Llama only")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ValueError(f"{path}/config.json asks for RoPE scaling {rope!r}; only plain RoPE is implemented")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise ValueError(f"{path}/config.json sets {flag}=true; hpf's Llama has no biases")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{path}/config.json has hidden_act={hf['hidden_act']!r}; only silu (SwiGLU) is implemented")
+    heads = hf["num_attention_heads"]
+    return LlamaConfig(
+        vocab_size=hf["vocab_size"], seq_len=hf.get("max_position_embeddings", 2048), d_model=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"], n_heads=heads, n_kv_heads=hf.get("num_key_value_heads") or heads,
+        d_ff=hf["intermediate_size"], head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+
+
+def from_hf(path: str | Path, dtype: torch.dtype | None = None) -> tuple[LlamaConfig, dict]:
+    """(config, params) from a local transformers Llama folder: config.json plus model.safetensors
+    or shards listed in model.safetensors.index.json. Nothing downloads. ``dtype``: cast to it
+    (default: as stored). ``config.seq_len`` is max_position_embeddings."""
+    st, path = _safetensors(), Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json; give the folder save_pretrained wrote")
+    config = _config_from_hf(json.loads((path / "config.json").read_text()), path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        tensors.update(st.load_file(str(path / name)))
+
+    def take(key: str) -> torch.Tensor:
+        if key not in tensors:
+            raise KeyError(f"{path}: weight {key!r} is missing (files: {', '.join(files)})")
+        t = tensors.pop(key)
+        return t if dtype is None else t.to(dtype)
+
+    embed = take("model.embed_tokens.weight")
+    params = {"embed": embed,
+              "blocks": [{k: take(f"model.layers.{i}.{hf}.weight") for k, hf in _HF_BLOCK.items()}
+                         for i in range(config.n_layers)],
+              "norm": take("model.norm.weight")}
+    if config.tie_embeddings:
+        tensors.pop("lm_head.weight", None)  # some writers store the tied copy anyway
+        params["head"] = embed
+    else:
+        params["head"] = take("lm_head.weight")
+    leftover = sorted(k for k in tensors if "rotary_emb" not in k)
+    if leftover:
+        raise ValueError(f"{path}: weights hpf's Llama does not know: {leftover[:5]}{' ...' if len(leftover) > 5 else ''}")
+    return config, params
+
+
+def to_hf(config: LlamaConfig, params: dict, path: str | Path) -> None:
+    """Write config.json + model.safetensors that ``LlamaForCausalLM.from_pretrained(path)`` loads.
+    Tied: the head is not stored (as transformers saves it)."""
+    st, path = _safetensors(), Path(path)
+    c = config
+    if c.tie_embeddings and params["head"] is not params["embed"]:
+        raise ValueError("config.tie_embeddings is set but params['head'] is not params['embed']; "
+                         "tie them (params['head'] = params['embed']) or use a config with tie_embeddings=False")
+    tensors = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["norm"]}
+    for i, blk in enumerate(params["blocks"]):
+        tensors.update({f"model.layers.{i}.{hf}.weight": blk[k] for k, hf in _HF_BLOCK.items()})
+    if not c.tie_embeddings:
+        tensors["lm_head.weight"] = params["head"]
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    dtype = str(params["embed"].dtype).removeprefix("torch.")
+    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": c.vocab_size,
+          "hidden_size": c.d_model, "intermediate_size": c.d_ff, "num_hidden_layers": c.n_layers,
+          "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim,
+          "max_position_embeddings": c.seq_len, "rms_norm_eps": c.norm_eps, "rope_theta": c.rope_theta,
+          "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+          "tie_word_embeddings": c.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
+          "mlp_bias": False, "torch_dtype": dtype, "dtype": dtype}
+    path.mkdir(parents=True, exist_ok=True)
+    st.save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
