@@ -23,6 +23,7 @@ from hpf.models import gpt
 from hpf_kernels import newton_schulz
 
 from common import interleaved, report_ratio
+from ns_batched import median_ms  # alternating, synced, after one warm-up each
 
 
 def sync() -> None:
@@ -61,20 +62,6 @@ def check_step_equivalence(steps: int) -> None:
         gpu = train_losses(config, "cuda", steps, mp)
         print(f"step losses {name}: cpu {cpu[-1]:.6f}  gpu {gpu[-1]:.6f}")
         report_ratio(f"gpu-vs-cpu/{name}/loss-max-rel-diff", max_rel(gpu, cpu), target)
-
-
-def median_ms(fns: dict, reps: int) -> dict[str, float]:
-    for fn in fns.values():
-        fn()
-    times = {n: [] for n in fns}
-    for _ in range(reps):
-        for n, fn in fns.items():
-            sync()
-            t = time.perf_counter()
-            fn()
-            sync()
-            times[n].append(1e3 * (time.perf_counter() - t))
-    return {n: statistics.median(v) for n, v in times.items()}
 
 
 def check_newton_schulz(reps: int) -> None:
