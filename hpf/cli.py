@@ -25,6 +25,7 @@ from hpf.launcher import RankError, init_distributed, is_launched, launch, rank,
 from hpf.models import gpt
 from hpf.progress import Progress
 from hpf.api import STEPS
+from hpf.checks import NonFiniteError, finite_or_none
 from hpf.device import default_device
 from hpf.step import step_plan
 from hpf.types import PRECISIONS, MixedPrecision
@@ -169,8 +170,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"hpf: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    except NonFiniteError as e:  # under torchrun: this process is the rank that raised
+        print(f"hpf: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
     except RankError as e:
-        print(e.child_traceback or str(e), file=sys.stderr)
+        if "NonFiniteError" not in _last_line(e):  # a diverged run is one line, not a traceback
+            print(e.child_traceback or str(e), file=sys.stderr)
         print(f"hpf: error: rank {e.rank} failed: {_last_line(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -295,7 +300,7 @@ def _train_rank(rank: int, job: TrainJob) -> None:
         for i in range(1, job.steps + 1):
             state, m = step(state, next(batches))
             record = {"step": i, **{k: m[k] for k in STEP_METRICS}, "tokens_per_s": tokens_per_step / m["step_s"]}
-            out.write(json.dumps(record) + "\n")
+            out.write(json.dumps(finite_or_none(record), allow_nan=False) + "\n")  # NaN -> null: valid JSON
             out.flush()  # a crashed or interrupted run keeps its metrics so far
             progress.update(i, {"loss": f"{m['loss']:.4f}", "tokens/s": f"{record['tokens_per_s'] / 1e3:.1f}k",
                                 "comm wait": f"{m['comm_wait_s'] / m['step_s']:.0%}"})
