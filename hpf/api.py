@@ -48,7 +48,7 @@ def shard_step(loss_fn: Callable, *, mesh: Mesh, optimizer, param_specs=None, fs
             (an optimizer with ``partial_update``, such as AdamW, with no ``max_grad_norm``;
             bitwise the same result); False updates after backward. Validation mode always
             updates after backward.
-        on_nonfinite: "raise" (default): a NaN/inf loss (on any rank, found before backward) or
+        on_nonfinite: "raise" (default): a NaN/inf loss (on any rank) or
             global grad norm raises :class:`hpf.NonFiniteError` before the update; "skip": such a
             step leaves params and optimizer state unchanged and reports ``metrics["skipped"]``
             (it also turns the optimizer overlap off, so the step is all or nothing).

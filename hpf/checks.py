@@ -3,7 +3,7 @@ and its message names the parameter path (or argument) and the fix.
 
 The catalogue of what is caught, and what is accepted and handled instead, is
 :data:`CATALOGUE` (the README's troubleshooting table is generated from it). The checks that
-run every step cost one small all-reduce before backward (batch shapes and the loss's
+run every step cost one small all-reduce that overlaps backward (batch shapes and the loss's
 finiteness, decided together by every rank) and one norm per unit; the rest run once, at
 ``init`` or when an argument is given.
 """
@@ -20,11 +20,11 @@ from . import tree as tree_util
 
 __all__ = ["NonFiniteError", "DonatedStateError", "ParamsMismatchError", "UnevenBatchError", "CATALOGUE",
            "clean_params", "check_same_on_all_ranks", "check_rate", "check_max_grad_norm", "as_axes",
-           "cast_batch", "batch_agreement", "finite_or_none"]
+           "cast_batch", "BatchAgreement", "finite_or_none"]
 
 
 class NonFiniteError(FloatingPointError):
-    """A non-finite loss or grad norm, found before the update (the state stays finite)."""
+    """A non-finite loss or grad norm, found before any update (the state stays finite)."""
 
 
 class DonatedStateError(RuntimeError):
@@ -165,27 +165,43 @@ def cast_batch(batch: Any, dtype: torch.dtype) -> Any:
                            batch, none_is_leaf=True)
 
 
-def batch_agreement(batch: Any, loss: torch.Tensor, world: bool) -> bool:
-    """Before backward, decided together by every rank (one 3-element all-reduce): raise
-    UnevenBatchError if local batch shapes differ across ranks; return whether the loss is
-    finite on every rank."""
-    shapes = [tuple(x.shape) for x in optree.tree_leaves(batch, none_is_leaf=True) if isinstance(x, torch.Tensor)]
-    bad = (~torch.isfinite(loss.detach())).reshape(1).long()
-    if not world:
-        return not bool(bad)
-    h = hash(tuple(shapes))  # tuples of ints hash the same in every process
-    flags = torch.cat([torch.tensor([h, ~h], dtype=torch.int64, device=bad.device), bad])
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    hi, lo, nonfinite = flags.tolist()
-    if hi != ~lo:
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, shapes)
-        raise UnevenBatchError(
-            f"local batches differ in shape across ranks (leaf shapes per rank: {everyone}). The loss is the mean "
-            "of the ranks' local means, which is the global mean only for equal local batches. Split the global "
-            "batch evenly (drop or pad the remainder); for ragged data, pad and mask, and divide the masked sum "
-            "by the global count (hpf.psum of the local counts)")
-    return not nonfinite
+class BatchAgreement:
+    """Whether every rank's loss is finite and every local batch has the same shapes, decided
+    together by one 3-element all-reduce, started before backward and awaited (``ok()``)
+    before the first update: it overlaps backward, and a hung peer still surfaces in the
+    step's own collectives and their timeouts."""
+
+    def __init__(self, batch: Any, loss: torch.Tensor, world: bool):
+        self.shapes = [tuple(x.shape) for x in optree.tree_leaves(batch, none_is_leaf=True)
+                       if isinstance(x, torch.Tensor)]
+        bad = (~torch.isfinite(loss.detach())).reshape(1).long()
+        h = hash(tuple(self.shapes))  # tuples of ints hash the same in every process
+        self.flags = torch.cat([torch.tensor([h, ~h], dtype=torch.int64, device=bad.device), bad])
+        self.work = dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, async_op=True) if world else None
+        self.result: bool | None = None
+
+    def ok(self) -> bool:
+        """True if the loss is finite on every rank; UnevenBatchError if local batch shapes differ
+        (every rank raises, together; a second call raises the same error again)."""
+        if self.result is None:
+            if self.work is not None:
+                self.work.wait()
+            hi, lo, nonfinite = self.flags.tolist()
+            self.result = _uneven(self.shapes) if hi != ~lo else not nonfinite
+        if isinstance(self.result, Exception):
+            raise self.result
+        return self.result
+
+
+def _uneven(shapes: list) -> UnevenBatchError:
+    """Every rank comes here together (the agreement said so): name each rank's shapes."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, shapes)
+    return UnevenBatchError(
+        f"local batches differ in shape across ranks (leaf shapes per rank: {everyone}). The loss is the mean "
+        "of the ranks' local means, which is the global mean only for equal local batches. Split the global "
+        "batch evenly (drop or pad the remainder); for ragged data, pad and mask, and divide the masked sum "
+        "by the global count (hpf.psum of the local counts)")
 
 
 def finite_or_none(record: dict) -> dict:

@@ -129,8 +129,8 @@ class ShardStep:
         """One step on this rank's local batch. The state's buffers are updated in place
         (donated): keep using the returned state; passing this one again raises DonatedStateError.
 
-        A non-finite loss (on any rank) is found before backward, and a non-finite grad norm
-        before the update; either raises NonFiniteError, or with ``on_nonfinite="skip"`` leaves
+        A non-finite loss (on any rank) or a non-finite grad norm is found
+        before any update; either raises NonFiniteError, or with ``on_nonfinite="skip"`` leaves
         params and optimizer state unchanged and reports ``metrics["skipped"] = True``."""
         if self.engine is None:
             raise RuntimeError("call step.init(full_params) first, and pass the state it returns")
@@ -153,7 +153,7 @@ class ShardStep:
                     norms[b] = n
                 # Non-finite grads stop this rank's updates for the step (the state stays finite);
                 # the global grad norm then makes every rank raise.
-                applied[1] = applied[1] or not math.isfinite(float(sum(unit_norms)))
+                applied[1] = applied[1] or not self._agreed() or not math.isfinite(float(sum(unit_norms)))
                 if not applied[1]:
                     if not update:
                         update.append(self._opt.partial_update(state.opt_state, state.params))
@@ -165,8 +165,13 @@ class ShardStep:
             loss = self.forward_backward(state, batch)
         finally:
             eng.update_buckets = None
-        if loss is None:  # a non-finite loss, skipped before backward
-            return self._skip(state, t0, float("nan"), float("nan"))
+        if not self._agreement.ok():  # (or UnevenBatchError) decided by all ranks; nothing was updated
+            if self.on_nonfinite == "skip":
+                return self._skip(state, t0, float("nan"), float("nan"))
+            eng.begin(state.params, self.grad_shards)  # ready for the state as it is
+            raise NonFiniteError(f"the loss is non-finite on some rank (this rank: {float(loss.detach())}); nothing "
+                                 "was updated. Run the step with mode='validate' to name the op where it first "
+                                 "appeared, lower the learning rate, or pass on_nonfinite='skip'")
         if not self.overlap_optimizer:
             torch._foreach_div_(grads, float(self.dp_size))
         missing = [b for b, n in enumerate(norms) if n is None]
@@ -208,11 +213,12 @@ class ShardStep:
                    "comm_wait_s": self.engine.take_wait_s(), "skipped": True}
         return self._donate(TrainState(state.params, state.opt_state)), metrics
 
-    def _reset_engine(self, state: TrainState) -> None:
-        """End a step that stops before backward (every rank decided so together): the engine
-        is left ready for ``state`` as it is."""
-        self.engine.finish()
-        self.engine.begin(state.params, self.grad_shards)
+    def _agreed(self) -> bool:
+        """Whether the batch agreement allows updates (an UnevenBatchError waits for after backward)."""
+        try:
+            return self._agreement.ok()
+        except checks.UnevenBatchError:
+            return False
 
     def _donate(self, state: TrainState) -> TrainState:
         """Make ``state`` the live one: a fresh params list over the same buffers, so the state
@@ -232,9 +238,9 @@ class ShardStep:
 
     def forward_backward(self, state: TrainState, batch: Any) -> torch.Tensor | None:
         """Run loss_fn and backward; leaves the grads of the local losses, summed over the FSDP
-        axes, in ``self.grad_shards``. Returns this rank's loss, or None when the loss is
-        non-finite on some rank and ``on_nonfinite="skip"`` (backward is not run). Updates
-        nothing, except through the optimizer overlap's ``update_buckets``.
+        axes, in ``self.grad_shards``. Returns this rank's loss, and starts ``self._agreement``
+        (all ranks' losses finite, batches even), which the caller awaits before any update.
+        Updates nothing, except through the optimizer overlap's ``update_buckets``.
 
         A hook: subclasses extend it with checks before and after (validation mode checks the
         state and batch first and the grads after); :func:`hpf.validate.check_grads` calls it
@@ -248,19 +254,7 @@ class ShardStep:
             loss = self.call_loss(eng.params_tree(), batch)
             _check_loss(loss)
             loss = loss.reshape(())  # a one-element loss of shape (1,) is a scalar too
-            try:
-                finite = checks.batch_agreement(batch, loss, dist.is_initialized() and self.mesh.size > 1)
-            except BaseException:
-                self._reset_engine(state)
-                raise
-            if not finite:
-                if self.on_nonfinite == "skip":
-                    eng.finish()  # (the caller's _skip restarts the engine)
-                    return None
-                self._reset_engine(state)
-                raise NonFiniteError(f"the loss is non-finite on some rank (this rank: {float(loss.detach())}); nothing was "
-                                     "updated. Run the step with mode='validate' to name the op where it first "
-                                     "appeared, lower the learning rate, or pass on_nonfinite='skip'")
+            self._agreement = checks.BatchAgreement(batch, loss, dist.is_initialized() and self.mesh.size > 1)
             if self._loss_seed is None:
                 loss.backward()
             else:  # the loss is replicated over non-FSDP axes: each copy carries 1/n (see hpf.collectives)
