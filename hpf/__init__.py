@@ -10,6 +10,7 @@ from .mesh import Mesh, MeshError
 from .planning import Plan, plan
 from .spec import P, SpecError, rules
 from .types import MixedPrecision, TrainState
+from .checks import DonatedStateError, NonFiniteError, ParamsMismatchError, UnevenBatchError
 from .step import ShardStep
 from .api import shard_step
 from .comm.tiered import SlowLink, Topology
@@ -17,7 +18,8 @@ from .comm.collectives import all_gather, all_to_all, axis_index, psum
 from .validate import check_plan
 from . import optim
 
-__all__ = ["P", "Mesh", "MeshError", "MixedPrecision", "Plan", "ShardStep", "SlowLink", "SpecError", "Topology", "TrainState",
+__all__ = ["DonatedStateError", "NonFiniteError", "ParamsMismatchError", "UnevenBatchError",
+           "P", "Mesh", "MeshError", "MixedPrecision", "Plan", "ShardStep", "SlowLink", "SpecError", "Topology", "TrainState",
            "all_gather", "all_to_all", "axis_index", "check_plan", "launch", "optim", "plan", "psum", "rules",
            "shard_step", "tree"]
 __version__ = "0.1.0"

@@ -22,7 +22,8 @@ STEPS: dict[str, type[ShardStep]] = {cls.mode: cls for cls in (ShardStep, Valida
 def shard_step(loss_fn: Callable, *, mesh: Mesh, optimizer, param_specs=None, fsdp_axes=None,
                mode: str = "production", mixed_precision: MixedPrecision | str | None = None,
                max_grad_norm: float | None = None, topology: Topology | None = None,
-               hsdp: bool = False, overlap_optimizer: bool = True, grad: str = "autograd") -> ShardStep:
+               hsdp: bool = False, overlap_optimizer: bool = True, grad: str = "autograd",
+               on_nonfinite: str = "raise") -> ShardStep:
     """Make a sharded training step for ``loss_fn(params, batch) -> scalar``.
 
     ``state = step.init(params)``, then ``state, metrics = step(state, batch)``.
@@ -37,7 +38,8 @@ def shard_step(loss_fn: Callable, *, mesh: Mesh, optimizer, param_specs=None, fs
             mesh axes); other axes are stored and computed sharded.
         mode: "production" (plain tensors) or "validate" (every op's layout checked; the same
             losses and grads).
-        mixed_precision: None, "bf16", "fp16" or ``hpf.MixedPrecision``.
+        mixed_precision: None, "bf16", "fp16", a dtype (``torch.bfloat16``) or
+            ``hpf.MixedPrecision``. Floating batch leaves are cast to the compute dtype.
         max_grad_norm: clip the global grad norm to this (None: no clipping).
         topology: None (flat collectives) or ``hpf.Topology(...)`` for two-tier collectives and
             the backward pipeline.
@@ -50,16 +52,22 @@ def shard_step(loss_fn: Callable, *, mesh: Mesh, optimizer, param_specs=None, fs
         grad: "autograd" (the default, and the faster: benchmarks/grad_modes.py) or
             "torch.func", which takes ``torch.func.grad_and_value`` of loss_fn over every unit
             gathered at once.
+        on_nonfinite: "raise" (default): a NaN/inf loss (on any rank) or
+            global grad norm raises :class:`hpf.NonFiniteError` before the update; "skip": such a
+            step leaves params and optimizer state unchanged and reports ``metrics["skipped"]``
+            (it also turns the optimizer overlap off, so the step is all or nothing).
+            Validation mode always raises, naming the op or parameter.
 
     Returns:
         A :class:`ShardStep` (a :class:`hpf.validate.ValidateStep` for ``mode="validate"``).
 
     Raises:
-        ValueError: an unknown ``mode``, ``grad`` or ``mixed_precision``, or ``max_grad_norm <= 0``.
+        ValueError: an unknown ``mode``, ``grad``, ``mixed_precision`` or ``on_nonfinite``, or a
+            ``max_grad_norm`` that is not finite and > 0.
         TypeError: ``optimizer`` has no ``init``/``update``.
     """
     if mode not in STEPS:
         raise ValueError(f"mode={mode!r}: use one of {list(STEPS)}")
     return STEPS[mode](loss_fn, mesh=mesh, optimizer=optimizer, param_specs=param_specs, fsdp_axes=fsdp_axes,
                        mixed_precision=mixed_precision, max_grad_norm=max_grad_norm, topology=topology,
-                       hsdp=hsdp, overlap_optimizer=overlap_optimizer, grad=grad)
+                       hsdp=hsdp, overlap_optimizer=overlap_optimizer, grad=grad, on_nonfinite=on_nonfinite)

@@ -29,6 +29,7 @@ from hpf.optim.dist_muon import muon_plan_state
 from hpf.plots import breakdown, save_plots
 from hpf.progress import Progress
 from hpf.api import STEPS
+from hpf.checks import NonFiniteError, finite_or_none
 from hpf.device import default_device
 from hpf.step import step_plan
 from hpf.types import PRECISIONS, MixedPrecision
@@ -188,8 +189,12 @@ def main(argv: list[str] | None = None) -> int:
         if rank() == 0:  # under torchrun every rank checks the same arguments: one line, not one each
             print(f"hpf: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    except NonFiniteError as e:  # under torchrun: this process is the rank that raised
+        print(f"hpf: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
     except RankError as e:  # a rank's traceback (when it sent one), then one line
-        if e.child_traceback:
+        diverged = "NonFiniteError" in _last_line(e)  # a diverged run is one line, not a traceback
+        if e.child_traceback and not diverged:
             print(e.child_traceback, file=sys.stderr)
         if e.rank is None:  # the launch timed out: no rank to blame
             what = f"{' '.join(str(e).removeprefix('hpf.launch: ').split())} (--timeout)"
@@ -350,7 +355,7 @@ def _train_rank(rank: int, job: TrainJob) -> None:
             for i in range(1, job.steps + 1):
                 state, m = step(state, next(batches))
                 record = {"step": i, **{k: m[k] for k in STEP_METRICS}, "tokens_per_s": tokens_per_step / m["step_s"]}
-                out.write(json.dumps(record) + "\n")
+                out.write(json.dumps(finite_or_none(record), allow_nan=False) + "\n")  # NaN -> null: valid JSON
                 out.flush()  # a crashed or interrupted run keeps its metrics so far
                 progress.update(i, {"loss": f"{m['loss']:.4f}", "tokens/s": f"{record['tokens_per_s'] / 1e3:.1f}k",
                                     "comm wait": f"{m['comm_wait_s'] / m['step_s']:.0%}"})

@@ -30,7 +30,8 @@ class Mesh:
     default the innermost axis. Every other axis crosses the slow tier.
 
     Args:
-        axes: axis name -> size, outer to inner; the product is the world size.
+        axes: axis name -> size, outer to inner (a dict, or (name, size) pairs); the product is
+            the world size.
         fast_axes: the axes whose ranks share the fast tier (default: the last axis).
 
     Raises:
@@ -39,6 +40,14 @@ class Mesh:
     """
 
     def __init__(self, axes: Mapping[str, int], *, fast_axes: Sequence[str] | None = None):
+        if not isinstance(axes, Mapping):  # (name, size) pairs, outer to inner, are a mapping too
+            if not (isinstance(axes, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2
+                                                            for p in axes)):
+                raise MeshError(f"hpf.Mesh({axes!r}): pass a dict of axis name -> size, outer to inner, "
+                                "e.g. hpf.Mesh({'node': 2, 'local': 4})")
+            if len({p[0] for p in axes}) != len(axes):
+                raise MeshError(f"hpf.Mesh({axes!r}) names an axis twice; every axis needs its own name")
+            axes = dict(axes)
         if not axes:
             raise MeshError("a Mesh needs at least one axis, e.g. hpf.Mesh({'dp': 4})")
         for name, n in axes.items():
@@ -49,7 +58,7 @@ class Mesh:
         self.axis_names: tuple[str, ...] = tuple(axes)
         self.shape: tuple[int, ...] = tuple(axes.values())
         self.size: int = math.prod(self.shape)
-        fast = tuple(fast_axes) if fast_axes is not None else self.axis_names[-1:]
+        fast = _as_tuple(fast_axes) if fast_axes is not None else self.axis_names[-1:]  # a str is one axis
         for a in fast:
             self._check_axis(a)
         self.fast_axes = tuple(a for a in self.axis_names if a in fast)

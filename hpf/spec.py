@@ -81,7 +81,12 @@ class Rules:
         for pattern, spec in pairs:
             if not isinstance(spec, P):
                 raise SpecError(f"rule {pattern!r} maps to {spec!r}; specs must be hpf.P(...)")
-            self.pairs.append((re.compile(pattern), spec))
+            try:
+                compiled = re.compile(pattern)
+            except (re.error, TypeError) as e:
+                raise SpecError(f"rule pattern {pattern!r} is not a regular expression ({e}); fix it, e.g. "
+                                r"escape literal brackets and dots: r'blocks/\d+/w_q'") from None
+            self.pairs.append((compiled, spec))
 
     def __call__(self, path: str) -> P:
         for pattern, spec in self.pairs:
@@ -107,9 +112,9 @@ def rules(pairs: Iterable[tuple[str, P]]) -> Rules:
         A callable ``path -> P`` to pass as ``param_specs``.
 
     Raises:
-        SpecError: a pair maps to something that is not a ``P`` (here), or, when the plan is
-            made, a path no pattern matches (the message lists the patterns).
-        re.error: a pattern that is not a regular expression.
+        SpecError: a pattern that is not a regular expression or a pair that maps to something
+            that is not a ``P`` (here), or, when the plan is made, a path no pattern matches
+            (the message lists the patterns).
     """
     return Rules(pairs)
 

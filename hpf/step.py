@@ -8,17 +8,21 @@ optimizer on flat shards.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from . import checks
+from .checks import DonatedStateError, NonFiniteError
 from .comm.collectives import SPMD, gather_dim0, spmd
 from .comm.flat import BucketComm
 from .comm.tiered import TieredComm, Topology
 from .device import default_device
 from .fsdp import UnitEngine, explain_freed
+from .launcher import init_distributed, is_launched
 from .mesh import Mesh, MeshError
 from .optim.base import ForPlan, Optimizer, PartialUpdate
 from .planning import Plan, plan as make_plan
@@ -35,10 +39,11 @@ class ShardStep:
 
     Args:
         loss_fn, mesh, optimizer, param_specs, fsdp_axes, mixed_precision, max_grad_norm,
-        topology, hsdp, overlap_optimizer: as for :func:`hpf.shard_step`.
+        topology, hsdp, overlap_optimizer, on_nonfinite: as for :func:`hpf.shard_step`.
 
     Raises:
-        ValueError: an unknown ``mixed_precision`` name, or ``max_grad_norm <= 0``.
+        ValueError: an unknown ``mixed_precision`` name or ``on_nonfinite``, or a ``max_grad_norm``
+            that is not finite and > 0.
         TypeError: ``optimizer`` has no ``init``/``update``.
     """
 
@@ -48,37 +53,47 @@ class ShardStep:
     def __init__(self, loss_fn: Callable, *, mesh: Mesh, optimizer, param_specs=None, fsdp_axes=None,
                  mixed_precision: MixedPrecision | str | None = None,
                  max_grad_norm: float | None = None, topology: Topology | None = None, hsdp: bool = False,
-                 overlap_optimizer: bool = True, grad: str = "autograd"):
+                 overlap_optimizer: bool = True, grad: str = "autograd", on_nonfinite: str = "raise"):
         if grad not in ("autograd", "torch.func"):
             raise ValueError(f"grad={grad!r}: use 'autograd' (the default, faster: benchmarks/grad_modes.py) "
                              "or 'torch.func'")
         self.grad = grad
         mixed_precision = MixedPrecision.parse(mixed_precision)
-        if max_grad_norm is not None and max_grad_norm <= 0:
-            raise ValueError(f"max_grad_norm={max_grad_norm}: must be positive, or None for no clipping")
+        checks.check_max_grad_norm(max_grad_norm)
+        if on_nonfinite not in ("raise", "skip"):
+            raise ValueError(f"on_nonfinite={on_nonfinite!r}: use 'raise' (NonFiniteError) or 'skip' (no update)")
         if not isinstance(optimizer, Optimizer):
-            raise TypeError(f"optimizer {optimizer!r} is not an hpf.optim.Optimizer: pass hpf.optim.adamw(...) "
+            raise TypeError(f"optimizer {optimizer!r} is not an hpf.optim.Optimizer (it needs init() and update()): pass hpf.optim.adamw(...) "
                             "or another object with init(params) and update(grads, state, params)")
         self.loss_fn, self.mesh, self.optimizer = loss_fn, mesh, optimizer
-        self.param_specs, self.fsdp_axes = param_specs, fsdp_axes
+        self.param_specs, self.fsdp_axes = param_specs, checks.as_axes(fsdp_axes)
+        self.on_nonfinite = on_nonfinite
         self.mp, self.max_grad_norm = mixed_precision, max_grad_norm
         self.topology, self.hsdp = topology, hsdp
         self._want_overlap = overlap_optimizer
         self.plan: Plan | None = None
         self.engine: UnitEngine | None = None
+        self._live: list | None = None  # the params list of the state this step last returned
 
     # -- set-up, once ---------------------------------------------------------------------------
     def init(self, full_params: Any) -> TrainState:
-        """Full params (the same on every rank) -> this rank's sharded train state."""
-        self.mesh.check_world()
+        """Full params (the same on every rank) -> this rank's sharded train state.
+
+        Under torchrun (its environment set) with no process group yet, this starts one
+        (``hpf.launch.init_distributed()``). ``nn.Parameter`` leaves are detached."""
         if not dist.is_initialized() and self.mesh.size > 1:
-            raise MeshError(f"{self.mesh} has {self.mesh.size} ranks but no process group is running; "
-                            "start the job with hpf.launch(fn, world_size) or torchrun")
+            if not is_launched():
+                raise MeshError(f"{self.mesh} has {self.mesh.size} ranks but no process group is running; start "
+                                "the job with hpf.launch(fn, world_size), or call hpf.launch.init_distributed() "
+                                "first under torchrun")
+            init_distributed()
+        self.mesh.check_world()
+        full_params = checks.clean_params(full_params)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.device = default_device()
         self.plan = step_plan(full_params, self.mesh, self.param_specs, self.fsdp_axes, topology=self.topology,
                               hsdp=self.hsdp)
-        _check_same_on_all_ranks(self.plan)
+        checks.check_same_on_all_ranks(self.plan, full_params, self.device)
         master = self.mp.master_dtype if self.mp else None
         shards = [s.to(self.device) for s in self.plan.shards(full_params, self.rank, master)]
         reduce = self.mp.reduce_dtype if self.mp else None
@@ -107,41 +122,81 @@ class ShardStep:
         # land, while backward and the other reductions go on, and the next step's first
         # gathers start right after. Global clipping and partial-sum all-reduces need every
         # grad first (and validation, which checks grads before any update, passes
-        # overlap_optimizer=False): those keep the update after backward.
-        self.overlap_optimizer = (self._want_overlap and self.max_grad_norm is None
+        # overlap_optimizer=False), and on_nonfinite="skip" (all or nothing): those keep the update
+        # after backward.
+        self.overlap_optimizer = (self._want_overlap and self.max_grad_norm is None and self.on_nonfinite == "raise"
                                   and not self._compute_sums and isinstance(self._opt, PartialUpdate))
-        return TrainState(shards, self._opt.init(shards))
+        state = TrainState(shards, self._opt.init(shards))
+        self._live = state.params
+        return state
 
     # -- the step --------------------------------------------------------------------------------
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, float]]:
         """One step on this rank's local batch. The state's buffers are updated in place
-        (donated): keep using the returned state."""
+        (donated): keep using the returned state; passing this one again raises DonatedStateError.
+
+        A non-finite loss (on any rank) or a non-finite grad norm is found
+        before any update; either raises NonFiniteError, or with ``on_nonfinite="skip"`` leaves
+        params and optimizer state unchanged and reports ``metrics["skipped"] = True``."""
         if self.engine is None:
             raise RuntimeError("call step.init(full_params) first, and pass the state it returns")
+        self._check_live(state, "step(state, batch)")
         t0 = time.perf_counter()
         eng = self.engine
         grads = self.grad_shards
         opt_s = [0.0]
         update_buckets = None
+        norms: list = [None] * len(grads)
+        applied = [0, False]  # buckets updated during backward; whether a non-finite unit halted updates
         if self.overlap_optimizer:
-            update = self._opt.partial_update(state.opt_state, state.params)
+            update = []  # made at the first landed unit, after the loss passed its check
 
             def update_buckets(buckets: list[int]) -> None:
                 t = time.perf_counter()
-                torch._foreach_div_([grads[b] for b in buckets], float(self.dp_size))
-                update(buckets, grads)
+                unit = [grads[b] for b in buckets]
+                torch._foreach_div_(unit, float(self.dp_size))
+                unit_norms = torch._foreach_norm(unit)  # reused for the grad norm below
+                for b, n in zip(buckets, unit_norms):
+                    norms[b] = n
+                # Non-finite grads stop this rank's updates for the step (the state stays finite);
+                # the global grad norm then makes every rank raise.
+                applied[1] = applied[1] or not self._agreed() or not math.isfinite(float(sum(unit_norms)))
+                if not applied[1]:
+                    if not update:
+                        update.append(self._opt.partial_update(state.opt_state, state.params))
+                    update[0](buckets, grads)
+                    applied[0] += len(buckets)
                 opt_s[0] += time.perf_counter() - t
         with eng.overlapping(update_buckets):
             loss = self.forward_backward(state, batch)
+        if not self._agreement.ok():  # (or UnevenBatchError) decided by all ranks; nothing was updated
+            if self.on_nonfinite == "skip":
+                return self._skip(state, t0, float("nan"), float("nan"))
+            eng.begin(state.params, self.grad_shards)  # ready for the state as it is
+            raise NonFiniteError(f"the loss is non-finite on some rank (this rank: {float(loss.detach())}); nothing "
+                                 "was updated. Run the step with mode='validate' to name the op where it first "
+                                 "appeared, lower the learning rate, or pass on_nonfinite='skip'")
         if not self.overlap_optimizer:
             torch._foreach_div_(grads, float(self.dp_size))
-        norms = torch.stack(torch._foreach_norm(grads)).float()
-        sq = (norms.square() / self._replica_counts).sum()
-        totals = torch.stack([loss.detach().float(), sq])
+        missing = [b for b, n in enumerate(norms) if n is None]
+        for b, n in zip(missing, torch._foreach_norm([grads[b] for b in missing]) if missing else ()):
+            norms[b] = n
+        sq = (torch.stack(norms).float().square() / self._replica_counts).sum()
+        totals = torch.stack([loss.detach().float(), sq, sq.new_tensor(float(applied[0]))])
         if dist.is_initialized() and self.mesh.size > 1:
             dist.all_reduce(totals)
             totals[0] /= self.mesh.size
-        grad_norm = float(totals[1].sqrt())
+        mean_loss, grad_norm = float(totals[0]), float(totals[1].sqrt())
+        if not math.isfinite(grad_norm):
+            if self.on_nonfinite == "skip":  # (overlap is off: nothing was updated)
+                return self._skip(state, t0, mean_loss, grad_norm)
+            eng.begin(state.params, self.grad_shards)  # ready for the state as it is
+            partly = (f" {int(totals[2])} bucket update(s) with finite grads were applied during backward "
+                      "(optimizer overlap), so the state is finite but part-way into this step; "
+                      "overlap_optimizer=False or on_nonfinite='skip' makes the step all or nothing."
+                      if totals[2] else " Nothing was updated.")
+            raise NonFiniteError(f"the global grad norm is {grad_norm} (loss {mean_loss}).{partly} Run the step "
+                                 "with mode='validate' to name the parameter, or lower the learning rate")
         if self.max_grad_norm is not None:
             torch._foreach_mul_(grads, min(1.0, self.max_grad_norm / (grad_norm + 1e-6)))
         t_opt = time.perf_counter()
@@ -151,13 +206,45 @@ class ShardStep:
             params, opt_state = self._opt.update(grads, state.opt_state, state.params)
         eng.begin(params, self.grad_shards)  # the next step's first gathers overlap the caller's work
         t1 = time.perf_counter()
-        metrics = {"loss": float(totals[0]), "grad_norm": grad_norm, "step_s": t1 - t0,
-                   "optimizer_s": t1 - t_opt + opt_s[0], "comm_wait_s": eng.take_wait_s()}
-        return TrainState(params, opt_state), metrics
+        metrics = {"loss": mean_loss, "grad_norm": grad_norm, "step_s": t1 - t0,
+                   "optimizer_s": t1 - t_opt + opt_s[0], "comm_wait_s": eng.take_wait_s(), "skipped": False}
+        return self._donate(TrainState(params, opt_state)), metrics
 
-    def forward_backward(self, state: TrainState, batch: Any) -> torch.Tensor:
+    def _skip(self, state: TrainState, t0: float, loss: float, grad_norm: float):
+        """on_nonfinite="skip": no update; the same buffers come back as the live state."""
+        self.engine.begin(state.params, self.grad_shards)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "step_s": time.perf_counter() - t0, "optimizer_s": 0.0,
+                   "comm_wait_s": self.engine.take_wait_s(), "skipped": True}
+        return self._donate(TrainState(state.params, state.opt_state)), metrics
+
+    def _agreed(self) -> bool:
+        """Whether the batch agreement allows updates (an UnevenBatchError waits for after backward)."""
+        try:
+            return self._agreement.ok()
+        except checks.UnevenBatchError:
+            return False
+
+    def _donate(self, state: TrainState) -> TrainState:
+        """Make ``state`` the live one: a fresh params list over the same buffers, so the state
+        passed in (same buffers, old list) is recognizably donated."""
+        state = TrainState(list(state.params), state.opt_state)
+        self._live = state.params
+        return state
+
+    def _check_live(self, state: Any, op: str) -> None:
+        live, params = self._live, getattr(state, "params", None)
+        if live is None or params is live or not isinstance(params, (list, tuple)):
+            return
+        if any(a is b for a, b in zip(params, live)):
+            raise DonatedStateError(
+                f"{op}: this state was already passed to step, which updated its buffers in place (donated, as "
+                "in JAX). Use the state the step returned: state, metrics = step(state, batch)")
+
+    def forward_backward(self, state: TrainState, batch: Any) -> torch.Tensor | None:
         """Run loss_fn and backward; leaves the grads of the local losses, summed over the FSDP
-        axes, in ``self.grad_shards``. Returns this rank's loss. Updates nothing.
+        axes, in ``self.grad_shards``. Returns this rank's loss, and starts ``self._agreement``
+        (all ranks' losses finite, batches even), which the caller awaits before any update.
+        Updates nothing, except through the optimizer overlap's ``update_buckets``.
 
         A hook: subclasses extend it with checks before and after (validation mode checks the
         state and batch first and the grads after); :func:`hpf.validate.check_grads` calls it
@@ -165,6 +252,8 @@ class ShardStep:
         eng = self.engine
         if not eng.ready_for(state.params):
             eng.begin(state.params, self.grad_shards)
+        if self.mp is not None:
+            batch = checks.cast_batch(batch, self.mp.compute_dtype)
         with spmd(self._spmd), eng.running():
             try:
                 loss = self._grads(batch)
@@ -188,14 +277,19 @@ class ShardStep:
             def scaled(params):
                 loss = self.call_loss(params, batch)
                 _check_loss(loss)
+                loss = loss.reshape(())  # a one-element loss of shape (1,) is a scalar too
                 return (loss if seed is None else loss * seed), loss
             grads, (_, loss) = torch.func.grad_and_value(scaled, has_aux=True)(eng.gathered_tree())
+            self._agreement = checks.BatchAgreement(batch, loss, dist.is_initialized() and self.mesh.size > 1)
             eng.reduce_tree(grads)
             return loss
         hooks = torch.autograd.graph.saved_tensors_hooks(eng.pack, eng.unpack) if eng.leases else contextlib.nullcontext()
         with hooks:
             loss = self.call_loss(eng.params_tree(), batch)
             _check_loss(loss)
+            loss = loss.reshape(())  # a one-element loss of shape (1,) is a scalar too
+            # starts the all-ranks check of batch shapes and loss finiteness; it overlaps backward
+            self._agreement = checks.BatchAgreement(batch, loss, dist.is_initialized() and self.mesh.size > 1)
             eng.start_backward()
             loss.backward(None if seed is None else torch.full_like(loss, seed))
         return loss
@@ -206,11 +300,22 @@ class ShardStep:
         A hook: subclasses wrap params and batch here (validation mode tracks their layouts)."""
         return self.loss_fn(params, batch)
 
-    def full_params(self, state: TrainState) -> Any:
-        """The gathered full params, as a plain pytree of fresh tensors (the same on every rank).
+    def full_params(self, state: TrainState, rank: int | None = None) -> Any:
+        """The gathered full params, as a plain pytree of fresh tensors.
 
-        A one-off, collective call (checkpoints, evaluation): it uses plain all-gathers,
-        not the step's transports."""
+        A collective: every rank must call it (a rank that skips it leaves the others waiting
+        until the timeout). ``rank=None`` returns the tree on every rank; ``rank=r`` returns it
+        on rank r and None elsewhere (every rank still calls). One-off (checkpoints,
+        evaluation): it uses plain all-gathers, not the step's transports."""
+        self._check_live(state, "full_params(state)")
+        try:
+            tree = self._gather_full(state)
+        except RuntimeError as e:
+            raise RuntimeError(f"full_params is a collective: every rank must call it, with the same state "
+                               f"(use full_params(state, rank=0) to keep the result on rank 0 only). {e}") from e
+        return tree if rank is None or rank == self.rank else None
+
+    def _gather_full(self, state: TrainState) -> Any:
         plan = self.plan
         local = {}
         for b, shard in zip(plan.buckets, state.params):
@@ -237,7 +342,8 @@ def step_plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes=None, 
     Raises:
         SpecError: as :func:`hpf.plan`.
     """
-    fsdp = mesh.axis_names if fsdp_axes is None else tuple(fsdp_axes)
+    fsdp_axes = checks.as_axes(fsdp_axes)
+    fsdp = mesh.axis_names if fsdp_axes is None else fsdp_axes
     return make_plan(params, mesh, param_specs, fsdp_axes,
                      hierarchical=topology is not None and topology.hierarchical,
                      default_shard_axes=[a for a in fsdp if a in mesh.fast_axes] if hsdp else None,
@@ -251,21 +357,6 @@ def _check_loss(loss: Any) -> None:
     if not loss.requires_grad:
         raise ValueError("the loss does not depend on the params (it has no grad_fn): make loss_fn "
                          "compute with the params it receives")
-
-
-def _check_same_on_all_ranks(plan: Plan) -> None:
-    """Fail at init, not in a hung collective, when ranks were given different params."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    mine = [(p, s.global_shape, str(s.dtype)) for p, s in plan.slots.items()]
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    for r, theirs in enumerate(everyone):
-        if theirs != mine:
-            diff = next((a, b) for a, b in zip(mine + [None] * len(theirs), theirs + [None] * len(mine)) if a != b)
-            raise ValueError(f"rank {r} has different params than rank {dist.get_rank()}: "
-                             f"{diff[1]} vs {diff[0]} (path, shape, dtype). Every rank must call "
-                             "step.init with the same full params tree")
 
 
 def _gather_compute_axes(plan: Plan, path: str, local: torch.Tensor) -> torch.Tensor:

@@ -33,14 +33,20 @@ class MixedPrecision:
     master_dtype: torch.dtype = torch.float32
 
     @staticmethod
-    def parse(value: "MixedPrecision | str | None") -> "MixedPrecision | None":
-        """None, a short name from :data:`PRECISIONS` ("bf16", "fp16") or a policy -> a policy or None.
+    def parse(value: "MixedPrecision | torch.dtype | str | None") -> "MixedPrecision | None":
+        """None, a short name from :data:`PRECISIONS` ("bf16", "fp16"), a compute dtype
+        (``torch.bfloat16``) or a policy -> a policy or None.
 
         Raises:
-            ValueError: ``value`` is a string that names no policy.
+            ValueError: a string that names no policy, or a value of another type.
         """
-        if not isinstance(value, str):
+        if isinstance(value, torch.dtype) and value.is_floating_point:
+            return MixedPrecision(value)
+        if value is None or isinstance(value, MixedPrecision):
             return value
+        if not isinstance(value, str):
+            raise ValueError(f"mixed_precision={value!r}: use None, one of {list(PRECISIONS)}, a floating dtype "
+                             "such as torch.bfloat16, or hpf.MixedPrecision(...)")
         if value not in PRECISIONS:
             raise ValueError(f"mixed_precision={value!r}: use one of {list(PRECISIONS)} or hpf.MixedPrecision(...)")
         return PRECISIONS[value]

@@ -20,6 +20,8 @@ from typing import Any, Callable, NamedTuple
 import optree
 import torch
 
+from ..checks import check_rate
+
 from hpf import tree as tree_util
 
 __all__ = ["adamw", "AdamW", "AdamWState", "schedule_value", "default_weight_decay_mask"]
@@ -40,9 +42,10 @@ class AdamWState(NamedTuple):
     exp_avg_sq: Any
 
 
-def schedule_value(lr: float | Callable[[int], float], step: int) -> float:
-    """A learning rate that is a constant or a function of the (1-based) step."""
-    return float(lr(step)) if callable(lr) else float(lr)
+def schedule_value(lr: float | Callable[[int], float], step: int, what: str = "lr") -> float:
+    """A learning rate that is a constant or a function of the (1-based) step; ValueError
+    (naming the step) unless it is finite and >= 0."""
+    return check_rate(lr(step), f"{what} schedule", step) if callable(lr) else check_rate(lr, what)
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,7 @@ class AdamW:
         m = optree.tree_leaves(state.exp_avg)
         v = optree.tree_leaves(state.exp_avg_sq)
         decay = self._decay_views(params, p) if self.weight_decay else None
+        schedule_value(self.lr, int(state.count) + 1)  # a bad lr raises before anything changes
         state.count.add_(1)
         step = int(state.count)
 
@@ -169,7 +173,9 @@ def adamw(lr: float | Callable[[int], float] = 1e-3, betas: tuple[float, float] 
     Raises:
         ValueError: a negative lr, eps or weight_decay, or a beta outside [0, 1).
     """
-    if (callable(lr) is False and lr < 0) or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
+    if not callable(lr):
+        check_rate(lr, "adamw: lr")
+    if eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
         raise ValueError(f"adamw: invalid hyper-parameters lr={lr}, betas={betas}, eps={eps}, "
                          f"weight_decay={weight_decay}; lr, eps, weight_decay >= 0 and 0 <= betas < 1")
     return AdamW(lr, tuple(betas), eps, weight_decay, weight_decay_mask)

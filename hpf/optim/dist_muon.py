@@ -217,6 +217,7 @@ class DistMuon:
         self._check(grads, "grads")
         self._check(state.exp_avg, "state.exp_avg")
         m = self.muon
+        m.check_rates(int(state.count) + 1)
         state.count.add_(1)
         step = int(state.count)
         order = self._momentum_order

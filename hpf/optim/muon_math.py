@@ -41,6 +41,8 @@ def muon_momentum_(grads: Sequence[torch.Tensor], bufs: Sequence[torch.Tensor], 
 
     Elementwise, so it runs on shards as well as on full matrices.
     """
+    if not grads:  # no matrix on Muon (a model of vectors only): AdamW does it all
+        return []
     torch._foreach_lerp_(list(bufs), list(grads), 1 - momentum)
     if nesterov:
         return list(torch._foreach_lerp(list(grads), list(bufs), momentum))

@@ -17,6 +17,7 @@ import torch
 
 from hpf_kernels import resolve_coefficients
 
+from ..checks import check_rate
 from .adamw_optimizer import AdamW, adamw, schedule_value
 from .dist_muon import DistMuon
 from .muon_math import MuonState, apply_muon_updates_, muon_direction, update_scale
@@ -76,6 +77,11 @@ class Muon:
     def on_muon(self, path: str, p: torch.Tensor) -> bool:
         return p.ndim >= 2 and not self.use_adamw(path, p)
 
+    def check_rates(self, step: int) -> None:
+        """Raise before a step changes anything if its lr or AdamW lr is not finite and >= 0."""
+        schedule_value(self.lr, step, "muon: lr")
+        schedule_value(self.adamw.lr, step, "muon: adamw_lr")
+
     def init(self, params: Any) -> MuonState:
         paths, leaves, treedef = _flatten(params, "params")
         exp_avg = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in leaves]
@@ -89,6 +95,7 @@ class Muon:
         grad_leaves = _leaves_like(grads, treedef, paths, leaves, "grads")
         avg = _leaves_like(state.exp_avg, treedef, paths, leaves, "state.exp_avg")
         avg_sq = optree.tree_leaves(state.exp_avg_sq)
+        self.check_rates(int(state.count) + 1)
         state.count.add_(1)
         step = int(state.count)
         is_muon = [self.on_muon(path, p) for path, p in zip(paths, leaves)]
@@ -135,9 +142,11 @@ def muon(lr: Schedule = 0.02, momentum: float = 0.95, nesterov: bool = True, ns_
     update_scale(1, 1, scale)
     if not 0.0 <= momentum < 1.0:
         raise ValueError(f"muon: momentum must be in [0, 1), got {momentum!r}")
-    if (not callable(lr) and lr < 0) or weight_decay < 0:
-        raise ValueError(f"muon: lr and weight_decay must be >= 0, got lr={lr}, "
-                         f"weight_decay={weight_decay}")
+    for name, rate in (("lr", lr), ("adamw_lr", adamw_lr)):
+        if not callable(rate):
+            check_rate(rate, f"muon: {name}")
+    if not weight_decay >= 0:
+        raise ValueError(f"muon: weight_decay must be >= 0, got {weight_decay}")
     fallback = adamw(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
     return Muon(lr, momentum, nesterov, ns_steps, coefficients, scale, weight_decay, fallback,
                 use_adamw or default_use_adamw, ns_compute_dtype, comm_dtype)

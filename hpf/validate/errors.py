@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from .. import spec
+from .. import checks, spec
 
 __all__ = [
     "LayoutError", "PartialSumError", "ShardingMismatchError", "ShardedContractionError",
@@ -64,8 +64,9 @@ class PrecisionError(LayoutError):
     """An op silently leaves the mixed-precision compute dtype."""
 
 
-class NonFiniteError(LayoutError):
-    """A non-finite loss or grad; the message names where it first appeared."""
+class NonFiniteError(LayoutError, checks.NonFiniteError):
+    """A non-finite loss or grad; the message names where it first appeared (production
+    mode's :class:`hpf.NonFiniteError`, with the origin named)."""
 
 
 class IndivisibleSpecError(LayoutError, spec.IndivisibleSpecError):

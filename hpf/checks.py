@@ -1,0 +1,209 @@
+"""Misuse checks of the production step: each catches a mistake before it corrupts state,
+and its message names the parameter path (or argument) and the fix.
+
+The catalogue of what is caught, and what is accepted and handled instead, is
+:data:`CATALOGUE` (the README's troubleshooting table is generated from it). The checks that
+run every step cost one small all-reduce that overlaps backward (batch shapes and the loss's
+finiteness, decided together by every rank) and one norm per unit; the rest run once, at
+``init`` or when an argument is given.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import optree
+import torch
+import torch.distributed as dist
+
+from . import tree as tree_util
+
+__all__ = ["NonFiniteError", "DonatedStateError", "ParamsMismatchError", "UnevenBatchError", "CATALOGUE",
+           "clean_params", "check_same_on_all_ranks", "check_rate", "check_max_grad_norm", "as_axes",
+           "cast_batch", "BatchAgreement", "finite_or_none"]
+
+
+class NonFiniteError(FloatingPointError):
+    """A non-finite loss or grad norm, found before any update (the state stays finite)."""
+
+
+class DonatedStateError(RuntimeError):
+    """A train state already passed to ``step`` (its buffers were donated) was used again."""
+
+
+class ParamsMismatchError(ValueError):
+    """Ranks were given different params (paths, shapes, dtypes or values) at ``init``."""
+
+
+class UnevenBatchError(ValueError):
+    """Local batches of different shapes on different ranks: a mean of per-rank means is not the global mean."""
+
+
+#: (error class, when, what the message tells you to do): the README's troubleshooting table.
+CATALOGUE: tuple[tuple[str, str, str], ...] = (
+    ("ParamsMismatchError", "ranks pass `init` different params (paths, shapes, dtypes or values)",
+     "give every rank the same full params (same seed); names the first differing path"),
+    ("DonatedStateError", "a state already passed to `step` (donated) is passed to `step` or `full_params`",
+     "keep the returned state: `state, m = step(state, batch)`"),
+    ("UnevenBatchError", "local batches differ in shape across ranks",
+     "split the global batch evenly; or pad, mask and divide by a global count (`hpf.psum`)"),
+    ("NonFiniteError", "the loss or the global grad norm is NaN/inf (checked before the update)",
+     "find the op (run `mode=\"validate\"`: it names it), lower the lr, or pass `on_nonfinite=\"skip\"`"),
+    ("ValueError", "an lr or schedule value that is NaN, inf or < 0 (with the step), `max_grad_norm` <= 0 or NaN",
+     "fix the schedule / value"),
+    ("TypeError", "a params leaf that is int/bool, or not a tensor; a loss that is not one element",
+     "keep int data in the batch; `loss_fn` returns a scalar tensor"),
+    ("ValueError", "meta params at `init`, an empty list of blocks",
+     "pass real tensors; drop the empty list"),
+    ("SpecError", "a rule regex that does not compile, a spec naming a non-axis, no matching rule",
+     "fix the pattern / spec named in the message"),
+    ("MeshError", "a mesh that is not name -> size, a size/world mismatch, no process group under torchrun",
+     "`hpf.Mesh({'dp': 4})`; `hpf.launch.init_distributed()` or torchrun"),
+    ("accepted", "`nn.Parameter`/`requires_grad` leaves, `mixed_precision=torch.bfloat16`, an fp32 batch under "
+     "bf16, `fsdp_axes=\"dp\"`, `Mesh([(\"dp\", 2)])`, a loss of shape (1,), Muon with only vectors",
+     "nothing: detached; a dtype policy; floating batch leaves cast to the compute dtype; one axis; pairs; a "
+     "scalar; AdamW for all"),
+)
+
+
+# -- params at init ---------------------------------------------------------------------------------------
+def clean_params(params: Any, *, allow_meta: bool = False) -> Any:
+    """The params as plain floating tensors: ``nn.Parameter`` and ``requires_grad`` leaves are
+    detached (the step owns the grads); int/bool leaves, meta tensors (unless ``allow_meta``) and
+    empty lists of blocks raise, naming the path and the fix."""
+    _check_no_empty_lists(params, "")
+    tree_util.check_leaves(params)
+    paths, leaves, treedef = tree_util.flatten(params)
+    for path, x in zip(paths, leaves):
+        if not (x.is_floating_point() or x.is_complex()):
+            raise TypeError(f"params leaf {path!r} is a {x.dtype} tensor; params must be floating tensors "
+                            "(the optimizer updates them). Move int/bool buffers into the batch, or cast the "
+                            "leaf with .float()")
+        if x.is_meta and not allow_meta:
+            raise ValueError(f"params leaf {path!r} is a meta tensor (no values): step.init needs real values. "
+                             "Pass real tensors (meta params are for hpf.plan / hpf.check_plan), or call "
+                             "step.restore(path) after init to load a checkpoint")
+    return tree_util.unflatten(treedef, [x.detach() for x in leaves])
+
+
+def _check_no_empty_lists(node: Any, path: str) -> None:
+    if isinstance(node, list) and not node:
+        raise ValueError(f"params path {path or '<root>'!r} is an empty list: each list element is an FSDP unit, "
+                         "so a list needs at least one block. Drop the empty list from the params tree")
+    children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, (list, tuple)) else ()
+    for k, child in children:
+        _check_no_empty_lists(child, f"{path}/{k}" if path else str(k))
+
+
+def check_same_on_all_ranks(plan, full_params: Any, device: torch.device) -> None:
+    """Fail at init, not with a silently mixed model, when ranks were given different params:
+    paths, shapes and dtypes by one object all-gather, values by one int64 all-reduce of a
+    bitwise, position-weighted hash per parameter."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    mine = [(p, s.global_shape, str(s.dtype)) for p, s in plan.slots.items()]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for r, theirs in enumerate(everyone):
+        if theirs != mine:
+            diff = next((a, b) for a, b in zip(mine + [None] * len(theirs), theirs + [None] * len(mine)) if a != b)
+            raise ParamsMismatchError(
+                f"rank {r} has different params than rank {dist.get_rank()}: {diff[1]} vs {diff[0]} (path, shape, "
+                "dtype). Every rank must call step.init with the same full params tree")
+    paths, leaves, _ = tree_util.flatten(full_params)
+    hashes = torch.stack([_bit_hash(x) for x in leaves]).to(device)
+    both = torch.cat([hashes, ~hashes])  # max(~h) = ~min(h): one MAX all-reduce gives min and max
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    differ = [p for p, hi, lo in zip(paths, both[:len(paths)].tolist(), both[len(paths):].tolist()) if hi != ~lo]
+    if differ:
+        raise ParamsMismatchError(
+            f"params differ in value across ranks at {differ[:5]}{'...' if len(differ) > 5 else ''} (first: "
+            f"{differ[0]!r}); step.init takes the same full params on every rank. Seed the init the same on "
+            "every rank (e.g. torch.Generator().manual_seed(0)), or load them from one file")
+
+
+def _bit_hash(x: torch.Tensor, chunk: int = 1 << 22) -> torch.Tensor:
+    """An int64 hash of the exact bits of ``x`` (so NaNs compare, and a swap of two values changes it)."""
+    flat = x.detach().reshape(-1)
+    if flat.is_floating_point():
+        flat = flat + 0.0  # -0.0 -> +0.0: equal values, equal hash
+        flat = flat.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, flat.numel(), chunk):
+        part = flat[start:start + chunk].to(torch.int64)
+        weights = torch.arange(start, start + part.numel(), device=flat.device).remainder_(65521).mul_(2).add_(1)
+        total += (part * weights).sum()  # int64 wraps: exact and order-independent
+    return total.cpu()
+
+
+# -- arguments ------------------------------------------------------------------------------------------------
+def check_rate(value: float, what: str, step: int | None = None) -> float:
+    """A learning rate (or a schedule's value at ``step``): finite and >= 0, else ValueError."""
+    value = float(value)
+    if not math.isfinite(value) or value < 0:
+        at = f" returned {value} at step {step}" if step is not None else f"={value}"
+        raise ValueError(f"{what}{at}: learning rates must be finite and >= 0; fix the value or the schedule")
+    return value
+
+
+def check_max_grad_norm(value: float | None) -> None:
+    if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(f"max_grad_norm={value!r}: must be a finite number > 0, or None for no clipping")
+
+
+def as_axes(axes: str | Sequence[str] | None) -> tuple[str, ...] | None:
+    """Axis names as a tuple; a string is one axis name (not its characters)."""
+    if axes is None:
+        return None
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+# -- per step -------------------------------------------------------------------------------------------------
+def cast_batch(batch: Any, dtype: torch.dtype) -> Any:
+    """Floating batch leaves in the compute dtype, as FSDP2's MixedPrecisionPolicy casts forward inputs."""
+    return optree.tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
+                           batch, none_is_leaf=True)
+
+
+class BatchAgreement:
+    """Whether every rank's loss is finite and every local batch has the same shapes, decided
+    together by one 3-element all-reduce, started before backward and awaited (``ok()``)
+    before the first update: it overlaps backward, and a hung peer still surfaces in the
+    step's own collectives and their timeouts."""
+
+    def __init__(self, batch: Any, loss: torch.Tensor, world: bool):
+        self.shapes = [tuple(x.shape) for x in optree.tree_leaves(batch, none_is_leaf=True)
+                       if isinstance(x, torch.Tensor)]
+        bad = (~torch.isfinite(loss.detach())).reshape(1).long()
+        h = hash(tuple(self.shapes))  # tuples of ints hash the same in every process
+        self.flags = torch.cat([torch.tensor([h, ~h], dtype=torch.int64, device=bad.device), bad])
+        self.work = dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, async_op=True) if world else None
+        self.result: bool | None = None
+
+    def ok(self) -> bool:
+        """True if the loss is finite on every rank; UnevenBatchError if local batch shapes differ
+        (every rank raises, together; a second call raises the same error again)."""
+        if self.result is None:
+            if self.work is not None:
+                self.work.wait()
+            hi, lo, nonfinite = self.flags.tolist()
+            self.result = _uneven(self.shapes) if hi != ~lo else not nonfinite
+        if isinstance(self.result, Exception):
+            raise self.result
+        return self.result
+
+
+def _uneven(shapes: list) -> UnevenBatchError:
+    """Every rank comes here together (the agreement said so): name each rank's shapes."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, shapes)
+    return UnevenBatchError(
+        f"local batches differ in shape across ranks (leaf shapes per rank: {everyone}). The loss is the mean "
+        "of the ranks' local means, which is the global mean only for equal local batches. Split the global "
+        "batch evenly (drop or pad the remainder); for ragged data, pad and mask, and divide the masked sum "
+        "by the global count (hpf.psum of the local counts)")
+
+
+def finite_or_none(record: dict) -> dict:
+    """A metrics record that is valid JSON: NaN and inf become None (null)."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
