@@ -240,7 +240,10 @@ def sharded_runs(rank):
         step = hpf.shard_step(llama.loss_for(SHARDED), mesh=mesh, optimizer=optimizer)
         state = step.init(llama.init(SHARDED, torch.Generator().manual_seed(SEED)))
         batches = gpt.synthetic_batches(SHARDED, BATCH, SEED, rank=rank, world_size=mesh.size)
-        losses = [step(state, next(batches))[1]["loss"] for _ in range(STEPS)]
+        losses = []
+        for _ in range(STEPS):
+            state, metrics = step(state, next(batches))  # the state is donated: keep the returned one
+            losses.append(metrics["loss"])
         out[masked] = losses, [p.numpy() for p in hpf.tree.flatten(step.full_params(state))[1]]
     return out
 
