@@ -26,6 +26,7 @@ import hpf
 from hpf.launcher import RankError, init_distributed, is_launched, launch, rank, world_size
 from hpf.models import gpt
 from hpf.optim.dist_muon import muon_plan_state
+from hpf.optim.schedules import constant
 from hpf.plots import breakdown, save_plots
 from hpf.progress import Progress
 from hpf.api import STEPS
@@ -309,22 +310,11 @@ class TrainJob:
     warmup: int = 0
 
 
-@dataclass(frozen=True)
-class Warmup:
-    """``lr`` ramped linearly over the first ``steps`` steps (1-based), then held: an lr callable
-    for hpf.optim. (Lead: hpf.optim's shared schedules replace this at merge.)"""
-
-    lr: float
-    steps: int
-
-    def __call__(self, step: int) -> float:
-        return self.lr * min(1.0, step / self.steps) if self.steps else self.lr
-
-
 def _make_optimizer(name: str, lr: float, adamw_lr: float, warmup: int):
+    """--optimizer at --lr, ramped linearly over ``warmup`` steps, then held (hpf.optim.schedules)."""
     if name == "muon":  # AdamW at the config's AdamW lr for embeddings, head and vectors
-        return hpf.optim.muon(lr=Warmup(lr, warmup), adamw_lr=Warmup(adamw_lr, warmup))
-    return hpf.optim.adamw(lr=Warmup(lr, warmup))
+        return hpf.optim.muon(lr=constant(lr, warmup), adamw_lr=constant(adamw_lr, warmup))
+    return hpf.optim.adamw(lr=constant(lr, warmup))
 
 
 def _make_step(job: TrainJob, mesh: hpf.Mesh):
