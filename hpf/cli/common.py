@@ -1,0 +1,119 @@
+"""What every ``hpf`` subcommand shares: one-line errors, argument types, the mesh and the
+options that describe a job (config, mesh, precision, topology, optimizer)."""
+from __future__ import annotations
+
+import argparse
+import os
+
+import hpf
+from hpf.launcher import is_launched, world_size
+from hpf.models import gpt
+from hpf.types import PRECISIONS
+
+DEFAULT_MESH = {"node": 2, "local": 2}  # 2 "hosts" x 2 local ranks: exercises both tiers
+
+
+class CliError(Exception):
+    """A mistake in the command line or a missing optional part; printed as one line."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (the usage block is one --help away)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# ------------------------------------------------------------------ argument types
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"node=2,local=2"`` -> ``{"node": 2, "local": 2}`` (outer to inner, as hpf.Mesh takes)."""
+    axes: dict[str, int] = {}
+    for part in text.split(","):
+        name, sep, size = (s.strip() for s in part.partition("="))
+        if not sep or not name or not size.isdigit():
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a mesh; write name=size pairs, outer to inner, e.g. node=2,local=2")
+        if int(size) < 1:
+            raise argparse.ArgumentTypeError(f"{text!r} gives axis {name!r} size {int(size)}; sizes must be >= 1")
+        if name in axes:
+            raise argparse.ArgumentTypeError(f"{text!r} names axis {name!r} twice")
+        axes[name] = int(size)
+    return axes
+
+
+def axes_list(text: str) -> tuple[str, ...]:
+    axes = tuple(a.strip() for a in text.split(",") if a.strip())
+    if not axes:
+        raise argparse.ArgumentTypeError("give mesh axis names separated by commas, e.g. node,local")
+    return axes
+
+
+def positive(kind, least=None):
+    """An argparse type: a number > 0 (or >= ``least``)."""
+    def check(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if value <= 0 if least is None else value < least:
+            raise argparse.ArgumentTypeError(f"{text!r} must be " + ("positive" if least is None else f">= {least}"))
+        return value
+    return check
+
+
+
+# ------------------------------------------------------------------ shared: mesh and optional parts
+
+def mesh_of(args) -> hpf.Mesh:
+    axes = args.mesh or ({"dp": args.world_size} if args.world_size else default_axes())
+    mesh = hpf.Mesh(axes)
+    if args.world_size is not None and mesh.size != args.world_size:
+        raise CliError(f"--mesh {mesh_text(axes)} has {mesh.size} ranks but --world-size is "
+                       f"{args.world_size}; make them agree or give only one")
+    return mesh
+
+
+def default_axes() -> dict[str, int]:
+    """2 x 2 locally; under torchrun, the machines it started: node x local ranks per machine."""
+    if not is_launched():
+        return DEFAULT_MESH
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))
+    return {"node": world_size() // local, "local": local} if world_size() > local else {"dp": local}
+
+
+def mesh_text(axes) -> str:
+    return ",".join(f"{a}={n}" for a, n in axes.items())
+
+
+
+
+def topology_of(name: str) -> hpf.Topology | None:
+    return hpf.Topology() if name == "two-tier" else None
+
+
+def job_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The parent parsers: the job (train, plan, simulate) and the optimizer (train, plan)."""
+    job = Parser(add_help=False)
+    job.add_argument("--config", choices=sorted(gpt.CONFIGS), default="tiny",
+                     help="GPT config from hpf.models.gpt.CONFIGS (default: tiny)")
+    job.add_argument("--world-size", type=positive(int), metavar="N",
+                     help="number of ranks; alone it gives a 1-D mesh dp=N (default: 4 as node=2,local=2)")
+    job.add_argument("--mesh", type=parse_mesh, metavar="AXES",
+                     help="named mesh axes, outer to inner; the last one is the fast tier (default: "
+                          "node=2,local=2; under torchrun node=<machines>,local=<ranks per machine>)")
+    job.add_argument("--fsdp-axes", type=axes_list, metavar="AXES",
+                     help="axes params are sharded and gathered over, e.g. local (default: all)")
+    job.add_argument("--mixed-precision", choices=sorted(PRECISIONS),
+                     help="compute dtype, with fp32 master shards and fp32 grad reduction (default: off)")
+    job.add_argument("--topology", choices=("two-tier", "flat"), default="two-tier",
+                     help="two-tier: fast-tier collectives first (shared memory between local CPU ranks), "
+                          "1/fast-size of the bytes over the slow tier, reductions overlapping backward; "
+                          "flat: one collective over all ranks (default: two-tier)")
+    job.add_argument("--hsdp", action="store_true",
+                     help="shard params within the fast tier only and replicate them across the slow tier")
+    optimizer = Parser(add_help=False)  # train and plan (its state and owners), not simulate
+    optimizer.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                           help="muon: Muon for weight matrices (one momentum each; owners balanced by "
+                                "Newton-Schulz FLOPs), AdamW for embeddings, head and vectors (default: adamw)")
+    return job, optimizer

@@ -1,0 +1,72 @@
+"""``hpf plan``: per-rank memory and communication of any config on any mesh, from meta tensors."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+import hpf
+from hpf.cli.common import mesh_of, mesh_text, topology_of
+from hpf.models import gpt
+from hpf.optim.dist_muon import muon_plan_state
+from hpf.report import PlanReport
+from hpf.step import step_plan
+from hpf.types import MixedPrecision
+
+
+def plan_of(args, mesh: hpf.Mesh) -> hpf.Plan:
+    """The plan shard_step makes for these arguments, from meta tensors (shapes only)."""
+    return step_plan(gpt.init(gpt.CONFIGS[args.config], device="meta"), mesh, fsdp_axes=args.fsdp_axes,
+                     topology=topology_of(args.topology), hsdp=args.hsdp)
+
+
+def report_of(args, plan: hpf.Plan) -> tuple[PlanReport, str]:
+    """The plan report for these arguments, its optimizer state counted for --optimizer, and a
+    line that says what that state is."""
+    mp = MixedPrecision.parse(args.mixed_precision)
+    report = plan.report(compute_dtype=mp.compute_dtype if mp else None, master_dtype=mp.master_dtype if mp else None,
+                         reduce_dtype=mp.reduce_dtype if mp else None,
+                         hierarchical=args.topology == "two-tier")
+    if args.optimizer == "adamw":
+        return report, "optimizer state: AdamW, two fp32 moments per element"
+    most, load, n_muon = muon_plan_state(hpf.optim.muon(), plan)
+    busiest = max(range(plan.mesh.size), key=lambda r: (load[r], -r))
+    balance = (f"Newton-Schulz FLOPs per rank max/mean {load[busiest] / (sum(load.values()) / plan.mesh.size):.2f} "
+               f"(busiest rank {busiest}: {load[busiest] / 1e9:,.2f} GFLOP per step)" if load else "no matrices")
+    return (dataclasses.replace(report, optimizer_bytes=most * 4),
+            f"optimizer state: Muon, one fp32 momentum per element of its {n_muon} matrices, AdamW's two "
+            f"moments for the other {len(plan.slots) - n_muon} tensors (the busiest rank's count); {balance}")
+
+
+def cmd_plan(args) -> int:
+    config = gpt.CONFIGS[args.config]
+    mesh = mesh_of(args)
+    plan = plan_of(args, mesh)
+    report, state = report_of(args, plan)
+    print(f"GPT {args.config!r}: {gpt.num_params(config) / 1e6:,.1f}M params in {len(plan.slots)} tensors, "
+          f"{len(plan.units)} FSDP units, {len(plan.buckets)} flat buckets")
+    print(f"mesh {mesh_text(dict(zip(mesh.axis_names, mesh.shape)))} ({mesh.size} ranks); "
+          f"FSDP axes {','.join(plan.fsdp_axes) or '-'}; fast tier {','.join(mesh.fast_axes)}; "
+          f"{args.topology} collectives{', HSDP' if args.hsdp else ''}; precision {args.mixed_precision or 'fp32'}")
+    print(state)
+    print(report.format())
+    print(f"predicted step time, exposed communication and tokens/s, hpf vs FSDP2 vs Megatron DDP: "
+          f"hpf simulate --config {args.config} --mesh {mesh_text(dict(zip(mesh.axis_names, mesh.shape)))} "
+          "--hardware cloudmatrix384 (or h100, or a calibration file)")
+    if args.check:
+        one_sequence = torch.empty(1, config.seq_len + 1, dtype=torch.int64, device="meta")
+        print(hpf.check_plan(gpt.loss_for(config), gpt.init(config, device="meta"), mesh, one_sequence,
+                             fsdp_axes=args.fsdp_axes, mixed_precision=args.mixed_precision))
+    return 0
+
+
+def add_parser(sub, job, optimizer) -> None:
+    plan = sub.add_parser(
+        "plan", parents=[job, optimizer], help="print per-rank memory and communication for any config and mesh",
+        description="Print the plan report of a GPT config on a virtual mesh of any size, from meta "
+                    "tensors; starts no process. Example: hpf plan --config 1b --mesh node=96,local=8 "
+                    "(also how to size a config too big to train here)")
+    plan.add_argument("--check", action="store_true",
+                      help="also run validation mode for rank 0's view of the mesh on meta tensors "
+                           "(hpf.check_plan): layouts and shapes of the whole step, forward and backward")
+    plan.set_defaults(run=cmd_plan)

@@ -1,0 +1,90 @@
+"""``hpf simulate``: predicted step time, exposed communication and tokens/s at any scale."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from hpf import sim
+from hpf.cli.common import CliError, mesh_of, positive
+from hpf.models import gpt
+
+
+def add_parser(sub, job) -> None:
+    simulate = sub.add_parser(
+        "simulate", parents=[job], help="predict step time and exposed communication at any scale (no processes)",
+        description="Predict step time, exposed communication and tokens/s of hpf, FSDP2 and Megatron DDP from "
+                    "the plan alone (hpf.sim: alpha-beta links per tier, the step's schedule as an event "
+                    "simulation). Example: hpf simulate --config 1b --mesh node=48,local=16 --hardware "
+                    "cloudmatrix384 --mixed-precision bf16")
+    simulate.add_argument("--hardware", default="cloudmatrix384", metavar="NAME|FILE",
+                          help="a published profile (cloudmatrix384, ascend910c-roce, h100, h200) or a calibration "
+                               "JSON from `python -m hpf.sim.calibrate` (default: cloudmatrix384)")
+    simulate.add_argument("--local-batch", type=positive(int), default=4, metavar="B",
+                          help="sequences per rank per step (weak scaling; default: 4)")
+    simulate.add_argument("--sweep", metavar="N,N,...",
+                          help="rank counts for a scaling curve, e.g. 16,32,64,128,256,512,768 (meshes of whole "
+                               "fast domains: node=N/fast,local=fast)")
+    simulate.add_argument("--plot", type=Path, metavar="DIR",
+                          help="with --sweep: write step_time.png, exposed_comm.png, tokens_per_rank.png into DIR "
+                               "(needs matplotlib)")
+    simulate.add_argument("--no-pipeline", action="store_true", help="hpf waits for each unit's reduction")
+    simulate.set_defaults(run=cmd_simulate)
+
+
+def cmd_simulate(args) -> int:
+    hw = sim.hardware(args.hardware)
+    kw = dict(local_batch=args.local_batch, mixed_precision=args.mixed_precision, topology=args.topology,
+              fsdp_axes=args.fsdp_axes, pipeline=not args.no_pipeline)
+    strategies = ("hsdp" if args.hsdp else "hpf", "fsdp2", "ddp")
+    if args.plot and not args.sweep:
+        raise CliError("--plot draws the scaling curve: give --sweep too")
+    if args.sweep:
+        try:
+            ranks = [int(n) for n in args.sweep.split(",")]
+        except ValueError:
+            raise CliError(f"--sweep {args.sweep!r}: give rank counts separated by commas, e.g. 16,32,64") from None
+        rows = sim.sweep(args.config, ranks, hw, strategies, **kw)
+    else:
+        mesh = mesh_of(args)
+        rows = [(mesh.size, sim.compare(args.config, mesh, hw, strategies, **kw))]
+    print(f"hpf simulate: GPT {args.config!r}, {args.local_batch} x {gpt.CONFIGS[args.config].seq_len} tokens per "
+          f"rank, {args.mixed_precision or 'fp32'}, hardware {hw.name}, hpf {args.topology}"
+          f"{' HSDP' if args.hsdp else ''}; FSDP2 and Megatron DDP as modelled in hpf.sim")
+    print(f"{'ranks':>6} {'strategy':<8} {'step ms':>9} {'exposed':>8} {'tokens/s':>12} {'tok/s/rank':>11} "
+          f"{'vs hpf':>7} {'fast busy ms':>12} {'slow busy ms':>12}")
+    for n, res in rows:
+        base = res[strategies[0]].step_s
+        for name, r in res.items():
+            print(f"{n:>6} {name:<8} {r.step_s * 1e3:>9.2f} {r.exposed_share:>8.1%} {r.tokens_per_s:>12,.0f} "
+                  f"{r.tokens_per_s / n:>11,.0f} {r.step_s / base - 1:>+7.1%} {r.busy_s['fast'] * 1e3:>12.2f} "
+                  f"{r.busy_s['slow'] * 1e3:>12.2f}")
+    for note in hw.notes:
+        print(f"  note: {note}")
+    if args.plot:
+        for f in save_simulate_plots(rows, args.plot):
+            print(f"  wrote {f}")
+    return 0
+
+
+def save_simulate_plots(rows, out: Path) -> list[Path]:
+    """step_time.png, exposed_comm.png, tokens_per_rank.png of a sweep, one line per strategy."""
+    try:
+        from matplotlib.figure import Figure
+    except ModuleNotFoundError:
+        raise CliError("--plot needs matplotlib: pip install matplotlib (the plot extra: pip install -e '.[plot]')") from None
+    out.mkdir(parents=True, exist_ok=True)
+    ranks = [n for n, _ in rows]
+    files = []
+    for fname, label, value in (("step_time.png", "step time (ms)", lambda r, n: r.step_s * 1e3),
+                                ("exposed_comm.png", "exposed communication (% of step)",
+                                 lambda r, n: 100 * r.exposed_share),
+                                ("tokens_per_rank.png", "tokens/s per rank", lambda r, n: r.tokens_per_s / n)):
+        fig = Figure(figsize=(6, 3.5), layout="constrained")
+        ax = fig.subplots()
+        for name in rows[0][1]:
+            ax.plot(ranks, [value(res[name], n) for n, res in rows], marker="o", label=name)
+        ax.set(xlabel="ranks", ylabel=label, xscale="log", title=label)
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.savefig(out / fname, dpi=120)
+        files.append(out / fname)
+    return files
