@@ -14,7 +14,7 @@ import torch
 
 import hpf
 from hpf import cli
-from hpf.models import gpt
+from hpf.models import gpt, llama
 from hpf.progress import Progress
 from references import functional_training
 
@@ -123,6 +123,18 @@ def test_validate_mode_trains_the_same_model(tmp_path, capsys):
     assert first["loss"] == pytest.approx(reference.item(), rel=1e-6)  # same fp32 math, one process
 
 
+def test_model_option_trains_llama(tmp_path, capsys):
+    code, out, err = run_main(["train", "--model", "llama", "--world-size", "1", "--steps", "1",
+                               "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    assert "llama 'tiny'" in out
+    first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    config = llama.CONFIGS["tiny"]
+    reference = llama.loss_for(config)(llama.init(config, torch.Generator().manual_seed(0)),
+                                       gpt.global_batch(config, 32, 0, 0))
+    assert first["loss"] == pytest.approx(reference.item(), rel=1e-6)
+
+
 def test_muon_option_trains_with_muon(tmp_path, capsys):
     code, _, err = run_main(["train", "--world-size", "1", "--steps", "2", "--optimizer", "muon",
                              "--out", str(tmp_path)], capsys)
@@ -149,6 +161,8 @@ def test_muon_option_trains_with_muon(tmp_path, capsys):
     (["train", "--batch-size", "6"], "--batch-size"),
     (["plan", "--fsdp-axes", "bogus"], "bogus"),  # raised by hpf.plan as a SpecError
     (["bench", "--dir", "/no/such/folder"], "--dir"),
+    (["plan", "--model", "llama", "--config", "medium"], "not a llama config"),
+    (["simulate", "--model", "llama"], "--model llama"),
 ])
 def test_bad_arguments_get_one_line_errors(argv, names, capsys):
     code, out, err = run_main(argv, capsys)

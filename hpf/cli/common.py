@@ -7,7 +7,7 @@ import os
 
 import hpf
 from hpf.launcher import is_launched, world_size
-from hpf.models import gpt
+from hpf.models import MODELS
 from hpf.types import PRECISIONS
 
 DEFAULT_MESH = {"node": 2, "local": 2}  # 2 "hosts" x 2 local ranks: exercises both tiers
@@ -95,8 +95,10 @@ def topology_of(name: str) -> hpf.Topology | None:
 def job_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The parent parsers: the job (train, plan, simulate) and the optimizer (train, plan)."""
     job = Parser(add_help=False)
-    job.add_argument("--config", choices=sorted(gpt.CONFIGS), default="tiny",
-                     help="GPT config from hpf.models.gpt.CONFIGS (default: tiny)")
+    job.add_argument("--model", choices=sorted(MODELS), default="gpt",
+                     help="the pure-function model from hpf.models (default: gpt)")
+    job.add_argument("--config", choices=sorted(set().union(*(m.CONFIGS for m in MODELS.values()))), default="tiny",
+                     help="a config of --model, from hpf.models.<model>.CONFIGS (default: tiny)")
     job.add_argument("--world-size", type=positive(int), metavar="N",
                      help="number of ranks; alone it gives a 1-D mesh dp=N (default: 4 as node=2,local=2)")
     job.add_argument("--mesh", type=parse_mesh, metavar="AXES",

@@ -7,7 +7,7 @@ import torch
 
 import hpf
 from hpf.cli.common import mesh_of, mesh_text, topology_of
-from hpf.models import gpt
+from hpf.models import model_config
 from hpf.optim.dist_muon import muon_plan_state
 from hpf.report import PlanReport
 from hpf.step import step_plan
@@ -16,7 +16,8 @@ from hpf.types import MixedPrecision
 
 def plan_of(args, mesh: hpf.Mesh) -> hpf.Plan:
     """The plan shard_step makes for these arguments, from meta tensors (shapes only)."""
-    return step_plan(gpt.init(gpt.CONFIGS[args.config], device="meta"), mesh, fsdp_axes=args.fsdp_axes,
+    module, config = model_config(args.model, args.config)
+    return step_plan(module.init(config, device="meta"), mesh, fsdp_axes=args.fsdp_axes,
                      topology=topology_of(args.topology), hsdp=args.hsdp)
 
 
@@ -39,11 +40,11 @@ def report_of(args, plan: hpf.Plan) -> tuple[PlanReport, str]:
 
 
 def cmd_plan(args) -> int:
-    config = gpt.CONFIGS[args.config]
+    module, config = model_config(args.model, args.config)
     mesh = mesh_of(args)
     plan = plan_of(args, mesh)
     report, state = report_of(args, plan)
-    print(f"GPT {args.config!r}: {gpt.num_params(config) / 1e6:,.1f}M params in {len(plan.slots)} tensors, "
+    print(f"{args.model} {args.config!r}: {module.num_params(config) / 1e6:,.1f}M params in {len(plan.slots)} tensors, "
           f"{len(plan.units)} FSDP units, {len(plan.buckets)} flat buckets")
     print(f"mesh {mesh_text(dict(zip(mesh.axis_names, mesh.shape)))} ({mesh.size} ranks); "
           f"FSDP axes {','.join(plan.fsdp_axes) or '-'}; fast tier {','.join(mesh.fast_axes)}; "
@@ -55,7 +56,7 @@ def cmd_plan(args) -> int:
           "--hardware cloudmatrix384 (or h100, or a calibration file)")
     if args.check:
         one_sequence = torch.empty(1, config.seq_len + 1, dtype=torch.int64, device="meta")
-        print(hpf.check_plan(gpt.loss_for(config), gpt.init(config, device="meta"), mesh, one_sequence,
+        print(hpf.check_plan(module.loss_for(config), module.init(config, device="meta"), mesh, one_sequence,
                              fsdp_axes=args.fsdp_axes, mixed_precision=args.mixed_precision))
     return 0
 

@@ -31,6 +31,9 @@ def add_parser(sub, job) -> None:
 
 
 def cmd_simulate(args) -> int:
+    if args.model != "gpt":
+        raise CliError(f"hpf simulate models the GPT configs only so far, not --model {args.model}; "
+                       f"hpf plan --model {args.model} gives its memory and bytes per tier")
     hw = sim.hardware(args.hardware)
     kw = dict(local_batch=args.local_batch, mixed_precision=args.mixed_precision, topology=args.topology,
               fsdp_axes=args.fsdp_axes, pipeline=not args.no_pipeline)

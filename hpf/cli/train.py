@@ -23,7 +23,7 @@ from hpf.cli.common import CliError, mesh_of, mesh_text, positive, topology_of
 from hpf.cli.plan import plan_of, report_of
 from hpf.device import default_device
 from hpf.launcher import init_distributed, is_launched, launch, rank, world_size
-from hpf.models import gpt
+from hpf.models import gpt, model_config
 from hpf.optim.schedules import constant
 from hpf.plots import breakdown, save_plots
 from hpf.progress import Progress
@@ -55,6 +55,7 @@ class TrainJob:
     hsdp: bool
     metrics_path: str
     warmup: int = 0
+    model: str = "gpt"
 
 
 def _make_optimizer(name: str, lr: float, adamw_lr: float, warmup: int):
@@ -65,7 +66,8 @@ def _make_optimizer(name: str, lr: float, adamw_lr: float, warmup: int):
 
 
 def _make_step(job: TrainJob, mesh: hpf.Mesh):
-    return hpf.shard_step(gpt.loss_for(gpt.CONFIGS[job.config]), mesh=mesh,
+    module, config = model_config(job.model, job.config)
+    return hpf.shard_step(module.loss_for(config), mesh=mesh,
                           optimizer=_make_optimizer(job.optimizer, job.lr, TRAIN_DEFAULTS[job.config][0], job.warmup),
                           fsdp_axes=job.fsdp_axes, mode=job.mode, mixed_precision=job.mixed_precision,
                           hsdp=job.hsdp, topology=topology_of(job.topology))
@@ -73,13 +75,13 @@ def _make_step(job: TrainJob, mesh: hpf.Mesh):
 
 def _train_rank(rank: int, job: TrainJob) -> None:
     """One rank of ``hpf train``; rank 0 also shows progress and writes the metrics."""
-    config = gpt.CONFIGS[job.config]
+    module, config = model_config(job.model, job.config)
     mesh = hpf.Mesh(job.axes)
     progress = Progress(job.steps, label="train") if rank == 0 else None
     if progress:  # a big config's first step can take minutes: say it has begun, and that it runs
         progress.start(f"step 1 of {job.steps}: init, first gathers and warm-up")
     step = _make_step(job, mesh)
-    state = step.init(gpt.init(config, torch.Generator().manual_seed(job.seed)))
+    state = step.init(module.init(config, torch.Generator().manual_seed(job.seed)))
     batches = gpt.synthetic_batches(config, job.batch_size, job.seed, rank=rank, world_size=mesh.size,
                                     device=default_device())
     tokens_per_step = job.batch_size * config.seq_len
@@ -102,9 +104,9 @@ def _train_rank(rank: int, job: TrainJob) -> None:
 
 def _banner(job: TrainJob, n_units: int) -> str:
     """The first line of a run, the same under hpf.launch and torchrun."""
-    config = gpt.CONFIGS[job.config]
+    module, config = model_config(job.model, job.config)
     warmup = f" after {job.warmup} warmup steps" if job.warmup else ""
-    return (f"hpf train: GPT {job.config!r} ({gpt.num_params(config) / 1e6:.2f}M params, {n_units} FSDP units) "
+    return (f"hpf train: {job.model} {job.config!r} ({module.num_params(config) / 1e6:.2f}M params, {n_units} FSDP units) "
             f"on {math.prod(job.axes.values())} ranks, mesh {mesh_text(job.axes)}, "
             f"{job.topology}{' HSDP' if job.hsdp else ''}, {job.optimizer} lr {job.lr:g}{warmup}, "
             f"{job.mixed_precision or 'fp32'} compute, {job.mode} mode")
@@ -122,7 +124,7 @@ def _host_memory_available() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def _activation_bytes(config: gpt.GPTConfig, tokens: int, compute_bytes: int) -> int:
+def _activation_bytes(config, tokens: int, compute_bytes: int) -> int:
     """Saved activations of gpt.loss for ``tokens`` tokens: about L*(13d + 2f) values per token
     in the compute dtype plus 3V fp32 (logits, softmax, their grad), fitted on small configs."""
     per_token = config.n_layers * (13 * config.d_model + 2 * config.d_ff) * compute_bytes + 3 * config.vocab_size * 4
@@ -135,12 +137,12 @@ def _check_memory(job: TrainJob, report: PlanReport, local_ranks: int) -> None:
     On the CPU the local ranks share the host's memory. Under torchrun with an accelerator each
     rank checks its own device (the driver of hpf.launch must not touch the device before the
     fork, so there only the host is checked)."""
-    config = gpt.CONFIGS[job.config]
+    module, config = model_config(job.model, job.config)
     parts = {"params": report.params_bytes, "grads": report.grad_bytes, "optimizer": report.optimizer_bytes,
              "gathered": report.peak_gathered_bytes,
              "activations ~": _activation_bytes(config, job.batch_size // report.world_size * config.seq_len,
                                                 2 if job.mixed_precision else 4)}
-    init_copy = gpt.num_params(config) * 4  # each rank builds the full params on the host, then shards them
+    init_copy = module.num_params(config) * 4  # each rank builds the full params on the host, then shards them
     if is_launched() and torch.accelerator.is_available():
         available, _ = torch.accelerator.get_memory_info(int(os.environ.get("LOCAL_RANK", 0)))
         where, ranks = f"{torch.accelerator.current_accelerator().type} memory free", 1
@@ -176,7 +178,7 @@ def cmd_train(args) -> int:
     """Fork the ranks here with hpf.launch, or, under torchrun, be one of them."""
     torchrun = is_launched()
     mesh = mesh_of(args)
-    config = gpt.CONFIGS[args.config]
+    _, config = model_config(args.model, args.config)
     if torchrun and mesh.size != world_size():
         raise CliError(f"--mesh has {mesh.size} ranks but torchrun started {world_size()}; make them agree")
     if args.batch_size % mesh.size:
@@ -198,7 +200,7 @@ def cmd_train(args) -> int:
     job = TrainJob(args.config, dict(zip(mesh.axis_names, mesh.shape)), args.fsdp_axes, args.optimizer,
                    args.lr or (muon_lr if args.optimizer == "muon" else adamw_lr), args.steps, args.batch_size,
                    args.mode, args.seed, args.mixed_precision, args.topology, args.hsdp,
-                   str(out / "metrics.jsonl"), warmup if args.warmup is None else args.warmup)
+                   str(out / "metrics.jsonl"), warmup if args.warmup is None else args.warmup, args.model)
     _make_step(job, mesh)  # checks optimizer, mode and precision here, before any rank starts
     plan = plan_of(args, mesh)  # checks the axes
     _check_memory(job, report_of(args, plan)[0],
@@ -224,7 +226,7 @@ def cmd_train(args) -> int:
     records = read_metrics(out / "metrics.jsonl")
     files = [out / "metrics.jsonl", out / "run.json"]
     if plots and not plots.startswith("skipped"):
-        files += save_plots(records, out, f"loss: GPT {args.config!r}, mesh {mesh_text(job.axes)}, "
+        files += save_plots(records, out, f"loss: {args.model} {args.config!r}, mesh {mesh_text(job.axes)}, "
                                           f"{args.optimizer}{', ' + args.mixed_precision if args.mixed_precision else ''}")
     print(summary(records, wall, files))
     return 0

@@ -1,4 +1,21 @@
-"""Pure-function models: params are plain pytrees, ``loss(params, batch)`` is a pure function."""
+"""Pure-function models: params are plain pytrees, ``loss(params, batch)`` is a pure function.
+
+Each model module provides ``CONFIGS``, ``init(config, generator, device=, dtype=)``,
+``loss_for(config)`` and ``num_params(config)``; ``MODELS`` names them for the ``hpf`` command.
+Synthetic token batches (``gpt.synthetic_batches``) fit any config with ``vocab_size`` and
+``seq_len``."""
 from hpf.models import gpt, llama
 
-__all__ = ["gpt", "llama"]
+__all__ = ["gpt", "llama", "MODELS", "model_config"]
+
+MODELS = {"gpt": gpt, "llama": llama}
+
+
+def model_config(model: str, config: str):
+    """(model module, config) for a model name and a config name, or a ValueError saying which exist."""
+    if model not in MODELS:
+        raise ValueError(f"model {model!r} is not one of {', '.join(MODELS)}")
+    module = MODELS[model]
+    if config not in module.CONFIGS:
+        raise ValueError(f"config {config!r} is not a {model} config; pick one of {', '.join(module.CONFIGS)}")
+    return module, module.CONFIGS[config]
