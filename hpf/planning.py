@@ -122,15 +122,21 @@ class Plan:
     leaf_paths: list[str] = field(default_factory=list)
 
     # -- parameter <-> shard conversions (used at init, checkpointing and in tests) --------
-    def local_block(self, path: str, full: torch.Tensor, rank: int) -> torch.Tensor:
-        """The block of a full parameter that ``rank`` computes with (non-FSDP axes only)."""
+    def block_offsets(self, path: str, rank: int) -> tuple[int, ...]:
+        """Where the block ``rank`` computes with starts in the full parameter, per dim."""
         slot = self.slots[path]
-        out = full
+        out = []
         for dim, n in enumerate(slot.local_shape):
             axes = tuple(a for a in slot.spec.dim_axes(dim) if a in self.compute_axes)
-            if axes:
-                i = self.mesh.group_index(axes, rank)
-                out = out.narrow(dim, i * n, n)
+            out.append(self.mesh.group_index(axes, rank) * n if axes else 0)
+        return tuple(out)
+
+    def local_block(self, path: str, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """The block of a full parameter that ``rank`` computes with (non-FSDP axes only)."""
+        out = full
+        for dim, (start, n) in enumerate(zip(self.block_offsets(path, rank), self.slots[path].local_shape)):
+            if n != out.shape[dim]:
+                out = out.narrow(dim, start, n)
         return out
 
     def flat_buffer(self, bucket: Bucket, local: dict[str, torch.Tensor], dtype=None) -> torch.Tensor:

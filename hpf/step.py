@@ -95,7 +95,9 @@ class ShardStep:
                               hsdp=self.hsdp)
         checks.check_same_on_all_ranks(self.plan, full_params, self.device)
         master = self.mp.master_dtype if self.mp else None
-        shards = [s.to(self.device) for s in self.plan.shards(full_params, self.rank, master)]
+        # Meta params (shapes only, e.g. before step.restore): zero shards of the right layout.
+        shards = [torch.zeros(s.shape, dtype=s.dtype, device=self.device) if s.is_meta else s.to(self.device)
+                  for s in self.plan.shards(full_params, self.rank, master)]
         reduce = self.mp.reduce_dtype if self.mp else None
         compute = self.mp.compute_dtype if self.mp else None
         self.grad_shards = [torch.zeros_like(s, dtype=reduce or s.dtype) for s in shards]
@@ -299,6 +301,34 @@ class ShardStep:
 
         A hook: subclasses wrap params and batch here (validation mode tracks their layouts)."""
         return self.loss_fn(params, batch)
+
+    # -- checkpoints (hpf/checkpoint.py) ------------------------------------------------------
+    def fresh_state(self) -> TrainState:
+        """A zero train state of this plan's layout (what ``restore`` loads into)."""
+        master = self.mp.master_dtype if self.mp else None
+        shards = [torch.zeros(b.shard_numel, dtype=master or b.dtype, device=self.device) for b in self.plan.buckets]
+        return TrainState(shards, self._opt.init(shards))
+
+    def save(self, state: TrainState, path, extra: Any = None, *, keep_last: int | None = None,
+             async_save: bool = False):
+        """Collective: write a DCP checkpoint of ``state`` to ``path`` (see hpf.checkpoint.save)."""
+        from . import checkpoint
+
+        self.wait_save()
+        self._pending_save = checkpoint.save(self, state, path, extra, keep_last=keep_last, async_save=async_save)
+        return self._pending_save
+
+    def wait_save(self):
+        """Block until an async save is published; re-raises its error. Returns its path or None."""
+        pending, self._pending_save = getattr(self, "_pending_save", None), None
+        return pending.wait() if pending is not None else None
+
+    def restore(self, path, state: TrainState | None = None) -> tuple[TrainState, Any]:
+        """Collective: ``(state, extra)`` from the checkpoint at ``path``, whatever mesh saved it."""
+        from . import checkpoint
+
+        self.wait_save()
+        return checkpoint.restore(self, path, state)
 
     def full_params(self, state: TrainState, rank: int | None = None) -> Any:
         """The gathered full params, as a plain pytree of fresh tensors.

@@ -1,0 +1,479 @@
+"""Sharded checkpoints on torch.distributed.checkpoint (DCP), with resharding and exact resume.
+
+Format: a DCP directory (``.metadata`` plus ``__<rank>_<i>.distcp`` files) and a small
+``hpf.json`` (params tree, shapes, dtypes, optimizer). Every logical tensor has its full,
+global shape:
+
+- a parameter at hpf path ``blocks/0/w_qkv`` is the key ``blocks.0.w_qkv`` (the dotted path,
+  as an ``nn.Module`` state dict names it, so an FSDP2 module with those names loads it);
+- an optimizer moment is ``optimizer.state.<dotted path>.<field>`` (``exp_avg``,
+  ``exp_avg_sq``; Muon's momentum is its ``exp_avg``), a scalar is ``optimizer.<field>``
+  (the step ``count``);
+- ``extra`` is rank 0's object (data position, RNG state, ...), pickled by DCP.
+
+A rank's flat shard covers an interval of its bucket's flat buffer, i.e. intervals of the
+flattened local blocks of several params. Each interval is cut into N-D boxes (``boxes``:
+a partial row, whole rows, a partial row, recursively) and each box is one DCP chunk whose
+offsets add the rank's non-FSDP block offset. Padding is never written. Identical chunks
+(HSDP replicas, replicated params) are written once, by the lowest rank. DCP reads any
+chunk layout into any other by overlap, so a checkpoint restores on any mesh.
+
+Saves go to ``<name>.tmp`` next to the target and are published by a rename once every rank
+has written; an older checkpoint is removed only after that (``keep_last``).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import threading
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import optree
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex,
+                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+
+__all__ = ["CheckpointError", "save", "restore", "load_params", "boxes", "latest", "rng_state",
+           "set_rng_state", "VERSION"]
+
+VERSION = 1
+HEADER = "hpf.json"
+TMP_SUFFIX = ".tmp"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be saved or restored; the message names the path and the key."""
+
+
+# -- boxes: a flat interval of a row-major tensor as N-D chunks ---------------------------------
+def boxes(shape: tuple[int, ...], start: int, stop: int, _base: int = 0) -> list[tuple[int, tuple, tuple]]:
+    """Cut elements ``[start, stop)`` of a row-major ``shape`` into boxes ``(flat start, offsets,
+    sizes)``, each contiguous in flat order: at most two per dim."""
+    if start >= stop:
+        return []
+    if not shape:
+        return [(_base, (), ())]
+    inner = 1
+    for n in shape[1:]:
+        inner *= n
+    r0, r1 = start // inner, stop // inner
+    if start % inner == 0 and stop % inner == 0:
+        return [(_base + start, (r0,) + (0,) * (len(shape) - 1), (r1 - r0,) + tuple(shape[1:]))]
+
+    def row(r, a, b):  # a partial row r: a box of the trailing dims, prefixed with [r, r+1)
+        return [(f, (r,) + o, (1,) + s) for f, o, s in boxes(tuple(shape[1:]), a, b, _base + r * inner)]
+    if r0 == r1:
+        return row(r0, start % inner, stop % inner)
+    out = []
+    if start % inner:
+        out += row(r0, start % inner, inner)
+        r0 += 1
+    out += boxes(shape, r0 * inner, r1 * inner, _base) if r1 > r0 else []
+    return out + row(r1, 0, stop % inner)
+
+
+# -- one logical tensor as this rank's chunks (views into flat shards) --------------------------
+@dataclass
+class _Chunks:
+    shape: torch.Size  # the global shape
+    dtype: torch.dtype
+    views: dict[tuple, torch.Tensor]  # global offsets -> view of that box in a flat shard
+
+    def size(self) -> torch.Size:  # DCP's load plan compares it with the saved size
+        return self.shape
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size(o)), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(ChunkStorageMetadata(torch.Size(o), v.shape),
+                                                      TensorProperties(dtype=self.dtype), self.shape))
+                for o, v in self.views.items()]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(torch.Size(o), v.shape) for o, v in self.views.items()]
+
+
+def _lookup(state_dict: dict, index: MetadataIndex):
+    obj = state_dict[index.fqn]
+    return obj.views[tuple(index.offset)] if isinstance(obj, _Chunks) else None
+
+
+class _SavePlanner(DefaultSavePlanner):
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, dedup_save_to_lowest_rank=True)
+
+    def lookup_object(self, index):
+        return _lookup(self.state_dict, index) if isinstance(self.state_dict.get(index.fqn), _Chunks) \
+            else super().lookup_object(index)
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+        chunks = {k: v for k, v in state_dict.items() if isinstance(v, _Chunks)}
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        state_dict.update(chunks)  # DCP's meta-tensor pass maps objects it does not know to None
+
+    def lookup_tensor(self, index):
+        return _lookup(self.state_dict, index) if isinstance(self.state_dict.get(index.fqn), _Chunks) \
+            else super().lookup_tensor(index)
+
+
+# -- the state dict of a ShardStep's state -----------------------------------------------------
+def key_of(path: str) -> str:
+    """The DCP key (and nn.Module name) of an hpf param path: ``blocks/0/w`` -> ``blocks.0.w``."""
+    if "." in path:
+        raise CheckpointError(f"parameter {path!r}: a '.' in a path would make its checkpoint key "
+                              "ambiguous; rename the dict key")
+    return path.replace("/", ".")
+
+
+def _add_chunks(sd: dict, plan, bucket, rank: int, flat: torch.Tensor, key: str, only: set | None) -> None:
+    """Add the chunks of every param ``flat`` (this rank's state tensor of ``bucket``) holds.
+    ``only=None``: flat is laid out as the param shard; else it packs just the params in
+    ``only``, back to back (DistMuon's AdamW moments)."""
+    lo, hi = bucket.shard_range(plan.shard_index(bucket, rank))
+    at = 0
+    for s in bucket.slots:
+        start, stop = max(s.offset, lo), min(s.offset + s.numel, hi)
+        if only is not None and s.path not in only:
+            continue
+        entry = sd.setdefault(key.format(key_of(s.path)), _Chunks(torch.Size(s.global_shape), flat.dtype, {}))
+        if start >= stop:
+            continue
+        first = start - lo if only is None else at
+        block = plan.block_offsets(s.path, rank)
+        for f, off, size in boxes(s.local_shape, start - s.offset, stop - s.offset):
+            n = int(np.prod(size, dtype=np.int64))
+            at_box = first + f - (start - s.offset)
+            entry.views[tuple(a + b for a, b in zip(off, block))] = flat[at_box:at_box + n].view(size)
+        at += stop - start
+
+
+def _opt_layouts(step) -> dict[str, set | None]:
+    """Per optimizer-state field of per-bucket tensors: None (laid out as the param shard) or
+    the params it packs. DistMuon keeps AdamW's second moment for its AdamW params only."""
+    from .optim.dist_muon import DistMuon, _meta
+
+    if isinstance(step._opt, DistMuon):
+        adamw = {p for p, s in step.plan.slots.items() if not step._opt.muon.on_muon(p, _meta(s))}
+        return {"exp_avg": None, "exp_avg_sq": adamw}
+    return {}
+
+
+def _state_dict(step, state) -> dict[str, Any]:
+    plan, rank = step.plan, step.rank
+    sd: dict[str, Any] = {}
+    for b, shard in zip(plan.buckets, state.params):
+        _add_chunks(sd, plan, b, rank, shard, "{}", None)
+    opt = state.opt_state
+    if not hasattr(opt, "_asdict"):
+        raise CheckpointError(f"optimizer state {type(opt).__name__} is not a NamedTuple of fields; "
+                              "hpf.checkpoint saves AdamWState and MuonState")
+    layouts = _opt_layouts(step)
+    for name, value in opt._asdict().items():
+        if isinstance(value, torch.Tensor) and value.dim() == 0:
+            sd[f"optimizer.{name}"] = value
+        elif isinstance(value, (list, tuple)) and len(value) == len(plan.buckets):
+            for b, t in zip(plan.buckets, value):
+                only = layouts.get(name)
+                if only is None and t.shape != (b.shard_numel,):
+                    raise CheckpointError(f"optimizer state {name}[{b.index}] has shape {tuple(t.shape)}, not the "
+                                          f"flat shard ({b.shard_numel},); hpf.checkpoint cannot place it")
+                _add_chunks(sd, plan, b, rank, t, "optimizer.state.{}." + name, only)
+        else:
+            raise CheckpointError(f"optimizer state field {name!r} ({type(value).__name__}) is neither a scalar "
+                                  "tensor nor one tensor per plan bucket; hpf.checkpoint cannot place it")
+    return sd
+
+
+def _skeleton(full_like: Any) -> Any:
+    """The params tree with each leaf replaced by its path (JSON: dicts, lists, tuples)."""
+    def walk(x, path):
+        if isinstance(x, dict):
+            return {str(k): walk(v, f"{path}/{k}" if path else str(k)) for k, v in x.items()}
+        if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
+            items = [walk(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(x)]
+            return items if isinstance(x, list) else {"__tuple__": items}
+        if isinstance(x, torch.Tensor):
+            return path
+        raise CheckpointError(f"params at {path!r}: a {type(x).__name__} container; hpf checkpoints "
+                              "keep dict/list/tuple trees")
+    return walk(full_like, "")
+
+
+def _unskeleton(node: Any, leaves: dict[str, torch.Tensor]) -> Any:
+    if isinstance(node, str):
+        return leaves[node]
+    if isinstance(node, list):
+        return [_unskeleton(v, leaves) for v in node]
+    if set(node) == {"__tuple__"}:
+        return tuple(_unskeleton(v, leaves) for v in node["__tuple__"])
+    return {k: _unskeleton(v, leaves) for k, v in node.items()}
+
+
+def _header(step, sd: dict) -> dict:
+    plan = step.plan
+    return {"format": "hpf-dcp", "version": VERSION, "optimizer": type(step._opt).__name__,
+            "tree": _skeleton(plan.tree({p: torch.empty(0) for p in plan.slots})),
+            "tensors": {k: [list(v.shape if isinstance(v, _Chunks) else v.shape), str(v.dtype)]
+                        for k, v in sd.items() if isinstance(v, (_Chunks, torch.Tensor))}}
+
+
+@contextlib.contextmanager
+def _quiet():
+    """DCP warns that one process means no process group: that is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+# -- save --------------------------------------------------------------------------------------
+def _world() -> tuple[int, bool]:
+    on = dist.is_available() and dist.is_initialized()
+    return (dist.get_rank() if on else 0), on
+
+
+_GROUP: dict[str, Any] = {}
+
+
+def _group():
+    """A gloo group of its own, so an async save's collectives never interleave with the step's."""
+    if "g" not in _GROUP:
+        _GROUP["g"] = dist.new_group(backend="gloo", timeout=timedelta(minutes=10))
+    return _GROUP["g"]
+
+
+class SaveHandle:
+    """An async save in flight; ``wait()`` blocks until it is published and re-raises its error."""
+
+    def __init__(self, thread: threading.Thread | None, box: dict):
+        self.thread, self.box = thread, box
+
+    def wait(self) -> Path:
+        if self.thread is not None:
+            self.thread.join()
+        if "error" in self.box:
+            raise self.box["error"]
+        return self.box["path"]
+
+
+def save(step, state, path, extra: Any = None, *, keep_last: int | None = None, async_save: bool = False) -> SaveHandle:
+    """Write ``state`` (and ``extra``, rank 0's) to the directory ``path``; every rank calls it.
+
+    ``async_save``: copy the state to the CPU now (the only exposed time) and write in a
+    background thread while training goes on; ``step.wait_save()`` (or the next save or
+    restore) waits for it. ``keep_last=k`` then removes all but the newest k checkpoints next
+    to ``path`` (directories holding an ``hpf.json``, ordered by the number ending their name).
+    """
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last={keep_last}: keep at least 1 checkpoint, or None to keep all")
+    path = Path(path)
+    rank, on = _world()
+    group = _group() if on else None
+    if async_save:
+        state = optree.tree_map(lambda t: t.detach().to("cpu", copy=True), state)
+    sd = _state_dict(step, state)
+    header = _header(step, sd)
+    sd["extra"] = extra
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a save that died here before
+        tmp.mkdir(parents=True)
+    if on:
+        dist.barrier(group=group)
+    box: dict[str, Any] = {"path": path}
+
+    def write():
+        try:
+            with _quiet():
+                dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp, thread_count=2), planner=_SavePlanner(),
+                         process_group=group, no_dist=not on)
+            if rank == 0:
+                _publish(tmp, path, header, keep_last)
+            if on:
+                dist.barrier(group=group)
+        except Exception as e:  # noqa: BLE001 -- re-raised by wait(), on the caller's thread
+            box["error"] = e if isinstance(e, CheckpointError) else CheckpointError(f"saving {path}: {e}")
+    if not async_save:
+        write()
+        handle = SaveHandle(None, box)
+        handle.wait()
+        return handle
+    thread = threading.Thread(target=write, name=f"hpf-save-{path.name}", daemon=False)
+    thread.start()
+    return SaveHandle(thread, box)
+
+
+def _publish(tmp: Path, path: Path, header: dict, keep_last: int | None) -> None:
+    (tmp / HEADER).write_text(json.dumps(header))
+    if path.exists():  # same name again: the old one stays until the new one is in place
+        old = path.with_name(path.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(path, old)
+        os.rename(tmp, path)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, path)
+    if keep_last:
+        for stale in _checkpoints(path.parent)[:-keep_last]:
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints in ``root``, oldest first (by the number ending the name)."""
+    def order(p: Path):
+        m = re.search(r"(\d+)$", p.name)
+        return (int(m.group(1)) if m else -1, p.name)
+    return sorted((p for p in root.iterdir() if (p / HEADER).is_file() and (p / ".metadata").is_file()
+                   and not p.name.endswith((TMP_SUFFIX, ".old"))), key=order)
+
+
+def latest(root) -> Path | None:
+    """The newest complete checkpoint in ``root`` (incomplete ``.tmp`` saves are skipped), or None."""
+    root = Path(root)
+    found = _checkpoints(root) if root.is_dir() else []
+    return found[-1] if found else None
+
+
+# -- restore -----------------------------------------------------------------------------------
+def _read_header(path: Path) -> tuple[dict, Any]:
+    """hpf.json and DCP's metadata of ``path``, or a CheckpointError saying what is wrong."""
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    if path.name.endswith(TMP_SUFFIX):
+        raise CheckpointError(f"{path}: an incomplete save (a {TMP_SUFFIX} directory); restore the last "
+                              f"complete checkpoint, e.g. hpf.checkpoint.latest({str(path.parent)!r})")
+    if not (path / ".metadata").is_file() or not (path / HEADER).is_file():
+        raise CheckpointError(f"{path}: not an hpf checkpoint (needs .metadata and {HEADER}); "
+                              "it is incomplete or another kind of directory")
+    try:
+        header = json.loads((path / HEADER).read_text())
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001 -- any unreadable header means a corrupt checkpoint
+        raise CheckpointError(f"{path}: corrupt checkpoint header ({type(e).__name__}: {e})") from e
+    if header.get("format") != "hpf-dcp" or header.get("version") != VERSION:
+        raise CheckpointError(f"{path}/{HEADER}: format {header.get('format')!r} version "
+                              f"{header.get('version')!r}; this hpf reads hpf-dcp version {VERSION}")
+    return header, metadata
+
+
+def _check(path: Path, metadata, want: dict[str, Any]) -> None:
+    """Every key ``want`` needs is saved with the same shape and dtype, and its bytes are on disk."""
+    md = metadata.state_dict_metadata
+    for key, obj in want.items():
+        if key not in md:
+            raise CheckpointError(f"{path}: key {key!r} is missing from the checkpoint (another model or "
+                                  "optimizer?)")
+        saved = md[key]
+        if isinstance(obj, (torch.Tensor, _Chunks)):
+            if not isinstance(saved, TensorStorageMetadata):
+                raise CheckpointError(f"{path}: key {key!r} is not a tensor in the checkpoint")
+            shape = obj.shape
+            if tuple(saved.size) != tuple(shape):
+                raise CheckpointError(f"{path}: key {key!r} has shape {tuple(saved.size)} in the checkpoint, "
+                                      f"but this model's is {tuple(shape)}")
+            if saved.properties.dtype != obj.dtype:
+                raise CheckpointError(f"{path}: key {key!r} is {saved.properties.dtype} in the checkpoint, "
+                                      f"but this state holds {obj.dtype}")
+        elif not isinstance(saved, BytesStorageMetadata):
+            raise CheckpointError(f"{path}: key {key!r} is not an object in the checkpoint")
+    ends: dict[str, tuple[int, str]] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        end = info.offset + info.length
+        if end > ends.get(info.relative_path, (-1, ""))[0]:
+            ends[info.relative_path] = (end, index.fqn)
+    for name, (end, key) in sorted(ends.items()):
+        size = (path / name).stat().st_size if (path / name).is_file() else -1
+        if size < end:
+            raise CheckpointError(f"{path}: file {name} is {'missing' if size < 0 else f'truncated ({size} bytes)'};"
+                                  f" key {key!r} needs bytes up to {end}")
+
+
+def _agree(error: CheckpointError | None, on: bool) -> None:
+    """Raise on every rank if any rank failed its checks (so none enters DCP's collectives)."""
+    messages = [str(error) if error else None]
+    if on and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, messages[0])
+        messages = gathered
+    for r, m in enumerate(messages):
+        if m is not None:
+            raise CheckpointError(m if (on and r == dist.get_rank()) or not on else f"rank {r}: {m}")
+
+
+def restore(step, path, state=None) -> tuple[Any, Any]:
+    """Load this rank's shards of params and optimizer state from ``path``, whatever mesh saved
+    them; returns ``(state, extra)``. ``state``: load into it in place (default: a fresh one)."""
+    path = Path(path)
+    if step.plan is None:
+        raise RuntimeError("call step.init(params) first (meta params are fine), then step.restore(path)")
+    _, on = _world()
+    if state is None:
+        state = step.fresh_state()
+    sd = _state_dict(step, state)
+    sd["extra"] = None
+    error = None
+    try:
+        header, metadata = _read_header(path)
+        if header["optimizer"] != type(step._opt).__name__:
+            raise CheckpointError(f"{path}: saved with optimizer {header['optimizer']}, restoring into "
+                                  f"{type(step._opt).__name__}; use the same optimizer")
+        _check(path, metadata, sd)
+    except CheckpointError as e:
+        error = e
+    _agree(error, on)
+    try:
+        with _quiet():
+            dcp.load(sd, storage_reader=dcp.FileSystemReader(path), planner=_LoadPlanner(), no_dist=not on)
+    except Exception as e:  # noqa: BLE001 -- DCP raises the same CheckpointException on every rank
+        raise CheckpointError(f"{path}: reading failed ({type(e).__name__}: {e})") from e
+    return state, sd["extra"]
+
+
+def load_params(path) -> Any:
+    """The full params pytree of a checkpoint, in this process alone (no process group needed)."""
+    path = Path(path)
+    header, metadata = _read_header(path)
+    paths = []
+    optree.tree_map(paths.append, header["tree"], is_leaf=lambda x: isinstance(x, str))
+    want = {}
+    for p in paths:
+        shape, dtype = header["tensors"][key_of(p)]
+        want[key_of(p)] = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")))
+    _check(path, metadata, want)
+    with _quiet():
+        dcp.load(want, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    return _unskeleton(header["tree"], {p: want[key_of(p)] for p in paths})
+
+
+# -- exact resume helpers ----------------------------------------------------------------------
+def rng_state() -> dict:
+    """Python, numpy, torch CPU (and accelerator) RNG states, for ``extra``."""
+    out = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.accelerator.is_available():
+        out["accelerator"] = torch.get_device_module(torch.accelerator.current_accelerator()).get_rng_state()
+    return out
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "accelerator" in state and torch.accelerator.is_available():
+        torch.get_device_module(torch.accelerator.current_accelerator()).set_rng_state(state["accelerator"])
