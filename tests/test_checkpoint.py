@@ -1,0 +1,300 @@
+"""hpf.checkpoint: DCP format, resharding restore, exact resume, bad checkpoints, torch's tools.
+
+References are independent of the code under test: the full params (step.full_params or the
+init tensors), plain torch (dcp_to_torch_save, an FSDP2 module), and uninterrupted runs."""
+import os
+import random
+import types
+
+import numpy as np
+import optree
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+import hpf
+from hpf import P
+from hpf import checkpoint as ck
+from hpf.launch import launch
+from hpf.models import gpt
+from hpf.step import TrainState
+
+CFG = gpt.CONFIGS["tiny"]
+BATCH = 12  # global; splits over 4, 3, 2 and 1 ranks
+
+
+def local_batch(step_i, rank, world):
+    n = BATCH // world
+    return gpt.global_batch(CFG, BATCH, 0, step_i)[rank * n:(rank + 1) * n]
+
+
+def make_step(axes, optimizer=None, **kw):
+    return hpf.shard_step(gpt.loss_for(CFG), mesh=hpf.Mesh(axes), optimizer=optimizer or hpf.optim.adamw(lr=1e-2),
+                          **kw)
+
+
+def leaves_equal(a, b):
+    la, lb = optree.tree_leaves(a), optree.tree_leaves(b)
+    return len(la) == len(lb) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(la, lb))
+
+
+# -- the layout: boxes and chunks ------------------------------------------------------------
+def test_boxes_tile_any_flat_interval():
+    rng = random.Random(0)
+    for _ in range(500):
+        shape = tuple(rng.randint(1, 5) for _ in range(rng.randint(0, 4)))
+        n = int(np.prod(shape, dtype=np.int64))
+        a = rng.randint(0, n)
+        b = rng.randint(a, n)
+        x = torch.arange(n).view(shape)
+        got = []
+        for f, off, size in ck.boxes(shape, a, b):
+            block = x[tuple(slice(o, o + s) for o, s in zip(off, size))].reshape(-1)
+            assert block.tolist() == list(range(f, f + block.numel()))  # contiguous, starts at f
+            got += block.tolist()
+        assert got == list(range(a, b))
+        assert len(ck.boxes(shape, a, b)) <= max(1, 2 * len(shape) - 1)
+
+
+@pytest.mark.parametrize("axes,kw", [
+    ({"dp": 2, "tp": 2}, dict(fsdp_axes=("dp",), param_specs=hpf.rules([(r"blocks/\d+/w_up", P("dp", "tp")),
+                                                                          (r"head", P("tp")), (r".*", P("dp"))]))),
+    ({"node": 2, "local": 3}, dict(hsdp=True)),
+])
+def test_chunks_of_every_rank_tile_the_full_params(axes, kw):
+    """The chunks all ranks of a virtual mesh would write rebuild each full param exactly, once
+    after dedup (non-FSDP block offsets, padding, HSDP replicas)."""
+    full = gpt.init(gpt.GPTConfig(67, 16, 24, 3, 4, 38))  # dims the tp axis divides
+    mesh = hpf.Mesh(axes)
+    fsdp = kw.get("fsdp_axes")
+    plan = hpf.plan(full, mesh, kw.get("param_specs"), fsdp,
+                    default_shard_axes=["local"] if kw.get("hsdp") else None)
+    paths, leaves, _ = hpf.tree.flatten(full)
+    rebuilt = {ck.key_of(p): torch.full_like(x, float("nan")) for p, x in zip(paths, leaves)}
+    seen = {}
+    opt = hpf.optim.adamw()
+    for r in range(mesh.size):
+        shards = plan.shards(full, r)
+        fake = types.SimpleNamespace(plan=plan, rank=r, _opt=opt)
+        sd = ck._state_dict(fake, TrainState(shards, opt.init(shards)))
+        for key, obj in sd.items():
+            if key not in rebuilt:
+                continue
+            for off, view in obj.views.items():
+                region = tuple(slice(o, o + s) for o, s in zip(off, view.shape))
+                if (key, off) in seen:  # a replica: same box, same data
+                    assert seen[(key, off)] == tuple(view.shape) and torch.equal(rebuilt[key][region], view)
+                seen[(key, off)] = tuple(view.shape)
+                rebuilt[key][region] = view
+        assert sd["optimizer.count"].dim() == 0 and "optimizer.state.head.exp_avg_sq" in sd
+    for p, x in zip(paths, leaves):
+        assert torch.equal(rebuilt[ck.key_of(p)], x), p
+
+
+# -- one process -----------------------------------------------------------------------------
+def test_one_process_round_trip_torch_tools_and_async(tmp_path):
+    step = make_step({"dp": 1})
+    state = step.init(gpt.init(CFG))
+    for i in range(3):
+        state, _ = step(state, local_batch(i, 0, 1))
+    step.save(state, tmp_path / "step_3", extra={"step": 3, "rng": ck.rng_state()})
+    full = step.full_params(state)
+    assert leaves_equal(ck.load_params(tmp_path / "step_3"), full)
+    dcp_to_torch_save(tmp_path / "step_3", tmp_path / "t.pt")
+    saved = torch.load(tmp_path / "t.pt", weights_only=False)
+    paths, leaves, _ = hpf.tree.flatten(full)
+    assert all(torch.equal(saved[p.replace("/", ".")], x) for p, x in zip(paths, leaves))
+    assert int(saved["optimizer.count"]) == 3 and saved["extra"]["step"] == 3
+    assert "optimizer.state.blocks.1.w_qkv.exp_avg" in saved
+
+    # async: the state keeps changing in place while the save runs; the checkpoint holds step 3
+    handle = step.save(state, tmp_path / "async_3", async_save=True)
+    reference = []
+    for i in range(3, 6):
+        state, m = step(state, local_batch(i, 0, 1))
+        reference.append(m["loss"])
+    assert handle.wait() == tmp_path / "async_3"
+    assert leaves_equal(ck.load_params(tmp_path / "async_3"), full)
+
+    # exact resume in a fresh step built from meta params
+    again = make_step({"dp": 1})
+    again.init(gpt.init(CFG, device="meta"))
+    restored, extra = again.restore(tmp_path / "async_3")
+    assert extra is None
+    losses = []
+    for i in range(3, 6):
+        restored, m = again(restored, local_batch(i, 0, 1))
+        losses.append(m["loss"])
+    assert losses == reference  # bitwise
+
+
+def test_rng_helpers_round_trip():
+    saved = ck.rng_state()
+    a = (random.random(), np.random.rand(), torch.rand(2))
+    ck.set_rng_state(saved)
+    b = (random.random(), np.random.rand(), torch.rand(2))
+    assert a[:2] == b[:2] and torch.equal(a[2], b[2])
+
+
+def test_keep_last_and_an_interrupted_save(tmp_path):
+    step = make_step({"dp": 1})
+    state = step.init(gpt.init(CFG))
+    for i in range(1, 5):
+        step.save(state, tmp_path / f"step_{i}", keep_last=2)
+    assert sorted(os.listdir(tmp_path)) == ["step_3", "step_4"]
+    # a save killed half-way leaves a .tmp directory: it is never picked, and it is named in errors
+    (tmp_path / "step_5.tmp").mkdir()
+    (tmp_path / "step_5.tmp" / "__0_0.distcp").write_bytes(b"partial")
+    assert ck.latest(tmp_path) == tmp_path / "step_4"
+    with pytest.raises(ck.CheckpointError, match="incomplete save"):
+        step.restore(tmp_path / "step_5.tmp")
+    step.save(state, tmp_path / "step_5", keep_last=2)  # the stale .tmp is replaced
+    assert sorted(os.listdir(tmp_path)) == ["step_4", "step_5"]
+    # saving to an existing name replaces it only once the new one is complete
+    state.params[0].add_(1.0)
+    step.save(state, tmp_path / "step_5")
+    assert leaves_equal(ck.load_params(tmp_path / "step_5"), step.full_params(state))
+
+
+def test_bad_checkpoints_raise_checkpoint_error_naming_path_and_key(tmp_path):
+    step = make_step({"dp": 1})
+    state = step.init(gpt.init(CFG))
+    good = tmp_path / "good"
+    step.save(state, good)
+
+    def copy(name):
+        import shutil
+        shutil.copytree(good, tmp_path / name)
+        return tmp_path / name
+
+    def expect(path, *needles, into=step):
+        with pytest.raises(ck.CheckpointError) as e:
+            into.restore(path)
+        for n in (str(path),) + needles:
+            assert n in str(e.value), (n, str(e.value))
+        return str(e.value)
+
+    cases = {}
+    cases["missing dir"] = expect(tmp_path / "nope", "no such checkpoint")
+    (tmp_path / "plain").mkdir()
+    cases["not a checkpoint"] = expect(tmp_path / "plain", "not an hpf checkpoint")
+    t = copy("truncated")
+    data = sorted(t.glob("*.distcp"))[-1]
+    data.write_bytes(data.read_bytes()[:100])
+    cases["truncated data"] = expect(t, "truncated", data.name)
+    c = copy("corrupt")
+    (c / ".metadata").write_bytes(b"garbage")
+    cases["corrupt metadata"] = expect(c, "corrupt")
+    m = copy("missing_file")
+    os.remove(sorted(m.glob("*.distcp"))[0])
+    cases["missing file"] = expect(m, "missing")
+
+    other = hpf.shard_step(gpt.loss_for(gpt.CONFIGS["small"]), mesh=hpf.Mesh({"dp": 1}),
+                           optimizer=hpf.optim.adamw())
+    other.init(gpt.init(gpt.CONFIGS["small"], device="meta"))
+    cases["another model"] = expect(good, "'blocks.0.norm1'", "shape", into=other)
+    deeper = hpf.shard_step(gpt.loss_for(CFG), mesh=hpf.Mesh({"dp": 1}), optimizer=hpf.optim.adamw())
+    deeper.init(gpt.init(gpt.GPTConfig(67, 16, 25, 4, 5, 38), device="meta"))
+    cases["missing key"] = expect(good, "'blocks.3.norm1'", "missing", into=deeper)
+    f64 = make_step({"dp": 1})
+    f64.init(gpt.init(CFG, dtype=torch.float64, device="meta"))
+    cases["another dtype"] = expect(good, "torch.float32", "torch.float64", into=f64)
+    mu = make_step({"dp": 1}, optimizer=hpf.optim.muon())
+    mu.init(gpt.init(CFG, device="meta"))
+    cases["another optimizer"] = expect(good, "AdamW", "DistMuon", into=mu)
+    for name, message in cases.items():
+        print(f"{name}: {message}")
+
+
+# -- several processes ------------------------------------------------------------------------
+def _run(step, state, start, stop, rank, world):
+    losses = []
+    for i in range(start, stop):
+        state, m = step(state, local_batch(i, rank, world))
+        losses.append(m["loss"])
+    return state, losses
+
+
+def _first_run(rank, root):
+    """2x2: 12 steps, an async save at step 6 overlapping steps 7..; then a same-mesh resume."""
+    step = make_step({"node": 2, "local": 2})
+    state = step.init(gpt.init(CFG))
+    state, head = _run(step, state, 0, 6, rank, 4)
+    full6 = step.full_params(state)
+    step.save(state, f"{root}/step_6", extra={"step": 6}, async_save=True)
+    state, tail = _run(step, state, 6, 12, rank, 4)
+    step.wait_save()
+    again = make_step({"node": 2, "local": 2})
+    again.init(gpt.init(CFG, device="meta"))
+    restored, extra = again.restore(f"{root}/step_6")
+    _, resumed = _run(again, restored, extra["step"], 12, rank, 4)
+    return tail, resumed, full6
+
+
+def _resume_dp3(rank, root):
+    step = make_step({"dp": 3})
+    step.init(gpt.init(CFG, device="meta"))
+    state, extra = step.restore(f"{root}/step_6")
+    return _run(step, state, extra["step"], 12, rank, 3)[1]
+
+
+@pytest.mark.slow
+def test_resume_is_exact_on_the_same_mesh_and_close_on_others(tmp_path):
+    tail, resumed, full6 = launch(_first_run, 4, str(tmp_path), timeout=300)[0]
+    assert resumed == tail  # bitwise, same mesh
+    assert leaves_equal(ck.load_params(tmp_path / "step_6"), full6)
+    on3 = launch(_resume_dp3, 3, str(tmp_path), timeout=300)[0]
+    torch.testing.assert_close(torch.tensor(on3), torch.tensor(tail), rtol=1e-5, atol=0)
+    assert not dist.is_initialized()
+    one = make_step({"dp": 1})
+    one.init(gpt.init(CFG, device="meta"))
+    state, extra = one.restore(tmp_path / "step_6")
+    on1 = _run(one, state, extra["step"], 12, 0, 1)[1]
+    torch.testing.assert_close(torch.tensor(on1), torch.tensor(tail), rtol=1e-5, atol=0)
+
+
+class _Module(torch.nn.Module):
+    """An nn.Module whose state-dict names are hpf's dotted paths."""
+
+    def __init__(self, tree):
+        super().__init__()
+        items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+        for k, v in items:
+            if isinstance(v, torch.Tensor):
+                self.register_parameter(str(k), torch.nn.Parameter(torch.zeros_like(v)))
+            else:
+                self.add_module(str(k), _Module(v))
+
+
+def _muon_then_fsdp2(rank, root):
+    """Muon on dp=2: save at step 2, run to 4; then FSDP2 loads the params with dcp.load."""
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    step = make_step({"dp": 2}, optimizer=hpf.optim.muon(lr=0.02))
+    state = step.init(gpt.init(CFG))
+    state, _ = _run(step, state, 0, 2, rank, 2)
+    step.save(state, f"{root}/step_2", extra={"step": 2})
+    full = step.full_params(state)
+    _, tail = _run(step, state, 2, 4, rank, 2)
+    model = fully_shard(_Module(gpt.init(CFG)), mesh=init_device_mesh("cpu", (2,)))
+    sd = model.state_dict()
+    dcp_load(sd, checkpoint_id=f"{root}/step_2")
+    paths, leaves, _ = hpf.tree.flatten(full)
+    loaded = {k: v.full_tensor() for k, v in sd.items()}
+    ok = sorted(loaded) == sorted(p.replace("/", ".") for p in paths) and all(
+        torch.equal(loaded[p.replace("/", ".")], x) for p, x in zip(paths, leaves))
+    return ok, tail
+
+
+@pytest.mark.slow
+def test_muon_state_reshards_and_fsdp2_loads_the_params(tmp_path):
+    ok, tail = launch(_muon_then_fsdp2, 2, str(tmp_path), timeout=300)[0]
+    assert ok
+    one = make_step({"dp": 1}, optimizer=hpf.optim.muon(lr=0.02))
+    one.init(gpt.init(CFG, device="meta"))
+    state, extra = one.restore(tmp_path / "step_2")
+    on1 = _run(one, state, extra["step"], 4, 0, 1)[1]
+    torch.testing.assert_close(torch.tensor(on1), torch.tensor(tail), rtol=1e-5, atol=0)
