@@ -298,3 +298,22 @@ def test_muon_state_reshards_and_fsdp2_loads_the_params(tmp_path):
     state, extra = one.restore(tmp_path / "step_2")
     on1 = _run(one, state, extra["step"], 4, 0, 1)[1]
     torch.testing.assert_close(torch.tensor(on1), torch.tensor(tail), rtol=1e-5, atol=0)
+
+
+@pytest.mark.slow
+def test_cli_resumes_from_the_last_complete_checkpoint_after_a_killed_save(tmp_path):
+    from hpf import cli
+
+    common = ["train", "--mesh", "dp=2", "--batch-size", "8", "--seed", "3"]
+    assert cli.main([*common, "--steps", "6", "--out", str(tmp_path / "whole")]) == 0
+    run = tmp_path / "run"
+    assert cli.main([*common, "--steps", "4", "--save-every", "2", "--keep-last", "1", "--out", str(run)]) == 0
+    assert sorted(os.listdir(run / "checkpoints")) == ["step_000004"]
+    # the run died while saving step 6: a partial .tmp directory with a metadata file but no hpf.json
+    partial = run / "checkpoints" / "step_000006.tmp"
+    partial.mkdir()
+    (partial / ".metadata").write_bytes(b"half")
+    assert cli.main([*common, "--steps", "6", "--out", str(run), "--resume"]) == 0
+    whole, resumed = cli.read_metrics(tmp_path / "whole" / "metrics.jsonl"), cli.read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == list(range(1, 7))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in whole]  # bitwise, same mesh
