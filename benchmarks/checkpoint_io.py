@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import hpf
-from hpf.launch import launch
+from hpf.launcher import launch
 from hpf.models import gpt
 
 from common import print_table, report_ratio

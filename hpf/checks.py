@@ -101,7 +101,9 @@ def check_same_on_all_ranks(plan, full_params: Any, device: torch.device) -> Non
     bitwise, position-weighted hash per parameter."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    mine = [(p, s.global_shape, str(s.dtype)) for p, s in plan.slots.items()]
+    paths, leaves, _ = tree_util.flatten(full_params)
+    meta = any(x.is_meta for x in leaves)  # shapes only (before step.restore): no values to compare
+    mine = [(p, s.global_shape, str(s.dtype)) for p, s in plan.slots.items()] + [("meta params", meta)]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     for r, theirs in enumerate(everyone):
@@ -110,7 +112,8 @@ def check_same_on_all_ranks(plan, full_params: Any, device: torch.device) -> Non
             raise ParamsMismatchError(
                 f"rank {r} has different params than rank {dist.get_rank()}: {diff[1]} vs {diff[0]} (path, shape, "
                 "dtype). Every rank must call step.init with the same full params tree")
-    paths, leaves, _ = tree_util.flatten(full_params)
+    if meta:
+        return
     hashes = torch.stack([_bit_hash(x) for x in leaves]).to(device)
     both = torch.cat([hashes, ~hashes])  # max(~h) = ~min(h): one MAX all-reduce gives min and max
     dist.all_reduce(both, op=dist.ReduceOp.MAX)

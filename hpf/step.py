@@ -12,6 +12,7 @@ import math
 import time
 from typing import Any, Callable
 
+import optree
 import torch
 import torch.distributed as dist
 
@@ -74,6 +75,8 @@ class ShardStep:
         self.plan: Plan | None = None
         self.engine: UnitEngine | None = None
         self._live: list | None = None  # the params list of the state this step last returned
+        self._unloaded = False  # init had meta params and no restore has filled them yet
+        self._pending_save = None  # an async save in flight (hpf.checkpoint.AsyncSave)
 
     # -- set-up, once ---------------------------------------------------------------------------
     def init(self, full_params: Any) -> TrainState:
@@ -88,7 +91,9 @@ class ShardStep:
                                 "first under torchrun")
             init_distributed()
         self.mesh.check_world()
-        full_params = checks.clean_params(full_params)
+        full_params = checks.clean_params(full_params, allow_meta=True)
+        # Meta params give zero shards that must be filled by step.restore before any use.
+        self._unloaded = any(x.is_meta for x in optree.tree_leaves(full_params))
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.device = default_device()
         self.plan = step_plan(full_params, self.mesh, self.param_specs, self.fsdp_axes, topology=self.topology,
@@ -234,6 +239,9 @@ class ShardStep:
         return state
 
     def _check_live(self, state: Any, op: str) -> None:
+        if self._unloaded:
+            raise RuntimeError(f"{op}: step.init was given meta params (shapes only), so the state holds no values "
+                               "yet; call state, extra = step.restore(path) first")
         live, params = self._live, getattr(state, "params", None)
         if live is None or params is live or not isinstance(params, (list, tuple)):
             return
@@ -314,13 +322,14 @@ class ShardStep:
         """Collective: write a DCP checkpoint of ``state`` to ``path`` (see hpf.checkpoint.save)."""
         from . import checkpoint
 
+        self._check_live(state, "step.save(state, path)")
         self.wait_save()
         self._pending_save = checkpoint.save(self, state, path, extra, keep_last=keep_last, async_save=async_save)
         return self._pending_save
 
     def wait_save(self):
         """Block until an async save is published; re-raises its error. Returns its path or None."""
-        pending, self._pending_save = getattr(self, "_pending_save", None), None
+        pending, self._pending_save = self._pending_save, None
         return pending.wait() if pending is not None else None
 
     def restore(self, path, state: TrainState | None = None) -> tuple[TrainState, Any]:
@@ -328,7 +337,9 @@ class ShardStep:
         from . import checkpoint
 
         self.wait_save()
-        return checkpoint.restore(self, path, state)
+        state, extra = checkpoint.restore(self, path, state)
+        self._unloaded, self._live = False, state.params
+        return state, extra
 
     def full_params(self, state: TrainState, rank: int | None = None) -> Any:
         """The gathered full params, as a plain pytree of fresh tensors.
