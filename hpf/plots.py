@@ -23,7 +23,11 @@ def loss_figure(records: list[dict], title: str = "training loss"):
 
     fig = Figure(figsize=(6, 3.5), layout="constrained")
     ax = fig.subplots()
-    ax.plot([r["step"] for r in records], [r["loss"] for r in records])
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="train")
+    evals = [(r["step"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None]
+    if evals:  # hpf train --eval-every: the held-out loss on the same axes
+        ax.plot(*zip(*evals), marker="o", label="held-out")
+        ax.legend()
     ax.set(xlabel="step", ylabel="loss (global mean)", title=title)
     ax.grid(alpha=0.3)
     return fig

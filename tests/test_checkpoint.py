@@ -305,7 +305,7 @@ def test_muon_state_reshards_and_fsdp2_loads_the_params(tmp_path):
 
 
 @pytest.mark.slow
-def _disabled_test_cli_resumes_from_the_last_complete_checkpoint_after_a_killed_save(tmp_path):
+def test_cli_resumes_from_the_last_complete_checkpoint_after_a_killed_save(tmp_path):
     from hpf import cli
 
     common = ["train", "--mesh", "dp=2", "--batch-size", "8", "--seed", "3"]

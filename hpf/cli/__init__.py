@@ -1,4 +1,4 @@
-"""The ``hpf`` command: ``hpf train`` (the main job), ``hpf plan``, ``hpf bench`` and ``hpf simulate``.
+"""The ``hpf`` command: ``hpf train`` (the main job), ``hpf prepare``, ``hpf plan``, ``hpf bench`` and ``hpf simulate``.
 
 One module per subcommand; each has ``add_parser`` and its ``cmd_*``. Errors are one line."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 import sys
 
 from hpf.checks import NonFiniteError
-from hpf.cli import bench, plan, simulate, train
+from hpf.cli import bench, plan, prepare, simulate, train
 from hpf.cli.bench import parse_ratio_line
 from hpf.cli.common import CliError, Parser, job_parsers, parse_mesh
 from hpf.cli.train import TRAIN_DEFAULTS, read_metrics
@@ -20,8 +20,9 @@ __all__ = ["main", "parse_mesh", "read_metrics", "save_plots", "parse_ratio_line
 def build_parser() -> Parser:
     job, optimizer = job_parsers()
     parser = Parser(prog="hpf", description="hpf: fully sharded training of pure-function models on PyTorch.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,plan,bench,simulate}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,prepare,plan,bench,simulate}")
     train.add_parser(sub, job, optimizer)
+    prepare.add_parser(sub)
     plan.add_parser(sub, job, optimizer)
     bench.add_parser(sub)
     simulate.add_parser(sub, job)

@@ -4,6 +4,7 @@ Every argument is checked in the driver process before any rank starts, so a mis
 one line on stderr, not a traceback from four processes."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
@@ -23,8 +24,10 @@ from hpf.cli.common import CliError, mesh_of, mesh_text, positive, topology_of
 from hpf.cli.plan import plan_of, report_of
 from hpf.device import default_device
 from hpf.launcher import init_distributed, is_launched, launch, rank, world_size
+from hpf import checkpoint
+from hpf import data as token_data
 from hpf.models import gpt, model_config
-from hpf.optim.schedules import constant
+from hpf.optim.schedules import NAMES as SCHEDULES, Schedule
 from hpf.plots import breakdown, save_plots
 from hpf.progress import Progress
 from hpf.report import PlanReport
@@ -35,6 +38,7 @@ from hpf.report import PlanReport
 TRAIN_DEFAULTS = {"tiny": (1e-2, 0.02, 0), "small": (3e-3, 0.02, 20), "medium": (6e-4, 0.02, 100),
                   "1b": (3e-4, 0.02, 200)}
 STEP_METRICS = ("loss", "grad_norm", "step_s", "comm_wait_s", "optimizer_s")  # from shard_step's metrics
+EVAL_BATCHES = 4  # held-out batches (of --batch-size sequences) per evaluation, the same ones each time
 
 
 @dataclass(frozen=True)
@@ -56,59 +60,119 @@ class TrainJob:
     metrics_path: str
     warmup: int = 0
     model: str = "gpt"
+    schedule: str = "constant"
+    data: str | None = None  # a folder `hpf prepare` wrote; None: the synthetic Markov source
+    vocab_size: int | None = None  # the data's (meta.json)
+    eval_every: int = 0
+    save_every: int = 0
+    keep_last: int = 3
+    resume: str | None = None  # a checkpoint folder, resolved by the driver
+
+    def model_config(self):
+        return model_config(self.model, self.config, self.vocab_size)
+
+    def eval_due(self, i: int) -> bool:
+        """--eval-every N: after every N-th step and after the last one."""
+        return bool(self.eval_every) and (i % self.eval_every == 0 or i == self.steps)
+
+    def save_due(self, i: int) -> bool:
+        return bool(self.save_every) and i % self.save_every == 0
+
+    @property
+    def checkpoints(self) -> Path:
+        return Path(self.metrics_path).parent / "checkpoints"
 
 
-def _make_optimizer(name: str, lr: float, adamw_lr: float, warmup: int):
-    """--optimizer at --lr, ramped linearly over ``warmup`` steps, then held (hpf.optim.schedules)."""
-    if name == "muon":  # AdamW at the config's AdamW lr for embeddings, head and vectors
-        return hpf.optim.muon(lr=constant(lr, warmup), adamw_lr=constant(adamw_lr, warmup))
-    return hpf.optim.adamw(lr=constant(lr, warmup))
+def _make_optimizer(job: TrainJob):
+    """--optimizer at --lr along --schedule after --warmup (hpf.optim.schedules). AdamW decays
+    matrices only (hpf.optim.default_weight_decay_mask: not norms, biases or embeddings)."""
+    def lr(peak: float) -> Schedule:
+        return Schedule(job.schedule, peak, total_steps=job.steps, warmup=job.warmup)
+    if job.optimizer == "muon":  # AdamW at the config's AdamW lr for embeddings, head and vectors
+        return hpf.optim.muon(lr=lr(job.lr), adamw_lr=lr(TRAIN_DEFAULTS[job.config][0]))
+    return hpf.optim.adamw(lr=lr(job.lr), weight_decay_mask=hpf.optim.default_weight_decay_mask)
 
 
 def _make_step(job: TrainJob, mesh: hpf.Mesh):
-    module, config = model_config(job.model, job.config)
-    return hpf.shard_step(module.loss_for(config), mesh=mesh,
-                          optimizer=_make_optimizer(job.optimizer, job.lr, TRAIN_DEFAULTS[job.config][0], job.warmup),
+    module, config = job.model_config()
+    return hpf.shard_step(module.loss_for(config), mesh=mesh, optimizer=_make_optimizer(job),
                           fsdp_axes=job.fsdp_axes, mode=job.mode, mixed_precision=job.mixed_precision,
                           hsdp=job.hsdp, topology=topology_of(job.topology))
 
 
+def _batches(job: TrainJob, config, split: str, rank: int, world: int, start: int):
+    """This rank's rows of the global batches from step ``start`` (0-based) on: a pure function
+    of (seed, position), so a resumed run reads exactly what an uninterrupted one would."""
+    where = dict(rank=rank, world_size=world, device=default_device())
+    if job.data:
+        return token_data.TokenData(job.data, split).batches(job.batch_size, config.seq_len, job.seed,
+                                                            state={"seed": job.seed, "step": start}, **where)
+    return gpt.synthetic_batches(config, job.batch_size, job.seed, start=start, **where)
+
+
 def _train_rank(rank: int, job: TrainJob) -> None:
     """One rank of ``hpf train``; rank 0 also shows progress and writes the metrics."""
-    module, config = model_config(job.model, job.config)
+    module, config = job.model_config()
     mesh = hpf.Mesh(job.axes)
     progress = Progress(job.steps, label="train") if rank == 0 else None
     if progress:  # a big config's first step can take minutes: say it has begun, and that it runs
         progress.start(f"step 1 of {job.steps}: init, first gathers and warm-up")
     step = _make_step(job, mesh)
-    state = step.init(module.init(config, torch.Generator().manual_seed(job.seed)))
-    batches = gpt.synthetic_batches(config, job.batch_size, job.seed, rank=rank, world_size=mesh.size,
-                                    device=default_device())
+    done = 0
+    if job.resume:  # meta params: shapes only; the checkpoint fills the shards
+        step.init(module.init(config, device="meta"))
+        state, extra = step.restore(job.resume)
+        if not (isinstance(extra, dict) and {"step", "rng"} <= extra.keys()):
+            raise ValueError(f"--resume {job.resume}: this checkpoint was not written by hpf train (its extra is "
+                             f"{type(extra).__name__}, not a dict with 'step' and 'rng'); load its params with "
+                             "hpf.checkpoint.load_params instead")
+        done = int(extra["step"])
+        checkpoint.set_rng_state(extra["rng"])
+    else:
+        state = step.init(module.init(config, torch.Generator().manual_seed(job.seed)))
+    batches = _batches(job, config, "train", rank, mesh.size, start=done)
+    evaluate = None
+    if job.eval_every:  # the same held-out batches at every evaluation
+        held_out = _batches(job, config, "val", rank, mesh.size, start=0)
+        evaluate = token_data.HeldOut(module.loss_for(config), [next(held_out) for _ in range(EVAL_BATCHES)])
     tokens_per_step = job.batch_size * config.seq_len
-    if rank != 0:
-        for _ in range(job.steps):
-            state, _ = step(state, next(batches))
-        return
+    kept = []  # a resumed run keeps the metrics of the steps it does not redo
+    if rank == 0 and job.resume and os.path.exists(job.metrics_path):
+        kept = [r for r in read_metrics(job.metrics_path) if r["step"] <= done]
     try:
-        with open(job.metrics_path, "w") as out:
-            for i in range(1, job.steps + 1):
+        with open(job.metrics_path, "w") if rank == 0 else contextlib.nullcontext() as out:
+            for r in kept:
+                out.write(json.dumps(r) + "\n")
+            for i in range(done + 1, job.steps + 1):
                 state, m = step(state, next(batches))
                 record = {"step": i, **{k: m[k] for k in STEP_METRICS}, "tokens_per_s": tokens_per_step / m["step_s"]}
+                if evaluate and job.eval_due(i):
+                    record["eval_loss"] = evaluate(step, state)
+                if job.save_due(i):  # async: the write overlaps the next steps
+                    step.save(state, job.checkpoints / f"step_{i:06d}", extra={"step": i, "rng": checkpoint.rng_state()},
+                              keep_last=job.keep_last, async_save=True)
+                if out is None:
+                    continue
                 out.write(json.dumps(finite_or_none(record), allow_nan=False) + "\n")  # NaN -> null: valid JSON
                 out.flush()  # a crashed or interrupted run keeps its metrics so far
-                progress.update(i, {"loss": f"{m['loss']:.4f}", "tokens/s": f"{record['tokens_per_s'] / 1e3:.1f}k",
+                shown = {"loss": f"{m['loss']:.4f}"}
+                if "eval_loss" in record:
+                    shown["eval"] = f"{record['eval_loss']:.4f}"
+                progress.update(i, {**shown, "tokens/s": f"{record['tokens_per_s'] / 1e3:.1f}k",
                                     "comm wait": f"{m['comm_wait_s'] / m['step_s']:.0%}"})
+        step.wait_save()
     finally:
-        progress.close()
+        if progress:
+            progress.close()
 
 
 def _banner(job: TrainJob, n_units: int) -> str:
     """The first line of a run, the same under hpf.launch and torchrun."""
-    module, config = model_config(job.model, job.config)
-    warmup = f" after {job.warmup} warmup steps" if job.warmup else ""
+    module, config = job.model_config()
+    warmup = f", {job.warmup} warmup steps" if job.warmup else ""
     return (f"hpf train: {job.model} {job.config!r} ({module.num_params(config) / 1e6:.2f}M params, {n_units} FSDP units) "
             f"on {math.prod(job.axes.values())} ranks, mesh {mesh_text(job.axes)}, "
-            f"{job.topology}{' HSDP' if job.hsdp else ''}, {job.optimizer} lr {job.lr:g}{warmup}, "
+            f"{job.topology}{' HSDP' if job.hsdp else ''}, {job.optimizer} lr {job.lr:g} ({job.schedule}{warmup}), "
             f"{job.mixed_precision or 'fp32'} compute, {job.mode} mode")
 
 
@@ -137,7 +201,7 @@ def _check_memory(job: TrainJob, report: PlanReport, local_ranks: int) -> None:
     On the CPU the local ranks share the host's memory. Under torchrun with an accelerator each
     rank checks its own device (the driver of hpf.launch must not touch the device before the
     fork, so there only the host is checked)."""
-    module, config = model_config(job.model, job.config)
+    module, config = job.model_config()
     parts = {"params": report.params_bytes, "grads": report.grad_bytes, "optimizer": report.optimizer_bytes,
              "gathered": report.peak_gathered_bytes,
              "activations ~": _activation_bytes(config, job.batch_size // report.world_size * config.seq_len,
@@ -160,12 +224,13 @@ def _check_memory(job: TrainJob, report: PlanReport, local_ranks: int) -> None:
         "is the tool for sizing it on a bigger mesh (or lower --batch-size or the ranks)")
 
 
-def _prepare_out(out: Path) -> None:
+def _prepare_out(out: Path, resume: bool) -> None:
     """Create the run folder, or say in one line why it cannot be."""
     if out.exists() and not out.is_dir():
         raise CliError(f"--out {out} is a file, not a folder; pick a folder for the run")
-    if (out / "metrics.jsonl").exists():
-        raise CliError(f"--out {out} already holds a run (metrics.jsonl); pick another folder")
+    if (out / "metrics.jsonl").exists() and not resume:
+        raise CliError(f"--out {out} already holds a run (metrics.jsonl); pick another folder, or pass --resume "
+                       "to go on from its newest checkpoint")
     try:
         out.mkdir(parents=True, exist_ok=True)
         (out / ".write-test").touch()
@@ -178,7 +243,8 @@ def cmd_train(args) -> int:
     """Fork the ranks here with hpf.launch, or, under torchrun, be one of them."""
     torchrun = is_launched()
     mesh = mesh_of(args)
-    _, config = model_config(args.model, args.config)
+    vocab_size = _check_data_options(args)
+    _, config = model_config(args.model, args.config, vocab_size)
     if torchrun and mesh.size != world_size():
         raise CliError(f"--mesh has {mesh.size} ranks but torchrun started {world_size()}; make them agree")
     if args.batch_size % mesh.size:
@@ -197,22 +263,29 @@ def cmd_train(args) -> int:
     out = args.out or Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     lead = rank() == 0  # rank 0 under torchrun; the driver otherwise
     adamw_lr, muon_lr, warmup = TRAIN_DEFAULTS[args.config]
+    warmup = warmup if args.warmup is None else args.warmup
+    if args.schedule != "constant" and warmup >= args.steps:
+        raise CliError(f"--warmup {warmup} must be below --steps {args.steps} for the {args.schedule} schedule")
     job = TrainJob(args.config, dict(zip(mesh.axis_names, mesh.shape)), args.fsdp_axes, args.optimizer,
                    args.lr or (muon_lr if args.optimizer == "muon" else adamw_lr), args.steps, args.batch_size,
                    args.mode, args.seed, args.mixed_precision, args.topology, args.hsdp,
-                   str(out / "metrics.jsonl"), warmup if args.warmup is None else args.warmup, args.model)
+                   str(out / "metrics.jsonl"), warmup, args.model, args.schedule,
+                   str(args.data) if args.data else None, vocab_size, args.eval_every or 0, args.save_every or 0,
+                   args.keep_last, _resume_path(args, out))
     _make_step(job, mesh)  # checks optimizer, mode and precision here, before any rank starts
     plan = plan_of(args, mesh)  # checks the axes
     _check_memory(job, report_of(args, plan)[0],
                   int(os.environ.get("LOCAL_WORLD_SIZE", mesh.size)) if torchrun else mesh.size)
     if lead:
-        _prepare_out(out)
+        _prepare_out(out, resume=job.resume is not None)
         (out / "run.json").write_text(json.dumps(
             {**asdict(job), "plots": plots, "hpf": hpf.__version__, "torch": torch.__version__,
              "started": datetime.datetime.now().isoformat(timespec="seconds")}, indent=1) + "\n")
         print(_banner(job, len(plan.units)))
-        print(f"data: {args.batch_size} x {config.seq_len} tokens per step from a fixed random Markov "
-              f"source; run folder {out}", flush=True)
+        source = (f"{args.data} (vocab {vocab_size}{f', held-out loss every {args.eval_every} steps' if args.eval_every else ''})"
+                  if args.data else "a fixed random Markov source")
+        print(f"data: {args.batch_size} x {config.seq_len} tokens per step from {source}; run folder {out}"
+              + (f"; resuming from {job.resume}" if job.resume else ""), flush=True)
     started = time.perf_counter()
     if torchrun:
         init_distributed(timeout=args.timeout)
@@ -232,6 +305,34 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _check_data_options(args) -> int | None:
+    """The vocab of --data (None without it), after checking the data options together."""
+    if args.eval_every and not args.data:
+        raise CliError("--eval-every needs --data DIR (held-out text); the synthetic source has no split")
+    if not args.data:
+        return None
+    try:
+        return int(token_data.read_meta(args.data)["vocab_size"])
+    except (OSError, ValueError) as e:
+        raise CliError(f"--data: {e}") from None
+
+
+def _resume_path(args, out: Path) -> str | None:
+    """The checkpoint --resume names: a path, or the newest complete one under <out>/checkpoints."""
+    if args.resume is None:
+        return None
+    if args.resume != "latest":
+        if not Path(args.resume).is_dir():
+            raise CliError(f"--resume {args.resume}: no such checkpoint folder")
+        return args.resume
+    if args.out is None:
+        raise CliError("--resume with no PATH resumes the run in --out DIR; pass --out or a checkpoint PATH")
+    found = checkpoint.latest(out / "checkpoints")
+    if found is None:
+        raise CliError(f"--resume: no complete checkpoint in {out / 'checkpoints'}; start without --resume")
+    return str(found)
+
+
 def read_metrics(path: str | os.PathLike) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -246,12 +347,21 @@ def summary(records: list[dict], wall_s: float, files: list[Path]) -> str:
         f"done: {len(records)} steps in {wall_s:.1f} s",
         f"  loss        {records[0]['loss']:.4f} (step 1) -> {records[-1]['loss']:.4f} (step {len(records)}), "
         f"mean of last {len(tail)}: {statistics.fmean(r['loss'] for r in tail):.4f}",
+        *_eval_summary(records),
         f"  step time   {median['step_s'] * 1e3:.1f} ms median: compute {compute * 1e3:.1f}, "
         f"exposed comm {comm * 1e3:.1f}, optimizer {opt * 1e3:.1f} ms",
         f"  throughput  {median['tokens_per_s']:,.0f} tokens/s median; waiting on communication "
         f"{sum(r['comm_wait_s'] for r in records) / total_step:.0%} of step time",
         "  files       " + "\n              ".join(str(f) for f in files),
     ])
+
+
+def _eval_summary(records: list[dict]) -> list[str]:
+    evals = [(r["step"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None]
+    if not evals:
+        return []
+    return [f"  eval loss   {evals[0][1]:.4f} (step {evals[0][0]}) -> {evals[-1][1]:.4f} (step {evals[-1][0]}), "
+            f"held-out, {len(evals)} evaluations"]
 
 
 def add_parser(sub, job, optimizer) -> None:
@@ -270,6 +380,23 @@ def add_parser(sub, job, optimizer) -> None:
                             "picked so the first 10 steps fall steadily. Muon's AdamW part keeps the adamw default)")
     train.add_argument("--warmup", type=positive(int, least=0), metavar="STEPS",
                        help="steps of linear lr warmup from 0 (default: per config, see --lr)")
+    train.add_argument("--schedule", choices=SCHEDULES, default="constant",
+                       help="learning rate over the run, after --warmup: cosine or linear decay to 0 at --steps, "
+                            "or constant (default: constant)")
+    train.add_argument("--data", type=Path, metavar="DIR",
+                       help="train on a token folder from `hpf prepare` (its vocab sets the model's) instead of "
+                            "the synthetic Markov source")
+    train.add_argument("--eval-every", type=positive(int), metavar="N",
+                       help="with --data: held-out loss every N steps and at the end (eval_loss in the progress "
+                            "line, metrics.jsonl and the loss plot)")
+    train.add_argument("--save-every", type=positive(int), metavar="N",
+                       help="save a checkpoint every N steps into <out>/checkpoints (DCP format, async: the write "
+                            "overlaps the next steps)")
+    train.add_argument("--keep-last", type=positive(int), default=3, metavar="K",
+                       help="keep the newest K checkpoints (default: 3)")
+    train.add_argument("--resume", nargs="?", const="latest", metavar="PATH",
+                       help="go on from a checkpoint (default: the newest complete one in <out>/checkpoints), on "
+                            "any mesh; losses match the uninterrupted run")
     train.add_argument("--mode", choices=tuple(STEPS), default="production",
                        help="validate runs the same plan with layout checks on every op (default: production)")
     train.add_argument("--seed", type=positive(int, least=0), default=0,

@@ -4,6 +4,8 @@ Each model module provides ``CONFIGS``, ``init(config, generator, device=, dtype
 ``loss_for(config)`` and ``num_params(config)``; ``MODELS`` names them for the ``hpf`` command.
 Synthetic token batches (``gpt.synthetic_batches``) fit any config with ``vocab_size`` and
 ``seq_len``."""
+import dataclasses
+
 from hpf.models import gpt, llama
 
 __all__ = ["gpt", "llama", "MODELS", "model_config"]
@@ -11,11 +13,13 @@ __all__ = ["gpt", "llama", "MODELS", "model_config"]
 MODELS = {"gpt": gpt, "llama": llama}
 
 
-def model_config(model: str, config: str):
-    """(model module, config) for a model name and a config name, or a ValueError saying which exist."""
+def model_config(model: str, config: str, vocab_size: int | None = None):
+    """(model module, config) for a model name and a config name, or a ValueError saying which
+    exist. ``vocab_size`` replaces the config's (a token folder's vocab, ``hpf train --data``)."""
     if model not in MODELS:
         raise ValueError(f"model {model!r} is not one of {', '.join(MODELS)}")
     module = MODELS[model]
     if config not in module.CONFIGS:
         raise ValueError(f"config {config!r} is not a {model} config; pick one of {', '.join(module.CONFIGS)}")
-    return module, module.CONFIGS[config]
+    found = module.CONFIGS[config]
+    return module, (dataclasses.replace(found, vocab_size=vocab_size) if vocab_size else found)

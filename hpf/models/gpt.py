@@ -199,8 +199,9 @@ def global_batch(config: GPTConfig, batch_size: int, seed: int, step: int) -> to
 
 
 def synthetic_batches(config: GPTConfig, batch_size: int, seed: int, *, rank: int = 0,
-                      world_size: int = 1, device=None) -> Iterator[torch.Tensor]:
-    """Endless local batches: rank r gets rows [r*B/W, (r+1)*B/W) of each step's global batch.
+                      world_size: int = 1, device=None, start: int = 0) -> Iterator[torch.Tensor]:
+    """Endless local batches: rank r gets rows [r*B/W, (r+1)*B/W) of each step's global batch,
+    from the batch of step ``start`` on (0-based: a resumed run passes its step count).
 
     ``batch_size`` is the GLOBAL batch size, so the data seen by the whole job does not depend
     on ``world_size`` and a single-process reference can replay it with ``global_batch``.
@@ -213,7 +214,7 @@ def synthetic_batches(config: GPTConfig, batch_size: int, seed: int, *, rank: in
             f"use a multiple of {world_size}"
         )
     local = batch_size // world_size
-    step = 0
+    step = start
     while True:
         yield global_batch(config, batch_size, seed, step)[rank * local:(rank + 1) * local].to(device)
         step += 1

@@ -1,0 +1,74 @@
+"""`hpf prepare` and `hpf train --model llama --data --eval-every`: the CLI trains the model on
+the data it says, and its held-out loss is the loss of those params on the val split."""
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from hpf import data
+from hpf.cli.train import EVAL_BATCHES
+from hpf.models import llama
+from test_cli import run_main
+
+LINES = "".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(400))
+
+
+@pytest.fixture()
+def token_dir(tmp_path, capsys):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.py").write_text(LINES)
+    (tmp_path / "src" / "skip.txt").write_text("not python")
+    (tmp_path / "b.txt").write_text(LINES[::-1])
+    code, out, err = run_main(["prepare", str(tmp_path / "src"), str(tmp_path / "b.txt"), "--glob", "*.py",
+                               "--out", str(tmp_path / "tok"), "--val-fraction", "0.2"], capsys)
+    assert code == 0, err
+    assert "2 files" in out
+    return tmp_path / "tok"
+
+
+def test_prepare_takes_files_and_folders_by_glob(token_dir):
+    meta = data.read_meta(token_dir)
+    total = len(LINES) + 1 + len(LINES) + 1  # two documents, each + end-of-document
+    assert meta["tokens"]["train"] + meta["tokens"]["val"] == total
+    assert [p.rsplit("/", 1)[-1] for p in meta["sources"]] == ["a.py", "b.txt"]
+
+
+def test_train_llama_on_data_reports_held_out_loss(tmp_path, token_dir, capsys):
+    steps, batch, seed = 4, 8, 2
+    # lr 1e-30: the params stay the seeded init to fp32 precision, so both losses have a
+    # one-process reference computed here with plain torch.
+    code, out, err = run_main(["train", "--model", "llama", "--data", str(token_dir), "--world-size", "2",
+                               "--steps", str(steps), "--batch-size", str(batch), "--eval-every", "3",
+                               "--seed", str(seed), "--lr", "1e-30", "--schedule", "cosine", "--warmup", "1",
+                               "--out", str(tmp_path / "run"), "--plot"], capsys)
+    assert code == 0, err
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "eval_loss" in r] == [3, 4]  # every 3rd and the last
+    config = dataclasses.replace(llama.CONFIGS["tiny"], vocab_size=257)  # from meta.json, not the config's 67
+    params = llama.init(config, torch.Generator().manual_seed(seed))
+    loss_fn = llama.loss_for(config)
+    train0 = next(data.TokenData(token_dir, "train").batches(batch, config.seq_len, seed))
+    assert records[0]["loss"] == pytest.approx(loss_fn(params, train0).item(), rel=1e-5)
+    val = data.TokenData(token_dir, "val").batches(batch, config.seq_len, seed)
+    held_out = sum(loss_fn(params, next(val)).item() for _ in range(EVAL_BATCHES)) / EVAL_BATCHES
+    assert records[-1]["eval_loss"] == pytest.approx(held_out, rel=1e-5)
+    assert "eval" in out and "held-out" in out and "llama 'tiny'" in out
+    assert (tmp_path / "run" / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["vocab_size"] == 257
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["train", "--eval-every", "5"], "--data"),
+    (["train", "--data", "/no/such/dir"], "hpf prepare"),
+    (["train", "--model", "llama", "--config", "medium"], "llama"),
+    (["train", "--schedule", "cosine", "--warmup", "100", "--steps", "100"], "--warmup"),
+    (["prepare", "/no/such/file", "--out", "/tmp/x"], "neither"),
+    (["train", "--resume", "--out", "/tmp/hpf-no-such-run"], "no complete checkpoint"),
+    (["train", "--resume", "/no/such/checkpoint"], "no such checkpoint"),
+    (["train", "--resume"], "--out"),
+])
+def test_bad_data_arguments_get_one_line_errors(argv, names, capsys):
+    code, _, err = run_main(argv, capsys)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and names in err and "Traceback" not in err, err
