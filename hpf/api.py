@@ -23,7 +23,7 @@ def shard_step(loss_fn: Callable, *, mesh: Mesh, optimizer, param_specs=None, fs
                mode: str = "production", mixed_precision: MixedPrecision | str | None = None,
                max_grad_norm: float | None = None, topology: Topology | None = None,
                hsdp: bool = False, overlap_optimizer: bool = True, grad: str = "autograd",
-               on_nonfinite: str = "raise") -> ShardStep:
+               on_nonfinite: str = "raise", accumulate: int = 1) -> ShardStep:
     """Make a sharded training step for ``loss_fn(params, batch) -> scalar``.
 
     ``state = step.init(params)``, then ``state, metrics = step(state, batch)``.
@@ -57,6 +57,11 @@ def shard_step(loss_fn: Callable, *, mesh: Mesh, optimizer, param_specs=None, fs
             step leaves params and optimizer state unchanged and reports ``metrics["skipped"]``
             (it also turns the optimizer overlap off, so the step is all or nothing).
             Validation mode always raises, naming the op or parameter.
+        accumulate: gradient accumulation: each ``step(state, batch)`` splits every batch leaf
+            into this many equal micro-batches along dim 0 and runs forward and backward on
+            each in turn, so activations are those of one micro-batch. Grads are summed locally
+            (one unsharded flat buffer per bucket) and reduced once, on the last micro-batch;
+            the update equals one step on the whole batch, to fp32 rounding.
 
     Returns:
         A :class:`ShardStep` (a :class:`hpf.validate.ValidateStep` for ``mode="validate"``).
@@ -70,4 +75,5 @@ def shard_step(loss_fn: Callable, *, mesh: Mesh, optimizer, param_specs=None, fs
         raise ValueError(f"mode={mode!r}: use one of {list(STEPS)}")
     return STEPS[mode](loss_fn, mesh=mesh, optimizer=optimizer, param_specs=param_specs, fsdp_axes=fsdp_axes,
                        mixed_precision=mixed_precision, max_grad_norm=max_grad_norm, topology=topology,
-                       hsdp=hsdp, overlap_optimizer=overlap_optimizer, grad=grad, on_nonfinite=on_nonfinite)
+                       hsdp=hsdp, overlap_optimizer=overlap_optimizer, grad=grad, on_nonfinite=on_nonfinite,
+                       accumulate=accumulate)

@@ -168,6 +168,11 @@ class UnitEngine:
                          if kind == "units" for name in v}
         self.grad_shards: list[torch.Tensor] = []
         self.reductions: list = []  # handles of this step's grad reductions
+        # Gradient accumulation: while ``holding``, a unit's grads are summed here (one full
+        # flat buffer per bucket) instead of reduced; the next reduction adds them in, so a
+        # step of K micro-batches communicates once, on the last one.
+        self.holding = False
+        self._held: dict[int, torch.Tensor] = {}
         # Optimizer overlap: the step passes update_buckets(bucket indices) for one step (see
         # overlapping); the engine calls it, in reduction order, as soon as a unit's grads
         # have landed, then starts the next step's gather of the unit if begin() would (_refill).
@@ -501,12 +506,28 @@ class UnitEngine:
             flats = [self._grad_flat(b).zero_() for b in self.unit_buckets[unit]]
         self._reduced.add(unit)
         self._free(unit)
-        handles = [self._reduce_flat(b, flat) for b, flat in zip(self.unit_buckets[unit], flats)]
+        buckets = self.unit_buckets[unit]
+        if self.holding:  # an earlier micro-batch: keep the grads here, communicate nothing
+            for b, flat in zip(buckets, flats):
+                if b in self._held:
+                    self._held[b].add_(flat)
+                else:
+                    self._held[b] = flat.clone()  # (flat may be a comm buffer or the grad shard itself)
+            return
+        for b, flat in zip(buckets, flats):
+            held = self._held.pop(b, None)
+            if held is not None:
+                flat.add_(held)
+        handles = [self._reduce_flat(b, flat) for b, flat in zip(buckets, flats)]
         if self._update_buckets is None:
             self.reductions += handles
         else:  # (wait on each handle once: a second wait of a gloo reduce-scatter copies its result again)
             self._landing.append((unit, handles))
             self._deliver(block=False)
+
+    def drop_held(self) -> None:
+        """Forget the grads held from earlier micro-batches (a step that raised or skipped)."""
+        self._held.clear()
 
     def _deliver(self, block: bool) -> None:
         """Hand units whose reductions have landed to ``update_buckets``, in reduction order

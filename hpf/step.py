@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import checks
+from . import tree as tree_util
 from .checks import DonatedStateError, NonFiniteError
 from .comm.collectives import SPMD, gather_dim0, spmd
 from .comm.flat import BucketComm
@@ -40,7 +41,7 @@ class ShardStep:
 
     Args:
         loss_fn, mesh, optimizer, param_specs, fsdp_axes, mixed_precision, max_grad_norm,
-        topology, hsdp, overlap_optimizer, on_nonfinite: as for :func:`hpf.shard_step`.
+        topology, hsdp, overlap_optimizer, on_nonfinite, accumulate: as for :func:`hpf.shard_step`.
 
     Raises:
         ValueError: an unknown ``mixed_precision`` name or ``on_nonfinite``, or a ``max_grad_norm``
@@ -54,7 +55,11 @@ class ShardStep:
     def __init__(self, loss_fn: Callable, *, mesh: Mesh, optimizer, param_specs=None, fsdp_axes=None,
                  mixed_precision: MixedPrecision | str | None = None,
                  max_grad_norm: float | None = None, topology: Topology | None = None, hsdp: bool = False,
-                 overlap_optimizer: bool = True, grad: str = "autograd", on_nonfinite: str = "raise"):
+                 overlap_optimizer: bool = True, grad: str = "autograd", on_nonfinite: str = "raise",
+                 accumulate: int = 1):
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            raise ValueError(f"accumulate={accumulate!r}: give the number of micro-batches per step, an int >= 1")
+        self.accumulate = accumulate
         if grad not in ("autograd", "torch.func"):
             raise ValueError(f"grad={grad!r}: use 'autograd' (the default, faster: benchmarks/grad_modes.py) "
                              "or 'torch.func'")
@@ -76,6 +81,7 @@ class ShardStep:
         self.engine: UnitEngine | None = None
         self._live: list | None = None  # the params list of the state this step last returned
         self._unloaded = False  # init had meta params and no restore has filled them yet
+        self._micro_scale = 1.0  # 1/accumulate during a step's micro-batches (scales the loss seed)
         self._pending_save = None  # an async save in flight (hpf.checkpoint.AsyncSave)
 
     # -- set-up, once ---------------------------------------------------------------------------
@@ -148,6 +154,7 @@ class ShardStep:
         if self.engine is None:
             raise RuntimeError("call step.init(full_params) first, and pass the state it returns")
         self._check_live(state, "step(state, batch)")
+        micro = self._micro_batches(batch)
         t0 = time.perf_counter()
         eng = self.engine
         grads = self.grad_shards
@@ -174,15 +181,27 @@ class ShardStep:
                     update[0](buckets, grads)
                     applied[0] += len(buckets)
                 opt_s[0] += time.perf_counter() - t
-        with eng.overlapping(update_buckets):
-            loss = self.forward_backward(state, batch)
+        eng.drop_held()
+        losses = []
+        self._micro_scale = 1.0 / len(micro)
+        try:
+            for mb in micro[:-1]:  # all but the last: grads are summed locally, not reduced
+                eng.holding = True
+                try:
+                    losses.append(self.forward_backward(state, mb).detach())
+                finally:
+                    eng.holding = False
+                if not self._agreement.ok():
+                    return self._refuse(state, t0, losses[-1])
+                eng.begin(state.params, self.grad_shards)  # the next micro-batch's first gathers
+            with eng.overlapping(update_buckets):
+                loss = self.forward_backward(state, micro[-1])
+        finally:
+            self._micro_scale = 1.0
         if not self._agreement.ok():  # (or UnevenBatchError) decided by all ranks; nothing was updated
-            if self.on_nonfinite == "skip":
-                return self._skip(state, t0, float("nan"), float("nan"))
-            eng.begin(state.params, self.grad_shards)  # ready for the state as it is
-            raise NonFiniteError(f"the loss is non-finite on some rank (this rank: {float(loss.detach())}); nothing "
-                                 "was updated. Run the step with mode='validate' to name the op where it first "
-                                 "appeared, lower the learning rate, or pass on_nonfinite='skip'")
+            return self._refuse(state, t0, loss)
+        if losses:  # the step's loss: the mean over its micro-batches, as one big batch would give
+            loss = torch.stack([*losses, loss.detach()]).mean()
         if not self.overlap_optimizer:
             torch._foreach_div_(grads, float(self.dp_size))
         missing = [b for b, n in enumerate(norms) if n is None]
@@ -216,6 +235,31 @@ class ShardStep:
         metrics = {"loss": mean_loss, "grad_norm": grad_norm, "step_s": t1 - t0,
                    "optimizer_s": t1 - t_opt + opt_s[0], "comm_wait_s": eng.take_wait_s(), "skipped": False}
         return self._donate(TrainState(params, opt_state)), metrics
+
+    def _refuse(self, state: TrainState, t0: float, loss: torch.Tensor):
+        """A non-finite loss (or uneven batch) on some rank: skip the step or raise; nothing was updated."""
+        self.engine.drop_held()
+        if self.on_nonfinite == "skip":
+            return self._skip(state, t0, float("nan"), float("nan"))
+        self.engine.begin(state.params, self.grad_shards)  # ready for the state as it is
+        raise NonFiniteError(f"the loss is non-finite on some rank (this rank: {float(loss.detach())}); nothing "
+                             "was updated. Run the step with mode='validate' to name the op where it first "
+                             "appeared, lower the learning rate, or pass on_nonfinite='skip'")
+
+    def _micro_batches(self, batch: Any) -> list:
+        """``accumulate`` equal slices of every batch leaf along dim 0 (the local batch)."""
+        k = self.accumulate
+        if k == 1:
+            return [batch]
+        paths, leaves, treedef = tree_util.flatten(batch)
+        for p, x in zip(paths, leaves):
+            if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] % k:
+                got = f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"accumulate={k}: batch leaf {p or '<root>'!r} is {got}; every batch leaf must be a "
+                                 f"tensor whose first dim (this rank's batch) splits into {k} equal micro-batches. "
+                                 f"Use a local batch that is a multiple of {k}")
+        chunks = [x.chunk(k) for x in leaves]
+        return [tree_util.unflatten(treedef, [c[j] for c in chunks]) for j in range(k)]
 
     def _skip(self, state: TrainState, t0: float, loss: float, grad_norm: float):
         """on_nonfinite="skip": no update; the same buffers come back as the live state."""
@@ -276,6 +320,8 @@ class ShardStep:
                 eng.begin(state.params, self.grad_shards)
                 loss = self._grads(batch)
         eng.finish()
+        if eng.holding:  # (grads held for a later micro-batch: nothing to sum yet)
+            return loss
         for b, group in self._compute_sums:
             dist.all_reduce(self.grad_shards[b], group=group)
         return loss
@@ -283,6 +329,8 @@ class ShardStep:
     def _grads(self, batch: Any) -> torch.Tensor:
         """Forward and backward of loss_fn (grads go to the engine); returns this rank's loss."""
         eng, seed = self.engine, self._loss_seed  # seed: the loss is replicated over non-FSDP axes,
+        if self._micro_scale != 1.0:  # each micro-batch's loss is 1/K of the step's
+            seed = (1.0 if seed is None else seed) * self._micro_scale
         if self.grad == "torch.func":               # so each copy carries 1/n (see hpf.comm.collectives)
             def scaled(params):
                 loss = self.call_loss(params, batch)

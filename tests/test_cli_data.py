@@ -3,6 +3,7 @@ the data it says, and its held-out loss is the loss of those params on the val s
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -58,6 +59,17 @@ def test_train_llama_on_data_reports_held_out_loss(tmp_path, token_dir, capsys):
     assert json.loads((tmp_path / "run" / "run.json").read_text())["vocab_size"] == 257
 
 
+def test_accumulate_gives_the_losses_of_the_whole_batch(tmp_path, capsys):
+    common = ["train", "--mesh", "dp=2", "--batch-size", "8", "--steps", "3", "--seed", "1"]
+    runs = {}
+    for k in (1, 2):
+        code, out, err = run_main([*common, "--accumulate", str(k), "--out", str(tmp_path / f"k{k}")], capsys)
+        assert code == 0, err
+        runs[k] = [r["loss"] for r in map(json.loads, (tmp_path / f"k{k}" / "metrics.jsonl").read_text().splitlines())]
+    assert "in 2 micro-batches" in out
+    np.testing.assert_allclose(runs[2], runs[1], rtol=1e-5)  # fp32 rounding: the sums run in another order
+
+
 @pytest.mark.parametrize("argv, names", [
     (["train", "--eval-every", "5"], "--data"),
     (["train", "--data", "/no/such/dir"], "hpf prepare"),
@@ -67,6 +79,7 @@ def test_train_llama_on_data_reports_held_out_loss(tmp_path, token_dir, capsys):
     (["train", "--resume", "--out", "/tmp/hpf-no-such-run"], "no complete checkpoint"),
     (["train", "--resume", "/no/such/checkpoint"], "no such checkpoint"),
     (["train", "--resume"], "--out"),
+    (["train", "--world-size", "2", "--batch-size", "6", "--accumulate", "2"], "2 ranks x 2 micro-batches"),
 ])
 def test_bad_data_arguments_get_one_line_errors(argv, names, capsys):
     code, _, err = run_main(argv, capsys)

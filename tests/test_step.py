@@ -54,11 +54,13 @@ def reference(config=TINY, steps=STEPS, max_grad_norm=None, compute_dtype=torch.
     return losses, norms, list(params.values())
 
 
-def train(rank, mesh, config=TINY, steps=STEPS, loss_fn=None, **kwargs):
+def train(rank, mesh, config=TINY, steps=STEPS, loss_fn=None, on_init=None, **kwargs):
     """Train with hpf on this rank's rows of the reference's batches; numpy results (for launch)."""
     step = hpf.shard_step(loss_fn or gpt.loss_for(config), mesh=mesh, optimizer=hpf.optim.adamw(**ADAMW),
                           **kwargs)
     state = step.init(gpt.init(config, torch.Generator().manual_seed(SEED)))
+    if on_init:
+        on_init(step)
     batches = gpt.synthetic_batches(config, BATCH, SEED, rank=rank, world_size=mesh.size)
     losses, norms = [], []
     for _ in range(steps):
@@ -108,6 +110,17 @@ def gathered_peaks(rank, mesh):
     return {"observed": dict(mode.peak), "blocks_seen": len(storages), "engine_peak": step.engine.stats.peak_blocks}
 
 
+def accumulated(rank, mesh, k=2, **kwargs):
+    """``train`` with ``accumulate=k``, and how many grad reductions each bucket had per step."""
+    calls = []
+
+    def counting(step):
+        reduce = step.engine.comm.reduce
+        step.engine.comm.reduce = lambda b, *a: (calls.append(b), reduce(b, *a))[1]
+    out = train(rank, mesh, accumulate=k, on_init=counting, **kwargs)
+    return {**out, "reductions_per_bucket_step": Counter(Counter(calls).values())}
+
+
 def error_of(fn):
     try:
         fn()
@@ -131,13 +144,15 @@ def two_rank_checks(rank):
         "bf16": {**train(rank, mesh, loss_fn=recording_loss, mixed_precision="bf16"), "compute_dtypes": dtypes},
         "bf16_after_backward": train(rank, mesh, mixed_precision="bf16", overlap_optimizer=False),
         "memory": gathered_peaks(rank, mesh),
+        "accumulate": accumulated(rank, mesh, k=2),
         "bad_mesh": error_of(lambda: train(rank, hpf.Mesh({"dp": 3}), steps=0)),
     }
 
 
 def four_rank_checks(rank):
     mesh = hpf.Mesh({"node": 2, "local": 2})
-    return {"fsdp": train(rank, mesh), "hsdp": train(rank, mesh, param_specs=HSDP)}
+    return {"fsdp": train(rank, mesh), "hsdp": train(rank, mesh, param_specs=HSDP),
+            "accumulate": accumulated(rank, mesh, k=2, topology=hpf.Topology())}
 
 
 @pytest.fixture(scope="module")
@@ -244,6 +259,27 @@ def test_2x2_mesh_matches_reference_every_step(four_ranks):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("ranks", ["two_ranks", "four_ranks"])
+def test_accumulation_equals_one_big_batch_and_reduces_once(ranks, request):
+    """accumulate=2 (each rank's 4 or 2 rows as 2 micro-batches; two-tier on 2x2) gives the
+    whole-batch reference's losses and params, with one reduction per bucket per step."""
+    run = request.getfixturevalue(ranks)["accumulate"]
+    assert_matches(run, reference())
+    np.testing.assert_allclose(run["norms"], reference()[1], rtol=1e-5)  # a wrong 1/K hides from AdamW
+    buckets = run["reductions_per_bucket_step"]
+    assert set(buckets) == {STEPS}, buckets  # every bucket reduced once per step, never per micro-batch
+
+
+def test_accumulate_splits_every_batch_leaf_or_names_the_one_that_cannot():
+    step = hpf.shard_step(gpt.loss_for(TINY), mesh=hpf.Mesh({"dp": 1}), optimizer=hpf.optim.adamw(**ADAMW),
+                          accumulate=3)
+    state = step.init(gpt.init(TINY, torch.Generator().manual_seed(SEED)))
+    with pytest.raises(ValueError, match=r"accumulate=3: batch leaf '<root>' is shape \(8, 17\)"):
+        step(state, full_batch(TINY, 0))
+    with pytest.raises(ValueError, match="accumulate=0"):
+        hpf.shard_step(gpt.loss_for(TINY), mesh=hpf.Mesh({"dp": 1}), optimizer=hpf.optim.adamw(), accumulate=0)
+
+
 def test_2x2_hsdp_rules_match_reference_every_step(four_ranks):
     assert_matches(four_ranks["hsdp"], reference())
 

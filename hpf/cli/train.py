@@ -67,6 +67,7 @@ class TrainJob:
     save_every: int = 0
     keep_last: int = 3
     resume: str | None = None  # a checkpoint folder, resolved by the driver
+    accumulate: int = 1  # micro-batches per step (gradient accumulation)
 
     def model_config(self):
         return model_config(self.model, self.config, self.vocab_size)
@@ -95,7 +96,7 @@ def _make_optimizer(job: TrainJob):
 
 def _make_step(job: TrainJob, mesh: hpf.Mesh):
     module, config = job.model_config()
-    return hpf.shard_step(module.loss_for(config), mesh=mesh, optimizer=_make_optimizer(job),
+    return hpf.shard_step(module.loss_for(config), mesh=mesh, optimizer=_make_optimizer(job), accumulate=job.accumulate,
                           fsdp_axes=job.fsdp_axes, mode=job.mode, mixed_precision=job.mixed_precision,
                           hsdp=job.hsdp, topology=topology_of(job.topology))
 
@@ -204,7 +205,7 @@ def _check_memory(job: TrainJob, report: PlanReport, local_ranks: int) -> None:
     module, config = job.model_config()
     parts = {"params": report.params_bytes, "grads": report.grad_bytes, "optimizer": report.optimizer_bytes,
              "gathered": report.peak_gathered_bytes,
-             "activations ~": _activation_bytes(config, job.batch_size // report.world_size * config.seq_len,
+             "activations ~": _activation_bytes(config, job.batch_size // report.world_size // job.accumulate * config.seq_len,
                                                 2 if job.mixed_precision else 4)}
     init_copy = module.num_params(config) * 4  # each rank builds the full params on the host, then shards them
     if is_launched() and torch.accelerator.is_available():
@@ -247,9 +248,10 @@ def cmd_train(args) -> int:
     _, config = model_config(args.model, args.config, vocab_size)
     if torchrun and mesh.size != world_size():
         raise CliError(f"--mesh has {mesh.size} ranks but torchrun started {world_size()}; make them agree")
-    if args.batch_size % mesh.size:
-        raise CliError(f"--batch-size {args.batch_size} is the global batch and must split evenly over "
-                       f"{mesh.size} ranks; use a multiple of {mesh.size}")
+    if args.batch_size % (mesh.size * args.accumulate):
+        per = f"{mesh.size} ranks" + (f" x {args.accumulate} micro-batches" if args.accumulate > 1 else "")
+        raise CliError(f"--batch-size {args.batch_size} is the global batch and must split evenly over {per}; "
+                       f"use a multiple of {mesh.size * args.accumulate}")
     plots = None
     if args.plot:
         try:
@@ -271,7 +273,7 @@ def cmd_train(args) -> int:
                    args.mode, args.seed, args.mixed_precision, args.topology, args.hsdp,
                    str(out / "metrics.jsonl"), warmup, args.model, args.schedule,
                    str(args.data) if args.data else None, vocab_size, args.eval_every or 0, args.save_every or 0,
-                   args.keep_last, _resume_path(args, out))
+                   args.keep_last, _resume_path(args, out), args.accumulate)
     _make_step(job, mesh)  # checks optimizer, mode and precision here, before any rank starts
     plan = plan_of(args, mesh)  # checks the axes
     _check_memory(job, report_of(args, plan)[0],
@@ -284,7 +286,8 @@ def cmd_train(args) -> int:
         print(_banner(job, len(plan.units)))
         source = (f"{args.data} (vocab {vocab_size}{f', held-out loss every {args.eval_every} steps' if args.eval_every else ''})"
                   if args.data else "a fixed random Markov source")
-        print(f"data: {args.batch_size} x {config.seq_len} tokens per step from {source}; run folder {out}"
+        micro = f" in {args.accumulate} micro-batches" if args.accumulate > 1 else ""
+        print(f"data: {args.batch_size} x {config.seq_len} tokens per step{micro} from {source}; run folder {out}"
               + (f"; resuming from {job.resume}" if job.resume else ""), flush=True)
     started = time.perf_counter()
     if torchrun:
@@ -397,6 +400,9 @@ def add_parser(sub, job, optimizer) -> None:
     train.add_argument("--resume", nargs="?", const="latest", metavar="PATH",
                        help="go on from a checkpoint (default: the newest complete one in <out>/checkpoints), on "
                             "any mesh; losses match the uninterrupted run")
+    train.add_argument("--accumulate", type=positive(int), default=1, metavar="K",
+                       help="gradient accumulation: each rank runs its share of --batch-size as K micro-batches "
+                            "(activations of one micro-batch), reducing grads once per step (default: 1)")
     train.add_argument("--mode", choices=tuple(STEPS), default="production",
                        help="validate runs the same plan with layout checks on every op (default: production)")
     train.add_argument("--seed", type=positive(int, least=0), default=0,
