@@ -22,6 +22,7 @@ from hpf.step import TrainState
 
 CFG = gpt.CONFIGS["tiny"]
 BATCH = 12  # global; splits over 4, 3, 2 and 1 ranks
+STEPS = 20  # the resume tests: save at step 6, compare the 14 steps after it
 
 
 def local_batch(step_i, rank, world):
@@ -219,20 +220,20 @@ def _run(step, state, start, stop, rank, world):
 
 
 def _first_run(rank, root):
-    """2x2: 12 steps, an async save at step 6 overlapping steps 7..; then a same-mesh resume."""
+    """2x2: 20 steps, an async save at step 6 overlapping steps 7..; then a same-mesh resume."""
     step = make_step({"node": 2, "local": 2})
     state = step.init(gpt.init(CFG))
     state, head = _run(step, state, 0, 6, rank, 4)
     full6 = step.full_params(state)
     step.save(state, f"{root}/step_6", extra={"step": 6}, async_save=True)
-    state, tail = _run(step, state, 6, 12, rank, 4)
+    state, tail = _run(step, state, 6, STEPS, rank, 4)
     step.wait_save()
     again = make_step({"node": 2, "local": 2})
     empty = again.init(gpt.init(CFG, device="meta"))
     with pytest.raises(RuntimeError, match="meta params.*step.restore"):  # zeros must never train silently
         again(empty, local_batch(3, 0, 1))
     restored, extra = again.restore(f"{root}/step_6")
-    _, resumed = _run(again, restored, extra["step"], 12, rank, 4)
+    _, resumed = _run(again, restored, extra["step"], STEPS, rank, 4)
     return tail, resumed, full6
 
 
@@ -240,7 +241,7 @@ def _resume_dp3(rank, root):
     step = make_step({"dp": 3})
     step.init(gpt.init(CFG, device="meta"))
     state, extra = step.restore(f"{root}/step_6")
-    return _run(step, state, extra["step"], 12, rank, 3)[1]
+    return _run(step, state, extra["step"], STEPS, rank, 3)[1]
 
 
 @pytest.mark.slow
@@ -254,7 +255,7 @@ def test_resume_is_exact_on_the_same_mesh_and_close_on_others(tmp_path):
     one = make_step({"dp": 1})
     one.init(gpt.init(CFG, device="meta"))
     state, extra = one.restore(tmp_path / "step_6")
-    on1 = _run(one, state, extra["step"], 12, 0, 1)[1]
+    on1 = _run(one, state, extra["step"], STEPS, 0, 1)[1]
     torch.testing.assert_close(torch.tensor(on1), torch.tensor(tail), rtol=1e-5, atol=0)
 
 
