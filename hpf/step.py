@@ -26,6 +26,7 @@ from .launcher import init_distributed, is_launched
 from .mesh import Mesh, MeshError
 from .optim.base import ForPlan, Optimizer, PartialUpdate
 from .planning import Plan, plan as make_plan
+from .trace import span
 from .types import MixedPrecision, TrainState
 
 __all__ = ["ShardStep", "step_plan"]
@@ -141,6 +142,10 @@ class ShardStep:
         if self.engine is None:
             raise RuntimeError("call step.init(full_params) first, and pass the state it returns")
         self._check_live(state, "step(state, batch)")
+        with span("hpf/step"):
+            return self._step(state, batch)
+
+    def _step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, float]]:
         t0 = time.perf_counter()
         eng = self.engine
         grads = self.grad_shards
@@ -169,22 +174,26 @@ class ShardStep:
                 opt_s[0] += time.perf_counter() - t
         with eng.overlapping(update_buckets):
             loss = self.forward_backward(state, batch)
-        if not self._agreement.ok():  # (or UnevenBatchError) decided by all ranks; nothing was updated
+        with span("hpf/wait agreement"):
+            agreed = self._agreement.ok()
+        if not agreed:  # (or UnevenBatchError) decided by all ranks; nothing was updated
             if self.on_nonfinite == "skip":
                 return self._skip(state, t0, float("nan"), float("nan"))
             eng.begin(state.params, self.grad_shards)  # ready for the state as it is
             raise NonFiniteError(f"the loss is non-finite on some rank (this rank: {float(loss.detach())}); nothing "
                                  "was updated. Run the step with mode='validate' to name the op where it first "
                                  "appeared, lower the learning rate, or pass on_nonfinite='skip'")
-        if not self.overlap_optimizer:
-            torch._foreach_div_(grads, float(self.dp_size))
-        missing = [b for b, n in enumerate(norms) if n is None]
-        for b, n in zip(missing, torch._foreach_norm([grads[b] for b in missing]) if missing else ()):
-            norms[b] = n
-        sq = (torch.stack(norms).float().square() / self._replica_counts).sum()
-        totals = torch.stack([loss.detach().float(), sq, sq.new_tensor(float(applied[0]))])
+        with span("hpf/grad norm"):
+            if not self.overlap_optimizer:
+                torch._foreach_div_(grads, float(self.dp_size))
+            missing = [b for b, n in enumerate(norms) if n is None]
+            for b, n in zip(missing, torch._foreach_norm([grads[b] for b in missing]) if missing else ()):
+                norms[b] = n
+            sq = (torch.stack(norms).float().square() / self._replica_counts).sum()
+            totals = torch.stack([loss.detach().float(), sq, sq.new_tensor(float(applied[0]))])
         if dist.is_initialized() and self.mesh.size > 1:
-            dist.all_reduce(totals)
+            with span("hpf/all-reduce loss and grad norm"):
+                dist.all_reduce(totals)
             totals[0] /= self.mesh.size
         mean_loss, grad_norm = float(totals[0]), float(totals[1].sqrt())
         if not math.isfinite(grad_norm):
@@ -203,7 +212,8 @@ class ShardStep:
         if self.overlap_optimizer:  # already applied, unit by unit, during backward
             params, opt_state = state.params, state.opt_state
         else:
-            params, opt_state = self._opt.update(grads, state.opt_state, state.params)
+            with span("hpf/optimizer", "all"):
+                params, opt_state = self._opt.update(grads, state.opt_state, state.params)
         eng.begin(params, self.grad_shards)  # the next step's first gathers overlap the caller's work
         t1 = time.perf_counter()
         metrics = {"loss": mean_loss, "grad_norm": grad_norm, "step_s": t1 - t0,
