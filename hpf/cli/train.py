@@ -4,6 +4,7 @@ Every argument is checked in the driver process before any rank starts, so a mis
 one line on stderr, not a traceback from four processes."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
@@ -56,6 +57,7 @@ class TrainJob:
     metrics_path: str
     warmup: int = 0
     model: str = "gpt"
+    trace_dir: str | None = None  # --trace: Chrome traces of a few steps, one per rank and a merged one
 
 
 def _make_optimizer(name: str, lr: float, adamw_lr: float, warmup: int):
@@ -86,13 +88,16 @@ def _train_rank(rank: int, job: TrainJob) -> None:
                                     device=default_device())
     tokens_per_step = job.batch_size * config.seq_len
     if rank != 0:
-        for _ in range(job.steps):
-            state, _ = step(state, next(batches))
+        with _traced(job, rank, mesh.size) as advance:
+            for _ in range(job.steps):
+                state, _ = step(state, next(batches))
+                advance()
         return
     try:
-        with open(job.metrics_path, "w") as out:
+        with open(job.metrics_path, "w") as out, _traced(job, rank, mesh.size) as advance:
             for i in range(1, job.steps + 1):
                 state, m = step(state, next(batches))
+                advance()
                 record = {"step": i, **{k: m[k] for k in STEP_METRICS}, "tokens_per_s": tokens_per_step / m["step_s"]}
                 out.write(json.dumps(finite_or_none(record), allow_nan=False) + "\n")  # NaN -> null: valid JSON
                 out.flush()  # a crashed or interrupted run keeps its metrics so far
@@ -100,6 +105,25 @@ def _train_rank(rank: int, job: TrainJob) -> None:
                                     "comm wait": f"{m['comm_wait_s'] / m['step_s']:.0%}"})
     finally:
         progress.close()
+
+
+@contextlib.contextmanager
+def _traced(job: TrainJob, rank: int, world: int):
+    """--trace: yields advance() for after each step. Skips 2 warm-up steps (as many as the run
+    allows), traces up to 3 into <dir>/rank<r>.json; rank 0 then merges them into trace.json."""
+    if job.trace_dir is None:
+        yield lambda: None
+        return
+    from hpf import trace
+    folder = Path(job.trace_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    skip = min(2, job.steps - 1)
+    with trace.tracing(folder / f"rank{rank}.json", skip_steps=skip, steps=min(3, job.steps - skip)) as advance:
+        yield advance
+    if world > 1:  # every rank's file is written before rank 0 reads them
+        torch.distributed.barrier()
+    if rank == 0:
+        trace.merge_traces([folder / f"rank{r}.json" for r in range(world)], folder / "trace.json")
 
 
 def _banner(job: TrainJob, n_units: int) -> str:
@@ -200,7 +224,8 @@ def cmd_train(args) -> int:
     job = TrainJob(args.config, dict(zip(mesh.axis_names, mesh.shape)), args.fsdp_axes, args.optimizer,
                    args.lr or (muon_lr if args.optimizer == "muon" else adamw_lr), args.steps, args.batch_size,
                    args.mode, args.seed, args.mixed_precision, args.topology, args.hsdp,
-                   str(out / "metrics.jsonl"), warmup if args.warmup is None else args.warmup, args.model)
+                   str(out / "metrics.jsonl"), warmup if args.warmup is None else args.warmup, args.model,
+                   None if args.trace is None else str(args.trace if args.trace != "" else out / "trace"))
     _make_step(job, mesh)  # checks optimizer, mode and precision here, before any rank starts
     plan = plan_of(args, mesh)  # checks the axes
     _check_memory(job, report_of(args, plan)[0],
@@ -225,6 +250,8 @@ def cmd_train(args) -> int:
     wall = time.perf_counter() - started
     records = read_metrics(out / "metrics.jsonl")
     files = [out / "metrics.jsonl", out / "run.json"]
+    if job.trace_dir:  # open in https://ui.perfetto.dev or chrome://tracing
+        files.append(Path(job.trace_dir) / "trace.json")
     if plots and not plots.startswith("skipped"):
         files += save_plots(records, out, f"loss: {args.model} {args.config!r}, mesh {mesh_text(job.axes)}, "
                                           f"{args.optimizer}{', ' + args.mixed_precision if args.mixed_precision else ''}")
@@ -278,6 +305,10 @@ def add_parser(sub, job, optimizer) -> None:
     train.add_argument("--plot", action="store_true",
                        help="save loss.png and step_breakdown.png into the run folder (needs matplotlib; "
                             "without it one line says so and training goes on)")
+    train.add_argument("--trace", nargs="?", const="", metavar="DIR",
+                       help="write Chrome/Perfetto traces of steps 3-5 (torch's ops and hpf's ranges: gathers, "
+                            "each unit's forward and backward, reductions, optimizer, waits) into DIR "
+                            "(default: <out>/trace): rank<r>.json per rank and trace.json, all ranks merged")
     train.add_argument("--timeout", type=positive(float), default=3600.0, metavar="S",
                        help="end the run after this many seconds; also bounds each collective (default: 3600)")
     train.set_defaults(run=cmd_train)
