@@ -1,7 +1,7 @@
 """Where hpf's step time goes: ms per step and rank, by category, read from hpf.trace's spans.
 
 Each rank runs ``--warmup`` untraced steps (the last ``--steps`` of them timed: the untraced
-step time), then traces ``--steps`` steps (after one more, traced and left out: the
+step time), then traces ``--steps`` steps and reports the median one (after one more, traced and left out: the
 profiler's start stalls it) with hpf.trace.tracing (torch's profiler plus hpf's
 named ranges). Each traced step's main-thread time is split, at ``RES_US`` resolution, by the
 innermost hpf range covering each instant:
@@ -28,7 +28,6 @@ import json
 import statistics
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -127,8 +126,8 @@ def rank_main(rank: int, args, folder: str) -> dict:
         step.engine.comm.close()
         with open(path) as f:  # the first traced step pays for the profiler's start: left out
             per_step = attribute(json.load(f)["traceEvents"])[1:]
-        result[name] = {"untraced_ms": statistics.median(untraced[-args.steps:]) * 1e3,
-                        "ms": {k: statistics.median(s[k] for s in per_step) for k in per_step[0]}}
+        median_step = sorted(per_step, key=lambda ms: ms["step"])[len(per_step) // 2]  # its parts add up
+        result[name] = {"untraced_ms": statistics.median(untraced[-args.steps:]) * 1e3, "ms": median_step}
     return result
 
 
@@ -143,7 +142,7 @@ def main():
     args = ap.parse_args()
     config = gpt.CONFIGS[args.config]
     print(f"GPT {args.config} ({gpt.num_params(config) / 1e6:.2f}M params), global batch {args.batch}, {WORLD} ranks, "
-          f"{torch.get_num_threads()} threads; medians of {args.steps} traced steps, ms per step")
+          f"{torch.get_num_threads()} threads; ms in each rank's median traced step of {args.steps}")
     with tempfile.TemporaryDirectory() as folder:
         out = launch(rank_main, WORLD, args, folder, timeout=1800)
         if args.keep:
@@ -156,12 +155,6 @@ def main():
             for c in CATEGORIES + ("step", "comm threads busy")]
     rows.append(["untraced step"] + [out[r][n]["untraced_ms"] for n in names for r in range(WORLD)])
     print_table(headers, rows)
-    rest = defaultdict(float)
-    for n in names:
-        for r in range(WORLD):
-            ms = out[r][n]["ms"]
-            rest[n, r] = ms["step"] - sum(ms[c] for c in CATEGORIES)
-    print("(step - sum of categories, bin rounding: " + ", ".join(f"{v:+.2f}" for v in rest.values()) + " ms)")
 
 
 if __name__ == "__main__":
