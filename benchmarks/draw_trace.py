@@ -76,7 +76,7 @@ def main():
     legend = {label: colour for _, label, colour in KINDS}
     ax.legend(handles=[Patch(color=c, label=l) for l, c in legend.items()], ncol=6, fontsize=8,
               loc="upper center", bbox_to_anchor=(0.5, -1.3 / len(rows)))
-    X, fontsize=10)
+    ax.set_title("one training step: hpf's ranges per rank and thread", fontsize=10)
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
     print(f"wrote {args.out}: {len(rows)} rows, step {s['dur'] / 1e3:.1f} ms")
