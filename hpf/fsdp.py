@@ -27,6 +27,7 @@ import optree
 import torch
 
 from . import tree as tree_util
+from .trace import Ranges, span
 from .comm.transport import DONE, UnitComm, is_done
 from .planning import ROOT, Plan, _unit_names
 
@@ -184,6 +185,7 @@ class UnitEngine:
         # Refilling in backward is safe for the collective order only when backward never
         # re-gathers (every unit shared); otherwise refills wait for finish().
         self._refill_in_backward = all(self.unit_shared.values())
+        self._phase = Ranges()  # trace: each unit's forward and backward, back to back
         self._reset_step()
 
     # -- building the params tree the loss function sees ------------------------------------
@@ -218,6 +220,7 @@ class UnitEngine:
 
     def params_tree(self) -> Any:
         """The loss function's params: root params as views, unit lists gathered when read."""
+        self._phase.switch("hpf/forward", ROOT)
         root = self._views_of(ROOT) if ROOT in self.units else ()
         self._root_views = root
         leaves = [root[self._slot_at[self.plan.ties.get(v, v)][1]] if kind == "root" else _UnitList(self, v)
@@ -270,7 +273,8 @@ class UnitEngine:
         kept = {u for u, snapshot in self._next.items() if _untouched(snapshot, shards)}
         self._abandon(keep=kept)
         buckets = self.plan.buckets
-        self.shards = [self.shards[b] if buckets[b].unit in kept else self._cast(s) for b, s in enumerate(shards)]
+        with span("hpf/cast shards"):
+            self.shards = [self.shards[b] if buckets[b].unit in kept else self._cast(s) for b, s in enumerate(shards)]
         self._masters = list(shards)
         self.grad_shards = grad_shards
         self.reductions = []
@@ -289,6 +293,7 @@ class UnitEngine:
         freed unit may be gathered once more without counting as extra."""
         self.in_backward = True
         self._seen = set(self._live)
+        self._phase.switch("hpf/backward", self._latest or ROOT)
 
     @contextlib.contextmanager
     def running(self):
@@ -350,6 +355,7 @@ class UnitEngine:
             if latest not in (None, unit) and self.leases and not self._holds[latest]:
                 self._free(latest)
             self._latest = unit
+            self._phase.switch("hpf/forward", unit)
             if unit not in self._live and self.stats.live_blocks >= 2:  # drop prefetches the function skipped
                 for u in [u for u in self._live if u not in self._pos and u != ROOT]:
                     self._free(u)
@@ -401,11 +407,12 @@ class UnitEngine:
             self._extra(unit)
         self._seen.add(unit)
         handles = []
-        for b in self.unit_buckets[unit]:
-            st = self.full[b].untyped_storage()
-            if not self.shared[b]:
-                st.resize_(self.nbytes[b])
-            handles.append(self.comm.all_gather(b, self.full[b], self.shards[b]))
+        with span("hpf/gather", unit):
+            for b in self.unit_buckets[unit]:
+                st = self.full[b].untyped_storage()
+                if not self.shared[b]:
+                    st.resize_(self.nbytes[b])
+                handles.append(self.comm.all_gather(b, self.full[b], self.shards[b]))
         self._pending[unit] = handles
         self._live.add(unit)
         self.stats.gathers += 1
@@ -429,7 +436,7 @@ class UnitEngine:
     def _wait(self, unit: str) -> None:
         handles = self._pending.pop(unit, ())
         if handles:
-            self._timed_wait(handles)
+            self._timed_wait(handles, "hpf/wait all-gather")
 
     def _free(self, unit: str) -> None:
         """Free a unit the loss function is done with (shared-memory units stay until the step ends)."""
@@ -484,13 +491,17 @@ class UnitEngine:
         if first:
             flats = self._acc[unit] = [self._grad_flat(b) for b in self.unit_buckets[unit]]
         i = 0
-        for b, flat in zip(self.unit_buckets[unit], flats):
-            slots = self.plan.buckets[b].slots
-            views = [flat[s.offset:s.offset + s.numel].view(s.local_shape) for s in slots]
-            (torch._foreach_copy_ if first else torch._foreach_add_)(views, list(grads[i:i + len(slots)]))
-            i += len(slots)
+        with span("hpf/copy grads", unit):
+            for b, flat in zip(self.unit_buckets[unit], flats):
+                slots = self.plan.buckets[b].slots
+                views = [flat[s.offset:s.offset + s.numel].view(s.local_shape) for s in slots]
+                (torch._foreach_copy_ if first else torch._foreach_add_)(views, list(grads[i:i + len(slots)]))
+                i += len(slots)
         if not self._entries[unit]:
             self._reduce(unit)
+            if self.in_backward:  # the autograd entries of the unit read before it come next
+                pos = self._pos.get(unit, 0)
+                self._phase.switch("hpf/backward", self._order[pos - 1] if pos > 0 else ROOT)
 
     def _grad_flat(self, b: int) -> torch.Tensor:
         bucket, shard = self.plan.buckets[b], self.grad_shards[b]
@@ -536,9 +547,10 @@ class UnitEngine:
             unit, handles = self._landing[0]
             if not block and not all(is_done(h) for h in handles):
                 return
-            self._timed_wait(handles)
+            self._timed_wait(handles, "hpf/wait reduce-scatter")
             self._landing.popleft()
-            self._update_buckets(self.unit_buckets[unit])
+            with span("hpf/optimizer", unit):
+                self._update_buckets(self.unit_buckets[unit])
             if unit in self._early:
                 if self._refill_in_backward:
                     self._refill(unit)
@@ -557,27 +569,31 @@ class UnitEngine:
         self._next[unit] = _snapshot(self._masters, self.unit_buckets[unit])
 
     def _reduce_flat(self, b: int, flat: torch.Tensor) -> Any:
-        handle = self.comm.reduce(b, self.grad_shards[b], flat)
+        with span("hpf/reduce-scatter bucket", b):
+            handle = self.comm.reduce(b, self.grad_shards[b], flat)
         if not self.pipeline:
-            self._timed_wait([handle])
+            self._timed_wait([handle], "hpf/wait reduce-scatter")
             return DONE  # waited: no one may wait on it again
         return handle
 
-    def _timed_wait(self, handles) -> None:
+    def _timed_wait(self, handles, what: str) -> None:
+        """Wait for ``handles``; ``what`` names the wait on the trace."""
         t = time.perf_counter()
-        for h in handles:
-            h.wait()
+        with span(what):
+            for h in handles:
+                h.wait()
         self.wait_s += time.perf_counter() - t
 
     def finish(self) -> None:
         """Reduce what backward has not (units not read, or read but unused), then wait for
         every reduction (the only place the step waits on them)."""
+        self._phase.end()
         for u in self.units:
             if u not in self._reduced:
                 self._reduce(u)
         if self._update_buckets is not None:
             self._deliver(block=True)
-        self._timed_wait(self.reductions)
+        self._timed_wait(self.reductions, "hpf/wait reduce-scatter")
         self.reductions = []
         for u in list(self._live):
             if u not in self._next:

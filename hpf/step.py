@@ -28,6 +28,7 @@ from .launcher import init_distributed, is_launched
 from .mesh import Mesh, MeshError
 from .optim.base import ForPlan, Optimizer, PartialUpdate
 from .planning import Plan, plan as make_plan
+from .trace import span
 from .types import MixedPrecision, TrainState
 
 __all__ = ["ShardStep", "step_plan"]
@@ -155,6 +156,10 @@ class ShardStep:
             raise RuntimeError("call step.init(full_params) first, and pass the state it returns")
         self._check_live(state, "step(state, batch)")
         micro = self._micro_batches(batch)
+        with span("hpf/step"):
+            return self._step(state, micro)
+
+    def _step(self, state: TrainState, micro: list) -> tuple[TrainState, dict[str, float]]:
         t0 = time.perf_counter()
         eng = self.engine
         grads = self.grad_shards
@@ -198,19 +203,23 @@ class ShardStep:
                 loss = self.forward_backward(state, micro[-1])
         finally:
             self._micro_scale = 1.0
-        if not self._agreement.ok():  # (or UnevenBatchError) decided by all ranks; nothing was updated
+        with span("hpf/wait agreement"):
+            agreed = self._agreement.ok()
+        if not agreed:  # (or UnevenBatchError) decided by all ranks; nothing was updated
             return self._refuse(state, t0, loss)
-        if losses:  # the step's loss: the mean over its micro-batches, as one big batch would give
-            loss = torch.stack([*losses, loss.detach()]).mean()
-        if not self.overlap_optimizer:
-            torch._foreach_div_(grads, float(self.dp_size))
-        missing = [b for b, n in enumerate(norms) if n is None]
-        for b, n in zip(missing, torch._foreach_norm([grads[b] for b in missing]) if missing else ()):
-            norms[b] = n
-        sq = (torch.stack(norms).float().square() / self._replica_counts).sum()
-        totals = torch.stack([loss.detach().float(), sq, sq.new_tensor(float(applied[0]))])
+        with span("hpf/grad norm"):
+            if losses:  # the step's loss: the mean over its micro-batches, as one big batch would give
+                loss = torch.stack([*losses, loss.detach()]).mean()
+            if not self.overlap_optimizer:
+                torch._foreach_div_(grads, float(self.dp_size))
+            missing = [b for b, n in enumerate(norms) if n is None]
+            for b, n in zip(missing, torch._foreach_norm([grads[b] for b in missing]) if missing else ()):
+                norms[b] = n
+            sq = (torch.stack(norms).float().square() / self._replica_counts).sum()
+            totals = torch.stack([loss.detach().float(), sq, sq.new_tensor(float(applied[0]))])
         if dist.is_initialized() and self.mesh.size > 1:
-            dist.all_reduce(totals)
+            with span("hpf/all-reduce loss and grad norm"):
+                dist.all_reduce(totals)
             totals[0] /= self.mesh.size
         mean_loss, grad_norm = float(totals[0]), float(totals[1].sqrt())
         if not math.isfinite(grad_norm):
@@ -229,7 +238,8 @@ class ShardStep:
         if self.overlap_optimizer:  # already applied, unit by unit, during backward
             params, opt_state = state.params, state.opt_state
         else:
-            params, opt_state = self._opt.update(grads, state.opt_state, state.params)
+            with span("hpf/optimizer", "all"):
+                params, opt_state = self._opt.update(grads, state.opt_state, state.params)
         eng.begin(params, self.grad_shards)  # the next step's first gathers overlap the caller's work
         t1 = time.perf_counter()
         metrics = {"loss": mean_loss, "grad_norm": grad_norm, "step_s": t1 - t0,

@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 
 import torch
 
-__all__ = ["span", "tracing", "merge_traces"]
+__all__ = ["span", "Ranges", "tracing", "merge_traces"]
 
 _on = False
 _NULL = contextlib.nullcontext()
@@ -42,9 +42,38 @@ class _Span:
         _events.append((self.name, threading.get_native_id(), self.t0, time.time_ns()))
 
 
-def span(name: str):
-    """A context manager marking ``name`` on the timeline while tracing; a no-op otherwise."""
-    return _Span(name) if _on else _NULL
+def span(name: str, detail: object = None):
+    """A context manager marking ``name`` (then `` detail``, if given) on the timeline while
+    tracing; a no-op otherwise. Pass the detail apart (``span("hpf/gather", unit)``), not in
+    an f-string: it is formatted only when tracing is on."""
+    if not _on:
+        return _NULL
+    return _Span(name if detail is None else f"{name} {detail}")
+
+
+class Ranges:
+    """Back-to-back ranges on one thread, for phases with no single enclosing call (a unit's
+    forward runs from its read to the next unit's read): ``switch`` ends the open range and
+    opens the next, ``end`` closes it. Off, each call is one global check."""
+
+    __slots__ = ("name", "t0")
+
+    def __init__(self):
+        self.name: str | None = None
+        self.t0 = 0
+
+    def switch(self, name: str | None, detail: object = None) -> None:
+        if not _on:
+            self.name = None
+            return
+        t = time.time_ns()
+        if self.name is not None:
+            _events.append((self.name, threading.get_native_id(), self.t0, t))
+        self.name = name if name is None or detail is None else f"{name} {detail}"
+        self.t0 = t
+
+    def end(self) -> None:
+        self.switch(None)
 
 
 @contextlib.contextmanager
@@ -103,10 +132,10 @@ def _write(prof, path: Path) -> None:
     prof.export_chrome_trace(str(path))
     with open(path) as f:
         data = json.load(f)
-    base_us = data.get("baseTimeNanoseconds", 0) / 1e3  # torch's ts are wall-clock us minus this
+    base_ns = int(data.get("baseTimeNanoseconds", 0))  # torch's ts are wall-clock us minus this
     pid = os.getpid()
-    data.setdefault("traceEvents", []).extend(
-        {"ph": "X", "cat": "hpf", "name": name, "pid": pid, "tid": tid, "ts": t0 / 1e3 - base_us,
+    data.setdefault("traceEvents", []).extend(  # (integer ns first: float us of the epoch lose ~0.2 us)
+        {"ph": "X", "cat": "hpf", "name": name, "pid": pid, "tid": tid, "ts": (t0 - base_ns) / 1e3,
          "dur": (t1 - t0) / 1e3} for name, tid, t0, t1 in list(_events))
     _events.clear()
     with open(path, "w") as f:

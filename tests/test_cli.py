@@ -231,3 +231,31 @@ def test_progress_redraws_one_line_on_a_terminal():
     assert stream.getvalue().count("\r") == 3 and "\n" not in stream.getvalue()
     bar.close()
     assert stream.getvalue().endswith("\n") and "[" + "#" * 24 + "]" in stream.getvalue()
+
+
+@pytest.mark.slow
+def test_train_trace_writes_one_trace_per_rank_and_a_merged_one_with_hpf_ranges(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "hpf", "train", "--world-size", "2", "--steps", "4",
+                           "--batch-size", "4", "--out", str(out), "--trace"],
+                          capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    folder = out / "trace"
+    assert str(folder / "trace.json") in proc.stdout
+    expected = {"hpf/step", "hpf/gather", "hpf/forward", "hpf/backward", "hpf/reduce-scatter bucket",
+                "hpf/optimizer", "hpf/wait all-gather", "hpf/all-reduce loss and grad norm"}
+    for r in range(2):
+        events = json.loads((folder / f"rank{r}.json").read_text())["traceEvents"]
+        names = {e["name"] for e in events if e.get("cat") == "hpf"}
+        kinds = {n if n.startswith("hpf/wait") or n.startswith("hpf/all-reduce") else n.rsplit(" ", 1)[0]
+                 for n in names}
+        assert expected <= kinds, f"rank {r} lacks {expected - kinds}"
+        assert sum(n == "hpf/step" for n in names) == 1 and \
+            sum(e["name"] == "hpf/step" for e in events) == 2, "steps 3 and 4 only (2 warm-up steps skipped)"
+        assert any(e.get("cat") == "cpu_op" for e in events), "torch's own ops are missing"
+    merged = json.loads((folder / "trace.json").read_text())["traceEvents"]
+    steps = [e for e in merged if e.get("name") == "hpf/step"]
+    assert sorted(e["pid"] for e in steps) == [0, 0, 1, 1]
+    # one clock: each rank's step 3 starts within a step of the other's
+    s0, s1 = (min(e["ts"] for e in steps if e["pid"] == r) for r in (0, 1))
+    assert abs(s0 - s1) < max(e["dur"] for e in steps)

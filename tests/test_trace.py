@@ -57,3 +57,19 @@ def test_merge_gives_one_process_per_rank(tmp_path):
     assert spans == {"hpf/rank0": 0, "hpf/rank1": 1}
     names = {e["pid"]: e["args"]["name"] for e in merged if e.get("name") == "process_name"}
     assert names == {0: "rank 0", 1: "rank 1"}
+
+
+def test_ranges_are_back_to_back_and_details_join_the_name(tmp_path):
+    out = tmp_path / "r.json"
+    phases = trace.Ranges()
+    phases.switch("hpf/off")  # tracing is off: nothing is opened
+    with trace.tracing(out, skip_steps=0, steps=1) as advance:
+        with trace.span("hpf/gather", "blocks/0"):
+            phases.switch("hpf/forward", "blocks/0")
+            phases.switch("hpf/forward", "blocks/1")
+            phases.end()
+        advance()
+    events = sorted(_names(out), key=lambda e: (e["ts"], e["name"]))
+    assert [e["name"] for e in events] == ["hpf/gather blocks/0", "hpf/forward blocks/0", "hpf/forward blocks/1"]
+    first, second = events[1], events[2]
+    assert abs(first["ts"] + first["dur"] - second["ts"]) < 1e-3, "the ranges are not back to back"

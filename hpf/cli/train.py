@@ -82,6 +82,7 @@ class TrainJob:
     @property
     def checkpoints(self) -> Path:
         return Path(self.metrics_path).parent / "checkpoints"
+    trace_dir: str | None = None  # --trace: Chrome traces of a few steps, one per rank and a merged one
 
 
 def _make_optimizer(job: TrainJob):
@@ -141,11 +142,13 @@ def _train_rank(rank: int, job: TrainJob) -> None:
     if rank == 0 and job.resume and os.path.exists(job.metrics_path):
         kept = [r for r in read_metrics(job.metrics_path) if r["step"] <= done]
     try:
-        with open(job.metrics_path, "w") if rank == 0 else contextlib.nullcontext() as out:
+        with (open(job.metrics_path, "w") if rank == 0 else contextlib.nullcontext()) as out, \
+                _traced(job, rank, mesh.size) as advance:
             for r in kept:
                 out.write(json.dumps(r) + "\n")
             for i in range(done + 1, job.steps + 1):
                 state, m = step(state, next(batches))
+                advance()
                 record = {"step": i, **{k: m[k] for k in STEP_METRICS}, "tokens_per_s": tokens_per_step / m["step_s"]}
                 if evaluate and job.eval_due(i):
                     record["eval_loss"] = evaluate(step, state)
@@ -165,6 +168,25 @@ def _train_rank(rank: int, job: TrainJob) -> None:
     finally:
         if progress:
             progress.close()
+
+
+@contextlib.contextmanager
+def _traced(job: TrainJob, rank: int, world: int):
+    """--trace: yields advance() for after each step. Skips 2 warm-up steps (as many as the run
+    allows), traces up to 3 into <dir>/rank<r>.json; rank 0 then merges them into trace.json."""
+    if job.trace_dir is None:
+        yield lambda: None
+        return
+    from hpf import trace
+    folder = Path(job.trace_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    skip = min(2, job.steps - 1)
+    with trace.tracing(folder / f"rank{rank}.json", skip_steps=skip, steps=min(3, job.steps - skip)) as advance:
+        yield advance
+    if world > 1:  # every rank's file is written before rank 0 reads them
+        torch.distributed.barrier()
+    if rank == 0:
+        trace.merge_traces([folder / f"rank{r}.json" for r in range(world)], folder / "trace.json")
 
 
 def _banner(job: TrainJob, n_units: int) -> str:
@@ -268,12 +290,14 @@ def cmd_train(args) -> int:
     warmup = warmup if args.warmup is None else args.warmup
     if args.schedule != "constant" and warmup >= args.steps:
         raise CliError(f"--warmup {warmup} must be below --steps {args.steps} for the {args.schedule} schedule")
-    job = TrainJob(args.config, dict(zip(mesh.axis_names, mesh.shape)), args.fsdp_axes, args.optimizer,
-                   args.lr or (muon_lr if args.optimizer == "muon" else adamw_lr), args.steps, args.batch_size,
-                   args.mode, args.seed, args.mixed_precision, args.topology, args.hsdp,
-                   str(out / "metrics.jsonl"), warmup, args.model, args.schedule,
-                   str(args.data) if args.data else None, vocab_size, args.eval_every or 0, args.save_every or 0,
-                   args.keep_last, _resume_path(args, out), args.accumulate)
+    same = ("config", "fsdp_axes", "optimizer", "steps", "batch_size", "mode", "seed", "mixed_precision",
+            "topology", "hsdp", "model", "schedule", "keep_last", "accumulate")
+    job = TrainJob(**{k: getattr(args, k) for k in same}, axes=dict(zip(mesh.axis_names, mesh.shape)),
+                   lr=args.lr or (muon_lr if args.optimizer == "muon" else adamw_lr), warmup=warmup,
+                   metrics_path=str(out / "metrics.jsonl"), data=str(args.data) if args.data else None,
+                   vocab_size=vocab_size, eval_every=args.eval_every or 0, save_every=args.save_every or 0,
+                   resume=_resume_path(args, out),
+                   trace_dir=None if args.trace is None else str(args.trace if args.trace != "" else out / "trace"))
     _make_step(job, mesh)  # checks optimizer, mode and precision here, before any rank starts
     plan = plan_of(args, mesh)  # checks the axes
     _check_memory(job, report_of(args, plan)[0],
@@ -301,6 +325,8 @@ def cmd_train(args) -> int:
     wall = time.perf_counter() - started
     records = read_metrics(out / "metrics.jsonl")
     files = [out / "metrics.jsonl", out / "run.json"]
+    if job.trace_dir:  # open in https://ui.perfetto.dev or chrome://tracing
+        files.append(Path(job.trace_dir) / "trace.json")
     if plots and not plots.startswith("skipped"):
         files += save_plots(records, out, f"loss: {args.model} {args.config!r}, mesh {mesh_text(job.axes)}, "
                                           f"{args.optimizer}{', ' + args.mixed_precision if args.mixed_precision else ''}")
@@ -411,6 +437,10 @@ def add_parser(sub, job, optimizer) -> None:
     train.add_argument("--plot", action="store_true",
                        help="save loss.png and step_breakdown.png into the run folder (needs matplotlib; "
                             "without it one line says so and training goes on)")
+    train.add_argument("--trace", nargs="?", const="", metavar="DIR",
+                       help="write Chrome/Perfetto traces of steps 3-5 (torch's ops and hpf's ranges: gathers, "
+                            "each unit's forward and backward, reductions, optimizer, waits) into DIR "
+                            "(default: <out>/trace): rank<r>.json per rank and trace.json, all ranks merged")
     train.add_argument("--timeout", type=positive(float), default=3600.0, metavar="S",
                        help="end the run after this many seconds; also bounds each collective (default: 3600)")
     train.set_defaults(run=cmd_train)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .. import trace
 from .cost import ring_bytes
 from .transport import BufferCache, CallCounters, check_op, check_shards
 
@@ -223,6 +224,11 @@ class ShmGroup(CallCounters):
         self._generation += 1
         target, slots, stride = self._generation, self._slots, self._stride
         slots[self.rank * stride] = target
+        with trace.span("hpf/shm barrier"):
+            self._wait_for(target)
+
+    def _wait_for(self, target: int) -> None:
+        slots, stride = self._slots, self._stride
         late = [r for r in range(self.world_size) if r != self.rank]
         checks, sleep_s, deadline = 0, 1e-5, None
         while True:

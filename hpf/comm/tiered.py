@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..planning import Plan, check_bucket_bytes
+from ..trace import span
 from . import world
 from .cost import bucket_comm_bytes, count_bytes, dtype_bytes
 from .shm import ShmGroup
@@ -269,14 +270,17 @@ class TieredComm:
 
         def slow_stage():
             if slow:
-                self._over_slow_link(lambda: self._transports[("gather", slow)].all_gather_into(block, shard),
-                                     tiers["slow"])
+                with span("hpf/all-gather slow tier, bucket", b):
+                    self._over_slow_link(lambda: self._transports[("gather", slow)].all_gather_into(block, shard),
+                                         tiers["slow"])
             elif block.data_ptr() != shard.data_ptr():
-                block.copy_(shard)
+                with span("hpf/copy shard, bucket", b):
+                    block.copy_(shard)
 
         def fast_stage():
             if fast:
-                self._transports[("gather", fast)].all_gather_into(out, block)
+                with span("hpf/all-gather fast tier, bucket", b):
+                    self._transports[("gather", fast)].all_gather_into(out, block)
 
         count_bytes(self.bytes, "all_gather", tiers)  # as issued, on the caller's thread
         w = self._workers
@@ -297,16 +301,19 @@ class TieredComm:
 
         def fast_stage():
             if fast:
-                self._transports[("reduce", fast)].reduce_scatter(block, flat)
+                with span("hpf/reduce-scatter fast tier, bucket", b):
+                    self._transports[("reduce", fast)].reduce_scatter(block, flat)
 
         def slow_stage():
             if slow:
-                self._over_slow_link(lambda: self._transports[("reduce", slow)].reduce_scatter(shard, block),
-                                     tiers["slow"])
+                with span("hpf/reduce-scatter slow tier, bucket", b):
+                    self._over_slow_link(lambda: self._transports[("reduce", slow)].reduce_scatter(shard, block),
+                                         tiers["slow"])
             elif not fast and shard.data_ptr() != flat.data_ptr():
                 shard.copy_(flat)
             if group is not None:
-                self._over_slow_link(lambda: dist.all_reduce(shard, group=group), replica["slow"])
+                with span("hpf/all-reduce replicas, bucket", b):
+                    self._over_slow_link(lambda: dist.all_reduce(shard, group=group), replica["slow"])
 
         count_bytes(self.bytes, "reduce_scatter", tiers)
         count_bytes(self.bytes, "all_reduce", replica)
