@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.overrides import handle_torch_function, has_torch_function
 
 from ..mesh import Mesh, MeshError
+from .transport import reduce_scatter_async
 
 __all__ = ["psum", "all_gather", "all_to_all", "axis_index", "SPMD", "spmd", "current"]
 
@@ -148,7 +149,7 @@ def gather_dim0(x: torch.Tensor, group, n: int) -> torch.Tensor:
 
 def _reduce_scatter0(x: torch.Tensor, group, n: int) -> torch.Tensor:
     out = x.new_empty((x.shape[0] // n,) + tuple(x.shape[1:]))
-    dist.reduce_scatter_single(out, x.contiguous(), group=group)
+    reduce_scatter_async(out, x.contiguous(), group).wait()
     return out
 
 

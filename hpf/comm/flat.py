@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ..planning import Plan
 from .cost import bucket_comm_bytes, count_bytes
-from .transport import DONE, Handle, is_done
+from .transport import DONE, Handle, is_done, reduce_scatter_async
 
 __all__ = ["BucketComm"]
 
@@ -87,7 +87,7 @@ class BucketComm:
             handle = DONE
         else:
             count_bytes(self.bytes, "reduce_scatter", self._op_bytes[b]["reduce_scatter"])
-            handle = dist.reduce_scatter_single(shard, flat, group=g, async_op=True)
+            handle = reduce_scatter_async(shard, flat, g)
         rg = self.replica_groups[b]
         if rg is None:
             return handle

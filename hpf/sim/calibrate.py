@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..comm.transport import reduce_scatter_async
 from ..launcher import launch
 from ..models import gpt
 
@@ -62,7 +63,7 @@ def _comm_rank(rank, sizes, reps):
         full, shard, res = torch.randn(numel), torch.randn(k), torch.empty(k)
         out[nbytes] = {
             ("gloo", "all_gather"): _median_slowest(lambda: dist.all_gather_single(full, shard), reps),
-            ("gloo", "reduce_scatter"): _median_slowest(lambda: dist.reduce_scatter_single(res, full), reps),
+            ("gloo", "reduce_scatter"): _median_slowest(lambda: reduce_scatter_async(res, full).wait(), reps),
             ("shm", "all_gather"): _median_slowest(lambda: group.all_gather_into(full_all[:numel], shard), reps),
             ("shm", "reduce_scatter"): _median_slowest(lambda: group.reduce_scatter(res, grad_all[:numel]), reps),
         }
