@@ -302,7 +302,7 @@ def save(step, state, path, extra: Any = None, *, keep_last: int | None = None, 
     def write():
         try:
             with _quiet():
-                dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp, thread_count=2), planner=_SavePlanner(),
+                dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), planner=_SavePlanner(),
                          process_group=group, no_dist=not on)
             if rank == 0:
                 _publish(tmp, path, header, keep_last)
