@@ -74,6 +74,7 @@ class ShardStep:
         self.plan: Plan | None = None
         self.engine: UnitEngine | None = None
         self._live: list | None = None  # the params list of the state this step last returned
+        self._aux: dict | None = None  # loss_fn's aux dict of the current step, if it returns one
 
     # -- set-up, once ---------------------------------------------------------------------------
     def init(self, full_params: Any) -> TrainState:
@@ -108,7 +109,8 @@ class ShardStep:
         self.engine = UnitEngine(self.plan, self.rank, comm, compute, self.device,
                                  pipeline=self.topology is None or self.topology.pipeline)
         self.dp_size = self.mesh.axis_size(self.plan.fsdp_axes)
-        self._spmd = SPMD(self.mesh, self.rank, self.plan.fsdp_axes)
+        # Axes a param computes sharded over (experts on a borrowed data axis) allow collectives.
+        self._spmd = SPMD(self.mesh, self.rank, tuple(a for a in self.plan.fsdp_axes if a not in self.plan.split_axes))
         n_compute = self.mesh.axis_size(self.plan.compute_axes)
         self._loss_seed = None if n_compute == 1 else 1.0 / n_compute
         # Buckets replicated over non-FSDP axes hold partial grads there (see hpf.comm.collectives).
@@ -182,9 +184,11 @@ class ShardStep:
         for b, n in zip(missing, torch._foreach_norm([grads[b] for b in missing]) if missing else ()):
             norms[b] = n
         sq = (torch.stack(norms).float().square() / self._replica_counts).sum()
-        totals = torch.stack([loss.detach().float(), sq, sq.new_tensor(float(applied[0]))])
+        aux = self._aux or {}  # loss_fn's aux tensors ride along in the all-reduce: summed over every rank
+        totals = torch.cat([torch.stack([loss.detach().float(), sq, sq.new_tensor(float(applied[0]))])]
+                           + [v.detach().float().reshape(-1).to(sq.device) for v in aux.values()])
         if dist.is_initialized() and self.mesh.size > 1:
-            dist.all_reduce(totals)
+            dist.all_reduce(totals)  # aux values ride along: summed over every rank
             totals[0] /= self.mesh.size
         mean_loss, grad_norm = float(totals[0]), float(totals[1].sqrt())
         if not math.isfinite(grad_norm):
@@ -208,6 +212,9 @@ class ShardStep:
         t1 = time.perf_counter()
         metrics = {"loss": mean_loss, "grad_norm": grad_norm, "step_s": t1 - t0,
                    "optimizer_s": t1 - t_opt + opt_s[0], "comm_wait_s": eng.take_wait_s(), "skipped": False}
+        if self._aux is not None:
+            flat = torch.split(totals[3:], [v.numel() for v in aux.values()])
+            metrics["aux"] = {k: x.view(v.shape) for (k, v), x in zip(aux.items(), flat)}
         return self._donate(TrainState(params, opt_state)), metrics
 
     def _skip(self, state: TrainState, t0: float, loss: float, grad_norm: float):
@@ -275,7 +282,7 @@ class ShardStep:
         eng, seed = self.engine, self._loss_seed  # seed: the loss is replicated over non-FSDP axes,
         if self.grad == "torch.func":               # so each copy carries 1/n (see hpf.comm.collectives)
             def scaled(params):
-                loss = self.call_loss(params, batch)
+                loss = self._split_aux(self.call_loss(params, batch))
                 _check_loss(loss)
                 loss = loss.reshape(())  # a one-element loss of shape (1,) is a scalar too
                 return (loss if seed is None else loss * seed), loss
@@ -285,7 +292,7 @@ class ShardStep:
             return loss
         hooks = torch.autograd.graph.saved_tensors_hooks(eng.pack, eng.unpack) if eng.leases else contextlib.nullcontext()
         with hooks:
-            loss = self.call_loss(eng.params_tree(), batch)
+            loss = self._split_aux(self.call_loss(eng.params_tree(), batch))
             _check_loss(loss)
             loss = loss.reshape(())  # a one-element loss of shape (1,) is a scalar too
             # starts the all-ranks check of batch shapes and loss finiteness; it overlaps backward
@@ -293,6 +300,15 @@ class ShardStep:
             eng.start_backward()
             loss.backward(None if seed is None else torch.full_like(loss, seed))
         return loss
+
+    def _split_aux(self, out: Any) -> Any:
+        """loss_fn may return ``(loss, aux)``, aux a dict of tensors (e.g. MoE tokens per expert),
+        which the step sums over every rank into ``metrics["aux"]``; keeps aux, returns the loss."""
+        if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
+            self._aux = {k: v.detach() for k, v in out[1].items()}
+            return out[0]
+        self._aux = None
+        return out
 
     def call_loss(self, params: Any, batch: Any) -> torch.Tensor:
         """The one call of ``loss_fn`` inside :meth:`forward_backward`.
@@ -364,7 +380,7 @@ def _gather_compute_axes(plan: Plan, path: str, local: torch.Tensor) -> torch.Te
     slot = plan.slots[path]
     out = local
     for dim in range(len(slot.spec)):
-        axes = tuple(a for a in slot.spec.dim_axes(dim) if a in plan.compute_axes)
+        axes = plan.split_dim_axes(slot, dim)
         if axes:
             out = gather_dim0(out.movedim(dim, 0), plan.mesh.group(axes), plan.mesh.axis_size(axes)).movedim(0, dim)
     return out

@@ -4,11 +4,11 @@ Each model module provides ``CONFIGS``, ``init(config, generator, device=, dtype
 ``loss_for(config)`` and ``num_params(config)``; ``MODELS`` names them for the ``hpf`` command.
 Synthetic token batches (``gpt.synthetic_batches``) fit any config with ``vocab_size`` and
 ``seq_len``."""
-from hpf.models import gpt, llama
+from hpf.models import gpt, llama, moe
 
-__all__ = ["gpt", "llama", "MODELS", "model_config"]
+__all__ = ["gpt", "llama", "moe", "MODELS", "model_config"]
 
-MODELS = {"gpt": gpt, "llama": llama}
+MODELS = {"gpt": gpt, "llama": llama, "moe": moe}
 
 
 def model_config(model: str, config: str):
