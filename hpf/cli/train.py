@@ -19,7 +19,7 @@ import torch
 import hpf
 from hpf.api import STEPS
 from hpf.checks import finite_or_none
-from hpf.cli.common import CliError, mesh_of, mesh_text, positive, topology_of
+from hpf.cli.common import CliError, mesh_of, mesh_text, positive, sharding_of, topology_of
 from hpf.cli.plan import plan_of, report_of
 from hpf.device import default_device
 from hpf.launcher import init_distributed, is_launched, launch, rank, world_size
@@ -56,6 +56,7 @@ class TrainJob:
     metrics_path: str
     warmup: int = 0
     model: str = "gpt"
+    ep_axis: str | None = None
 
 
 def _make_optimizer(name: str, lr: float, adamw_lr: float, warmup: int):
@@ -67,10 +68,17 @@ def _make_optimizer(name: str, lr: float, adamw_lr: float, warmup: int):
 
 def _make_step(job: TrainJob, mesh: hpf.Mesh):
     module, config = model_config(job.model, job.config)
-    return hpf.shard_step(module.loss_for(config), mesh=mesh,
-                          optimizer=_make_optimizer(job.optimizer, job.lr, TRAIN_DEFAULTS[job.config][0], job.warmup),
-                          fsdp_axes=job.fsdp_axes, mode=job.mode, mixed_precision=job.mixed_precision,
-                          hsdp=job.hsdp, topology=topology_of(job.topology))
+    # a model with a training-loop Balancer (moe) returns its aux counts and takes --ep-axis
+    loss_fn = module.loss_for(config, job.ep_axis, aux=True) if hasattr(module, "Balancer") else module.loss_for(config)
+    return hpf.shard_step(loss_fn, mesh=mesh,
+                          optimizer=_make_optimizer(job.optimizer, job.lr, _defaults(job.config)[0], job.warmup),
+                          **sharding_of(job.model, config, mesh, job.fsdp_axes, job.ep_axis), mode=job.mode,
+                          mixed_precision=job.mixed_precision, hsdp=job.hsdp, topology=topology_of(job.topology))
+
+
+def _defaults(config: str) -> tuple[float, float, int]:
+    """TRAIN_DEFAULTS of a config name; a name it lacks (a model's own config) gets tiny's."""
+    return TRAIN_DEFAULTS.get(config, TRAIN_DEFAULTS["tiny"])
 
 
 def _train_rank(rank: int, job: TrainJob) -> None:
@@ -82,22 +90,31 @@ def _train_rank(rank: int, job: TrainJob) -> None:
         progress.start(f"step 1 of {job.steps}: init, first gathers and warm-up")
     step = _make_step(job, mesh)
     state = step.init(module.init(config, torch.Generator().manual_seed(job.seed)))
-    batches = gpt.synthetic_batches(config, job.batch_size, job.seed, rank=rank, world_size=mesh.size,
-                                    device=default_device())
+    tokens = gpt.synthetic_batches(config, job.batch_size, job.seed, rank=rank, world_size=mesh.size,
+                                   device=default_device())
+    # loop state that rides in each batch and moves by the step's metrics (moe: the expert bias)
+    balancer = module.Balancer(config, default_device()) if hasattr(module, "Balancer") else None
+    batches = tokens if balancer is None else map(balancer.batch, tokens)
     tokens_per_step = job.batch_size * config.seq_len
     if rank != 0:
         for _ in range(job.steps):
-            state, _ = step(state, next(batches))
+            state, m = step(state, next(batches))
+            if balancer is not None:
+                balancer.update(m)
         return
     try:
         with open(job.metrics_path, "w") as out:
             for i in range(1, job.steps + 1):
                 state, m = step(state, next(batches))
                 record = {"step": i, **{k: m[k] for k in STEP_METRICS}, "tokens_per_s": tokens_per_step / m["step_s"]}
+                extra = {}
+                if balancer is not None:
+                    record["expert_imbalance"] = balancer.update(m)
+                    extra = {"experts max/mean": f"{record['expert_imbalance']:.2f}"}
                 out.write(json.dumps(finite_or_none(record), allow_nan=False) + "\n")  # NaN -> null: valid JSON
                 out.flush()  # a crashed or interrupted run keeps its metrics so far
                 progress.update(i, {"loss": f"{m['loss']:.4f}", "tokens/s": f"{record['tokens_per_s'] / 1e3:.1f}k",
-                                    "comm wait": f"{m['comm_wait_s'] / m['step_s']:.0%}"})
+                                    "comm wait": f"{m['comm_wait_s'] / m['step_s']:.0%}", **extra})
     finally:
         progress.close()
 
@@ -196,11 +213,12 @@ def cmd_train(args) -> int:
                       "pip install -e '.[plot]'); training goes on", file=sys.stderr, flush=True)
     out = args.out or Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     lead = rank() == 0  # rank 0 under torchrun; the driver otherwise
-    adamw_lr, muon_lr, warmup = TRAIN_DEFAULTS[args.config]
+    adamw_lr, muon_lr, warmup = _defaults(args.config)
     job = TrainJob(args.config, dict(zip(mesh.axis_names, mesh.shape)), args.fsdp_axes, args.optimizer,
                    args.lr or (muon_lr if args.optimizer == "muon" else adamw_lr), args.steps, args.batch_size,
                    args.mode, args.seed, args.mixed_precision, args.topology, args.hsdp,
-                   str(out / "metrics.jsonl"), warmup if args.warmup is None else args.warmup, args.model)
+                   str(out / "metrics.jsonl"), warmup if args.warmup is None else args.warmup, args.model,
+                   args.ep_axis)
     _make_step(job, mesh)  # checks optimizer, mode and precision here, before any rank starts
     plan = plan_of(args, mesh)  # checks the axes
     _check_memory(job, report_of(args, plan)[0],

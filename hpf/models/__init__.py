@@ -2,6 +2,9 @@
 
 Each model module provides ``CONFIGS``, ``init(config, generator, device=, dtype=)``,
 ``loss_for(config)`` and ``num_params(config)``; ``MODELS`` names them for the ``hpf`` command.
+A model with experts (``moe``) also provides ``param_specs(config, ep_axis, data_axes)``,
+``dispatch_bytes`` (its all-to-all bytes, for ``hpf plan``) and ``Balancer`` (loop state that
+rides in each batch and moves by ``metrics["aux"]``); its ``loss_for`` takes ``ep_axis, aux``.
 Synthetic token batches (``gpt.synthetic_batches``) fit any config with ``vocab_size`` and
 ``seq_len``."""
 from hpf.models import gpt, llama, moe

@@ -33,7 +33,7 @@ from ..comm.collectives import all_to_all
 from . import gpt
 
 __all__ = ["MoEConfig", "CONFIGS", "num_params", "init", "loss", "loss_for", "param_specs", "update_bias",
-           "imbalance", "synthetic_batches", "global_batch", "batch_with_bias", "dispatch_bytes"]
+           "imbalance", "Balancer", "synthetic_batches", "global_batch", "batch_with_bias", "dispatch_bytes"]
 
 NORM_EPS = 1e-6
 INIT_STD = 0.02
@@ -285,6 +285,25 @@ def imbalance(counts: torch.Tensor) -> float:
 
 def batch_with_bias(tokens: torch.Tensor, bias: torch.Tensor) -> dict:
     return {"tokens": tokens, "expert_bias": bias}
+
+
+class Balancer:
+    """Aux-loss-free balancing in a training loop: the selection bias rides in each batch and
+    moves by the step's all-reduced expert counts (the same on every rank, so no broadcast).
+    Needs a step made with ``loss_for(config, ..., aux=True)``."""
+
+    def __init__(self, config: MoEConfig, device=None):
+        self.config = config
+        self.bias = torch.zeros(config.n_moe_layers, config.n_experts, device=device)
+
+    def batch(self, tokens: torch.Tensor) -> dict:
+        return batch_with_bias(tokens, self.bias)
+
+    def update(self, metrics: dict) -> float:
+        """Move the bias by ``metrics["aux"]["expert_counts"]``; returns their imbalance (max/mean)."""
+        counts = metrics["aux"]["expert_counts"].to(self.bias.device)
+        self.bias = update_bias(self.bias, counts, self.config.bias_update_coeff)
+        return imbalance(counts)
 
 
 global_batch = gpt.global_batch  # the same fixed-seed Markov token source (needs only vocab_size, seq_len)
