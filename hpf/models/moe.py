@@ -231,37 +231,48 @@ def _balance_loss(scores, idx, b: int, c: MoEConfig):
     return (f * p).sum(-1).mean()
 
 
+def block(blk: dict, x: torch.Tensor, bias, c: MoEConfig, ep_axis: str | None = None, experts=None):
+    """One block on x [B, T, D] -> (x, tokens per expert or None, balance loss). ``experts(h, idx,
+    gates)`` overrides the routed-expert call (default: ``routed_experts`` on ``blk["experts"]``)."""
+    b, t, _ = x.shape
+    x = x + _attention(_rms(x, blk["attn_norm"]), blk, c)
+    h = _rms(x, blk["ffn_norm"])
+    if "router" not in blk:
+        return x + _swiglu(h, blk["ffn"]), None, 0.0
+    hf = h.reshape(b * t, -1)
+    scores, idx, gates = route(hf, blk["router"], None if bias is None else bias.detach(), c)
+    if experts is None:
+        out, cnt = routed_experts(hf, idx, gates, blk["experts"], c.n_experts, ep_axis)
+    else:
+        out, cnt = experts(hf, idx, gates)
+    if "shared" in blk:
+        out = out + _swiglu(hf, blk["shared"])
+    balance = _balance_loss(scores, idx, b, c) if c.aux_loss_coeff else 0.0
+    return x + out.view(b, t, -1), cnt, balance
+
+
 def loss(params: dict, batch, *, config: MoEConfig, ep_axis: str | None = None, aux: bool = False):
     """Mean next-token cross-entropy (+ aux_loss_coeff * balance loss) of ``batch``: tokens
     [B, T+1], or {"tokens": ..., "expert_bias": [n_moe_layers, E]}. ``aux=True`` returns
     ``(loss, {"expert_counts": [n_moe_layers, E] float})``."""
     c = config
     tokens, bias = (batch["tokens"], batch.get("expert_bias")) if isinstance(batch, dict) else (batch, None)
-    inp, tgt = tokens[:, :-1], tokens[:, 1:]
-    b, t = inp.shape
-    x = F.embedding(inp, params["embed"])
-    counts, balance, j = [], 0.0, 0
+    x = F.embedding(tokens[:, :-1], params["embed"])
+    counts, balance = [], 0.0
     for blk in params["blocks"]:
-        x = x + _attention(_rms(x, blk["attn_norm"]), blk, c)
-        h = _rms(x, blk["ffn_norm"])
-        if "router" not in blk:
-            x = x + _swiglu(h, blk["ffn"])
-            continue
-        hf = h.reshape(b * t, -1)
-        scores, idx, gates = route(hf, blk["router"], None if bias is None else bias[j].detach(), c)
-        out, cnt = routed_experts(hf, idx, gates, blk["experts"], c.n_experts, ep_axis)
-        if "shared" in blk:
-            out = out + _swiglu(hf, blk["shared"])
-        if c.aux_loss_coeff:
-            balance = balance + _balance_loss(scores, idx, b, c)
-        counts.append(cnt)
-        x = x + out.view(b, t, -1)
-        j += 1
-    logits = F.linear(_rms(x, params["norm_f"]), params["head"])
-    value = F.cross_entropy(logits.float().flatten(0, 1), tgt.flatten()) + c.aux_loss_coeff * balance
+        x, cnt, bal = block(blk, x, None if bias is None or "router" not in blk else bias[len(counts)], c, ep_axis)
+        balance = balance + bal
+        if cnt is not None:
+            counts.append(cnt)
+    value = head_loss(params, x, tokens[:, 1:]) + c.aux_loss_coeff * balance
     if not aux:
         return value
     return value, {"expert_counts": torch.stack(counts).float() if counts else torch.zeros(0)}
+
+
+def head_loss(params: dict, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = F.linear(_rms(x, params["norm_f"]), params["head"])
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 def loss_for(config: MoEConfig, ep_axis: str | None = None, aux: bool = False):
