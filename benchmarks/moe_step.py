@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import hpf  # noqa: E402
-from common import median_ms, print_table, report_ratio, time_steps  # noqa: E402
-from hpf import collectives  # noqa: E402
-from hpf.launch import launch  # noqa: E402
+from common import median_ms, print_table, report_ratio, step_runner, time_steps  # noqa: E402
+from hpf.comm import collectives  # noqa: E402
+from hpf.launcher import launch  # noqa: E402
 from hpf.models import moe  # noqa: E402
 
 AXES = {"dp": 2, "ep": 2}
@@ -129,12 +129,7 @@ def make_hpf(params, config):
     step = hpf.shard_step(moe.loss_for(config, ep_axis="ep"), mesh=hpf.Mesh(AXES),
                           optimizer=hpf.optim.adamw(**ADAMW), param_specs=moe.param_specs(config, "ep", data),
                           fsdp_axes=data)
-    state = [step.init(params)]
-
-    def run(batch):
-        state[0], m = step(state[0], batch)
-        return m["loss"]
-    return run
+    return step_runner(step, params)
 
 
 def _rank(rank, args):

@@ -196,15 +196,17 @@ def _exchange(x: torch.Tensor, group, n: int, split_dim: int, concat_dim: int) -
     return torch.cat(recv.unbind(0), concat_dim)  # block j came from rank j
 
 
-class _AllToAll(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
+    """An all-to-all ``fn(x, *args)`` whose backward is the same exchange with ``inverse`` args."""
+
     @staticmethod
-    def forward(ctx, x, group, n, split_dim, concat_dim):
-        ctx.args = group, n, concat_dim, split_dim  # the inverse exchange swaps the dims
-        return _exchange(x, group, n, split_dim, concat_dim)
+    def forward(ctx, x, fn, args, inverse):
+        ctx.fn, ctx.inverse = fn, inverse
+        return fn(x, *args)
 
     @staticmethod
     def backward(ctx, grad):
-        return _exchange(grad, *ctx.args), None, None, None, None
+        return ctx.fn(grad, *ctx.inverse), None, None, None
 
 
 def all_to_all(x: torch.Tensor, axis: str | Sequence[str], split_dim: int, concat_dim: int, *,
@@ -237,31 +239,29 @@ def all_to_all(x: torch.Tensor, axis: str | Sequence[str], split_dim: int, conca
     group, n, virtual = _setup(axis, "all_to_all")
     split_dim = _dim(x, split_dim, "all_to_all", "split_dim")
     concat_dim = _dim(x, concat_dim, "all_to_all", "concat_dim")
-    if send_sizes is not None:
+    uneven = send_sizes is not None
+    if uneven:
         send = _sizes(send_sizes, n, axis, "send_sizes", x.shape[split_dim])
         if split_dim != concat_dim:
             raise ValueError(f"hpf.all_to_all over {axis!r} with send_sizes: uneven chunks can only be "
                              f"concatenated along the dim they were split on; got split_dim {split_dim}, "
                              f"concat_dim {concat_dim}")
-        if n == 1:
-            return x.view_as(x)
-        if virtual:
-            return x.clone()
-        if recv_sizes is None:  # counts first: every rank learns what it will receive (no hang on a guess)
-            counts = torch.tensor(send, dtype=torch.int64, device=x.device)
-            recv_sizes = torch.empty_like(counts)
-            dist.all_to_all_single(recv_sizes, counts, group=group)
-        recv = _sizes(recv_sizes, n, axis, "recv_sizes", None)
-        return _AllToAllV.apply(x, group, send, recv, split_dim)
-    if x.shape[split_dim] % n:
+    elif x.shape[split_dim] % n:
         raise ValueError(f"hpf.all_to_all over {axis!r}: split_dim {split_dim} has size "
                          f"{x.shape[split_dim]}, which {n} ranks do not divide; pad it to a multiple of {n}, "
                          f"or pass send_sizes= for uneven chunks")
     if n == 1:
         return x.view_as(x)
     if virtual:
-        return torch.cat(x.chunk(n, split_dim), concat_dim)
-    return _AllToAll.apply(x, group, n, split_dim, concat_dim)
+        return x.clone() if uneven else torch.cat(x.chunk(n, split_dim), concat_dim)
+    if not uneven:
+        return _Exchange.apply(x, _exchange, (group, n, split_dim, concat_dim), (group, n, concat_dim, split_dim))
+    if recv_sizes is None:  # counts first: every rank learns what it will receive (no hang on a guess)
+        counts = torch.tensor(send, dtype=torch.int64, device=x.device)
+        recv_sizes = torch.empty_like(counts)
+        dist.all_to_all_single(recv_sizes, counts, group=group)
+    recv = _sizes(recv_sizes, n, axis, "recv_sizes", None)
+    return _Exchange.apply(x, _exchange_v, (group, send, recv, split_dim), (group, recv, send, split_dim))
 
 
 def _sizes(sizes, n: int, axis, name: str, total: int | None) -> list[int]:
@@ -277,17 +277,6 @@ def _exchange_v(x: torch.Tensor, group, send: list[int], recv: list[int], dim: i
     out = x0.new_empty((sum(recv),) + tuple(x0.shape[1:]))
     dist.all_to_all_single(out, x0, output_split_sizes=recv, input_split_sizes=send, group=group)
     return out.movedim(0, dim)
-
-
-class _AllToAllV(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, send, recv, dim):
-        ctx.args = group, recv, send, dim  # the inverse exchange swaps the sizes
-        return _exchange_v(x, group, send, recv, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _exchange_v(grad, *ctx.args), None, None, None, None
 
 
 # -- axis_index ----------------------------------------------------------------------------------------

@@ -101,18 +101,7 @@ def init(config: MoEConfig, generator: torch.Generator | None = None, *, device=
          dtype: torch.dtype = torch.float32) -> dict:
     """Fresh params (fp32 draws on the CPU from ``generator``, default seed 0; ``device="meta"`` draws nothing)."""
     c = config
-    on_meta = device is not None and torch.device(device).type == "meta"
-    if generator is None and not on_meta:
-        generator = torch.Generator().manual_seed(0)
-
-    def normal(*shape: int, std: float = INIT_STD) -> torch.Tensor:
-        if on_meta:
-            return torch.empty(shape, device="meta", dtype=dtype)
-        return (torch.randn(shape, generator=generator) * std).to(device=device, dtype=dtype)
-
-    def ones(n: int) -> torch.Tensor:
-        return torch.ones(n, device=device, dtype=dtype)
-
+    normal, ones = gpt.param_makers(generator, device, dtype)
     d, res = c.d_model, INIT_STD / math.sqrt(2 * c.n_layers)
 
     def swiglu(*lead: int, hidden: int) -> dict:
