@@ -159,13 +159,19 @@ def four():
     return launch(_four, 4, timeout=600)
 
 
-@pytest.fixture(scope="module")
-def ref():
+def _reference_run(rank):
     params = params0()
     leaves = [p.requires_grad_() for p in hpf.tree.flatten(params)[1]]
     loss, counts, margin = reference(params, tokens(), bias0())
     loss.backward()
     return float(loss.detach()), counts, margin, [p.detach().clone() for p in leaves], [p.grad for p in leaves]
+
+
+@pytest.fixture(scope="module")
+def ref():
+    # In a child process: a pytest process that has run multi-threaded torch ops and then forks
+    # hpf.launch ranks was seen to hang them (test_cli_train_... after this reference ran in-process).
+    return launch(_reference_run, 1, timeout=600)[0]
 
 
 @pytest.mark.slow
