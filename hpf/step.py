@@ -302,13 +302,10 @@ class ShardStep:
         return loss
 
     def _split_aux(self, out: Any) -> Any:
-        """loss_fn may return ``(loss, aux)``, aux a dict of tensors (e.g. MoE tokens per expert),
-        which the step sums over every rank into ``metrics["aux"]``; keeps aux, returns the loss."""
-        if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
-            self._aux = {k: v.detach() for k, v in out[1].items()}
-            return out[0]
-        self._aux = None
-        return out
+        """Keeps loss_fn's aux dict, if any, for ``metrics["aux"]``; returns the loss."""
+        loss, aux = split_aux(out)
+        self._aux = None if aux is None else {k: v.detach() for k, v in aux.items()}
+        return loss
 
     def call_loss(self, params: Any, batch: Any) -> torch.Tensor:
         """The one call of ``loss_fn`` inside :meth:`forward_backward`.
@@ -364,6 +361,14 @@ def step_plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes=None, 
                      hierarchical=topology is not None and topology.hierarchical,
                      default_shard_axes=[a for a in fsdp if a in mesh.fast_axes] if hsdp else None,
                      bucket_bytes=topology.bucket_bytes if topology else 0)
+
+
+def split_aux(out: Any) -> tuple[Any, dict | None]:
+    """(loss, aux) of what loss_fn returned: it may return ``(loss, aux)``, aux a dict of tensors
+    (e.g. MoE tokens per expert) that the step sums over every rank into ``metrics["aux"]``."""
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
+        return out
+    return out, None
 
 
 def _check_loss(loss: Any) -> None:

@@ -149,9 +149,52 @@ def _uneven_all_to_all(rank):
     return y.detach(), x.grad
 
 
+def _unnormalized_route(x, router, bias, c):
+    scores, idx, gates = ROUTE(x, router, bias, c)
+    return scores, idx, gates * 1.5  # a router that forgot to renormalize after the top-k
+
+
+def _unsorted_order(flat):
+    return torch.arange(len(flat))  # token order, not expert-major: chunks hold other ranks' experts
+
+
+def _doubled_copy_order(flat):
+    order = flat.argsort(stable=True)
+    return torch.cat([order[:1], order[:-1]]) if len(order) > 1 else order  # one copy twice, the last one lost
+
+
+ROUTE, BUGS = moe.route, {"gates": ("route", _unnormalized_route), "placement": ("dispatch_order", _unsorted_order),
+                          "lost": ("dispatch_order", _doubled_copy_order)}
+
+
+def _validate_cases(rank):
+    """Validation mode on dp=2 x ep=2: a clean step (the same loss as production), then each
+    dispatch bug, patched into hpf.models.moe, gives its named error on every rank."""
+    axes, out = {"dp": 2, "ep": 2}, {}
+    for case in ("clean", *BUGS):
+        step = hpf.shard_step(moe.loss_for(C, ep_axis="ep", aux=True), mesh=hpf.Mesh(axes), optimizer=SGD1(),
+                              param_specs=moe.param_specs(C, "ep", tuple(axes)), fsdp_axes=tuple(axes),
+                              mode="validate")
+        state = step.init(params0())
+        rows = BATCH // 4
+        batch = moe.batch_with_bias(tokens()[rank * rows:(rank + 1) * rows], bias0())
+        name, bug = BUGS.get(case, (None, None))
+        saved = name and getattr(moe, name)
+        if name:
+            setattr(moe, name, bug)
+        try:
+            out[case] = step(state, batch)[1]["loss"]
+        except hpf.validate.DispatchError as e:
+            out[case] = (type(e).__name__, str(e))
+        finally:
+            if name:
+                setattr(moe, name, saved)
+    return out
+
+
 def _four(rank):
     return {"ep2": _run(rank, {"dp": 2, "ep": 2}, "ep"), "ep4": _run(rank, {"ep": 4}, "ep"),
-            "a2a": _uneven_all_to_all(rank)}
+            "a2a": _uneven_all_to_all(rank), "validate": _validate_cases(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +233,22 @@ def test_ep_fsdp_step_matches_dense_reference(four, ref, run):
     # the starved expert got an exact zero grad; live experts did not
     dead_w1 = [p0 - p1 for path, p0, p1 in zip(paths, before, four[0][run]["after"]) if path == "blocks/1/experts/w1"][0]
     assert torch.all(dead_w1[DEAD] == 0) and dead_w1.abs().sum() > 0
+
+
+@pytest.mark.slow
+def test_validation_names_each_dispatch_bug(four):
+    """A lost token copy, a token on a rank that does not own its expert, gates not summing to
+    1: each its own error, raised on every rank together (no rank left waiting); a clean step
+    validates with production's loss."""
+    for r, out in enumerate(four):
+        v = out["validate"]
+        assert v["clean"] == pytest.approx(out["ep2"]["loss"], rel=1e-6), r
+        assert v["gates"][0] == "GateSumError" and "sum to 1.5" in v["gates"][1]
+        assert v["placement"][0] == "ExpertPlacementError"
+        assert v["lost"][0] == "TokenLostError"
+    msgs = {c: [out["validate"][c][1] for out in four] for c in BUGS}
+    assert any("received a token for expert" in m for m in msgs["placement"]), msgs["placement"]
+    assert any("is sent to 2 experts, not its top-2" in m or "is sent to 3 experts" in m for m in msgs["lost"])
 
 
 @pytest.mark.slow
@@ -244,14 +303,12 @@ def test_bias_balancing_brings_imbalance_down():
     """Aux-loss-free balancing on tiny, one process through shard_step: max/mean < 1.3 within 200 steps."""
     step = hpf.shard_step(moe.loss_for(C, aux=True), mesh=hpf.Mesh({"dp": 1}), optimizer=hpf.optim.adamw(lr=3e-3))
     state = step.init(moe.init(C))
-    bias = torch.zeros(C.n_moe_layers, C.n_experts)
+    balancer = moe.Balancer(C)  # what hpf train --model moe runs
     batches = moe.synthetic_batches(C, 64, 0)  # 256 token copies per expert: sampling noise ~1.1x
     seen = []
     for _ in range(200):
-        state, m = step(state, moe.batch_with_bias(next(batches), bias))
-        counts = m["aux"]["expert_counts"]
-        bias = moe.update_bias(bias, counts, C.bias_update_coeff)
-        seen.append(moe.imbalance(counts))
+        state, m = step(state, balancer.batch(next(batches)))
+        seen.append(balancer.update(m))
     assert seen[0] > 1.3  # measured without the bias: 1.4-1.9 throughout
     assert sum(seen[-20:]) / 20 < 1.3, seen[-20:]  # measured: 1.18
 

@@ -37,7 +37,7 @@ from torch.overrides import handle_torch_function, has_torch_function
 
 from ..mesh import Mesh, MeshError
 
-__all__ = ["psum", "all_gather", "all_to_all", "axis_index", "SPMD", "spmd", "current"]
+__all__ = ["psum", "all_gather", "all_to_all", "axis_index", "SPMD", "spmd", "current", "validating"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,7 @@ class SPMD:
     rank: int
     fsdp_axes: tuple[str, ...]
     virtual: bool = False
+    validate: bool = False  # validation mode: models check their data-dependent invariants (MoE dispatch)
 
     def axes(self, axis: str | Sequence[str], op: str) -> tuple[str, ...]:
         """``axis`` as a tuple of non-FSDP mesh axes, in mesh order; errors name the op."""
@@ -76,6 +77,12 @@ _CURRENT: contextvars.ContextVar[SPMD | None] = contextvars.ContextVar("hpf_spmd
 
 def current() -> SPMD | None:
     return _CURRENT.get()
+
+
+def validating() -> bool:
+    """Whether the running ``loss_fn`` is in a validation-mode step (checks cost time: only then)."""
+    ctx = _CURRENT.get()
+    return ctx is not None and ctx.validate
 
 
 @contextlib.contextmanager
