@@ -13,6 +13,7 @@ scaled 10x to widen the gaps; measured smallest gap 1.4e-5), far above the ~1e-7
 two runs' scores can differ (their losses differ by 1e-7 relative).
 """
 import math
+import re
 import subprocess
 import sys
 
@@ -331,3 +332,30 @@ def test_cli_train_moe_dp2_ep2_matches_one_process(tmp_path):
     for a, b in zip(runs["ep"], runs["one"]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
         assert a["expert_imbalance"] == b["expert_imbalance"]
+
+
+def test_cli_plan_moe_505b_at_768_ranks(capsys):
+    """`hpf plan --model moe --config 505b --mesh node=48,local=16 --ep-axis local`: 490-520B params,
+    per-rank memory, FSDP bytes and the MoE all-to-all per tier (experts over the fast tier)."""
+    from hpf import cli
+
+    assert cli.main(["plan", "--model", "moe", "--config", "505b", "--mesh", "node=48,local=16", "--ep-axis", "local",
+                     "--mixed-precision", "bf16"]) == 0
+    out = capsys.readouterr().out
+    total = float(re.search(r"moe '505b': ([\d,.]+)M params", out).group(1).replace(",", ""))
+    assert 490e3 <= total <= 520e3
+    layouts = dict((k, float(n.replace(",", ""))) for n, k in re.findall(r"params +([\d,.]+)M  (.*)", out))
+    assert layouts["FSDP over (node), computed split over (local)"] > 0.95 * total  # the experts
+    assert sum(layouts.values()) == pytest.approx(total, rel=1e-6)
+
+    def mib(name):
+        return [float(x) for x in re.search(rf"  {re.escape(name)} +([\d.]+) MiB +([\d.]+) MiB", out).groups()]
+    for row in ("params (shards)", "grads (shards)", "optimizer state", "peak gathered units"):
+        assert f"  {row}" in out
+    assert all(v > 0 for v in mib("all_gather") + mib("reduce_scatter"))
+    fast, slow = mib("all_to_all (MoE)")
+    assert fast > 0 and slow == 0  # ep over local: the tokens never cross the slow tier
+    for bad, what in ((["--model", "gpt", "--ep-axis", "local"], "has no experts"),
+                      (["--model", "moe", "--ep-axis", "tp"], "not one of the FSDP axes")):
+        assert cli.main(["plan", *bad, "--mesh", "node=2,local=2"]) == 2
+        assert what in capsys.readouterr().err
