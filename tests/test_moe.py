@@ -356,6 +356,7 @@ def test_cli_plan_moe_505b_at_768_ranks(capsys):
     fast, slow = mib("all_to_all (MoE)")
     assert fast > 0 and slow == 0  # ep over local: the tokens never cross the slow tier
     for bad, what in ((["--model", "gpt", "--ep-axis", "local"], "has no experts"),
-                      (["--model", "moe", "--ep-axis", "tp"], "not one of the FSDP axes")):
+                      (["--model", "moe", "--ep-axis", "tp"], "not one of the FSDP axes"),
+                      (["--model", "moe", "--check"], "hpf train --mode validate")):
         assert cli.main(["plan", *bad, "--mesh", "node=2,local=2"]) == 2
         assert what in capsys.readouterr().err

@@ -68,9 +68,9 @@ def cmd_plan(args) -> int:
         print(f"predicted step time, exposed communication and tokens/s, hpf vs FSDP2 vs Megatron DDP: "
               f"hpf simulate --config {args.config} --mesh {mesh_text(dict(zip(mesh.axis_names, mesh.shape)))} "
               "--hardware cloudmatrix384 (or h100, or a calibration file)")
-    if args.check and args.ep_axis:
-        raise CliError("--check does not cover --ep-axis yet (validation mode on meta tensors with experts split "
-                       "over a borrowed data axis); drop one of them")
+    if args.check and hasattr(module, "param_specs"):  # a model with experts routes on values
+        raise CliError(f"--check runs on meta tensors, which cannot route --model {args.model}'s tokens (routing "
+                       "depends on values); validate it with hpf train --mode validate on a small mesh instead")
     if args.check:
         one_sequence = torch.empty(1, config.seq_len + 1, dtype=torch.int64, device="meta")
         print(hpf.check_plan(module.loss_for(config), module.init(config, device="meta"), mesh, one_sequence,
