@@ -2,13 +2,14 @@
 
 For each case (GPT config, ranks, hpf two-tier or flat, with or without an emulated slow
 link via hpf.SlowLink, and FSDP2 on the same shapes) the prediction is made first, from a
-calibration file (made now unless --calibration is given), then the real step runs
+calibration (made per config just before its cases, as the shared machine's load drifts,
+unless --calibration is given; FSDP2's per-unit CPU overhead on one rank added), then the real step runs
 (hpf.shard_step as `hpf train` builds it; FSDP2 as benchmarks/step_vs_fsdp2.py) and its
 median step time and comm_wait_s are measured. Printed per case: predicted / measured step
 time as RATIO sim/<case>/step_err = max(p/m, m/p) (target <= 1.25, i.e. 0.8-1.25) and the
 exposed-communication share difference in points (target <= 5).
 
-    python benchmarks/simulate_vs_measured.py [--quick] [--calibration calib.json] [--steps 6]
+    python benchmarks/simulate_vs_measured.py [--quick] [--calibration calib.json] [--steps 6] [--out DIR]
 """
 from __future__ import annotations
 
@@ -92,32 +93,64 @@ def _measure_rank(rank, c, steps, warmup):
     return statistics.median(step_s), statistics.median(waits[i] / times[i] for i in range(len(times)))
 
 
+def _fsdp2_overhead_rank(rank, reps):
+    """FSDP2's per-unit CPU cost beyond the math (hooks, DTensor, copy-in/out, the update
+    calls), one rank, the tiny GPT, interleaved with plain autograd: seconds per unit and pass."""
+    cfg = gpt.CONFIGS["tiny"]
+    params = gpt.init(cfg, torch.Generator().manual_seed(0))
+    data = gpt.global_batch(cfg, 4, 0, 0)
+    step = adamw_step(fsdp2_gpt(params, cfg, (1,)), dict(lr=1e-3))
+    leaves = [p.requires_grad_() for p in torch.utils._pytree.tree_leaves(params)]
+    loss_fn = gpt.loss_for(cfg)
+    diffs = []
+    for i in range(5 * reps + 3):
+        t = time.perf_counter()
+        step(data)
+        t1 = time.perf_counter()
+        torch.autograd.grad(loss_fn(params, data), leaves)
+        if i >= 3:
+            diffs.append((t1 - t) - (time.perf_counter() - t1))
+    units = cfg.n_layers + 1
+    return max(statistics.median(diffs), 0.0) / (3 * units - 1)  # the passes hpf.sim charges it on
+
+
+def calibrate_for(configs: list[str], reps: int) -> dict:
+    shapes = sorted({(c, LOCAL_BATCH[c]) for c in configs})
+    print(f"calibrating (world sizes 2 and 4, shapes {shapes}) ...", flush=True)
+    calib = calibrate((2, 4), shapes, reps=reps)
+    calib["fsdp2_unit_overhead_s"] = launch(_fsdp2_overhead_rank, 1, reps, timeout=600)[0]
+    return calib
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny and small, fewer cases and steps (a few minutes)")
     ap.add_argument("--calibration", help="a calibration JSON (default: calibrate now)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--out", help="a folder for the calibrations and results.json")
     args = ap.parse_args()
     if args.quick:
         args.steps, args.warmup = 5, 2
     todo = cases(args.quick)
-    path = args.calibration
-    if path is None:
-        shapes = sorted({(c["config"], LOCAL_BATCH[c["config"]]) for c in todo})
-        print(f"calibrating (world sizes 2 and 4, shapes {shapes}) ...", flush=True)
-        path = os.path.join(tempfile.mkdtemp(), "calib.json")
-        with open(path, "w") as f:
-            json.dump(calibrate((2, 4), shapes, reps=3 if args.quick else 7), f)
-    hw_shm, hw_gloo = sim.load_calibration(path), sim.load_calibration(path, transport="gloo")
-    predicted = {}
-    for c in todo:  # every prediction before any measurement
-        hw = hw_shm if c["topology"] == "two-tier" else hw_gloo
-        predicted[name_of(c)] = sim.simulate(c["config"], c["axes"], hw, c["strategy"],
-                                             local_batch=LOCAL_BATCH[c["config"]], topology=c["topology"],
-                                             emulated_slow=c["link"])
-    rows = []
-    for c in todo:
+    out = args.out or tempfile.mkdtemp()
+    os.makedirs(out, exist_ok=True)
+    rows, results, predicted = [], [], {}
+    for i, c in enumerate(todo):
+        if i == 0 or c["config"] != todo[i - 1]["config"]:
+            path = args.calibration
+            if path is None:
+                path = os.path.join(out, f"calib_{c['config']}.json")
+                with open(path, "w") as f:
+                    json.dump(calibrate_for([c["config"]], reps=3 if args.quick else 7), f)
+            hw_shm, hw_gloo = sim.load_calibration(path), sim.load_calibration(path, transport="gloo")
+            for d in todo[i:]:  # this config's predictions before any of its measurements
+                if d["config"] != c["config"]:
+                    break
+                hw = hw_shm if d["topology"] == "two-tier" else hw_gloo
+                predicted[name_of(d)] = sim.simulate(d["config"], d["axes"], hw, d["strategy"],
+                                                     local_batch=LOCAL_BATCH[d["config"]], topology=d["topology"],
+                                                     emulated_slow=d["link"])
         n = name_of(c)
         ranks = hpf.Mesh(c["axes"]).size
         step_s, share = launch(_measure_rank, ranks, c, args.steps, args.warmup, timeout=1800)[0]
@@ -128,8 +161,13 @@ def main():
         report_ratio(f"sim/{n}/step_err", max(p.step_s / step_s, step_s / p.step_s), "<=1.25")
         if share == share:
             report_ratio(f"sim/{n}/exposed_pts", abs(p.exposed_share - share) * 100, "<=5")
+        results.append(dict(case=n, pred_s=p.step_s, meas_s=step_s, pred_exposed=p.exposed_share,
+                            meas_exposed=None if share != share else share, load=os.getloadavg()[0]))
+        with open(os.path.join(out, "results.json"), "w") as f:
+            json.dump(results, f, indent=1)
     print("\nall cases (the machine's load at measurement time is not in the calibration):")
     print_table(["case", "pred ms", "meas ms", "pred/meas", "pred exposed", "meas exposed"], rows)
+    print(f"calibrations and results.json in {out}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """Calibrate the ``local-cpu`` profile on this machine: alpha and beta of gloo and of the
 shared-memory transport (ShmGroup) per group size, AdamW's memory rate, a big matmul's
-peak, and the seconds of a GPT block and root (forward + backward) at the model's shapes,
-measured with every rank computing at once (the cores are shared as in a real run).
+peak, the seconds of a GPT block and root (forward + backward) at the model's shapes,
+measured with every rank computing at once (the cores are shared as in a real run), how
+much a collective and compute slow each other down when they share the cores, and hpf's
+per-unit CPU overhead (one rank, no communication).
 
     python -m hpf.sim.calibrate --out calib.json [--world-sizes 2 4] [--shapes small/2 tiny/4]
 
@@ -13,6 +15,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import socket
 import statistics
 import time
@@ -29,8 +32,11 @@ __all__ = ["calibrate", "fit_alpha_beta"]
 
 
 def fit_alpha_beta(p: int, sizes: list[int], seconds: list[float]) -> tuple[float, float]:
-    """Least squares of t = (p-1)*alpha + (p-1)/p * n/beta over buffer sizes n (bytes)."""
-    slope, intercept = np.polyfit(np.asarray(sizes, float), np.asarray(seconds, float), 1)
+    """Least squares of t = (p-1)*alpha + (p-1)/p * n/beta over buffer sizes n (bytes), on
+    relative residuals: unweighted, the 16 MiB point's noise decides alpha, which then
+    says nothing about the small collectives it is for."""
+    t = np.asarray(seconds, float)
+    slope, intercept = np.polyfit(np.asarray(sizes, float), t, 1, w=1.0 / t)
     slope = max(slope, 1e-15)
     return max(intercept, 0.0) / (p - 1), (p - 1) / p / slope
 
@@ -46,6 +52,51 @@ def _median_slowest(fn, reps: int, pick=statistics.median) -> float:
     slowest = [None] * dist.get_world_size()
     dist.all_gather_object(slowest, times)
     return pick([max(ts) for ts in zip(*slowest)])
+
+
+def _contention(run_comm, reps: int) -> tuple[float, float]:
+    """(compute slowdown while the collective runs, the collective's slowdown while compute
+    runs) on this rank: a matmul loop and a loop of the collective on a second thread, as
+    hpf's comm workers run beside the compute thread. Medians of ``reps`` rounds."""
+    import threading
+
+    a = torch.randn(384, 384)  # long enough per call that the GIL is free most of the time, as in a model
+
+    def work(n):
+        for _ in range(n):
+            a @ a
+
+    def timed(fn):
+        dist.barrier()
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+
+    n_mm = 10
+    t_mm = statistics.median(timed(lambda: work(n_mm)) for _ in range(3))
+    t_comm = statistics.median(timed(run_comm) for _ in range(3))
+    n_mm = max(1, int(n_mm * 0.5 * t_comm / max(t_mm, 1e-6)))  # compute inside the comm loop
+    t_mm = statistics.median(timed(lambda: work(n_mm)) for _ in range(3))
+    s_cpu, s_comm = [], []
+    for _ in range(reps):
+        box = {}
+        thread = threading.Thread(target=lambda: box.setdefault("t", _timed(run_comm)))
+        dist.barrier()
+        thread.start()
+        t = time.perf_counter()
+        work(n_mm)
+        s_cpu.append((time.perf_counter() - t) / t_mm)
+        while thread.is_alive():  # keep computing until the collective is done
+            work(1)
+        thread.join()
+        s_comm.append(box["t"] / t_comm)
+    return max(1.0, statistics.median(s_cpu)), max(1.0, statistics.median(s_comm))
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 def _comm_rank(rank, sizes, reps):
@@ -64,9 +115,18 @@ def _comm_rank(rank, sizes, reps):
         out[nbytes] = {
             ("gloo", "all_gather"): _median_slowest(lambda: dist.all_gather_single(full, shard), reps),
             ("gloo", "reduce_scatter"): _median_slowest(lambda: reduce_scatter_async(res, full).wait(), reps),
+            ("gloo", "native_reduce_scatter"): _median_slowest(lambda: dist.reduce_scatter_tensor(res, full), reps),
             ("shm", "all_gather"): _median_slowest(lambda: group.all_gather_into(full_all[:numel], shard), reps),
             ("shm", "reduce_scatter"): _median_slowest(lambda: group.reduce_scatter(res, grad_all[:numel]), reps),
         }
+    numel = (4 << 20) // 4 // n * n  # 4 MiB, a few times per loop: a collective of a bucket's size
+    full, shard = torch.randn(numel), torch.randn(numel // n)
+
+    def loop(fn, times=4):
+        return lambda: [fn() for _ in range(times)]
+    out["contention"] = {
+        "gloo": _contention(loop(lambda: dist.all_gather_single(full, shard)), reps),
+        "shm": _contention(loop(lambda: group.all_gather_into(full_all[:numel], shard)), reps)}
     group.close()
     return out
 
@@ -77,14 +137,15 @@ def _compute_rank(rank, shapes, reps):
     out = {}
     for name, batch in shapes:
         times = {}
-        for layers in (1, 3):
+        depth = max(gpt.CONFIGS[name].n_layers, 2)  # the model's own depth: less noise per block
+        for layers in (1, depth):
             cfg = dataclasses.replace(gpt.CONFIGS[name], n_layers=layers)
             params = gpt.init(cfg)
             leaves = [p.requires_grad_() for p in torch.utils._pytree.tree_leaves(params)]
             data = gpt.global_batch(cfg, batch, 0, 0)
             loss_fn = gpt.loss_for(cfg)
             times[layers] = _median_slowest(lambda: torch.autograd.grad(loss_fn(params, data), leaves), reps, min)
-        block = max((times[3] - times[1]) / 2, 1e-6)
+        block = max((times[depth] - times[1]) / (depth - 1), 1e-6)
         out[f"{name}/{batch}/{dist.get_world_size()}"] = {"block_s": block, "root_s": max(times[1] - block, 0.0)}
     # AdamW's memory rate (the optimizer and copy model) and a big matmul's peak, also under load
     n = 1 << 22
@@ -97,8 +158,32 @@ def _compute_rank(rank, shapes, reps):
     return out, 28 * n / adamw_s, 2 * 1024 ** 3 / mm_s
 
 
-def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)), sizes_mib=(0.0625, 0.25, 1, 4, 16),
-              reps: int = 7) -> dict:
+def _overhead_rank(rank, reps):
+    """hpf's per-unit CPU cost beyond the model's math (unit views, hooks, handles, the update
+    calls): one rank, no communication, the tiny GPT, whose math is nearly free. Seconds per
+    unit and pass (forward, backward)."""
+    import hpf
+
+    cfg = gpt.CONFIGS["tiny"]
+    params = gpt.init(cfg, torch.Generator().manual_seed(0))
+    data = gpt.global_batch(cfg, 4, 0, 0)
+    step = hpf.shard_step(gpt.loss_for(cfg), mesh=hpf.Mesh({"dp": 1}), optimizer=hpf.optim.adamw(lr=1e-3),
+                          topology=None)
+    state = step.init(params)
+    leaves = [p.requires_grad_() for p in torch.utils._pytree.tree_leaves(params)]
+    loss_fn = gpt.loss_for(cfg)
+    diffs = []
+    for i in range(5 * reps + 3):  # interleaved pairs: load from elsewhere hits both alike
+        state, m = step(state, data)
+        t = time.perf_counter()
+        torch.autograd.grad(loss_fn(params, data), leaves)
+        if i >= 3:
+            diffs.append(m["step_s"] - (time.perf_counter() - t))
+    return max(statistics.median(diffs), 0.0) / (2 * (cfg.n_layers + 1))
+
+
+def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)),
+              sizes_mib=(1 / 64, 0.0625, 0.25, 1, 4, 16), reps: int = 7) -> dict:
     """Measure and fit; returns the calibration dict (``json.dump`` it; hardware() loads the file)."""
     sizes = [int(m * 2 ** 20) for m in sizes_mib]
     links: dict = {"gloo": {}, "shm": {}}
@@ -107,9 +192,11 @@ def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)), sizes_mib=
         meas = launch(_comm_rank, w, sizes, reps, timeout=1800)[0]
         for transport in ("gloo", "shm"):
             link = {}
-            for op, key in (("all_gather", ""), ("reduce_scatter", "rs_")):
+            ops = (("all_gather", ""), ("reduce_scatter", "rs_"))
+            for op, key in ops + ((("native_reduce_scatter", "native_rs_"),) if transport == "gloo" else ()):
                 alpha, beta = fit_alpha_beta(w, sizes, [meas[s][transport, op] for s in sizes])
                 link[key + "alpha"], link[key + "beta"] = alpha, beta
+            link["cpu_slowdown"], link["busy_slowdown"] = meas["contention"][transport]
             link["source"] = f"fitted on {len(sizes)} sizes {sizes_mib} MiB, {w} ranks, median of {reps}"
             links[transport][w] = link
         comp, bw, pk = launch(_compute_rank, w, list(shapes), reps, timeout=1800)[0]
@@ -123,7 +210,9 @@ def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)), sizes_mib=
         flops = gpt.unit_flops(gpt.CONFIGS[name], int(batch))
         if c["block_s"] > 1e-5:  # a block lost in the noise says nothing about efficiency
             effs.append(min(1.0, 3 * flops["blocks/0"] / c["block_s"] / peak_flops))
+    overhead = launch(_overhead_rank, 1, reps, timeout=600)[0]
     return {"host": socket.gethostname(), "when": datetime.datetime.now().isoformat(timespec="seconds"),
+            "cores": len(os.sched_getaffinity(0)), "kernel_overhead_s": overhead,
             "torch": torch.__version__, "peak_flops": peak_flops, "efficiency": statistics.median(effs) if effs else 0.5,
             "mem_bw": statistics.median(mem_bw), "links": links, "compute": compute}
 

@@ -28,10 +28,21 @@ class Link:
     latency: float = 0.0  # seconds per collective (an emulated SlowLink's latency)
     rs_alpha: float | None = None
     rs_beta: float | None = None
+    # torch.distributed's own reduce_scatter_tensor where hpf's differs (gloo: an all-reduce of a
+    # copy; hpf's is an all-to-all plus a local sum): what FSDP2 pays. None: as reduce_scatter.
+    native_rs_alpha: float | None = None
+    native_rs_beta: float | None = None
+    # On a shared host (CPU ranks) a collective's copies run on the cores that compute:
+    # compute runs ``cpu_slowdown`` x slower while this link is busy, and a stage takes
+    # ``busy_slowdown`` x its alone time (calibrated together, hpf.sim.calibrate). 1.0: no contention.
+    cpu_slowdown: float = 1.0
+    busy_slowdown: float = 1.0
     source: str = ""
 
     def figures(self, op: str) -> tuple[float, float]:
-        if op == "reduce_scatter" and self.rs_beta is not None:
+        if op == "native_reduce_scatter" and self.native_rs_beta is not None:
+            return self.native_rs_alpha or 0.0, self.native_rs_beta
+        if op in ("reduce_scatter", "native_reduce_scatter") and self.rs_beta is not None:
             return self.rs_alpha if self.rs_alpha is not None else self.alpha, self.rs_beta
         return self.alpha, self.beta
 
@@ -60,6 +71,7 @@ class Hardware:
     shared_links: bool = False
     kernel_overhead_s: float = 0.0  # per unit and pass (launch / Python); CPU calibration fills it
     fsdp2_unit_overhead_s: float = 0.0  # per unit and pass: FSDP2's hooks and DTensor wrapping
+    cores: int = 0  # a shared host's cores: per-rank Python overheads slow by ranks/cores beyond it (0: never)
     compute: dict = field(default_factory=dict)  # calibrated: "config/local_batch/ranks" -> unit seconds
     notes: tuple[str, ...] = ()
 
@@ -74,6 +86,10 @@ class Hardware:
         if isinstance(links, Link):
             return links
         return links[min(links, key=lambda w: (abs(w - group), w))]  # the nearest group size measured
+
+    def overhead(self, seconds: float, world: int) -> float:
+        """A per-rank CPU overhead measured on one rank, with ``world`` ranks sharing ``cores``."""
+        return seconds * max(1.0, world / self.cores) if self.cores else seconds
 
 
 # -- published profiles ------------------------------------------------------------------------
@@ -158,5 +174,6 @@ def load_calibration(path: str | os.PathLike, transport: str = "shm") -> Hardwar
     return Hardware(
         name="local-cpu", peak_flops=c["peak_flops"], efficiency=c["efficiency"], mem_bw=c["mem_bw"],
         fast=links[transport], slow=links["gloo"], fast_domain=0, shared_links=True,
-        kernel_overhead_s=c.get("kernel_overhead_s", 0.0), compute=c.get("compute", {}),
+        kernel_overhead_s=c.get("kernel_overhead_s", 0.0), fsdp2_unit_overhead_s=c.get("fsdp2_unit_overhead_s", 0.0),
+        cores=c.get("cores", 0), compute=c.get("compute", {}),
         notes=(f"calibrated on {c.get('host', '?')} at {c.get('when', '?')}",))
