@@ -39,7 +39,8 @@ def cases(quick: bool) -> list[dict]:
     configs = ["tiny", "small"] if quick else ["tiny", "small", "medium"]
     out = []
     for cfg in configs:
-        for ranks in ((2,) if quick and cfg == "tiny" else (2, 4)):
+        # medium on 2 ranks only: a step is ~30 s of CPU per rank here, 4 ranks twice that
+        for ranks in ((2,) if (quick and cfg == "tiny") or cfg == "medium" else (2, 4)):
             axes = {"dp": 2} if ranks == 2 else {"node": 2, "local": 2}
             for topo in ("two-tier", "flat"):
                 out.append(dict(config=cfg, axes=axes, strategy="hpf", topology=topo, link=None))
@@ -114,10 +115,10 @@ def _fsdp2_overhead_rank(rank, reps):
     return max(statistics.median(diffs), 0.0) / (3 * units - 1)  # the passes hpf.sim charges it on
 
 
-def calibrate_for(configs: list[str], reps: int) -> dict:
+def calibrate_for(configs: list[str], world_sizes: tuple, reps: int) -> dict:
     shapes = sorted({(c, LOCAL_BATCH[c]) for c in configs})
-    print(f"calibrating (world sizes 2 and 4, shapes {shapes}) ...", flush=True)
-    calib = calibrate((2, 4), shapes, reps=reps)
+    print(f"calibrating (world sizes {world_sizes}, shapes {shapes}) ...", flush=True)
+    calib = calibrate(world_sizes, shapes, reps=reps)
     calib["fsdp2_unit_overhead_s"] = launch(_fsdp2_overhead_rank, 1, reps, timeout=600)[0]
     return calib
 
@@ -142,7 +143,9 @@ def main():
             if path is None:
                 path = os.path.join(out, f"calib_{c['config']}.json")
                 with open(path, "w") as f:
-                    json.dump(calibrate_for([c["config"]], reps=3 if args.quick else 7), f)
+                    worlds = tuple(sorted({hpf.Mesh(d["axes"]).size for d in todo if d["config"] == c["config"]}))
+                    slow = c["config"] == "medium"
+                    json.dump(calibrate_for([c["config"]], worlds, reps=3 if args.quick or slow else 7), f)
             hw_shm, hw_gloo = sim.load_calibration(path), sim.load_calibration(path, transport="gloo")
             for d in todo[i:]:  # this config's predictions before any of its measurements
                 if d["config"] != c["config"]:
@@ -153,7 +156,8 @@ def main():
                                                      emulated_slow=d["link"])
         n = name_of(c)
         ranks = hpf.Mesh(c["axes"]).size
-        step_s, share = launch(_measure_rank, ranks, c, args.steps, args.warmup, timeout=1800)[0]
+        steps, warmup = (3, 1) if c["config"] == "medium" else (args.steps, args.warmup)
+        step_s, share = launch(_measure_rank, ranks, c, steps, warmup, timeout=1800)[0]
         p = predicted[n]
         rows.append([n, p.step_s * 1e3, step_s * 1e3, p.step_s / step_s, f"{p.exposed_share:.1%}",
                      "-" if share != share else f"{share:.1%}"])

@@ -54,10 +54,12 @@ def _median_slowest(fn, reps: int, pick=statistics.median) -> float:
     return pick([max(ts) for ts in zip(*slowest)])
 
 
-def _contention(run_comm, reps: int) -> tuple[float, float]:
-    """(compute slowdown while the collective runs, the collective's slowdown while compute
-    runs) on this rank: a matmul loop and a loop of the collective on a second thread, as
-    hpf's comm workers run beside the compute thread. Medians of ``reps`` rounds."""
+def _contention(comm_of, small: int, large: int, reps: int) -> tuple[float, float, float]:
+    """How a collective and compute share this rank's cores, as hpf's comm workers run beside
+    the compute thread: (compute slowdown while the collective runs; the collective's time
+    stretch and its extra seconds per call while compute runs). The stretch and the extra
+    come from two sizes (bytes), as alpha and beta do: on loaded cores a collective mostly
+    pays a fixed wait per call (a descheduled peer), not a slower copy. Medians of ``reps``."""
     import threading
 
     a = torch.randn(384, 384)  # long enough per call that the GIL is free most of the time, as in a model
@@ -66,31 +68,37 @@ def _contention(run_comm, reps: int) -> tuple[float, float]:
         for _ in range(n):
             a @ a
 
-    def timed(fn):
+    def alone(fn, n=1):
         dist.barrier()
-        t = time.perf_counter()
-        fn()
-        return time.perf_counter() - t
+        return _timed(lambda: [fn() for _ in range(n)])
 
-    n_mm = 10
-    t_mm = statistics.median(timed(lambda: work(n_mm)) for _ in range(3))
-    t_comm = statistics.median(timed(run_comm) for _ in range(3))
-    n_mm = max(1, int(n_mm * 0.5 * t_comm / max(t_mm, 1e-6)))  # compute inside the comm loop
-    t_mm = statistics.median(timed(lambda: work(n_mm)) for _ in range(3))
-    s_cpu, s_comm = [], []
-    for _ in range(reps):
+    def beside_compute(fn, n_comm, n_mm=0):
+        """Seconds per collective of a loop of n_comm on a thread, with compute on this one
+        throughout; and the seconds of the first n_mm matmuls (0: none timed)."""
         box = {}
-        thread = threading.Thread(target=lambda: box.setdefault("t", _timed(run_comm)))
+        thread = threading.Thread(target=lambda: box.setdefault("t", _timed(lambda: [fn() for _ in range(n_comm)])))
         dist.barrier()
         thread.start()
-        t = time.perf_counter()
-        work(n_mm)
-        s_cpu.append((time.perf_counter() - t) / t_mm)
-        while thread.is_alive():  # keep computing until the collective is done
+        t_mm = _timed(lambda: work(n_mm)) if n_mm else 0.0
+        while thread.is_alive():
             work(1)
         thread.join()
-        s_comm.append(box["t"] / t_comm)
-    return max(1.0, statistics.median(s_cpu)), max(1.0, statistics.median(s_comm))
+        return box["t"] / n_comm, t_mm
+
+    out = {}
+    for nbytes in (small, large):
+        fn = comm_of(nbytes)
+        t_alone = statistics.median(alone(fn, 4) / 4 for _ in range(3))
+        out[nbytes] = (t_alone, statistics.median(beside_compute(fn, 4)[0] for _ in range(reps)))
+    (s_a, s_c), (l_a, l_c) = out[small], out[large]
+    extra = max(0.0, s_c - s_a)  # the small collective's added time: a wait per call
+    stretch = min(max(1.0, (l_c - extra) / l_a), 10.0)  # the rest: slower copies
+    # compute's slowdown: matmuls timed inside a long loop of the large collective
+    fn = comm_of(large)
+    n_mm = max(1, int(0.5 * 8 * l_c / max(_timed(lambda: work(3)) / 3, 1e-6)))
+    t_mm = statistics.median(alone(lambda: work(n_mm)) for _ in range(3))
+    slow = statistics.median(beside_compute(fn, 8, n_mm)[1] / t_mm for _ in range(reps))
+    return max(1.0, slow), stretch, extra
 
 
 def _timed(fn) -> float:
@@ -115,18 +123,22 @@ def _comm_rank(rank, sizes, reps):
         out[nbytes] = {
             ("gloo", "all_gather"): _median_slowest(lambda: dist.all_gather_single(full, shard), reps),
             ("gloo", "reduce_scatter"): _median_slowest(lambda: reduce_scatter_async(res, full).wait(), reps),
-            ("gloo", "native_reduce_scatter"): _median_slowest(lambda: dist.reduce_scatter_tensor(res, full), reps),
+            ("gloo", "native_reduce_scatter"): _median_slowest(lambda: dist.reduce_scatter_single(res, full), reps),
             ("shm", "all_gather"): _median_slowest(lambda: group.all_gather_into(full_all[:numel], shard), reps),
             ("shm", "reduce_scatter"): _median_slowest(lambda: group.reduce_scatter(res, grad_all[:numel]), reps),
         }
-    numel = (4 << 20) // 4 // n * n  # 4 MiB, a few times per loop: a collective of a bucket's size
-    full, shard = torch.randn(numel), torch.randn(numel // n)
+    def gloo_of(nbytes):
+        numel = nbytes // 4 // n * n
+        full, shard = torch.randn(numel), torch.randn(numel // n)
+        return lambda: dist.all_gather_single(full, shard)
 
-    def loop(fn, times=4):
-        return lambda: [fn() for _ in range(times)]
-    out["contention"] = {
-        "gloo": _contention(loop(lambda: dist.all_gather_single(full, shard)), reps),
-        "shm": _contention(loop(lambda: group.all_gather_into(full_all[:numel], shard)), reps)}
+    def shm_of(nbytes):
+        numel = nbytes // 4 // n * n
+        shard = torch.randn(numel // n)
+        return lambda: group.all_gather_into(full_all[:numel], shard)
+    small, large = 64 << 10, min(4 << 20, largest * 4)  # a small bucket and a block's
+    out["contention"] = {"gloo": _contention(gloo_of, small, large, reps),
+                         "shm": _contention(shm_of, small, large, reps)}
     group.close()
     return out
 
@@ -137,7 +149,7 @@ def _compute_rank(rank, shapes, reps):
     out = {}
     for name, batch in shapes:
         times = {}
-        depth = max(gpt.CONFIGS[name].n_layers, 2)  # the model's own depth: less noise per block
+        depth = min(max(gpt.CONFIGS[name].n_layers, 2), 4)  # up to 4 blocks: less noise per block, bounded time
         for layers in (1, depth):
             cfg = dataclasses.replace(gpt.CONFIGS[name], n_layers=layers)
             params = gpt.init(cfg)
@@ -172,14 +184,16 @@ def _overhead_rank(rank, reps):
     state = step.init(params)
     leaves = [p.requires_grad_() for p in torch.utils._pytree.tree_leaves(params)]
     loss_fn = gpt.loss_for(cfg)
-    diffs = []
-    for i in range(5 * reps + 3):  # interleaved pairs: load from elsewhere hits both alike
+    engine, plain = [], []
+    for i in range(5 * reps + 3):  # interleaved, so drifting load from elsewhere hits both alike
         state, m = step(state, data)
         t = time.perf_counter()
         torch.autograd.grad(loss_fn(params, data), leaves)
         if i >= 3:
-            diffs.append(m["step_s"] - (time.perf_counter() - t))
-    return max(statistics.median(diffs), 0.0) / (2 * (cfg.n_layers + 1))
+            engine.append(m["step_s"])
+            plain.append(time.perf_counter() - t)
+    low = lambda ts: float(np.quantile(ts, 0.2))  # noqa: E731 - other load only ever adds time
+    return max(low(engine) - low(plain), 0.0) / (2 * (cfg.n_layers + 1))
 
 
 def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)),
@@ -196,7 +210,7 @@ def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)),
             for op, key in ops + ((("native_reduce_scatter", "native_rs_"),) if transport == "gloo" else ()):
                 alpha, beta = fit_alpha_beta(w, sizes, [meas[s][transport, op] for s in sizes])
                 link[key + "alpha"], link[key + "beta"] = alpha, beta
-            link["cpu_slowdown"], link["busy_slowdown"] = meas["contention"][transport]
+            link["cpu_slowdown"], link["busy_slowdown"], link["busy_latency"] = meas["contention"][transport]
             link["source"] = f"fitted on {len(sizes)} sizes {sizes_mib} MiB, {w} ranks, median of {reps}"
             links[transport][w] = link
         comp, bw, pk = launch(_compute_rank, w, list(shapes), reps, timeout=1800)[0]

@@ -178,7 +178,9 @@ def _dtype(nbytes: int):
 
 def _stage(worker: str, link: Link, seconds: float, tier: str, op: str, nbytes: dict) -> tuple:
     """A stage for the timeline: (worker, seconds, tier, op, bytes, compute slowdown while it runs)."""
-    return worker, seconds * link.busy_slowdown, tier, op, nbytes, link.cpu_slowdown
+    if seconds > 0:
+        seconds = seconds * link.busy_slowdown + link.busy_latency
+    return worker, seconds, tier, op, nbytes, link.cpu_slowdown
 
 
 def _flat_time(hw: Hardware, opts: Options, world: int, p: int, tiers: dict, op: str, emu: Link | None,
