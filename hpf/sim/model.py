@@ -177,10 +177,9 @@ def _dtype(nbytes: int):
 
 
 def _stage(worker: str, link: Link, seconds: float, tier: str, op: str, nbytes: dict) -> tuple:
-    """A stage for the timeline: (worker, seconds, tier, op, bytes, compute slowdown while it runs)."""
-    if seconds > 0:
-        seconds = seconds * link.busy_slowdown + link.busy_latency
-    return worker, seconds, tier, op, nbytes, link.cpu_slowdown
+    """A stage for the timeline: (worker, seconds alone, tier, op, bytes, link); the link's
+    contention figures apply where it overlaps compute (``_Timeline.submit``)."""
+    return worker, seconds, tier, op, nbytes, link
 
 
 def _flat_time(hw: Hardware, opts: Options, world: int, p: int, tiers: dict, op: str, emu: Link | None,
@@ -238,11 +237,20 @@ def _stages(hw, opts, world, p, p_fast, p_slow, ag, rs, hier, emu):
 class _Timeline:
     """One compute thread and FIFO collective workers; times in seconds."""
 
-    def __init__(self):
+    def __init__(self, compute_before: list | None = None):
         self.t = 0.0
         self.free = defaultdict(float)
         self.contended: list[tuple[float, float, float]] = []  # (start, end, compute slowdown) of busy links
+        self.computing: list[tuple[float, float]] = []  # compute-thread intervals, for the next pass
+        self.compute_before = compute_before or []  # the previous pass's: where stages overlap compute
         self.reset_counters()
+
+    def _overlap(self, start: float, end: float) -> float:
+        """The share of [start, end) the previous pass spent computing."""
+        if end <= start:
+            return 0.0
+        both = sum(max(0.0, min(end, b) - max(start, a)) for a, b in self.compute_before if a < end and b > start)
+        return both / (end - start)
 
     def reset_counters(self):
         self.busy, self.wait, self.compute_s, self.opt_s = Counter(), 0.0, 0.0, 0.0
@@ -250,12 +258,16 @@ class _Timeline:
 
     def submit(self, stages) -> float:
         t = self.t
-        for worker, seconds, tier, op, nbytes, cpu in stages:
+        for worker, seconds, tier, op, nbytes, link in stages:
             start = max(t, self.free[worker])
+            if seconds > 0 and (link.busy_slowdown > 1.0 or link.busy_latency):  # slower beside compute
+                share = self._overlap(start, start + seconds)
+                seconds *= 1.0 + share * (link.busy_slowdown - 1.0)
+                seconds += share * link.busy_latency
             t = start + seconds
             self.free[worker] = t
-            if cpu > 1.0 and seconds > 0:
-                self.contended.append((start, t, cpu))
+            if link.cpu_slowdown > 1.0 and seconds > 0:
+                self.contended.append((start, t, link.cpu_slowdown))
             self.busy[tier] += seconds
             for k, n in nbytes.items():
                 self.bytes[op][k] += n
@@ -284,6 +296,8 @@ class _Timeline:
             t += span
             left -= span * rate
         self.t = t
+        if t > start:
+            self.computing.append((start, t))
         if optimizer:
             self.opt_s += t - start
         else:
@@ -497,16 +511,22 @@ def simulate_plan(plan: Plan, hw: Hardware, opts: Options, unit_flops: dict[str,
     units = _unit_costs(plan, hw, opts, unit_flops, measured, a2a)
     norm = hw.link("slow", world, world)
     norm_s = 2 * ring_time(world, 8 * world, norm.alpha, norm.beta) + norm.latency if world > 1 else 0.0
-    tl = _Timeline()
-    if opts.strategy == "hpf":
-        _hpf_steps(units, tl, opts, norm_s)
-    elif opts.strategy == "fsdp2":
-        _fsdp2_steps(units, tl, opts, norm_s, hw.overhead(hw.fsdp2_unit_overhead_s, world),
-                     run_ahead=not hw.shared_links)
-    elif opts.strategy == "ddp":
-        full = sum(b.numel for b in plan.buckets)
-        _ddp_steps(units, tl, opts, plan, hw, norm_s, full)
-    else:
+    if opts.strategy not in ("hpf", "fsdp2", "ddp"):
         raise ValueError(f"strategy {opts.strategy!r}: use 'hpf', 'fsdp2' or 'ddp'")
+
+    def replay(compute_before=None) -> _Timeline:
+        tl = _Timeline(compute_before)
+        if opts.strategy == "hpf":
+            _hpf_steps(units, tl, opts, norm_s)
+        elif opts.strategy == "fsdp2":
+            _fsdp2_steps(units, tl, opts, norm_s, hw.overhead(hw.fsdp2_unit_overhead_s, world),
+                         run_ahead=not hw.shared_links)
+        else:
+            _ddp_steps(units, tl, opts, plan, hw, norm_s, sum(b.numel for b in plan.buckets))
+        return tl
+
+    tl = replay()
+    if hw.shared_links:  # collectives slow down where they overlap compute: replay with the first pass's compute
+        tl = replay(tl.computing)
     busy = {"fast": tl.busy["fast"], "slow": tl.busy["slow"]}
     return SimResult(tl.step_s, tl.compute_s, tl.wait, tl.opt_s, busy, tl.bytes, tokens)
