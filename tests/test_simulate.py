@@ -104,3 +104,24 @@ def test_cli_simulate_sweep_and_errors(capsys):
 def test_plan_points_to_simulate(capsys):
     assert cli.main(["plan", "--config", "tiny", "--mesh", "node=2,local=2"]) == 0
     assert "hpf simulate --config tiny --mesh node=2,local=2" in capsys.readouterr().out
+
+
+def test_compute_slows_while_a_contending_link_is_busy_and_the_link_only_where_it_overlaps_compute():
+    from hpf.sim.model import _Timeline, _stage
+
+    link = sim.Link(alpha=0.0, beta=1.0, cpu_slowdown=2.0, busy_slowdown=3.0, busy_latency=1.0)
+    tl = _Timeline()
+    end = tl.submit([_stage("w", link, 10.0, "fast", "all_gather", {})])
+    tl.run(10.0)  # half speed for the 10 s the link is busy (5 s of work), then full speed
+    assert (end, tl.t) == (10.0, 15.0)
+    # a replay that knows compute ran over [0, 5): the stage overlaps it half the time
+    tl2 = _Timeline(compute_before=[(0.0, 5.0)])
+    assert tl2.submit([_stage("w", link, 10.0, "fast", "all_gather", {})]) == pytest.approx(10 * (1 + 0.5 * 2) + 0.5)
+    # no compute before: the alone time
+    assert _Timeline(compute_before=[]).submit([_stage("w", link, 10.0, "fast", "all_gather", {})]) == 10.0
+
+
+def test_cpu_overheads_grow_with_ranks_per_core():
+    hw = dataclasses.replace(CM, cores=2, kernel_overhead_s=1e-3)
+    assert hw.overhead(1e-3, 2) == 1e-3 and hw.overhead(1e-3, 4) == 2e-3
+    assert CM.overhead(1e-3, 768) == 1e-3  # accelerators: no cores given, no scaling

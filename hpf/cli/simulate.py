@@ -86,6 +86,8 @@ def save_simulate_plots(rows, out: Path) -> list[Path]:
         for name in rows[0][1]:
             ax.plot(ranks, [value(res[name], n) for n, res in rows], marker="o", label=name)
         ax.set(xlabel="ranks", ylabel=label, xscale="log", title=label)
+        ax.set_xticks(ranks, [str(n) for n in ranks])  # the swept counts, not log-scale minor labels
+        ax.minorticks_off()
         ax.legend()
         ax.grid(alpha=0.3)
         fig.savefig(out / fname, dpi=120)
