@@ -10,6 +10,8 @@ time as RATIO sim/<case>/step_err = max(p/m, m/p) (target <= 1.25, i.e. 0.8-1.25
 exposed-communication share difference in points (target <= 5).
 
     python benchmarks/simulate_vs_measured.py [--quick] [--calibration calib.json] [--steps 6] [--out DIR]
+    python benchmarks/simulate_vs_measured.py --repredict DIR   # today's model on DIR's calibrations and
+                                                                # measurements (no runs): a model change, re-checked
 """
 from __future__ import annotations
 
@@ -126,6 +128,34 @@ def calibrate_for(configs: list[str], world_sizes: tuple, reps: int) -> dict:
     return calib
 
 
+def predict(c: dict, path: str) -> "sim.SimResult":
+    hw = sim.load_calibration(path, transport="shm" if c["topology"] == "two-tier" else "gloo")
+    return sim.simulate(c["config"], c["axes"], hw, c["strategy"], local_batch=LOCAL_BATCH[c["config"]],
+                        topology=c["topology"], emulated_slow=c["link"])
+
+
+def repredict(out: str) -> None:
+    """The current model's predictions from a finished run's calibrations, beside what it measured."""
+    with open(os.path.join(out, "results.json")) as f:
+        measured = {r["case"]: r for r in json.load(f)}
+    rows = []
+    for c in cases(quick=False) + cases(quick=True):
+        n = name_of(c)
+        r = measured.pop(n, None)
+        if r is None:
+            continue
+        p = predict(c, os.path.join(out, f"calib_{c['config']}.json"))
+        share = r["meas_exposed"]
+        rows.append([n, r["pred_s"] * 1e3, p.step_s * 1e3, r["meas_s"] * 1e3, r["pred_s"] / r["meas_s"],
+                     p.step_s / r["meas_s"], f"{p.exposed_share:.1%}", "-" if share is None else f"{share:.1%}",
+                     f"{r['load']:.1f}"])
+        report_ratio(f"sim/{n}/step_err", max(p.step_s / r["meas_s"], r["meas_s"] / p.step_s), "<=1.25")
+        if share is not None:
+            report_ratio(f"sim/{n}/exposed_pts", abs(p.exposed_share - share) * 100, "<=5")
+    print_table(["case", "pred ms (then)", "pred ms (now)", "meas ms", "then/meas", "now/meas", "pred exposed",
+                 "meas exposed", "load"], rows)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny and small, fewer cases and steps (a few minutes)")
@@ -133,7 +163,10 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", help="a folder for the calibrations and results.json")
+    ap.add_argument("--repredict", metavar="DIR", help="no runs: today's model on DIR's calibrations and results")
     args = ap.parse_args()
+    if args.repredict:
+        return repredict(args.repredict)
     if args.quick:
         args.steps, args.warmup = 5, 2
     todo = cases(args.quick)
@@ -149,14 +182,10 @@ def main():
                     worlds = tuple(sorted({hpf.Mesh(d["axes"]).size for d in todo if d["config"] == c["config"]}))
                     slow = c["config"] == "medium"
                     json.dump(calibrate_for([c["config"]], worlds, reps=3 if args.quick or slow else 7), f)
-            hw_shm, hw_gloo = sim.load_calibration(path), sim.load_calibration(path, transport="gloo")
             for d in todo[i:]:  # this config's predictions before any of its measurements
                 if d["config"] != c["config"]:
                     break
-                hw = hw_shm if d["topology"] == "two-tier" else hw_gloo
-                predicted[name_of(d)] = sim.simulate(d["config"], d["axes"], hw, d["strategy"],
-                                                     local_batch=LOCAL_BATCH[d["config"]], topology=d["topology"],
-                                                     emulated_slow=d["link"])
+                predicted[name_of(d)] = predict(d, path)
         n = name_of(c)
         ranks = hpf.Mesh(c["axes"]).size
         steps, warmup = (3, 1) if c["config"] == "medium" else (args.steps, args.warmup)
