@@ -113,3 +113,13 @@ def time_steps(impls: dict[str, Callable], batches: Sequence, args, *,
         after_warmup(losses)
     times = interleaved(contenders, rounds=args.rounds, calls=args.calls, before_each=dist.barrier)
     return times, losses, cpu
+
+
+def step_runner(step, params) -> Callable:
+    """``run(batch) -> loss`` of an hpf.shard_step, carrying its donated state between calls."""
+    box = [step.init(params)]
+
+    def run(batch):
+        box[0], metrics = step(box[0], batch)
+        return metrics["loss"]
+    return run

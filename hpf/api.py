@@ -29,7 +29,9 @@ def shard_step(loss_fn: Callable, *, mesh: Mesh, optimizer, param_specs=None, fs
     ``state = step.init(params)``, then ``state, metrics = step(state, batch)``.
 
     Args:
-        loss_fn: a pure function ``(params, batch) -> scalar tensor``.
+        loss_fn: a pure function ``(params, batch) -> scalar tensor``, or ``-> (loss, aux)``
+            with aux a dict of tensors (e.g. MoE tokens per expert): ``metrics["aux"]`` then
+            holds each one summed over every rank (in the loss's all-reduce).
         mesh: the :class:`hpf.Mesh` of the running job (its size is the world size).
         optimizer: a functional optimizer, e.g. ``hpf.optim.adamw(...)`` or ``hpf.optim.muon(...)``.
         param_specs: None (shard every param over all FSDP axes), ``hpf.rules([...])`` or a

@@ -116,8 +116,19 @@ class _SavePlanner(DefaultSavePlanner):
         super().__init__(flatten_state_dict=False, dedup_save_to_lowest_rank=True)
 
     def lookup_object(self, index):
-        return _lookup(self.state_dict, index) if isinstance(self.state_dict.get(index.fqn), _Chunks) \
+        return _exact(_lookup(self.state_dict, index)) if isinstance(self.state_dict.get(index.fqn), _Chunks) \
             else super().lookup_object(index)
+
+
+def _exact(view: torch.Tensor) -> torch.Tensor:
+    """``view`` (a box of a flat shard) as a tensor whose storage is exactly its bytes, without a
+    copy: DCP's file writer clones any tensor with a larger storage, which was a copy of the
+    whole state per save (measured: medium GPT on 4 ranks, save 1.23x FSDP2's time with it).
+    Only CPU memory can be aliased this way; DCP moves other devices to the CPU itself."""
+    if view.device.type != "cpu" or view.untyped_storage().nbytes() == view.nbytes:
+        return view
+    raw = view.reshape(-1).view(torch.uint8).numpy()  # a box is contiguous in its flat shard
+    return torch.from_numpy(raw).view(view.dtype).view(view.shape)
 
 
 class _LoadPlanner(DefaultLoadPlanner):
@@ -302,7 +313,7 @@ def save(step, state, path, extra: Any = None, *, keep_last: int | None = None, 
     def write():
         try:
             with _quiet():
-                dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp, thread_count=2), planner=_SavePlanner(),
+                dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), planner=_SavePlanner(),
                          process_group=group, no_dist=not on)
             if rank == 0:
                 _publish(tmp, path, header, keep_last)

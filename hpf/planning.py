@@ -55,7 +55,7 @@ class Bucket:
     replicate_axes: tuple[str, ...]  # FSDP axes it is replicated over (grads all-reduced)
     dtype: torch.dtype
     shard_size: int  # ranks in the shard group
-    split_axes: tuple[str, ...] = ()  # non-FSDP axes its params are split over (Plan.compute_axes: all of them)
+    split_axes: tuple[str, ...] = ()  # axes its params are computed split over: non-FSDP ones, or FSDP ones a P(fsdp=) borrows
     # Axes in the order that numbers shard positions. Mesh order, unless two-tier collectives
     # number fast axes first, so each gather stage writes one contiguous block.
     shard_order: tuple[str, ...] = ()
@@ -127,7 +127,7 @@ class Plan:
         slot = self.slots[path]
         out = []
         for dim, n in enumerate(slot.local_shape):
-            axes = tuple(a for a in slot.spec.dim_axes(dim) if a in self.compute_axes)
+            axes = self.split_dim_axes(slot, dim)
             out.append(self.mesh.group_index(axes, rank) * n if axes else 0)
         return tuple(out)
 
@@ -138,6 +138,17 @@ class Plan:
             if n != out.shape[dim]:
                 out = out.narrow(dim, start, n)
         return out
+
+    def split_dim_axes(self, slot: ParamSlot, dim: int) -> tuple[str, ...]:
+        """The axes that split ``slot``'s dim ``dim`` for compute (its bucket's compute axes)."""
+        split = self.buckets[slot.bucket].split_axes
+        return tuple(a for a in slot.spec.dim_axes(dim) if a in split)
+
+    @property
+    def split_axes(self) -> tuple[str, ...]:
+        """Every axis some param is computed sharded over (where explicit collectives may run)."""
+        used = {a for b in self.buckets for a in b.split_axes} | set(self.compute_axes)
+        return tuple(a for a in self.mesh.axis_names if a in used)
 
     def flat_buffer(self, bucket: Bucket, local: dict[str, torch.Tensor], dtype=None) -> torch.Tensor:
         """Pack a bucket's local params into its padded full flat buffer."""
@@ -239,9 +250,8 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
                 raise SpecError(f"parameters {ties[path]!r} and {path!r} are one tied tensor but have specs "
                                 f"{specs[ties[path]]!r} and {spec!r}: give both paths the same spec")
             continue
-        local_shape = _local_shape(path, leaf, spec, mesh, compute_axes)
-        shard_axes = tuple(a for a in mesh.axis_names if a in fsdp and a in spec.axes())
-        split_axes = tuple(a for a in compute_axes if a in spec.axes())
+        shard_axes, split_axes = _param_axes(path, spec, mesh, fsdp)
+        local_shape = _local_shape(path, leaf, spec, mesh, split_axes)
         key = (unit, shard_axes, split_axes, leaf.dtype)
         b = by_key.get(key)
         if b is None or (bucket_bytes and b.numel and
@@ -250,7 +260,7 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
             if hierarchical:
                 order = tuple(sorted(shard_axes, key=lambda a: a not in mesh.fast_axes))
             b = Bucket(index=len(buckets), unit=unit, shard_axes=shard_axes,
-                       replicate_axes=tuple(a for a in fsdp if a not in shard_axes),
+                       replicate_axes=tuple(a for a in fsdp if a not in shard_axes + split_axes),
                        dtype=leaf.dtype, shard_size=mesh.axis_size(shard_axes), split_axes=split_axes,
                        shard_order=order)
             by_key[key] = b
@@ -303,6 +313,24 @@ def _ties(paths: list[str], leaves: list, units_of: list[str]) -> dict[str, str]
     return ties
 
 
+def _param_axes(path: str, spec: P, mesh: Mesh, fsdp: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(FSDP axes the param is stored sharded over, axes it is computed sharded over), mesh order.
+
+    By default an FSDP axis named in the spec shards storage and any other named axis splits
+    compute. ``P(..., fsdp=axes)`` shards over exactly ``axes`` (a subset of the FSDP axes) and
+    splits compute over every other axis it names, FSDP axes included (expert parallelism)."""
+    named = spec.axes()
+    if spec.fsdp is None:
+        return (tuple(a for a in mesh.axis_names if a in fsdp and a in named),
+                tuple(a for a in mesh.axis_names if a not in fsdp and a in named))
+    for a in spec.fsdp:
+        if a not in fsdp:
+            raise SpecError(f"parameter {path!r}: spec {spec!r} shards over {a!r}, which is not one of the "
+                            f"step's fsdp_axes {fsdp}; add it to fsdp_axes or drop it from fsdp=")
+    return (tuple(a for a in mesh.axis_names if a in spec.fsdp),
+            tuple(a for a in mesh.axis_names if a in named and a not in spec.fsdp))
+
+
 def _unit_names(params: Any) -> list[str]:
     """Each element of the outermost list on a leaf's path is a unit; other leaves are root."""
     out = []
@@ -316,10 +344,10 @@ def _unit_names(params: Any) -> list[str]:
     return out
 
 
-def _local_shape(path: str, leaf: torch.Tensor, spec: P, mesh: Mesh, compute_axes) -> tuple[int, ...]:
+def _local_shape(path: str, leaf: torch.Tensor, spec: P, mesh: Mesh, split_axes) -> tuple[int, ...]:
     shape = list(leaf.shape)
     for dim in range(len(spec)):
-        axes = [a for a in spec.dim_axes(dim) if a in compute_axes]
+        axes = [a for a in spec.dim_axes(dim) if a in split_axes]
         if not axes:
             continue
         n = mesh.axis_size(axes)

@@ -4,6 +4,7 @@ Bytes follow hpf/comm/cost.py's model, the one the comms' byte counters use.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,7 @@ class PlanReport:
     peak_gathered_bytes: int  # per rank: root + the two largest block units, full, compute dtype
     padded_total_bytes: int  # stored over all ranks: each bucket's padded buffer once per replica
     comm: dict[str, dict[str, int]] = field(default_factory=dict)  # collective -> tier -> bytes/step
+    layouts: dict[str, int] = field(default_factory=dict)  # "FSDP over .. / split over .." -> params (global)
 
     @classmethod
     def of(cls, plan, *, compute_dtype: torch.dtype | None = None, master_dtype: torch.dtype | None = None,
@@ -35,7 +37,11 @@ class PlanReport:
         params = grads = opt = padded_total = 0
         unit_bytes: dict[str, int] = {}
         comm = {op: dict.fromkeys(TIERS, 0) for op in OPS}
+        layouts: dict[str, int] = {}
         for b in plan.buckets:
+            key = (f"FSDP over ({','.join(b.shard_axes) or '-'})"
+                   + (f", computed split over ({','.join(b.split_axes)})" if b.split_axes else ""))
+            layouts[key] = layouts.get(key, 0) + sum(math.prod(s.global_shape) for s in b.slots)
             master = dtype_bytes(master_dtype or b.dtype)
             compute = dtype_bytes(compute_dtype or b.dtype)
             reduce_dtype_b = reduce_dtype or master_dtype or b.dtype
@@ -53,7 +59,7 @@ class PlanReport:
                     comm[op][tier] += (gathers if op == "all_gather" else 1) * n
         blocks = sorted((v for k, v in unit_bytes.items() if k != ROOT), reverse=True)
         peak = unit_bytes.get(ROOT, 0) + sum(blocks[:2])
-        return cls(mesh.size, params, grads, opt, peak, padded_total, comm)
+        return cls(mesh.size, params, grads, opt, peak, padded_total, comm, layouts)
 
     @property
     def comm_total(self) -> dict[str, int]:
@@ -63,7 +69,7 @@ class PlanReport:
         def mib(n: int) -> str:
             return f"{n / 2**20:12.2f} MiB"
 
-        lines = [
+        lines = [f"params {n / 1e6:14,.1f}M  {key}" for key, n in self.layouts.items()] + [
             f"per-rank memory ({self.world_size} ranks)",
             f"  params (shards)      {mib(self.params_bytes)}",
             f"  grads (shards)       {mib(self.grad_bytes)}",

@@ -34,16 +34,24 @@ class P(tuple):
 
     Trailing dims that are not listed are replicated. ``P()`` is fully replicated.
 
+    ``fsdp=(axes)``: the FSDP axes this parameter is stored sharded over, overriding the
+    step's ``fsdp_axes`` for it; axes the entries name that are not among them are "stored
+    and computed sharded" for this parameter. Expert parallelism borrows a data axis this
+    way: ``P("ep", fsdp=("dp",))`` for experts, while dense params shard over ``("dp", "ep")``.
+
     Args:
         entries: per dim, None (replicated), a mesh axis name, or a tuple of names (the dim
             split over their product, outer axis first).
+        fsdp: None (the step's ``fsdp_axes``), or the FSDP axes to store this param sharded over.
 
     Raises:
-        SpecError: an entry that is none of those. Axis names are checked against the mesh
+        SpecError: an entry that is none of those, or ``fsdp`` not a tuple of names. Axis names are checked against the mesh
             when the plan is made.
     """
 
-    def __new__(cls, *entries: None | str | Sequence[str]):
+    fsdp: tuple[str, ...] | None
+
+    def __new__(cls, *entries: None | str | Sequence[str], fsdp: str | Sequence[str] | None = None):
         norm = []
         for e in entries:
             if e is None or isinstance(e, str):
@@ -54,10 +62,26 @@ class P(tuple):
                 raise SpecError(
                     f"P entry {e!r} is not None, an axis name or a tuple of axis names"
                 )
-        return super().__new__(cls, norm)
+        out = super().__new__(cls, norm)
+        if isinstance(fsdp, str):
+            fsdp = (fsdp,)
+        if fsdp is not None and not all(isinstance(a, str) for a in fsdp):
+            raise SpecError(f"P(fsdp={fsdp!r}): give a tuple of mesh axis names")
+        out.fsdp = None if fsdp is None else tuple(fsdp)
+        return out
 
     def __repr__(self) -> str:
-        return "P(" + ", ".join(repr(e) for e in self) + ")"
+        extra = [] if self.fsdp is None else [f"fsdp={self.fsdp!r}"]
+        return "P(" + ", ".join([repr(e) for e in self] + extra) + ")"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, tuple) and tuple.__eq__(self, other) and getattr(self, "fsdp", None) == getattr(other, "fsdp", None)
+
+    def __hash__(self) -> int:
+        return hash((tuple(self), self.fsdp))
+
+    def __reduce__(self):  # pickles (all_gather_object, spawn) keep fsdp
+        return (_make_p, (tuple(self), self.fsdp))
 
     def axes(self) -> tuple[str, ...]:
         """Every mesh axis named in the spec, in order of appearance."""
@@ -71,6 +95,10 @@ class P(tuple):
     def dim_axes(self, dim: int) -> tuple[str, ...]:
         e = self[dim] if dim < len(self) else None
         return () if e is None else ((e,) if isinstance(e, str) else tuple(e))
+
+
+def _make_p(entries, fsdp):
+    return P(*entries, fsdp=fsdp)
 
 
 class Rules:
@@ -178,3 +206,7 @@ def _check_spec(path: str, leaf: torch.Tensor, spec: Any, mesh_axes: Sequence[st
                 f"split at most one dim once"
             )
         seen.add(axis)
+    for axis in spec.fsdp or ():
+        if axis not in mesh_axes:
+            raise SpecError(f"parameter {path!r}: spec {spec!r} has fsdp axis {axis!r}, which is not a mesh "
+                            f"axis (mesh axes: {tuple(mesh_axes)})")

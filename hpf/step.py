@@ -84,6 +84,7 @@ class ShardStep:
         self._unloaded = False  # init had meta params and no restore has filled them yet
         self._micro_scale = 1.0  # 1/accumulate during a step's micro-batches (scales the loss seed)
         self._pending_save = None  # an async save in flight (hpf.checkpoint.AsyncSave)
+        self._aux: dict | None = None  # loss_fn's aux dict of the current step, if it returns one
 
     # -- set-up, once ---------------------------------------------------------------------------
     def init(self, full_params: Any) -> TrainState:
@@ -122,7 +123,8 @@ class ShardStep:
         self.engine = UnitEngine(self.plan, self.rank, comm, compute, self.device,
                                  pipeline=self.topology is None or self.topology.pipeline)
         self.dp_size = self.mesh.axis_size(self.plan.fsdp_axes)
-        self._spmd = SPMD(self.mesh, self.rank, self.plan.fsdp_axes)
+        # Axes a param computes sharded over (experts on a borrowed data axis) allow collectives.
+        self._spmd = SPMD(self.mesh, self.rank, tuple(a for a in self.plan.fsdp_axes if a not in self.plan.split_axes))
         n_compute = self.mesh.axis_size(self.plan.compute_axes)
         self._loss_seed = None if n_compute == 1 else 1.0 / n_compute
         # Buckets replicated over non-FSDP axes hold partial grads there (see hpf.comm.collectives).
@@ -187,7 +189,7 @@ class ShardStep:
                     applied[0] += len(buckets)
                 opt_s[0] += time.perf_counter() - t
         eng.drop_held()
-        losses = []
+        losses, auxes = [], []
         self._micro_scale = 1.0 / len(micro)
         try:
             for mb in micro[:-1]:  # all but the last: grads are summed locally, not reduced
@@ -196,6 +198,7 @@ class ShardStep:
                     losses.append(self.forward_backward(state, mb).detach())
                 finally:
                     eng.holding = False
+                auxes.append(self._aux)
                 if not self._agreement.ok():
                     return self._refuse(state, t0, losses[-1])
                 eng.begin(state.params, self.grad_shards)  # the next micro-batch's first gathers
@@ -203,6 +206,8 @@ class ShardStep:
                 loss = self.forward_backward(state, micro[-1])
         finally:
             self._micro_scale = 1.0
+        if auxes and self._aux is not None:  # aux (e.g. tokens per expert) sums over the micro-batches
+            self._aux = {k: sum((a[k] for a in auxes), v) for k, v in self._aux.items()}
         with span("hpf/wait agreement"):
             agreed = self._agreement.ok()
         if not agreed:  # (or UnevenBatchError) decided by all ranks; nothing was updated
@@ -216,7 +221,9 @@ class ShardStep:
             for b, n in zip(missing, torch._foreach_norm([grads[b] for b in missing]) if missing else ()):
                 norms[b] = n
             sq = (torch.stack(norms).float().square() / self._replica_counts).sum()
-            totals = torch.stack([loss.detach().float(), sq, sq.new_tensor(float(applied[0]))])
+            aux = self._aux or {}  # loss_fn's aux tensors ride along in the all-reduce: summed over every rank
+            totals = torch.cat([torch.stack([loss.detach().float(), sq, sq.new_tensor(float(applied[0]))])]
+                               + [v.detach().float().reshape(-1).to(sq.device) for v in aux.values()])
         if dist.is_initialized() and self.mesh.size > 1:
             with span("hpf/all-reduce loss and grad norm"):
                 dist.all_reduce(totals)
@@ -244,6 +251,9 @@ class ShardStep:
         t1 = time.perf_counter()
         metrics = {"loss": mean_loss, "grad_norm": grad_norm, "step_s": t1 - t0,
                    "optimizer_s": t1 - t_opt + opt_s[0], "comm_wait_s": eng.take_wait_s(), "skipped": False}
+        if self._aux is not None:
+            flat = torch.split(totals[3:], [v.numel() for v in aux.values()])
+            metrics["aux"] = {k: x.view(v.shape) for (k, v), x in zip(aux.items(), flat)}
         return self._donate(TrainState(params, opt_state)), metrics
 
     def _refuse(self, state: TrainState, t0: float, loss: torch.Tensor):
@@ -343,7 +353,7 @@ class ShardStep:
             seed = (1.0 if seed is None else seed) * self._micro_scale
         if self.grad == "torch.func":               # so each copy carries 1/n (see hpf.comm.collectives)
             def scaled(params):
-                loss = self.call_loss(params, batch)
+                loss = self._split_aux(self.call_loss(params, batch))
                 _check_loss(loss)
                 loss = loss.reshape(())  # a one-element loss of shape (1,) is a scalar too
                 return (loss if seed is None else loss * seed), loss
@@ -353,13 +363,19 @@ class ShardStep:
             return loss
         hooks = torch.autograd.graph.saved_tensors_hooks(eng.pack, eng.unpack) if eng.leases else contextlib.nullcontext()
         with hooks:
-            loss = self.call_loss(eng.params_tree(), batch)
+            loss = self._split_aux(self.call_loss(eng.params_tree(), batch))
             _check_loss(loss)
             loss = loss.reshape(())  # a one-element loss of shape (1,) is a scalar too
             # starts the all-ranks check of batch shapes and loss finiteness; it overlaps backward
             self._agreement = checks.BatchAgreement(batch, loss, dist.is_initialized() and self.mesh.size > 1)
             eng.start_backward()
             loss.backward(None if seed is None else torch.full_like(loss, seed))
+        return loss
+
+    def _split_aux(self, out: Any) -> Any:
+        """Keeps loss_fn's aux dict, if any, for ``metrics["aux"]``; returns the loss."""
+        loss, aux = split_aux(out)
+        self._aux = None if aux is None else {k: v.detach() for k, v in aux.items()}
         return loss
 
     def call_loss(self, params: Any, batch: Any) -> torch.Tensor:
@@ -449,6 +465,14 @@ def step_plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes=None, 
                      bucket_bytes=topology.bucket_bytes if topology else 0)
 
 
+def split_aux(out: Any) -> tuple[Any, dict | None]:
+    """(loss, aux) of what loss_fn returned: it may return ``(loss, aux)``, aux a dict of tensors
+    (e.g. MoE tokens per expert) that the step sums over every rank into ``metrics["aux"]``."""
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
+        return out
+    return out, None
+
+
 def _check_loss(loss: Any) -> None:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
@@ -463,7 +487,7 @@ def _gather_compute_axes(plan: Plan, path: str, local: torch.Tensor) -> torch.Te
     slot = plan.slots[path]
     out = local
     for dim in range(len(slot.spec)):
-        axes = tuple(a for a in slot.spec.dim_axes(dim) if a in plan.compute_axes)
+        axes = plan.split_dim_axes(slot, dim)
         if axes:
             out = gather_dim0(out.movedim(dim, 0), plan.mesh.group(axes), plan.mesh.axis_size(axes)).movedim(0, dim)
     return out

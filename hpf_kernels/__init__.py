@@ -1,6 +1,7 @@
 """Device kernels for hpf behind one dispatch by device type.
 
-newton_schulz orthogonalizes a batch of matrices (Muon's direction). Backends: "reference" (plain
+newton_schulz orthogonalizes a batch of matrices (Muon's direction); grouped_mm runs MoE experts
+over their token groups (torch._grouped_mm on CUDA sm90+ bf16, a loop of matmuls elsewhere). Backends: "reference" (plain
 torch, any device), "cuda" (optional Triton kernel for the symmetric products), "npu" (torch_npu,
 imported only when used).
 """
@@ -11,7 +12,7 @@ import torch
 from .backends import cuda, npu, reference
 from .coefficients import NAMED_COEFFICIENTS, CoefficientSpec, resolve_coefficients
 
-__all__ = ["newton_schulz", "resolve_coefficients", "NAMED_COEFFICIENTS", "BACKENDS"]
+__all__ = ["newton_schulz", "grouped_mm", "resolve_coefficients", "NAMED_COEFFICIENTS", "BACKENDS"]
 
 # backend name -> module; a tensor on device type T uses BACKENDS[T] when present, else "reference".
 BACKENDS = {"reference": reference, "cuda": cuda, "npu": npu}
@@ -45,3 +46,13 @@ def newton_schulz(
     return BACKENDS[name].newton_schulz(
         X, per_step, norm_scale=norm_scale, eps=eps, compute_dtype=compute_dtype
     )
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, sizes, *, backend: str | None = None) -> torch.Tensor:
+    """[N, K] rows in consecutive groups of ``sizes`` (G counts summing to N, zeros allowed) times
+    ``w`` [G, K, M]: group g's rows times w[g]. Differentiable in x and w. Returns [N, M]."""
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[1] or len(sizes) != w.shape[0]:
+        raise ValueError(f"grouped_mm needs x [N, K], w [G, K, M] and G sizes; got x {tuple(x.shape)}, "
+                         f"w {tuple(w.shape)}, {len(sizes)} sizes")
+    name = backend or (x.device.type if x.device.type in BACKENDS else "reference")
+    return BACKENDS[name].grouped_mm(x, w, sizes)

@@ -306,10 +306,14 @@ def test_muon_state_reshards_and_fsdp2_loads_the_params(tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_resumes_from_the_last_complete_checkpoint_after_a_killed_save(tmp_path):
+@pytest.mark.parametrize("job", [["--mesh", "dp=2"], ["--model", "moe", "--mesh", "dp=2,ep=2", "--ep-axis", "ep"]],
+                         ids=["gpt", "moe-ep"])
+def test_cli_resumes_from_the_last_complete_checkpoint_after_a_killed_save(tmp_path, job):
+    """Bitwise the uninterrupted run's losses; MoE also its expert loads (the balancing bias is
+    in the checkpoint's extra)."""
     from hpf import cli
 
-    common = ["train", "--mesh", "dp=2", "--batch-size", "8", "--seed", "3"]
+    common = ["train", *job, "--batch-size", "8", "--seed", "3"]
     assert cli.main([*common, "--steps", "6", "--out", str(tmp_path / "whole")]) == 0
     run = tmp_path / "run"
     assert cli.main([*common, "--steps", "4", "--save-every", "2", "--keep-last", "1", "--out", str(run)]) == 0
@@ -322,3 +326,4 @@ def test_cli_resumes_from_the_last_complete_checkpoint_after_a_killed_save(tmp_p
     whole, resumed = cli.read_metrics(tmp_path / "whole" / "metrics.jsonl"), cli.read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in resumed] == list(range(1, 7))
     assert [r["loss"] for r in resumed] == [r["loss"] for r in whole]  # bitwise, same mesh
+    assert [r.get("expert_imbalance") for r in resumed] == [r.get("expert_imbalance") for r in whole]

@@ -88,6 +88,21 @@ def mesh_text(axes) -> str:
 
 
 
+def sharding_of(model: str, config, mesh: hpf.Mesh, fsdp_axes, ep_axis: str | None) -> dict:
+    """shard_step's ``param_specs`` and ``fsdp_axes`` for --model: a model with ``param_specs``
+    (moe) places its experts on --ep-axis; the others shard every param over the FSDP axes."""
+    module = MODELS[model]
+    if ep_axis is None and not hasattr(module, "param_specs"):
+        return {"param_specs": None, "fsdp_axes": fsdp_axes}
+    data = tuple(fsdp_axes or mesh.axis_names)
+    if ep_axis is not None and not hasattr(module, "param_specs"):
+        raise CliError(f"--ep-axis {ep_axis}: --model {model} has no experts; use --model moe")
+    if ep_axis is not None and ep_axis not in data:
+        raise CliError(f"--ep-axis {ep_axis} is not one of the FSDP axes ({', '.join(data)}) of --mesh "
+                       f"{mesh_text(dict(zip(mesh.axis_names, mesh.shape)))}: expert parallelism borrows a data axis")
+    return {"param_specs": module.param_specs(config, ep_axis, data), "fsdp_axes": data}
+
+
 def topology_of(name: str) -> hpf.Topology | None:
     return hpf.Topology() if name == "two-tier" else None
 
@@ -112,6 +127,9 @@ def job_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                      help="two-tier: fast-tier collectives first (shared memory between local CPU ranks), "
                           "1/fast-size of the bytes over the slow tier, reductions overlapping backward; "
                           "flat: one collective over all ranks (default: two-tier)")
+    job.add_argument("--ep-axis", metavar="AXIS",
+                     help="--model moe: the data axis experts are split over (expert parallelism); dense params "
+                          "still shard over every FSDP axis, experts over the others (default: none)")
     job.add_argument("--hsdp", action="store_true",
                      help="shard params within the fast tier only and replicate them across the slow tier")
     optimizer = Parser(add_help=False)  # train and plan (its state and owners), not simulate

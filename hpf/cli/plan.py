@@ -6,7 +6,7 @@ import dataclasses
 import torch
 
 import hpf
-from hpf.cli.common import mesh_of, mesh_text, topology_of
+from hpf.cli.common import CliError, mesh_of, mesh_text, sharding_of, topology_of
 from hpf.models import model_config
 from hpf.optim.dist_muon import muon_plan_state
 from hpf.report import PlanReport
@@ -17,7 +17,8 @@ from hpf.types import MixedPrecision
 def plan_of(args, mesh: hpf.Mesh) -> hpf.Plan:
     """The plan shard_step makes for these arguments, from meta tensors (shapes only)."""
     module, config = model_config(args.model, args.config)
-    return step_plan(module.init(config, device="meta"), mesh, fsdp_axes=args.fsdp_axes,
+    return step_plan(module.init(config, device="meta"), mesh,
+                     **sharding_of(args.model, config, mesh, args.fsdp_axes, args.ep_axis),
                      topology=topology_of(args.topology), hsdp=args.hsdp)
 
 
@@ -39,6 +40,12 @@ def report_of(args, plan: hpf.Plan) -> tuple[PlanReport, str]:
             f"moments for the other {len(plan.slots) - n_muon} tensors (the busiest rank's count); {balance}")
 
 
+def report_dtype_bytes(args) -> int:
+    """Bytes per element of activations moved in compute: the compute dtype (fp32 without --mixed-precision)."""
+    mp = MixedPrecision.parse(args.mixed_precision)
+    return torch.finfo(mp.compute_dtype if mp else torch.float32).bits // 8
+
+
 def cmd_plan(args) -> int:
     module, config = model_config(args.model, args.config)
     mesh = mesh_of(args)
@@ -51,9 +58,19 @@ def cmd_plan(args) -> int:
           f"{args.topology} collectives{', HSDP' if args.hsdp else ''}; precision {args.mixed_precision or 'fp32'}")
     print(state)
     print(report.format())
-    print(f"predicted step time, exposed communication and tokens/s, hpf vs FSDP2 vs Megatron DDP: "
-          f"hpf simulate --config {args.config} --mesh {mesh_text(dict(zip(mesh.axis_names, mesh.shape)))} "
-          "--hardware cloudmatrix384 (or h100, or a calibration file)")
+    if hasattr(module, "dispatch_bytes"):  # MoE token all-to-alls: 0 without --ep-axis
+        ep = mesh.axis_size(args.ep_axis) if args.ep_axis else 1
+        a2a = module.dispatch_bytes(config, ep, config.seq_len, dtype_bytes=report_dtype_bytes(args))
+        tiers = {"fast": a2a, "slow": 0} if args.ep_axis in mesh.fast_axes else {"fast": 0, "slow": a2a}
+        print(f"  {'all_to_all (MoE)':<16}  {tiers['fast'] / 2**20:12.2f} MiB   {tiers['slow'] / 2**20:12.2f} MiB   "
+              f"(one {config.seq_len}-token sequence per rank, uniform routing, ep={ep} over {args.ep_axis or '-'})")
+    if args.model == "gpt":  # what hpf simulate models so far
+        print(f"predicted step time, exposed communication and tokens/s, hpf vs FSDP2 vs Megatron DDP: "
+              f"hpf simulate --config {args.config} --mesh {mesh_text(dict(zip(mesh.axis_names, mesh.shape)))} "
+              "--hardware cloudmatrix384 (or h100, or a calibration file)")
+    if args.check and hasattr(module, "param_specs"):  # a model with experts routes on values
+        raise CliError(f"--check runs on meta tensors, which cannot route --model {args.model}'s tokens (routing "
+                       "depends on values); validate it with hpf train --mode validate on a small mesh instead")
     if args.check:
         one_sequence = torch.empty(1, config.seq_len + 1, dtype=torch.int64, device="meta")
         print(hpf.check_plan(module.loss_for(config), module.init(config, device="meta"), mesh, one_sequence,

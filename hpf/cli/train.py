@@ -20,7 +20,7 @@ import torch
 import hpf
 from hpf.api import STEPS
 from hpf.checks import finite_or_none
-from hpf.cli.common import CliError, mesh_of, mesh_text, positive, topology_of
+from hpf.cli.common import CliError, mesh_of, mesh_text, positive, sharding_of, topology_of
 from hpf.cli.plan import plan_of, report_of
 from hpf.device import default_device
 from hpf.launcher import init_distributed, is_launched, launch, rank, world_size
@@ -68,6 +68,8 @@ class TrainJob:
     keep_last: int = 3
     resume: str | None = None  # a checkpoint folder, resolved by the driver
     accumulate: int = 1  # micro-batches per step (gradient accumulation)
+    trace_dir: str | None = None  # --trace: Chrome traces of a few steps, one per rank and a merged one
+    ep_axis: str | None = None  # --ep-axis: the mesh axis experts are split over (moe)
 
     def model_config(self):
         return model_config(self.model, self.config, self.vocab_size)
@@ -82,7 +84,6 @@ class TrainJob:
     @property
     def checkpoints(self) -> Path:
         return Path(self.metrics_path).parent / "checkpoints"
-    trace_dir: str | None = None  # --trace: Chrome traces of a few steps, one per rank and a merged one
 
 
 def _make_optimizer(job: TrainJob):
@@ -91,15 +92,22 @@ def _make_optimizer(job: TrainJob):
     def lr(peak: float) -> Schedule:
         return Schedule(job.schedule, peak, total_steps=job.steps, warmup=job.warmup)
     if job.optimizer == "muon":  # AdamW at the config's AdamW lr for embeddings, head and vectors
-        return hpf.optim.muon(lr=lr(job.lr), adamw_lr=lr(TRAIN_DEFAULTS[job.config][0]))
+        return hpf.optim.muon(lr=lr(job.lr), adamw_lr=lr(_defaults(job.config)[0]))
     return hpf.optim.adamw(lr=lr(job.lr), weight_decay_mask=hpf.optim.default_weight_decay_mask)
 
 
 def _make_step(job: TrainJob, mesh: hpf.Mesh):
     module, config = job.model_config()
-    return hpf.shard_step(module.loss_for(config), mesh=mesh, optimizer=_make_optimizer(job), accumulate=job.accumulate,
-                          fsdp_axes=job.fsdp_axes, mode=job.mode, mixed_precision=job.mixed_precision,
-                          hsdp=job.hsdp, topology=topology_of(job.topology))
+    # a model with a training-loop Balancer (moe) returns its aux counts and takes --ep-axis
+    loss_fn = module.loss_for(config, job.ep_axis, aux=True) if hasattr(module, "Balancer") else module.loss_for(config)
+    return hpf.shard_step(loss_fn, mesh=mesh, optimizer=_make_optimizer(job), accumulate=job.accumulate,
+                          **sharding_of(job.model, config, mesh, job.fsdp_axes, job.ep_axis), mode=job.mode,
+                          mixed_precision=job.mixed_precision, hsdp=job.hsdp, topology=topology_of(job.topology))
+
+
+def _defaults(config: str) -> tuple[float, float, int]:
+    """TRAIN_DEFAULTS of a config name; a name it lacks (a model's own config) gets tiny's."""
+    return TRAIN_DEFAULTS.get(config, TRAIN_DEFAULTS["tiny"])
 
 
 def _batches(job: TrainJob, config, split: str, rank: int, world: int, start: int):
@@ -120,6 +128,8 @@ def _train_rank(rank: int, job: TrainJob) -> None:
     if progress:  # a big config's first step can take minutes: say it has begun, and that it runs
         progress.start(f"step 1 of {job.steps}: init, first gathers and warm-up")
     step = _make_step(job, mesh)
+    # loop state that rides in each batch and moves by the step's metrics (moe: the expert bias)
+    balancer = module.Balancer(config, default_device()) if hasattr(module, "Balancer") else None
     done = 0
     if job.resume:  # meta params: shapes only; the checkpoint fills the shards
         step.init(module.init(config, device="meta"))
@@ -130,9 +140,12 @@ def _train_rank(rank: int, job: TrainJob) -> None:
                              "hpf.checkpoint.load_params instead")
         done = int(extra["step"])
         checkpoint.set_rng_state(extra["rng"])
+        if balancer is not None:
+            balancer.bias = extra["expert_bias"].to(balancer.bias.device)
     else:
         state = step.init(module.init(config, torch.Generator().manual_seed(job.seed)))
-    batches = _batches(job, config, "train", rank, mesh.size, start=done)
+    tokens = _batches(job, config, "train", rank, mesh.size, start=done)
+    batches = tokens if balancer is None else map(balancer.batch, tokens)
     evaluate = None
     if job.eval_every:  # the same held-out batches at every evaluation
         held_out = _batches(job, config, "val", rank, mesh.size, start=0)
@@ -152,9 +165,14 @@ def _train_rank(rank: int, job: TrainJob) -> None:
                 record = {"step": i, **{k: m[k] for k in STEP_METRICS}, "tokens_per_s": tokens_per_step / m["step_s"]}
                 if evaluate and job.eval_due(i):
                     record["eval_loss"] = evaluate(step, state)
+                if balancer is not None:
+                    record["expert_imbalance"] = balancer.update(m)
                 if job.save_due(i):  # async: the write overlaps the next steps
-                    step.save(state, job.checkpoints / f"step_{i:06d}", extra={"step": i, "rng": checkpoint.rng_state()},
-                              keep_last=job.keep_last, async_save=True)
+                    extra = {"step": i, "rng": checkpoint.rng_state()}
+                    if balancer is not None:
+                        extra["expert_bias"] = balancer.bias.cpu()
+                    step.save(state, job.checkpoints / f"step_{i:06d}", extra=extra, keep_last=job.keep_last,
+                              async_save=True)
                 if out is None:
                     continue
                 out.write(json.dumps(finite_or_none(record), allow_nan=False) + "\n")  # NaN -> null: valid JSON
@@ -162,8 +180,11 @@ def _train_rank(rank: int, job: TrainJob) -> None:
                 shown = {"loss": f"{m['loss']:.4f}"}
                 if "eval_loss" in record:
                     shown["eval"] = f"{record['eval_loss']:.4f}"
-                progress.update(i, {**shown, "tokens/s": f"{record['tokens_per_s'] / 1e3:.1f}k",
-                                    "comm wait": f"{m['comm_wait_s'] / m['step_s']:.0%}"})
+                shown.update({"tokens/s": f"{record['tokens_per_s'] / 1e3:.1f}k",
+                              "comm wait": f"{m['comm_wait_s'] / m['step_s']:.0%}"})
+                if "expert_imbalance" in record:
+                    shown["experts max/mean"] = f"{record['expert_imbalance']:.2f}"
+                progress.update(i, shown)
         step.wait_save()
     finally:
         if progress:
@@ -286,12 +307,12 @@ def cmd_train(args) -> int:
                       "pip install -e '.[plot]'); training goes on", file=sys.stderr, flush=True)
     out = args.out or Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     lead = rank() == 0  # rank 0 under torchrun; the driver otherwise
-    adamw_lr, muon_lr, warmup = TRAIN_DEFAULTS[args.config]
+    adamw_lr, muon_lr, warmup = _defaults(args.config)
     warmup = warmup if args.warmup is None else args.warmup
     if args.schedule != "constant" and warmup >= args.steps:
         raise CliError(f"--warmup {warmup} must be below --steps {args.steps} for the {args.schedule} schedule")
     same = ("config", "fsdp_axes", "optimizer", "steps", "batch_size", "mode", "seed", "mixed_precision",
-            "topology", "hsdp", "model", "schedule", "keep_last", "accumulate")
+            "topology", "hsdp", "model", "schedule", "keep_last", "accumulate", "ep_axis")
     job = TrainJob(**{k: getattr(args, k) for k in same}, axes=dict(zip(mesh.axis_names, mesh.shape)),
                    lr=args.lr or (muon_lr if args.optimizer == "muon" else adamw_lr), warmup=warmup,
                    metrics_path=str(out / "metrics.jsonl"), data=str(args.data) if args.data else None,

@@ -38,7 +38,7 @@ from torch.overrides import handle_torch_function, has_torch_function
 from ..mesh import Mesh, MeshError
 from .transport import reduce_scatter_async
 
-__all__ = ["psum", "all_gather", "all_to_all", "axis_index", "SPMD", "spmd", "current"]
+__all__ = ["psum", "all_gather", "all_to_all", "axis_index", "SPMD", "spmd", "current", "validating"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ class SPMD:
     rank: int
     fsdp_axes: tuple[str, ...]
     virtual: bool = False
+    validate: bool = False  # validation mode: models check their data-dependent invariants (MoE dispatch)
 
     def axes(self, axis: str | Sequence[str], op: str) -> tuple[str, ...]:
         """``axis`` as a tuple of non-FSDP mesh axes, in mesh order; errors name the op."""
@@ -77,6 +78,12 @@ _CURRENT: contextvars.ContextVar[SPMD | None] = contextvars.ContextVar("hpf_spmd
 
 def current() -> SPMD | None:
     return _CURRENT.get()
+
+
+def validating() -> bool:
+    """Whether the running ``loss_fn`` is in a validation-mode step (checks cost time: only then)."""
+    ctx = _CURRENT.get()
+    return ctx is not None and ctx.validate
 
 
 @contextlib.contextmanager
@@ -197,47 +204,87 @@ def _exchange(x: torch.Tensor, group, n: int, split_dim: int, concat_dim: int) -
     return torch.cat(recv.unbind(0), concat_dim)  # block j came from rank j
 
 
-class _AllToAll(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
+    """An all-to-all ``fn(x, *args)`` whose backward is the same exchange with ``inverse`` args."""
+
     @staticmethod
-    def forward(ctx, x, group, n, split_dim, concat_dim):
-        ctx.args = group, n, concat_dim, split_dim  # the inverse exchange swaps the dims
-        return _exchange(x, group, n, split_dim, concat_dim)
+    def forward(ctx, x, fn, args, inverse):
+        ctx.fn, ctx.inverse = fn, inverse
+        return fn(x, *args)
 
     @staticmethod
     def backward(ctx, grad):
-        return _exchange(grad, *ctx.args), None, None, None, None
+        return ctx.fn(grad, *ctx.inverse), None, None, None
 
 
-def all_to_all(x: torch.Tensor, axis: str | Sequence[str], split_dim: int, concat_dim: int) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, axis: str | Sequence[str], split_dim: int, concat_dim: int, *,
+               send_sizes: Sequence[int] | None = None, recv_sizes: Sequence[int] | None = None) -> torch.Tensor:
     """Split ``x`` into n chunks along ``split_dim``, send chunk j to rank j of ``axis``, and
     concatenate the chunks received along ``concat_dim`` (in sender order).
 
-    Backward runs the inverse exchange (``split_dim`` and ``concat_dim`` swapped).
+    Backward runs the inverse exchange (``split_dim`` and ``concat_dim`` swapped). Uneven
+    splits (MoE token dispatch): ``send_sizes[j]`` rows of ``split_dim`` go to rank j
+    (``split_dim == concat_dim``); ``recv_sizes`` (what each rank sends here) is exchanged
+    first when not given, so no rank waits on a guess.
 
     Args:
-        x: this rank's tensor; the same shape on every rank of the group.
+        x: this rank's tensor; the same shape on every rank of the group (even splits).
         axis: a non-FSDP mesh axis name, or several (n = the product of their sizes).
-        split_dim: the dim cut into n equal chunks, one per destination rank.
+        split_dim: the dim cut into n chunks, one per destination rank.
         concat_dim: the dim the received chunks are joined along.
+        send_sizes: n row counts of ``split_dim`` for uneven chunks (None: n equal chunks).
+        recv_sizes: n row counts this rank receives (None: exchanged first).
 
     Raises:
         MeshError: ``axis`` is empty, not an axis of the step's mesh, or an FSDP axis.
         IndexError: ``split_dim`` or ``concat_dim`` is out of range for ``x``.
-        ValueError: n does not divide ``x.shape[split_dim]`` (pad it to a multiple of n).
+        ValueError: n does not divide ``x.shape[split_dim]`` (pad it to a multiple of n, or
+            pass ``send_sizes``), or the sizes are not n non-negative counts summing right.
     """
     if has_torch_function((x,)):
-        return handle_torch_function(all_to_all, (x,), x, axis, split_dim, concat_dim)
+        kw = {} if send_sizes is None else {"send_sizes": send_sizes, "recv_sizes": recv_sizes}
+        return handle_torch_function(all_to_all, (x,), x, axis, split_dim, concat_dim, **kw)
     group, n, virtual = _setup(axis, "all_to_all")
     split_dim = _dim(x, split_dim, "all_to_all", "split_dim")
     concat_dim = _dim(x, concat_dim, "all_to_all", "concat_dim")
-    if x.shape[split_dim] % n:
+    uneven = send_sizes is not None
+    if uneven:
+        send = _sizes(send_sizes, n, axis, "send_sizes", x.shape[split_dim])
+        if split_dim != concat_dim:
+            raise ValueError(f"hpf.all_to_all over {axis!r} with send_sizes: uneven chunks can only be "
+                             f"concatenated along the dim they were split on; got split_dim {split_dim}, "
+                             f"concat_dim {concat_dim}")
+    elif x.shape[split_dim] % n:
         raise ValueError(f"hpf.all_to_all over {axis!r}: split_dim {split_dim} has size "
-                         f"{x.shape[split_dim]}, which {n} ranks do not divide; pad it to a multiple of {n}")
+                         f"{x.shape[split_dim]}, which {n} ranks do not divide; pad it to a multiple of {n}, "
+                         f"or pass send_sizes= for uneven chunks")
     if n == 1:
         return x.view_as(x)
     if virtual:
-        return torch.cat(x.chunk(n, split_dim), concat_dim)
-    return _AllToAll.apply(x, group, n, split_dim, concat_dim)
+        return x.clone() if uneven else torch.cat(x.chunk(n, split_dim), concat_dim)
+    if not uneven:
+        return _Exchange.apply(x, _exchange, (group, n, split_dim, concat_dim), (group, n, concat_dim, split_dim))
+    if recv_sizes is None:  # counts first: every rank learns what it will receive (no hang on a guess)
+        counts = torch.tensor(send, dtype=torch.int64, device=x.device)
+        recv_sizes = torch.empty_like(counts)
+        dist.all_to_all_single(recv_sizes, counts, group=group)
+    recv = _sizes(recv_sizes, n, axis, "recv_sizes", None)
+    return _Exchange.apply(x, _exchange_v, (group, send, recv, split_dim), (group, recv, send, split_dim))
+
+
+def _sizes(sizes, n: int, axis, name: str, total: int | None) -> list[int]:
+    out = [int(s) for s in (sizes.tolist() if isinstance(sizes, torch.Tensor) else sizes)]
+    if len(out) != n or min(out, default=0) < 0 or (total is not None and sum(out) != total):
+        raise ValueError(f"hpf.all_to_all over {axis!r}: {name}={out} must be {n} non-negative counts"
+                         + (f" summing to {total} (the size of split_dim)" if total is not None else ""))
+    return out
+
+
+def _exchange_v(x: torch.Tensor, group, send: list[int], recv: list[int], dim: int) -> torch.Tensor:
+    x0 = x.movedim(dim, 0).contiguous()
+    out = x0.new_empty((sum(recv),) + tuple(x0.shape[1:]))
+    dist.all_to_all_single(out, x0, output_split_sizes=recv, input_split_sizes=send, group=group)
+    return out.movedim(0, dim)
 
 
 # -- axis_index ----------------------------------------------------------------------------------------

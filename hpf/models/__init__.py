@@ -2,15 +2,18 @@
 
 Each model module provides ``CONFIGS``, ``init(config, generator, device=, dtype=)``,
 ``loss_for(config)`` and ``num_params(config)``; ``MODELS`` names them for the ``hpf`` command.
+A model with experts (``moe``) also provides ``param_specs(config, ep_axis, data_axes)``,
+``dispatch_bytes`` (its all-to-all bytes, for ``hpf plan``) and ``Balancer`` (loop state that
+rides in each batch and moves by ``metrics["aux"]``); its ``loss_for`` takes ``ep_axis, aux``.
 Synthetic token batches (``gpt.synthetic_batches``) fit any config with ``vocab_size`` and
 ``seq_len``."""
 import dataclasses
 
-from hpf.models import gpt, llama
+from hpf.models import gpt, llama, moe
 
-__all__ = ["gpt", "llama", "MODELS", "model_config"]
+__all__ = ["gpt", "llama", "moe", "MODELS", "model_config"]
 
-MODELS = {"gpt": gpt, "llama": llama}
+MODELS = {"gpt": gpt, "llama": llama, "moe": moe}
 
 
 def model_config(model: str, config: str, vocab_size: int | None = None):

@@ -8,11 +8,13 @@ One concern per module:
 * :mod:`~hpf.validate.tracker`     the ``TorchFunctionMode`` that carries layouts through ``loss_fn``;
 * :mod:`~hpf.validate.step`        ``ValidateStep``: the production step with every check on;
 * :mod:`~hpf.validate.plan_check`  ``check_plan``: one rank's view of any mesh, on meta tensors;
-* :mod:`~hpf.validate.grads`       ``check_grads``: sharded grads vs a single-process reference.
+* :mod:`~hpf.validate.grads`       ``check_grads``: sharded grads vs a single-process reference;
+* :mod:`~hpf.validate.dispatch`    MoE dispatch invariants (tokens, expert placement, gates).
 """
-from .errors import (CHECKS, BatchMismatchError, CollectiveError, GradientMismatchError, IndivisibleSpecError,
-                     LayoutError, LossNotReplicatedError, NonFiniteError, ParamsTreeError, PartialSumError,
-                     PrecisionError, ShardedContractionError, ShardingMismatchError)
+from .errors import (CHECKS, BatchMismatchError, CollectiveError, DispatchError, ExpertPlacementError, GateSumError,
+                     GradientMismatchError, IndivisibleSpecError, LayoutError, LossNotReplicatedError,
+                     NonFiniteError, ParamsTreeError, PartialSumError, PrecisionError, ShardedContractionError,
+                     ShardingMismatchError, TokenLostError)
 from .grads import GradReport, check_grads
 from .layout import PARTIAL, VARYING, Info, describe, make_info
 from .plan_check import PlanCheck, check_plan
@@ -23,6 +25,7 @@ __all__ = [
     "LayoutError", "PartialSumError", "ShardingMismatchError", "ShardedContractionError",
     "LossNotReplicatedError", "BatchMismatchError", "ParamsTreeError", "PrecisionError",
     "NonFiniteError", "IndivisibleSpecError", "CollectiveError", "GradientMismatchError", "CHECKS",
+    "DispatchError", "TokenLostError", "ExpertPlacementError", "GateSumError",
     "ValidateStep", "check_plan", "check_grads", "PlanCheck", "GradReport", "Tracker",
     "PARTIAL", "VARYING", "Info", "describe", "make_info",
 ]

@@ -9,7 +9,10 @@ The fail-fast checks, in the order the docs and tests name them (:data:`CHECKS`)
 * :class:`ParamsTreeError`         a params tree, spec tree or train state of another structure;
 * :class:`PrecisionError`          an op that silently leaves the mixed-precision compute dtype;
 * :class:`NonFiniteError`          a non-finite loss or grad, named where it first appeared;
-* :class:`IndivisibleSpecError`    a non-FSDP axis that does not divide the dim it splits.
+* :class:`IndivisibleSpecError`    a non-FSDP axis that does not divide the dim it splits;
+* :class:`TokenLostError`, :class:`ExpertPlacementError`, :class:`GateSumError`: MoE dispatch
+  (:class:`DispatchError`): a token copy lost, an expert's tokens on the wrong rank, gates
+  that do not sum to 1.
 
 Besides these, :class:`ShardingMismatchError`, :class:`CollectiveError` and
 :class:`GradientMismatchError` (from ``check_grads``) are :class:`LayoutError`\\ s too.
@@ -25,7 +28,7 @@ __all__ = [
     "LayoutError", "PartialSumError", "ShardingMismatchError", "ShardedContractionError",
     "LossNotReplicatedError", "BatchMismatchError", "ParamsTreeError", "PrecisionError",
     "NonFiniteError", "IndivisibleSpecError", "CollectiveError", "GradientMismatchError", "CHECKS",
-    "as_layout_errors",
+    "DispatchError", "TokenLostError", "ExpertPlacementError", "GateSumError", "as_layout_errors",
 ]
 
 
@@ -77,6 +80,26 @@ class CollectiveError(LayoutError):
     """An hpf collective applied to a layout it cannot mean (e.g. psum of a replicated value)."""
 
 
+class DispatchError(LayoutError):
+    """MoE token dispatch broke an invariant of the router or the all-to-all (checked in
+    validation mode by :mod:`hpf.validate.dispatch`)."""
+
+
+class TokenLostError(DispatchError):
+    """A token is not sent to each of its top-k experts exactly once, or does not come back
+    to its place after the experts (a dropped, duplicated or misplaced copy)."""
+
+
+class ExpertPlacementError(DispatchError):
+    """A token copy reached a rank that does not own its expert (or a count disagrees with
+    the ids that arrived): the dispatch order is not expert-major over ranks."""
+
+
+class GateSumError(DispatchError):
+    """A token's routing gates do not sum to the config's route_scale (1: normalized), or
+    are negative or non-finite."""
+
+
 class GradientMismatchError(LayoutError):
     """Sharded grads differ from the single-process reference beyond the tolerance."""
 
@@ -85,6 +108,7 @@ class GradientMismatchError(LayoutError):
 CHECKS: tuple[type[LayoutError], ...] = (
     PartialSumError, ShardedContractionError, LossNotReplicatedError, BatchMismatchError,
     ParamsTreeError, PrecisionError, NonFiniteError, IndivisibleSpecError,
+    TokenLostError, ExpertPlacementError, GateSumError,
 )
 
 

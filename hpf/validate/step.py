@@ -1,6 +1,7 @@
 """The validating step: the production step (hpf.step) with every check of validation mode on."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable
 
@@ -8,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .. import tree as tree_util
-from ..step import ShardStep
+from ..step import ShardStep, split_aux
 from ..types import TrainState
 from .errors import BatchMismatchError, LossNotReplicatedError, NonFiniteError, ParamsTreeError, as_layout_errors
 from .grads import GradReport, check_grads
@@ -47,6 +48,7 @@ class ValidateStep(ShardStep):
         with as_layout_errors("shard_step(mode='validate').init"):
             state = super().init(full_params)
         self._state_sig = [(tuple(s.shape), s.dtype) for s in state.params]
+        self._spmd = dataclasses.replace(self._spmd, validate=True)  # models' own checks (MoE dispatch) on
         return state
 
     def forward_backward(self, state: TrainState, batch: Any) -> torch.Tensor:
@@ -66,11 +68,12 @@ class ValidateStep(ShardStep):
         batch = tracker.track_batch(batch)
         self.engine.warn_extra, self.engine.describe_op = True, lambda: getattr(tracker, "last_op", "(none yet)")
         with tracker:
-            loss = self.loss_fn(params, batch)
+            out = self.loss_fn(params, batch)
+        loss, _ = split_aux(out)
         tracker.check_loss(loss)
         self.ops_checked = tracker.ops
         self._check_loss_values(loss, tracker)
-        return loss
+        return out
 
     def check_grads(self, state: TrainState, batch: Any, *, rtol: float = 1e-3, atol: float = 1e-6) -> "GradReport":
         """Sharded grads vs a single-process reference, without updating ``state``; see :func:`check_grads`."""

@@ -115,3 +115,15 @@ def triton_newton_schulz(X, coefficients, norm_scale, eps, compute_dtype):
         B = symmetric_product(A, A, alpha=c, beta=b)  # c A Aᵀ + b A = c A² + b A, as A is symmetric
         Y = torch.baddbmm(Y, B, Y, beta=a)
     return reference.restore(Y, tall, X)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, sizes) -> torch.Tensor:
+    """torch._grouped_mm (one kernel for all groups) for bf16 on sm90+, with 16-byte aligned
+    rows; the reference loop otherwise."""
+    k, m = w.shape[-2:]
+    fast = (hasattr(torch, "_grouped_mm") and x.dtype == w.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device) >= (9, 0) and k % 8 == 0 and m % 8 == 0)
+    if not fast:
+        return reference.grouped_mm(x, w, sizes)
+    sizes = torch.as_tensor(list(sizes) if not isinstance(sizes, torch.Tensor) else sizes, device=x.device)
+    return torch._grouped_mm(x, w, offs=sizes.cumsum(0).to(torch.int32))

@@ -39,3 +39,8 @@ def newton_schulz(
     return reference.newton_schulz(
         X, coefficients, norm_scale=norm_scale, eps=eps, compute_dtype=compute_dtype or torch.bfloat16
     )
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, sizes) -> torch.Tensor:
+    """The reference loop (torch_npu's npu_grouped_matmul is the next step here)."""
+    return reference.grouped_mm(x, w, sizes)

@@ -52,3 +52,12 @@ def newton_schulz(
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A²
         Y = torch.baddbmm(Y, B, Y, beta=a)  # a Y + (b A + c A²) Y
     return restore(Y, tall, X)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+    """Rows of x in consecutive groups; group g (sizes[g] rows, maybe 0) times w[g] [K, M].
+
+    A loop of plain matmuls over the groups: on CPU this beats padding to a [G, max, K] bmm for
+    uneven loads, and an empty group costs nothing."""
+    parts = [xg @ w[g] for g, xg in enumerate(torch.split(x, list(sizes))) if xg.shape[0]]
+    return torch.cat(parts) if parts else x.new_zeros(0, w.shape[-1])

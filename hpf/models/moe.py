@@ -1,0 +1,350 @@
+"""A Mixture-of-Experts decoder (DeepSeek-V3 / Pangu style) as pure functions over a plain dict.
+
+Blocks: RMSNorm, RoPE attention, then a dense SwiGLU FFN (the first ``n_dense_layers``) or a
+routed MoE: a top-k router (softmax or sigmoid scores, gates renormalized to sum to 1), routed
+SwiGLU experts stored as 3-D tensors ``w1/w3 (E, H, D)`` and ``w2 (E, D, H)``, and optional
+shared experts. Every weight is ``(out, in)`` and applied with ``F.linear``.
+
+Expert parallelism (``ep_axis``): the step hands each rank its block of experts
+``(E/ep, H, D)``; tokens go to the rank owning their expert with ``hpf.all_to_all`` (per-expert
+counts first, then the tokens with uneven splits), run through a grouped matmul, and come back
+with the reverse exchange. Outside a step (one process, full params) the same code runs every
+expert locally.
+
+Aux-loss-free balancing: the per-expert bias is used for top-k *selection* only, never in the
+gates, and is not a trained param. It lives with the training loop, next to the train state:
+each batch carries it as ``{"tokens": ..., "expert_bias": [n_moe_layers, E]}``; the loss (made
+with ``loss_for(config, aux=True)``) returns this rank's tokens per expert as aux, which
+``hpf.shard_step`` sums over all ranks into ``metrics["aux"]["expert_counts"]``; the loop then
+calls ``update_bias``. So the model stays a pure function of (params, batch).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+import hpf_kernels
+
+from ..comm.collectives import all_to_all, axis_index, validating
+from . import gpt
+
+__all__ = ["MoEConfig", "CONFIGS", "num_params", "init", "loss", "loss_for", "param_specs", "update_bias",
+           "imbalance", "Balancer", "synthetic_batches", "global_batch", "batch_with_bias", "dispatch_bytes"]
+
+NORM_EPS = 1e-6
+INIT_STD = 0.02
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    vocab_size: int
+    seq_len: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_dense_layers: int  # the first layers use a dense FFN (DeepSeek-V3: 3)
+    d_ff: int  # dense FFN hidden size
+    n_experts: int
+    top_k: int
+    d_expert: int  # hidden size of one routed (and one shared) expert
+    n_shared: int = 0  # shared experts: one SwiGLU of hidden n_shared * d_expert, on every token
+    score_func: str = "sigmoid"  # "sigmoid" (DeepSeek-V3) or "softmax"
+    route_scale: float = 1.0
+    aux_loss_coeff: float = 0.0  # sequence-wise balance loss (0: aux-loss-free only)
+    bias_update_coeff: float = 1e-3
+    rope_theta: float = 10000.0
+
+    def __post_init__(self):
+        if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
+            raise ValueError(f"MoEConfig: d_model={self.d_model} must split into n_heads={self.n_heads} heads of even size")
+        if not 0 < self.top_k <= self.n_experts:
+            raise ValueError(f"MoEConfig: top_k={self.top_k} must be in 1..n_experts={self.n_experts}")
+        if self.score_func not in ("sigmoid", "softmax"):
+            raise ValueError(f"MoEConfig.score_func={self.score_func!r}: use 'sigmoid' or 'softmax'")
+        if not 0 <= self.n_dense_layers <= self.n_layers:
+            raise ValueError(f"MoEConfig: n_dense_layers={self.n_dense_layers} must be in 0..n_layers")
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers - self.n_dense_layers
+
+
+CONFIGS: dict[str, MoEConfig] = {
+    # Seconds on CPU; 8 experts split evenly over ep = 1, 2, 4 or 8.
+    "tiny": MoEConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=3, n_heads=4, n_dense_layers=1, d_ff=64,
+                      n_experts=8, top_k=2, d_expert=16, n_shared=1, bias_update_coeff=3e-3),
+    # A few M params for CPU benchmarks.
+    "small": MoEConfig(vocab_size=512, seq_len=128, d_model=256, n_layers=4, n_heads=4, n_dense_layers=1,
+                       d_ff=1024, n_experts=16, top_k=2, d_expert=256, n_shared=1),
+    # DeepSeek-V3 671B's layout (61 layers, d 7168, 56 heads, first 3 layers dense with FFN 18432,
+    # 1 shared expert, top-8, expert hidden 2048, vocab 129280) with 192 routed experts instead of
+    # 256 and plain multi-head attention (4 d^2) instead of MLA: 508.6B params, 192 = 12 x 16
+    # experts per rank on a 16-rank supernode tier. Planning only (meta tensors).
+    "505b": MoEConfig(vocab_size=129280, seq_len=4096, d_model=7168, n_layers=61, n_heads=56, n_dense_layers=3,
+                      d_ff=18432, n_experts=192, top_k=8, d_expert=2048, n_shared=1),
+}
+
+
+def num_params(config: MoEConfig) -> int:
+    c = config
+    d = c.d_model
+    attn = 4 * d * d + 2 * d
+    moe = d * c.n_experts + 3 * c.n_experts * c.d_expert * d + 3 * c.n_shared * c.d_expert * d
+    return 2 * c.vocab_size * d + d + c.n_dense_layers * (attn + 3 * d * c.d_ff) + c.n_moe_layers * (attn + moe)
+
+
+def init(config: MoEConfig, generator: torch.Generator | None = None, *, device=None,
+         dtype: torch.dtype = torch.float32) -> dict:
+    """Fresh params (fp32 draws on the CPU from ``generator``, default seed 0; ``device="meta"`` draws nothing)."""
+    c = config
+    normal, ones = gpt.param_makers(generator, device, dtype)
+    d, res = c.d_model, INIT_STD / math.sqrt(2 * c.n_layers)
+
+    def swiglu(*lead: int, hidden: int) -> dict:
+        return {"w1": normal(*lead, hidden, d), "w3": normal(*lead, hidden, d), "w2": normal(*lead, d, hidden, std=res)}
+
+    blocks = []
+    for i in range(c.n_layers):
+        blk = {"attn_norm": ones(d), "wq": normal(d, d), "wk": normal(d, d), "wv": normal(d, d),
+               "wo": normal(d, d, std=res), "ffn_norm": ones(d)}
+        if i < c.n_dense_layers:
+            blk["ffn"] = swiglu(hidden=c.d_ff)
+        else:
+            blk["router"] = normal(c.n_experts, d)
+            blk["experts"] = swiglu(c.n_experts, hidden=c.d_expert)
+            if c.n_shared:
+                blk["shared"] = swiglu(hidden=c.n_shared * c.d_expert)
+        blocks.append(blk)
+    return {"embed": normal(c.vocab_size, d), "blocks": blocks, "norm_f": ones(d), "head": normal(c.vocab_size, d)}
+
+
+def param_specs(config: MoEConfig, ep_axis: str | None = None, data_axes=("dp",)):
+    """Rules: experts split on dim 0 over ``ep_axis`` and FSDP-sharded over the other data axes;
+    everything else FSDP-sharded over all ``data_axes`` (``ep_axis`` included: no replication).
+    Use with ``shard_step(..., fsdp_axes=data_axes)``."""
+    from ..spec import P, rules
+
+    data = tuple(data_axes)
+    if ep_axis is not None and ep_axis not in data:
+        raise ValueError(f"ep_axis={ep_axis!r} must be one of the data axes {data}: expert parallelism "
+                         "borrows a data axis (each EP rank still reads its own batch)")
+    expert = P(data) if ep_axis is None else P(ep_axis, fsdp=tuple(a for a in data if a != ep_axis))
+    return rules([(r"blocks/\d+/experts/w\d", expert), (r".*", P(data))])
+
+
+# -- the model --------------------------------------------------------------------------------------
+def _rms(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + NORM_EPS) * w
+
+
+def _rope(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half RoPE on [B, T, H, hd]."""
+    t, hd = x.shape[1], x.shape[-1]
+    freqs = theta ** (-torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd)
+    ang = torch.arange(t, device=x.device, dtype=torch.float32)[:, None] * freqs
+    cos, sin = ang.cos()[:, None].to(x.dtype), ang.sin()[:, None].to(x.dtype)
+    x1, x2 = x.chunk(2, -1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
+
+
+def _attention(x, blk, c: MoEConfig):
+    b, t, d = x.shape
+    q, k, v = (F.linear(x, blk[w]).view(b, t, c.n_heads, d // c.n_heads) for w in ("wq", "wk", "wv"))
+    q, k = _rope(q, c.rope_theta), _rope(k, c.rope_theta)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+    return F.linear(out.transpose(1, 2).reshape(b, t, d), blk["wo"])
+
+
+def _swiglu(x, w):
+    return F.linear(F.silu(F.linear(x, w["w1"])) * F.linear(x, w["w3"]), w["w2"])
+
+
+def route(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None, c: MoEConfig):
+    """(scores [T, E] fp32, expert ids [T, k], gates [T, k] summing to route_scale). The bias
+    only picks the experts; the gates come from the unbiased scores."""
+    logits = F.linear(x.float(), router.float())
+    scores = logits.softmax(-1) if c.score_func == "softmax" else logits.sigmoid()
+    pick = scores if bias is None else scores + bias.to(scores)
+    idx = pick.topk(c.top_k, -1).indices
+    gates = scores.gather(-1, idx)
+    return scores, idx, gates / gates.sum(-1, keepdim=True) * c.route_scale
+
+
+def _grouped_swiglu(x, ex, sizes):
+    h = F.silu(hpf_kernels.grouped_mm(x, ex["w1"].mT, sizes)) * hpf_kernels.grouped_mm(x, ex["w3"].mT, sizes)
+    return hpf_kernels.grouped_mm(h, ex["w2"].mT, sizes)
+
+
+def routed_experts(x, idx, gates, ex, n_experts: int, ep_axis: str | None):
+    """sum_j gates[t, j] * expert_{idx[t, j]}(x[t]) for x [T, D], with this rank's block of experts.
+
+    Token copies are sorted by expert (so by owning rank: experts are contiguous per rank),
+    the per-expert counts are exchanged, the tokens follow with uneven splits, are grouped by
+    local expert for the grouped matmul, and return by the reverse exchange."""
+    n_local = ex["w1"].shape[0]
+    n = n_experts // n_local
+    if n > 1 and ep_axis is None:
+        raise ValueError(f"the experts hold {n_local} of {n_experts} experts: pass loss_for(config, ep_axis=...) "
+                         "naming the mesh axis they are split over")
+    k = idx.shape[1]
+    flat = idx.reshape(-1)
+    order = dispatch_order(flat)
+    tok = order // k
+    checks = _DispatchChecks(flat[order], tok, x.shape[0], k, n_experts, ep_axis) if validating() else None
+    counts = torch.bincount(flat, minlength=n_experts)
+    xs = x[tok]
+    if n == 1:
+        y = _grouped_swiglu(xs, ex, counts.tolist())
+    else:
+        recv_counts = all_to_all(counts.view(n, n_local), ep_axis, 0, 0)  # row j: sent here by rank j
+        send, recv = counts.view(n, n_local).sum(1).tolist(), recv_counts.sum(1).tolist()
+        xr = all_to_all(xs, ep_axis, 0, 0, send_sizes=send, recv_sizes=recv)
+        local = torch.arange(n_local, device=x.device).repeat(n).repeat_interleave(recv_counts.reshape(-1))
+        perm = local.argsort(stable=True)  # sender-major -> expert-major
+        if checks:
+            checks.placement(send, recv, recv_counts, n_local, perm)
+        y = _grouped_swiglu(xr[perm], ex, recv_counts.sum(0).tolist())
+        y = all_to_all(y[perm.argsort()], ep_axis, 0, 0, send_sizes=recv, recv_sizes=send)
+    y = y * gates.reshape(-1)[order, None].to(y.dtype)
+    return torch.zeros_like(x).index_add(0, tok, y), counts
+
+
+def dispatch_order(flat_ids: torch.Tensor) -> torch.Tensor:
+    """The send order of the token copies: sorted by expert, so each rank's experts are one
+    contiguous chunk (validation mode checks that it is)."""
+    return flat_ids.argsort(stable=True)
+
+
+class _DispatchChecks:
+    """Validation mode's MoE dispatch checks (hpf.validate.dispatch), raised on every EP rank."""
+
+    def __init__(self, ids, tok, n_tokens: int, k: int, n_experts: int, ep_axis):
+        from ..validate import dispatch  # validation only: production never imports it here
+        self.v, self.ids, self.axis = dispatch, ids, ep_axis
+        self.v.raise_together(self.v.check_dispatch(ids, tok, n_tokens, k, n_experts, "MoE dispatch"),
+                              self.v.TokenLostError, ep_axis, ids.device)
+
+    def placement(self, send, recv, recv_counts, n_local: int, perm) -> None:
+        """Send the expert ids along the tokens' way and back: they must land on their owner and return home."""
+        v, axis = self.v, self.axis
+        recv_ids = all_to_all(self.ids, axis, 0, 0, send_sizes=send, recv_sizes=recv)
+        owner = int(axis_index(axis))
+        v.raise_together(v.check_placement(recv_ids, recv_counts, owner, n_local, axis, "MoE dispatch"),
+                         v.ExpertPlacementError, axis, recv_ids.device)
+        back = all_to_all(recv_ids[perm][perm.argsort()], axis, 0, 0, send_sizes=recv, recv_sizes=send)
+        v.raise_together(v.check_return(self.ids, back, "MoE combine"), v.TokenLostError, axis, back.device)
+
+
+def _balance_loss(scores, idx, b: int, c: MoEConfig):
+    """DeepSeek-V3's sequence-wise balance loss (per sequence, so independent of the batch split)."""
+    e, k = c.n_experts, c.top_k
+    s = scores.shape[0] // b
+    f = torch.zeros(b, e, device=scores.device).scatter_add_(
+        1, idx.view(b, s * k), torch.ones(b, s * k, device=scores.device)) * (e / (k * s))
+    p = (scores / scores.sum(-1, keepdim=True)).view(b, s, e).mean(1)
+    return (f * p).sum(-1).mean()
+
+
+def block(blk: dict, x: torch.Tensor, bias, c: MoEConfig, ep_axis: str | None = None, experts=None):
+    """One block on x [B, T, D] -> (x, tokens per expert or None, balance loss). ``experts(h, idx,
+    gates)`` overrides the routed-expert call (default: ``routed_experts`` on ``blk["experts"]``)."""
+    b, t, _ = x.shape
+    x = x + _attention(_rms(x, blk["attn_norm"]), blk, c)
+    h = _rms(x, blk["ffn_norm"])
+    if "router" not in blk:
+        return x + _swiglu(h, blk["ffn"]), None, 0.0
+    hf = h.reshape(b * t, -1)
+    scores, idx, gates = route(hf, blk["router"], None if bias is None else bias.detach(), c)
+    if validating():
+        from ..validate import dispatch
+        dispatch.raise_together(dispatch.check_gates(gates, c.route_scale, "MoE router"), dispatch.GateSumError,
+                                ep_axis, gates.device)
+    if experts is None:
+        out, cnt = routed_experts(hf, idx, gates, blk["experts"], c.n_experts, ep_axis)
+    else:
+        out, cnt = experts(hf, idx, gates)
+    if "shared" in blk:
+        out = out + _swiglu(hf, blk["shared"])
+    balance = _balance_loss(scores, idx, b, c) if c.aux_loss_coeff else 0.0
+    return x + out.view(b, t, -1), cnt, balance
+
+
+def loss(params: dict, batch, *, config: MoEConfig, ep_axis: str | None = None, aux: bool = False):
+    """Mean next-token cross-entropy (+ aux_loss_coeff * balance loss) of ``batch``: tokens
+    [B, T+1], or {"tokens": ..., "expert_bias": [n_moe_layers, E]}. ``aux=True`` returns
+    ``(loss, {"expert_counts": [n_moe_layers, E] float})``."""
+    c = config
+    tokens, bias = (batch["tokens"], batch.get("expert_bias")) if isinstance(batch, dict) else (batch, None)
+    x = F.embedding(tokens[:, :-1], params["embed"])
+    counts, balance = [], 0.0
+    for blk in params["blocks"]:
+        x, cnt, bal = block(blk, x, None if bias is None or "router" not in blk else bias[len(counts)], c, ep_axis)
+        balance = balance + bal
+        if cnt is not None:
+            counts.append(cnt)
+    value = head_loss(params, x, tokens[:, 1:]) + c.aux_loss_coeff * balance
+    if not aux:
+        return value
+    return value, {"expert_counts": torch.stack(counts).float() if counts else torch.zeros(0)}
+
+
+def head_loss(params: dict, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = F.linear(_rms(x, params["norm_f"]), params["head"])
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def loss_for(config: MoEConfig, ep_axis: str | None = None, aux: bool = False):
+    """``loss_fn(params, batch)`` for ``hpf.shard_step``; ``ep_axis``: the mesh axis experts are split over."""
+    return functools.partial(loss, config=config, ep_axis=ep_axis, aux=aux)
+
+
+# -- balancing --------------------------------------------------------------------------------------
+def update_bias(bias: torch.Tensor, counts: torch.Tensor, coeff: float) -> torch.Tensor:
+    """Aux-loss-free update (DeepSeek-V3, torchtitan): raise under-loaded experts' bias by
+    ``coeff``, lower over-loaded ones; centred so the mean bias stays put. ``counts``: global
+    tokens per expert [n_moe_layers, E] (all-reduced: the same on every rank)."""
+    delta = coeff * torch.sign(counts.mean(-1, keepdim=True) - counts.to(bias))
+    return bias + delta - delta.mean(-1, keepdim=True)
+
+
+def imbalance(counts: torch.Tensor) -> float:
+    """max/mean tokens per expert, worst layer (1.0 is perfect balance)."""
+    return float((counts.max(-1).values / counts.mean(-1).clamp_min(1e-9)).max()) if counts.numel() else 1.0
+
+
+def batch_with_bias(tokens: torch.Tensor, bias: torch.Tensor) -> dict:
+    return {"tokens": tokens, "expert_bias": bias}
+
+
+class Balancer:
+    """Aux-loss-free balancing in a training loop: the selection bias rides in each batch and
+    moves by the step's all-reduced expert counts (the same on every rank, so no broadcast).
+    Needs a step made with ``loss_for(config, ..., aux=True)``."""
+
+    def __init__(self, config: MoEConfig, device=None):
+        self.config = config
+        self.bias = torch.zeros(config.n_moe_layers, config.n_experts, device=device)
+
+    def batch(self, tokens: torch.Tensor) -> dict:
+        return batch_with_bias(tokens, self.bias)
+
+    def update(self, metrics: dict) -> float:
+        """Move the bias by ``metrics["aux"]["expert_counts"]``; returns their imbalance (max/mean)."""
+        counts = metrics["aux"]["expert_counts"].to(self.bias.device)
+        self.bias = update_bias(self.bias, counts, self.config.bias_update_coeff)
+        return imbalance(counts)
+
+
+global_batch = gpt.global_batch  # the same fixed-seed Markov token source (needs only vocab_size, seq_len)
+synthetic_batches = gpt.synthetic_batches
+
+
+def dispatch_bytes(config: MoEConfig, ep: int, tokens_per_rank: int, dtype_bytes: int = 2) -> int:
+    """Bytes one rank sends per step in MoE all-to-alls under uniform routing: per MoE layer,
+    dispatch and combine, forward and backward, each sending (ep-1)/ep of its k token copies."""
+    per = tokens_per_rank * config.top_k * config.d_model * dtype_bytes * (ep - 1) // ep
+    return 4 * per * config.n_moe_layers
