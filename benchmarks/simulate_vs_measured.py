@@ -42,7 +42,7 @@ def cases(quick: bool) -> list[dict]:
     configs = ["tiny", "small"] if quick else ["tiny", "small", "medium"]
     out = []
     for cfg in configs:
-        # medium on 2 ranks only: a step is ~30 s of CPU per rank here, 4 ranks twice that
+        # medium on 2 ranks only: 13-17 s a step here, 4 oversubscribed ranks twice that
         for ranks in ((2,) if (quick and cfg == "tiny") or cfg == "medium" else (2, 4)):
             axes = {"dp": 2} if ranks == 2 else {"node": 2, "local": 2}
             for topo in ("two-tier", "flat"):
