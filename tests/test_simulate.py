@@ -104,3 +104,60 @@ def test_cli_simulate_sweep_and_errors(capsys):
 def test_plan_points_to_simulate(capsys):
     assert cli.main(["plan", "--config", "tiny", "--mesh", "node=2,local=2"]) == 0
     assert "hpf simulate --config tiny --mesh node=2,local=2" in capsys.readouterr().out
+
+
+def test_compute_slows_while_a_contending_link_is_busy_and_the_link_only_where_it_overlaps_compute():
+    from hpf.sim.model import _Timeline, _stage
+
+    link = sim.Link(alpha=0.0, beta=1.0, cpu_slowdown=2.0, busy_slowdown=3.0, busy_latency=1.0)
+    tl = _Timeline()
+    end = tl.submit([_stage("w", link, 10.0, "fast", "all_gather", {})])
+    tl.run(10.0)  # half speed for the 10 s the link is busy (5 s of work), then full speed
+    assert (end, tl.t) == (10.0, 15.0)
+    # a replay that knows compute ran over [0, 5): the stage overlaps it half the time
+    tl2 = _Timeline(compute_before=[(0.0, 5.0)])
+    assert tl2.submit([_stage("w", link, 10.0, "fast", "all_gather", {})]) == pytest.approx(10 * (1 + 0.5 * 2) + 0.5)
+    # no compute before: the alone time
+    assert _Timeline(compute_before=[]).submit([_stage("w", link, 10.0, "fast", "all_gather", {})]) == 10.0
+
+
+def test_cpu_overheads_grow_with_ranks_per_core():
+    hw = dataclasses.replace(CM, cores=2, kernel_overhead_s=1e-3)
+    assert hw.overhead(1e-3, 2) == 1e-3 and hw.overhead(1e-3, 4) == 2e-3
+    assert CM.overhead(1e-3, 768) == 1e-3  # accelerators: no cores given, no scaling
+
+
+def test_moe_hooks_count_active_flops_and_the_plan_reports_a2a_bytes():
+    from hpf.models import moe
+
+    c = moe.CONFIGS["small"]
+    mesh = hpf.Mesh({"node": 2, "local": 4})
+    flops = moe.unit_flops(c, 2)
+    tokens, d = 2 * c.seq_len, c.d_model
+    moe_block = 2 * tokens * (4 * d * d + d * c.n_experts + (c.top_k + c.n_shared) * 3 * d * c.d_expert) \
+        + 4 * tokens * c.seq_len * d
+    assert flops[f"blocks/{c.n_layers - 1}"] == moe_block  # top_k of n_experts, by hand
+    a2a = moe.unit_a2a(c, 1, mesh, "local", 2)
+    assert set(a2a) == {f"blocks/{i}" for i in range(c.n_dense_layers, c.n_layers)}
+    # dispatch + combine, forward + backward: the four exchanges plan --model moe counts
+    sent = sum(4 * n * 3 // 4 for n, _ in a2a.values())
+    assert sent == moe.dispatch_bytes(c, 4, c.seq_len, 2)
+    assert moe.unit_a2a(c, 1, mesh, None, 2) == {}
+
+
+def test_moe_all_to_alls_are_exposed_and_vanish_on_ideal_links():
+    mesh = {"node": 2, "local": 4}
+    r = sim.simulate("small", mesh, CM, model="moe", local_batch=2, mixed_precision="bf16", ep_axis="local")
+    ideal = dataclasses.replace(CM, fast=IDEAL, slow=IDEAL, scale_out=None, mem_bw=math.inf)
+    r0 = sim.simulate("small", mesh, ideal, model="moe", local_batch=2, mixed_precision="bf16", ep_axis="local")
+    assert r.exposed_comm_s > 0 and r0.exposed_comm_s == 0.0
+    assert r0.step_s < r.step_s
+    with pytest.raises(ValueError, match="has no experts"):
+        sim.simulate("small", mesh, CM, ep_axis="local")
+
+
+def test_cli_simulate_moe_505b(capsys):
+    assert cli.main(["simulate", "--model", "moe", "--config", "505b", "--mesh", "node=48,local=16", "--ep-axis",
+                     "local", "--local-batch", "1", "--mixed-precision", "bf16"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("768 ")]
+    assert [r[1] for r in rows] == ["hpf", "fsdp2"]  # no full-replica DDP of 505B params

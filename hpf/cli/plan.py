@@ -64,10 +64,11 @@ def cmd_plan(args) -> int:
         tiers = {"fast": a2a, "slow": 0} if args.ep_axis in mesh.fast_axes else {"fast": 0, "slow": a2a}
         print(f"  {'all_to_all (MoE)':<16}  {tiers['fast'] / 2**20:12.2f} MiB   {tiers['slow'] / 2**20:12.2f} MiB   "
               f"(one {config.seq_len}-token sequence per rank, uniform routing, ep={ep} over {args.ep_axis or '-'})")
-    if args.model == "gpt":  # what hpf simulate models so far
-        print(f"predicted step time, exposed communication and tokens/s, hpf vs FSDP2 vs Megatron DDP: "
-              f"hpf simulate --config {args.config} --mesh {mesh_text(dict(zip(mesh.axis_names, mesh.shape)))} "
-              "--hardware cloudmatrix384 (or h100, or a calibration file)")
+    model = "" if args.model == "gpt" else f"--model {args.model} "
+    ep = f" --ep-axis {args.ep_axis}" if args.ep_axis else ""
+    print(f"predicted step time, exposed communication and tokens/s, hpf vs FSDP2 vs Megatron DDP: "
+          f"hpf simulate {model}--config {args.config} --mesh {mesh_text(dict(zip(mesh.axis_names, mesh.shape)))}"
+          f"{ep} --hardware cloudmatrix384 (or h100, or a calibration file)")
     if args.check and hasattr(module, "param_specs"):  # a model with experts routes on values
         raise CliError(f"--check runs on meta tensors, which cannot route --model {args.model}'s tokens (routing "
                        "depends on values); validate it with hpf train --mode validate on a small mesh instead")

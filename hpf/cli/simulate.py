@@ -5,7 +5,7 @@ from pathlib import Path
 
 from hpf import sim
 from hpf.cli.common import CliError, mesh_of, positive
-from hpf.models import gpt
+from hpf.models import model_config
 
 
 def add_parser(sub, job) -> None:
@@ -31,13 +31,17 @@ def add_parser(sub, job) -> None:
 
 
 def cmd_simulate(args) -> int:
-    if args.model != "gpt":
-        raise CliError(f"hpf simulate models the GPT configs only so far, not --model {args.model}; "
-                       f"hpf plan --model {args.model} gives its memory and bytes per tier")
+    try:
+        module, config = model_config(args.model, args.config)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    if args.ep_axis is not None and not hasattr(module, "param_specs"):
+        raise CliError(f"--ep-axis {args.ep_axis}: --model {args.model} has no experts; use --model moe")
     hw = sim.hardware(args.hardware)
     kw = dict(local_batch=args.local_batch, mixed_precision=args.mixed_precision, topology=args.topology,
-              fsdp_axes=args.fsdp_axes, pipeline=not args.no_pipeline)
-    strategies = ("hsdp" if args.hsdp else "hpf", "fsdp2", "ddp")
+              fsdp_axes=args.fsdp_axes, pipeline=not args.no_pipeline, model=args.model, ep_axis=args.ep_axis)
+    # Megatron DDP keeps full replicas: no baseline for a model whose experts only fit split
+    strategies = ("hsdp" if args.hsdp else "hpf", "fsdp2") + (() if args.ep_axis else ("ddp",))
     if args.plot and not args.sweep:
         raise CliError("--plot draws the scaling curve: give --sweep too")
     if args.sweep:
@@ -49,9 +53,10 @@ def cmd_simulate(args) -> int:
     else:
         mesh = mesh_of(args)
         rows = [(mesh.size, sim.compare(args.config, mesh, hw, strategies, **kw))]
-    print(f"hpf simulate: GPT {args.config!r}, {args.local_batch} x {gpt.CONFIGS[args.config].seq_len} tokens per "
+    print(f"hpf simulate: {args.model} {args.config!r}, {args.local_batch} x {config.seq_len} tokens per "
           f"rank, {args.mixed_precision or 'fp32'}, hardware {hw.name}, hpf {args.topology}"
-          f"{' HSDP' if args.hsdp else ''}; FSDP2 and Megatron DDP as modelled in hpf.sim")
+          f"{' HSDP' if args.hsdp else ''}{f', experts over {args.ep_axis}' if args.ep_axis else ''}; "
+          "the baselines as modelled in hpf.sim")
     print(f"{'ranks':>6} {'strategy':<8} {'step ms':>9} {'exposed':>8} {'tokens/s':>12} {'tok/s/rank':>11} "
           f"{'vs hpf':>7} {'fast busy ms':>12} {'slow busy ms':>12}")
     for n, res in rows:
@@ -86,6 +91,8 @@ def save_simulate_plots(rows, out: Path) -> list[Path]:
         for name in rows[0][1]:
             ax.plot(ranks, [value(res[name], n) for n, res in rows], marker="o", label=name)
         ax.set(xlabel="ranks", ylabel=label, xscale="log", title=label)
+        ax.set_xticks(ranks, [str(n) for n in ranks])  # the swept counts, not log-scale minor labels
+        ax.minorticks_off()
         ax.legend()
         ax.grid(alpha=0.3)
         fig.savefig(out / fname, dpi=120)

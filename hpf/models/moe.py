@@ -33,7 +33,8 @@ from ..comm.collectives import all_to_all, axis_index, validating
 from . import gpt
 
 __all__ = ["MoEConfig", "CONFIGS", "num_params", "init", "loss", "loss_for", "param_specs", "update_bias",
-           "imbalance", "Balancer", "synthetic_batches", "global_batch", "batch_with_bias", "dispatch_bytes"]
+           "imbalance", "Balancer", "synthetic_batches", "global_batch", "batch_with_bias", "dispatch_bytes",
+           "unit_flops", "unit_a2a"]
 
 NORM_EPS = 1e-6
 INIT_STD = 0.02
@@ -348,3 +349,31 @@ def dispatch_bytes(config: MoEConfig, ep: int, tokens_per_rank: int, dtype_bytes
     dispatch and combine, forward and backward, each sending (ep-1)/ep of its k token copies."""
     per = tokens_per_rank * config.top_k * config.d_model * dtype_bytes * (ep - 1) // ep
     return 4 * per * config.n_moe_layers
+
+
+# -- hpf simulate's hooks ---------------------------------------------------------------------------
+def unit_flops(config: MoEConfig, local_batch: int) -> dict[str, float]:
+    """Forward FLOPs per FSDP unit for ``local_batch`` sequences (backward counts twice these):
+    attention's projections (2 x tokens x 4d^2) and QK^T, AV (4 x tokens x seq_len x d); a dense
+    FFN's 3 matrices; in a MoE block the router, the ``top_k`` routed experts a token visits and
+    the shared experts: the active params, not all of them. Under uniform routing expert
+    parallelism moves tokens, not FLOPs: each rank runs as many token-experts as it sends."""
+    c = config
+    tokens = local_batch * c.seq_len
+    d = c.d_model
+    attn = 2 * tokens * 4 * d * d + 4 * tokens * c.seq_len * d
+    dense = 2 * tokens * 3 * d * c.d_ff
+    moe = 2 * tokens * (d * c.n_experts + (c.top_k + c.n_shared) * 3 * d * c.d_expert)
+    return {"<root>": 2.0 * tokens * d * c.vocab_size,
+            **{f"blocks/{i}": float(attn + (dense if i < c.n_dense_layers else moe)) for i in range(c.n_layers)}}
+
+
+def unit_a2a(config: MoEConfig, local_batch: int, mesh, ep_axis: str | None = None,
+             dtype_bytes: int = 2) -> dict[str, tuple[int, tuple[str, ...]]]:
+    """Per MoE unit: (bytes of one rank's token copies in one all-to-all, the mesh axes it
+    spans); dispatch and combine, forward and backward, each move them (``dispatch_bytes``
+    counts the same four). Nothing without expert parallelism."""
+    if ep_axis is None or mesh.axis_size((ep_axis,)) == 1:
+        return {}
+    nbytes = local_batch * config.seq_len * config.top_k * config.d_model * dtype_bytes
+    return {f"blocks/{i}": (nbytes, (ep_axis,)) for i in range(config.n_dense_layers, config.n_layers)}

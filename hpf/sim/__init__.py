@@ -6,8 +6,10 @@ plan alone (meta tensors, no processes), for hpf and for the FSDP2 and Megatron 
     r.step_s, r.exposed_share, r.tokens_per_s
 
 Models: a module with ``init(config, device="meta")`` and ``CONFIGS``; ``unit_flops(config,
-local_batch) -> {unit: forward FLOPs}`` if it has one (else 2 x tokens x matrix params), and
-``unit_a2a(config, local_batch, mesh) -> {unit: (bytes, axes)}`` for MoE all-to-alls.
+local_batch) -> {unit: forward FLOPs}`` if it has one (else 2 x tokens x matrix params),
+``param_specs(config, ep_axis, data_axes)`` if its params are not all FSDP-sharded alike (MoE
+experts split over ``ep_axis``), and ``unit_a2a(config, local_batch, mesh, ep_axis, dtype_bytes)
+-> {unit: (bytes, axes)}`` for MoE all-to-alls.
 """
 from __future__ import annotations
 
@@ -39,11 +41,12 @@ def _model(model):
 def simulate(config, mesh, hw: Hardware | str, strategy: str = "hpf", *, local_batch: int = 1, model="gpt",
              mixed_precision: str | None = None, topology: str = "two-tier", fsdp_axes=None, pipeline: bool = True,
              overlap_optimizer: bool = True, emulated_slow: tuple[float, float] | None = None,
-             shm: bool | None = None, steps: int = 3) -> SimResult:
+             shm: bool | None = None, steps: int = 3, ep_axis: str | None = None) -> SimResult:
     """One strategy on one mesh. ``config``: a name in the model's CONFIGS or a config object;
     ``mesh``: an hpf.Mesh or {axis: size}; ``hw``: a Hardware, a profile name or a calibration
     file. ``strategy``: "hpf", "hsdp" (hpf sharding over the fast tier only), "fsdp2", "ddp".
-    ``topology``: "two-tier" (hpf.Topology()) or "flat" (topology=None), as ``hpf train``."""
+    ``topology``: "two-tier" (hpf.Topology()) or "flat" (topology=None), as ``hpf train``.
+    ``ep_axis``: a MoE model's expert-parallel axis (experts split over it, tokens exchanged)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy {strategy!r}: use one of {STRATEGIES}")
     if mixed_precision not in _BYTES:
@@ -56,11 +59,14 @@ def simulate(config, mesh, hw: Hardware | str, strategy: str = "hpf", *, local_b
     is_hpf = strategy in ("hpf", "hsdp")
     tiered = is_hpf and topology == "two-tier"
     fsdp = tuple(fsdp_axes or mesh.axis_names)
-    plan = make_plan(mod.init(cfg, device="meta"), mesh, fsdp_axes=fsdp_axes, hierarchical=tiered,
+    if ep_axis is not None and not hasattr(mod, "param_specs"):
+        raise ValueError(f"ep_axis={ep_axis!r}: model {getattr(mod, '__name__', mod)} has no experts; use the moe model")
+    specs = mod.param_specs(cfg, ep_axis, fsdp) if hasattr(mod, "param_specs") else None
+    plan = make_plan(mod.init(cfg, device="meta"), mesh, specs, fsdp_axes=fsdp_axes, hierarchical=tiered,
                      default_shard_axes=[a for a in fsdp if a in mesh.fast_axes] if strategy == "hsdp" else None)
     flops = mod.unit_flops(cfg, local_batch) if hasattr(mod, "unit_flops") else default_unit_flops(
         plan, local_batch * getattr(cfg, "seq_len", 1))
-    a2a = mod.unit_a2a(cfg, local_batch, mesh) if hasattr(mod, "unit_a2a") else None
+    a2a = mod.unit_a2a(cfg, local_batch, mesh, ep_axis, _BYTES[mixed_precision]) if hasattr(mod, "unit_a2a") else None
     opts = Options(strategy="hpf" if is_hpf else strategy, topology=tiered, hierarchical=tiered,
                    pipeline=pipeline, overlap_optimizer=overlap_optimizer,
                    shm=(hw.shared_links and tiered) if shm is None else shm,

@@ -1,7 +1,9 @@
 """Calibrate the ``local-cpu`` profile on this machine: alpha and beta of gloo and of the
 shared-memory transport (ShmGroup) per group size, AdamW's memory rate, a big matmul's
-peak, and the seconds of a GPT block and root (forward + backward) at the model's shapes,
-measured with every rank computing at once (the cores are shared as in a real run).
+peak, the seconds of a GPT block and root (forward + backward) at the model's shapes,
+measured with every rank computing at once (the cores are shared as in a real run), how
+much a collective and compute slow each other down when they share the cores, and hpf's
+per-unit CPU overhead (one rank, no communication).
 
     python -m hpf.sim.calibrate --out calib.json [--world-sizes 2 4] [--shapes small/2 tiny/4]
 
@@ -13,6 +15,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import socket
 import statistics
 import time
@@ -29,8 +32,11 @@ __all__ = ["calibrate", "fit_alpha_beta"]
 
 
 def fit_alpha_beta(p: int, sizes: list[int], seconds: list[float]) -> tuple[float, float]:
-    """Least squares of t = (p-1)*alpha + (p-1)/p * n/beta over buffer sizes n (bytes)."""
-    slope, intercept = np.polyfit(np.asarray(sizes, float), np.asarray(seconds, float), 1)
+    """Least squares of t = (p-1)*alpha + (p-1)/p * n/beta over buffer sizes n (bytes), on
+    relative residuals: unweighted, the 16 MiB point's noise decides alpha, which then
+    says nothing about the small collectives it is for."""
+    t = np.asarray(seconds, float)
+    slope, intercept = np.polyfit(np.asarray(sizes, float), t, 1, w=1.0 / t)
     slope = max(slope, 1e-15)
     return max(intercept, 0.0) / (p - 1), (p - 1) / p / slope
 
@@ -46,6 +52,59 @@ def _median_slowest(fn, reps: int, pick=statistics.median) -> float:
     slowest = [None] * dist.get_world_size()
     dist.all_gather_object(slowest, times)
     return pick([max(ts) for ts in zip(*slowest)])
+
+
+def _contention(comm_of, small: int, large: int, reps: int) -> tuple[float, float, float]:
+    """How a collective and compute share this rank's cores, as hpf's comm workers run beside
+    the compute thread: (compute slowdown while the collective runs; the collective's time
+    stretch and its extra seconds per call while compute runs). The stretch and the extra
+    come from two sizes (bytes), as alpha and beta do: on loaded cores a collective mostly
+    pays a fixed wait per call (a descheduled peer), not a slower copy. Medians of ``reps``."""
+    import threading
+
+    a = torch.randn(384, 384)  # long enough per call that the GIL is free most of the time, as in a model
+
+    def work(n):
+        for _ in range(n):
+            a @ a
+
+    def alone(fn, n=1):
+        dist.barrier()
+        return _timed(lambda: [fn() for _ in range(n)])
+
+    def beside_compute(fn, n_comm, n_mm=0):
+        """Seconds per collective of a loop of n_comm on a thread, with compute on this one
+        throughout; and the seconds of the first n_mm matmuls (0: none timed)."""
+        box = {}
+        thread = threading.Thread(target=lambda: box.setdefault("t", _timed(lambda: [fn() for _ in range(n_comm)])))
+        dist.barrier()
+        thread.start()
+        t_mm = _timed(lambda: work(n_mm)) if n_mm else 0.0
+        while thread.is_alive():
+            work(1)
+        thread.join()
+        return box["t"] / n_comm, t_mm
+
+    out = {}
+    for nbytes in (small, large):
+        fn = comm_of(nbytes)
+        t_alone = statistics.median(alone(fn, 4) / 4 for _ in range(3))
+        out[nbytes] = (t_alone, statistics.median(beside_compute(fn, 4)[0] for _ in range(reps)))
+    (s_a, s_c), (l_a, l_c) = out[small], out[large]
+    extra = max(0.0, s_c - s_a)  # the small collective's added time: a wait per call
+    stretch = min(max(1.0, (l_c - extra) / l_a), 10.0)  # the rest: slower copies
+    # compute's slowdown: matmuls timed inside a long loop of the large collective
+    fn = comm_of(large)
+    n_mm = max(1, int(0.5 * 8 * l_c / max(_timed(lambda: work(3)) / 3, 1e-6)))
+    t_mm = statistics.median(alone(lambda: work(n_mm)) for _ in range(3))
+    slow = statistics.median(beside_compute(fn, 8, n_mm)[1] / t_mm for _ in range(reps))
+    return max(1.0, slow), stretch, extra
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 def _comm_rank(rank, sizes, reps):
@@ -64,27 +123,42 @@ def _comm_rank(rank, sizes, reps):
         out[nbytes] = {
             ("gloo", "all_gather"): _median_slowest(lambda: dist.all_gather_single(full, shard), reps),
             ("gloo", "reduce_scatter"): _median_slowest(lambda: reduce_scatter_async(res, full).wait(), reps),
+            ("gloo", "native_reduce_scatter"): _median_slowest(lambda: dist.reduce_scatter_single(res, full), reps),
             ("shm", "all_gather"): _median_slowest(lambda: group.all_gather_into(full_all[:numel], shard), reps),
             ("shm", "reduce_scatter"): _median_slowest(lambda: group.reduce_scatter(res, grad_all[:numel]), reps),
         }
+    def gloo_of(nbytes):
+        numel = nbytes // 4 // n * n
+        full, shard = torch.randn(numel), torch.randn(numel // n)
+        return lambda: dist.all_gather_single(full, shard)
+
+    def shm_of(nbytes):
+        numel = nbytes // 4 // n * n
+        shard = torch.randn(numel // n)
+        return lambda: group.all_gather_into(full_all[:numel], shard)
+    small, large = 64 << 10, min(4 << 20, largest * 4)  # a small bucket and a block's
+    out["contention"] = {"gloo": _contention(gloo_of, small, large, reps),
+                         "shm": _contention(shm_of, small, large, reps)}
     group.close()
     return out
 
 
 def _compute_rank(rank, shapes, reps):
-    """Seconds of forward + backward of a 1- and a 3-layer GPT at each (config, local batch); the
-    fastest rep of each, as other load on the machine only ever adds time."""
+    """Seconds of forward + backward of a 1- and an up-to-4-layer GPT at each (config, local
+    batch); the median rep of each: runs are judged by their median step under the same
+    shared load (the fastest rep predicted medium 0.67-0.74x of its measured steps)."""
     out = {}
     for name, batch in shapes:
         times = {}
-        for layers in (1, 3):
+        depth = min(max(gpt.CONFIGS[name].n_layers, 2), 4)  # up to 4 blocks: less noise per block, bounded time
+        for layers in (1, depth):
             cfg = dataclasses.replace(gpt.CONFIGS[name], n_layers=layers)
             params = gpt.init(cfg)
             leaves = [p.requires_grad_() for p in torch.utils._pytree.tree_leaves(params)]
             data = gpt.global_batch(cfg, batch, 0, 0)
             loss_fn = gpt.loss_for(cfg)
-            times[layers] = _median_slowest(lambda: torch.autograd.grad(loss_fn(params, data), leaves), reps, min)
-        block = max((times[3] - times[1]) / 2, 1e-6)
+            times[layers] = _median_slowest(lambda: torch.autograd.grad(loss_fn(params, data), leaves), reps)
+        block = max((times[depth] - times[1]) / (depth - 1), 1e-6)
         out[f"{name}/{batch}/{dist.get_world_size()}"] = {"block_s": block, "root_s": max(times[1] - block, 0.0)}
     # AdamW's memory rate (the optimizer and copy model) and a big matmul's peak, also under load
     n = 1 << 22
@@ -97,8 +171,34 @@ def _compute_rank(rank, shapes, reps):
     return out, 28 * n / adamw_s, 2 * 1024 ** 3 / mm_s
 
 
-def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)), sizes_mib=(0.0625, 0.25, 1, 4, 16),
-              reps: int = 7) -> dict:
+def _overhead_rank(rank, reps):
+    """hpf's per-unit CPU cost beyond the model's math (unit views, hooks, handles, the update
+    calls): one rank, no communication, the tiny GPT, whose math is nearly free. Seconds per
+    unit and pass (forward, backward)."""
+    import hpf
+
+    cfg = gpt.CONFIGS["tiny"]
+    params = gpt.init(cfg, torch.Generator().manual_seed(0))
+    data = gpt.global_batch(cfg, 4, 0, 0)
+    step = hpf.shard_step(gpt.loss_for(cfg), mesh=hpf.Mesh({"dp": 1}), optimizer=hpf.optim.adamw(lr=1e-3),
+                          topology=None)
+    state = step.init(params)
+    leaves = [p.requires_grad_() for p in torch.utils._pytree.tree_leaves(params)]
+    loss_fn = gpt.loss_for(cfg)
+    engine, plain = [], []
+    for i in range(5 * reps + 3):  # interleaved, so drifting load from elsewhere hits both alike
+        state, m = step(state, data)
+        t = time.perf_counter()
+        torch.autograd.grad(loss_fn(params, data), leaves)
+        if i >= 3:
+            engine.append(m["step_s"])
+            plain.append(time.perf_counter() - t)
+    low = lambda ts: float(np.quantile(ts, 0.2))  # noqa: E731 - other load only ever adds time
+    return max(low(engine) - low(plain), 0.0) / (2 * (cfg.n_layers + 1))
+
+
+def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)),
+              sizes_mib=(1 / 64, 0.0625, 0.25, 1, 4, 16), reps: int = 7) -> dict:
     """Measure and fit; returns the calibration dict (``json.dump`` it; hardware() loads the file)."""
     sizes = [int(m * 2 ** 20) for m in sizes_mib]
     links: dict = {"gloo": {}, "shm": {}}
@@ -107,9 +207,11 @@ def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)), sizes_mib=
         meas = launch(_comm_rank, w, sizes, reps, timeout=1800)[0]
         for transport in ("gloo", "shm"):
             link = {}
-            for op, key in (("all_gather", ""), ("reduce_scatter", "rs_")):
+            ops = (("all_gather", ""), ("reduce_scatter", "rs_"))
+            for op, key in ops + ((("native_reduce_scatter", "native_rs_"),) if transport == "gloo" else ()):
                 alpha, beta = fit_alpha_beta(w, sizes, [meas[s][transport, op] for s in sizes])
                 link[key + "alpha"], link[key + "beta"] = alpha, beta
+            link["cpu_slowdown"], link["busy_slowdown"], link["busy_latency"] = meas["contention"][transport]
             link["source"] = f"fitted on {len(sizes)} sizes {sizes_mib} MiB, {w} ranks, median of {reps}"
             links[transport][w] = link
         comp, bw, pk = launch(_compute_rank, w, list(shapes), reps, timeout=1800)[0]
@@ -123,7 +225,9 @@ def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)), sizes_mib=
         flops = gpt.unit_flops(gpt.CONFIGS[name], int(batch))
         if c["block_s"] > 1e-5:  # a block lost in the noise says nothing about efficiency
             effs.append(min(1.0, 3 * flops["blocks/0"] / c["block_s"] / peak_flops))
+    overhead = launch(_overhead_rank, 1, reps, timeout=600)[0]
     return {"host": socket.gethostname(), "when": datetime.datetime.now().isoformat(timespec="seconds"),
+            "cores": len(os.sched_getaffinity(0)), "kernel_overhead_s": overhead,
             "torch": torch.__version__, "peak_flops": peak_flops, "efficiency": statistics.median(effs) if effs else 0.5,
             "mem_bw": statistics.median(mem_bw), "links": links, "compute": compute}
 

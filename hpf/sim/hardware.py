@@ -28,10 +28,23 @@ class Link:
     latency: float = 0.0  # seconds per collective (an emulated SlowLink's latency)
     rs_alpha: float | None = None
     rs_beta: float | None = None
+    # torch.distributed's own reduce_scatter_tensor where hpf's differs (gloo: an all-reduce of a
+    # copy; hpf's is an all-to-all plus a local sum): what FSDP2 pays. None: as reduce_scatter.
+    native_rs_alpha: float | None = None
+    native_rs_beta: float | None = None
+    # On a shared host (CPU ranks) a collective's copies run on the cores that compute:
+    # compute runs ``cpu_slowdown`` x slower while this link is busy, and a stage takes
+    # ``busy_slowdown`` x its alone time plus ``busy_latency`` (a descheduled peer's wait)
+    # (calibrated together, hpf.sim.calibrate). 1.0 and 0: no contention.
+    cpu_slowdown: float = 1.0
+    busy_slowdown: float = 1.0
+    busy_latency: float = 0.0
     source: str = ""
 
     def figures(self, op: str) -> tuple[float, float]:
-        if op == "reduce_scatter" and self.rs_beta is not None:
+        if op == "native_reduce_scatter" and self.native_rs_beta is not None:
+            return self.native_rs_alpha or 0.0, self.native_rs_beta
+        if op in ("reduce_scatter", "native_reduce_scatter") and self.rs_beta is not None:
             return self.rs_alpha if self.rs_alpha is not None else self.alpha, self.rs_beta
         return self.alpha, self.beta
 
@@ -60,6 +73,7 @@ class Hardware:
     shared_links: bool = False
     kernel_overhead_s: float = 0.0  # per unit and pass (launch / Python); CPU calibration fills it
     fsdp2_unit_overhead_s: float = 0.0  # per unit and pass: FSDP2's hooks and DTensor wrapping
+    cores: int = 0  # a shared host's cores: per-rank Python overheads slow by ranks/cores beyond it (0: never)
     compute: dict = field(default_factory=dict)  # calibrated: "config/local_batch/ranks" -> unit seconds
     notes: tuple[str, ...] = ()
 
@@ -75,28 +89,41 @@ class Hardware:
             return links
         return links[min(links, key=lambda w: (abs(w - group), w))]  # the nearest group size measured
 
+    def overhead(self, seconds: float, world: int) -> float:
+        """A per-rank CPU overhead measured on one rank, with ``world`` ranks sharing ``cores``."""
+        return seconds * max(1.0, world / self.cores) if self.cores else seconds
+
 
 # -- published profiles ------------------------------------------------------------------------
-_CM_SRC = ("arXiv 2506.12708 (CloudMatrix384, Zuo et al. 2025) via secondary summaries "
-           "(emergentmind.com topic page; besthub.dev / Architects' Tech Alliance article), not the PDF itself")
+_CM_SRC = ("arXiv 2506.12708 (Zuo et al. 2025, 'Serving Large Language Models on Huawei CloudMatrix384': a "
+           "DeepSeek-R1 serving paper; its hardware section) via secondary summaries read 2026-12 "
+           "(emergentmind.com topic page; besthub.dev / Architects' Tech Alliance article; "
+           "chinaresearchcollective substack), not the PDF itself")
 _ASSUMED = "assumption of this profile, not a published figure"
 
 _UB = Link(alpha=1.0e-6, beta=196 * GB,
-           source=f"UB plane: >392 GB/s unidirectional per 910C (14 x 400 Gbps), i.e. 196 GB/s per die; "
-                  f"alpha ~1 us (summaries: sub-microsecond inter-node latency); {_CM_SRC}. Confidence: medium")
+           source=f"UB plane: >392 GB/s unidirectional per 910C, i.e. 196 GB/s per die; {_CM_SRC}. Checked: the "
+                  "besthub summary gives 392 GB/s per NPU but attributes it to 'fourteen 400 Gbps' links (that "
+                  "would be 700 GB/s: a garbled link count or rate); the substack gives '196 GB/s / NPU' "
+                  "(per-die figure read as per-NPU). 392/NPU kept. alpha 1 us: summaries say sub-microsecond "
+                  "inter-node latency, so 1 us per ring step is an upper bound. Confidence: medium")
 _UB_INTER = dataclasses.replace(_UB, alpha=2.0e-6, beta=0.97 * 196 * GB,
                                 source="UB between nodes of one supernode: near-uniform bandwidth and latency "
-                                       "per the summaries (two-tier non-blocking Clos); 3% and +1 us are "
-                                       f"{_ASSUMED}. Confidence: low-medium")
+                                       "per the summaries (two-tier non-blocking Clos, L1 switches in the node, "
+                                       "L2 rack switches); -3% bandwidth and +1 us per step are "
+                                       f"{_ASSUMED} (no summary read gives a number). Confidence: low-medium")
 _ROCE = Link(alpha=5.0e-6, beta=25 * GB,
-             source=f"RDMA plane: up to 400 Gbps unidirectional RoCE per NPU (50 GB/s per card, 25 GB/s per die); "
-                    f"{_CM_SRC}; alpha 5 us is {_ASSUMED}. Confidence: medium")
+             source=f"RDMA plane: up to 400 Gbps unidirectional RoCE per NPU (50 GB/s per card, 25 GB/s per die, "
+                    f"the two dies sharing it); {_CM_SRC}; agrees across the summaries read. alpha 5 us is "
+                    f"{_ASSUMED}. Confidence: medium")
 
 ASCEND_910C = dict(
     peak_flops=376e12,  # 752 TFLOPS bf16 per package, 2 dies
     mem_bw=1.6e12,  # 3.2 TB/s per package
     notes=("Ascend 910C: 2 dies per card, 752 TFLOPS bf16 and 128 GB / 3.2 TB/s HBM per package, so "
-           f"~376 TFLOPS, 64 GB, 1.6 TB/s per die (one rank = one die); {_CM_SRC}. Confidence: medium",
+           f"~376 TFLOPS, 64 GB, 1.6 TB/s per die (one rank = one die); {_CM_SRC}. Press figures differ a "
+           "little (TechPowerUp: 780 TFLOPS bf16; others ~800 TFLOPS fp16; 8 HBM2E stacks, 3.2 TB/s): "
+           "the paper's 752 kept. Confidence: medium",
            f"efficiency 0.45 (MFU of a dense 1B GPT's matmuls on the die) is {_ASSUMED}",),
 )
 
@@ -121,14 +148,17 @@ PROFILES: dict[str, Hardware] = {
         slow=Link(alpha=5e-6, beta=50 * GB, source="NDR InfiniBand 400 Gb/s = 50 GB/s per GPU (one ConnectX-7 per "
                   "GPU, DGX H100); alpha 5 us is an assumption. Confidence: high (bandwidth)"),
         fast_domain=8,
-        notes=("H100 SXM: 989 TFLOPS dense bf16, 80 GB HBM3 at 3.35 TB/s (NVIDIA datasheet). Confidence: high",
+        notes=("H100 SXM: 989 TFLOPS dense bf16, 80 GB HBM3 at 3.35 TB/s (NVIDIA datasheet; the 1,979 TFLOPS "
+               "some pages call dense is the 2:4-sparsity figure). Confidence: high",
                f"efficiency 0.45 is {_ASSUMED}")),
     "h200": Hardware(
         name="h200", peak_flops=989e12, efficiency=0.45, mem_bw=4.8e12,
         fast=Link(alpha=2e-6, beta=450 * GB, source="NVLink4 as H100"),
         slow=Link(alpha=5e-6, beta=50 * GB, source="NDR InfiniBand as H100"),
         fast_domain=8,
-        notes=("H200 SXM: H100 compute, 141 GB HBM3e at 4.8 TB/s (NVIDIA datasheet). Confidence: high",)),
+        notes=("H200 SXM: H100 compute (989 TFLOPS dense bf16; 1,979 is with sparsity), 141 GB HBM3e at "
+               "4.8 TB/s, NVLink4 900 GB/s bidirectional (NVIDIA datasheet, checked against spec pages). "
+               "Confidence: high", f"efficiency 0.45 is {_ASSUMED}")),
 }
 
 
@@ -158,5 +188,6 @@ def load_calibration(path: str | os.PathLike, transport: str = "shm") -> Hardwar
     return Hardware(
         name="local-cpu", peak_flops=c["peak_flops"], efficiency=c["efficiency"], mem_bw=c["mem_bw"],
         fast=links[transport], slow=links["gloo"], fast_domain=0, shared_links=True,
-        kernel_overhead_s=c.get("kernel_overhead_s", 0.0), compute=c.get("compute", {}),
+        kernel_overhead_s=c.get("kernel_overhead_s", 0.0), fsdp2_unit_overhead_s=c.get("fsdp2_unit_overhead_s", 0.0),
+        cores=c.get("cores", 0), compute=c.get("compute", {}),
         notes=(f"calibrated on {c.get('host', '?')} at {c.get('when', '?')}",))

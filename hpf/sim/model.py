@@ -125,10 +125,11 @@ def _unit_costs(plan: Plan, hw: Hardware, opts: Options, flops: dict, measured: 
     emu = Link(alpha=0.0, beta=opts.emulated_slow[1], latency=opts.emulated_slow[0]) if opts.emulated_slow else None
     units = []
     for name, unit in plan.units.items():
+        overhead = 2 * hw.overhead(hw.kernel_overhead_s, world) if opts.strategy == "hpf" else 0.0
         if measured is not None:  # calibrated seconds of forward + backward on this machine
-            total = measured["root_s"] if name == ROOT else measured["block_s"]
+            total = (measured["root_s"] if name == ROOT else measured["block_s"]) + overhead
         else:
-            total = 3 * flops.get(name, 0.0) / (hw.peak_flops * hw.efficiency) + 2 * hw.kernel_overhead_s
+            total = 3 * flops.get(name, 0.0) / (hw.peak_flops * hw.efficiency) + overhead
         gathers, reduces, numel, full_grad = [], [], 0, 0
         for bi in unit.buckets:
             b = plan.buckets[bi]
@@ -146,8 +147,8 @@ def _unit_costs(plan: Plan, hw: Hardware, opts: Options, flops: dict, measured: 
             if ar["fast"] or ar["slow"]:  # HSDP: the replica all-reduce follows the reduce-scatter
                 m = mesh.axis_size(b.replicate_axes)
                 worker = "reduce-slow" if opts.strategy == "hpf" and opts.topology else "replica"
-                t = _flat_time(hw, opts, world, m, ar, "all_reduce", emu, steps=2 * (m - 1))
-                r.append((worker, t, "slow" if ar["slow"] else "fast", "all_reduce", ar))
+                t, link = _flat_time(hw, opts, world, m, ar, "all_reduce", emu, steps=2 * (m - 1))
+                r.append(_stage(worker, link, t, "slow" if ar["slow"] else "fast", "all_reduce", ar))
             gathers.append(g)
             reduces.append(r)
         copy = lambda nbytes: 2 * nbytes / hw.mem_bw  # noqa: E731 - read + write
@@ -175,11 +176,17 @@ def _dtype(nbytes: int):
     return {1: torch.int8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[nbytes]
 
 
+def _stage(worker: str, link: Link, seconds: float, tier: str, op: str, nbytes: dict) -> tuple:
+    """A stage for the timeline: (worker, seconds alone, tier, op, bytes, link); the link's
+    contention figures apply where it overlaps compute (``_Timeline.submit``)."""
+    return worker, seconds, tier, op, nbytes, link
+
+
 def _flat_time(hw: Hardware, opts: Options, world: int, p: int, tiers: dict, op: str, emu: Link | None,
-               steps: int | None = None) -> float:
-    """One collective over p ranks that spans both tiers in one stage (a flat ring)."""
+               steps: int | None = None) -> tuple[float, Link]:
+    """One collective over p ranks that spans both tiers in one stage (a flat ring): (seconds, its link)."""
     if p <= 1:
-        return 0.0
+        return 0.0, Link(alpha=0.0, beta=1.0)
     slow, fast = hw.link("slow", p, world), _fast_link(hw, opts, p, world)
     alpha, beta = slow.figures(op)
     steps = p - 1 if steps is None else steps
@@ -189,7 +196,7 @@ def _flat_time(hw: Hardware, opts: Options, world: int, p: int, tiers: dict, op:
         t = slow.latency + steps * alpha + max(tiers["fast"] / fast.figures(op)[1], tiers["slow"] / beta)
     if emu is not None and tiers["slow"]:
         t = max(t, emu.latency + tiers["slow"] / emu.beta)
-    return t
+    return t, slow
 
 
 def _fast_link(hw: Hardware, opts: Options, p: int, world: int) -> Link:
@@ -207,32 +214,43 @@ def _stages(hw, opts, world, p, p_fast, p_slow, ag, rs, hier, emu):
         def slow_t(tiers, op):
             t = stage_time(slow, p_slow, tiers["slow"], op)
             return max(t, emu.latency + tiers["slow"] / emu.beta) if emu is not None and tiers["slow"] else t
-        g = [("gather-slow", slow_t(ag, "all_gather"), "slow", "all_gather", {"slow": ag["slow"]}),
-             ("gather-fast", stage_time(fast, p_fast, ag["fast"], "all_gather"), "fast", "all_gather",
-              {"fast": ag["fast"]})]
-        r = [("reduce-fast", stage_time(fast, p_fast, rs["fast"], "reduce_scatter"), "fast", "reduce_scatter",
-              {"fast": rs["fast"]}),
-             ("reduce-slow", slow_t(rs, "reduce_scatter"), "slow", "reduce_scatter", {"slow": rs["slow"]})]
+        g = [_stage("gather-slow", slow, slow_t(ag, "all_gather"), "slow", "all_gather", {"slow": ag["slow"]}),
+             _stage("gather-fast", fast, stage_time(fast, p_fast, ag["fast"], "all_gather"), "fast", "all_gather",
+                    {"fast": ag["fast"]})]
+        r = [_stage("reduce-fast", fast, stage_time(fast, p_fast, rs["fast"], "reduce_scatter"), "fast",
+                    "reduce_scatter", {"fast": rs["fast"]}),
+             _stage("reduce-slow", slow, slow_t(rs, "reduce_scatter"), "slow", "reduce_scatter", {"slow": rs["slow"]})]
         return g, r  # a bucket with no slow part still passes the slow worker, in order, as in TieredComm
     tier = "slow" if ag["slow"] else "fast"
+    rs_op = "reduce_scatter" if opts.strategy == "hpf" else "native_reduce_scatter"  # hpf's own on gloo
     if opts.strategy == "hpf" and opts.topology:  # TieredComm, one flat stage on the slow worker
         gw, rw = "gather-slow", "reduce-slow"
     elif hw.shared_links:  # torch.distributed on one process group: one gloo thread runs them in order
         gw = rw = "pg"
     else:  # accelerator streams: all-gather and reduce-scatter on their own streams
         gw, rw = "ag", "rs"
-    return ([(gw, _flat_time(hw, opts, world, p, ag, "all_gather", emu), tier, "all_gather", ag)],
-            [(rw, _flat_time(hw, opts, world, p, rs, "reduce_scatter", emu), tier, "reduce_scatter", rs)])
+    return ([_stage(gw, *_flat_time(hw, opts, world, p, ag, "all_gather", emu)[::-1], tier, "all_gather", ag)],
+            [_stage(rw, *_flat_time(hw, opts, world, p, rs, rs_op, emu)[::-1], tier, "reduce_scatter", rs)])
 
 
 # -- the event simulation -------------------------------------------------------------------------
 class _Timeline:
     """One compute thread and FIFO collective workers; times in seconds."""
 
-    def __init__(self):
+    def __init__(self, compute_before: list | None = None):
         self.t = 0.0
         self.free = defaultdict(float)
+        self.contended: list[tuple[float, float, float]] = []  # (start, end, compute slowdown) of busy links
+        self.computing: list[tuple[float, float]] = []  # compute-thread intervals, for the next pass
+        self.compute_before = compute_before or []  # the previous pass's: where stages overlap compute
         self.reset_counters()
+
+    def _overlap(self, start: float, end: float) -> float:
+        """The share of [start, end) the previous pass spent computing."""
+        if end <= start:
+            return 0.0
+        both = sum(max(0.0, min(end, b) - max(start, a)) for a, b in self.compute_before if a < end and b > start)
+        return both / (end - start)
 
     def reset_counters(self):
         self.busy, self.wait, self.compute_s, self.opt_s = Counter(), 0.0, 0.0, 0.0
@@ -240,9 +258,16 @@ class _Timeline:
 
     def submit(self, stages) -> float:
         t = self.t
-        for worker, seconds, tier, op, nbytes in stages:
-            t = max(t, self.free[worker]) + seconds
+        for worker, seconds, tier, op, nbytes, link in stages:
+            start = max(t, self.free[worker])
+            if seconds > 0 and (link.busy_slowdown > 1.0 or link.busy_latency):  # slower beside compute
+                share = self._overlap(start, start + seconds)
+                seconds *= 1.0 + share * (link.busy_slowdown - 1.0)
+                seconds += share * link.busy_latency
+            t = start + seconds
             self.free[worker] = t
+            if link.cpu_slowdown > 1.0 and seconds > 0:
+                self.contended.append((start, t, link.cpu_slowdown))
             self.busy[tier] += seconds
             for k, n in nbytes.items():
                 self.bytes[op][k] += n
@@ -254,11 +279,29 @@ class _Timeline:
             self.t = end
 
     def run(self, seconds: float, optimizer: bool = False):
-        self.t += seconds
+        """``seconds`` of compute-thread work; slower while a contending link is busy. Stages
+        are all submitted before the compute that overlaps them (one thread issues both),
+        so their busy intervals are known here."""
+        start = self.t
+        self.contended = [c for c in self.contended if c[1] > start]
+        t, left = start, seconds
+        while left > 0:
+            active = [c for c in self.contended if c[0] <= t < c[1]]
+            rate = 1.0 / max((c[2] for c in active), default=1.0)
+            edges = [c[1] for c in active] + [c[0] for c in self.contended if c[0] > t]
+            span = min(edges, default=float("inf")) - t
+            if span * rate >= left:
+                t += left / rate
+                break
+            t += span
+            left -= span * rate
+        self.t = t
+        if t > start:
+            self.computing.append((start, t))
         if optimizer:
-            self.opt_s += seconds
+            self.opt_s += t - start
         else:
-            self.compute_s += seconds
+            self.compute_s += t - start
 
 
 def _a2a(tl: _Timeline, u: _Unit) -> None:
@@ -428,8 +471,8 @@ def _ddp_steps(units: list[_Unit], tl: _Timeline, opts: Options, plan: Plan, hw:
 
     def allreduce(nbytes: int):
         tiers = {t: 2 * n for t, n in collective_bytes(mesh, axes, -(-nbytes // world)).items()}
-        t = _flat_time(hw, opts, world, world, tiers, "all_reduce", None, steps=2 * (world - 1))
-        return [("ar", t, "slow" if tiers["slow"] else "fast", "all_reduce", tiers)]
+        t, link = _flat_time(hw, opts, world, world, tiers, "all_reduce", None, steps=2 * (world - 1))
+        return [_stage("ar", link, t, "slow" if tiers["slow"] else "fast", "all_reduce", tiers)]
 
     for step in range(opts.steps):
         if step == opts.steps - 1:
@@ -468,15 +511,22 @@ def simulate_plan(plan: Plan, hw: Hardware, opts: Options, unit_flops: dict[str,
     units = _unit_costs(plan, hw, opts, unit_flops, measured, a2a)
     norm = hw.link("slow", world, world)
     norm_s = 2 * ring_time(world, 8 * world, norm.alpha, norm.beta) + norm.latency if world > 1 else 0.0
-    tl = _Timeline()
-    if opts.strategy == "hpf":
-        _hpf_steps(units, tl, opts, norm_s)
-    elif opts.strategy == "fsdp2":
-        _fsdp2_steps(units, tl, opts, norm_s, hw.fsdp2_unit_overhead_s, run_ahead=not hw.shared_links)
-    elif opts.strategy == "ddp":
-        full = sum(b.numel for b in plan.buckets)
-        _ddp_steps(units, tl, opts, plan, hw, norm_s, full)
-    else:
+    if opts.strategy not in ("hpf", "fsdp2", "ddp"):
         raise ValueError(f"strategy {opts.strategy!r}: use 'hpf', 'fsdp2' or 'ddp'")
+
+    def replay(compute_before=None) -> _Timeline:
+        tl = _Timeline(compute_before)
+        if opts.strategy == "hpf":
+            _hpf_steps(units, tl, opts, norm_s)
+        elif opts.strategy == "fsdp2":
+            _fsdp2_steps(units, tl, opts, norm_s, hw.overhead(hw.fsdp2_unit_overhead_s, world),
+                         run_ahead=not hw.shared_links)
+        else:
+            _ddp_steps(units, tl, opts, plan, hw, norm_s, sum(b.numel for b in plan.buckets))
+        return tl
+
+    tl = replay()
+    if hw.shared_links:  # collectives slow down where they overlap compute: replay with the first pass's compute
+        tl = replay(tl.computing)
     busy = {"fast": tl.busy["fast"], "slow": tl.busy["slow"]}
     return SimResult(tl.step_s, tl.compute_s, tl.wait, tl.opt_s, busy, tl.bytes, tokens)
