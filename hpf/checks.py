@@ -198,11 +198,12 @@ class BatchAgreement:
 
 
 def _uneven(shapes: list) -> UnevenBatchError:
-    """Every rank comes here together (the agreement said so): name each rank's shapes."""
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, shapes)
+    """The error, from this rank's shapes alone: ``ok()`` runs at the first landed reduction,
+    a moment that differs across ranks, so a collective here (it once all-gathered every rank's
+    shapes) could pair with another rank's reduction and hang."""
     return UnevenBatchError(
-        f"local batches differ in shape across ranks (leaf shapes per rank: {everyone}). The loss is the mean "
+        f"local batches differ in shape across ranks (this rank {dist.get_rank()}'s leaf shapes: {shapes}; the "
+        "all-reduced shape hashes disagree). The loss is the mean "
         "of the ranks' local means, which is the global mean only for equal local batches. Split the global "
         "batch evenly (drop or pad the remainder); for ragged data, pad and mask, and divide the masked sum "
         "by the global count (hpf.psum of the local counts)")
