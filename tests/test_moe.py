@@ -45,6 +45,13 @@ def tokens():
     return moe.global_batch(C, BATCH, SEED, 0)
 
 
+def starving_bias():
+    """Every token picks among experts 0-3 (rank 0's half at ep=2): rank 1 receives no tokens."""
+    b = bias0()
+    b[:, C.n_experts // 2:] = -1e3
+    return b
+
+
 def bias0():
     b = torch.randn(C.n_moe_layers, C.n_experts, generator=torch.Generator().manual_seed(7)) * 0.05
     b[0, DEAD] = -1e3
@@ -128,7 +135,7 @@ MUON = dict(lr=0.02, adamw_lr=1e-3)
 MUON_STEPS = 2
 
 
-def _run(rank, axes, ep_axis, optimizer=None, steps=1):
+def _run(rank, axes, ep_axis, optimizer=None, steps=1, bias=None):
     mesh = hpf.Mesh(axes)
     data = tuple(axes)
     step = hpf.shard_step(moe.loss_for(C, ep_axis=ep_axis, aux=True), mesh=mesh, optimizer=optimizer or SGD1(),
@@ -137,7 +144,7 @@ def _run(rank, axes, ep_axis, optimizer=None, steps=1):
     rows = BATCH // mesh.size
     local = tokens()[rank * rows:(rank + 1) * rows]
     for _ in range(steps):
-        state, m = step(state, moe.batch_with_bias(local, bias0()))
+        state, m = step(state, moe.batch_with_bias(local, bias0() if bias is None else bias))
     expert_buckets = [(b.shard_axes, b.split_axes, b.replicate_axes) for b in step.plan.buckets
                       if any("experts" in s.path for s in b.slots)]
     opt = step._opt
@@ -204,6 +211,7 @@ def _validate_cases(rank):
 def _four(rank):
     return {"ep2": _run(rank, {"dp": 2, "ep": 2}, "ep"), "ep4": _run(rank, {"ep": 4}, "ep"),
             "muon": _run(rank, {"dp": 2, "ep": 2}, "ep", hpf.optim.muon(**MUON), steps=MUON_STEPS),
+            "starved": _run(rank, {"dp": 2, "ep": 2}, "ep", bias=starving_bias()),
             "a2a": _uneven_all_to_all(rank), "validate": _validate_cases(rank)}
 
 
@@ -212,10 +220,10 @@ def four():
     return launch(_four, 4, timeout=600)
 
 
-def _reference_run(rank):
+def _reference_run(rank, bias=None):
     params = params0()
     leaves = [p.requires_grad_() for p in hpf.tree.flatten(params)[1]]
-    loss, counts, margin = reference(params, tokens(), bias0())
+    loss, counts, margin = reference(params, tokens(), bias0() if bias is None else bias)
     loss.backward()
     return float(loss.detach()), counts, margin, [p.detach().clone() for p in leaves], [p.grad for p in leaves]
 
@@ -227,12 +235,11 @@ def ref():
     return launch(_reference_run, 1, timeout=600)[0]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("run", ["ep2", "ep4"])
-def test_ep_fsdp_step_matches_dense_reference(four, ref, run):
+def assert_matches_reference(four, ref, run):
+    """Every rank's loss, expert counts and full-param change (the grad, at SGD lr 1) vs ``ref``."""
     loss, counts, margin, before, grads = ref
     assert margin > MARGIN, f"routing margin {margin} too small: a tie could flip between the runs"
-    assert counts[0, DEAD] == 0 and counts.sum() == C.n_moe_layers * BATCH * C.seq_len * C.top_k
+    assert counts.sum() == C.n_moe_layers * BATCH * C.seq_len * C.top_k
     paths = hpf.tree.flatten(params0())[0]
     for r, out in enumerate(four):
         o = out[run]
@@ -240,9 +247,31 @@ def test_ep_fsdp_step_matches_dense_reference(four, ref, run):
         assert torch.equal(o["counts"], counts), r
         for path, p0, g, p1 in zip(paths, before, grads, o["after"]):
             torch.testing.assert_close(p0 - p1, g, atol=1e-5, rtol=0, msg=lambda m: f"rank {r} {run} {path}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["ep2", "ep4"])
+def test_ep_fsdp_step_matches_dense_reference(four, ref, run):
+    assert ref[1][0, DEAD] == 0
+    assert_matches_reference(four, ref, run)
+    paths, before = hpf.tree.flatten(params0())[0], ref[3]
     # the starved expert got an exact zero grad; live experts did not
     dead_w1 = [p0 - p1 for path, p0, p1 in zip(paths, before, four[0][run]["after"]) if path == "blocks/1/experts/w1"][0]
     assert torch.all(dead_w1[DEAD] == 0) and dead_w1.abs().sum() > 0
+
+
+@pytest.mark.slow
+def test_an_ep_rank_that_receives_no_tokens_still_matches(four):
+    """All tokens routed to rank 0's experts: rank 1's experts compute nothing, yet its half of
+    every exchange (forward and backward) must run, and its experts get exact zero grads (this
+    once aborted in gloo: an empty grouped matmul fell out of autograd's graph)."""
+    ref = launch(_reference_run, 1, starving_bias(), timeout=600)[0]
+    assert ref[1][:, C.n_experts // 2:].sum() == 0
+    assert_matches_reference(four, ref, "starved")
+    paths, before = hpf.tree.flatten(params0())[0], ref[3]
+    for path, p0, p1 in zip(paths, before, four[0]["starved"]["after"]):
+        if "/experts/" in path:
+            assert torch.all(p0[C.n_experts // 2:] == p1[C.n_experts // 2:]), path
 
 
 def _muon_reference_run(rank):
@@ -332,6 +361,12 @@ def test_grouped_mm_matches_per_group_matmuls():
     sizes = [4, 0, 3]
     want = torch.cat([x[:4] @ w[0], x[4:] @ w[2]])
     torch.testing.assert_close(hpf_kernels.grouped_mm(x, w, sizes), want)
+    # no rows at all: still a result of x and w in autograd's graph, with zero grads
+    x0, w0 = torch.randn(0, 3, requires_grad=True), torch.randn(2, 3, 5, requires_grad=True)
+    empty = hpf_kernels.grouped_mm(x0, w0, [0, 0])
+    assert empty.shape == (0, 5) and empty.grad_fn is not None
+    empty.sum().backward()
+    assert torch.equal(w0.grad, torch.zeros_like(w0))
 
 
 def test_bias_balancing_brings_imbalance_down():

@@ -58,6 +58,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, sizes: Sequence[int]) -> torch.
     """Rows of x in consecutive groups; group g (sizes[g] rows, maybe 0) times w[g] [K, M].
 
     A loop of plain matmuls over the groups: on CPU this beats padding to a [G, max, K] bmm for
-    uneven loads, and an empty group costs nothing."""
-    parts = [xg @ w[g] for g, xg in enumerate(torch.split(x, list(sizes))) if xg.shape[0]]
-    return torch.cat(parts) if parts else x.new_zeros(0, w.shape[-1])
+    uneven loads. An empty group is an empty matmul (next to free), kept so that the result is
+    in autograd's graph even when every group is empty: an EP rank that receives no tokens
+    must still run its half of the backward exchange (a fresh zeros tensor made it skip it)."""
+    return torch.cat([xg @ w[g] for g, xg in enumerate(torch.split(x, list(sizes)))])
