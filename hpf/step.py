@@ -83,7 +83,7 @@ class ShardStep:
         self._live: list | None = None  # the params list of the state this step last returned
         self._unloaded = False  # init had meta params and no restore has filled them yet
         self._micro_scale = 1.0  # 1/accumulate during a step's micro-batches (scales the loss seed)
-        self._pending_save = None  # an async save in flight (hpf.checkpoint.AsyncSave)
+        self._pending_save = None  # an async save in flight (hpf.checkpoint.SaveHandle)
         self._aux: dict | None = None  # loss_fn's aux dict of the current step, if it returns one
 
     # -- set-up, once ---------------------------------------------------------------------------

@@ -93,16 +93,15 @@ def is_done(handle: Handle) -> bool:
 
 class _SumOnArrival:
     """A reduce-scatter done as an all-to-all of the slices: on completion, sum the p slices
-    that arrived into ``out`` (once, on the thread that first sees it done), then hand the
-    receive buffer back to its pool."""
+    that arrived into ``out`` (once, on the thread that first sees it done) and drop the
+    receive buffer."""
 
-    def __init__(self, work: dist.Work, recv: torch.Tensor, out: torch.Tensor, pool: list):
-        self.work, self.recv, self.out, self.pool = work, recv, out, pool
+    def __init__(self, work: dist.Work, recv: torch.Tensor, out: torch.Tensor):
+        self.work, self.recv, self.out = work, recv, out
 
     def _finish(self) -> None:
         if self.recv is not None:
             torch.sum(self.recv.view(-1, self.out.numel()), 0, out=self.out.view(-1))
-            self.pool.append(self.recv)
             self.recv = None
 
     def wait(self) -> bool:
@@ -119,9 +118,6 @@ class _SumOnArrival:
         return True
 
 
-_RECV_POOLS: dict = {}  # (numel, dtype, device) -> free receive buffers of _SumOnArrival
-
-
 def reduce_scatter_async(out: torch.Tensor, full: torch.Tensor, group=None) -> Handle:
     """out <- this rank's slice of the sum over ``group`` of every rank's ``full``, async.
 
@@ -131,10 +127,10 @@ def reduce_scatter_async(out: torch.Tensor, full: torch.Tensor, group=None) -> H
     backends have a native reduce-scatter. The sum runs in rank order: the same on every run."""
     if dist.get_backend(group) != "gloo":
         return dist.reduce_scatter_single(out, full, group=group, async_op=True)
-    pool = _RECV_POOLS.setdefault((full.numel(), full.dtype, full.device), [])
-    recv = pool.pop() if pool else torch.empty_like(full, memory_format=torch.contiguous_format)
+    # freed once summed (a pool of these would keep the peak of in-flight reductions for good)
+    recv = torch.empty_like(full, memory_format=torch.contiguous_format)
     work = dist.all_to_all_single(recv, full, group=group, async_op=True)
-    return _SumOnArrival(work, recv, out, pool)
+    return _SumOnArrival(work, recv, out)
 
 
 @runtime_checkable
