@@ -111,6 +111,26 @@ def _die_with_parent() -> None:
         pass
 
 
+def _release_openmp_threads() -> None:
+    """Linux: end GNU OpenMP's idle thread pool before forking (the next parallel op restarts it).
+
+    A child forked after this process ran a multi-threaded torch op inherits libgomp's record
+    of that pool but not its threads, and hangs in its first multi-threaded op (seen: a
+    notebook that built a tensor, then ``launch(fn, 1)``). omp_pause_resource_all(hard)
+    (OpenMP 5) is the runtime's own way to let the pool go."""
+    try:
+        with open("/proc/self/maps") as maps:
+            libs = {line.split()[-1] for line in maps if "libgomp" in line and line.rstrip().endswith(".so.1")}
+    except OSError:  # not Linux: LLVM's and Intel's runtimes restart their pools in a forked child
+        return
+    import ctypes
+
+    for path in libs:
+        pause = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)
+        if pause is not None:
+            pause(2)  # omp_pause_hard
+
+
 def _child(fn, rank_, world_size_, args, env, timeout, backend, conn) -> None:
     _die_with_parent()
     os.environ.update(env)
@@ -202,6 +222,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
         raise RuntimeError("launch: this process already has a process group; forked ranks would "
                            "inherit it. Call hpf.launch from a driver process without one.")
     ctx = mp.get_context("fork")
+    _release_openmp_threads()
     port = str(master_port or _free_port())
     # The ranks meet in a file store in a private folder: no port to race other launches for.
     rendezvous_dir = None if master_port else tempfile.mkdtemp(prefix="hpf-rendezvous-")

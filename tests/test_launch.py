@@ -166,6 +166,26 @@ def test_functions_defined_in_main_work_as_in_a_notebook():
     assert proc.stdout.strip() == "[3.0, 3.0]"
 
 
+@pytest.mark.slow  # a fresh interpreter: this test's process must not have run torch ops yet
+def test_ranks_forked_after_multithreaded_torch_ops_do_not_hang():
+    # GNU OpenMP's pool, started by the parent's op, is inherited half-dead by a forked child
+    proc = _run_python("""
+        import torch
+        from hpf.launcher import launch
+        torch.set_num_threads(2)
+        a = torch.randn(256, 256)
+        for _ in range(10):
+            a = (a @ a).tanh()
+        def f(rank):
+            torch.set_num_threads(2)
+            b = torch.randn(256, 256)
+            return float(torch.randn(1_000_000).exp().sum() > 0) + float((b @ b).isfinite().all())
+        print(launch(f, 1, timeout=20))
+        """, {})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[2.0]"
+
+
 def _torchrun_style_rank(rank, port, queue):
     """A plain forked process with only torchrun's env vars (no hpf.launch involved)."""
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
