@@ -114,11 +114,30 @@ def test_compute_slows_while_a_contending_link_is_busy_and_the_link_only_where_i
     end = tl.submit([_stage("w", link, 10.0, "fast", "all_gather", {})])
     tl.run(10.0)  # half speed for the 10 s the link is busy (5 s of work), then full speed
     assert (end, tl.t) == (10.0, 15.0)
-    # a replay that knows compute ran over [0, 5): the stage overlaps it half the time
-    tl2 = _Timeline(compute_before=[(0.0, 5.0)])
+    # a replay that knows a step computed over [0, 5) of its 100 s: the stage overlaps it half the time
+    tl2 = _Timeline([([(0.0, 5.0)], 100.0)])
     assert tl2.submit([_stage("w", link, 10.0, "fast", "all_gather", {})]) == pytest.approx(10 * (1 + 0.5 * 2) + 0.5)
     # no compute before: the alone time
-    assert _Timeline(compute_before=[]).submit([_stage("w", link, 10.0, "fast", "all_gather", {})]) == 10.0
+    assert _Timeline([]).submit([_stage("w", link, 10.0, "fast", "all_gather", {})]) == 10.0
+
+
+def test_contention_follows_each_step_not_absolute_time():
+    """A later step's stage meets the earlier pass's steady step at the same offset from the
+    step's start (the first replay's drift once left tiny's last step with no contention at
+    all), and passes are averaged (one pass's alignment flips the next's)."""
+    from hpf.sim.model import _Timeline, _stage
+
+    link = sim.Link(alpha=0.0, beta=1.0, busy_slowdown=3.0)
+    stage = [_stage("w", link, 10.0, "fast", "all_gather", {})]
+    tl = _Timeline([([(0.0, 5.0)], 20.0)])
+    tl.t = 47.0  # third step, 7 s later than the earlier pass's (40 s)
+    tl.begin_step()
+    assert tl.submit(stage) == pytest.approx(47.0 + 10 * (1 + 0.5 * 2))
+    tl.t = 67.0 + 15.0  # the next step's start is 20 s on: its [0, 5) again, seen from 15 s in
+    tl.free.clear()
+    assert tl.submit(stage) == pytest.approx(82.0 + 10 * (1 + 0.5 * 2))  # wraps: [15, 25) meets [20, 25)
+    two = _Timeline([([(0.0, 5.0)], 100.0), ([], 100.0)])
+    assert two.submit(stage) == pytest.approx(10 * (1 + 0.25 * 2))
 
 
 def test_cpu_overheads_grow_with_ranks_per_core():
