@@ -180,3 +180,18 @@ def test_cli_simulate_moe_505b(capsys):
                      "local", "--local-batch", "1", "--mixed-precision", "bf16"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("768 ")]
     assert [r[1] for r in rows] == ["hpf", "fsdp2"]  # no full-replica DDP of 505B params
+
+
+def test_a_group_measured_among_fewer_ranks_slows_with_ranks_per_core():
+    """A 2-rank group measured in a 2-rank job, used in a 4-rank job on 2 cores: its handoffs
+    and copies share the cores with twice the ranks, so the stage takes twice as long."""
+    two = sim.Link(alpha=1e-3, beta=1e9, rs_beta=5e8, busy_latency=2e-3)
+    four = sim.Link(alpha=5e-3, beta=1e8)
+    hw = dataclasses.replace(CM, fast={2: two, 4: four}, slow=two, cores=2, shared_links=True)
+    assert hw.link("fast", 2, 2) == two
+    s = hw.link("fast", 2, 4)
+    assert (s.alpha, s.beta, s.rs_beta, s.busy_latency) == pytest.approx((2e-3, 5e8, 2.5e8, 4e-3))
+    assert hw.link("fast", 4, 4) == four  # measured in its own world: as measured
+    assert hw.link("fast", 2, 8).alpha == pytest.approx(4e-3)
+    assert dataclasses.replace(hw, fast={(2, 4): four, 2: two}).link("fast", 2, 4) == four  # measured there
+    assert dataclasses.replace(hw, cores=0).link("fast", 2, 4) == two  # accelerators: no cores, no slicing
