@@ -195,3 +195,18 @@ def test_a_group_measured_among_fewer_ranks_slows_with_ranks_per_core():
     assert hw.link("fast", 2, 8).alpha == pytest.approx(4e-3)
     assert dataclasses.replace(hw, fast={(2, 4): four, 2: two}).link("fast", 2, 4) == four  # measured there
     assert dataclasses.replace(hw, cores=0).link("fast", 2, 4) == two  # accelerators: no cores, no slicing
+
+
+def test_each_gather_and_reduction_costs_the_compute_thread_its_issue_seconds():
+    link = sim.Link(alpha=1e-6, beta=1e11, issue_s=1e-3)
+    hw = dataclasses.replace(CM, fast=link, slow=link)
+    plain = dataclasses.replace(hw, fast=dataclasses.replace(link, issue_s=0.0),
+                                slow=dataclasses.replace(link, issue_s=0.0))
+    mesh = {"node": 2, "local": 2}
+    units = len(gpt.unit_flops(gpt.CONFIGS["tiny"], 1))
+    with_issue, without = (sim.simulate("tiny", mesh, h, local_batch=1) for h in (hw, plain))
+    # every unit is gathered at least once and reduced once per step, each 1 ms on the compute thread
+    assert with_issue.step_s - without.step_s >= 2 * units * 1e-3 - 1e-9
+    assert with_issue.compute_s - without.compute_s >= 2 * units * 1e-3 - 1e-9
+    fsdp2 = [sim.simulate("tiny", mesh, h, "fsdp2", local_batch=1).step_s for h in (hw, plain)]
+    assert fsdp2[0] == fsdp2[1]  # measured through hpf's comm: FSDP2's overheads are its own

@@ -39,6 +39,9 @@ class Link:
     cpu_slowdown: float = 1.0
     busy_slowdown: float = 1.0
     busy_latency: float = 0.0
+    # compute-thread seconds per collective hpf issues (its issue and wait calls, its comm threads'
+    # GIL and core time): a fixed cost per bucket that small models' steps are made of (calibrated)
+    issue_s: float = 0.0
     source: str = ""
 
     def figures(self, op: str) -> tuple[float, float]:
@@ -57,7 +60,7 @@ class Link:
         return dataclasses.replace(self, alpha=self.alpha * factor, beta=self.beta / factor,
                                    rs_alpha=mul(self.rs_alpha), rs_beta=div(self.rs_beta),
                                    native_rs_alpha=mul(self.native_rs_alpha), native_rs_beta=div(self.native_rs_beta),
-                                   latency=self.latency * factor, busy_latency=self.busy_latency * factor)
+                                   issue_s=self.issue_s * factor, latency=self.latency * factor, busy_latency=self.busy_latency * factor)
 
 
 @dataclass(frozen=True)

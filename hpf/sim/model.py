@@ -116,6 +116,7 @@ class _Unit:
     reduce_copy_s: float = 0.0  # packing grads into the flat reduce buffer (both)
     full_grad_bytes: int = 0
     a2a_s: float = 0.0  # per pass (forward, backward): blocking all-to-alls (MoE dispatch + combine)
+    issue_s: float = 0.0  # compute-thread seconds to issue one of its gathers or reductions (all buckets)
 
 
 # -- per-unit costs from the plan ----------------------------------------------------------------
@@ -131,7 +132,7 @@ def _unit_costs(plan: Plan, hw: Hardware, opts: Options, flops: dict, measured: 
             total = (measured["root_s"] if name == ROOT else measured["block_s"]) + overhead
         else:
             total = 3 * flops.get(name, 0.0) / (hw.peak_flops * hw.efficiency) + overhead
-        gathers, reduces, numel, full_grad = [], [], 0, 0
+        gathers, reduces, numel, full_grad, issue = [], [], 0, 0, 0.0
         for bi in unit.buckets:
             b = plan.buckets[bi]
             numel += b.shard_numel
@@ -145,6 +146,8 @@ def _unit_costs(plan: Plan, hw: Hardware, opts: Options, flops: dict, measured: 
             p_fast = mesh.axis_size(fast_axes)
             p_slow = b.shard_size // p_fast
             g, r = _stages(hw, opts, world, b.shard_size, p_fast, p_slow, ag, rs, hier, emu)
+            if opts.strategy == "hpf" and b.shard_size > 1:  # calibrated through hpf's comm: shm or gloo
+                issue += _fast_link(hw, opts, b.shard_size, world).issue_s
             if ar["fast"] or ar["slow"]:  # HSDP: the replica all-reduce follows the reduce-scatter
                 m = mesh.axis_size(b.replicate_axes)
                 worker = "reduce-slow" if opts.strategy == "hpf" and opts.topology else "replica"
@@ -157,7 +160,7 @@ def _unit_costs(plan: Plan, hw: Hardware, opts: Options, flops: dict, measured: 
             name, total / 3, 2 * total / 3, gathers, reduces,
             update_s=numel * ADAMW_BYTES_PER_ELEMENT / hw.mem_bw,
             gather_copy_s=copy(sum(plan.buckets[bi].padded_numel for bi in unit.buckets) * opts.compute_bytes),
-            reduce_copy_s=copy(full_grad), full_grad_bytes=full_grad,
+            reduce_copy_s=copy(full_grad), full_grad_bytes=full_grad, issue_s=issue,
             a2a_s=_a2a_time(hw, opts, plan, *a2a[name]) if a2a and name in a2a else 0.0))
     return units
 
@@ -329,11 +332,12 @@ def _hpf_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float) 
     root = by.get(ROOT)
     blocks = [u for u in units if u.name != ROOT]
     order = ([root] if root else []) + blocks
-    early = {u.name for u in order} if opts.shm else {u.name for u in order[:2]}
+    early = [u.name for u in (order if opts.shm else order[:2])]  # in order (a set made runs differ by hash seed)
     live: dict[str, float] = {}
 
     def gather(u):
         if u.name not in live:
+            tl.run(u.issue_s)
             live[u.name] = _issue(tl, u.gather)
 
     for step in range(opts.steps):
@@ -411,7 +415,7 @@ def _hpf_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float) 
 def _reduce(tl: _Timeline, u: _Unit, opts: Options, landing: list, live: dict) -> None:
     if not opts.shm:
         live.pop(u.name, None)
-    tl.run(u.reduce_copy_s)  # grads packed into the flat buffer
+    tl.run(u.reduce_copy_s + u.issue_s)  # grads packed into the flat buffer, the reduction issued
     end = _issue(tl, u.reduce)
     if not opts.pipeline:
         tl.wait_until(end)
