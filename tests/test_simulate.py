@@ -114,11 +114,30 @@ def test_compute_slows_while_a_contending_link_is_busy_and_the_link_only_where_i
     end = tl.submit([_stage("w", link, 10.0, "fast", "all_gather", {})])
     tl.run(10.0)  # half speed for the 10 s the link is busy (5 s of work), then full speed
     assert (end, tl.t) == (10.0, 15.0)
-    # a replay that knows compute ran over [0, 5): the stage overlaps it half the time
-    tl2 = _Timeline(compute_before=[(0.0, 5.0)])
+    # a replay that knows a step computed over [0, 5) of its 100 s: the stage overlaps it half the time
+    tl2 = _Timeline([([(0.0, 5.0)], 100.0)])
     assert tl2.submit([_stage("w", link, 10.0, "fast", "all_gather", {})]) == pytest.approx(10 * (1 + 0.5 * 2) + 0.5)
     # no compute before: the alone time
-    assert _Timeline(compute_before=[]).submit([_stage("w", link, 10.0, "fast", "all_gather", {})]) == 10.0
+    assert _Timeline([]).submit([_stage("w", link, 10.0, "fast", "all_gather", {})]) == 10.0
+
+
+def test_contention_follows_each_step_not_absolute_time():
+    """A later step's stage meets the earlier pass's steady step at the same offset from the
+    step's start (the first replay's drift once left tiny's last step with no contention at
+    all), and passes are averaged (one pass's alignment flips the next's)."""
+    from hpf.sim.model import _Timeline, _stage
+
+    link = sim.Link(alpha=0.0, beta=1.0, busy_slowdown=3.0)
+    stage = [_stage("w", link, 10.0, "fast", "all_gather", {})]
+    tl = _Timeline([([(0.0, 5.0)], 20.0)])
+    tl.t = 47.0  # third step, 7 s later than the earlier pass's (40 s)
+    tl.begin_step()
+    assert tl.submit(stage) == pytest.approx(47.0 + 10 * (1 + 0.5 * 2))
+    tl.t = 67.0 + 15.0  # the next step's start is 20 s on: its [0, 5) again, seen from 15 s in
+    tl.free.clear()
+    assert tl.submit(stage) == pytest.approx(82.0 + 10 * (1 + 0.5 * 2))  # wraps: [15, 25) meets [20, 25)
+    two = _Timeline([([(0.0, 5.0)], 100.0), ([], 100.0)])
+    assert two.submit(stage) == pytest.approx(10 * (1 + 0.25 * 2))
 
 
 def test_cpu_overheads_grow_with_ranks_per_core():
@@ -161,3 +180,33 @@ def test_cli_simulate_moe_505b(capsys):
                      "local", "--local-batch", "1", "--mixed-precision", "bf16"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("768 ")]
     assert [r[1] for r in rows] == ["hpf", "fsdp2"]  # no full-replica DDP of 505B params
+
+
+def test_a_group_measured_among_fewer_ranks_slows_with_ranks_per_core():
+    """A 2-rank group measured in a 2-rank job, used in a 4-rank job on 2 cores: its handoffs
+    and copies share the cores with twice the ranks, so the stage takes twice as long."""
+    two = sim.Link(alpha=1e-3, beta=1e9, rs_beta=5e8, busy_latency=2e-3)
+    four = sim.Link(alpha=5e-3, beta=1e8)
+    hw = dataclasses.replace(CM, fast={2: two, 4: four}, slow=two, cores=2, shared_links=True)
+    assert hw.link("fast", 2, 2) == two
+    s = hw.link("fast", 2, 4)
+    assert (s.alpha, s.beta, s.rs_beta, s.busy_latency) == pytest.approx((2e-3, 5e8, 2.5e8, 4e-3))
+    assert hw.link("fast", 4, 4) == four  # measured in its own world: as measured
+    assert hw.link("fast", 2, 8).alpha == pytest.approx(4e-3)
+    assert dataclasses.replace(hw, fast={(2, 4): four, 2: two}).link("fast", 2, 4) == four  # measured there
+    assert dataclasses.replace(hw, cores=0).link("fast", 2, 4) == two  # accelerators: no cores, no slicing
+
+
+def test_each_gather_and_reduction_costs_the_compute_thread_its_issue_seconds():
+    link = sim.Link(alpha=1e-6, beta=1e11, issue_s=1e-3)
+    hw = dataclasses.replace(CM, fast=link, slow=link)
+    plain = dataclasses.replace(hw, fast=dataclasses.replace(link, issue_s=0.0),
+                                slow=dataclasses.replace(link, issue_s=0.0))
+    mesh = {"node": 2, "local": 2}
+    units = len(gpt.unit_flops(gpt.CONFIGS["tiny"], 1))
+    with_issue, without = (sim.simulate("tiny", mesh, h, local_batch=1) for h in (hw, plain))
+    # every unit is gathered at least once and reduced once per step, each 1 ms on the compute thread
+    assert with_issue.step_s - without.step_s >= 2 * units * 1e-3 - 1e-9
+    assert with_issue.compute_s - without.compute_s >= 2 * units * 1e-3 - 1e-9
+    fsdp2 = [sim.simulate("tiny", mesh, h, "fsdp2", local_batch=1).step_s for h in (hw, plain)]
+    assert fsdp2[0] == fsdp2[1]  # measured through hpf's comm: FSDP2's overheads are its own

@@ -2,10 +2,12 @@
 shared-memory transport (ShmGroup) per group size, AdamW's memory rate, a big matmul's
 peak, the seconds of a GPT block and root (forward + backward) at the model's shapes,
 measured with every rank computing at once (the cores are shared as in a real run), how
-much a collective and compute slow each other down when they share the cores, and hpf's
-per-unit CPU overhead (one rank, no communication).
+much a collective and compute slow each other down when they share the cores, hpf's
+per-unit CPU overhead (one rank, no communication), and the compute thread's seconds per
+collective issued through hpf's comm (``issue_s``).
 
     python -m hpf.sim.calibrate --out calib.json [--world-sizes 2 4] [--shapes small/2 tiny/4]
+    python -m hpf.sim.calibrate --update calib.json   # add issue_s to an older calibration
 
 Runs only when asked: the tests never calibrate. Pass the file as ``--hardware calib.json``.
 """
@@ -197,6 +199,65 @@ def _overhead_rank(rank, reps):
     return max(low(engine) - low(plain), 0.0) / (2 * (cfg.n_layers + 1))
 
 
+def _issue_rank(rank, two_tier: bool, reps: int) -> float:
+    """Seconds of the compute thread per collective through hpf's own comm (TieredComm on shared
+    memory, or BucketComm on gloo), the tiny GPT's buckets, every rank computing small Python-heavy
+    ops between issue and wait as a small model's step does: the issue and wait calls, and what the
+    comm threads take from compute (GIL, cores). Comm vs no comm, interleaved; the slowest rank's median."""
+    import hpf
+
+    w = dist.get_world_size()
+    cfg = gpt.CONFIGS["tiny"]
+    mesh = hpf.Mesh({"dp": w} if w <= 2 else {"node": w // 2, "local": 2})
+    step = hpf.shard_step(gpt.loss_for(cfg), mesh=mesh, optimizer=hpf.optim.adamw(lr=1e-3),
+                          topology=hpf.Topology() if two_tier else None)
+    step.init(gpt.init(cfg, torch.Generator().manual_seed(0)))
+    comm = step.engine.comm
+    bufs = [(b.index, comm.full_buffer(b.index, torch.float32), torch.randn(b.padded_numel // b.shard_size),
+             comm.grad_buffer(b.index, torch.float32), torch.empty(b.padded_numel // b.shard_size))
+            for b in step.plan.buckets]
+    a = torch.randn(cfg.d_model, cfg.d_model)
+
+    def compute():
+        x = a
+        for _ in range(50):
+            x = torch.tanh(x @ a)
+
+    def loop(with_comm: bool) -> float:  # compute-thread seconds outside waits, per collective
+        busy = 0.0
+        for b, full, shard, flat, grad in bufs:
+            for issue in (lambda: comm.all_gather(b, full, shard), lambda: comm.reduce(b, grad, flat)):
+                t = time.perf_counter()
+                handle = issue() if with_comm else None
+                compute()
+                busy += time.perf_counter() - t
+                if handle is not None:
+                    handle.wait()
+        return busy / (2 * len(bufs))
+
+    costs = []
+    for i in range(3 * reps + 2):  # noisy on shared cores: more reps than the long benchmarks
+        dist.barrier()
+        with_comm = loop(True)
+        dist.barrier()
+        if i >= 2:
+            costs.append(with_comm - loop(False))
+    comm.close()
+    per_rank = [None] * w
+    dist.all_gather_object(per_rank, statistics.median(costs))
+    return max(0.0, max(per_rank))
+
+
+def add_issue_costs(calib: dict, reps: int = 7) -> dict:
+    """Measure ``issue_s`` for every (transport, world) of a calibration, in place: the quick
+    update of a calibration made before the term existed (``--update``)."""
+    for transport, per in calib["links"].items():
+        for w, link in per.items():
+            link["issue_s"] = launch(_issue_rank, int(w), transport == "shm", reps, timeout=600)[0]
+    calib["issue_when"] = datetime.datetime.now().isoformat(timespec="seconds")
+    return calib
+
+
 def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)),
               sizes_mib=(1 / 64, 0.0625, 0.25, 1, 4, 16), reps: int = 7) -> dict:
     """Measure and fit; returns the calibration dict (``json.dump`` it; hardware() loads the file)."""
@@ -226,21 +287,30 @@ def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)),
         if c["block_s"] > 1e-5:  # a block lost in the noise says nothing about efficiency
             effs.append(min(1.0, 3 * flops["blocks/0"] / c["block_s"] / peak_flops))
     overhead = launch(_overhead_rank, 1, reps, timeout=600)[0]
-    return {"host": socket.gethostname(), "when": datetime.datetime.now().isoformat(timespec="seconds"),
+    return add_issue_costs({"host": socket.gethostname(), "when": datetime.datetime.now().isoformat(timespec="seconds"),
             "cores": len(os.sched_getaffinity(0)), "kernel_overhead_s": overhead,
             "torch": torch.__version__, "peak_flops": peak_flops, "efficiency": statistics.median(effs) if effs else 0.5,
-            "mem_bw": statistics.median(mem_bw), "links": links, "compute": compute}
+            "mem_bw": statistics.median(mem_bw), "links": links, "compute": compute}, reps)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--out", help="JSON file to write")
+    ap.add_argument("--update", metavar="JSON", help="only measure the terms newer than this calibration file "
+                    "(issue_s), in place: a minute instead of a full calibration")
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--shapes", nargs="+", default=["tiny/4", "small/2"], help="config/local_batch pairs")
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args(argv)
-    shapes = [(s.split("/")[0], int(s.split("/")[1])) for s in args.shapes]
-    result = calibrate(args.world_sizes, shapes, reps=args.reps)
+    if not (args.out or args.update):
+        ap.error("give --out FILE (a full calibration) or --update FILE (its newer terms only)")
+    if args.update:
+        with open(args.update) as f:
+            result = add_issue_costs(json.load(f), args.reps)
+        args.out = args.update
+    else:
+        shapes = [(s.split("/")[0], int(s.split("/")[1])) for s in args.shapes]
+        result = calibrate(args.world_sizes, shapes, reps=args.reps)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps({k: v for k, v in result.items() if k != "compute"}, indent=1))

@@ -39,6 +39,9 @@ class Link:
     cpu_slowdown: float = 1.0
     busy_slowdown: float = 1.0
     busy_latency: float = 0.0
+    # compute-thread seconds per collective hpf issues (its issue and wait calls, its comm threads'
+    # GIL and core time): a fixed cost per bucket that small models' steps are made of (calibrated)
+    issue_s: float = 0.0
     source: str = ""
 
     def figures(self, op: str) -> tuple[float, float]:
@@ -47,6 +50,17 @@ class Link:
         if op in ("reduce_scatter", "native_reduce_scatter") and self.rs_beta is not None:
             return self.rs_alpha if self.rs_alpha is not None else self.alpha, self.rs_beta
         return self.alpha, self.beta
+
+    def sliced(self, factor: float) -> "Link":
+        """This link ``factor`` x slower: on a shared host a CPU transport's handoffs wait for peers
+        to get a core and its copies share the cores, so a group measured among fewer ranks than
+        the job's runs ``factor`` = (ranks per core now) / (then) slower."""
+        div = lambda x: None if x is None else x / factor  # noqa: E731
+        mul = lambda x: None if x is None else x * factor  # noqa: E731
+        return dataclasses.replace(self, alpha=self.alpha * factor, beta=self.beta / factor,
+                                   rs_alpha=mul(self.rs_alpha), rs_beta=div(self.rs_beta),
+                                   native_rs_alpha=mul(self.native_rs_alpha), native_rs_beta=div(self.native_rs_beta),
+                                   issue_s=self.issue_s * factor, latency=self.latency * factor, busy_latency=self.busy_latency * factor)
 
 
 @dataclass(frozen=True)
@@ -65,7 +79,7 @@ class Hardware:
     peak_flops: float  # per rank, compute dtype
     efficiency: float  # achieved / peak for the model's matmuls (MFU-like)
     mem_bw: float  # bytes/s per rank (copies, optimizer)
-    fast: Link | dict  # a Link, or {group size: Link} as calibration fits them
+    fast: Link | dict  # a Link, or {group size or (group size, world): Link} as calibration fits them
     slow: Link | dict
     fast_domain: int
     slow_domain: int = 0  # 0: no scale-out tier
@@ -87,7 +101,13 @@ class Hardware:
         links = self.fast if tier == "fast" else self.slow
         if isinstance(links, Link):
             return links
-        return links[min(links, key=lambda w: (abs(w - group), w))]  # the nearest group size measured
+        # the nearest (group, world) measured; a group measured in a smaller world (a 2-rank group of a
+        # 4-rank job on 2 cores) has its latencies stretched by the extra ranks per core
+        g, w = min((k if isinstance(k, tuple) else (k, k) for k in links),
+                   key=lambda gw: (abs(gw[0] - group), abs(gw[1] - world), gw))
+        near = links[(g, w) if (g, w) in links else g]
+        slices = self.overhead(1.0, world) / self.overhead(1.0, w)
+        return near.sliced(slices) if slices != 1.0 else near
 
     def overhead(self, seconds: float, world: int) -> float:
         """A per-rank CPU overhead measured on one rank, with ``world`` ranks sharing ``cores``."""

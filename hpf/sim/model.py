@@ -25,6 +25,7 @@ from .hardware import Hardware, Link
 __all__ = ["ring_time", "allreduce_time", "two_tier_time", "Options", "SimResult", "simulate_plan",
            "default_unit_flops"]
 
+CONTENTION_PASSES = 6  # replays on the earlier passes' compute (averaged: settles in ~5)
 ADAMW_BYTES_PER_ELEMENT = 28  # read param, grad, m, v; write param, m, v (fp32)
 
 
@@ -115,6 +116,7 @@ class _Unit:
     reduce_copy_s: float = 0.0  # packing grads into the flat reduce buffer (both)
     full_grad_bytes: int = 0
     a2a_s: float = 0.0  # per pass (forward, backward): blocking all-to-alls (MoE dispatch + combine)
+    issue_s: float = 0.0  # compute-thread seconds to issue one of its gathers or reductions (all buckets)
 
 
 # -- per-unit costs from the plan ----------------------------------------------------------------
@@ -130,7 +132,7 @@ def _unit_costs(plan: Plan, hw: Hardware, opts: Options, flops: dict, measured: 
             total = (measured["root_s"] if name == ROOT else measured["block_s"]) + overhead
         else:
             total = 3 * flops.get(name, 0.0) / (hw.peak_flops * hw.efficiency) + overhead
-        gathers, reduces, numel, full_grad = [], [], 0, 0
+        gathers, reduces, numel, full_grad, issue = [], [], 0, 0, 0.0
         for bi in unit.buckets:
             b = plan.buckets[bi]
             numel += b.shard_numel
@@ -144,6 +146,8 @@ def _unit_costs(plan: Plan, hw: Hardware, opts: Options, flops: dict, measured: 
             p_fast = mesh.axis_size(fast_axes)
             p_slow = b.shard_size // p_fast
             g, r = _stages(hw, opts, world, b.shard_size, p_fast, p_slow, ag, rs, hier, emu)
+            if opts.strategy == "hpf" and b.shard_size > 1:  # calibrated through hpf's comm: shm or gloo
+                issue += _fast_link(hw, opts, b.shard_size, world).issue_s
             if ar["fast"] or ar["slow"]:  # HSDP: the replica all-reduce follows the reduce-scatter
                 m = mesh.axis_size(b.replicate_axes)
                 worker = "reduce-slow" if opts.strategy == "hpf" and opts.topology else "replica"
@@ -156,7 +160,7 @@ def _unit_costs(plan: Plan, hw: Hardware, opts: Options, flops: dict, measured: 
             name, total / 3, 2 * total / 3, gathers, reduces,
             update_s=numel * ADAMW_BYTES_PER_ELEMENT / hw.mem_bw,
             gather_copy_s=copy(sum(plan.buckets[bi].padded_numel for bi in unit.buckets) * opts.compute_bytes),
-            reduce_copy_s=copy(full_grad), full_grad_bytes=full_grad,
+            reduce_copy_s=copy(full_grad), full_grad_bytes=full_grad, issue_s=issue,
             a2a_s=_a2a_time(hw, opts, plan, *a2a[name]) if a2a and name in a2a else 0.0))
     return units
 
@@ -237,20 +241,27 @@ def _stages(hw, opts, world, p, p_fast, p_slow, ag, rs, hier, emu):
 class _Timeline:
     """One compute thread and FIFO collective workers; times in seconds."""
 
-    def __init__(self, compute_before: list | None = None):
-        self.t = 0.0
+    def __init__(self, history: list[tuple[list, float]] = ()):
+        self.t = self.t0 = 0.0
         self.free = defaultdict(float)
         self.contended: list[tuple[float, float, float]] = []  # (start, end, compute slowdown) of busy links
-        self.computing: list[tuple[float, float]] = []  # compute-thread intervals, for the next pass
-        self.compute_before = compute_before or []  # the previous pass's: where stages overlap compute
+        self.computing: list[tuple[float, float]] = []  # this step's compute intervals from its start
+        # earlier passes' last steps (compute intervals, step time), each repeated as a steady state:
+        # where a stage overlaps compute. Averaged over the passes, as one pass's alignment flips the next's.
+        self.history = [[(a + k * T, b + k * T) for k in (-1, 0, 1, 2) for a, b in ivs] for ivs, T in history]
         self.reset_counters()
 
+    def begin_step(self):
+        self.t0, self.computing = self.t, []
+
     def _overlap(self, start: float, end: float) -> float:
-        """The share of [start, end) the previous pass spent computing."""
+        """The share of [start, end) the earlier passes' steady steps spent computing."""
         if end <= start:
             return 0.0
-        both = sum(max(0.0, min(end, b) - max(start, a)) for a, b in self.compute_before if a < end and b > start)
-        return both / (end - start)
+        start, end = start - self.t0, end - self.t0
+        both = sum(max(0.0, min(end, b) - max(start, a)) for ivs in self.history for a, b in ivs
+                   if a < end and b > start)
+        return both / (end - start) / len(self.history) if self.history else 0.0
 
     def reset_counters(self):
         self.busy, self.wait, self.compute_s, self.opt_s = Counter(), 0.0, 0.0, 0.0
@@ -297,7 +308,7 @@ class _Timeline:
             left -= span * rate
         self.t = t
         if t > start:
-            self.computing.append((start, t))
+            self.computing.append((start - self.t0, t - self.t0))
         if optimizer:
             self.opt_s += t - start
         else:
@@ -321,14 +332,16 @@ def _hpf_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float) 
     root = by.get(ROOT)
     blocks = [u for u in units if u.name != ROOT]
     order = ([root] if root else []) + blocks
-    early = {u.name for u in order} if opts.shm else {u.name for u in order[:2]}
+    early = [u.name for u in (order if opts.shm else order[:2])]  # in order (a set made runs differ by hash seed)
     live: dict[str, float] = {}
 
     def gather(u):
         if u.name not in live:
+            tl.run(u.issue_s)
             live[u.name] = _issue(tl, u.gather)
 
     for step in range(opts.steps):
+        tl.begin_step()
         if step == opts.steps - 1:
             tl.reset_counters()
             start = tl.t
@@ -402,7 +415,7 @@ def _hpf_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float) 
 def _reduce(tl: _Timeline, u: _Unit, opts: Options, landing: list, live: dict) -> None:
     if not opts.shm:
         live.pop(u.name, None)
-    tl.run(u.reduce_copy_s)  # grads packed into the flat buffer
+    tl.run(u.reduce_copy_s + u.issue_s)  # grads packed into the flat buffer, the reduction issued
     end = _issue(tl, u.reduce)
     if not opts.pipeline:
         tl.wait_until(end)
@@ -417,6 +430,7 @@ def _fsdp2_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float
     root = next((u for u in units if u.name == ROOT), None)
     blocks = [u for u in units if u.name != ROOT]
     for step in range(opts.steps):
+        tl.begin_step()
         if step == opts.steps - 1:
             tl.reset_counters()
             start = tl.t
@@ -475,6 +489,7 @@ def _ddp_steps(units: list[_Unit], tl: _Timeline, opts: Options, plan: Plan, hw:
         return [_stage("ar", link, t, "slow" if tiers["slow"] else "fast", "all_reduce", tiers)]
 
     for step in range(opts.steps):
+        tl.begin_step()
         if step == opts.steps - 1:
             tl.reset_counters()
             start = tl.t
@@ -514,8 +529,8 @@ def simulate_plan(plan: Plan, hw: Hardware, opts: Options, unit_flops: dict[str,
     if opts.strategy not in ("hpf", "fsdp2", "ddp"):
         raise ValueError(f"strategy {opts.strategy!r}: use 'hpf', 'fsdp2' or 'ddp'")
 
-    def replay(compute_before=None) -> _Timeline:
-        tl = _Timeline(compute_before)
+    def replay(history=()) -> _Timeline:
+        tl = _Timeline(history)
         if opts.strategy == "hpf":
             _hpf_steps(units, tl, opts, norm_s)
         elif opts.strategy == "fsdp2":
@@ -526,7 +541,10 @@ def simulate_plan(plan: Plan, hw: Hardware, opts: Options, unit_flops: dict[str,
         return tl
 
     tl = replay()
-    if hw.shared_links:  # collectives slow down where they overlap compute: replay with the first pass's compute
-        tl = replay(tl.computing)
+    if hw.shared_links:  # collectives slow down where they overlap compute: replay with the passes' compute
+        history = []
+        for _ in range(CONTENTION_PASSES):
+            history.append((tl.computing, tl.step_s))
+            tl = replay(history)
     busy = {"fast": tl.busy["fast"], "slow": tl.busy["slow"]}
     return SimResult(tl.step_s, tl.compute_s, tl.wait, tl.opt_s, busy, tl.bytes, tokens)
