@@ -100,8 +100,15 @@ class _SumOnArrival:
         self.work, self.recv, self.out = work, recv, out
 
     def _finish(self) -> None:
-        if self.recv is not None:
-            torch.sum(self.recv.view(-1, self.out.numel()), 0, out=self.out.view(-1))
+        if self.recv is not None:  # rank order, by elementwise adds (torch.sum over dim 0: 3-5x slower)
+            slices = self.recv.view(-1, self.out.numel())
+            out = self.out.view(-1)
+            if len(slices) == 1:
+                out.copy_(slices[0])
+            else:
+                torch.add(slices[0], slices[1], out=out)
+            for s in slices[2:]:
+                out.add_(s)
             self.recv = None
 
     def wait(self) -> bool:
