@@ -210,3 +210,22 @@ def test_each_gather_and_reduction_costs_the_compute_thread_its_issue_seconds():
     assert with_issue.compute_s - without.compute_s >= 2 * units * 1e-3 - 1e-9
     fsdp2 = [sim.simulate("tiny", mesh, h, "fsdp2", local_batch=1).step_s for h in (hw, plain)]
     assert fsdp2[0] == fsdp2[1]  # measured through hpf's comm: FSDP2's overheads are its own
+
+
+def test_fsdp2_on_cpu_ranks_waits_for_each_collective_on_its_own_figures():
+    """FSDP2 without device streams runs every all-gather and reduce-scatter synchronously, and
+    pays its own calibrated path (Link.ops) where there is one; hpf's figures stay its own."""
+    link = sim.Link(alpha=1e-4, beta=1e9, native_rs_alpha=3e-4, native_rs_beta=1e9)
+    cpu = dataclasses.replace(CM, fast=link, slow=link, shared_links=True, mem_bw=math.inf, peak_flops=1e8)
+    run = lambda hw: sim.simulate("tiny", {"dp": 2}, hw, "fsdp2", local_batch=1)  # noqa: E731
+    r = run(cpu)
+    assert r.exposed_comm_s == pytest.approx(r.busy_s["fast"] + r.busy_s["slow"])  # all of it waited
+    acc = run(dataclasses.replace(cpu, shared_links=False))  # streams: reductions overlap backward
+    assert acc.exposed_comm_s < acc.busy_s["fast"] + acc.busy_s["slow"] - 1e-4
+    own = dataclasses.replace(link, ops={"fsdp2_reduce_scatter": (3e-4 + 1e-2, 1e9)})
+    r2 = run(dataclasses.replace(cpu, fast=own, slow=own))
+    units = len(gpt.unit_flops(gpt.CONFIGS["tiny"], 1))
+    assert r2.step_s - r.step_s == pytest.approx(units * 1e-2)  # one reduce-scatter per unit, 10 ms more each
+    assert own.figures("reduce_scatter") == link.figures("reduce_scatter") == (1e-4, 1e9)  # hpf's: untouched
+    assert link.figures("fsdp2_reduce_scatter") == (3e-4, 1e9)  # uncalibrated: torch's own reduce-scatter
+    assert own.sliced(2.0).figures("fsdp2_reduce_scatter") == pytest.approx((2 * (3e-4 + 1e-2), 5e8))

@@ -155,7 +155,9 @@ def _unit_costs(plan: Plan, hw: Hardware, opts: Options, flops: dict, measured: 
                 r.append(_stage(worker, link, t, "slow" if ar["slow"] else "fast", "all_reduce", ar))
             gathers.append(g)
             reduces.append(r)
-        copy = lambda nbytes: 2 * nbytes / hw.mem_bw  # noqa: E731 - read + write
+        # read + write; FSDP2's copies are in its calibrated collectives where those exist (Link.ops)
+        copies = opts.strategy != "fsdp2" or not hw.link("slow", world, world).ops
+        copy = lambda nbytes: 2 * nbytes / hw.mem_bw if copies else 0.0  # noqa: E731
         units.append(_Unit(
             name, total / 3, 2 * total / 3, gathers, reduces,
             update_s=numel * ADAMW_BYTES_PER_ELEMENT / hw.mem_bw,
@@ -226,14 +228,15 @@ def _stages(hw, opts, world, p, p_fast, p_slow, ag, rs, hier, emu):
              _stage("reduce-slow", slow, slow_t(rs, "reduce_scatter"), "slow", "reduce_scatter", {"slow": rs["slow"]})]
         return g, r  # a bucket with no slow part still passes the slow worker, in order, as in TieredComm
     tier = "slow" if ag["slow"] else "fast"
-    rs_op = "reduce_scatter" if opts.strategy == "hpf" else "native_reduce_scatter"  # hpf's own on gloo
+    ag_op, rs_op = ("all_gather", "reduce_scatter") if opts.strategy == "hpf" else ("fsdp2_all_gather",
+                                                                                   "fsdp2_reduce_scatter")
     if opts.strategy == "hpf" and opts.topology:  # TieredComm, one flat stage on the slow worker
         gw, rw = "gather-slow", "reduce-slow"
     elif hw.shared_links:  # torch.distributed on one process group: one gloo thread runs them in order
         gw = rw = "pg"
     else:  # accelerator streams: all-gather and reduce-scatter on their own streams
         gw, rw = "ag", "rs"
-    return ([_stage(gw, *_flat_time(hw, opts, world, p, ag, "all_gather", emu)[::-1], tier, "all_gather", ag)],
+    return ([_stage(gw, *_flat_time(hw, opts, world, p, ag, ag_op, emu)[::-1], tier, "all_gather", ag)],
             [_stage(rw, *_flat_time(hw, opts, world, p, rs, rs_op, emu)[::-1], tier, "reduce_scatter", rs)])
 
 
@@ -426,7 +429,11 @@ def _fsdp2_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float
                  run_ahead: bool) -> None:
     """torch FSDP2 (fully_shard per block and on the root): all-gather with copy-out, forward
     prefetch only where the CPU runs ahead of the device, backward prefetch of one unit,
-    reduce-scatter with copy-in overlapping backward, the optimizer after backward."""
+    reduce-scatter with copy-in overlapping backward, the optimizer after backward.
+    Without device streams (``run_ahead`` False: CPU ranks) every collective blocks the compute
+    thread: FSDP2 unshards with async_op=False by default and calls its reduce-scatter without
+    async_op (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py); streams make both
+    asynchronous only on an accelerator."""
     root = next((u for u in units if u.name == ROOT), None)
     blocks = [u for u in units if u.name != ROOT]
     for step in range(opts.steps):
@@ -436,9 +443,15 @@ def _fsdp2_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float
             start = tl.t
         pending: dict[str, float] = {}
 
+        def issue(per_bucket) -> float:
+            end = _issue(tl, per_bucket)
+            if not run_ahead:  # a synchronous collective: the compute thread is in it until it ends
+                tl.wait_until(end)
+            return end
+
         def unshard(u):
             if u.name not in pending:
-                pending[u.name] = _issue(tl, u.gather)
+                pending[u.name] = issue(u.gather)
             tl.wait_until(pending.pop(u.name))
             tl.run(u.gather_copy_s + overhead_s)
 
@@ -457,14 +470,14 @@ def _fsdp2_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float
             u = blocks[i]
             unshard(u)
             if i:
-                pending[blocks[i - 1].name] = _issue(tl, blocks[i - 1].gather)
+                pending[blocks[i - 1].name] = issue(blocks[i - 1].gather)
             _a2a(tl, u)
             tl.run(u.bwd_s + overhead_s)
             tl.run(u.reduce_copy_s)
-            ends.append(_issue(tl, u.reduce))
+            ends.append(issue(u.reduce))
         if root:
             tl.run(root.reduce_copy_s + overhead_s)
-            ends.append(_issue(tl, root.reduce))
+            ends.append(issue(root.reduce))
         for e in ends:
             tl.wait_until(e)
         tl.run(sum(u.update_s for u in units), optimizer=True)
