@@ -229,3 +229,19 @@ def test_fsdp2_on_cpu_ranks_waits_for_each_collective_on_its_own_figures():
     assert own.figures("reduce_scatter") == link.figures("reduce_scatter") == (1e-4, 1e9)  # hpf's: untouched
     assert link.figures("fsdp2_reduce_scatter") == (3e-4, 1e9)  # uncalibrated: torch's own reduce-scatter
     assert own.sliced(2.0).figures("fsdp2_reduce_scatter") == pytest.approx((2 * (3e-4 + 1e-2), 5e8))
+
+
+def test_flat_gloo_reductions_sum_their_slices_on_the_compute_thread():
+    """hpf's flat reduce-scatter on gloo is an all-to-all plus a sum of the p slices by the
+    thread that finds it landed: 3 (p-1)/p accesses of the bucket's grads at mem_bw, beside the
+    2 of packing the grads, on the compute thread (waited or polled)."""
+    link = sim.Link(alpha=0.0, beta=1e15)
+    cpu = dataclasses.replace(CM, fast=link, slow=link, shared_links=True, cores=0)
+    busy = lambda hw, topology: (lambda r: (r.compute_s + r.exposed_comm_s, r))(  # noqa: E731
+        sim.simulate("tiny", {"dp": 2}, hw, local_batch=1, topology=topology))
+    base, _ = busy(dataclasses.replace(cpu, mem_bw=math.inf), "flat")
+    slow, r = busy(dataclasses.replace(cpu, mem_bw=1e6), "flat")
+    grads = 2 * sum(r.bytes["reduce_scatter"].values())  # p = 2: a rank sends half of each bucket
+    assert slow - base == pytest.approx((2 + 1.5) * grads / 1e6, rel=1e-6)
+    two = [busy(dataclasses.replace(cpu, mem_bw=m), "two-tier")[0] for m in (math.inf, 1e6)]
+    assert two[1] - two[0] == pytest.approx(2 * grads / 1e6, rel=1e-6)  # TieredComm sums on its workers

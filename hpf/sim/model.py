@@ -117,6 +117,7 @@ class _Unit:
     full_grad_bytes: int = 0
     a2a_s: float = 0.0  # per pass (forward, backward): blocking all-to-alls (MoE dispatch + combine)
     issue_s: float = 0.0  # compute-thread seconds to issue one of its gathers or reductions (all buckets)
+    land_s: float = 0.0  # compute-thread seconds when its reductions land (the gloo reduce-scatter's local sum)
 
 
 # -- per-unit costs from the plan ----------------------------------------------------------------
@@ -132,7 +133,7 @@ def _unit_costs(plan: Plan, hw: Hardware, opts: Options, flops: dict, measured: 
             total = (measured["root_s"] if name == ROOT else measured["block_s"]) + overhead
         else:
             total = 3 * flops.get(name, 0.0) / (hw.peak_flops * hw.efficiency) + overhead
-        gathers, reduces, numel, full_grad, issue = [], [], 0, 0, 0.0
+        gathers, reduces, numel, full_grad, issue, land = [], [], 0, 0, 0.0, 0.0
         for bi in unit.buckets:
             b = plan.buckets[bi]
             numel += b.shard_numel
@@ -146,6 +147,13 @@ def _unit_costs(plan: Plan, hw: Hardware, opts: Options, flops: dict, measured: 
             p_fast = mesh.axis_size(fast_axes)
             p_slow = b.shard_size // p_fast
             g, r = _stages(hw, opts, world, b.shard_size, p_fast, p_slow, ag, rs, hier, emu)
+            if opts.strategy == "hpf" and not opts.topology and hw.shared_links and b.shard_size > 1:
+                # BucketComm on gloo: an all-to-all, then the waiting (compute) thread sums the p slices
+                # (transport.reduce_scatter_async): p-1 adds of n/p, 3 accesses each. The calibrated
+                # reduce-scatter includes the sum: the worker's stage is the rest.
+                s = 3 * (b.shard_size - 1) / b.shard_size * b.padded_numel * opts.reduce_bytes / hw.mem_bw
+                land += s
+                r = [(r[0][0], max(r[0][1] - s, 0.0)) + r[0][2:]] + r[1:]
             if opts.strategy == "hpf" and b.shard_size > 1:  # calibrated through hpf's comm: shm or gloo
                 issue += _fast_link(hw, opts, b.shard_size, world).issue_s
             if ar["fast"] or ar["slow"]:  # HSDP: the replica all-reduce follows the reduce-scatter
@@ -162,7 +170,7 @@ def _unit_costs(plan: Plan, hw: Hardware, opts: Options, flops: dict, measured: 
             name, total / 3, 2 * total / 3, gathers, reduces,
             update_s=numel * ADAMW_BYTES_PER_ELEMENT / hw.mem_bw,
             gather_copy_s=copy(sum(plan.buckets[bi].padded_numel for bi in unit.buckets) * opts.compute_bytes),
-            reduce_copy_s=copy(full_grad), full_grad_bytes=full_grad, issue_s=issue,
+            reduce_copy_s=copy(full_grad), full_grad_bytes=full_grad, issue_s=issue, land_s=land,
             a2a_s=_a2a_time(hw, opts, plan, *a2a[name]) if a2a and name in a2a else 0.0))
     return units
 
@@ -355,8 +363,12 @@ def _hpf_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float) 
 
         def deliver(block: bool):
             while landing and (block or landing[0][1] <= tl.t):
-                u, end = landing.pop(0)
+                u, end, land = landing.pop(0)
                 tl.wait_until(end)
+                if block:  # the sum runs inside the engine's timed wait
+                    tl.wait_until(tl.t + land)
+                else:  # found landed by a poll, which sums: compute
+                    tl.run(land)
                 tl.run(u.update_s, optimizer=True)
                 if u.name in early:
                     if opts.shm:  # every unit shared: refill in backward
@@ -399,8 +411,9 @@ def _hpf_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float) 
         if opts.overlap_optimizer:
             deliver(block=True)
         else:
-            for u, end in landing:
+            for u, end, land in landing:
                 tl.wait_until(end)
+                tl.wait_until(tl.t + land)
             tl.run(sum(u.update_s for u in units), optimizer=True)
             refill_later = [by[n] for n in early]
         for name in list(live):
@@ -420,9 +433,10 @@ def _reduce(tl: _Timeline, u: _Unit, opts: Options, landing: list, live: dict) -
         live.pop(u.name, None)
     tl.run(u.reduce_copy_s + u.issue_s)  # grads packed into the flat buffer, the reduction issued
     end = _issue(tl, u.reduce)
-    if not opts.pipeline:
+    if not opts.pipeline:  # waited (and summed) at once
         tl.wait_until(end)
-    landing.append((u, end))
+        tl.wait_until(tl.t + u.land_s)
+    landing.append((u, end, 0.0 if not opts.pipeline else u.land_s))
 
 
 def _fsdp2_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float, overhead_s: float,
