@@ -3,8 +3,9 @@ shared-memory transport (ShmGroup) per group size, AdamW's memory rate, a big ma
 peak, the seconds of a GPT block and root (forward + backward) at the model's shapes,
 measured with every rank computing at once (the cores are shared as in a real run), how
 much a collective and compute slow each other down when they share the cores, hpf's
-per-unit CPU overhead (one rank, no communication), and the compute thread's seconds per
-collective issued through hpf's comm (``issue_s``).
+per-unit CPU overhead (one rank, no communication), the compute thread's seconds per
+collective issued through hpf's comm (``issue_s``), and FSDP2's own all-gather and
+reduce-scatter path through ``fully_shard`` (``ops``; what the simulator charges FSDP2).
 
     python -m hpf.sim.calibrate --out calib.json [--world-sizes 2 4] [--shapes small/2 tiny/4]
     python -m hpf.sim.calibrate --update calib.json   # add issue_s (if missing) and FSDP2's own
@@ -204,8 +205,8 @@ def _fsdp2_comm_rank(rank, sizes, reps) -> dict:
     """FSDP2's own gather and reduction of one ``fully_shard``-ed flat param of each size (bytes),
     timed as FSDP2 runs them on CPU ranks, synchronously: ``unshard()`` + ``reshard()`` (copy-in, a
     fresh output, all_gather_single, copy-out) and a backward's post-backward reduce (copy-in into a
-    fresh buffer, reduce_scatter_single with FSDP2's op, the views of the sharded grad). The
-    slowest rank's median, per op."""
+    fresh buffer, reduce_scatter_single with FSDP2's op, the views of the sharded grad; also the
+    sum's grad fill, as any backward makes its grads). The slowest rank's median, per op."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -336,18 +337,18 @@ def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)),
         if c["block_s"] > 1e-5:  # a block lost in the noise says nothing about efficiency
             effs.append(min(1.0, 3 * flops["blocks/0"] / c["block_s"] / peak_flops))
     overhead = launch(_overhead_rank, 1, reps, timeout=600)[0]
-    return add_fsdp2_comm(add_issue_costs({"host": socket.gethostname(), "when": datetime.datetime.now().isoformat(timespec="seconds"),
-            "cores": len(os.sched_getaffinity(0)), "kernel_overhead_s": overhead,
-            "torch": torch.__version__, "peak_flops": peak_flops, "efficiency": statistics.median(effs) if effs else 0.5,
-            "mem_bw": statistics.median(mem_bw), "links": links, "compute": compute}, reps), reps,
-        sizes_mib)
+    calib = {"host": socket.gethostname(), "when": datetime.datetime.now().isoformat(timespec="seconds"),
+             "cores": len(os.sched_getaffinity(0)), "kernel_overhead_s": overhead,
+             "torch": torch.__version__, "peak_flops": peak_flops, "efficiency": statistics.median(effs) if effs else 0.5,
+             "mem_bw": statistics.median(mem_bw), "links": links, "compute": compute}
+    return add_fsdp2_comm(add_issue_costs(calib, reps), reps, sizes_mib)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="JSON file to write")
     ap.add_argument("--update", metavar="JSON", help="only measure the terms newer than this calibration file "
-                    "(issue_s if missing; FSDP2's collectives, always), in place: a minute instead of a full calibration")
+                    "(issue_s if missing; FSDP2's collectives, always), in place: a minute, not a full calibration")
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--shapes", nargs="+", default=["tiny/4", "small/2"], help="config/local_batch pairs")
     ap.add_argument("--reps", type=int, default=7)
