@@ -210,3 +210,38 @@ def test_each_gather_and_reduction_costs_the_compute_thread_its_issue_seconds():
     assert with_issue.compute_s - without.compute_s >= 2 * units * 1e-3 - 1e-9
     fsdp2 = [sim.simulate("tiny", mesh, h, "fsdp2", local_batch=1).step_s for h in (hw, plain)]
     assert fsdp2[0] == fsdp2[1]  # measured through hpf's comm: FSDP2's overheads are its own
+
+
+def test_fsdp2_on_cpu_ranks_waits_for_each_collective_on_its_own_figures():
+    """FSDP2 without device streams runs every all-gather and reduce-scatter synchronously, and
+    pays its own calibrated path (Link.ops) where there is one; hpf's figures stay its own."""
+    link = sim.Link(alpha=1e-4, beta=1e9, native_rs_alpha=3e-4, native_rs_beta=1e9)
+    cpu = dataclasses.replace(CM, fast=link, slow=link, shared_links=True, mem_bw=math.inf, peak_flops=1e8)
+    run = lambda hw: sim.simulate("tiny", {"dp": 2}, hw, "fsdp2", local_batch=1)  # noqa: E731
+    r = run(cpu)
+    assert r.exposed_comm_s == pytest.approx(r.busy_s["fast"] + r.busy_s["slow"])  # all of it waited
+    acc = run(dataclasses.replace(cpu, shared_links=False))  # streams: reductions overlap backward
+    assert acc.exposed_comm_s < acc.busy_s["fast"] + acc.busy_s["slow"] - 1e-4
+    own = dataclasses.replace(link, ops={"fsdp2_reduce_scatter": (3e-4 + 1e-2, 1e9)})
+    r2 = run(dataclasses.replace(cpu, fast=own, slow=own))
+    units = len(gpt.unit_flops(gpt.CONFIGS["tiny"], 1))
+    assert r2.step_s - r.step_s == pytest.approx(units * 1e-2)  # one reduce-scatter per unit, 10 ms more each
+    assert own.figures("reduce_scatter") == link.figures("reduce_scatter") == (1e-4, 1e9)  # hpf's: untouched
+    assert link.figures("fsdp2_reduce_scatter") == (3e-4, 1e9)  # uncalibrated: torch's own reduce-scatter
+    assert own.sliced(2.0).figures("fsdp2_reduce_scatter") == pytest.approx((2 * (3e-4 + 1e-2), 5e8))
+
+
+def test_flat_gloo_reductions_sum_their_slices_on_the_compute_thread():
+    """hpf's flat reduce-scatter on gloo is an all-to-all plus a sum of the p slices by the
+    thread that finds it landed: 3 (p-1)/p accesses of the bucket's grads at mem_bw, beside the
+    2 of packing the grads, on the compute thread (waited or polled)."""
+    link = sim.Link(alpha=0.0, beta=1e15)
+    cpu = dataclasses.replace(CM, fast=link, slow=link, shared_links=True, cores=0)
+    busy = lambda hw, topology: (lambda r: (r.compute_s + r.exposed_comm_s, r))(  # noqa: E731
+        sim.simulate("tiny", {"dp": 2}, hw, local_batch=1, topology=topology))
+    base, _ = busy(dataclasses.replace(cpu, mem_bw=math.inf), "flat")
+    slow, r = busy(dataclasses.replace(cpu, mem_bw=1e6), "flat")
+    grads = 2 * sum(r.bytes["reduce_scatter"].values())  # p = 2: a rank sends half of each bucket
+    assert slow - base == pytest.approx((2 + 1.5) * grads / 1e6, rel=1e-6)
+    two = [busy(dataclasses.replace(cpu, mem_bw=m), "two-tier")[0] for m in (math.inf, 1e6)]
+    assert two[1] - two[0] == pytest.approx(2 * grads / 1e6, rel=1e-6)  # TieredComm sums on its workers

@@ -3,11 +3,13 @@ shared-memory transport (ShmGroup) per group size, AdamW's memory rate, a big ma
 peak, the seconds of a GPT block and root (forward + backward) at the model's shapes,
 measured with every rank computing at once (the cores are shared as in a real run), how
 much a collective and compute slow each other down when they share the cores, hpf's
-per-unit CPU overhead (one rank, no communication), and the compute thread's seconds per
-collective issued through hpf's comm (``issue_s``).
+per-unit CPU overhead (one rank, no communication), the compute thread's seconds per
+collective issued through hpf's comm (``issue_s``), and FSDP2's own all-gather and
+reduce-scatter path through ``fully_shard`` (``ops``; what the simulator charges FSDP2).
 
     python -m hpf.sim.calibrate --out calib.json [--world-sizes 2 4] [--shapes small/2 tiny/4]
-    python -m hpf.sim.calibrate --update calib.json   # add issue_s to an older calibration
+    python -m hpf.sim.calibrate --update calib.json   # add issue_s (if missing) and FSDP2's own
+                                                      # collectives to an older calibration
 
 Runs only when asked: the tests never calibrate. Pass the file as ``--hardware calib.json``.
 """
@@ -199,6 +201,54 @@ def _overhead_rank(rank, reps):
     return max(low(engine) - low(plain), 0.0) / (2 * (cfg.n_layers + 1))
 
 
+def _fsdp2_comm_rank(rank, sizes, reps) -> dict:
+    """FSDP2's own gather and reduction of one ``fully_shard``-ed flat param of each size (bytes),
+    timed as FSDP2 runs them on CPU ranks, synchronously: ``unshard()`` + ``reshard()`` (copy-in, a
+    fresh output, all_gather_single, copy-out) and a backward's post-backward reduce (copy-in into a
+    fresh buffer, reduce_scatter_single with FSDP2's op, the views of the sharded grad; also the
+    sum's grad fill, as any backward makes its grads). The slowest rank's median, per op."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    w = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (w,))
+    out = {"all_gather": [], "reduce_scatter": []}
+    for nbytes in sizes:
+        model = torch.nn.Module()
+        model.w = torch.nn.Parameter(torch.randn(nbytes // 4 // w * w))
+        model.forward = lambda: model.w.sum()
+        fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        out["all_gather"].append(_median_slowest(lambda: (model.unshard(), model.reshard()), reps))
+
+        def backward(box=[]):  # noqa: B006 - the forward is not timed: done before, kept in the box
+            if not box:
+                box.append(model())
+            box.pop().backward()
+            box.append(model())
+        out["reduce_scatter"].append(_median_slowest(backward, reps))
+    return out
+
+
+def add_fsdp2_comm(calib: dict, reps: int = 7, sizes_mib=(1 / 64, 0.0625, 0.25, 1, 4, 16), runs: int = 5) -> dict:
+    """FSDP2's gather and reduce-scatter figures per gloo world, as ``ops`` of the gloo links (alpha,
+    beta fitted as the others): what the simulator charges FSDP2 on CPU ranks, in place. Less the
+    smallest size's seconds on one rank (hooks and Python: in ``fsdp2_unit_overhead_s`` already);
+    the median of ``runs`` launches per size (the cores are shared)."""
+    sizes = [int(m * 2 ** 20) for m in sizes_mib]
+
+    def median_runs(w, szs):
+        runs_ = [launch(_fsdp2_comm_rank, w, szs, reps, timeout=600)[0] for _ in range(runs)]
+        return {op: [statistics.median(r[op][i] for r in runs_) for i in range(len(szs))] for op in runs_[0]}
+    one = median_runs(1, sizes[:1])
+    for w, link in calib["links"]["gloo"].items():
+        meas = median_runs(int(w), sizes)
+        link.setdefault("ops", {}).update({
+            f"fsdp2_{op}": fit_alpha_beta(int(w), sizes, [max(t - one[op][0], 1e-6) for t in ts])
+            for op, ts in meas.items()})
+    calib["fsdp2_comm_when"] = datetime.datetime.now().isoformat(timespec="seconds")
+    return calib
+
+
 def _issue_rank(rank, two_tier: bool, reps: int) -> float:
     """Seconds of the compute thread per collective through hpf's own comm (TieredComm on shared
     memory, or BucketComm on gloo), the tiny GPT's buckets, every rank computing small Python-heavy
@@ -287,17 +337,18 @@ def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)),
         if c["block_s"] > 1e-5:  # a block lost in the noise says nothing about efficiency
             effs.append(min(1.0, 3 * flops["blocks/0"] / c["block_s"] / peak_flops))
     overhead = launch(_overhead_rank, 1, reps, timeout=600)[0]
-    return add_issue_costs({"host": socket.gethostname(), "when": datetime.datetime.now().isoformat(timespec="seconds"),
-            "cores": len(os.sched_getaffinity(0)), "kernel_overhead_s": overhead,
-            "torch": torch.__version__, "peak_flops": peak_flops, "efficiency": statistics.median(effs) if effs else 0.5,
-            "mem_bw": statistics.median(mem_bw), "links": links, "compute": compute}, reps)
+    calib = {"host": socket.gethostname(), "when": datetime.datetime.now().isoformat(timespec="seconds"),
+             "cores": len(os.sched_getaffinity(0)), "kernel_overhead_s": overhead,
+             "torch": torch.__version__, "peak_flops": peak_flops, "efficiency": statistics.median(effs) if effs else 0.5,
+             "mem_bw": statistics.median(mem_bw), "links": links, "compute": compute}
+    return add_fsdp2_comm(add_issue_costs(calib, reps), reps, sizes_mib)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="JSON file to write")
     ap.add_argument("--update", metavar="JSON", help="only measure the terms newer than this calibration file "
-                    "(issue_s), in place: a minute instead of a full calibration")
+                    "(issue_s if missing; FSDP2's collectives, always), in place: a minute, not a full calibration")
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--shapes", nargs="+", default=["tiny/4", "small/2"], help="config/local_batch pairs")
     ap.add_argument("--reps", type=int, default=7)
@@ -306,7 +357,10 @@ def main(argv=None) -> None:
         ap.error("give --out FILE (a full calibration) or --update FILE (its newer terms only)")
     if args.update:
         with open(args.update) as f:
-            result = add_issue_costs(json.load(f), args.reps)
+            result = json.load(f)
+        if "issue_when" not in result:
+            add_issue_costs(result, args.reps)
+        add_fsdp2_comm(result, args.reps)
         args.out = args.update
     else:
         shapes = [(s.split("/")[0], int(s.split("/")[1])) for s in args.shapes]

@@ -42,9 +42,16 @@ class Link:
     # compute-thread seconds per collective hpf issues (its issue and wait calls, its comm threads'
     # GIL and core time): a fixed cost per bucket that small models' steps are made of (calibrated)
     issue_s: float = 0.0
+    # op -> (alpha, beta) of a framework's own collective path where calibrated (``fsdp2_all_gather``,
+    # ``fsdp2_reduce_scatter``: FSDP2's copy-in, fresh buffers, collective and copy-out together)
+    ops: dict = field(default_factory=dict)
     source: str = ""
 
     def figures(self, op: str) -> tuple[float, float]:
+        if op in self.ops:
+            return tuple(self.ops[op])
+        if op.startswith("fsdp2_"):  # uncalibrated: torch's own collective (FSDP2 calls it)
+            op = {"fsdp2_reduce_scatter": "native_reduce_scatter"}.get(op, op.removeprefix("fsdp2_"))
         if op == "native_reduce_scatter" and self.native_rs_beta is not None:
             return self.native_rs_alpha or 0.0, self.native_rs_beta
         if op in ("reduce_scatter", "native_reduce_scatter") and self.rs_beta is not None:
@@ -60,6 +67,7 @@ class Link:
         return dataclasses.replace(self, alpha=self.alpha * factor, beta=self.beta / factor,
                                    rs_alpha=mul(self.rs_alpha), rs_beta=div(self.rs_beta),
                                    native_rs_alpha=mul(self.native_rs_alpha), native_rs_beta=div(self.native_rs_beta),
+                                   ops={k: (a * factor, b / factor) for k, (a, b) in self.ops.items()},
                                    issue_s=self.issue_s * factor, latency=self.latency * factor, busy_latency=self.busy_latency * factor)
 
 

@@ -117,6 +117,7 @@ class _Unit:
     full_grad_bytes: int = 0
     a2a_s: float = 0.0  # per pass (forward, backward): blocking all-to-alls (MoE dispatch + combine)
     issue_s: float = 0.0  # compute-thread seconds to issue one of its gathers or reductions (all buckets)
+    land_s: float = 0.0  # compute-thread seconds when its reductions land (the gloo reduce-scatter's local sum)
 
 
 # -- per-unit costs from the plan ----------------------------------------------------------------
@@ -132,7 +133,7 @@ def _unit_costs(plan: Plan, hw: Hardware, opts: Options, flops: dict, measured: 
             total = (measured["root_s"] if name == ROOT else measured["block_s"]) + overhead
         else:
             total = 3 * flops.get(name, 0.0) / (hw.peak_flops * hw.efficiency) + overhead
-        gathers, reduces, numel, full_grad, issue = [], [], 0, 0, 0.0
+        gathers, reduces, numel, full_grad, issue, land = [], [], 0, 0, 0.0, 0.0
         for bi in unit.buckets:
             b = plan.buckets[bi]
             numel += b.shard_numel
@@ -146,6 +147,13 @@ def _unit_costs(plan: Plan, hw: Hardware, opts: Options, flops: dict, measured: 
             p_fast = mesh.axis_size(fast_axes)
             p_slow = b.shard_size // p_fast
             g, r = _stages(hw, opts, world, b.shard_size, p_fast, p_slow, ag, rs, hier, emu)
+            if opts.strategy == "hpf" and not opts.topology and hw.shared_links and b.shard_size > 1:
+                # BucketComm on gloo: an all-to-all, then the waiting (compute) thread sums the p slices
+                # (transport.reduce_scatter_async): p-1 adds of n/p, 3 accesses each. The calibrated
+                # reduce-scatter includes the sum: the worker's stage is the rest.
+                s = 3 * (b.shard_size - 1) / b.shard_size * b.padded_numel * opts.reduce_bytes / hw.mem_bw
+                land += s
+                r = [(r[0][0], max(r[0][1] - s, 0.0)) + r[0][2:]] + r[1:]
             if opts.strategy == "hpf" and b.shard_size > 1:  # calibrated through hpf's comm: shm or gloo
                 issue += _fast_link(hw, opts, b.shard_size, world).issue_s
             if ar["fast"] or ar["slow"]:  # HSDP: the replica all-reduce follows the reduce-scatter
@@ -155,12 +163,14 @@ def _unit_costs(plan: Plan, hw: Hardware, opts: Options, flops: dict, measured: 
                 r.append(_stage(worker, link, t, "slow" if ar["slow"] else "fast", "all_reduce", ar))
             gathers.append(g)
             reduces.append(r)
-        copy = lambda nbytes: 2 * nbytes / hw.mem_bw  # noqa: E731 - read + write
+        # read + write; FSDP2's copies are in its calibrated collectives where those exist (Link.ops)
+        copies = opts.strategy != "fsdp2" or not hw.link("slow", world, world).ops
+        copy = lambda nbytes: 2 * nbytes / hw.mem_bw if copies else 0.0  # noqa: E731
         units.append(_Unit(
             name, total / 3, 2 * total / 3, gathers, reduces,
             update_s=numel * ADAMW_BYTES_PER_ELEMENT / hw.mem_bw,
             gather_copy_s=copy(sum(plan.buckets[bi].padded_numel for bi in unit.buckets) * opts.compute_bytes),
-            reduce_copy_s=copy(full_grad), full_grad_bytes=full_grad, issue_s=issue,
+            reduce_copy_s=copy(full_grad), full_grad_bytes=full_grad, issue_s=issue, land_s=land,
             a2a_s=_a2a_time(hw, opts, plan, *a2a[name]) if a2a and name in a2a else 0.0))
     return units
 
@@ -226,14 +236,15 @@ def _stages(hw, opts, world, p, p_fast, p_slow, ag, rs, hier, emu):
              _stage("reduce-slow", slow, slow_t(rs, "reduce_scatter"), "slow", "reduce_scatter", {"slow": rs["slow"]})]
         return g, r  # a bucket with no slow part still passes the slow worker, in order, as in TieredComm
     tier = "slow" if ag["slow"] else "fast"
-    rs_op = "reduce_scatter" if opts.strategy == "hpf" else "native_reduce_scatter"  # hpf's own on gloo
+    ag_op, rs_op = ("all_gather", "reduce_scatter") if opts.strategy == "hpf" else ("fsdp2_all_gather",
+                                                                                   "fsdp2_reduce_scatter")
     if opts.strategy == "hpf" and opts.topology:  # TieredComm, one flat stage on the slow worker
         gw, rw = "gather-slow", "reduce-slow"
     elif hw.shared_links:  # torch.distributed on one process group: one gloo thread runs them in order
         gw = rw = "pg"
     else:  # accelerator streams: all-gather and reduce-scatter on their own streams
         gw, rw = "ag", "rs"
-    return ([_stage(gw, *_flat_time(hw, opts, world, p, ag, "all_gather", emu)[::-1], tier, "all_gather", ag)],
+    return ([_stage(gw, *_flat_time(hw, opts, world, p, ag, ag_op, emu)[::-1], tier, "all_gather", ag)],
             [_stage(rw, *_flat_time(hw, opts, world, p, rs, rs_op, emu)[::-1], tier, "reduce_scatter", rs)])
 
 
@@ -352,8 +363,12 @@ def _hpf_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float) 
 
         def deliver(block: bool):
             while landing and (block or landing[0][1] <= tl.t):
-                u, end = landing.pop(0)
+                u, end, land = landing.pop(0)
                 tl.wait_until(end)
+                if block:  # the sum runs inside the engine's timed wait
+                    tl.wait_until(tl.t + land)
+                else:  # found landed by a poll, which sums: compute
+                    tl.run(land)
                 tl.run(u.update_s, optimizer=True)
                 if u.name in early:
                     if opts.shm:  # every unit shared: refill in backward
@@ -396,8 +411,9 @@ def _hpf_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float) 
         if opts.overlap_optimizer:
             deliver(block=True)
         else:
-            for u, end in landing:
+            for u, end, land in landing:
                 tl.wait_until(end)
+                tl.wait_until(tl.t + land)
             tl.run(sum(u.update_s for u in units), optimizer=True)
             refill_later = [by[n] for n in early]
         for name in list(live):
@@ -417,16 +433,21 @@ def _reduce(tl: _Timeline, u: _Unit, opts: Options, landing: list, live: dict) -
         live.pop(u.name, None)
     tl.run(u.reduce_copy_s + u.issue_s)  # grads packed into the flat buffer, the reduction issued
     end = _issue(tl, u.reduce)
-    if not opts.pipeline:
+    if not opts.pipeline:  # waited (and summed) at once
         tl.wait_until(end)
-    landing.append((u, end))
+        tl.wait_until(tl.t + u.land_s)
+    landing.append((u, end, 0.0 if not opts.pipeline else u.land_s))
 
 
 def _fsdp2_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float, overhead_s: float,
                  run_ahead: bool) -> None:
     """torch FSDP2 (fully_shard per block and on the root): all-gather with copy-out, forward
     prefetch only where the CPU runs ahead of the device, backward prefetch of one unit,
-    reduce-scatter with copy-in overlapping backward, the optimizer after backward."""
+    reduce-scatter with copy-in overlapping backward, the optimizer after backward.
+    Without device streams (``run_ahead`` False: CPU ranks) every collective blocks the compute
+    thread: FSDP2 unshards with async_op=False by default and calls its reduce-scatter without
+    async_op (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py); streams make both
+    asynchronous only on an accelerator."""
     root = next((u for u in units if u.name == ROOT), None)
     blocks = [u for u in units if u.name != ROOT]
     for step in range(opts.steps):
@@ -436,9 +457,15 @@ def _fsdp2_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float
             start = tl.t
         pending: dict[str, float] = {}
 
+        def issue(per_bucket) -> float:
+            end = _issue(tl, per_bucket)
+            if not run_ahead:  # a synchronous collective: the compute thread is in it until it ends
+                tl.wait_until(end)
+            return end
+
         def unshard(u):
             if u.name not in pending:
-                pending[u.name] = _issue(tl, u.gather)
+                pending[u.name] = issue(u.gather)
             tl.wait_until(pending.pop(u.name))
             tl.run(u.gather_copy_s + overhead_s)
 
@@ -457,14 +484,14 @@ def _fsdp2_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float
             u = blocks[i]
             unshard(u)
             if i:
-                pending[blocks[i - 1].name] = _issue(tl, blocks[i - 1].gather)
+                pending[blocks[i - 1].name] = issue(blocks[i - 1].gather)
             _a2a(tl, u)
             tl.run(u.bwd_s + overhead_s)
             tl.run(u.reduce_copy_s)
-            ends.append(_issue(tl, u.reduce))
+            ends.append(issue(u.reduce))
         if root:
             tl.run(root.reduce_copy_s + overhead_s)
-            ends.append(_issue(tl, root.reduce))
+            ends.append(issue(root.reduce))
         for e in ends:
             tl.wait_until(e)
         tl.run(sum(u.update_s for u in units), optimizer=True)
