@@ -8,8 +8,8 @@ collective issued through hpf's comm (``issue_s``), and FSDP2's own all-gather a
 reduce-scatter path through ``fully_shard`` (``ops``; what the simulator charges FSDP2).
 
     python -m hpf.sim.calibrate --out calib.json [--world-sizes 2 4] [--shapes small/2 tiny/4]
-    python -m hpf.sim.calibrate --update calib.json   # add issue_s (if missing) and FSDP2's own
-                                                      # collectives to an older calibration
+    python -m hpf.sim.calibrate --update calib.json   # add the terms an older calibration lacks
+                                                      # (issue_s, FSDP2's collectives, overlap, skew)
 
 Runs only when asked: the tests never calibrate. Pass the file as ``--hardware calib.json``.
 """
@@ -308,6 +308,74 @@ def add_issue_costs(calib: dict, reps: int = 7) -> dict:
     return calib
 
 
+def _concurrency_rank(rank, nbytes: int, reps: int) -> float:
+    """How far gloo's ProcessGroup runs two collectives at once (its worker threads, 2 by default),
+    as hpf's flat comm overlaps them: an all-gather of ``nbytes`` issued with an all-to-all of 4x that
+    (a gather beside a reduction), each alone and both together, interleaved. ``overlap`` =
+    (together - longer) / shorter: 0 when they run side by side, 1 when they take the sum. Median of reps."""
+    w = dist.get_world_size()
+    numel = nbytes // 4 // w * w
+    full, shard, big, recv = torch.randn(numel), torch.randn(numel // w), torch.randn(4 * numel), torch.empty(4 * numel)
+    ag = lambda: dist.all_gather_single(full, shard, async_op=True)  # noqa: E731
+    a2a = lambda: dist.all_to_all_single(recv, big, async_op=True)  # noqa: E731
+    ratios = []
+    for i in range(reps + 1):
+        ts = []
+        for fn in (lambda: ag().wait(), lambda: a2a().wait(), lambda: [h.wait() for h in (a2a(), ag())]):
+            dist.barrier()
+            ts.append(_timed(fn))
+        if i:
+            ratios.append((ts[2] - max(ts[:2])) / min(ts[:2]))
+    every = [None] * w
+    dist.all_gather_object(every, ratios)
+    return min(max(statistics.median(statistics.mean(r) for r in zip(*every)), 0.0), 1.0)
+
+
+def _skew_rank(rank, lengths_s, reps: int) -> list[list[float]]:
+    """Rank skew on time-sliced cores: every rank runs the same Python-heavy compute (small matmuls,
+    as a small model's step) for about T seconds, then a barrier; the mean wait in it over ranks and
+    reps, less a bare barrier's (the collectives' own latency, in their figures). [[T, wait], ...]."""
+    a = torch.randn(64, 64)
+
+    def work(n):
+        x = a
+        for _ in range(n):
+            x = torch.tanh(x @ a)
+
+    def waits(n):
+        out, comp = [], []
+        for _ in range(reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            work(n)
+            t1 = time.perf_counter()
+            dist.barrier()
+            comp.append(t1 - t0)
+            out.append(time.perf_counter() - t1)
+        return statistics.mean(comp), statistics.mean(out)
+
+    dist.barrier()
+    per_iter = _timed(lambda: work(200)) / 200  # under the same load: all ranks at once
+    bare = waits(0)[1]
+    mine = [waits(max(1, int(T / per_iter))) for T in lengths_s]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return [[statistics.mean(e[i][0] for e in every), max(statistics.mean(e[i][1] for e in every) - bare, 0.0)]
+            for i in range(len(lengths_s))]
+
+
+def add_sync_terms(calib: dict, reps: int = 7, nbytes: int = 256 << 10, lengths_ms=(2, 5, 20, 100)) -> dict:
+    """Per gloo world: ``overlap`` of two collectives at once (``_concurrency_rank``; ``nbytes``: a tiny
+    GPT bucket's) and ``skew``,
+    the mean wait at a synchronising collective after T seconds of compute (``_skew_rank``), in place."""
+    for w, link in calib["links"]["gloo"].items():
+        link["overlap"] = statistics.median(launch(_concurrency_rank, int(w), nbytes, 2 * reps, timeout=600)[0]
+                                            for _ in range(3))  # noisy: the median of 3 launches
+        link["skew"] = launch(_skew_rank, int(w), [m / 1e3 for m in lengths_ms], reps, timeout=600)[0]
+    calib["sync_when"] = datetime.datetime.now().isoformat(timespec="seconds")
+    return calib
+
+
 def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)),
               sizes_mib=(1 / 64, 0.0625, 0.25, 1, 4, 16), reps: int = 7) -> dict:
     """Measure and fit; returns the calibration dict (``json.dump`` it; hardware() loads the file)."""
@@ -341,14 +409,14 @@ def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)),
              "cores": len(os.sched_getaffinity(0)), "kernel_overhead_s": overhead,
              "torch": torch.__version__, "peak_flops": peak_flops, "efficiency": statistics.median(effs) if effs else 0.5,
              "mem_bw": statistics.median(mem_bw), "links": links, "compute": compute}
-    return add_fsdp2_comm(add_issue_costs(calib, reps), reps, sizes_mib)
+    return add_sync_terms(add_fsdp2_comm(add_issue_costs(calib, reps), reps, sizes_mib), reps)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="JSON file to write")
-    ap.add_argument("--update", metavar="JSON", help="only measure the terms newer than this calibration file "
-                    "(issue_s if missing; FSDP2's collectives, always), in place: a minute, not a full calibration")
+    ap.add_argument("--update", metavar="JSON", help="only measure the terms this calibration file lacks "
+                    "(issue_s, FSDP2's collectives, gloo's overlap and rank skew), in place: a minute, not a full calibration")
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--shapes", nargs="+", default=["tiny/4", "small/2"], help="config/local_batch pairs")
     ap.add_argument("--reps", type=int, default=7)
@@ -360,7 +428,10 @@ def main(argv=None) -> None:
             result = json.load(f)
         if "issue_when" not in result:
             add_issue_costs(result, args.reps)
-        add_fsdp2_comm(result, args.reps)
+        if "fsdp2_comm_when" not in result:
+            add_fsdp2_comm(result, args.reps)
+        if "sync_when" not in result:
+            add_sync_terms(result, args.reps)
         args.out = args.update
     else:
         shapes = [(s.split("/")[0], int(s.split("/")[1])) for s in args.shapes]

@@ -45,6 +45,12 @@ class Link:
     # op -> (alpha, beta) of a framework's own collective path where calibrated (``fsdp2_all_gather``,
     # ``fsdp2_reduce_scatter``: FSDP2's copy-in, fresh buffers, collective and copy-out together)
     ops: dict = field(default_factory=dict)
+    # two collectives issued together on gloo's ProcessGroup (2 worker threads) take the longer plus
+    # ``overlap`` x the shorter: 1 runs them one after another (the old model), 0 side by side (calibrated)
+    overlap: float = 1.0
+    # ((T, wait), ...): a rank's mean wait at a synchronising collective after T seconds of compute on
+    # time-sliced cores, beyond a bare barrier's (calibrated; hpf.sim.model.skew_wait). Empty: none.
+    skew: tuple = ()
     source: str = ""
 
     def figures(self, op: str) -> tuple[float, float]:
@@ -204,7 +210,7 @@ def hardware(name_or_path: str) -> Hardware:
 
 
 def _link(d: dict | None) -> Link | None:
-    return None if d is None else Link(**d)
+    return None if d is None else Link(**{**d, "skew": tuple(map(tuple, d.get("skew", ())))})
 
 
 def load_calibration(path: str | os.PathLike, transport: str = "shm") -> Hardware:

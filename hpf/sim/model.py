@@ -22,7 +22,7 @@ from ..planning import ROOT, Plan
 from ..comm.cost import bucket_comm_bytes, collective_bytes
 from .hardware import Hardware, Link
 
-__all__ = ["ring_time", "allreduce_time", "two_tier_time", "Options", "SimResult", "simulate_plan",
+__all__ = ["ring_time", "allreduce_time", "two_tier_time", "skew_wait", "Options", "SimResult", "simulate_plan",
            "default_unit_flops"]
 
 CONTENTION_PASSES = 6  # replays on the earlier passes' compute (averaged: settles in ~5)
@@ -52,6 +52,17 @@ def stage_time(link: Link, p: int, nbytes_sent: float, op: str = "all_gather") -
         return 0.0
     alpha, beta = link.figures(op)
     return link.latency + (p - 1) * alpha + nbytes_sent / beta
+
+
+def skew_wait(skew: tuple, compute_s: float) -> float:
+    """A rank's mean wait at a synchronising collective after ``compute_s`` of compute since the ranks
+    last met: the calibrated (T, wait) points interpolated from (0, 0), held at the last point beyond it."""
+    pts = [(0.0, 0.0)] + sorted(skew)
+    if compute_s >= pts[-1][0]:
+        return min(pts[-1][1], compute_s)
+    i = next(k for k in range(1, len(pts)) if pts[k][0] > compute_s)
+    (t0, w0), (t1, w1) = pts[i - 1], pts[i]
+    return w0 + (w1 - w0) * (compute_s - t0) / (t1 - t0)
 
 
 # -- inputs -----------------------------------------------------------------------------------
@@ -252,8 +263,9 @@ def _stages(hw, opts, world, p, p_fast, p_slow, ag, rs, hier, emu):
 class _Timeline:
     """One compute thread and FIFO collective workers; times in seconds."""
 
-    def __init__(self, history: list[tuple[list, float]] = ()):
+    def __init__(self, history: list[tuple[list, float]] = (), skew: tuple = ()):
         self.t = self.t0 = 0.0
+        self.skew, self.since_sync = skew, 0.0  # rank skew: its curve; compute since the ranks last met
         self.free = defaultdict(float)
         self.contended: list[tuple[float, float, float]] = []  # (start, end, compute slowdown) of busy links
         self.computing: list[tuple[float, float]] = []  # this step's compute intervals from its start
@@ -275,17 +287,23 @@ class _Timeline:
         return both / (end - start) / len(self.history) if self.history else 0.0
 
     def reset_counters(self):
-        self.busy, self.wait, self.compute_s, self.opt_s = Counter(), 0.0, 0.0, 0.0
+        self.busy, self.wait, self.compute_s, self.opt_s, self.skew_s = Counter(), 0.0, 0.0, 0.0, 0.0
         self.bytes = {op: {"fast": 0, "slow": 0} for op in ("all_gather", "reduce_scatter", "all_reduce")}
 
     def submit(self, stages) -> float:
         t = self.t
         for worker, seconds, tier, op, nbytes, link in stages:
+            other = None
+            if worker == "pg" and link.overlap < 1.0:  # gloo's two worker threads: the earlier-free one
+                worker = min(("pg", "pg#2"), key=lambda w: self.free[w])
+                other = "pg" if worker == "pg#2" else "pg#2"
             start = max(t, self.free[worker])
             if seconds > 0 and (link.busy_slowdown > 1.0 or link.busy_latency):  # slower beside compute
                 share = self._overlap(start, start + seconds)
                 seconds *= 1.0 + share * (link.busy_slowdown - 1.0)
                 seconds += share * link.busy_latency
+            if other is not None:  # beside one still running: + overlap x the time they share
+                seconds += link.overlap * max(0.0, min(seconds, self.free[other] - start))
             t = start + seconds
             self.free[worker] = t
             if link.cpu_slowdown > 1.0 and seconds > 0:
@@ -299,6 +317,10 @@ class _Timeline:
         if end > self.t:
             self.wait += end - self.t
             self.t = end
+            # the ranks meet here: the mean rank waited its skew too, out of what the slowest rank's
+            # calibrated compute counts as compute (the step time is the slowest rank's: unchanged)
+            self.skew_s += skew_wait(self.skew, self.since_sync)
+            self.since_sync = 0.0
 
     def run(self, seconds: float, optimizer: bool = False):
         """``seconds`` of compute-thread work; slower while a contending link is busy. Stages
@@ -318,6 +340,7 @@ class _Timeline:
             t += span
             left -= span * rate
         self.t = t
+        self.since_sync += t - start
         if t > start:
             self.computing.append((start - self.t0, t - self.t0))
         if optimizer:
@@ -557,7 +580,7 @@ def simulate_plan(plan: Plan, hw: Hardware, opts: Options, unit_flops: dict[str,
         raise ValueError(f"strategy {opts.strategy!r}: use 'hpf', 'fsdp2' or 'ddp'")
 
     def replay(history=()) -> _Timeline:
-        tl = _Timeline(history)
+        tl = _Timeline(history, norm.skew)
         if opts.strategy == "hpf":
             _hpf_steps(units, tl, opts, norm_s)
         elif opts.strategy == "fsdp2":
@@ -574,4 +597,5 @@ def simulate_plan(plan: Plan, hw: Hardware, opts: Options, unit_flops: dict[str,
             history.append((tl.computing, tl.step_s))
             tl = replay(history)
     busy = {"fast": tl.busy["fast"], "slow": tl.busy["slow"]}
-    return SimResult(tl.step_s, tl.compute_s, tl.wait, tl.opt_s, busy, tl.bytes, tokens)
+    skew = min(tl.skew_s, tl.compute_s)
+    return SimResult(tl.step_s, tl.compute_s - skew, tl.wait + skew, tl.opt_s, busy, tl.bytes, tokens)
