@@ -314,13 +314,16 @@ class _Timeline:
         return t
 
     def wait_until(self, end: float):
+        # the mean rank arrives skew_wait earlier than the slowest (whose calibrated compute this
+        # timeline runs) and waits that much more where the collective is still running then; the
+        # ranks meet there. The step time stays the slowest rank's; the extra is its compute's.
+        extra = max(0.0, end - self.t + skew_wait(self.skew, self.since_sync)) - max(0.0, end - self.t)
+        if extra > 0 or end > self.t:
+            self.skew_s += extra
+            self.since_sync = 0.0
         if end > self.t:
             self.wait += end - self.t
             self.t = end
-            # the ranks meet here: the mean rank waited its skew too, out of what the slowest rank's
-            # calibrated compute counts as compute (the step time is the slowest rank's: unchanged)
-            self.skew_s += skew_wait(self.skew, self.since_sync)
-            self.since_sync = 0.0
 
     def run(self, seconds: float, optimizer: bool = False):
         """``seconds`` of compute-thread work; slower while a contending link is busy. Stages
