@@ -245,3 +245,48 @@ def test_flat_gloo_reductions_sum_their_slices_on_the_compute_thread():
     assert slow - base == pytest.approx((2 + 1.5) * grads / 1e6, rel=1e-6)
     two = [busy(dataclasses.replace(cpu, mem_bw=m), "two-tier")[0] for m in (math.inf, 1e6)]
     assert two[1] - two[0] == pytest.approx(2 * grads / 1e6, rel=1e-6)  # TieredComm sums on its workers
+
+
+def test_two_collectives_on_a_gloo_process_group_overlap_by_the_calibrated_share():
+    """gloo's ProcessGroup has two worker threads: a collective issued beside a running one takes
+    its own time plus ``overlap`` x the time they share (1: one after the other, as before)."""
+    from hpf.sim.model import _Timeline
+
+    def ends(overlap):
+        link = sim.Link(alpha=0.0, beta=1.0, overlap=overlap)
+        tl = _Timeline()
+        return [tl.submit([("pg", s, "slow", "all_gather", {}, link)]) for s in (2.0, 1.0)]
+    assert ends(1.0) == [2.0, 3.0]
+    assert ends(0.25) == [2.0, 1.25]
+    assert ends(0.0) == [2.0, 1.0]
+    cpu = lambda o: dataclasses.replace(CM, fast=sim.Link(alpha=1e-3, beta=1e8, overlap=o),  # noqa: E731
+                                        slow=sim.Link(alpha=1e-3, beta=1e8, overlap=o), shared_links=True)
+    flat = [sim.simulate("tiny", {"node": 2, "local": 2}, cpu(o), local_batch=1, topology="flat").step_s
+            for o in (0.0, 1.0)]
+    assert flat[0] < flat[1]
+
+
+def test_rank_skew_interpolates_saturates_and_is_charged_where_the_ranks_meet():
+    """skew_wait: the calibrated (T, wait) points from (0, 0), held beyond the last. The timeline
+    charges it at a wait whose collective still runs when the mean rank arrives, as compute turned wait."""
+    from hpf.sim.model import _Timeline, skew_wait
+
+    pts = ((0.01, 0.002), (0.1, 0.01))
+    assert [skew_wait(pts, t) for t in (0.0, 0.005, 0.055, 1.0)] == pytest.approx([0.0, 0.001, 0.006, 0.01])
+    assert skew_wait((), 1.0) == 0.0
+    tl = _Timeline(skew=pts)
+    tl.run(0.01)
+    tl.wait_until(tl.t + 0.001)  # still running: the mean rank waits its 2 ms more
+    assert tl.skew_s == pytest.approx(0.002)
+    tl.run(0.01)
+    tl.wait_until(tl.t - 0.005)  # landed 5 ms before even the mean rank came: no meeting
+    assert tl.skew_s == pytest.approx(0.002)
+    tl.run(0.09)
+    tl.wait_until(tl.t)  # 100 ms since they met: the saturated 10 ms
+    assert tl.skew_s == pytest.approx(0.012)
+    link = sim.Link(alpha=1e-3, beta=1e8, skew=pts)
+    cpu = dataclasses.replace(CM, fast=link, slow=link, shared_links=True)
+    plan_kw = dict(local_batch=1)
+    off = sim.simulate("tiny", {"dp": 2}, cpu, **plan_kw)
+    assert off.exposed_comm_s == sim.simulate("tiny", {"dp": 2}, dataclasses.replace(
+        cpu, fast=dataclasses.replace(link, skew=()), slow=dataclasses.replace(link, skew=())), **plan_kw).exposed_comm_s
