@@ -264,29 +264,3 @@ def test_two_collectives_on_a_gloo_process_group_overlap_by_the_calibrated_share
     flat = [sim.simulate("tiny", {"node": 2, "local": 2}, cpu(o), local_batch=1, topology="flat").step_s
             for o in (0.0, 1.0)]
     assert flat[0] < flat[1]
-
-
-def test_rank_skew_interpolates_saturates_and_is_charged_where_the_ranks_meet():
-    """skew_wait: the calibrated (T, wait) points from (0, 0), held beyond the last. The timeline
-    charges it at a wait whose collective still runs when the mean rank arrives, as compute turned wait."""
-    from hpf.sim.model import _Timeline, skew_wait
-
-    pts = ((0.01, 0.002), (0.1, 0.01))
-    assert [skew_wait(pts, t) for t in (0.0, 0.005, 0.055, 1.0)] == pytest.approx([0.0, 0.001, 0.006, 0.01])
-    assert skew_wait((), 1.0) == 0.0
-    tl = _Timeline(skew=pts)
-    tl.run(0.01)
-    tl.wait_until(tl.t + 0.001)  # still running: the mean rank waits its 2 ms more
-    assert tl.skew_s == pytest.approx(0.002)
-    tl.run(0.01)
-    tl.wait_until(tl.t - 0.005)  # landed 5 ms before even the mean rank came: no meeting
-    assert tl.skew_s == pytest.approx(0.002)
-    tl.run(0.09)
-    tl.wait_until(tl.t)  # 100 ms since they met: the saturated 10 ms
-    assert tl.skew_s == pytest.approx(0.012)
-    link = sim.Link(alpha=1e-3, beta=1e8, skew=pts)
-    cpu = dataclasses.replace(CM, fast=link, slow=link, shared_links=True)
-    plan_kw = dict(local_batch=1)
-    off = sim.simulate("tiny", {"dp": 2}, cpu, **plan_kw)
-    assert off.exposed_comm_s == sim.simulate("tiny", {"dp": 2}, dataclasses.replace(
-        cpu, fast=dataclasses.replace(link, skew=()), slow=dataclasses.replace(link, skew=())), **plan_kw).exposed_comm_s

@@ -9,7 +9,7 @@ reduce-scatter path through ``fully_shard`` (``ops``; what the simulator charges
 
     python -m hpf.sim.calibrate --out calib.json [--world-sizes 2 4] [--shapes small/2 tiny/4]
     python -m hpf.sim.calibrate --update calib.json   # add the terms an older calibration lacks
-                                                      # (issue_s, FSDP2's collectives, overlap, skew)
+                                                      # (issue_s, FSDP2's collectives, overlap)
 
 Runs only when asked: the tests never calibrate. Pass the file as ``--hardware calib.json``.
 """
@@ -331,47 +331,12 @@ def _concurrency_rank(rank, nbytes: int, reps: int) -> float:
     return min(max(statistics.median(statistics.mean(r) for r in zip(*every)), 0.0), 1.0)
 
 
-def _skew_rank(rank, lengths_s, reps: int) -> list[list[float]]:
-    """Rank skew on time-sliced cores: every rank runs the same Python-heavy compute (small matmuls,
-    as a small model's step) for about T seconds, then a barrier; the mean wait in it over ranks and
-    reps, less a bare barrier's (the collectives' own latency, in their figures). [[T, wait], ...]."""
-    a = torch.randn(64, 64)
-
-    def work(n):
-        x = a
-        for _ in range(n):
-            x = torch.tanh(x @ a)
-
-    def waits(n):
-        out, comp = [], []
-        for _ in range(reps):
-            dist.barrier()
-            t0 = time.perf_counter()
-            work(n)
-            t1 = time.perf_counter()
-            dist.barrier()
-            comp.append(t1 - t0)
-            out.append(time.perf_counter() - t1)
-        return statistics.mean(comp), statistics.mean(out)
-
-    dist.barrier()
-    per_iter = _timed(lambda: work(200)) / 200  # under the same load: all ranks at once
-    bare = waits(0)[1]
-    mine = [waits(max(1, int(T / per_iter))) for T in lengths_s]
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    return [[statistics.mean(e[i][0] for e in every), max(statistics.mean(e[i][1] for e in every) - bare, 0.0)]
-            for i in range(len(lengths_s))]
-
-
-def add_sync_terms(calib: dict, reps: int = 7, nbytes: int = 256 << 10, lengths_ms=(2, 5, 20, 100)) -> dict:
+def add_sync_terms(calib: dict, reps: int = 7, nbytes: int = 256 << 10) -> dict:
     """Per gloo world: ``overlap`` of two collectives at once (``_concurrency_rank``; ``nbytes``: a tiny
-    GPT bucket's) and ``skew``,
-    the mean wait at a synchronising collective after T seconds of compute (``_skew_rank``), in place."""
+    GPT bucket's), in place."""
     for w, link in calib["links"]["gloo"].items():
         link["overlap"] = statistics.median(launch(_concurrency_rank, int(w), nbytes, 2 * reps, timeout=600)[0]
                                             for _ in range(3))  # noisy: the median of 3 launches
-        link["skew"] = launch(_skew_rank, int(w), [m / 1e3 for m in lengths_ms], reps, timeout=600)[0]
     calib["sync_when"] = datetime.datetime.now().isoformat(timespec="seconds")
     return calib
 
@@ -416,7 +381,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="JSON file to write")
     ap.add_argument("--update", metavar="JSON", help="only measure the terms this calibration file lacks "
-                    "(issue_s, FSDP2's collectives, gloo's overlap and rank skew), in place: a minute, not a full calibration")
+                    "(issue_s, FSDP2's collectives, gloo's overlap), in place: a minute, not a full calibration")
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--shapes", nargs="+", default=["tiny/4", "small/2"], help="config/local_batch pairs")
     ap.add_argument("--reps", type=int, default=7)

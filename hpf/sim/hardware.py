@@ -48,9 +48,6 @@ class Link:
     # two collectives issued together on gloo's ProcessGroup (2 worker threads) take the longer plus
     # ``overlap`` x the shorter: 1 runs them one after another (the old model), 0 side by side (calibrated)
     overlap: float = 1.0
-    # ((T, wait), ...): a rank's mean wait at a synchronising collective after T seconds of compute on
-    # time-sliced cores, beyond a bare barrier's (calibrated; hpf.sim.model.skew_wait). Empty: none.
-    skew: tuple = ()
     source: str = ""
 
     def figures(self, op: str) -> tuple[float, float]:
@@ -210,7 +207,7 @@ def hardware(name_or_path: str) -> Hardware:
 
 
 def _link(d: dict | None) -> Link | None:
-    return None if d is None else Link(**{**d, "skew": tuple(map(tuple, d.get("skew", ())))})
+    return None if d is None else Link(**d)
 
 
 def load_calibration(path: str | os.PathLike, transport: str = "shm") -> Hardware:

@@ -22,7 +22,7 @@ from ..planning import ROOT, Plan
 from ..comm.cost import bucket_comm_bytes, collective_bytes
 from .hardware import Hardware, Link
 
-__all__ = ["ring_time", "allreduce_time", "two_tier_time", "skew_wait", "Options", "SimResult", "simulate_plan",
+__all__ = ["ring_time", "allreduce_time", "two_tier_time", "Options", "SimResult", "simulate_plan",
            "default_unit_flops"]
 
 CONTENTION_PASSES = 6  # replays on the earlier passes' compute (averaged: settles in ~5)
@@ -54,17 +54,6 @@ def stage_time(link: Link, p: int, nbytes_sent: float, op: str = "all_gather") -
     return link.latency + (p - 1) * alpha + nbytes_sent / beta
 
 
-def skew_wait(skew: tuple, compute_s: float) -> float:
-    """A rank's mean wait at a synchronising collective after ``compute_s`` of compute since the ranks
-    last met: the calibrated (T, wait) points interpolated from (0, 0), held at the last point beyond it."""
-    pts = [(0.0, 0.0)] + sorted(skew)
-    if compute_s >= pts[-1][0]:
-        return min(pts[-1][1], compute_s)
-    i = next(k for k in range(1, len(pts)) if pts[k][0] > compute_s)
-    (t0, w0), (t1, w1) = pts[i - 1], pts[i]
-    return w0 + (w1 - w0) * (compute_s - t0) / (t1 - t0)
-
-
 # -- inputs -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Options:
@@ -85,9 +74,6 @@ class Options:
     emulated_slow: tuple[float, float] | None = None
     ddp_bucket_bytes: int = 40_000_000 * 4  # Megatron's default bucket: 40M params, fp32 grads
     steps: int = 3  # simulated; the last is reported (steady state)
-    # charge the calibrated rank skew (Link.skew) at waits. Off: the micro-benchmark's skew grows with T
-    # up to 100 ms (no saturation) and puts small's exposed share 9-13 points over its measurement
-    rank_skew: bool = False
 
 
 @dataclass
@@ -266,9 +252,8 @@ def _stages(hw, opts, world, p, p_fast, p_slow, ag, rs, hier, emu):
 class _Timeline:
     """One compute thread and FIFO collective workers; times in seconds."""
 
-    def __init__(self, history: list[tuple[list, float]] = (), skew: tuple = ()):
+    def __init__(self, history: list[tuple[list, float]] = ()):
         self.t = self.t0 = 0.0
-        self.skew, self.since_sync = skew, 0.0  # rank skew: its curve; compute since the ranks last met
         self.free = defaultdict(float)
         self.contended: list[tuple[float, float, float]] = []  # (start, end, compute slowdown) of busy links
         self.computing: list[tuple[float, float]] = []  # this step's compute intervals from its start
@@ -290,7 +275,7 @@ class _Timeline:
         return both / (end - start) / len(self.history) if self.history else 0.0
 
     def reset_counters(self):
-        self.busy, self.wait, self.compute_s, self.opt_s, self.skew_s = Counter(), 0.0, 0.0, 0.0, 0.0
+        self.busy, self.wait, self.compute_s, self.opt_s = Counter(), 0.0, 0.0, 0.0
         self.bytes = {op: {"fast": 0, "slow": 0} for op in ("all_gather", "reduce_scatter", "all_reduce")}
 
     def submit(self, stages) -> float:
@@ -317,13 +302,6 @@ class _Timeline:
         return t
 
     def wait_until(self, end: float):
-        # the mean rank arrives skew_wait earlier than the slowest (whose calibrated compute this
-        # timeline runs) and waits that much more where the collective is still running then; the
-        # ranks meet there. The step time stays the slowest rank's; the extra is its compute's.
-        extra = max(0.0, end - self.t + skew_wait(self.skew, self.since_sync)) - max(0.0, end - self.t)
-        if extra > 0 or end > self.t:
-            self.skew_s += extra
-            self.since_sync = 0.0
         if end > self.t:
             self.wait += end - self.t
             self.t = end
@@ -346,7 +324,6 @@ class _Timeline:
             t += span
             left -= span * rate
         self.t = t
-        self.since_sync += t - start
         if t > start:
             self.computing.append((start - self.t0, t - self.t0))
         if optimizer:
@@ -586,7 +563,7 @@ def simulate_plan(plan: Plan, hw: Hardware, opts: Options, unit_flops: dict[str,
         raise ValueError(f"strategy {opts.strategy!r}: use 'hpf', 'fsdp2' or 'ddp'")
 
     def replay(history=()) -> _Timeline:
-        tl = _Timeline(history, norm.skew if opts.rank_skew else ())
+        tl = _Timeline(history)
         if opts.strategy == "hpf":
             _hpf_steps(units, tl, opts, norm_s)
         elif opts.strategy == "fsdp2":
@@ -603,5 +580,4 @@ def simulate_plan(plan: Plan, hw: Hardware, opts: Options, unit_flops: dict[str,
             history.append((tl.computing, tl.step_s))
             tl = replay(history)
     busy = {"fast": tl.busy["fast"], "slow": tl.busy["slow"]}
-    skew = min(tl.skew_s, tl.compute_s)
-    return SimResult(tl.step_s, tl.compute_s - skew, tl.wait + skew, tl.opt_s, busy, tl.bytes, tokens)
+    return SimResult(tl.step_s, tl.compute_s, tl.wait, tl.opt_s, busy, tl.bytes, tokens)
