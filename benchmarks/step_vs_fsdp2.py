@@ -388,7 +388,7 @@ def main():
 
     floor = med["limit+gloo"] / med["fsdp2"]
     print(f"limit+gloo/fsdp2 = {floor:.3f}   (a gloo FSDP step whose communication overlaps perfectly, vs FSDP2: "
-          "no flat-gloo step gets below it here)")
+          "about the best a flat-gloo step can do here)")
     report_ratio("limit+gloo/fsdp2", floor)
 
     sent = out["sent"]
