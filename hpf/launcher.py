@@ -126,7 +126,10 @@ def _release_openmp_threads() -> None:
     import ctypes
 
     for path in libs:
-        pause = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)
+        try:
+            pause = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)
+        except OSError:  # unloadable by path (moved since): nothing to release through it
+            continue
         if pause is not None:
             pause(2)  # omp_pause_hard
 
