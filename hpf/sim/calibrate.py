@@ -58,20 +58,12 @@ def _median_slowest(fn, reps: int, pick=statistics.median) -> float:
     return pick([max(ts) for ts in zip(*slowest)])
 
 
-def _contention(comm_of, small: int, large: int, reps: int, trials: int = 3) -> tuple[float, float, float]:
+def _contention(comm_of, small: int, large: int, reps: int) -> tuple[float, float, float]:
     """How a collective and compute share this rank's cores, as hpf's comm workers run beside
     the compute thread: (compute slowdown while the collective runs; the collective's time
     stretch and its extra seconds per call while compute runs). The stretch and the extra
     come from two sizes (bytes), as alpha and beta do: on loaded cores a collective mostly
-    pays a fixed wait per call (a descheduled peer), not a slower copy. Each figure is the
-    median over ``trials`` fits, each on medians of ``reps``: four shared-memory calibrations at
-    2 ranks gave a busy latency of 0-3.4 ms and stretch of 1-10x from one fit, 2.0-2.8 ms and
-    1-6.4x from three (the stretch stays bimodal: 1 or large)."""
-    fits = [_contention_fit(comm_of, small, large, reps) for _ in range(trials)]
-    return tuple(statistics.median(f[i] for f in fits) for i in range(3))
-
-
-def _contention_fit(comm_of, small: int, large: int, reps: int) -> tuple[float, float, float]:
+    pays a fixed wait per call (a descheduled peer), not a slower copy. Medians of ``reps``."""
     import threading
 
     a = torch.randn(384, 384)  # long enough per call that the GIL is free most of the time, as in a model
