@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import collectives
-from .errors import DispatchError, ExpertPlacementError, GateSumError, TokenLostError
+from .errors import DispatchError
 
 __all__ = ["check_gates", "check_dispatch", "check_placement", "check_return", "raise_together"]
 
