@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import collectives
-from .errors import DispatchError
+from .errors import DispatchError, ExpertPlacementError, GateSumError, TokenLostError  # noqa: F401 -- callers raise them as dispatch.X
 
 __all__ = ["check_gates", "check_dispatch", "check_placement", "check_return", "raise_together"]
 
