@@ -201,6 +201,9 @@ def _overhead_rank(rank, reps):
     return max(low(engine) - low(plain), 0.0) / (2 * (cfg.n_layers + 1))
 
 
+SIZES_MIB = (1 / 64, 0.0625, 0.25, 1, 4, 16)  # the collective sizes alpha and beta are fitted on
+
+
 def _fsdp2_comm_rank(rank, sizes, reps) -> dict:
     """FSDP2's own gather and reduction of one ``fully_shard``-ed flat param of each size (bytes),
     timed as FSDP2 runs them on CPU ranks, synchronously: ``unshard()`` + ``reshard()`` (copy-in, a
@@ -220,16 +223,16 @@ def _fsdp2_comm_rank(rank, sizes, reps) -> dict:
         fully_shard(model, mesh=mesh, reshard_after_forward=False)
         out["all_gather"].append(_median_slowest(lambda: (model.unshard(), model.reshard()), reps))
 
-        def backward(box=[]):  # noqa: B006 - the forward is not timed: done before, kept in the box
-            if not box:
-                box.append(model())
+        box = [model()]  # the forward is not timed: each call's is done by the call before
+
+        def backward(box=box):
             box.pop().backward()
             box.append(model())
         out["reduce_scatter"].append(_median_slowest(backward, reps))
     return out
 
 
-def add_fsdp2_comm(calib: dict, reps: int = 7, sizes_mib=(1 / 64, 0.0625, 0.25, 1, 4, 16), runs: int = 5) -> dict:
+def add_fsdp2_comm(calib: dict, reps: int = 7, sizes_mib=SIZES_MIB, runs: int = 5) -> dict:
     """FSDP2's gather and reduce-scatter figures per gloo world, as ``ops`` of the gloo links (alpha,
     beta fitted as the others): what the simulator charges FSDP2 on CPU ranks, in place. Less the
     smallest size's seconds on one rank (hooks and Python: in ``fsdp2_unit_overhead_s`` already);
@@ -342,7 +345,7 @@ def add_sync_terms(calib: dict, reps: int = 7, nbytes: int = 256 << 10) -> dict:
 
 
 def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)),
-              sizes_mib=(1 / 64, 0.0625, 0.25, 1, 4, 16), reps: int = 7) -> dict:
+              sizes_mib=SIZES_MIB, reps: int = 7) -> dict:
     """Measure and fit; returns the calibration dict (``json.dump`` it; hardware() loads the file)."""
     sizes = [int(m * 2 ** 20) for m in sizes_mib]
     links: dict = {"gloo": {}, "shm": {}}

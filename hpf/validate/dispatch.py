@@ -12,9 +12,11 @@ import torch
 import torch.distributed as dist
 
 from ..comm import collectives
-from .errors import DispatchError, ExpertPlacementError, GateSumError, TokenLostError  # noqa: F401 -- callers raise them as dispatch.X
+from .errors import DispatchError, ExpertPlacementError, GateSumError, TokenLostError
 
-__all__ = ["check_gates", "check_dispatch", "check_placement", "check_return", "raise_together"]
+__all__ = ["check_gates", "check_dispatch", "check_placement", "check_return", "raise_together",
+           # re-exported: callers raise them as dispatch.X
+           "DispatchError", "ExpertPlacementError", "GateSumError", "TokenLostError"]
 
 
 def check_gates(gates: torch.Tensor, route_scale: float, where: str, rtol: float = 1e-4) -> str | None:
