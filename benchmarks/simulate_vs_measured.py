@@ -94,7 +94,17 @@ def _measure_rank(rank, c, steps, warmup):
     if rank:
         return None
     step_s = [max(ts) for ts in zip(*(e[0] for e in everyone))]  # the slowest rank's step
-    return statistics.median(step_s), statistics.median(waits[i] / times[i] for i in range(len(times)))
+    share = [[w / t for t, w in zip(*e)] for e in everyone]  # each rank's, every step
+    return statistics.median(step_s), statistics.median(statistics.mean(r) for r in zip(*share))
+
+
+def measure(c: dict, steps: int, warmup: int, launches: int) -> tuple[float, float]:
+    """The median over ``launches`` (fresh processes: the ranks' placement on the cores changes a
+    tiny step by up to 30% between launches) of each launch's median step (the slowest rank's)
+    and of its exposed share (the mean over ranks: waits on a slower peer land on either)."""
+    runs = [launch(_measure_rank, hpf.Mesh(c["axes"]).size, c, steps, warmup, timeout=1800)[0]
+            for _ in range(launches)]
+    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
 
 
 def _fsdp2_overhead_rank(rank, reps):
@@ -120,10 +130,10 @@ def _fsdp2_overhead_rank(rank, reps):
     return max(low(fsdp2) - low(plain), 0.0) / (3 * units - 1)  # the passes hpf.sim charges it on
 
 
-def calibrate_for(configs: list[str], world_sizes: tuple, reps: int) -> dict:
+def calibrate_for(configs: list[str], world_sizes: tuple, reps: int, launches: int) -> dict:
     shapes = sorted({(c, LOCAL_BATCH[c]) for c in configs})
     print(f"calibrating (world sizes {world_sizes}, shapes {shapes}) ...", flush=True)
-    calib = calibrate(world_sizes, shapes, reps=reps)
+    calib = calibrate(world_sizes, shapes, reps=reps, launches=launches)
     calib["fsdp2_unit_overhead_s"] = launch(_fsdp2_overhead_rank, 1, reps, timeout=600)[0]
     return calib
 
@@ -162,13 +172,14 @@ def main():
     ap.add_argument("--calibration", help="a calibration JSON (default: calibrate now)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--launches", type=int, default=3, help="per tiny and small case (medium: 1)")
     ap.add_argument("--out", help="a folder for the calibrations and results.json")
     ap.add_argument("--repredict", metavar="DIR", help="no runs: today's model on DIR's calibrations and results")
     args = ap.parse_args()
     if args.repredict:
         return repredict(args.repredict)
     if args.quick:
-        args.steps, args.warmup = 5, 2
+        args.steps, args.warmup, args.launches = 5, 2, 1
     todo = cases(args.quick)
     out = args.out or tempfile.mkdtemp()
     os.makedirs(out, exist_ok=True)
@@ -181,15 +192,16 @@ def main():
                 with open(path, "w") as f:
                     worlds = tuple(sorted({hpf.Mesh(d["axes"]).size for d in todo if d["config"] == c["config"]}))
                     slow = c["config"] == "medium"
-                    json.dump(calibrate_for([c["config"]], worlds, reps=3 if args.quick or slow else 7), f)
+                    quick = args.quick or slow
+                    json.dump(calibrate_for([c["config"]], worlds, reps=3 if quick else 7, launches=1 if quick else 3), f)
             for d in todo[i:]:  # this config's predictions before any of its measurements
                 if d["config"] != c["config"]:
                     break
                 predicted[name_of(d)] = predict(d, path)
         n = name_of(c)
-        ranks = hpf.Mesh(c["axes"]).size
-        steps, warmup = (3, 1) if c["config"] == "medium" else (args.steps, args.warmup)
-        step_s, share = launch(_measure_rank, ranks, c, steps, warmup, timeout=1800)[0]
+        steps, warmup, launches = {"medium": (3, 1, 1), "tiny": (4 * args.steps, 2 * args.warmup, args.launches)}.get(
+            c["config"], (args.steps, args.warmup, args.launches))  # a tiny step is short and noisy
+        step_s, share = measure(c, steps, warmup, launches)
         p = predicted[n]
         rows.append([n, p.step_s * 1e3, step_s * 1e3, p.step_s / step_s, f"{p.exposed_share:.1%}",
                      "-" if share != share else f"{share:.1%}"])

@@ -264,3 +264,27 @@ def test_two_collectives_on_a_gloo_process_group_overlap_by_the_calibrated_share
     flat = [sim.simulate("tiny", {"node": 2, "local": 2}, cpu(o), local_batch=1, topology="flat").step_s
             for o in (0.0, 1.0)]
     assert flat[0] < flat[1]
+
+
+def _slowest_rank(rank):
+    import time
+
+    from hpf.sim.calibrate import _median_slowest_each
+    return _median_slowest_each([lambda: time.sleep(0.002 + 0.01 * rank), lambda: None], reps=3, min_s=0.1)
+
+
+def test_calibration_times_the_slowest_rank_and_its_ranks_agree_on_the_rep_count():
+    """Both ranks pick the rep count from the slowest probe (a mismatch would hang their barriers),
+    and every rank reports rank 1's sleep, not its own."""
+    from hpf.launcher import launch
+
+    for slow, fast in launch(_slowest_rank, 2, timeout=120):
+        assert slow >= 0.012 and fast < slow
+
+
+def test_calibration_takes_the_median_of_launches_leaf_by_leaf(monkeypatch):
+    from hpf.sim import calibrate
+
+    runs = iter([{"a": (1.0, 9.0), 16: [3.0]}, {"a": (2.0, 1.0), 16: [1.0]}, {"a": (9.0, 2.0), 16: [2.0]}])
+    monkeypatch.setattr(calibrate, "launch", lambda fn, world, *a, timeout: [next(runs)])
+    assert calibrate._median_of_launches(None, 2, launches=3) == {"a": (2.0, 2.0), 16: [2.0]}

@@ -25,6 +25,7 @@ import statistics
 import time
 
 import numpy as np
+import optree
 import torch
 import torch.distributed as dist
 
@@ -45,25 +46,36 @@ def fit_alpha_beta(p: int, sizes: list[int], seconds: list[float]) -> tuple[floa
     return max(intercept, 0.0) / (p - 1), (p - 1) / p / slope
 
 
-def _median_slowest(fn, reps: int, pick=statistics.median) -> float:
-    fn()
-    times = []
+def _median_slowest(fn, reps: int, pick=statistics.median, min_s: float = 0.3) -> float:
+    return _median_slowest_each([fn], reps, pick, min_s)[0]
+
+
+def _median_slowest_each(fns, reps: int, pick=statistics.median, min_s: float = 0.3) -> list[float]:
+    """Each of ``fns`` timed in turn (interleaved, so drifting load hits them alike), every rank at
+    once after a barrier: the ``pick`` over reps of the slowest rank's time. At least ``reps`` reps,
+    more (up to 8x) while they take under ``min_s`` together: a millisecond call's median of 7 moved
+    by 2-4x between calibrations on shared cores. The ranks agree on the count."""
+    probe = torch.tensor([_timed(lambda: [fn() for fn in fns])], dtype=torch.float64)
+    dist.all_reduce(probe, op=dist.ReduceOp.MAX)
+    reps = max(reps, min(8 * reps, int(min_s / max(float(probe), 1e-6))))
+    times = [[] for _ in fns]
     for _ in range(reps):
-        dist.barrier()
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
+        for fn, ts in zip(fns, times):
+            dist.barrier()
+            ts.append(_timed(fn))
     slowest = [None] * dist.get_world_size()
     dist.all_gather_object(slowest, times)
-    return pick([max(ts) for ts in zip(*slowest)])
+    return [pick([max(ts) for ts in zip(*(r[i] for r in slowest))]) for i in range(len(fns))]
 
 
-def _contention(comm_of, small: int, large: int, reps: int) -> tuple[float, float, float]:
+def _contention(comm_of, small: int, large: int, reps: int, stretch_at: int = 0) -> tuple[float, float, float]:
     """How a collective and compute share this rank's cores, as hpf's comm workers run beside
     the compute thread: (compute slowdown while the collective runs; the collective's time
     stretch and its extra seconds per call while compute runs). The stretch and the extra
-    come from two sizes (bytes), as alpha and beta do: on loaded cores a collective mostly
-    pays a fixed wait per call (a descheduled peer), not a slower copy. Medians of ``reps``."""
+    come from two sizes (bytes: ``small`` and ``stretch_at`` or ``large``), as alpha and beta
+    do: on loaded cores a collective mostly pays a fixed wait per call (a descheduled peer),
+    not a slower copy. Medians of ``2 * reps``, alone and beside compute interleaved: with
+    3-7 reps, not interleaved, the wait moved 0.8-3.5 ms between calibrations."""
     import threading
 
     a = torch.randn(384, 384)  # long enough per call that the GIL is free most of the time, as in a model
@@ -90,16 +102,17 @@ def _contention(comm_of, small: int, large: int, reps: int) -> tuple[float, floa
         return box["t"] / n_comm, t_mm
 
     out = {}
-    for nbytes in (small, large):
+    big = stretch_at or large
+    for nbytes, calls in ((small, 16), (big, 4)):  # the small one's wait is a scheduler's: more calls
         fn = comm_of(nbytes)
-        t_alone = statistics.median(alone(fn, 4) / 4 for _ in range(3))
-        out[nbytes] = (t_alone, statistics.median(beside_compute(fn, 4)[0] for _ in range(reps)))
-    (s_a, s_c), (l_a, l_c) = out[small], out[large]
+        pairs = [(alone(fn, calls) / calls, beside_compute(fn, calls)[0]) for _ in range(2 * reps)]  # interleaved
+        out[nbytes] = tuple(statistics.median(p[i] for p in pairs) for i in (0, 1))
+    (s_a, s_c), (l_a, l_c) = out[small], out[big]
     extra = max(0.0, s_c - s_a)  # the small collective's added time: a wait per call
     stretch = min(max(1.0, (l_c - extra) / l_a), 10.0)  # the rest: slower copies
     # compute's slowdown: matmuls timed inside a long loop of the large collective
     fn = comm_of(large)
-    n_mm = max(1, int(0.5 * 8 * l_c / max(_timed(lambda: work(3)) / 3, 1e-6)))
+    n_mm = max(1, int(0.5 * 8 * l_c * large / big / max(_timed(lambda: work(3)) / 3, 1e-6)))
     t_mm = statistics.median(alone(lambda: work(n_mm)) for _ in range(3))
     slow = statistics.median(beside_compute(fn, 8, n_mm)[1] / t_mm for _ in range(reps))
     return max(1.0, slow), stretch, extra
@@ -109,6 +122,14 @@ def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+def _median_of_launches(fn, world: int, *args, launches: int = 3):
+    """The element-wise median of ``launches`` launches of ``fn`` (rank 0's results): one launch
+    spans a few seconds and can land on a slow spell of the shared host (a 16 KiB gloo
+    all-gather's median of 56 calls read 2.3 ms once, 0.3-0.5 ms in the launches around it)."""
+    runs = [launch(fn, world, *args, timeout=1800)[0] for _ in range(launches)]
+    return optree.tree_map(lambda *xs: statistics.median(xs), *runs)
 
 
 def _comm_rank(rank, sizes, reps):
@@ -141,8 +162,9 @@ def _comm_rank(rank, sizes, reps):
         shard = torch.randn(numel // n)
         return lambda: group.all_gather_into(full_all[:numel], shard)
     small, large = 64 << 10, min(4 << 20, largest * 4)  # a small bucket and a block's
+    # shared memory copies 4 MiB in 0.4 ms, inside the noise of the 3 ms wait: its stretch needs 16
     out["contention"] = {"gloo": _contention(gloo_of, small, large, reps),
-                         "shm": _contention(shm_of, small, large, reps)}
+                         "shm": _contention(shm_of, small, large, reps, stretch_at=min(4 * large, largest * 4))}
     group.close()
     return out
 
@@ -153,15 +175,16 @@ def _compute_rank(rank, shapes, reps):
     shared load (the fastest rep predicted medium 0.67-0.74x of its measured steps)."""
     out = {}
     for name, batch in shapes:
-        times = {}
         depth = min(max(gpt.CONFIGS[name].n_layers, 2), 4)  # up to 4 blocks: less noise per block, bounded time
+        fns = []
         for layers in (1, depth):
             cfg = dataclasses.replace(gpt.CONFIGS[name], n_layers=layers)
             params = gpt.init(cfg)
             leaves = [p.requires_grad_() for p in torch.utils._pytree.tree_leaves(params)]
-            data = gpt.global_batch(cfg, batch, 0, 0)
-            loss_fn = gpt.loss_for(cfg)
-            times[layers] = _median_slowest(lambda: torch.autograd.grad(loss_fn(params, data), leaves), reps)
+            data, loss_fn = gpt.global_batch(cfg, batch, 0, 0), gpt.loss_for(cfg)
+            fns.append(lambda params=params, leaves=leaves, data=data, loss_fn=loss_fn:
+                       torch.autograd.grad(loss_fn(params, data), leaves))
+        times = dict(zip((1, depth), _median_slowest_each(fns, reps, min_s=1.0)))
         block = max((times[depth] - times[1]) / (depth - 1), 1e-6)
         out[f"{name}/{batch}/{dist.get_world_size()}"] = {"block_s": block, "root_s": max(times[1] - block, 0.0)}
     # AdamW's memory rate (the optimizer and copy model) and a big matmul's peak, also under load
@@ -239,12 +262,9 @@ def add_fsdp2_comm(calib: dict, reps: int = 7, sizes_mib=SIZES_MIB, runs: int = 
     the median of ``runs`` launches per size (the cores are shared)."""
     sizes = [int(m * 2 ** 20) for m in sizes_mib]
 
-    def median_runs(w, szs):
-        runs_ = [launch(_fsdp2_comm_rank, w, szs, reps, timeout=600)[0] for _ in range(runs)]
-        return {op: [statistics.median(r[op][i] for r in runs_) for i in range(len(szs))] for op in runs_[0]}
-    one = median_runs(1, sizes[:1])
+    one = _median_of_launches(_fsdp2_comm_rank, 1, sizes[:1], reps, launches=runs)
     for w, link in calib["links"]["gloo"].items():
-        meas = median_runs(int(w), sizes)
+        meas = _median_of_launches(_fsdp2_comm_rank, int(w), sizes, reps, launches=runs)
         link.setdefault("ops", {}).update({
             f"fsdp2_{op}": fit_alpha_beta(int(w), sizes, [max(t - one[op][0], 1e-6) for t in ts])
             for op, ts in meas.items()})
@@ -306,7 +326,7 @@ def add_issue_costs(calib: dict, reps: int = 7) -> dict:
     update of a calibration made before the term existed (``--update``)."""
     for transport, per in calib["links"].items():
         for w, link in per.items():
-            link["issue_s"] = launch(_issue_rank, int(w), transport == "shm", reps, timeout=600)[0]
+            link["issue_s"] = _median_of_launches(_issue_rank, int(w), transport == "shm", reps)
     calib["issue_when"] = datetime.datetime.now().isoformat(timespec="seconds")
     return calib
 
@@ -338,20 +358,20 @@ def add_sync_terms(calib: dict, reps: int = 7, nbytes: int = 256 << 10) -> dict:
     """Per gloo world: ``overlap`` of two collectives at once (``_concurrency_rank``; ``nbytes``: a tiny
     GPT bucket's), in place."""
     for w, link in calib["links"]["gloo"].items():
-        link["overlap"] = statistics.median(launch(_concurrency_rank, int(w), nbytes, 2 * reps, timeout=600)[0]
-                                            for _ in range(3))  # noisy: the median of 3 launches
+        link["overlap"] = _median_of_launches(_concurrency_rank, int(w), nbytes, 2 * reps)
     calib["sync_when"] = datetime.datetime.now().isoformat(timespec="seconds")
     return calib
 
 
 def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)),
-              sizes_mib=SIZES_MIB, reps: int = 7) -> dict:
-    """Measure and fit; returns the calibration dict (``json.dump`` it; hardware() loads the file)."""
+              sizes_mib=SIZES_MIB, reps: int = 7, launches: int = 3) -> dict:
+    """Measure and fit; returns the calibration dict (``json.dump`` it; hardware() loads the file).
+    Links and compute are each the median of ``launches`` launches."""
     sizes = [int(m * 2 ** 20) for m in sizes_mib]
     links: dict = {"gloo": {}, "shm": {}}
     compute, mem_bw, peak = {}, [], []
     for w in world_sizes:
-        meas = launch(_comm_rank, w, sizes, reps, timeout=1800)[0]
+        meas = _median_of_launches(_comm_rank, w, sizes, reps, launches=launches)
         for transport in ("gloo", "shm"):
             link = {}
             ops = (("all_gather", ""), ("reduce_scatter", "rs_"))
@@ -359,9 +379,10 @@ def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)),
                 alpha, beta = fit_alpha_beta(w, sizes, [meas[s][transport, op] for s in sizes])
                 link[key + "alpha"], link[key + "beta"] = alpha, beta
             link["cpu_slowdown"], link["busy_slowdown"], link["busy_latency"] = meas["contention"][transport]
-            link["source"] = f"fitted on {len(sizes)} sizes {sizes_mib} MiB, {w} ranks, median of {reps}"
+            link["source"] = (f"fitted on {len(sizes)} sizes {sizes_mib} MiB, {w} ranks, median of {reps}+ "
+                              f"calls, median of {launches} launches")
             links[transport][w] = link
-        comp, bw, pk = launch(_compute_rank, w, list(shapes), reps, timeout=1800)[0]
+        comp, bw, pk = _median_of_launches(_compute_rank, w, list(shapes), reps, launches=launches)
         compute.update(comp)
         mem_bw.append(bw)
         peak.append(pk)
@@ -384,7 +405,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="JSON file to write")
     ap.add_argument("--update", metavar="JSON", help="only measure the terms this calibration file lacks "
-                    "(issue_s, FSDP2's collectives, gloo's overlap), in place: a minute, not a full calibration")
+                    "(issue_s, FSDP2's collectives, gloo's overlap): a minute, not a full calibration; "
+                    "written to --out if given, else in place")
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--shapes", nargs="+", default=["tiny/4", "small/2"], help="config/local_batch pairs")
     ap.add_argument("--reps", type=int, default=7)
@@ -400,7 +422,7 @@ def main(argv=None) -> None:
             add_fsdp2_comm(result, args.reps)
         if "sync_when" not in result:
             add_sync_terms(result, args.reps)
-        args.out = args.update
+        args.out = args.out or args.update  # --out: write elsewhere, keep the old file
     else:
         shapes = [(s.split("/")[0], int(s.split("/")[1])) for s in args.shapes]
         result = calibrate(args.world_sizes, shapes, reps=args.reps)
