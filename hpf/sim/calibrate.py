@@ -255,16 +255,16 @@ def _fsdp2_comm_rank(rank, sizes, reps) -> dict:
     return out
 
 
-def add_fsdp2_comm(calib: dict, reps: int = 7, sizes_mib=SIZES_MIB, runs: int = 5) -> dict:
+def add_fsdp2_comm(calib: dict, reps: int = 7, sizes_mib=SIZES_MIB, launches: int = 5) -> dict:
     """FSDP2's gather and reduce-scatter figures per gloo world, as ``ops`` of the gloo links (alpha,
     beta fitted as the others): what the simulator charges FSDP2 on CPU ranks, in place. Less the
     smallest size's seconds on one rank (hooks and Python: in ``fsdp2_unit_overhead_s`` already);
-    the median of ``runs`` launches per size (the cores are shared)."""
+    the median of ``launches`` launches per size (the cores are shared)."""
     sizes = [int(m * 2 ** 20) for m in sizes_mib]
 
-    one = _median_of_launches(_fsdp2_comm_rank, 1, sizes[:1], reps, launches=runs)
+    one = _median_of_launches(_fsdp2_comm_rank, 1, sizes[:1], reps, launches=launches)
     for w, link in calib["links"]["gloo"].items():
-        meas = _median_of_launches(_fsdp2_comm_rank, int(w), sizes, reps, launches=runs)
+        meas = _median_of_launches(_fsdp2_comm_rank, int(w), sizes, reps, launches=launches)
         link.setdefault("ops", {}).update({
             f"fsdp2_{op}": fit_alpha_beta(int(w), sizes, [max(t - one[op][0], 1e-6) for t in ts])
             for op, ts in meas.items()})
@@ -321,12 +321,12 @@ def _issue_rank(rank, two_tier: bool, reps: int) -> float:
     return max(0.0, max(per_rank))
 
 
-def add_issue_costs(calib: dict, reps: int = 7) -> dict:
+def add_issue_costs(calib: dict, reps: int = 7, launches: int = 3) -> dict:
     """Measure ``issue_s`` for every (transport, world) of a calibration, in place: the quick
     update of a calibration made before the term existed (``--update``)."""
     for transport, per in calib["links"].items():
         for w, link in per.items():
-            link["issue_s"] = _median_of_launches(_issue_rank, int(w), transport == "shm", reps)
+            link["issue_s"] = _median_of_launches(_issue_rank, int(w), transport == "shm", reps, launches=launches)
     calib["issue_when"] = datetime.datetime.now().isoformat(timespec="seconds")
     return calib
 
@@ -354,11 +354,11 @@ def _concurrency_rank(rank, nbytes: int, reps: int) -> float:
     return min(max(statistics.median(statistics.mean(r) for r in zip(*every)), 0.0), 1.0)
 
 
-def add_sync_terms(calib: dict, reps: int = 7, nbytes: int = 256 << 10) -> dict:
+def add_sync_terms(calib: dict, reps: int = 7, nbytes: int = 256 << 10, launches: int = 3) -> dict:
     """Per gloo world: ``overlap`` of two collectives at once (``_concurrency_rank``; ``nbytes``: a tiny
     GPT bucket's), in place."""
     for w, link in calib["links"]["gloo"].items():
-        link["overlap"] = _median_of_launches(_concurrency_rank, int(w), nbytes, 2 * reps)
+        link["overlap"] = _median_of_launches(_concurrency_rank, int(w), nbytes, 2 * reps, launches=launches)
     calib["sync_when"] = datetime.datetime.now().isoformat(timespec="seconds")
     return calib
 
@@ -366,7 +366,7 @@ def add_sync_terms(calib: dict, reps: int = 7, nbytes: int = 256 << 10) -> dict:
 def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)),
               sizes_mib=SIZES_MIB, reps: int = 7, launches: int = 3) -> dict:
     """Measure and fit; returns the calibration dict (``json.dump`` it; hardware() loads the file).
-    Links and compute are each the median of ``launches`` launches."""
+    Every term is the median of ``launches`` launches."""
     sizes = [int(m * 2 ** 20) for m in sizes_mib]
     links: dict = {"gloo": {}, "shm": {}}
     compute, mem_bw, peak = {}, [], []
@@ -398,7 +398,8 @@ def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)),
              "cores": len(os.sched_getaffinity(0)), "kernel_overhead_s": overhead,
              "torch": torch.__version__, "peak_flops": peak_flops, "efficiency": statistics.median(effs) if effs else 0.5,
              "mem_bw": statistics.median(mem_bw), "links": links, "compute": compute}
-    return add_sync_terms(add_fsdp2_comm(add_issue_costs(calib, reps), reps, sizes_mib), reps)
+    calib = add_fsdp2_comm(add_issue_costs(calib, reps, launches), reps, sizes_mib, launches)
+    return add_sync_terms(calib, reps, launches=launches)
 
 
 def main(argv=None) -> None:
@@ -410,6 +411,7 @@ def main(argv=None) -> None:
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--shapes", nargs="+", default=["tiny/4", "small/2"], help="config/local_batch pairs")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--launches", type=int, default=3, help="each term is the median of this many launches")
     args = ap.parse_args(argv)
     if not (args.out or args.update):
         ap.error("give --out FILE (a full calibration) or --update FILE (its newer terms only)")
@@ -417,15 +419,15 @@ def main(argv=None) -> None:
         with open(args.update) as f:
             result = json.load(f)
         if "issue_when" not in result:
-            add_issue_costs(result, args.reps)
+            add_issue_costs(result, args.reps, args.launches)
         if "fsdp2_comm_when" not in result:
-            add_fsdp2_comm(result, args.reps)
+            add_fsdp2_comm(result, args.reps, launches=args.launches)
         if "sync_when" not in result:
-            add_sync_terms(result, args.reps)
+            add_sync_terms(result, args.reps, launches=args.launches)
         args.out = args.out or args.update  # --out: write elsewhere, keep the old file
     else:
         shapes = [(s.split("/")[0], int(s.split("/")[1])) for s in args.shapes]
-        result = calibrate(args.world_sizes, shapes, reps=args.reps)
+        result = calibrate(args.world_sizes, shapes, reps=args.reps, launches=args.launches)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps({k: v for k, v in result.items() if k != "compute"}, indent=1))
