@@ -187,6 +187,7 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3, help="of calibrate, predict, measure per tiny and small config")
+    ap.add_argument("--configs", nargs="+", choices=LOCAL_BATCH, help="only these GPT configs")
     ap.add_argument("--out", help="a folder for the calibrations and results.json")
     ap.add_argument("--repredict", metavar="DIR", help="no runs: today's model on DIR's calibrations and results")
     args = ap.parse_args()
@@ -197,7 +198,7 @@ def main():
     out = args.out or tempfile.mkdtemp()
     os.makedirs(out, exist_ok=True)
     results = []
-    for config in dict.fromkeys(c["config"] for c in cases(args.quick)):
+    for config in dict.fromkeys(c["config"] for c in cases(args.quick) if c["config"] in (args.configs or LOCAL_BATCH)):
         todo = [c for c in cases(args.quick) if c["config"] == config]
         slow = config == "medium"  # 13-17 s a step here: one round of 3 steps
         steps, warmup = {"medium": (3, 1), "tiny": (4 * args.steps, 2 * args.warmup)}.get(

@@ -288,3 +288,11 @@ def test_calibration_takes_the_median_of_launches_leaf_by_leaf(monkeypatch):
     runs = iter([{"a": (1.0, 9.0), 16: [3.0]}, {"a": (2.0, 1.0), 16: [1.0]}, {"a": (9.0, 2.0), 16: [2.0]}])
     monkeypatch.setattr(calibrate, "launch", lambda fn, world, *a, timeout: [next(runs)])
     assert calibrate._median_of_launches(None, 2, launches=3) == {"a": (2.0, 2.0), 16: [2.0]}
+
+
+def test_calibration_sizes_cover_the_models_largest_bucket():
+    from hpf.sim.calibrate import SIZES_MIB, sizes_for
+
+    assert sizes_for([("tiny", 4), ("small", 2)]) == SIZES_MIB  # buckets of 0.01-3 MiB: inside the fit
+    medium = sizes_for([("medium", 1)])  # a 190 MiB root bucket
+    assert medium[:len(SIZES_MIB)] == SIZES_MIB and medium[-2] < 190 <= medium[-1]

@@ -31,7 +31,9 @@ import torch.distributed as dist
 
 from ..comm.transport import reduce_scatter_async
 from ..launcher import launch
+from ..mesh import Mesh
 from ..models import gpt
+from ..planning import plan
 
 __all__ = ["calibrate", "fit_alpha_beta"]
 
@@ -227,6 +229,18 @@ def _overhead_rank(rank, reps):
 SIZES_MIB = (1 / 64, 0.0625, 0.25, 1, 4, 16)  # the collective sizes alpha and beta are fitted on
 
 
+def sizes_for(shapes) -> tuple[float, ...]:
+    """``SIZES_MIB``, extended by 4x steps to cover the largest bucket of the shapes' GPTs (MiB): above
+    32 MiB glibc maps every fresh buffer anew, so a fit up to 16 MiB under-charges medium's 190 MiB
+    root (its FSDP2 steps were predicted at 0.80-0.87 of measured)."""
+    largest = max(b.padded_numel * 4 / 2 ** 20 for name, _ in shapes
+                  for b in plan(gpt.init(gpt.CONFIGS[name], device="meta"), Mesh({"dp": 2})).buckets)
+    sizes = list(SIZES_MIB)
+    while sizes[-1] < largest:
+        sizes.append(sizes[-1] * 4)
+    return tuple(sizes)
+
+
 def _fsdp2_comm_rank(rank, sizes, reps) -> dict:
     """FSDP2's own gather and reduction of one ``fully_shard``-ed flat param of each size (bytes),
     timed as FSDP2 runs them on CPU ranks, synchronously: ``unshard()`` + ``reshard()`` (copy-in, a
@@ -364,9 +378,11 @@ def add_sync_terms(calib: dict, reps: int = 7, nbytes: int = 256 << 10, launches
 
 
 def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)),
-              sizes_mib=SIZES_MIB, reps: int = 7, launches: int = 3) -> dict:
+              sizes_mib=None, reps: int = 7, launches: int = 3) -> dict:
     """Measure and fit; returns the calibration dict (``json.dump`` it; hardware() loads the file).
-    Every term is the median of ``launches`` launches."""
+    Every term is the median of ``launches`` launches; collectives at ``sizes_mib`` (default
+    ``sizes_for(shapes)``)."""
+    sizes_mib = sizes_mib or sizes_for(shapes)
     sizes = [int(m * 2 ** 20) for m in sizes_mib]
     links: dict = {"gloo": {}, "shm": {}}
     compute, mem_bw, peak = {}, [], []
