@@ -296,3 +296,20 @@ def test_calibration_sizes_cover_the_models_largest_bucket():
     assert sizes_for([("tiny", 4), ("small", 2)]) == SIZES_MIB  # buckets of 0.01-3 MiB: inside the fit
     medium = sizes_for([("medium", 1)])  # a 190 MiB root bucket
     assert medium[:len(SIZES_MIB)] == SIZES_MIB and medium[-2] < 190 <= medium[-1]
+
+
+@pytest.mark.parametrize("run", ["", "second_run"])
+def test_the_committed_validation_is_of_the_committed_model(run):
+    """``--repredict`` replays docs/simulate/validation (no processes): every case's prediction from
+    its rounds' calibrations must be what the run predicted, or the README's table is of another model."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "simulate_vs_measured.py", "--repredict", str(root / "docs/simulate/validation" / run)],
+                         cwd=root / "benchmarks", capture_output=True, text=True, timeout=300, check=True).stdout
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0].count("/") >= 2]
+    assert len(rows) == 17
+    for case, then, now, *_ in rows:
+        assert float(now) == pytest.approx(float(then), rel=1e-6), case

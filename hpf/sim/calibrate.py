@@ -6,12 +6,14 @@ much a collective and compute slow each other down when they share the cores, hp
 per-unit CPU overhead (one rank, no communication), the compute thread's seconds per
 collective issued through hpf's comm (``issue_s``), and FSDP2's own all-gather and
 reduce-scatter path through ``fully_shard`` (``ops``; what the simulator charges FSDP2).
+Collectives are fitted up to the shapes' largest bucket; every term is the median of
+``--launches`` launches (a shared host has slow spells longer than one launch).
 
-    python -m hpf.sim.calibrate --out calib.json [--world-sizes 2 4] [--shapes small/2 tiny/4]
+    python -m hpf.sim.calibrate --out calib.json [--world-sizes 2 4] [--shapes small/2 tiny/4] [--launches 3]
     python -m hpf.sim.calibrate --update calib.json   # add the terms an older calibration lacks
                                                       # (issue_s, FSDP2's collectives, overlap)
 
-Runs only when asked: the tests never calibrate. Pass the file as ``--hardware calib.json``.
+Runs only when asked: the tests never run a calibration. Pass the file as ``--hardware calib.json``.
 """
 from __future__ import annotations
 
@@ -232,7 +234,7 @@ SIZES_MIB = (1 / 64, 0.0625, 0.25, 1, 4, 16)  # the collective sizes alpha and b
 def sizes_for(shapes) -> tuple[float, ...]:
     """``SIZES_MIB``, extended by 4x steps to cover the largest bucket of the shapes' GPTs (MiB): above
     32 MiB glibc maps every fresh buffer anew, so a fit up to 16 MiB under-charges medium's 190 MiB
-    root (its FSDP2 steps were predicted at 0.80-0.87 of measured)."""
+    root (its FSDP2 steps were predicted at 0.77-0.88 of measured)."""
     largest = max(b.padded_numel * 4 / 2 ** 20 for name, _ in shapes
                   for b in plan(gpt.init(gpt.CONFIGS[name], device="meta"), Mesh({"dp": 2})).buckets)
     sizes = list(SIZES_MIB)
