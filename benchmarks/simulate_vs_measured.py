@@ -6,9 +6,8 @@ calibration made just before (FSDP2's per-unit CPU overhead on one rank added), 
 step runs (hpf.shard_step as `hpf train` builds it; FSDP2 as benchmarks/step_vs_fsdp2.py) and
 its median step time (the slowest rank's) and exposed share (comm_wait_s over step_s, the mean
 over ranks) are measured. Tiny and small run in 3 rounds of calibrate, predict, measure: this
-shared host drifts by 1.5-2x on a 10 ms step within minutes, so a calibration and the
-measurements taken after it see the same machine, and each case reports the median of its
-rounds' predictions and of their measurements. Printed per case: RATIO sim/<case>/step_err =
+shared host drifts by 1.5-2x on a 10 ms step within minutes, so each case reports the median of
+its rounds' predictions and of their measurements, spread over the run. Printed per case: RATIO sim/<case>/step_err =
 max(p/m, m/p) (target <= 1.25, i.e. 0.8-1.25) and the exposed-share difference in points
 (target <= 5).
 
