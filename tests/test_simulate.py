@@ -313,3 +313,14 @@ def test_the_committed_validation_is_of_the_committed_model(run):
     assert len(rows) == 17
     for case, then, now, *_ in rows:
         assert float(now) == pytest.approx(float(then), rel=1e-6), case
+
+
+@pytest.mark.parametrize("argv,names", [(["--shapes", "bogus/2"], "'bogus/2'"), (["--shapes", "tiny"], "'tiny'"),
+                                        (["--launches", "0"], "'0'"), (["--reps", "-1"], "'-1'")])
+def test_calibrate_refuses_bad_arguments_before_measuring(argv, names, capsys, monkeypatch):
+    from hpf.sim import calibrate
+
+    monkeypatch.setattr(calibrate, "launch", lambda *a, **k: pytest.fail("measured despite a bad argument"))
+    with pytest.raises(SystemExit):
+        calibrate.main(["--out", "unused.json", *argv])
+    assert names in capsys.readouterr().err

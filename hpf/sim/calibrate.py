@@ -432,6 +432,21 @@ def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)),
     return add_sync_terms(calib, reps, launches=launches)
 
 
+def _shape(text: str) -> tuple[str, int]:
+    """A ``config/local_batch`` argument, checked before anything is measured."""
+    name, _, batch = text.partition("/")
+    if name not in gpt.CONFIGS or not batch.isdigit() or int(batch) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give config/local_batch with a config of "
+                                         f"{sorted(gpt.CONFIGS)} and a batch >= 1, e.g. tiny/4")
+    return name, int(batch)
+
+
+def _at_least_one(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number >= 1")
+    return int(text)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="JSON file to write")
@@ -439,9 +454,10 @@ def main(argv=None) -> None:
                     "(issue_s, FSDP2's collectives, gloo's overlap): a minute, not a full calibration; "
                     "written to --out if given, else in place")
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--shapes", nargs="+", default=["tiny/4", "small/2"], help="config/local_batch pairs")
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--launches", type=int, default=3, help="each term is the median of this many launches")
+    ap.add_argument("--shapes", nargs="+", type=_shape, default=[("tiny", 4), ("small", 2)],
+                    help="config/local_batch pairs")
+    ap.add_argument("--reps", type=_at_least_one, default=7)
+    ap.add_argument("--launches", type=_at_least_one, default=3, help="each term is the median of this many launches")
     args = ap.parse_args(argv)
     if not (args.out or args.update):
         ap.error("give --out FILE (a full calibration) or --update FILE (its newer terms only)")
@@ -456,8 +472,7 @@ def main(argv=None) -> None:
             add_sync_terms(result, args.reps, launches=args.launches)
         args.out = args.out or args.update  # --out: write elsewhere, keep the old file
     else:
-        shapes = [(s.split("/")[0], int(s.split("/")[1])) for s in args.shapes]
-        result = calibrate(args.world_sizes, shapes, reps=args.reps, launches=args.launches)
+        result = calibrate(args.world_sizes, args.shapes, reps=args.reps, launches=args.launches)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps({k: v for k, v in result.items() if k != "compute"}, indent=1))
