@@ -196,9 +196,10 @@ def main():
         args.steps, args.warmup, args.rounds = 5, 2, 1
     out = args.out or tempfile.mkdtemp()
     os.makedirs(out, exist_ok=True)
+    chosen = [c for c in cases(args.quick) if c["config"] in (args.configs or LOCAL_BATCH)]
     results = []
-    for config in dict.fromkeys(c["config"] for c in cases(args.quick) if c["config"] in (args.configs or LOCAL_BATCH)):
-        todo = [c for c in cases(args.quick) if c["config"] == config]
+    for config in dict.fromkeys(c["config"] for c in chosen):
+        todo = [c for c in chosen if c["config"] == config]
         slow = config == "medium"  # 13-17 s a step here: one round of 3 steps
         steps, warmup = {"medium": (3, 1), "tiny": (4 * args.steps, 2 * args.warmup)}.get(
             config, (args.steps, args.warmup))  # a tiny step is short and noisy: more of them
