@@ -106,6 +106,19 @@ def test_plan_points_to_simulate(capsys):
     assert "hpf simulate --config tiny --mesh node=2,local=2" in capsys.readouterr().out
 
 
+def test_the_exposed_share_is_the_mean_ranks_which_waits_out_its_lead_on_the_slowest():
+    """Calibrated compute is the slowest rank's; a rank ``skew`` ahead of it does the same work
+    in (1 - skew) of the time and waits the rest out in collectives: with ideal links, exactly
+    skew x the step. The step time stays the slowest rank's."""
+    def hw(skew):
+        return dataclasses.replace(CM, fast=IDEAL, slow=IDEAL, scale_out=None, mem_bw=math.inf, kernel_overhead_s=0.0,
+                                   compute={"tiny/1/4": {"block_s": 3e-3, "root_s": 1e-3, "skew": skew}})
+    even, skewed = (sim.simulate("tiny", {"node": 2, "local": 2}, hw(s), local_batch=1) for s in (0.0, 0.25))
+    assert even.step_s == skewed.step_s == pytest.approx(3 * 3e-3 + 1e-3)  # 3 blocks and the root
+    assert even.exposed_comm_s == 0.0
+    assert skewed.exposed_comm_s == pytest.approx(0.25 * skewed.step_s)
+
+
 def test_compute_slows_while_a_contending_link_is_busy_and_the_link_only_where_it_overlaps_compute():
     from hpf.sim.model import _Timeline, _stage
 
@@ -275,11 +288,13 @@ def _slowest_rank(rank):
 
 def test_calibration_times_the_slowest_rank_and_its_ranks_agree_on_the_rep_count():
     """Both ranks pick the rep count from the slowest probe (a mismatch would hang their barriers),
-    and every rank reports rank 1's sleep, not its own."""
+    and every rank reports rank 1's sleep, not its own; the skew is rank 0's lead on rank 1 over
+    rank 1's time: (12 - 7) / 12 ms = 0.42 for the sleeps alone, less by their overheads."""
     from hpf.launcher import launch
 
-    for slow, fast in launch(_slowest_rank, 2, timeout=120):
+    for (slow, fast), (skew, _) in launch(_slowest_rank, 2, timeout=120):
         assert slow >= 0.012 and fast < slow
+        assert 0.3 < skew <= 0.42
 
 
 def test_calibration_takes_the_median_of_launches_leaf_by_leaf(monkeypatch):

@@ -51,14 +51,17 @@ def fit_alpha_beta(p: int, sizes: list[int], seconds: list[float]) -> tuple[floa
 
 
 def _median_slowest(fn, reps: int, pick=statistics.median, min_s: float = 0.3) -> float:
-    return _median_slowest_each([fn], reps, pick, min_s)[0]
+    return _median_slowest_each([fn], reps, pick, min_s)[0][0]
 
 
-def _median_slowest_each(fns, reps: int, pick=statistics.median, min_s: float = 0.3) -> list[float]:
+def _median_slowest_each(fns, reps: int, pick=statistics.median,
+                         min_s: float = 0.3) -> tuple[list[float], list[float]]:
     """Each of ``fns`` timed in turn (interleaved, so drifting load hits them alike), every rank at
     once after a barrier: the ``pick`` over reps of the slowest rank's time. At least ``reps`` reps,
     more (up to 8x) while they take under ``min_s`` together: a millisecond call's median of 7 moved
-    by 2-4x between calibrations on shared cores. The ranks agree on the count."""
+    by 2-4x between calibrations on shared cores. The ranks agree on the count. Also each fn's
+    skew: the median over reps of the mean rank's lead on the slowest, as a fraction of the
+    slowest's time (ranks sharing cores finish the same work 4-30% apart here)."""
     probe = torch.tensor([_timed(lambda: [fn() for fn in fns])], dtype=torch.float64)
     dist.all_reduce(probe, op=dist.ReduceOp.MAX)
     reps = max(reps, min(8 * reps, int(min_s / max(float(probe), 1e-6))))
@@ -67,9 +70,11 @@ def _median_slowest_each(fns, reps: int, pick=statistics.median, min_s: float = 
         for fn, ts in zip(fns, times):
             dist.barrier()
             ts.append(_timed(fn))
-    slowest = [None] * dist.get_world_size()
-    dist.all_gather_object(slowest, times)
-    return [pick([max(ts) for ts in zip(*(r[i] for r in slowest))]) for i in range(len(fns))]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, times)
+    per_rep = [list(zip(*(r[i] for r in every))) for i in range(len(fns))]  # per fn: reps x ranks
+    return ([pick([max(ts) for ts in reps_]) for reps_ in per_rep],
+            [statistics.median((max(ts) - statistics.mean(ts)) / max(ts) for ts in reps_) for reps_ in per_rep])
 
 
 def _contention(comm_of, small: int, large: int, reps: int, stretch_at: int = 0) -> tuple[float, float, float]:
@@ -188,9 +193,11 @@ def _compute_rank(rank, shapes, reps):
             data, loss_fn = gpt.global_batch(cfg, batch, 0, 0), gpt.loss_for(cfg)
             fns.append(lambda params=params, leaves=leaves, data=data, loss_fn=loss_fn:
                        torch.autograd.grad(loss_fn(params, data), leaves))
-        times = dict(zip((1, depth), _median_slowest_each(fns, reps, min_s=1.0)))
+        slowest, skew = _median_slowest_each(fns, reps, min_s=1.0)
+        times = dict(zip((1, depth), slowest))
         block = max((times[depth] - times[1]) / (depth - 1), 1e-6)
-        out[f"{name}/{batch}/{dist.get_world_size()}"] = {"block_s": block, "root_s": max(times[1] - block, 0.0)}
+        out[f"{name}/{batch}/{dist.get_world_size()}"] = {"block_s": block, "root_s": max(times[1] - block, 0.0),
+                                                         "skew": skew[1]}
     # AdamW's memory rate (the optimizer and copy model) and a big matmul's peak, also under load
     n = 1 << 22
     p = torch.nn.Parameter(torch.randn(n))
@@ -277,7 +284,7 @@ def _fsdp2_comm_rank(rank, sizes, reps) -> dict:
             fully_shard(m, mesh=mesh)
         fully_shard(chain, mesh=mesh)
         box = []
-        fwd, bwd = _median_slowest_each([lambda: box.append(chain(x)), lambda: box.pop().backward()], reps)
+        (fwd, bwd), _ = _median_slowest_each([lambda: box.append(chain(x)), lambda: box.pop().backward()], reps)
         out["all_gather"].append(fwd / k)
         out["reduce_scatter"].append(max(bwd - fwd, 0.0) / k)
     return out

@@ -12,6 +12,12 @@ the unit before (prefetch), re-gathers in backward, reductions that overlap the 
 unit's backward (pipeline), optimizer updates as reductions land, and the next step's
 first gathers issued after their update: the exposed boundary chain. FSDP2 and Megatron
 DDP run through the same machinery with their own schedules.
+
+Calibrated compute is the slowest rank's, so the simulated rank is the slowest and its step
+time the job's. Where ranks share cores the others finish the same work ``skew`` earlier and
+wait it out in collectives: the exposed share reported is that mean rank's, from a replay
+whose CPU work is ``1 - skew`` as long and whose collectives start no earlier than the
+slowest rank issued them.
 """
 from __future__ import annotations
 
@@ -250,9 +256,16 @@ def _stages(hw, opts, world, p, p_fast, p_slow, ag, rs, hier, emu):
 
 # -- the event simulation -------------------------------------------------------------------------
 class _Timeline:
-    """One compute thread and FIFO collective workers; times in seconds."""
+    """One rank's compute thread and FIFO collective workers; times in seconds.
 
-    def __init__(self, history: list[tuple[list, float]] = ()):
+    ``speed`` and ``peers`` make it a rank ahead of the slowest: its CPU work takes ``speed`` x
+    the calibrated (slowest rank's) seconds, and no collective starts before the slowest rank
+    issued it (``peers``: that rank's issue time of each collective, by ``_key``)."""
+
+    def __init__(self, history: list[tuple[list, float]] = (), speed: float = 1.0, peers: dict | None = None):
+        self.speed, self.peers = speed, peers
+        self.issued: dict[tuple, float] = {}  # collective -> when this rank issued it
+        self._counts: Counter = Counter()
         self.t = self.t0 = 0.0
         self.free = defaultdict(float)
         self.contended: list[tuple[float, float, float]] = []  # (start, end, compute slowdown) of busy links
@@ -278,8 +291,27 @@ class _Timeline:
         self.busy, self.wait, self.compute_s, self.opt_s = Counter(), 0.0, 0.0, 0.0
         self.bytes = {op: {"fast": 0, "slow": 0} for op in ("all_gather", "reduce_scatter", "all_reduce")}
 
-    def submit(self, stages) -> float:
-        t = self.t
+    def _key(self, what) -> tuple:
+        """The n-th issue of a collective (a bucket's stages, or the step's all-reduce): the same
+        collective on every rank, whatever order each rank's timing issued the others in."""
+        self._counts[what] += 1
+        return what, self._counts[what]
+
+    def _start(self, what) -> float:
+        """When a collective issued now can start: here, once the slowest rank issued it too."""
+        key = self._key(what)
+        self.issued[key] = self.t
+        return max(self.t, self.peers.get(key, self.t)) if self.peers is not None else self.t
+
+    def sync(self, seconds: float) -> None:
+        """The step's closing all-reduce (loss and grad norm): every rank leaves it together; its
+        time, and a faster rank's wait for the slowest in it, are not engine waits."""
+        self.t = self._start("sync") + seconds
+
+    def submit(self, stages, what=None) -> float:
+        """Run ``stages`` (one bucket's, in order) from now; ``what`` names the collective
+        (default: the stages list, which a unit keeps for its bucket). Returns when it ends."""
+        t = self._start(id(stages) if what is None else what)
         for worker, seconds, tier, op, nbytes, link in stages:
             other = None
             if worker == "pg" and link.overlap < 1.0:  # gloo's two worker threads: the earlier-free one
@@ -312,7 +344,7 @@ class _Timeline:
         so their busy intervals are known here."""
         start = self.t
         self.contended = [c for c in self.contended if c[1] > start]
-        t, left = start, seconds
+        t, left = start, seconds * self.speed
         while left > 0:
             active = [c for c in self.contended if c[0] <= t < c[1]]
             rate = 1.0 / max((c[2] for c in active), default=1.0)
@@ -428,9 +460,7 @@ def _hpf_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float) 
         for u in refill_later:
             live.pop(u.name, None)
             gather(u)
-        wait_before = tl.wait
-        tl.wait_until(tl.t + norm_s)  # the loss and grad-norm all-reduce (not an engine wait)
-        tl.wait = wait_before
+        tl.sync(norm_s)
     tl.step_s = tl.t - start
 
 
@@ -501,9 +531,7 @@ def _fsdp2_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float
         for e in ends:
             tl.wait_until(e)
         tl.run(sum(u.update_s for u in units), optimizer=True)
-        wait_before = tl.wait
-        tl.wait_until(tl.t + norm_s)
-        tl.wait = wait_before
+        tl.sync(norm_s)
     tl.step_s = tl.t - start
 
 
@@ -539,21 +567,20 @@ def _ddp_steps(units: list[_Unit], tl: _Timeline, opts: Options, plan: Plan, hw:
                 tl.run(u.bwd_s)
             filled += u.full_grad_bytes
             if filled >= opts.ddp_bucket_bytes or u is last:
-                ends.append(tl.submit(allreduce(filled)))
+                ends.append(tl.submit(allreduce(filled), what=("all-reduce", len(ends))))
                 filled = 0
         for e in ends:
             tl.wait_until(e)
         tl.run(replicas_numel * ADAMW_BYTES_PER_ELEMENT / hw.mem_bw, optimizer=True)
-        wait_before = tl.wait
-        tl.wait_until(tl.t + norm_s)
-        tl.wait = wait_before
+        tl.sync(norm_s)
     tl.step_s = tl.t - start
 
 
 def simulate_plan(plan: Plan, hw: Hardware, opts: Options, unit_flops: dict[str, float], *, tokens: int = 0,
                   measured: dict | None = None, a2a: dict | None = None) -> SimResult:
     """Simulate steps of ``plan`` on ``hw``; ``unit_flops`` is the forward FLOPs per unit on one
-    rank's local batch; ``measured`` replaces them with calibrated seconds per unit; ``a2a``:
+    rank's local batch; ``measured`` replaces them with calibrated seconds per unit (the slowest
+    rank's; its ``skew``: the mean rank's lead on that rank, a fraction of its time); ``a2a``:
     unit -> (bytes one rank sends per all-to-all, mesh axes), for MoE dispatch and combine."""
     world = plan.mesh.size
     units = _unit_costs(plan, hw, opts, unit_flops, measured, a2a)
@@ -562,8 +589,8 @@ def simulate_plan(plan: Plan, hw: Hardware, opts: Options, unit_flops: dict[str,
     if opts.strategy not in ("hpf", "fsdp2", "ddp"):
         raise ValueError(f"strategy {opts.strategy!r}: use 'hpf', 'fsdp2' or 'ddp'")
 
-    def replay(history=()) -> _Timeline:
-        tl = _Timeline(history)
+    def replay(history=(), **rank) -> _Timeline:
+        tl = _Timeline(history, **rank)
         if opts.strategy == "hpf":
             _hpf_steps(units, tl, opts, norm_s)
         elif opts.strategy == "fsdp2":
@@ -573,11 +600,14 @@ def simulate_plan(plan: Plan, hw: Hardware, opts: Options, unit_flops: dict[str,
             _ddp_steps(units, tl, opts, plan, hw, norm_s, sum(b.numel for b in plan.buckets))
         return tl
 
-    tl = replay()
+    tl, history = replay(), []
     if hw.shared_links:  # collectives slow down where they overlap compute: replay with the passes' compute
-        history = []
         for _ in range(CONTENTION_PASSES):
             history.append((tl.computing, tl.step_s))
             tl = replay(history)
+    wait = tl.wait
+    skew = measured.get("skew", 0.0) if measured is not None and world > 1 else 0.0
+    if skew > 0:  # the exposed share is the mean rank's: it computes faster and waits for the slowest
+        wait = replay(history, speed=1.0 - skew, peers=tl.issued).wait
     busy = {"fast": tl.busy["fast"], "slow": tl.busy["slow"]}
-    return SimResult(tl.step_s, tl.compute_s, tl.wait, tl.opt_s, busy, tl.bytes, tokens)
+    return SimResult(tl.step_s, tl.compute_s, wait, tl.opt_s, busy, tl.bytes, tokens)
