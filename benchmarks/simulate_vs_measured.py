@@ -24,14 +24,13 @@ import statistics
 import tempfile
 import time
 
-import numpy as np
 import torch
 
 import hpf
 from hpf import sim
 from hpf.launcher import launch
 from hpf.models import gpt
-from hpf.sim.calibrate import calibrate
+from hpf.sim.calibrate import calibrate, tiny_overhead_per_pass
 
 from common import print_table, report_ratio
 from step_vs_fsdp2 import adamw_step, fsdp2_gpt
@@ -100,27 +99,14 @@ def _measure_rank(rank, c, steps, warmup):
     return statistics.median(step_s), statistics.median(statistics.mean(r) for r in zip(*share))
 
 
+def _fsdp2_step(params, cfg):
+    """FSDP2's step on one rank, and the passes hpf.sim charges its overhead on."""
+    return adamw_step(fsdp2_gpt(params, cfg, (1,)), dict(lr=1e-3)), 3 * (cfg.n_layers + 1) - 1
+
+
 def _fsdp2_overhead_rank(rank, reps):
-    """FSDP2's per-unit CPU cost beyond the math (hooks, DTensor, copy-in/out, the update
-    calls), one rank, the tiny GPT, interleaved with plain autograd: seconds per unit and pass."""
-    cfg = gpt.CONFIGS["tiny"]
-    params = gpt.init(cfg, torch.Generator().manual_seed(0))
-    data = gpt.global_batch(cfg, 4, 0, 0)
-    step = adamw_step(fsdp2_gpt(params, cfg, (1,)), dict(lr=1e-3))
-    leaves = [p.requires_grad_() for p in torch.utils._pytree.tree_leaves(params)]
-    loss_fn = gpt.loss_for(cfg)
-    fsdp2, plain = [], []
-    for i in range(5 * reps + 3):  # interleaved; low quantiles, as other load only adds time
-        t = time.perf_counter()
-        step(data)
-        t1 = time.perf_counter()
-        torch.autograd.grad(loss_fn(params, data), leaves)
-        if i >= 3:
-            fsdp2.append(t1 - t)
-            plain.append(time.perf_counter() - t1)
-    units = cfg.n_layers + 1
-    low = lambda ts: float(np.quantile(ts, 0.2))  # noqa: E731
-    return max(low(fsdp2) - low(plain), 0.0) / (3 * units - 1)  # the passes hpf.sim charges it on
+    """FSDP2's per-unit CPU cost beyond the math (hooks, DTensor, copy-in/out, the update calls)."""
+    return tiny_overhead_per_pass(_fsdp2_step, reps)
 
 
 def calibrate_for(configs: list[str], world_sizes: tuple, reps: int) -> dict:
