@@ -125,17 +125,19 @@ def predict(c: dict, path: str) -> "sim.SimResult":
 
 def _rounds_table(rows: list[dict], then: dict | None = None) -> None:
     """RATIO rows and the table: per case, the median over its rounds of the predictions and of the
-    measurements (``then``: case -> the prediction a finished run made, beside today's)."""
+    measurements (``then``: case -> the (step, exposed share) a finished run predicted, beside today's)."""
     table = []
     for r in rows:
         n, p, m, pe, me = r["case"], r["pred_s"], r["meas_s"], r["pred_exposed"], r["meas_exposed"]
         report_ratio(f"sim/{n}/step_err", max(p / m, m / p), "<=1.25")
         if me is not None:
             report_ratio(f"sim/{n}/exposed_pts", abs(pe - me) * 100, "<=5")
-        table.append([n] + ([then[n] * 1e3] if then else []) + [p * 1e3, m * 1e3, p / m, f"{pe:.1%}",
-                                                                 "-" if me is None else f"{me:.1%}"])
-    print_table(["case"] + (["pred ms (then)"] if then else []) + ["pred ms", "meas ms", "pred/meas",
-                                                                   "pred exposed", "meas exposed"], table)
+        was = then[n] if then else None
+        table.append([n] + ([was[0] * 1e3] if was else []) + [p * 1e3, m * 1e3, p / m]
+                     + ([f"{was[1]:.4%}"] if was else []) + [f"{pe:.4%}" if was else f"{pe:.1%}",
+                                                             "-" if me is None else f"{me:.1%}"])
+    print_table(["case"] + (["pred ms (then)"] if then else []) + ["pred ms", "meas ms", "pred/meas"]
+                + (["pred exposed (then)"] if then else []) + ["pred exposed", "meas exposed"], table)
 
 
 def _summary(c: dict, rounds: list[dict]) -> dict:
@@ -160,7 +162,7 @@ def repredict(out: str) -> None:
         for x in r["rounds"]:
             p = predict(c, os.path.join(out, x["calibration"]))
             rounds.append(dict(x, pred_s=p.step_s, pred_exposed=p.exposed_share))
-        then[r["case"]] = r["pred_s"]
+        then[r["case"]] = r["pred_s"], r["pred_exposed"]
         rows.append(_summary(c, rounds))
     _rounds_table(rows, then)
 

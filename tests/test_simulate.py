@@ -315,8 +315,9 @@ def test_calibration_sizes_cover_the_models_largest_bucket():
 
 @pytest.mark.parametrize("run", ["", "second_run"])
 def test_the_committed_validation_is_of_the_committed_model(run):
-    """``--repredict`` replays docs/simulate/validation (no processes): every case's prediction from
-    its rounds' calibrations must be what the run predicted, or the README's table is of another model."""
+    """``--repredict`` replays docs/simulate/validation (no processes): every case's predicted step
+    time and exposed share from its rounds' calibrations must be what the run predicted, or the
+    README's table is of another model."""
     import pathlib
     import subprocess
     import sys
@@ -326,8 +327,9 @@ def test_the_committed_validation_is_of_the_committed_model(run):
                          cwd=root / "benchmarks", capture_output=True, text=True, timeout=300, check=True).stdout
     rows = [line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0].count("/") >= 2]
     assert len(rows) == 17
-    for case, then, now, *_ in rows:
+    for case, then, now, _, _, then_exposed, now_exposed, _ in rows:
         assert float(now) == pytest.approx(float(then), rel=1e-6), case
+        assert float(now_exposed.rstrip("%")) == pytest.approx(float(then_exposed.rstrip("%")), abs=1e-4), case
 
 
 @pytest.mark.parametrize("argv,names", [(["--shapes", "bogus/2"], "'bogus/2'"), (["--shapes", "tiny"], "'tiny'"),
