@@ -306,7 +306,7 @@ def _fsdp2_comm_rank(rank, sizes, reps) -> dict:
     return out
 
 
-def add_fsdp2_comm(calib: dict, reps: int = 7, sizes_mib=SIZES_MIB, launches: int = 5) -> dict:
+def add_fsdp2_comm(calib: dict, reps: int = 7, sizes_mib=SIZES_MIB, launches: int = 3) -> dict:
     """FSDP2's gather and reduce-scatter figures per gloo world, as ``ops`` of the gloo links (alpha,
     beta fitted as the others): what the simulator charges FSDP2 on CPU ranks, in place. Less the
     smallest size's seconds on one rank (hooks and Python: in ``fsdp2_unit_overhead_s`` already);
