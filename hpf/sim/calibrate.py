@@ -83,8 +83,12 @@ def _contention(comm_of, small: int, large: int, reps: int, stretch_at: int = 0)
     stretch and its extra seconds per call while compute runs). The stretch and the extra
     come from two sizes (bytes: ``small`` and ``stretch_at`` or ``large``), as alpha and beta
     do: on loaded cores a collective mostly pays a fixed wait per call (a descheduled peer),
-    not a slower copy. Medians of ``2 * reps``, alone and beside compute interleaved: with
-    3-7 reps, not interleaved, the wait moved 0.8-3.5 ms between calibrations."""
+    not a slower copy. Beside compute, each call goes to an idle worker thread and compute runs
+    until it lands, as the engine issues a bucket's collective and computes a unit: a worker
+    kept busy by calls in a row (the earlier protocol) waited 2.5-5 ms a call for its peers on
+    shared memory, several times what a real step's collectives took (0.2-1.2 ms on 2 ranks).
+    Medians of ``2 * reps`` pairs, alone and beside compute interleaved."""
+    import queue
     import threading
 
     a = torch.randn(384, 384)  # long enough per call that the GIL is free most of the time, as in a model
@@ -97,24 +101,41 @@ def _contention(comm_of, small: int, large: int, reps: int, stretch_at: int = 0)
         dist.barrier()
         return _timed(lambda: [fn() for _ in range(n)])
 
-    def beside_compute(fn, n_comm, n_mm=0):
-        """Seconds per collective of a loop of n_comm on a thread, with compute on this one
-        throughout; and the seconds of the first n_mm matmuls (0: none timed)."""
-        box = {}
-        thread = threading.Thread(target=lambda: box.setdefault("t", _timed(lambda: [fn() for _ in range(n_comm)])))
+    jobs: queue.SimpleQueue = queue.SimpleQueue()
+
+    def worker():
+        for fn, box, done in iter(jobs.get, None):
+            box.append(_timed(fn))
+            done.set()
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+
+    def beside_compute(fn, calls: int) -> float:
+        """Seconds per collective, each issued to the worker with compute on this thread until it lands."""
+        box = []
+        for _ in range(calls):
+            done = threading.Event()
+            dist.barrier()
+            jobs.put((fn, box, done))
+            while not done.is_set():
+                work(1)
+        return sum(box) / calls
+
+    def loop_beside_compute(fn, n_comm, n_mm):
+        """The seconds of n_mm matmuls while a loop of n_comm collectives runs on the worker."""
+        done, box = threading.Event(), []
         dist.barrier()
-        thread.start()
-        t_mm = _timed(lambda: work(n_mm)) if n_mm else 0.0
-        while thread.is_alive():
+        jobs.put((lambda: [fn() for _ in range(n_comm)], box, done))
+        t_mm = _timed(lambda: work(n_mm))
+        while not done.is_set():
             work(1)
-        thread.join()
-        return box["t"] / n_comm, t_mm
+        return t_mm
 
     out = {}
     big = stretch_at or large
     for nbytes, calls in ((small, 16), (big, 4)):  # the small one's wait is a scheduler's: more calls
         fn = comm_of(nbytes)
-        pairs = [(alone(fn, calls) / calls, beside_compute(fn, calls)[0]) for _ in range(2 * reps)]  # interleaved
+        pairs = [(alone(fn, calls) / calls, beside_compute(fn, calls)) for _ in range(2 * reps)]  # interleaved
         out[nbytes] = tuple(statistics.median(p[i] for p in pairs) for i in (0, 1))
     (s_a, s_c), (l_a, l_c) = out[small], out[big]
     extra = max(0.0, s_c - s_a)  # the small collective's added time: a wait per call
@@ -123,7 +144,8 @@ def _contention(comm_of, small: int, large: int, reps: int, stretch_at: int = 0)
     fn = comm_of(large)
     n_mm = max(1, int(0.5 * 8 * l_c * large / big / max(_timed(lambda: work(3)) / 3, 1e-6)))
     t_mm = statistics.median(alone(lambda: work(n_mm)) for _ in range(3))
-    slow = statistics.median(beside_compute(fn, 8, n_mm)[1] / t_mm for _ in range(reps))
+    slow = statistics.median(loop_beside_compute(fn, 8, n_mm) / t_mm for _ in range(reps))
+    jobs.put(None)
     return max(1.0, slow), stretch, extra
 
 
