@@ -347,11 +347,9 @@ def add_fsdp2_comm(calib: dict, reps: int = 7, sizes_mib=SIZES_MIB, launches: in
 
 def _issue_rank(rank, two_tier: bool, reps: int) -> float:
     """Seconds of the compute thread per collective through hpf's own comm (TieredComm on shared
-    memory, or BucketComm on gloo), the tiny GPT's buckets, every rank running a one-block GPT's
-    forward and backward between issue and wait, as a step overlaps a collective with a unit's
-    compute: the issue and wait calls, and what the comm threads take from compute (GIL handoffs,
-    cores). Comm vs no comm, interleaved; the slowest rank's median. (Fifty small matmuls between
-    calls, over before the collective, read 0.05-0.2 ms where a real tiny step lost 0.3-0.8 ms.)"""
+    memory, or BucketComm on gloo), the tiny GPT's buckets, every rank computing small Python-heavy
+    ops between issue and wait as a small model's step does: the issue and wait calls, and what the
+    comm threads take from compute (GIL, cores). Comm vs no comm, interleaved; the slowest rank's median."""
     import hpf
 
     w = dist.get_world_size()
@@ -364,13 +362,12 @@ def _issue_rank(rank, two_tier: bool, reps: int) -> float:
     bufs = [(b.index, comm.full_buffer(b.index, torch.float32), torch.randn(b.padded_numel // b.shard_size),
              comm.grad_buffer(b.index, torch.float32), torch.empty(b.padded_numel // b.shard_size))
             for b in step.plan.buckets]
-    block = dataclasses.replace(cfg, n_layers=1)
-    params = gpt.init(block, torch.Generator().manual_seed(1))
-    leaves = [p.requires_grad_() for p in torch.utils._pytree.tree_leaves(params)]
-    data, loss_fn = gpt.global_batch(block, 4, 0, 0), gpt.loss_for(block)
+    a = torch.randn(cfg.d_model, cfg.d_model)
 
     def compute():
-        torch.autograd.grad(loss_fn(params, data), leaves)
+        x = a
+        for _ in range(50):
+            x = torch.tanh(x @ a)
 
     def loop(with_comm: bool) -> float:  # compute-thread seconds outside waits, per collective
         busy = 0.0
