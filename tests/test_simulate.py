@@ -101,6 +101,15 @@ def test_cli_simulate_sweep_and_errors(capsys):
     assert "unknown hardware" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text,says", [("not json", "JSONDecodeError"), ('{"links": {}}', "'peak_flops'")])
+def test_cli_simulate_names_a_file_that_is_not_a_calibration(text, says, capsys, tmp_path):
+    path = tmp_path / "calib.json"
+    path.write_text(text)
+    assert cli.main(["simulate", "--config", "tiny", "--mesh", "dp=2", "--hardware", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path} is not a calibration" in err and says in err and "hpf.sim.calibrate --out" in err
+
+
 def test_plan_points_to_simulate(capsys):
     assert cli.main(["plan", "--config", "tiny", "--mesh", "node=2,local=2"]) == 0
     assert "hpf simulate --config tiny --mesh node=2,local=2" in capsys.readouterr().out

@@ -213,12 +213,16 @@ def _link(d: dict | None) -> Link | None:
 def load_calibration(path: str | os.PathLike, transport: str = "shm") -> Hardware:
     """The ``local-cpu`` Hardware of a calibration file. The fast tier is shared memory
     (``transport="shm"``, what hpf's two-tier collectives use on one host) or gloo ("gloo")."""
-    with open(path) as f:
-        c = json.load(f)
-    links = {k: {int(w): _link(v) for w, v in per.items()} for k, per in c["links"].items()}
-    return Hardware(
-        name="local-cpu", peak_flops=c["peak_flops"], efficiency=c["efficiency"], mem_bw=c["mem_bw"],
-        fast=links[transport], slow=links["gloo"], fast_domain=0, shared_links=True,
-        kernel_overhead_s=c.get("kernel_overhead_s", 0.0), fsdp2_unit_overhead_s=c.get("fsdp2_unit_overhead_s", 0.0),
-        cores=c.get("cores", 0), compute=c.get("compute", {}),
-        notes=(f"calibrated on {c.get('host', '?')} at {c.get('when', '?')}",))
+    try:
+        with open(path) as f:
+            c = json.load(f)
+        links = {k: {int(w): _link(v) for w, v in per.items()} for k, per in c["links"].items()}
+        return Hardware(
+            name="local-cpu", peak_flops=c["peak_flops"], efficiency=c["efficiency"], mem_bw=c["mem_bw"],
+            fast=links[transport], slow=links["gloo"], fast_domain=0, shared_links=True,
+            kernel_overhead_s=c.get("kernel_overhead_s", 0.0), fsdp2_unit_overhead_s=c.get("fsdp2_unit_overhead_s", 0.0),
+            cores=c.get("cores", 0), compute=c.get("compute", {}),
+            notes=(f"calibrated on {c.get('host', '?')} at {c.get('when', '?')}",))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # not JSON, or not a calibration's fields
+        raise ValueError(f"{path} is not a calibration written by hpf.sim.calibrate ({type(e).__name__}: {e}); "
+                         "make one with `python -m hpf.sim.calibrate --out calib.json`") from e
