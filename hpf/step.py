@@ -166,7 +166,6 @@ class ShardStep:
         eng = self.engine
         grads = self.grad_shards
         opt_s = [0.0]
-        update_buckets = None
         norms: list = [None] * len(grads)
         applied = [0, False]  # buckets updated during backward; whether a non-finite unit halted updates
         if self.overlap_optimizer:
@@ -188,6 +187,8 @@ class ShardStep:
                     update[0](buckets, grads)
                     applied[0] += len(buckets)
                 opt_s[0] += time.perf_counter() - t
+        else:
+            update_buckets = None
         eng.drop_held()
         losses, auxes = [], []
         self._micro_scale = 1.0 / len(micro)
