@@ -322,8 +322,8 @@ def test_calibration_sizes_cover_the_models_largest_bucket():
     assert medium[:len(SIZES_MIB)] == SIZES_MIB and medium[-2] < 190 <= medium[-1]
 
 
-@pytest.mark.parametrize("run", ["", "second_run"])
-def test_the_committed_validation_is_of_the_committed_model(run):
+@pytest.mark.parametrize("run,cases", [("", 17), ("second_run", 17), ("tiny_runs/1", 7), ("tiny_runs/2", 7)])
+def test_the_committed_validation_is_of_the_committed_model(run, cases):
     """``--repredict`` replays docs/simulate/validation (no processes): every case's predicted step
     time and exposed share from its rounds' calibrations must be what the run predicted, or the
     README's table is of another model."""
@@ -335,7 +335,7 @@ def test_the_committed_validation_is_of_the_committed_model(run):
     out = subprocess.run([sys.executable, "simulate_vs_measured.py", "--repredict", str(root / "docs/simulate/validation" / run)],
                          cwd=root / "benchmarks", capture_output=True, text=True, timeout=300, check=True).stdout
     rows = [line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0].count("/") >= 2]
-    assert len(rows) == 17
+    assert len(rows) == cases
     for case, then, now, _, _, then_exposed, now_exposed, _ in rows:
         assert float(now) == pytest.approx(float(then), rel=1e-6), case
         assert float(now_exposed.rstrip("%")) == pytest.approx(float(then_exposed.rstrip("%")), abs=1e-4), case
