@@ -493,7 +493,9 @@ def _at_least_one(text: str) -> int:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description="Calibrate hpf simulate's local-cpu profile on this machine (links, "
+                                 "compute, contention, overheads); about 3 minutes with the defaults on 2 cores. "
+                                 "Use the file as: hpf simulate --hardware FILE")
     ap.add_argument("--out", help="JSON file to write")
     ap.add_argument("--update", metavar="JSON", help="only measure the terms this calibration file lacks "
                     "(issue_s, FSDP2's collectives, gloo's overlap): a minute, not a full calibration; "
