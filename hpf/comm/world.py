@@ -13,8 +13,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["is_distributed", "rank", "world_size", "backend", "all_reduce", "all_gather_object",
-           "exchange", "wait_all"]
+__all__ = ["is_distributed", "rank", "world_size", "backend", "store", "timeout_s", "all_reduce",
+           "all_gather_object", "exchange", "wait_all"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -37,6 +37,25 @@ def world_size() -> int:
 def backend() -> str | None:
     """The default group's backend ("gloo", "nccl", ...), or None without a process group."""
     return dist.get_backend() if is_distributed() else None
+
+
+def store() -> dist.Store | None:
+    """The default group's key-value store (rendezvous), or None without a process group."""
+    if not is_distributed():
+        return None
+    return dist.distributed_c10d._get_default_store()
+
+
+def timeout_s() -> float:
+    """The default group's collective timeout in seconds (30 minutes, torch's default, if unknown)."""
+    if is_distributed():
+        pg = dist.distributed_c10d._get_default_group()
+        for device in ("cpu", "cuda", "npu"):
+            try:
+                return pg._get_backend(torch.device(device)).options._timeout.total_seconds()
+            except (RuntimeError, AttributeError):
+                continue
+    return 1800.0
 
 
 def all_reduce(tensor: torch.Tensor, group=None, op: str = "sum") -> None:

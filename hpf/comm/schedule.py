@@ -1,0 +1,211 @@
+"""The cross-rank schedule: what collectives a rank issued, and the check that ranks agree.
+
+hpf's invariant is that every collective a rank issues follows from the sequence of reads the
+loss function makes and from the step's fixed phases; that sequence is the same on every rank
+because the loss function is SPMD. Local facts (references, gc, timing) never decide a
+collective. This module turns a broken invariant (a rank-dependent read, a save that one rank
+skips) into :class:`ScheduleMismatchError` on every rank, instead of a hang or a silent mix-up:
+
+- ``LOG.record(kind, subject, n)`` notes each collective in issue order, cheaply (a tuple and
+  a cached hash), with what it means (``kind``: "all-gather", ...; ``subject``: a unit path).
+- ``LOG.digest()`` hashes what was recorded since its last call. The step sends it in its one
+  per-step all-reduce, so ranks whose collectives paired up but meant different things (two
+  equal-size units) find out before any update (:func:`check_digests`).
+- ``wait(handle)`` waits for a collective. Past ``SUSPECT_S`` it publishes this rank's recent
+  log in the process group's store; once every rank waits, each compares all the logs and
+  raises ScheduleMismatchError naming the first collective they disagree on. Logs that agree
+  (a slow link, a slow peer) just go on waiting, up to the timeout.
+"""
+from __future__ import annotations
+
+import datetime
+import pickle
+import time
+import zlib
+from collections import deque
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from . import world
+
+__all__ = ["ScheduleMismatchError", "LOG", "ScheduleLog", "wait", "wait_all", "check_digests",
+           "digest_parts", "rendezvous", "SUSPECT_S"]
+
+#: Seconds a wait lasts before this rank asks whether the ranks disagree.
+SUSPECT_S = 5.0
+_POLL_S = 0.2
+_KEEP = 2048  # events kept for the report (the digest covers all of them)
+_MASK = (1 << 51) - 1  # 3 x 17 bits: see digest_parts
+_PREFIX = "hpf/schedule/"
+
+
+class ScheduleMismatchError(RuntimeError):
+    """Ranks issued different collectives: the loss function read different units on
+    different ranks, or one rank skipped a collective call (a save, ``full_params``) the
+    others made. Raised on every rank, before any update; the job cannot go on."""
+
+
+class ScheduleLog:
+    """The collectives this process issued, in order (see the module doc)."""
+
+    def __init__(self):
+        self.seq = 0
+        self.step = 0  # which step's schedule this is (advanced by each digest)
+        self.events: deque = deque(maxlen=_KEEP)  # (seq, step, kind, subject, n)
+        self._hash = 0
+        self._codes: dict[tuple, int] = {}
+
+    def record(self, kind: str, subject: str, n: int = 0) -> None:
+        """One collective this rank issues now; (kind, subject, n) must mean the same on every rank."""
+        key = (kind, subject, n)
+        code = self._codes.get(key)
+        if code is None:
+            code = self._codes[key] = zlib.crc32(repr(key).encode())
+        self.seq += 1
+        self._hash = ((self._hash ^ code) * 0x100000001B3 + self.seq) & _MASK
+        self.events.append((self.seq, self.step, kind, subject, n))
+
+    def digest(self) -> int:
+        """A hash of what was recorded since the last digest (then starts the next step's)."""
+        h, self._hash = self._hash, 0
+        self.step += 1
+        return h
+
+    def snapshot(self) -> dict:
+        return {"rank": world.rank(), "events": list(self.events)}
+
+
+#: The process's one log: every engine, save and gather records here, so ranks compare one sequence.
+LOG = ScheduleLog()
+
+
+def describe(event: tuple | None) -> str:
+    if event is None:
+        return "nothing (it had not reached that collective)"
+    seq, step, kind, subject, n = event
+    detail = f" #{n}" if n else ""
+    return f"{kind} {subject}{detail} (collective {seq}, step {step + 1})"
+
+
+# -- the per-step digest check ---------------------------------------------------------------------------
+def digest_parts(h: int) -> list[float]:
+    """A 51-bit digest as (part, part^2) x 3 in float64, for a SUM all-reduce: the parts sum
+    exactly (17 bits, up to 2^19 ranks), and n * sum(x^2) == sum(x)^2 iff every rank sent the
+    same x (Cauchy-Schwarz), so one all-reduce checks agreement beside the step's sums."""
+    parts = [(h >> s) & 0x1FFFF for s in (0, 17, 34)]
+    return [float(v) for p in parts for v in (p, p * p)]
+
+
+def parts_agree(sums: list[float], n: int) -> bool:
+    """Whether summed ``digest_parts`` came from ``n`` equal digests."""
+    return all(n * int(sums[i + 1]) == int(sums[i]) ** 2 for i in range(0, len(sums), 2))
+
+
+def check_digests(agreed: bool, what: str = "collectives") -> None:
+    """After the step's all-reduce of ``digest_parts``: raise ScheduleMismatchError on every rank
+    if the digests differed, naming the first collective the ranks' logs disagree on. Every rank
+    calls it (``agreed`` is the same everywhere), so the log exchange is safe."""
+    if agreed:
+        return
+    logs = world.all_gather_object(LOG.snapshot())
+    raise ScheduleMismatchError(_report(logs) or f"the ranks' {what} this step differ (their digests disagree), "
+                                                 "but the recent logs hold no difference; the loss function must "
+                                                 "read the same units in the same order on every rank")
+
+
+# -- waiting, with a diagnosis when a wait lasts --------------------------------------------------------------
+def _wait_for(handle: Any, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s``; True if the collective is done (its own error re-raised)."""
+    if isinstance(handle, dist.Work):
+        try:
+            handle.wait(datetime.timedelta(seconds=timeout_s))
+            return True
+        except RuntimeError:
+            if handle.is_completed():
+                raise
+            return False
+    return handle.wait(timeout_s)
+
+
+def wait(handle: Any, what: Callable[[], str] | str = "a collective", timeout_s: float | None = None) -> None:
+    """Wait for one collective; a long wait is checked against the other ranks (module doc).
+
+    ``timeout_s`` (None: the process group's timeout) ends the wait with TimeoutError naming
+    ``what`` and the ranks that never waited alongside (dead, hung or busy elsewhere)."""
+    if _wait_for(handle, SUSPECT_S):
+        return
+    store = world.store()
+    n = world.world_size()
+    if timeout_s is None:
+        timeout_s = world.timeout_s()
+    deadline = time.monotonic() + max(timeout_s - SUSPECT_S, 0.0)
+    published = False
+    compared = None
+    try:
+        if store is not None and n > 1:
+            store.set(f"{_PREFIX}{world.rank()}", pickle.dumps(LOG.snapshot()))
+            store.add(_PREFIX + "waiting", 1)
+            published = True
+        while True:
+            if _wait_for(handle, _POLL_S):
+                return
+            if published:
+                waiting = store.add(_PREFIX + "waiting", 0)
+                if waiting >= n and waiting != compared:
+                    compared = waiting
+                    logs = [pickle.loads(v) for v in store.multi_get([f"{_PREFIX}{r}" for r in range(n)])]
+                    report = _report(logs)
+                    if report:
+                        published = False  # (leave the count: the peers are raising too)
+                        raise ScheduleMismatchError(report)
+            if time.monotonic() > deadline:
+                label = what() if callable(what) else what
+                raise TimeoutError(
+                    f"hpf: {label} did not finish within {timeout_s:g} s. The ranks that waited agree on every "
+                    "collective so far; a peer rank died, hangs, or is stuck outside hpf's collectives")
+    finally:
+        if published:
+            store.add(_PREFIX + "waiting", -1)
+
+
+def rendezvous(kind: str, subject: str = "", group=None) -> None:
+    """Every rank meets here, recorded, before a collective call does its own traffic.
+
+    A call that one rank skips (rank 0 alone calling ``step.save``) then leaves the others
+    waiting at this barrier, and that wait names the mismatch (``wait``) within seconds."""
+    LOG.record(kind, subject)
+    if world.world_size() > 1:
+        wait(dist.barrier(group=group, async_op=True), f"{kind} {subject}".strip())
+
+
+def wait_all(handles, what: Callable[[], str] | str = "collectives") -> None:
+    for h in handles:
+        wait(h, what)
+
+
+def _report(logs: list[dict]) -> str | None:
+    """The first collective on which two ranks' logs differ, in words; None if they agree
+    wherever they overlap (a rank that is only behind is not a mismatch)."""
+    by_rank = {log["rank"]: {e[0]: e for e in log["events"]} for log in logs}
+    common = set.intersection(*(set(ev) for ev in by_rank.values())) if by_rank else set()
+    for seq in sorted(common):
+        events = {r: ev[seq][1:] for r, ev in by_rank.items()}
+        if len(set(events.values())) > 1:
+            return _mismatch(seq, {r: ev[seq] for r, ev in by_rank.items()})
+    return None
+
+
+def _mismatch(seq: int, events: dict[int, tuple | None]) -> str:
+    groups: dict[str, list[int]] = {}
+    for r, e in sorted(events.items()):
+        groups.setdefault(describe(e), []).append(r)
+    said = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_ranks(rs)}: {d}" for d, rs in groups.items())
+    return (f"ranks disagree on collective {seq}: {said}. Every rank must issue the same collectives in the same "
+            "order: the loss function must read the same units in the same order on every rank (a rank-dependent "
+            "read or branch breaks that), and collective calls (step, step.save, step.full_params, step.restore) "
+            "must be made by every rank")
+
+
+def _ranks(rs: list[int]) -> str:
+    return ", ".join(map(str, rs)) if len(rs) <= 8 else f"{rs[0]}-{rs[-1]} ({len(rs)} ranks)"

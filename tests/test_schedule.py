@@ -1,0 +1,72 @@
+"""The cross-rank schedule check (hpf.comm.schedule): ranks that issue different collectives get
+ScheduleMismatchError naming the first difference, on every rank, within seconds; ranks that only
+run at different speeds never do."""
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hpf.comm import schedule
+from hpf.launcher import launch
+
+
+def _mismatched_ops(rank):
+    t0 = time.monotonic()
+    schedule.rendezvous("warm-up")
+    if rank == 0:
+        schedule.LOG.record("all-gather", "blocks/1", 7)
+        handle = dist.all_gather_single(torch.empty(20), torch.ones(10), async_op=True)
+    else:
+        schedule.LOG.record("all-reduce", "totals")
+        handle = dist.all_reduce(torch.ones(3), async_op=True)
+    try:
+        schedule.wait(handle)
+    except schedule.ScheduleMismatchError as e:
+        return str(e), time.monotonic() - t0
+    return None, time.monotonic() - t0
+
+
+def _slow_peer(rank):
+    schedule.rendezvous("warm-up")
+    if rank == 1:
+        time.sleep(schedule.SUSPECT_S + 2)  # rank 0 waits past the suspicion point, then the peer arrives
+    schedule.rendezvous("late")
+    x = torch.full((4,), float(rank))
+    schedule.LOG.record("all-reduce", "x")
+    schedule.wait(dist.all_reduce(x, async_op=True))
+    return x.tolist()
+
+
+@pytest.mark.slow
+def test_mismatched_collectives_name_the_difference_on_every_rank_within_seconds():
+    for message, seconds in launch(_mismatched_ops, 2, timeout=120):
+        assert message is not None and seconds < 30
+        assert "collective 2" in message and "rank 0: all-gather blocks/1 #7" in message
+        assert "rank 1: all-reduce totals" in message
+
+
+@pytest.mark.slow
+def test_a_slow_peer_is_not_a_mismatch():
+    assert launch(_slow_peer, 2, timeout=120) == [[1.0] * 4, [1.0] * 4]
+
+
+def test_digest_parts_detect_any_single_difference():
+    log = schedule.ScheduleLog()
+    for unit in ("blocks/0", "blocks/1"):
+        log.record("all-gather", unit)
+    same = schedule.digest_parts(log.digest())
+    other = schedule.ScheduleLog()
+    for unit in ("blocks/0", "blocks/2"):
+        other.record("all-gather", unit)
+    diff = schedule.digest_parts(other.digest())
+    sums = lambda parts: [sum(p) for p in zip(*parts)]  # noqa: E731 - what a SUM all-reduce gives
+    assert schedule.parts_agree(sums([same, same, same]), 3)
+    assert not schedule.parts_agree(sums([same, same, diff]), 3)
+
+
+def test_report_ignores_a_rank_that_is_only_behind():
+    ev = [(1, 0, "all-gather", "blocks/0", 0), (2, 0, "all-gather", "blocks/1", 0)]
+    assert schedule._report([{"rank": 0, "events": ev}, {"rank": 1, "events": ev[:1]}]) is None
+    other = ev[:1] + [(2, 0, "all-gather", "blocks/2", 0)]
+    assert "rank 1: all-gather blocks/2" in schedule._report([{"rank": 0, "events": ev}, {"rank": 1, "events": other}])
