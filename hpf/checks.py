@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 from . import tree as tree_util
+from .comm import schedule
+from .comm.schedule import LOG
 
 __all__ = ["NonFiniteError", "DonatedStateError", "ParamsMismatchError", "UnevenBatchError", "CATALOGUE",
            "clean_params", "check_same_on_all_ranks", "check_rate", "check_max_grad_norm", "as_axes",
@@ -181,6 +183,8 @@ class BatchAgreement:
         bad = (~torch.isfinite(loss.detach())).reshape(1).long()
         h = hash(tuple(self.shapes))  # tuples of ints hash the same in every process
         self.flags = torch.cat([torch.tensor([h, ~h], dtype=torch.int64, device=bad.device), bad])
+        if world:
+            LOG.record("all-reduce", "the batch agreement")
         self.work = dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, async_op=True) if world else None
         self.result: bool | None = None
 
@@ -189,7 +193,7 @@ class BatchAgreement:
         (every rank raises, together; a second call raises the same error again)."""
         if self.result is None:
             if self.work is not None:
-                self.work.wait()
+                schedule.wait(self.work, "the batch agreement")
             hi, lo, nonfinite = self.flags.tolist()
             self.result = _uneven(self.shapes) if hi != ~lo else not nonfinite
         if isinstance(self.result, Exception):

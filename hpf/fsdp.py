@@ -28,6 +28,8 @@ import torch
 
 from . import tree as tree_util
 from .trace import Ranges, span
+from .comm import schedule
+from .comm.schedule import LOG
 from .comm.transport import DONE, UnitComm, is_done
 from .planning import ROOT, Plan, _unit_names
 
@@ -407,6 +409,7 @@ class UnitEngine:
             self._extra(unit)
         self._seen.add(unit)
         handles = []
+        LOG.record("all-gather", unit)
         with span("hpf/gather", unit):
             for b in self.unit_buckets[unit]:
                 st = self.full[b].untyped_storage()
@@ -569,6 +572,7 @@ class UnitEngine:
         self._next[unit] = _snapshot(self._masters, self.unit_buckets[unit])
 
     def _reduce_flat(self, b: int, flat: torch.Tensor) -> Any:
+        LOG.record("reduce-scatter", self.plan.buckets[b].unit, b)
         with span("hpf/reduce-scatter bucket", b):
             handle = self.comm.reduce(b, self.grad_shards[b], flat)
         if not self.pipeline:
@@ -581,7 +585,7 @@ class UnitEngine:
         t = time.perf_counter()
         with span(what):
             for h in handles:
-                h.wait()
+                schedule.wait(h, what)
         self.wait_s += time.perf_counter() - t
 
     def finish(self) -> None:

@@ -19,7 +19,9 @@ import torch.distributed as dist
 from . import checks
 from . import tree as tree_util
 from .checks import DonatedStateError, NonFiniteError
+from .comm import schedule
 from .comm.collectives import SPMD, gather_dim0, spmd
+from .comm.schedule import LOG
 from .comm.flat import BucketComm
 from .comm.tiered import TieredComm, Topology
 from .device import default_device
@@ -227,7 +229,8 @@ class ShardStep:
                                + [v.detach().float().reshape(-1).to(sq.device) for v in aux.values()])
         if dist.is_initialized() and self.mesh.size > 1:
             with span("hpf/all-reduce loss and grad norm"):
-                dist.all_reduce(totals)
+                LOG.record("all-reduce", "the step's loss and grad norm")
+                schedule.wait(dist.all_reduce(totals, async_op=True), "the step's all-reduce")
             totals[0] /= self.mesh.size
         mean_loss, grad_norm = float(totals[0]), float(totals[1].sqrt())
         if not math.isfinite(grad_norm):

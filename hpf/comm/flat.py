@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ..planning import Plan
 from .cost import bucket_comm_bytes, count_bytes
-from .transport import DONE, Handle, is_done, reduce_scatter_async
+from .transport import DONE, Handle, is_done, reduce_scatter_async, wait_for
 
 __all__ = ["BucketComm"]
 
@@ -27,13 +27,14 @@ class _Chain:
 
     def _start_second(self) -> None:
         if self.second is None:
-            self.first.wait()
+            wait_for(self.first)
             self.second = self.then()
 
-    def wait(self) -> bool:
+    def wait(self, timeout: float | None = None) -> bool:
+        if self.second is None and not wait_for(self.first, timeout):
+            return False
         self._start_second()
-        self.second.wait()
-        return True
+        return wait_for(self.second, timeout)
 
     def done(self) -> bool:
         if self.second is None and not is_done(self.first):

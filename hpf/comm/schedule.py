@@ -18,7 +18,6 @@ skips) into :class:`ScheduleMismatchError` on every rank, instead of a hang or a
 """
 from __future__ import annotations
 
-import datetime
 import pickle
 import time
 import zlib
@@ -28,6 +27,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from . import world
+from .transport import wait_for
 
 __all__ = ["ScheduleMismatchError", "LOG", "ScheduleLog", "wait", "wait_all", "check_digests",
            "digest_parts", "rendezvous", "SUSPECT_S"]
@@ -115,25 +115,12 @@ def check_digests(agreed: bool, what: str = "collectives") -> None:
 
 
 # -- waiting, with a diagnosis when a wait lasts --------------------------------------------------------------
-def _wait_for(handle: Any, timeout_s: float) -> bool:
-    """Wait up to ``timeout_s``; True if the collective is done (its own error re-raised)."""
-    if isinstance(handle, dist.Work):
-        try:
-            handle.wait(datetime.timedelta(seconds=timeout_s))
-            return True
-        except RuntimeError:
-            if handle.is_completed():
-                raise
-            return False
-    return handle.wait(timeout_s)
-
-
 def wait(handle: Any, what: Callable[[], str] | str = "a collective", timeout_s: float | None = None) -> None:
     """Wait for one collective; a long wait is checked against the other ranks (module doc).
 
     ``timeout_s`` (None: the process group's timeout) ends the wait with TimeoutError naming
     ``what`` and the ranks that never waited alongside (dead, hung or busy elsewhere)."""
-    if _wait_for(handle, SUSPECT_S):
+    if wait_for(handle, SUSPECT_S):
         return
     store = world.store()
     n = world.world_size()
@@ -148,7 +135,7 @@ def wait(handle: Any, what: Callable[[], str] | str = "a collective", timeout_s:
             store.add(_PREFIX + "waiting", 1)
             published = True
         while True:
-            if _wait_for(handle, _POLL_S):
+            if wait_for(handle, _POLL_S):
                 return
             if published:
                 waiting = store.add(_PREFIX + "waiting", 0)

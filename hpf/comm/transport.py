@@ -17,6 +17,7 @@ that; shared memory sends nothing on a wire, but a peer reads the same amount.)
 """
 from __future__ import annotations
 
+import datetime
 from collections import Counter
 from typing import Protocol, Union, runtime_checkable
 
@@ -25,7 +26,8 @@ import torch.distributed as dist
 
 from .cost import ring_bytes
 
-__all__ = ["Transport", "ProcessGroupTransport", "UnitComm", "Handle", "DONE", "is_done", "reduce_scatter_async"]
+__all__ = ["Transport", "ProcessGroupTransport", "UnitComm", "Handle", "DONE", "is_done", "wait_for",
+           "reduce_scatter_async"]
 
 REDUCE_OPS = ("sum", "mean")
 
@@ -63,7 +65,9 @@ class Transport(Protocol):
 class _Pollable(Protocol):
     """A collective in flight (hpf's own handles)."""
 
-    def wait(self) -> bool: ...
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until done (None) or at most ``timeout`` s; True if done (its error re-raised)."""
+        ...
 
     def done(self) -> bool: ...
 
@@ -76,7 +80,7 @@ Handle = Union[_Pollable, dist.Work]
 class _Done:
     """A finished collective: lets single-rank groups skip communication with one code path."""
 
-    def wait(self) -> bool:
+    def wait(self, timeout: float | None = None) -> bool:
         return True
 
     def done(self) -> bool:
@@ -89,6 +93,24 @@ DONE = _Done()
 def is_done(handle: Handle) -> bool:
     """Whether a collective handle (ours, or a torch.distributed Work) has finished; never blocks."""
     return handle.done() if hasattr(handle, "done") else handle.is_completed()
+
+
+def wait_for(handle: Handle, timeout: float | None = None) -> bool:
+    """Wait for any handle, at most ``timeout`` s (None: until done); True if it is done, and
+    then its error, if it failed, is raised. A torch.distributed Work that is still running
+    after a timed wait stays valid: waiting again picks it up."""
+    if not isinstance(handle, dist.Work):
+        return handle.wait(timeout)
+    if timeout is None:
+        handle.wait()
+        return True
+    try:
+        handle.wait(datetime.timedelta(seconds=timeout))
+        return True
+    except RuntimeError:
+        if handle.is_completed():
+            raise
+        return False
 
 
 class _SumOnArrival:
@@ -111,8 +133,9 @@ class _SumOnArrival:
                 out.add_(s)
             self.recv = None
 
-    def wait(self) -> bool:
-        self.work.wait()
+    def wait(self, timeout: float | None = None) -> bool:
+        if not wait_for(self.work, timeout):
+            return False
         self._finish()
         return True
 
