@@ -46,7 +46,7 @@ CATEGORIES = ("compute", "python", "engine", "wait all-gather", "wait reduce-sca
               "barrier", "optimizer", "copies")
 # hpf range name (its first words) -> category; "hpf/forward"/"hpf/backward" split into compute/python.
 KIND = {"hpf/wait all-gather": "wait all-gather", "hpf/wait reduce-scatter": "wait reduce-scatter",
-        "hpf/all-reduce loss and grad norm": "wait all-reduce", "hpf/wait agreement": "barrier",
+        "hpf/all-reduce the step's totals": "wait all-reduce",
         "hpf/optimizer": "optimizer", "hpf/grad norm": "optimizer", "hpf/copy grads": "copies",
         "hpf/cast shards": "copies"}
 CONTENDERS = {"flat": None, "shm": Topology(fast_transport="shm")}

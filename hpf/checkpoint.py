@@ -181,8 +181,8 @@ def _opt_layouts(step) -> dict[str, set | None]:
     the params it packs. DistMuon keeps AdamW's second moment for its AdamW params only."""
     from .optim.dist_muon import DistMuon, _meta
 
-    if isinstance(step._opt, DistMuon):
-        adamw = {p for p, s in step.plan.slots.items() if not step._opt.muon.on_muon(p, _meta(s))}
+    if isinstance(step.plan_optimizer, DistMuon):
+        adamw = {p for p, s in step.plan.slots.items() if not step.plan_optimizer.muon.on_muon(p, _meta(s))}
         return {"exp_avg": None, "exp_avg_sq": adamw}
     return {}
 
@@ -240,7 +240,7 @@ def _unskeleton(node: Any, leaves: dict[str, torch.Tensor]) -> Any:
 
 def _header(step, sd: dict) -> dict:
     plan = step.plan
-    return {"format": "hpf-dcp", "version": VERSION, "optimizer": type(step._opt).__name__,
+    return {"format": "hpf-dcp", "version": VERSION, "optimizer": type(step.plan_optimizer).__name__,
             "tree": _skeleton(plan.tree({p: torch.empty(0) for p in plan.slots})),
             "tensors": {k: [list(v.shape if isinstance(v, _Chunks) else v.shape), str(v.dtype)]
                         for k, v in sd.items() if isinstance(v, (_Chunks, torch.Tensor))}}
@@ -442,9 +442,9 @@ def restore(step, path, state=None) -> tuple[Any, Any]:
     error = None
     try:
         header, metadata = _read_header(path)
-        if header["optimizer"] != type(step._opt).__name__:
+        if header["optimizer"] != type(step.plan_optimizer).__name__:
             raise CheckpointError(f"{path}: saved with optimizer {header['optimizer']}, restoring into "
-                                  f"{type(step._opt).__name__}; use the same optimizer")
+                                  f"{type(step.plan_optimizer).__name__}; use the same optimizer")
         _check(path, metadata, sd)
     except CheckpointError as e:
         error = e

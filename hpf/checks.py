@@ -2,27 +2,22 @@
 and its message names the parameter path (or argument) and the fix.
 
 The catalogue of what is caught, and what is accepted and handled instead, is
-:data:`CATALOGUE` (the README's troubleshooting table is generated from it). The checks that
-run every step cost one small all-reduce that overlaps backward (batch shapes and the loss's
-finiteness, decided together by every rank) and one norm per unit; the rest run once, at
-``init`` or when an argument is given.
+:data:`CATALOGUE` (the README's troubleshooting table is generated from it). The per-step
+checks ride in the step's one all-reduce (hpf.step: finiteness, batch shapes, the schedule
+digest); the ones here run once, at ``init`` or when an argument is given.
 """
 from __future__ import annotations
 
 import math
 from typing import Any, Sequence
 
-import optree
 import torch
 import torch.distributed as dist
 
 from . import tree as tree_util
-from .comm import schedule
-from .comm.schedule import LOG
 
 __all__ = ["NonFiniteError", "DonatedStateError", "ParamsMismatchError", "UnevenBatchError", "CATALOGUE",
-           "clean_params", "check_same_on_all_ranks", "check_rate", "check_max_grad_norm", "as_axes",
-           "cast_batch", "BatchAgreement", "finite_or_none"]
+           "clean_params", "check_same_on_all_ranks", "check_rate", "as_axes", "finite_or_none"]
 
 
 class NonFiniteError(FloatingPointError):
@@ -152,65 +147,11 @@ def check_rate(value: float, what: str, step: int | None = None) -> float:
     return value
 
 
-def check_max_grad_norm(value: float | None) -> None:
-    if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise ValueError(f"max_grad_norm={value!r}: must be a finite number > 0, or None for no clipping")
-
-
 def as_axes(axes: str | Sequence[str] | None) -> tuple[str, ...] | None:
     """Axis names as a tuple; a string is one axis name (not its characters)."""
     if axes is None:
         return None
     return (axes,) if isinstance(axes, str) else tuple(axes)
-
-
-# -- per step -------------------------------------------------------------------------------------------------
-def cast_batch(batch: Any, dtype: torch.dtype) -> Any:
-    """Floating batch leaves in the compute dtype, as FSDP2's MixedPrecisionPolicy casts forward inputs."""
-    return optree.tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
-                           batch, none_is_leaf=True)
-
-
-class BatchAgreement:
-    """Whether every rank's loss is finite and every local batch has the same shapes, decided
-    together by one 3-element all-reduce, started before backward and awaited (``ok()``)
-    before the first update: it overlaps backward, and a hung peer still surfaces in the
-    step's own collectives and their timeouts."""
-
-    def __init__(self, batch: Any, loss: torch.Tensor, world: bool):
-        self.shapes = [tuple(x.shape) for x in optree.tree_leaves(batch, none_is_leaf=True)
-                       if isinstance(x, torch.Tensor)]
-        bad = (~torch.isfinite(loss.detach())).reshape(1).long()
-        h = hash(tuple(self.shapes))  # tuples of ints hash the same in every process
-        self.flags = torch.cat([torch.tensor([h, ~h], dtype=torch.int64, device=bad.device), bad])
-        if world:
-            LOG.record("all-reduce", "the batch agreement")
-        self.work = dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, async_op=True) if world else None
-        self.result: bool | None = None
-
-    def ok(self) -> bool:
-        """True if the loss is finite on every rank; UnevenBatchError if local batch shapes differ
-        (every rank raises, together; a second call raises the same error again)."""
-        if self.result is None:
-            if self.work is not None:
-                schedule.wait(self.work, "the batch agreement")
-            hi, lo, nonfinite = self.flags.tolist()
-            self.result = _uneven(self.shapes) if hi != ~lo else not nonfinite
-        if isinstance(self.result, Exception):
-            raise self.result
-        return self.result
-
-
-def _uneven(shapes: list) -> UnevenBatchError:
-    """The error, from this rank's shapes alone: ``ok()`` runs at the first landed reduction,
-    a moment that differs across ranks, so a collective here (it once all-gathered every rank's
-    shapes) could pair with another rank's reduction and hang."""
-    return UnevenBatchError(
-        f"local batches differ in shape across ranks (this rank {dist.get_rank()}'s leaf shapes: {shapes}; the "
-        "all-reduced shape hashes disagree). The loss is the mean "
-        "of the ranks' local means, which is the global mean only for equal local batches. Split the global "
-        "batch evenly (drop or pad the remainder); for ragged data, pad and mask, and divide the masked sum "
-        "by the global count (hpf.psum of the local counts)")
 
 
 def finite_or_none(record: dict) -> dict:

@@ -20,7 +20,7 @@ from .report import PlanReport
 from .spec import IndivisibleSpecError, P, SpecError, resolve_specs
 from .tree import ROOT
 
-__all__ = ["Plan", "Bucket", "ParamSlot", "Unit", "plan", "ROOT"]
+__all__ = ["Plan", "Bucket", "ParamSlot", "Unit", "plan", "unit_names", "ROOT"]
 
 
 @dataclass(frozen=True)
@@ -236,7 +236,7 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
     default = (lambda x: P(shard_default) if x.dim() >= 1 and shard_default else P())
     specs = resolve_specs(params, param_specs, mesh.axis_names, default)
     paths, leaves, treedef = tree_util.flatten(params)
-    units_of = _unit_names(params)
+    units_of = unit_names(params)
     ties = _ties(paths, leaves, units_of)
 
     buckets: list[Bucket] = []
@@ -331,7 +331,7 @@ def _param_axes(path: str, spec: P, mesh: Mesh, fsdp: tuple[str, ...]) -> tuple[
             tuple(a for a in mesh.axis_names if a in named and a not in spec.fsdp))
 
 
-def _unit_names(params: Any) -> list[str]:
+def unit_names(params: Any) -> list[str]:
     """Each element of the outermost list on a leaf's path is a unit; other leaves are root."""
     out = []
     for accessor in optree.tree_accessors(params, none_is_leaf=True):

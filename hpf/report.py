@@ -29,11 +29,14 @@ class PlanReport:
     @classmethod
     def of(cls, plan, *, compute_dtype: torch.dtype | None = None, master_dtype: torch.dtype | None = None,
            reduce_dtype: torch.dtype | None = None, optimizer_states: int = 2,
-           hierarchical: bool = False, regather: bool = True) -> "PlanReport":
-        """``plan``: an hpf.plan.Plan. ``regather=False``: blocks stay gathered through backward
-        (a shared-memory fast tier)."""
+           hierarchical: bool = False, regather: bool = True, resident_units: int = 2) -> "PlanReport":
+        """``plan``: an hpf.plan.Plan. A loop-style loss function is assumed: backward re-gathers
+        every block but the last ``resident_units``, which are still gathered when it starts
+        (hpf.engine.residency); ``regather=False``: blocks stay gathered through backward (a
+        shared-memory fast tier)."""
         mesh = plan.mesh
-        last_unit = list(plan.units)[-1]
+        blocks_in_order = [u for u in plan.units if u != ROOT]
+        resident = set(blocks_in_order[len(blocks_in_order) - min(resident_units, len(blocks_in_order)):])
         params = grads = opt = padded_total = 0
         unit_bytes: dict[str, int] = {}
         comm = {op: dict.fromkeys(TIERS, 0) for op in OPS}
@@ -51,8 +54,7 @@ class PlanReport:
             replicas = mesh.size // b.shard_size
             padded_total += b.padded_numel * master * replicas
             unit_bytes[b.unit] = unit_bytes.get(b.unit, 0) + b.padded_numel * compute
-            # backward re-gathers every block but the last, which is still gathered
-            gathers = 2 if regather and b.unit not in (ROOT, last_unit) else 1
+            gathers = 2 if regather and b.unit != ROOT and b.unit not in resident else 1
             ops = bucket_comm_bytes(mesh, b, compute_dtype or b.dtype, reduce_dtype_b, hierarchical)
             for op, tiers in ops.items():
                 for tier, n in tiers.items():

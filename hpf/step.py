@@ -1,92 +1,77 @@
-"""``hpf.shard_step``: one sharded training step of a pure loss function.
+"""``hpf.shard_step``'s production step: one sharded training step of a pure loss function.
 
-Layouts are resolved once, in ``init``. The steady-state step then runs plain tensors:
-gather units as the loss function reaches them, plain ``torch.autograd`` backward, one
-reduce-scatter per unit bucket, one scalar all-reduce for the loss and grad norm, and the
-optimizer on flat shards.
+Layouts are resolved once, in ``init``. A step then runs plain tensors, in phases:
+micro-batches -> forward and backward of each (units gathered as the loss function reads
+them, reductions issued as backward completes them) -> the reductions land -> one global
+decision (one all-reduce: the loss, the grad norm, finiteness, and that every rank issued the
+same collectives) -> the update -> the next step's first gathers.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
-import optree
 import torch
-import torch.distributed as dist
 
-from . import checks
+from . import batching, checks, losses
 from . import tree as tree_util
-from .checks import DonatedStateError, NonFiniteError
-from .comm import schedule
+from .checks import DonatedStateError, NonFiniteError, UnevenBatchError
+from .comm import schedule, world
 from .comm.collectives import SPMD, gather_dim0, spmd
-from .comm.schedule import LOG
 from .comm.flat import BucketComm
+from .comm.schedule import LOG
 from .comm.tiered import TieredComm, Topology
+from .config import StepConfig
 from .device import default_device
-from .fsdp import UnitEngine, explain_freed
+from .engine import UnitEngine, explain_freed, refuses_hooks
 from .launcher import init_distributed, is_launched
 from .mesh import Mesh, MeshError
-from .optim.base import ForPlan, Optimizer, PartialUpdate
+from .optim.base import ForPlan, PartialUpdate
 from .planning import Plan, plan as make_plan
 from .trace import span
-from .types import MixedPrecision, TrainState
+from .types import TrainState
 
 __all__ = ["ShardStep", "step_plan"]
+
+
+@dataclass
+class Decision:
+    """What the step's one all-reduce decided, the same on every rank."""
+
+    loss: float
+    grad_norm: float
+    grad_scale: float  # multiplies the summed grads: 1 / normalizer (and / loss scale), times the clip
+    finite: bool
+    aux: dict | None
 
 
 class ShardStep:
     """The production step: the callable :func:`hpf.shard_step` returns for ``mode="production"``.
 
-    Subclasses (validation mode) extend two documented hooks, :meth:`forward_backward` and
-    :meth:`call_loss`, and name their mode in the class attribute :attr:`mode`.
+    Subclasses (validation mode) extend three documented hooks: :meth:`forward_backward` (one
+    micro-batch), :meth:`call_loss` (the one call of ``loss_fn``) and :meth:`after_reductions`;
+    :attr:`on_extra_gather` is handed to the engine. They name their mode in :attr:`mode`.
 
     Args:
-        loss_fn, mesh, optimizer, param_specs, fsdp_axes, mixed_precision, max_grad_norm,
-        topology, hsdp, overlap_optimizer, on_nonfinite, accumulate: as for :func:`hpf.shard_step`.
-
-    Raises:
-        ValueError: an unknown ``mixed_precision`` name or ``on_nonfinite``, or a ``max_grad_norm``
-            that is not finite and > 0.
-        TypeError: ``optimizer`` has no ``init``/``update``.
+        loss_fn: the pure loss function.
+        config: the validated options (:class:`hpf.StepConfig`).
     """
 
     #: The ``mode=`` of :func:`hpf.shard_step` that makes this class.
     mode = "production"
+    #: Called by the engine with (unit, phase) at each gather beyond loop-style use.
+    on_extra_gather: Callable[[str, str], None] | None = None
 
-    def __init__(self, loss_fn: Callable, *, mesh: Mesh, optimizer, param_specs=None, fsdp_axes=None,
-                 mixed_precision: MixedPrecision | str | None = None,
-                 max_grad_norm: float | None = None, topology: Topology | None = None, hsdp: bool = False,
-                 overlap_optimizer: bool = True, grad: str = "autograd", on_nonfinite: str = "raise",
-                 accumulate: int = 1):
-        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-            raise ValueError(f"accumulate={accumulate!r}: give the number of micro-batches per step, an int >= 1")
-        self.accumulate = accumulate
-        if grad not in ("autograd", "torch.func"):
-            raise ValueError(f"grad={grad!r}: use 'autograd' (the default, faster: benchmarks/grad_modes.py) "
-                             "or 'torch.func'")
-        self.grad = grad
-        mixed_precision = MixedPrecision.parse(mixed_precision)
-        checks.check_max_grad_norm(max_grad_norm)
-        if on_nonfinite not in ("raise", "skip"):
-            raise ValueError(f"on_nonfinite={on_nonfinite!r}: use 'raise' (NonFiniteError) or 'skip' (no update)")
-        if not isinstance(optimizer, Optimizer):
-            raise TypeError(f"optimizer {optimizer!r} is not an hpf.optim.Optimizer (it needs init() and update()): pass hpf.optim.adamw(...) "
-                            "or another object with init(params) and update(grads, state, params)")
-        self.loss_fn, self.mesh, self.optimizer = loss_fn, mesh, optimizer
-        self.param_specs, self.fsdp_axes = param_specs, checks.as_axes(fsdp_axes)
-        self.on_nonfinite = on_nonfinite
-        self.mp, self.max_grad_norm = mixed_precision, max_grad_norm
-        self.topology, self.hsdp = topology, hsdp
-        self._want_overlap = overlap_optimizer
+    def __init__(self, loss_fn: Callable, config: StepConfig):
+        self.loss_fn, self.config = loss_fn, config
+        self.mesh, self.optimizer, self.mp = config.mesh, config.optimizer, config.mixed_precision
         self.plan: Plan | None = None
         self.engine: UnitEngine | None = None
         self._live: list | None = None  # the params list of the state this step last returned
         self._unloaded = False  # init had meta params and no restore has filled them yet
-        self._micro_scale = 1.0  # 1/accumulate during a step's micro-batches (scales the loss seed)
         self._pending_save = None  # an async save in flight (hpf.checkpoint.SaveHandle)
-        self._aux: dict | None = None  # loss_fn's aux dict of the current step, if it returns one
 
     # -- set-up, once ---------------------------------------------------------------------------
     def init(self, full_params: Any) -> TrainState:
@@ -94,7 +79,8 @@ class ShardStep:
 
         Under torchrun (its environment set) with no process group yet, this starts one
         (``hpf.launch.init_distributed()``). ``nn.Parameter`` leaves are detached."""
-        if not dist.is_initialized() and self.mesh.size > 1:
+        cfg = self.config
+        if not world.is_distributed() and self.mesh.size > 1:
             if not is_launched():
                 raise MeshError(f"{self.mesh} has {self.mesh.size} ranks but no process group is running; start "
                                 "the job with hpf.launch(fn, world_size), or call hpf.launch.init_distributed() "
@@ -102,207 +88,236 @@ class ShardStep:
             init_distributed()
         self.mesh.check_world()
         full_params = checks.clean_params(full_params, allow_meta=True)
-        # Meta params give zero shards that must be filled by step.restore before any use.
-        self._unloaded = any(x.is_meta for x in optree.tree_leaves(full_params))
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self._unloaded = any(x.is_meta for x in tree_util.flatten(full_params)[1])
+        self.rank = world.rank()
         self.device = default_device()
-        self.plan = step_plan(full_params, self.mesh, self.param_specs, self.fsdp_axes, topology=self.topology,
-                              hsdp=self.hsdp)
+        self.plan = step_plan(full_params, self.mesh, cfg.param_specs, cfg.fsdp_axes, topology=cfg.topology,
+                              hsdp=cfg.hsdp)
         checks.check_same_on_all_ranks(self.plan, full_params, self.device)
-        master = self.mp.master_dtype if self.mp else None
-        # Meta params (shapes only, e.g. before step.restore): zero shards of the right layout.
+        mp = self.mp
         shards = [torch.zeros(s.shape, dtype=s.dtype, device=self.device) if s.is_meta else s.to(self.device)
-                  for s in self.plan.shards(full_params, self.rank, master)]
-        reduce = self.mp.reduce_dtype if self.mp else None
-        compute = self.mp.compute_dtype if self.mp else None
-        self.grad_shards = [torch.zeros_like(s, dtype=reduce or s.dtype) for s in shards]
-        cdts = [compute or b.dtype for b in self.plan.buckets]
+                  for s in self.plan.shards(full_params, self.rank, mp.master_dtype if mp else None)]
+        self.grad_shards = [torch.zeros_like(s, dtype=mp.reduce_dtype if mp else s.dtype) for s in shards]
+        cdts = [mp.compute_dtype if mp else b.dtype for b in self.plan.buckets]
         rdts = [g.dtype for g in self.grad_shards]
-        if self.topology is None:
-            comm = BucketComm(self.plan, self.device, cdts, rdts)
-        else:
-            comm = TieredComm(self.plan, self.topology, self.device, cdts, rdts)
-        self.engine = UnitEngine(self.plan, self.rank, comm, compute, self.device,
-                                 pipeline=self.topology is None or self.topology.pipeline)
+        comm = (BucketComm(self.plan, self.device, cdts, rdts) if cfg.topology is None
+                else TieredComm(self.plan, cfg.topology, self.device, cdts, rdts))
+        # Buckets replicated over non-FSDP axes hold partial grads there (see hpf.comm.collectives).
+        partial = [(b.index, tuple(a for a in self.plan.compute_axes if a not in b.split_axes)) for b in self.plan.buckets]
+        self.engine = UnitEngine(self.plan, comm, mp.compute_dtype if mp else None, self.device,
+                                 pipeline=cfg.topology is None or cfg.topology.pipeline, capacity=cfg.resident_units,
+                                 compute_sums=[(b, self.mesh.group(axes)) for b, axes in partial
+                                               if self.mesh.axis_size(axes) > 1],
+                                 on_extra_gather=self.on_extra_gather)
         self.dp_size = self.mesh.axis_size(self.plan.fsdp_axes)
         # Axes a param computes sharded over (experts on a borrowed data axis) allow collectives.
         self._spmd = SPMD(self.mesh, self.rank, tuple(a for a in self.plan.fsdp_axes if a not in self.plan.split_axes))
-        n_compute = self.mesh.axis_size(self.plan.compute_axes)
-        self._loss_seed = None if n_compute == 1 else 1.0 / n_compute
-        # Buckets replicated over non-FSDP axes hold partial grads there (see hpf.comm.collectives).
-        partial = [(b.index, tuple(a for a in self.plan.compute_axes if a not in b.split_axes))
-                   for b in self.plan.buckets]
-        self._compute_sums = [(b, self.mesh.group(axes)) for b, axes in partial if self.mesh.axis_size(axes) > 1]
-        self._replica_counts = torch.tensor([float(self.plan.replicas(b)) for b in self.plan.buckets])
+        self._n_compute = self.mesh.axis_size(self.plan.compute_axes)  # ranks computing one replica's loss
+        self._replicas = torch.tensor([float(self.plan.replicas(b)) for b in self.plan.buckets], dtype=torch.float64)
         opt = self.optimizer
-        self._opt = opt.for_plan(self.plan, self.rank) if isinstance(opt, ForPlan) else opt
-        # Optimizer overlap: an elementwise optimizer updates each unit as soon as its grads
-        # land, while backward and the other reductions go on, and the next step's first
-        # gathers start right after. Global clipping and partial-sum all-reduces need every
-        # grad first (and validation, which checks grads before any update, passes
-        # overlap_optimizer=False), and on_nonfinite="skip" (all or nothing): those keep the update
-        # after backward.
-        self.overlap_optimizer = (self._want_overlap and self.max_grad_norm is None and self.on_nonfinite == "raise"
-                                  and not self._compute_sums and isinstance(self._opt, PartialUpdate))
-        state = TrainState(shards, self._opt.init(shards))
+        self.plan_optimizer = opt.for_plan(self.plan, self.rank) if isinstance(opt, ForPlan) else opt
+        state = TrainState(shards, self.plan_optimizer.init(shards), cfg.loss_scale.init() if cfg.loss_scale else None)
         self._live = state.params
         return state
 
     # -- the step --------------------------------------------------------------------------------
-    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, float]]:
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         """One step on this rank's local batch. The state's buffers are updated in place
         (donated): keep using the returned state; passing this one again raises DonatedStateError.
 
-        A non-finite loss (on any rank) or a non-finite grad norm is found
-        before any update; either raises NonFiniteError, or with ``on_nonfinite="skip"`` leaves
-        params and optimizer state unchanged and reports ``metrics["skipped"] = True``."""
+        A non-finite loss or grad norm (on any rank) is found before any update: it raises
+        NonFiniteError with the state exactly as before the step, or, with ``on_nonfinite="skip"``
+        (and under fp16 loss scaling), leaves it unchanged and reports ``metrics["skipped"]``."""
+        t0 = time.perf_counter()
+        with span("hpf/step"):
+            decision = self._compute(state, batch)
+            t_opt = time.perf_counter()
+            if decision.finite:
+                try:
+                    with span("hpf/optimizer", "all"):
+                        state = self._update(state, decision)
+                except BaseException:
+                    self.engine.abort()
+                    raise
+            elif state.loss_scale is not None:
+                self.config.loss_scale.update(state.loss_scale, finite=False)
+            elif self.config.on_nonfinite == "raise":
+                raise NonFiniteError(f"the loss ({decision.loss}) or the global grad norm ({decision.grad_norm}) is "
+                                     "non-finite; nothing was updated, on any rank. Run the step with "
+                                     "mode='validate' to name the op or parameter, lower the learning rate, or pass "
+                                     "on_nonfinite='skip'")
+        t1 = time.perf_counter()
+        metrics = {"loss": decision.loss, "grad_norm": decision.grad_norm, "step_s": t1 - t0,
+                   "optimizer_s": t1 - t_opt, "comm_wait_s": self.engine.take_wait_s(), "skipped": not decision.finite}
+        if decision.aux is not None:
+            metrics["aux"] = decision.aux
+        if state.loss_scale is not None:
+            metrics["loss_scale"] = float(state.loss_scale.scale)
+        return self._donate(state), metrics
+
+    def grads(self, state: TrainState, batch: Any) -> list[torch.Tensor]:
+        """The grads of the step's loss on this batch as flat shards (one per bucket, normalized
+        as the update sees them, before clipping), without updating ``state``. A collective."""
+        d = self._compute(state, batch, clip=False)
+        return [g * d.grad_scale for g in self.grad_shards]
+
+    def _compute(self, state: TrainState, batch: Any, clip: bool = True) -> Decision:
+        """Every phase but the update: micro-batches, forward and backward, reductions, decision."""
         if self.engine is None:
             raise RuntimeError("call step.init(full_params) first, and pass the state it returns")
         self._check_live(state, "step(state, batch)")
-        micro = self._micro_batches(batch)
-        with span("hpf/step"):
-            return self._step(state, micro)
-
-    def _step(self, state: TrainState, micro: list) -> tuple[TrainState, dict[str, float]]:
-        t0 = time.perf_counter()
+        self.check_state(state)
+        axes = batching.leaf_axes(batch, self.config.batch_axes)
+        micro = batching.micro_batches(batch, self.config.accumulate, axes)
         eng = self.engine
-        grads = self.grad_shards
-        opt_s = [0.0]
-        norms: list = [None] * len(grads)
-        applied = [0, False]  # buckets updated during backward; whether a non-finite unit halted updates
-        if self.overlap_optimizer:
-            update = []  # made at the first landed unit, after the loss passed its check
-
-            def update_buckets(buckets: list[int]) -> None:
-                t = time.perf_counter()
-                unit = [grads[b] for b in buckets]
-                torch._foreach_div_(unit, float(self.dp_size))
-                unit_norms = torch._foreach_norm(unit)  # reused for the grad norm below
-                for b, n in zip(buckets, unit_norms):
-                    norms[b] = n
-                # Non-finite grads stop this rank's updates for the step (the state stays finite);
-                # the global grad norm then makes every rank raise.
-                applied[1] = applied[1] or not self._agreed() or not math.isfinite(float(sum(unit_norms)))
-                if not applied[1]:
-                    if not update:
-                        update.append(self._opt.partial_update(state.opt_state, state.params))
-                    update[0](buckets, grads)
-                    applied[0] += len(buckets)
-                opt_s[0] += time.perf_counter() - t
-        else:
-            update_buckets = None
-        eng.drop_held()
-        losses, auxes = [], []
-        self._micro_scale = 1.0 / len(micro)
         try:
-            for mb in micro[:-1]:  # all but the last: grads are summed locally, not reduced
-                eng.holding = True
-                try:
-                    losses.append(self.forward_backward(state, mb).detach())
-                finally:
-                    eng.holding = False
-                auxes.append(self._aux)
-                if not self._agreement.ok():
-                    return self._refuse(state, t0, losses[-1])
-                eng.begin(state.params, self.grad_shards)  # the next micro-batch's first gathers
-            with eng.overlapping(update_buckets):
-                loss = self.forward_backward(state, micro[-1])
-        finally:
-            self._micro_scale = 1.0
-        if auxes and self._aux is not None:  # aux (e.g. tokens per expert) sums over the micro-batches
-            self._aux = {k: sum((a[k] for a in auxes), v) for k, v in self._aux.items()}
-        with span("hpf/wait agreement"):
-            agreed = self._agreement.ok()
-        if not agreed:  # (or UnevenBatchError) decided by all ranks; nothing was updated
-            return self._refuse(state, t0, loss)
-        with span("hpf/grad norm"):
-            if losses:  # the step's loss: the mean over its micro-batches, as one big batch would give
-                loss = torch.stack([*losses, loss.detach()]).mean()
-            if not self.overlap_optimizer:
-                torch._foreach_div_(grads, float(self.dp_size))
-            missing = [b for b, n in enumerate(norms) if n is None]
-            for b, n in zip(missing, torch._foreach_norm([grads[b] for b in missing]) if missing else ()):
-                norms[b] = n
-            sq = (torch.stack(norms).float().square() / self._replica_counts).sum()
-            aux = self._aux or {}  # loss_fn's aux tensors ride along in the all-reduce: summed over every rank
-            totals = torch.cat([torch.stack([loss.detach().float(), sq, sq.new_tensor(float(applied[0]))])]
-                               + [v.detach().float().reshape(-1).to(sq.device) for v in aux.values()])
-        if dist.is_initialized() and self.mesh.size > 1:
-            with span("hpf/all-reduce loss and grad norm"):
-                LOG.record("all-reduce", "the step's loss and grad norm")
-                schedule.wait(dist.all_reduce(totals, async_op=True), "the step's all-reduce")
-            totals[0] /= self.mesh.size
-        mean_loss, grad_norm = float(totals[0]), float(totals[1].sqrt())
-        if not math.isfinite(grad_norm):
-            if self.on_nonfinite == "skip":  # (overlap is off: nothing was updated)
-                return self._skip(state, t0, mean_loss, grad_norm)
-            eng.begin(state.params, self.grad_shards)  # ready for the state as it is
-            partly = (f" {int(totals[2])} bucket update(s) with finite grads were applied during backward "
-                      "(optimizer overlap), so the state is finite but part-way into this step; "
-                      "overlap_optimizer=False or on_nonfinite='skip' makes the step all or nothing."
-                      if totals[2] else " Nothing was updated.")
-            raise NonFiniteError(f"the global grad norm is {grad_norm} (loss {mean_loss}).{partly} Run the step "
-                                 "with mode='validate' to name the parameter, or lower the learning rate")
-        if self.max_grad_norm is not None:
-            torch._foreach_mul_(grads, min(1.0, self.max_grad_norm / (grad_norm + 1e-6)))
-        t_opt = time.perf_counter()
-        if self.overlap_optimizer:  # already applied, unit by unit, during backward
+            eng.begin(state.params)
+            outs = [self.forward_backward(state, mb, hold=i < len(micro) - 1, scale=state.loss_scale)
+                    for i, mb in enumerate(micro)]
+            eng.land()
+            self.after_reductions()
+            eng.end_step()
+            return self._decide(outs, batch, state, clip)
+        except BaseException:
+            eng.abort()
+            raise
+
+    def forward_backward(self, state: TrainState, batch: Any, hold: bool = False, scale=None) -> losses.LossOut:
+        """Forward and backward of ``loss_fn`` on one micro-batch: its grads are summed per unit
+        and, unless ``hold`` (a later micro-batch follows), reduced. Returns the parsed loss.
+        Updates nothing.
+
+        A hook: subclasses extend it with checks before (validation mode checks the state and
+        the batch)."""
+        try:
+            return self._run(batch, hold, scale)
+        except RuntimeError as err:
+            if not (refuses_hooks(err) and not self.engine.reducer.holds_sums()):
+                raise explain_freed(err) from err
+        # torch.func.grad/vjp inside loss_fn refuse saved-tensor hooks: every rank gets here at
+        # the same read; keep units gathered from read to backward instead, and run it again.
+        self.engine.abort()
+        self.engine.keep_gathered()
+        self.engine.begin(state.params)
+        return self._run(batch, hold, scale)
+
+    def _run(self, batch: Any, hold: bool, scale) -> losses.LossOut:
+        eng, cfg = self.engine, self.config
+        if self.mp is not None:
+            batch = batching.cast(batch, self.mp.compute_dtype, batching.leaf_axes(batch, cfg.batch_axes))
+        seed = (1.0 / self._n_compute) * (float(scale.scale) if scale is not None else 1.0)
+        with spmd(self._spmd), eng.micro_batch(self.grad_shards, hold):
+            if cfg.grad == "torch.func":
+                return self._func_grads(batch, seed)
+            with eng.saved_tensor_hooks():
+                out = losses.parse(self.call_loss(eng.params_tree(), batch))
+                eng.start_backward()
+                out.value.backward(None if seed == 1.0 else torch.full_like(out.value, seed))
+        return out
+
+    def _func_grads(self, batch: Any, seed: float) -> losses.LossOut:
+        """grad="torch.func": ``grad_and_value`` of loss_fn over every unit gathered at once."""
+        parsed = []
+
+        def seeded(params):  # (torch.func returns only tensors as aux: the rest stays in ``parsed``)
+            out = losses.parse(self.call_loss(params, batch))
+            parsed.append(out)
+            aux = tuple(out.aux.values()) if out.aux else ()
+            return (out.value if seed == 1.0 else out.value * seed), (out.value, *aux)
+        grads, (_, (value, *aux)) = torch.func.grad_and_value(seeded, has_aux=True)(self.engine.gathered_tree())
+        self.engine.reduce_tree(grads)
+        out = parsed[-1]
+        return losses.LossOut(value, out.count, dict(zip(out.aux, aux)) if out.aux else None)
+
+    def check_state(self, state: TrainState) -> None:
+        """A hook, first thing in a step: the state fits this step's plan (validation mode says
+        more: which bucket, which params)."""
+        shards = getattr(state, "params", None)
+        if not isinstance(shards, (list, tuple)) or len(shards) != len(self.plan.buckets):
+            raise ValueError(f"step(state, batch): the state does not match this step's plan ({len(self.plan.buckets)} "
+                             "flat shards); pass the state returned by this step's init, or by its previous call")
+
+    def call_loss(self, params: Any, batch: Any) -> Any:
+        """The one call of ``loss_fn`` inside :meth:`forward_backward`.
+
+        A hook: subclasses wrap params and batch here (validation mode tracks their layouts)."""
+        return self.loss_fn(params, batch)
+
+    def after_reductions(self) -> None:
+        """A hook: the step's grads have landed in ``self.grad_shards`` (summed, not yet divided)."""
+
+    def _decide(self, outs: list[losses.LossOut], batch: Any, state: TrainState, clip: bool) -> Decision:
+        """The step's one all-reduce, and what follows from it on every rank alike."""
+        weighted = outs[0].count is not None
+        if any((o.count is not None) != weighted for o in outs):
+            raise TypeError("loss_fn returned hpf.weighted(sum, count) for some micro-batches and a plain loss for "
+                            "others; return one form every time")
+        values = torch.stack([o.value.detach().to(torch.float64).cpu() for o in outs])
+        count = sum(float(o.count) for o in outs) if weighted else float(len(outs))
+        norms = torch._foreach_norm(self.grad_shards)
+        sq = float((torch.stack(norms).to(torch.float64).cpu().square() / self._replicas).sum())
+        aux = _sum_aux(outs)
+        shape = 0 if weighted else batching.shape_signature(batch)
+        local = [float(values.sum()), count, float(not bool(torch.isfinite(values).all())), sq,
+                 *schedule.digest_parts(LOG.digest()), *schedule.digest_parts(shape)]
+        flat_aux = [v.detach().to(torch.float64).cpu().reshape(-1) for v in (aux or {}).values()]
+        totals = torch.cat([torch.tensor(local, dtype=torch.float64)] + flat_aux)
+        n = self.mesh.size
+        if world.is_distributed() and n > 1:
+            with span("hpf/all-reduce the step's totals"):
+                LOG.record("all-reduce", "the step's totals")
+                t = time.perf_counter()
+                schedule.wait(world.all_reduce_async(totals), "the step's all-reduce")
+                self.engine.wait_s += time.perf_counter() - t
+        tv = totals.tolist()
+        schedule.check_digests(schedule.parts_agree(tv[4:10], n))
+        if not weighted and not schedule.parts_agree(tv[10:16], n):
+            raise UnevenBatchError(
+                "local batches differ in shape across ranks, and the loss is a plain mean: the step's loss is the "
+                "mean of the ranks' means, which is the global mean only for equal local batches. Split the global "
+                "batch evenly, or return hpf.weighted(sum, count) from loss_fn (the step then divides by the global "
+                "count)")
+        scale = float(state.loss_scale.scale) if state.loss_scale is not None else 1.0
+        # weighted: sums over every rank (replicas along non-FSDP axes repeat theirs) / the global count
+        normalizer = tv[1] / self._n_compute if weighted else float(self.dp_size * len(outs))
+        loss = (tv[0] / tv[1] if tv[1] else math.nan) if weighted else tv[0] / (n * len(outs))
+        grad_norm = math.sqrt(tv[3]) / (normalizer * scale) if normalizer else 0.0
+        finite = not tv[2] and math.isfinite(grad_norm) and math.isfinite(loss)
+        coef = 1.0
+        if clip and finite and self.config.max_grad_norm is not None:
+            coef = min(1.0, self.config.max_grad_norm / (grad_norm + 1e-6))
+        out_aux = None
+        if aux is not None:
+            flat = torch.tensor(tv[16:], dtype=torch.float64)
+            out_aux = {k: x.view(v.shape).to(v.dtype) for (k, v), x in
+                       zip(aux.items(), torch.split(flat, [v.numel() for v in aux.values()]))}
+        return Decision(loss, grad_norm, coef / (normalizer * scale) if normalizer else 0.0, finite, out_aux)
+
+    def _update(self, state: TrainState, d: Decision) -> TrainState:
+        """Divide and clip the grads, update, and start the next step's first gathers: with the
+        overlap, the units it reads first are updated first and gather while the rest update."""
+        grads, eng, opt = self.grad_shards, self.engine, self.plan_optimizer
+        torch._foreach_mul_(grads, d.grad_scale)
+        if self.config.overlap_optimizer and isinstance(opt, PartialUpdate):
+            first = sorted({b for u in eng.first_units() for b in self.plan.units[u].buckets})
+            rest = [b for b in range(len(grads)) if b not in set(first)]
+            apply = opt.partial_update(state.opt_state, state.params)
+            apply(first, grads)
+            eng.prefetch(state.params)
+            apply(rest, grads)
             params, opt_state = state.params, state.opt_state
         else:
-            with span("hpf/optimizer", "all"):
-                params, opt_state = self._opt.update(grads, state.opt_state, state.params)
-        eng.begin(params, self.grad_shards)  # the next step's first gathers overlap the caller's work
-        t1 = time.perf_counter()
-        metrics = {"loss": mean_loss, "grad_norm": grad_norm, "step_s": t1 - t0,
-                   "optimizer_s": t1 - t_opt + opt_s[0], "comm_wait_s": eng.take_wait_s(), "skipped": False}
-        if self._aux is not None:
-            flat = torch.split(totals[3:], [v.numel() for v in aux.values()])
-            metrics["aux"] = {k: x.view(v.shape) for (k, v), x in zip(aux.items(), flat)}
-        return self._donate(TrainState(params, opt_state)), metrics
+            params, opt_state = opt.update(grads, state.opt_state, state.params)
+            eng.prefetch(params)
+        if state.loss_scale is not None:
+            self.config.loss_scale.update(state.loss_scale, finite=True)
+        return TrainState(params, opt_state, state.loss_scale)
 
-    def _refuse(self, state: TrainState, t0: float, loss: torch.Tensor):
-        """A non-finite loss (or uneven batch) on some rank: skip the step or raise; nothing was updated."""
-        self.engine.drop_held()
-        if self.on_nonfinite == "skip":
-            return self._skip(state, t0, float("nan"), float("nan"))
-        self.engine.begin(state.params, self.grad_shards)  # ready for the state as it is
-        raise NonFiniteError(f"the loss is non-finite on some rank (this rank: {float(loss.detach())}); nothing "
-                             "was updated. Run the step with mode='validate' to name the op where it first "
-                             "appeared, lower the learning rate, or pass on_nonfinite='skip'")
-
-    def _micro_batches(self, batch: Any) -> list:
-        """``accumulate`` equal slices of every batch leaf along dim 0 (the local batch)."""
-        k = self.accumulate
-        if k == 1:
-            return [batch]
-        paths, leaves, treedef = tree_util.flatten(batch)
-        for p, x in zip(paths, leaves):
-            if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] % k:
-                got = f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
-                raise ValueError(f"accumulate={k}: batch leaf {p or '<root>'!r} is {got}; every batch leaf must be a "
-                                 f"tensor whose first dim (this rank's batch) splits into {k} equal micro-batches. "
-                                 f"Use a local batch that is a multiple of {k}")
-        chunks = [x.chunk(k) for x in leaves]
-        return [tree_util.unflatten(treedef, [c[j] for c in chunks]) for j in range(k)]
-
-    def _skip(self, state: TrainState, t0: float, loss: float, grad_norm: float):
-        """on_nonfinite="skip": no update; the same buffers come back as the live state."""
-        self.engine.begin(state.params, self.grad_shards)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "step_s": time.perf_counter() - t0, "optimizer_s": 0.0,
-                   "comm_wait_s": self.engine.take_wait_s(), "skipped": True}
-        return self._donate(TrainState(state.params, state.opt_state)), metrics
-
-    def _agreed(self) -> bool:
-        """Whether the batch agreement allows updates (an UnevenBatchError waits for after backward)."""
-        try:
-            return self._agreement.ok()
-        except checks.UnevenBatchError:
-            return False
-
+    # -- donation ----------------------------------------------------------------------------------------------
     def _donate(self, state: TrainState) -> TrainState:
         """Make ``state`` the live one: a fresh params list over the same buffers, so the state
         passed in (same buffers, old list) is recognizably donated."""
-        state = TrainState(list(state.params), state.opt_state)
+        state = TrainState(list(state.params), state.opt_state, state.loss_scale)
         self._live = state.params
         return state
 
@@ -318,82 +333,13 @@ class ShardStep:
                 f"{op}: this state was already passed to step, which updated its buffers in place (donated, as "
                 "in JAX). Use the state the step returned: state, metrics = step(state, batch)")
 
-    def forward_backward(self, state: TrainState, batch: Any) -> torch.Tensor | None:
-        """Run loss_fn and backward; leaves the grads of the local losses, summed over the FSDP
-        axes, in ``self.grad_shards``. Returns this rank's loss, and starts ``self._agreement``
-        (all ranks' losses finite, batches even), which the caller awaits before any update.
-        Updates nothing, except through the optimizer overlap's ``update_buckets``.
-
-        A hook: subclasses extend it with checks before and after (validation mode checks the
-        state and batch first and the grads after); :func:`hpf.validate.check_grads` calls it
-        to get grads without an update."""
-        eng = self.engine
-        if not eng.ready_for(state.params):
-            eng.begin(state.params, self.grad_shards)
-        if self.mp is not None:
-            batch = checks.cast_batch(batch, self.mp.compute_dtype)
-        with spmd(self._spmd), eng.running():
-            try:
-                loss = self._grads(batch)
-            except RuntimeError as err:
-                if not (eng.leases and "saved tensor hooks" in str(err)):
-                    raise explain_freed(err) from err
-                # torch.func.grad/vjp inside loss_fn refuse saved-tensor hooks: from now on keep
-                # each unit gathered from its first read to its backward, and run the step again.
-                eng.leases = False
-                eng.begin(state.params, self.grad_shards)
-                loss = self._grads(batch)
-        eng.finish()
-        if eng.holding:  # (grads held for a later micro-batch: nothing to sum yet)
-            return loss
-        for b, group in self._compute_sums:
-            dist.all_reduce(self.grad_shards[b], group=group)
-        return loss
-
-    def _grads(self, batch: Any) -> torch.Tensor:
-        """Forward and backward of loss_fn (grads go to the engine); returns this rank's loss."""
-        eng, seed = self.engine, self._loss_seed  # seed: the loss is replicated over non-FSDP axes,
-        if self._micro_scale != 1.0:  # each micro-batch's loss is 1/K of the step's
-            seed = (1.0 if seed is None else seed) * self._micro_scale
-        if self.grad == "torch.func":               # so each copy carries 1/n (see hpf.comm.collectives)
-            def scaled(params):
-                loss = self._split_aux(self.call_loss(params, batch))
-                _check_loss(loss)
-                loss = loss.reshape(())  # a one-element loss of shape (1,) is a scalar too
-                return (loss if seed is None else loss * seed), loss
-            grads, (_, loss) = torch.func.grad_and_value(scaled, has_aux=True)(eng.gathered_tree())
-            self._agreement = checks.BatchAgreement(batch, loss, dist.is_initialized() and self.mesh.size > 1)
-            eng.reduce_tree(grads)
-            return loss
-        hooks = torch.autograd.graph.saved_tensors_hooks(eng.pack, eng.unpack) if eng.leases else contextlib.nullcontext()
-        with hooks:
-            loss = self._split_aux(self.call_loss(eng.params_tree(), batch))
-            _check_loss(loss)
-            loss = loss.reshape(())  # a one-element loss of shape (1,) is a scalar too
-            # starts the all-ranks check of batch shapes and loss finiteness; it overlaps backward
-            self._agreement = checks.BatchAgreement(batch, loss, dist.is_initialized() and self.mesh.size > 1)
-            eng.start_backward()
-            loss.backward(None if seed is None else torch.full_like(loss, seed))
-        return loss
-
-    def _split_aux(self, out: Any) -> Any:
-        """Keeps loss_fn's aux dict, if any, for ``metrics["aux"]``; returns the loss."""
-        loss, aux = split_aux(out)
-        self._aux = None if aux is None else {k: v.detach() for k, v in aux.items()}
-        return loss
-
-    def call_loss(self, params: Any, batch: Any) -> torch.Tensor:
-        """The one call of ``loss_fn`` inside :meth:`forward_backward`.
-
-        A hook: subclasses wrap params and batch here (validation mode tracks their layouts)."""
-        return self.loss_fn(params, batch)
-
     # -- checkpoints (hpf/checkpoint.py) ------------------------------------------------------
     def fresh_state(self) -> TrainState:
         """A zero train state of this plan's layout (what ``restore`` loads into)."""
         master = self.mp.master_dtype if self.mp else None
         shards = [torch.zeros(b.shard_numel, dtype=master or b.dtype, device=self.device) for b in self.plan.buckets]
-        return TrainState(shards, self._opt.init(shards))
+        scale = self.config.loss_scale
+        return TrainState(shards, self.plan_optimizer.init(shards), scale.init() if scale else None)
 
     def save(self, state: TrainState, path, extra: Any = None, *, keep_last: int | None = None,
              async_save: bool = False):
@@ -422,32 +368,23 @@ class ShardStep:
     def full_params(self, state: TrainState, rank: int | None = None) -> Any:
         """The gathered full params, as a plain pytree of fresh tensors.
 
-        A collective: every rank must call it (a rank that skips it leaves the others waiting
-        until the timeout). ``rank=None`` returns the tree on every rank; ``rank=r`` returns it
+        A collective: every rank must call it (a rank that skips it makes the others raise
+        ScheduleMismatchError). ``rank=None`` returns the tree on every rank; ``rank=r`` returns it
         on rank r and None elsewhere (every rank still calls). One-off (checkpoints,
         evaluation): it uses plain all-gathers, not the step's transports."""
         self._check_live(state, "full_params(state)")
-        try:
-            tree = self._gather_full(state)
-        except RuntimeError as e:
-            raise RuntimeError(f"full_params is a collective: every rank must call it, with the same state "
-                               f"(use full_params(state, rank=0) to keep the result on rank 0 only). {e}") from e
-        return tree if rank is None or rank == self.rank else None
-
-    def _gather_full(self, state: TrainState) -> Any:
+        schedule.rendezvous("step.full_params")
         plan = self.plan
         local = {}
         for b, shard in zip(plan.buckets, state.params):
             ranks = plan.shard_ranks(b, self.rank)  # entry i holds shard position i
-            if len(ranks) == 1:
-                full = shard
-            else:
-                parts = [torch.empty_like(shard) for _ in ranks]
-                dist.all_gather(parts, shard, group=plan.mesh.group(b.shard_axes))  # in rank order
-                by_rank = dict(zip(sorted(ranks), parts))
+            full = shard
+            if len(ranks) > 1:
+                by_rank = dict(zip(sorted(ranks), world.all_gather_list(shard, plan.mesh.group(b.shard_axes))))
                 full = torch.cat([by_rank[r] for r in ranks])
             local.update(plan.views(b, full))
-        return plan.tree({p: _gather_compute_axes(plan, p, x).clone() for p, x in local.items()})
+        tree = plan.tree({p: _gather_compute_axes(plan, p, x).clone() for p, x in local.items()})
+        return tree if rank is None or rank == self.rank else None
 
 
 def step_plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes=None, *,
@@ -469,21 +406,11 @@ def step_plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes=None, 
                      bucket_bytes=topology.bucket_bytes if topology else 0)
 
 
-def split_aux(out: Any) -> tuple[Any, dict | None]:
-    """(loss, aux) of what loss_fn returned: it may return ``(loss, aux)``, aux a dict of tensors
-    (e.g. MoE tokens per expert) that the step sums over every rank into ``metrics["aux"]``."""
-    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
-        return out
-    return out, None
-
-
-def _check_loss(loss: Any) -> None:
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
-                        f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
-    if not loss.requires_grad:
-        raise ValueError("the loss does not depend on the params (it has no grad_fn): make loss_fn "
-                         "compute with the params it receives")
+def _sum_aux(outs: list[losses.LossOut]) -> dict | None:
+    """The micro-batches' aux dicts, summed key by key (e.g. tokens per expert)."""
+    if outs[0].aux is None:
+        return None
+    return {k: sum((o.aux[k] for o in outs[1:]), outs[0].aux[k]) for k in outs[0].aux}
 
 
 def _gather_compute_axes(plan: Plan, path: str, local: torch.Tensor) -> torch.Tensor:

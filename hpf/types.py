@@ -62,6 +62,7 @@ class TrainState(NamedTuple):
     Args:
         params: this rank's flat master shard of every plan bucket, in bucket order.
         opt_state: the optimizer's state for those shards (its ``init`` made it).
+        loss_scale: fp16's loss-scaling state (:class:`hpf.losses.LossScaleState`), else None.
 
     Raises:
         Nothing itself; a step given a state of another plan raises (validation mode names
@@ -70,3 +71,4 @@ class TrainState(NamedTuple):
 
     params: list[torch.Tensor]
     opt_state: Any
+    loss_scale: Any = None

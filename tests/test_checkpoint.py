@@ -77,7 +77,7 @@ def test_chunks_of_every_rank_tile_the_full_params(axes, kw):
     opt = hpf.optim.adamw()
     for r in range(mesh.size):
         shards = plan.shards(full, r)
-        fake = types.SimpleNamespace(plan=plan, rank=r, _opt=opt)
+        fake = types.SimpleNamespace(plan=plan, rank=r, plan_optimizer=opt)
         sd = ck._state_dict(fake, TrainState(shards, opt.init(shards)))
         for key, obj in sd.items():
             if key not in rebuilt:

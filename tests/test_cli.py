@@ -243,7 +243,7 @@ def test_train_trace_writes_one_trace_per_rank_and_a_merged_one_with_hpf_ranges(
     folder = out / "trace"
     assert str(folder / "trace.json") in proc.stdout
     expected = {"hpf/step", "hpf/gather", "hpf/forward", "hpf/backward", "hpf/reduce-scatter bucket",
-                "hpf/optimizer", "hpf/wait all-gather", "hpf/all-reduce loss and grad norm"}
+                "hpf/optimizer", "hpf/wait all-gather", "hpf/all-reduce the step's totals"}
     for r in range(2):
         events = json.loads((folder / f"rank{r}.json").read_text())["traceEvents"]
         names = {e["name"] for e in events if e.get("cat") == "hpf"}

@@ -164,10 +164,11 @@ def test_byte_counters_and_plan_report_follow_the_tier_model(runs, variant):
         assert result["bytes"]["all_gather", tier] == shards * gathered
         assert result["report"]["reduce_scatter"][tier] == shards * one_pass
         # the report: root once, every block twice (forward, backward re-gather) but the
-        # last, which backward finds still gathered -- the same count the engine made
-        blocks = sum(b for u, b in shard.items() if u != "<root>")
-        last = max((u for u in shard if u != "<root>"), key=lambda u: int(u.split("/")[1]))
-        assert result["report"]["all_gather"][tier] == shards * (shard["<root>"] + 2 * blocks - shard[last])
+        # last two (the residency bound), which backward finds still gathered -- the same
+        # count the engine made
+        blocks = sorted((u for u in shard if u != "<root>"), key=lambda u: int(u.split("/")[1]))
+        twice = sum(shard[u] for u in blocks[:-2])
+        assert result["report"]["all_gather"][tier] == shards * (sum(shard.values()) + twice)
         assert result["report"]["all_gather"][tier] == result["bytes"]["all_gather", tier]
         assert result["report"]["all_reduce"][tier] == 0  # full shard: no replicas
 
@@ -222,7 +223,7 @@ def _fail_on_step_2(rank, pid_dir, how, timeout_s):
 
     step = _make_step(failing_loss, topology=Topology(fast_transport="shm", timeout_s=timeout_s))
     state = step.init(gpt.init(CONFIG))
-    assert all(step.engine.shared), "the fast tier should be shared memory"
+    assert all(step.engine.buffers.shared), "the fast tier should be shared memory"
     for s in range(STEPS):
         state, _ = step(state, _local_batch(s, rank))
     return "finished"
@@ -291,17 +292,17 @@ def _stalls_in_backward(rank, pipeline, patience):
     step = _make_step(topology=Topology(fast_transport="shm", pipeline=pipeline, slow_link=link))
     state = step.init(gpt.init(CONFIG))
     engine = step.engine
-    begin, finish = engine.begin, engine.finish
+    begin, land = engine.begin, engine.land
 
     def shut_then_begin(*args):  # a step starts: hold slow reductions
         link.gate.clear()
         return begin(*args)
 
-    def open_then_finish():  # backward has ended: the step now waits for reductions
+    def open_then_land():  # backward has ended: the step now waits for reductions
         link.gate.set()
-        return finish()
+        return land()
 
-    engine.begin, engine.finish = shut_then_begin, open_then_finish
+    engine.begin, engine.land = shut_then_begin, open_then_land
     for s in range(2):
         state, _ = step(state, _local_batch(s, rank))
     engine.comm.close()
@@ -329,37 +330,37 @@ class _RecordingAdamW:
         return logged
 
 
-def _overlap_schedule(rank, pipeline):
-    """Step 2's order of updates, all-gathers started and finish(), by unit (one bucket each)."""
+def _overlap_schedule(rank, overlap):
+    """Step 2's updates, all-gathers and the landing of its reductions, by unit (one bucket each)."""
     events = []
     step = hpf.shard_step(gpt.loss_for(CONFIG), mesh=hpf.Mesh(MESH), optimizer=_RecordingAdamW(events),
-                          topology=Topology(fast_transport="shm", pipeline=pipeline))
+                          topology=Topology(fast_transport="pg"), overlap_optimizer=overlap)
     state = step.init(gpt.init(CONFIG))
     engine = step.engine
-    all_gather, finish = engine.comm.all_gather, engine.finish
+    all_gather, land = engine.comm.all_gather, engine.land
     engine.comm.all_gather = lambda b, *args: (events.append(("gather", (b,))), all_gather(b, *args))[1]
-    engine.finish = lambda: (events.append(("finish",)), finish())[1]
+    engine.land = lambda: (events.append(("land",)), land())[1]
     state, _ = step(state, _local_batch(0, rank))
     events.clear()
     step(state, _local_batch(1, rank))
     engine.comm.close()
-    unit_of = {tuple(u.buckets): name for name, u in step.plan.units.items()}
-    return [(e[0], unit_of[e[1]]) if len(e) > 1 else e for e in events]
+    unit_of = {b.index: b.unit for b in step.plan.buckets}
+    return [(e[0], tuple(unit_of[b] for b in e[1])) if len(e) > 1 else e for e in events]
 
 
-def test_units_are_updated_and_regathered_as_their_reductions_land():
-    units = ["blocks/2", "blocks/1", "blocks/0", "<root>"]  # the order backward reduces them
-    for pipeline in (True, False):
-        events = launch(_overlap_schedule, WORLD, pipeline, timeout=120)[0]
-        # after each update comes that unit's gather for the next step, nothing gathered twice
-        updated = [e for e in events if e[0] == "update"]
-        assert updated == [("update", u) for u in units]
-        refills = events[events.index(updated[0]):]
-        assert [e for e in refills if e[0] == "gather"] == [("gather", u) for u in units]
-        for u in units:
-            assert refills.index(("gather", u)) == refills.index(("update", u)) + 1
-        if not pipeline:  # each reduction is waited for in backward: every update precedes finish()
-            assert events.index(("finish",)) > events.index(("gather", "<root>"))
+def test_nothing_is_updated_before_the_decision_and_the_next_steps_first_units_gather_during_the_rest():
+    """The step's one global decision comes before any update (ranks never part in the state);
+    with the overlap, the units the next step reads first (the root, and the first two blocks:
+    the residency bound) are updated first and start gathering while the rest is updated."""
+    first, rest = ("<root>", "blocks/0", "blocks/1"), ("blocks/2",)
+    overlapped = launch(_overlap_schedule, WORLD, True, timeout=120)[0]
+    after = overlapped[overlapped.index(("land",)) + 1:]
+    assert not any(e[0] == "update" for e in overlapped[:overlapped.index(("land",))])
+    assert after[0][0] == "update" and sorted(after[0][1]) == sorted(first)
+    assert after[1:] == [("gather", (u,)) for u in first] + [("update", rest)]
+    plain = launch(_overlap_schedule, WORLD, False, timeout=120)[0]
+    after = plain[plain.index(("land",)) + 1:]
+    assert [e[0] for e in after] == ["gather"] * 3 and not any(e[0] == "update" for e in plain)
 
 
 def _pipeline_cases(rank):

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["is_distributed", "rank", "world_size", "backend", "store", "timeout_s", "all_reduce",
+__all__ = ["is_distributed", "rank", "world_size", "backend", "store", "timeout_s", "all_reduce", "all_reduce_async", "all_gather_list",
            "all_gather_object", "exchange", "wait_all"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -63,6 +63,18 @@ def all_reduce(tensor: torch.Tensor, group=None, op: str = "sum") -> None:
     if op not in _OPS:
         raise ValueError(f"all_reduce: op={op!r}; use one of {sorted(_OPS)}")
     dist.all_reduce(tensor, op=_OPS[op], group=group)
+
+
+def all_reduce_async(tensor: torch.Tensor, group=None) -> dist.Work:
+    """Start tensor <- the sum of every rank's tensor, in place; wait on the returned work."""
+    return dist.all_reduce(tensor, group=group, async_op=True)
+
+
+def all_gather_list(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
+    """Every group rank's ``tensor`` (same shape everywhere), by group rank (one-off gathers)."""
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, tensor.contiguous(), group=group)
+    return out
 
 
 def all_gather_object(obj: Any, group=None) -> list:

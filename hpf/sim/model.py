@@ -5,12 +5,12 @@ stage over p ranks of one tier takes ``latency + (p-1)*alpha + bytes/beta``, whe
 ``bytes`` is what one rank sends on that tier (``(p-1)/p * n`` for a ring over an n-byte
 buffer). So the simulator's bytes are the plan report's bytes, by construction.
 
-The schedule replays what ``hpf.fsdp.UnitEngine`` and ``hpf.comm.tiered.TieredComm`` do:
-one compute thread; collectives on FIFO workers (one per tier and direction for the
-two-tier comm, one per process group for torch.distributed); gathers issued on entry of
-the unit before (prefetch), re-gathers in backward, reductions that overlap the next
-unit's backward (pipeline), optimizer updates as reductions land, and the next step's
-first gathers issued after their update: the exposed boundary chain. FSDP2 and Megatron
+The schedule replays what ``hpf.engine`` and ``hpf.comm.tiered.TieredComm`` do: one
+compute thread; collectives on FIFO workers (one per tier and direction for the two-tier
+comm, one per process group for torch.distributed); gathers issued at the read of the unit
+before (prefetch), re-gathers in backward, reductions that overlap the next unit's backward
+(pipeline), one all-reduce that decides, then the update, and the next step's first gathers
+issued after theirs: the exposed boundary chain. FSDP2 and Megatron
 DDP run through the same machinery with their own schedules.
 
 Calibrated compute is the slowest rank's, so the simulated rank is the slowest and its step
@@ -376,12 +376,16 @@ def _issue(tl: _Timeline, per_bucket: list) -> float:
 
 
 def _hpf_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float) -> None:
-    """UnitEngine + ShardStep, step after step (see hpf/fsdp.py)."""
+    """hpf.engine + ShardStep's phases, step after step, for a loop-style loss function: the
+    residency bound keeps the block read and the next (prefetched) gathered; backward walks the
+    blocks in reverse, the last two still gathered; reductions overlap backward (pipeline);
+    after they land, one all-reduce decides; then the units the next step reads first are
+    updated and gathered while the rest update (``overlap_optimizer``)."""
     by = {u.name: u for u in units}
     root = by.get(ROOT)
     blocks = [u for u in units if u.name != ROOT]
     order = ([root] if root else []) + blocks
-    early = [u.name for u in (order if opts.shm else order[:2])]  # in order (a set made runs differ by hash seed)
+    first = [u.name for u in (order if opts.shm else order[:3])]  # pinned + the first two blocks
     live: dict[str, float] = {}
 
     def gather(u):
@@ -394,34 +398,14 @@ def _hpf_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float) 
         if step == opts.steps - 1:
             tl.reset_counters()
             start = tl.t
-        for name in early:  # begin(): the first units (all, in shared memory), unless refilled already
+        for name in first:  # begin(): nothing if the last step prefetched them
             gather(by[name])
         landing: list = []
-        refill_later = []
-
-        def deliver(block: bool):
-            while landing and (block or landing[0][1] <= tl.t):
-                u, end, land = landing.pop(0)
-                tl.wait_until(end)
-                if block:  # the sum runs inside the engine's timed wait
-                    tl.wait_until(tl.t + land)
-                else:  # found landed by a poll, which sums: compute
-                    tl.run(land)
-                tl.run(u.update_s, optimizer=True)
-                if u.name in early:
-                    if opts.shm:  # every unit shared: refill in backward
-                        live.pop(u.name, None)
-                        gather(u)
-                    else:
-                        refill_later.append(u)
-
         if root:
             tl.wait_until(live[ROOT])
-        if blocks:
-            gather(blocks[0])
         for i, u in enumerate(blocks):
-            if i and not opts.shm:
-                live.pop(blocks[i - 1].name, None)  # freed: the loss function moved on
+            if i > 1 and not opts.shm:
+                live.pop(blocks[i - 2].name, None)  # evicted past the bound
             gather(u)
             tl.wait_until(live[u.name])
             if i + 1 < len(blocks):
@@ -432,35 +416,30 @@ def _hpf_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float) 
             tl.run(root.fwd_s + root.bwd_s)  # head forward and backward (the embedding's is small)
         for i in reversed(range(len(blocks))):
             u = blocks[i]
-            gather(u)  # a re-gather unless still live (the last block, or shared memory)
+            gather(u)  # a re-gather unless still live (the last two blocks, or shared memory)
             tl.wait_until(live[u.name])
             if i:
                 gather(blocks[i - 1])
-            if opts.overlap_optimizer:
-                deliver(block=False)
             _a2a(tl, u)
             tl.run(u.bwd_s)
             _reduce(tl, u, opts, landing, live)
-            if opts.overlap_optimizer:
-                deliver(block=False)
         if root:
             _reduce(tl, root, opts, landing, live)
-        # finish(): every reduction, the remaining updates, then the next step's first gathers
-        if opts.overlap_optimizer:
-            deliver(block=True)
-        else:
-            for u, end, land in landing:
-                tl.wait_until(end)
-                tl.wait_until(tl.t + land)
-            tl.run(sum(u.update_s for u in units), optimizer=True)
-            refill_later = [by[n] for n in early]
+        for u, end, land in landing:  # land(): every reduction
+            tl.wait_until(end)
+            tl.wait_until(tl.t + land)
+        tl.sync(norm_s)  # the decision: one all-reduce
         for name in list(live):
-            if name not in early:
+            if not opts.shm:
                 live.pop(name)
-        for u in refill_later:
-            live.pop(u.name, None)
-            gather(u)
-        tl.sync(norm_s)
+        head = [by[n] for n in first] if opts.overlap_optimizer else units
+        tl.run(sum(u.update_s for u in head), optimizer=True)
+        if opts.shm:
+            live.clear()
+        for name in first:  # the next step's first gathers
+            gather(by[name])
+        if opts.overlap_optimizer:
+            tl.run(sum(u.update_s for u in units if u.name not in first), optimizer=True)
     tl.step_s = tl.t - start
 
 

@@ -9,6 +9,7 @@ import optree
 import torch
 import torch.distributed as dist
 
+from .. import losses
 from .. import tree as tree_util
 from ..comm.collectives import spmd
 from ..step import ShardStep
@@ -63,8 +64,7 @@ def check_grads(step: ShardStep, state: TrainState, batch: Any, *, rtol: float =
     """
     if step.engine is None:
         raise RuntimeError("check_grads: call step.init(full_params) first")
-    step.forward_backward(state, batch)
-    grads = [g / step.dp_size for g in step.grad_shards]
+    grads = step.grads(state, batch)
     sharded = step.full_params(TrainState(grads, None))
     full = step.full_params(state)
     batches = _data_parallel_batches(step, batch)
@@ -99,14 +99,19 @@ def _data_parallel_batches(step: ShardStep, batch: Any) -> list:
 
 
 def _reference_grads(loss_fn: Callable, full: Any, batches: list, dtype: torch.dtype | None) -> Any:
+    """Plain autograd on the full params: the mean of the batches' grads (a mean loss), or the
+    sum of their grads over the total count (``hpf.weighted``)."""
     paths, leaves, treedef = tree_util.flatten(full)
     params = [x.detach().to(dtype or x.dtype).requires_grad_() for x in leaves]
     tree = tree_util.unflatten(treedef, params)
     total = [torch.zeros_like(x, dtype=torch.float32) for x in leaves]
+    count = 0.0
     with spmd(None):
         for b in batches:
-            grads = torch.autograd.grad(loss_fn(tree, b), params, allow_unused=True)
+            out = losses.parse(loss_fn(tree, b))
+            count += 1.0 if out.count is None else float(out.count)
+            grads = torch.autograd.grad(out.value, params, allow_unused=True)
             for t, g in zip(total, grads):
                 if g is not None:
                     t += g.float()
-    return tree_util.unflatten(treedef, [t / len(batches) for t in total])
+    return tree_util.unflatten(treedef, [t / count for t in total])

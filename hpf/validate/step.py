@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from .. import losses
 from .. import tree as tree_util
-from ..step import ShardStep, split_aux
+from ..config import StepConfig
+from ..step import ShardStep
 from ..types import TrainState
 from .errors import BatchMismatchError, LossNotReplicatedError, NonFiniteError, ParamsTreeError, as_layout_errors
 from .grads import GradReport, check_grads
@@ -40,9 +43,10 @@ class ValidateStep(ShardStep):
 
     mode = "validate"
 
-    def __init__(self, loss_fn: Callable, **kwargs):
-        super().__init__(loss_fn, **{**kwargs, "overlap_optimizer": False})
+    def __init__(self, loss_fn: Callable, config: StepConfig):
+        super().__init__(loss_fn, dataclasses.replace(config, overlap_optimizer=False))
         self.ops_checked = 0
+        self._tracker: Tracker | None = None
 
     def init(self, full_params: Any) -> TrainState:
         with as_layout_errors("shard_step(mode='validate').init"):
@@ -51,29 +55,40 @@ class ValidateStep(ShardStep):
         self._spmd = dataclasses.replace(self._spmd, validate=True)  # models' own checks (MoE dispatch) on
         return state
 
-    def forward_backward(self, state: TrainState, batch: Any) -> torch.Tensor:
-        """The production hook, with the state and batch checked before and the grads after."""
-        if self.engine is None:
-            raise RuntimeError("call step.init(full_params) first, and pass the state it returns")
-        self._check_state(state)
+    def forward_backward(self, state: TrainState, batch: Any, hold: bool = False, scale=None) -> losses.LossOut:
+        """The production hook, with the micro-batch checked first."""
         self._check_batch(batch)
-        loss = super().forward_backward(state, batch)
-        self._check_grads_finite()
-        return loss
+        return super().forward_backward(state, batch, hold, scale)
 
-    def call_loss(self, params: Any, batch: Any) -> torch.Tensor:
+    def check_state(self, state: Any) -> None:
+        """The production hook, naming the bucket and params that do not fit the plan."""
+        self._check_state(state)
+
+    def after_reductions(self) -> None:
+        """The production hook: no grad may be non-finite (the message names the params)."""
+        self._check_grads_finite()
+
+    def call_loss(self, params: Any, batch: Any) -> Any:
         """The production hook, with params and batch tracked and the loss checked."""
-        tracker = Tracker(self.mesh, self.plan.fsdp_axes, self.mp.compute_dtype if self.mp else None)
+        tracker = self._tracker = Tracker(self.mesh, self.plan.fsdp_axes, self.mp.compute_dtype if self.mp else None)
         params = tracker.track_params(params, self.plan)
         batch = tracker.track_batch(batch)
-        self.engine.warn_extra, self.engine.describe_op = True, lambda: getattr(tracker, "last_op", "(none yet)")
         with tracker:
             out = self.loss_fn(params, batch)
-        loss, _ = split_aux(out)
+        loss = losses.parse(out).value
         tracker.check_loss(loss)
         self.ops_checked = tracker.ops
         self._check_loss_values(loss, tracker)
         return out
+
+    def on_extra_gather(self, unit: str, phase: str) -> None:
+        """Warn, naming the unit and the op, at each gather beyond loop-style use."""
+        tracker = self._tracker
+        op = f", at op {getattr(tracker, 'last_op', '(none yet)')}" if tracker is not None and phase == "forward" else ""
+        warnings.warn(f"hpf: unit {unit!r} is gathered again in {phase}{op}: loss_fn read it after the residency "
+                      "bound had evicted it (it reads units out of loop order). Correct, but it costs one more "
+                      "all-gather per step; read each unit's params in one stretch, or raise resident_units",
+                      stacklevel=2)
 
     def check_grads(self, state: TrainState, batch: Any, *, rtol: float = 1e-3, atol: float = 1e-6) -> "GradReport":
         """Sharded grads vs a single-process reference, without updating ``state``; see :func:`check_grads`."""

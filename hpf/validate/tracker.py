@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..comm import collectives
 from .. import tree as tree_util
-from ..fsdp import _UnitList
+from ..engine.views import UnitList
 from ..mesh import Mesh
 from ..planning import Plan
 from .errors import (CollectiveError, LayoutError, LossNotReplicatedError, PartialSumError, PrecisionError,
@@ -90,13 +90,13 @@ class Tracker(TorchFunctionMode):
         unit is registered when loss_fn reaches it (the engine gathers it then)."""
         def visit(path, leaf):
             path = tree_util.path_str(path)
-            if isinstance(leaf, _UnitList):
+            if isinstance(leaf, UnitList):
                 return _TrackedUnits(leaf, self, plan)
             if isinstance(leaf, torch.Tensor):
                 self.set(leaf, self.param_info(plan, path))
             return leaf
 
-        return optree.tree_map_with_path(visit, params, is_leaf=lambda x: isinstance(x, _UnitList),
+        return optree.tree_map_with_path(visit, params, is_leaf=lambda x: isinstance(x, UnitList),
                                          none_is_leaf=True)
 
     def track_batch(self, batch: Any) -> Any:

@@ -1,0 +1,125 @@
+"""``StepConfig``: every option of :func:`hpf.shard_step`, in one place, validated once.
+
+``shard_step(loss_fn, **options)`` builds one; the step classes read it and nothing else.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from .comm.tiered import Topology
+from .losses import LossScale
+from .mesh import Mesh
+from .optim.base import Optimizer
+from .types import MixedPrecision
+
+__all__ = ["StepConfig", "MODES"]
+
+#: ``mode=`` values (hpf.api maps each to its step class).
+MODES = ("production", "validate")
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """The options of a sharded step (the keyword arguments of :func:`hpf.shard_step`).
+
+    Args:
+        mesh: the :class:`hpf.Mesh` of the running job (its size is the world size).
+        optimizer: a functional optimizer, e.g. ``hpf.optim.adamw(...)`` or ``hpf.optim.muon(...)``.
+        param_specs: None (shard every param over all FSDP axes), ``hpf.rules([...])`` or a pytree of ``P``.
+        fsdp_axes: the data-parallel axes params are sharded and gathered over (default: all mesh
+            axes); other axes are stored and computed sharded.
+        mode: "production" (plain tensors) or "validate" (every op's layout checked; the same
+            losses and grads).
+        mixed_precision: None, "bf16", "fp16", a dtype or :class:`hpf.MixedPrecision`. The
+            per-example floating batch leaves (``batch_axes``) are cast to the compute dtype.
+            "fp16" scales the loss dynamically (``loss_scale``).
+        max_grad_norm: clip the global grad norm to this (None: no clipping).
+        topology: None (flat collectives) or :class:`hpf.Topology` for two-tier collectives.
+        hsdp: shard params only over the fast-tier FSDP axes and replicate across the slow tier.
+        overlap_optimizer: after the step's one global decision, update the units the next step
+            reads first, start their gathers, then update the rest (bitwise the same result);
+            False updates everything, then gathers.
+        grad: "autograd" (the default, and the faster) or "torch.func" (``grad_and_value`` of
+            loss_fn over every unit gathered at once).
+        on_nonfinite: "raise" (:class:`hpf.NonFiniteError`, the state exactly as before the step) or
+            "skip" (no update; ``metrics["skipped"]``).
+        accumulate: micro-batches per step: every per-example batch leaf is split into this many
+            equal parts along its batch dim and forward/backward runs on each in turn.
+        batch_axes: which dim of each batch leaf is its batch (example) dim, as JAX's ``in_axes``:
+            None (every leaf's dim 0), an int, a pytree prefix of the batch of ints and None, or a
+            callable ``(path) -> int | None``. A leaf at None is not per-example (e.g. MoE's
+            ``expert_bias``): every micro-batch gets it whole, it is never cast, and its shape may
+            not differ across ranks.
+        loss_scale: fp16's dynamic loss scaling, :class:`hpf.LossScale` (the default under fp16;
+            None turns it off). Other precisions need none.
+        resident_units: how many FSDP units (besides the root and shared-memory units) may be
+            gathered at once: the memory bound of the residency policy (2 keeps a loop-style
+            loss function at the current block and the prefetched next one).
+
+    Raises:
+        ValueError: an unknown ``mode``, ``grad``, ``mixed_precision`` or ``on_nonfinite``; a
+            ``max_grad_norm`` that is not finite and > 0; ``accumulate`` or ``resident_units`` < 1.
+        TypeError: ``mesh`` is not an hpf.Mesh, ``optimizer`` has no ``init``/``update``, or
+            ``topology`` is not an hpf.Topology.
+    """
+
+    mesh: Mesh
+    optimizer: Optimizer
+    param_specs: Any = None
+    fsdp_axes: Any = None
+    mode: str = "production"
+    mixed_precision: Any = None
+    max_grad_norm: float | None = None
+    topology: Topology | None = None
+    hsdp: bool = False
+    overlap_optimizer: bool = True
+    grad: str = "autograd"
+    on_nonfinite: str = "raise"
+    accumulate: int = 1
+    batch_axes: Any = None
+    loss_scale: Any = "auto"
+    resident_units: int = 2
+
+    def __post_init__(self):
+        if not isinstance(self.mesh, Mesh):
+            raise TypeError(f"mesh={self.mesh!r}: pass an hpf.Mesh, e.g. hpf.Mesh({{'dp': 4}})")
+        if not isinstance(self.optimizer, Optimizer):
+            raise TypeError(f"optimizer {self.optimizer!r} is not an hpf.optim.Optimizer (it needs init() and "
+                            "update()): pass hpf.optim.adamw(...) or another object with init(params) and "
+                            "update(grads, state, params)")
+        if self.mode not in MODES:
+            raise ValueError(f"mode={self.mode!r}: use one of {list(MODES)}")
+        if self.grad not in ("autograd", "torch.func"):
+            raise ValueError(f"grad={self.grad!r}: use 'autograd' (the default, faster: benchmarks/grad_modes.py) "
+                             "or 'torch.func'")
+        if self.on_nonfinite not in ("raise", "skip"):
+            raise ValueError(f"on_nonfinite={self.on_nonfinite!r}: use 'raise' (NonFiniteError) or 'skip' "
+                             "(no update)")
+        mg = self.max_grad_norm
+        if mg is not None and not (isinstance(mg, (int, float)) and not isinstance(mg, bool)
+                                   and math.isfinite(mg) and mg > 0):
+            raise ValueError(f"max_grad_norm={mg!r}: must be a finite number > 0, or None for no clipping")
+        for name in ("accumulate", "resident_units"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r}: give an int >= 1")
+        if self.topology is not None and not isinstance(self.topology, Topology):
+            raise TypeError(f"topology={self.topology!r}: pass hpf.Topology(...) or None")
+        axes = self.fsdp_axes
+        object.__setattr__(self, "fsdp_axes", None if axes is None else (axes,) if isinstance(axes, str) else tuple(axes))
+        mp = MixedPrecision.parse(self.mixed_precision)
+        object.__setattr__(self, "mixed_precision", mp)
+        scale = self.loss_scale
+        if isinstance(scale, str) and scale == "auto":
+            scale = LossScale() if mp is not None and mp.compute_dtype == torch.float16 else None
+        if scale is not None and not isinstance(scale, LossScale):
+            raise TypeError(f"loss_scale={scale!r}: pass hpf.LossScale(...), or None for no loss scaling")
+        object.__setattr__(self, "loss_scale", scale)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))

@@ -1,0 +1,349 @@
+"""The FSDP unit engine: a step's forward and backward over a plan's units.
+
+The loss function reads units through the params tree (hpf.engine.views); each read is one
+autograd entry whose params are views of the unit's gathered buffers (hpf.engine.gather).
+Which units are gathered and evicted, in forward and backward, is decided by
+hpf.engine.residency from the sequence of reads alone; grads are summed per unit and reduced
+in a fixed order by hpf.engine.reduce. The invariant all of it keeps (docs/architecture.md):
+every collective a rank issues is a function of that sequence of reads, which is the same on
+every rank; references, gc and timing may only decide when memory is freed.
+
+A step drives the engine in phases: ``begin`` (no-op when the last step's ``prefetch`` still
+holds) -> per micro-batch ``micro_batch`` (read, backward) -> ``land`` -> ``end_step`` ->
+``prefetch`` of the next step's first units; ``abort`` puts it back in order after an error.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ..comm import schedule
+from ..planning import ROOT, Plan
+from ..trace import Ranges, span
+from .gather import Saved, UnitBuffers, entry
+from .reduce import Reducer
+from .residency import Actions, Residency
+from .views import ParamsView
+
+__all__ = ["UnitEngine", "MemoryStats", "explain_freed"]
+
+
+@dataclass
+class MemoryStats:
+    """Gathered-buffer accounting: what FSDP keeps alive, and what an access pattern costs."""
+
+    live_bytes: int = 0
+    peak_bytes: int = 0
+    live_blocks: int = 0  # block units (not the root) whose gathered memory is held now
+    peak_blocks: int = 0
+    gathers: int = 0  # unit gathers, all steps
+    # Gathers beyond loop-style use (each unit once in forward and at most once in backward).
+    extra_gathers: int = 0
+
+
+class UnitEngine:
+    """Runs one step's forward and backward over a plan's units (see the module doc).
+
+    Args:
+        plan, comm: the plan and its collectives (hpf.comm.flat.BucketComm or
+            hpf.comm.tiered.TieredComm).
+        compute_dtype: dtype of the gathered params (None: the params' own).
+        pipeline: reductions overlap the rest of backward (False waits for each one).
+        capacity: block units gathered at once besides the root and shared-memory units.
+        compute_sums: (bucket, group) pairs whose grads are partial sums over non-FSDP axes.
+        on_extra_gather: called with (unit, phase) at each gather beyond loop-style use
+            (validation mode warns there).
+    """
+
+    def __init__(self, plan: Plan, comm, compute_dtype: torch.dtype | None, device: torch.device, *,
+                 pipeline: bool = True, capacity: int = 2, compute_sums=(),
+                 on_extra_gather: Callable[[str, str], None] | None = None):
+        self.plan, self.comm, self.device = plan, comm, device
+        self.units = list(plan.units)
+        self.buffers = UnitBuffers(plan, comm, compute_dtype, device)
+        pinned = {u for u in self.units if u == ROOT or u not in self.buffers.freeable}
+        self.residency = Residency(self.units, pinned, capacity)
+        self._capacity = capacity
+        self.reducer = Reducer(plan, comm, self.buffers.shared, pipeline, list(compute_sums),
+                               before_issue=lambda: self._flush(force=True))
+        slot_paths = {u: [s.path for b in plan.units[u].buckets for s in plan.buckets[b].slots] for u in self.units}
+        self.view = ParamsView(plan, slot_paths, self._entry)
+        self.on_extra_gather = on_extra_gather
+        self.stats = MemoryStats()
+        self.wait_s = 0.0
+        self.in_backward = False
+        self._reduce_order = list(reversed(self.units))  # the first step's guess: backward of tree order
+        self._deferred: list[tuple[str, str]] = []  # prefetches decided, waiting for memory (in order)
+        self._prefetched: list | None = None  # (bucket, master, version) the next step's gathers were made from
+        self._root = None
+        self._anchor = None
+        self._gathered: set[str] = set()  # units gathered in this phase (forward, then backward)
+        self._phase = Ranges()  # trace: each unit's forward and backward
+
+    # -- phases of a step -------------------------------------------------------------------------------
+    def begin(self, masters: list[torch.Tensor]) -> None:
+        """A step starts on ``masters``; the gathers ``prefetch`` started are kept if these are
+        still the shards they were made from."""
+        snap = self._prefetched
+        self._prefetched = None
+        if snap is not None and _untouched(snap, masters):
+            self.buffers.set_shards(masters, keep={self.plan.buckets[b].unit for b, _, _ in snap})
+            return
+        self._settle()
+        self.buffers.set_shards(masters)
+        self._gathered = set()
+        self._apply(self.residency.begin(), "forward")
+
+    def prefetch(self, masters: list[torch.Tensor]) -> None:
+        """Start the next step's first gathers (``first_units``) from ``masters``, already updated."""
+        first = self.first_units()
+        buckets = [b for u in first for b in self.plan.units[u].buckets]
+        self.buffers.set_shards(masters, keep=set(self.units) - set(first))
+        self._gathered = set()
+        self._apply(self.residency.begin(), "forward")
+        self._prefetched = [(b, masters[b], masters[b]._version) for b in buckets]
+
+    def first_units(self) -> list[str]:
+        """The units a step gathers before its first read: pinned ones, then the predicted first reads."""
+        pinned = [u for u in self.units if u in self.residency.pinned]
+        return pinned + [u for u in self.residency.predicted_first() if u not in pinned]
+
+    @contextlib.contextmanager
+    def micro_batch(self, grad_shards: list[torch.Tensor], hold: bool) -> Iterator[None]:
+        """One forward and backward (``params_tree``, ``start_backward``, autograd); on leaving,
+        every unit not yet reduced is (``hold``: kept for the next micro-batch instead)."""
+        self.reducer.start(grad_shards, self._reduce_order, hold)
+        self._anchor = torch.empty(0, device=self.device, requires_grad=True)
+        self._root, self.in_backward, self._gathered = None, False, set(self.buffers.live)
+        try:
+            yield
+        finally:
+            self._phase.end()
+            self._root = self._anchor = None
+        self.reducer.finish()
+        self.in_backward = False
+
+    def params_tree(self) -> Any:
+        """The loss function's params: root params as views, unit lists read when reached."""
+        self._phase.switch("hpf/forward", ROOT)
+        return self.view.tree(self._read)
+
+    def start_backward(self) -> None:
+        """The loss is computed: from here a read is a checkpoint recomputing."""
+        self.in_backward = True
+        self._gathered = set(self.buffers.live)
+        self.residency.start_backward()
+        self._phase.switch("hpf/backward", ROOT)
+
+    def land(self) -> None:
+        """Wait for every reduction of the step (then the grad shards are final)."""
+        self._flush(force=True)
+        t = time.perf_counter()
+        self.reducer.wait()
+        self.buffers.wait_all()
+        self.wait_s += time.perf_counter() - t
+
+    def end_step(self) -> None:
+        """The step's reads are over: learn them for the next step, free what is gathered."""
+        if self.reducer.landed_order and set(self.reducer.landed_order) == set(self.units):
+            self._reduce_order = list(self.reducer.landed_order)
+        for u in self.residency.end_step():
+            self.buffers.release(u)
+        self.buffers.live.clear()
+        self.buffers.free_all()
+        self._count()
+
+    def abort(self) -> None:
+        """After an error anywhere in a step: wait for what is in flight, free, forget the step."""
+        self._phase.end()
+        self._root = self._anchor = None
+        self.in_backward = False
+        self._prefetched = None
+        self.reducer.drop_held()
+        self._settle()
+
+    # -- reads ----------------------------------------------------------------------------------------------
+    def _read(self, unit: str) -> Any:
+        """The loss function reads list element ``unit``."""
+        needs = self.view.needs(unit)
+        acts = self.residency.need(needs) if self.in_backward else self.residency.read(needs)
+        self._apply(acts, "backward" if self.in_backward else "forward")
+        if not self.in_backward:
+            self._phase.switch("hpf/forward", unit)
+        return self.view.subtree(unit)
+
+    def _entry(self, unit: str) -> tuple:
+        """The param views of one read of ``unit`` (an autograd entry, except while recomputing)."""
+        if unit == ROOT and self._root is not None:
+            return self._root
+        self._wait(unit)
+        if self.in_backward and unit != ROOT:  # a checkpoint recomputing: the forward's entries take the grads
+            return tuple(self.buffers.views(unit))
+        views = entry(self._anchor, self, unit)
+        self.reducer.entry(unit)
+        if unit == ROOT:
+            self._root = views
+        else:
+            self.buffers.hand_out(unit, views)
+        return views
+
+    def entry_done(self, unit: str, grads: tuple) -> None:
+        """Backward of one entry: its grads; a unit whose grads are complete is evicted."""
+        if self.reducer.add(unit, grads):
+            for u in self.residency.done(unit):
+                self.buffers.release(u)
+            self._flush(force=False)
+            pos = self.units.index(unit)
+            self._phase.switch("hpf/backward", self.units[pos - 1] if pos > 0 else ROOT)
+
+    # -- saved-tensor hooks (only while some unit's memory can be freed) -------------------------------------
+    def saved_tensor_hooks(self):
+        if not self.buffers.freeable or self._capacity >= len(self.units):
+            return contextlib.nullcontext()
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if self._deferred:  # (between reads: the last unit's param tensors may have died by now)
+            self._flush(force=False)
+        return self.buffers.pack(t)
+
+    def _unpack(self, saved: Any) -> Any:
+        if type(saved) is not Saved:
+            return saved
+        acts = self.residency.need([saved.unit])
+        if acts.gather or acts.evict or acts.prefetch:
+            self._apply(acts, "backward")
+        self._wait(saved.unit)
+        return saved.tensor
+
+    def keep_gathered(self) -> None:
+        """From now on keep every unit gathered from its read to the end of its backward, with no
+        saved-tensor hooks: for loss functions that run torch.func.grad/vjp inside, which refuse
+        them (``refuses_hooks``)."""
+        self._capacity = len(self.units)
+        self.residency = Residency(self.units, self.residency.pinned, self._capacity)
+
+    # -- torch.func ---------------------------------------------------------------------------------------
+    def gathered_tree(self) -> Any:
+        """Every unit gathered at once, as one params tree of plain views (grad="torch.func")."""
+        for u in self.units:
+            if u not in self.buffers.live:
+                self._issue(u, "forward")
+        by_path = {}
+        for u in self.units:
+            self._wait(u)
+            self.reducer.entry(u)
+            by_path.update(zip((s.path for b in self.plan.units[u].buckets for s in self.plan.buckets[b].slots),
+                               self.buffers.views(u)))
+        return self.plan.tree(by_path)
+
+    def reduce_tree(self, grads: Any) -> None:
+        """Hand the grads of ``gathered_tree``'s params to the reducer (tied ones summed first)."""
+        import optree
+        sums: dict[str, torch.Tensor] = {}
+        for p, g in zip(self.plan.leaf_paths or list(self.plan.slots), optree.tree_leaves(grads, none_is_leaf=True)):
+            o = self.plan.ties.get(p, p)
+            sums[o] = g if o not in sums else sums[o] + g
+        for u in reversed(self.units):
+            self.reducer.add(u, tuple(sums[s.path] for b in self.plan.units[u].buckets for s in self.plan.buckets[b].slots))
+
+    # -- gather, wait, evict ----------------------------------------------------------------------------------
+    def _apply(self, acts: Actions, phase: str) -> None:
+        """Carry out the policy's actions. A prefetch waits for memory (an evicted unit whose
+        param tensors the loss function still holds, e.g. the previous block in its loop
+        variable) until a saved-tensor hook or the next collective finds it free: local facts
+        may delay when a gather starts, never what is gathered or in which order."""
+        if acts.evict:
+            self._flush(force=True)
+            for u in acts.evict:
+                self.buffers.release(u)
+        for u in acts.gather:
+            self._issue(u, phase)
+        for u in acts.prefetch:
+            self._deferred.append((u, phase))
+        self._flush(force=False)
+        self._count()
+
+    def _issue(self, unit: str, phase: str) -> None:
+        """Issue a gather now; every prefetch decided before it goes first (the schedule's order)."""
+        self._flush(force=True)
+        self._start(unit, phase)
+
+    def _start(self, unit: str, phase: str) -> None:
+        if unit in self._gathered:
+            self.stats.extra_gathers += 1
+            if self.on_extra_gather is not None:
+                self.on_extra_gather(unit, phase)
+        self._gathered.add(unit)
+        self.buffers.gather(unit, phase)
+        self.stats.gathers += 1
+
+    def _flush(self, force: bool) -> None:
+        """Issue the deferred prefetches: all of them (``force``), or those there is memory for."""
+        if not self._deferred:
+            return
+        if not force:
+            self.buffers.free_lingering()
+        while self._deferred and (force or len(self.buffers.allocated - self.residency.pinned) < self._capacity):
+            self._start(*self._deferred.pop(0))
+        self._count()
+
+    def _wait(self, unit: str) -> None:
+        if any(u == unit for u, _ in self._deferred):
+            self._flush(force=True)
+        t = time.perf_counter()
+        with span("hpf/wait all-gather"):
+            waited = self.buffers.wait(unit)
+        if waited:
+            self.wait_s += time.perf_counter() - t
+
+    def _settle(self) -> None:
+        """Wait for every gather in flight and free every buffer: the engine holds nothing."""
+        self._flush(force=True)
+        self.buffers.wait_all()
+        self.residency.end_step(learn=False)
+        self.buffers.live.clear()
+        self.buffers.free_all()
+        self._count()
+
+    def _count(self) -> None:
+        s, b = self.stats, self.buffers
+        s.live_bytes, s.peak_bytes = b.live_bytes, max(s.peak_bytes, b.peak_bytes)
+        s.live_blocks = len(b.held_units() - {ROOT})
+        s.peak_blocks = max(s.peak_blocks, s.live_blocks)
+
+    def take_wait_s(self) -> float:
+        """Seconds compute spent waiting on collectives since the last call."""
+        out, self.wait_s = self.wait_s, 0.0
+        return out
+
+
+def refuses_hooks(err: BaseException) -> bool:
+    """Whether ``err`` is a torch.func transform (grad, vjp, ...) inside the loss function
+    refusing the engine's saved-tensor hooks: it comes from
+    ``torch.autograd.graph.disable_saved_tensors_hooks``, which those transforms enter."""
+    code = torch.autograd.graph.disable_saved_tensors_hooks.__wrapped__.__code__
+    tb = err.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is code:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def explain_freed(err: RuntimeError) -> Exception:
+    """A clear error for reading a freed unit through a view that outlived its param tensors."""
+    if "data is not allocated" not in str(err) and "for storage of size 0" not in str(err):
+        return err
+    return RuntimeError(
+        "loss_fn read an FSDP unit's param through a view (a slice, .T, .chunk, ...) after dropping every "
+        "reference to the param tensors themselves, so hpf had freed the unit. Keep the param tensor (e.g. "
+        "blk['w']) alive while its views are in use, or take the views where they are used")
+
+
+def _untouched(snapshot: list[tuple], masters: list[torch.Tensor]) -> bool:
+    return all(b < len(masters) and masters[b] is t and t._version == v for b, t, v in snapshot)

@@ -1,0 +1,237 @@
+"""The gathered side of FSDP units: each unit's full flat buffers, their gathers, and the
+autograd entry that hands a unit's params to the loss function as views of them.
+
+One buffer per bucket lives as long as the engine:
+- a bucket sharded over a shared-memory fast tier gets the transport's shared buffer (peers
+  write it; it stays mapped);
+- a bucket held whole by every rank (no FSDP split, no dtype cast) is the master shard itself:
+  nothing to gather;
+- any other bucket gets a plain buffer whose storage is allocated for a gather and resized to
+  zero when its unit is evicted, unless the loss function still holds one of the param
+  tensors handed out (a local fact that only keeps memory; the unit still counts as evicted,
+  so its next read gathers again: hpf.engine.residency decides every gather).
+
+Autograd saves param tensors by reference, so a freed unit's saved tensors are re-filled
+before backward uses them: the saved-tensor hooks report each one to the engine (``need``),
+which gathers per the residency policy. The hooks run only while some unit can be freed.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..comm.schedule import LOG, wait
+from ..planning import Plan
+from ..trace import span
+
+__all__ = ["UnitBuffers", "Saved", "entry"]
+
+
+@dataclass
+class Saved:
+    """A saved param tensor of a unit that may be freed: an alias of its buffer's storage."""
+
+    unit: str
+    tensor: torch.Tensor
+
+
+class UnitBuffers:
+    """Per unit: the gathered buffers, the gathers in flight, and the param views."""
+
+    def __init__(self, plan: Plan, comm, compute_dtype: torch.dtype | None, device: torch.device):
+        self.plan, self.comm, self.compute_dtype, self.device = plan, comm, compute_dtype, device
+        bks = plan.buckets
+        self.unit_buckets = {u: plan.units[u].buckets for u in plan.units}
+        # Buckets every rank holds whole in the compute dtype: the buffer is the master shard.
+        self.whole = [b.shard_size == 1 and (compute_dtype is None or compute_dtype == b.dtype)
+                      and not comm.is_shared(b.index) for b in bks]
+        self.shared = [comm.is_shared(b.index) for b in bks]
+        self.full: list[torch.Tensor | None] = [
+            None if self.whole[b.index] else _own_base(comm.full_buffer(b.index, compute_dtype or b.dtype)) for b in bks]
+        # Collectives write through a second tensor over the same memory, whose version counter
+        # is its own: a re-gather into a buffer whose old views the loss function still holds
+        # (the same values again) must not count as an in-place change of those views.
+        self.fill = [None if f is None else _own_base(f) for f in self.full]
+        self.nbytes = [0 if f is None else f.numel() * f.element_size() for f in self.full]
+        for b, f in enumerate(self.full):
+            if f is not None and not self.shared[b]:
+                f.untyped_storage().resize_(0)
+        #: units whose memory an eviction can free (their saved tensors need the hooks)
+        self.freeable = {u for u, bs in self.unit_buckets.items() if any(
+            not self.whole[b] and not self.shared[b] for b in bs)}
+        self._unit_of_buffer = {id(self.full[b]): u for u in self.freeable for b in self.unit_buckets[u]}
+        # per unit: each param's (bucket, shape, stride, offset) in its buffer, slot order
+        self.layout = {u: [(s.bucket, s.local_shape, _strides(s.local_shape), s.offset)
+                           for b in self.unit_buckets[u] for s in bks[b].slots] for u in plan.units}
+        self.shards: list[torch.Tensor] = []
+        self.pending: dict[str, list] = {}  # unit -> gathers in flight
+        self.live: set[str] = set()  # units whose buffers hold this step's values
+        self.allocated: set[str] = set()  # freeable units whose plain storage is allocated
+        self.lingering: dict[str, None] = {}  # evicted units whose storage waits for their views to die
+        self.handed: dict[str, list] = {}  # unit -> weak references to the param views handed out
+        self.gathers = 0  # all steps
+        self.live_bytes = self.peak_bytes = 0
+
+    # -- shards ---------------------------------------------------------------------------------------
+    def set_shards(self, masters: list[torch.Tensor], keep: set[str] = frozenset()) -> None:
+        """The step's master shards, cast to the compute dtype (units in ``keep`` keep theirs)."""
+        cdt = self.compute_dtype
+        old = self.shards
+        with span("hpf/cast shards"):
+            self.shards = [old[b] if old and self.plan.buckets[b].unit in keep
+                           else (m if cdt is None or m.dtype == cdt else m.to(cdt)) for b, m in enumerate(masters)]
+        for b, whole in enumerate(self.whole):
+            if whole:
+                self.full[b] = masters[b]
+
+    # -- gather, wait, release --------------------------------------------------------------------------
+    def gather(self, unit: str, why: str) -> None:
+        """Start gathering ``unit`` into its buffers (recorded in the schedule log)."""
+        LOG.record("all-gather", unit, 0 if why == "forward" else 1)
+        self.lingering.pop(unit, None)  # (evicted, still held, not yet freed: gathered into the same memory)
+        handles = self.pending.setdefault(unit, [])
+        with span("hpf/gather", unit):
+            for b in self.unit_buckets[unit]:
+                if self.whole[b]:
+                    continue
+                full = self.full[b]
+                if not self.shared[b] and full.untyped_storage().nbytes() == 0:
+                    full.untyped_storage().resize_(self.nbytes[b])
+                    self._account(self.nbytes[b])
+                    self.allocated.add(unit)
+                handles.append(self.comm.all_gather(b, self.fill[b], self.shards[b]))
+        self.live.add(unit)
+        self.gathers += 1
+
+    def wait(self, unit: str) -> bool:
+        """Wait for ``unit``'s gathers in flight; False if there were none."""
+        handles = self.pending.pop(unit, None)
+        for h in handles or ():
+            wait(h, f"the all-gather of {unit}")
+        return bool(handles)
+
+    def wait_all(self) -> None:
+        for unit in list(self.pending):
+            self.wait(unit)
+
+    def release(self, unit: str) -> None:
+        """Evict ``unit``. Its plain storage is freed now, or, while a param tensor handed out for
+        it is alive, the first time ``free_lingering`` finds them all dead."""
+        self.live.discard(unit)
+        if unit in self.freeable:
+            self.lingering[unit] = None
+            self.free_lingering()
+
+    def free_lingering(self, force: bool = False) -> None:
+        """Free the storage of evicted units that nothing holds any more (``force``: all of them)."""
+        for unit in list(self.lingering):
+            if not force and any(ref() is not None for ref in self.handed.get(unit, ())):
+                continue
+            del self.lingering[unit]
+            self.handed.pop(unit, None)
+            self.wait(unit)  # a gather still writing into it (issued on every rank: it lands)
+            for b in self.unit_buckets[unit]:
+                st = None if self.whole[b] or self.shared[b] else self.full[b].untyped_storage()
+                if st is not None and st.nbytes():
+                    st.resize_(0)
+                    self._account(-self.nbytes[b])
+            self.allocated.discard(unit)
+
+    def free_all(self) -> None:
+        """Free every plain buffer, held or not (the step is over)."""
+        for unit in self.allocated:
+            self.lingering[unit] = None
+        self.free_lingering(force=True)
+
+    def held_units(self) -> set[str]:
+        """Units whose gathered memory is held now (plain storage allocated, or live in shared memory)."""
+        return self.allocated | {u for u in self.live if u not in self.freeable}
+
+    def _account(self, nbytes: int) -> None:
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    # -- the params the loss function sees ------------------------------------------------------------
+    def views(self, unit: str) -> list[torch.Tensor]:
+        full = self.full  # (as_strided takes the offset in the whole storage: shared buffers start inside one)
+        return [full[b].as_strided(shape, stride, full[b].storage_offset() + off)
+                for b, shape, stride, off in self.layout[unit]]
+
+    def hand_out(self, unit: str, views) -> None:
+        """Remember the views given to the loss function (only their liveness matters)."""
+        if unit in self.freeable:
+            refs = self.handed.setdefault(unit, [])
+            refs.extend(weakref.ref(v) for v in views)
+
+    # -- saved-tensor hooks -----------------------------------------------------------------------------
+    def pack(self, t: torch.Tensor) -> Any:
+        base = t._base  # params are views of a unit's buffer; most saved tensors are not views
+        unit = None if base is None else self._unit_of_buffer.get(id(base))
+        return t if unit is None else Saved(unit, t.detach())  # an alias that holds no param tensor
+
+
+class _Entry(torch.autograd.Function):
+    """One read of a unit: its params as views of its buffers; backward hands the grads to the
+    engine's reducer. The plain form: no per-call signature binding (half the cost)."""
+
+    @staticmethod
+    def forward(ctx, anchor, engine, unit):  # noqa: ARG004 - anchor only makes backward run
+        ctx.engine, ctx.unit = engine, unit
+        return tuple(engine.buffers.views(unit))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.engine.entry_done(ctx.unit, grads)
+        return None, None, None
+
+
+class _FuncEntry(torch.autograd.Function):
+    """The same entry for reads under torch.func transforms (vmap, grad, jvp inside loss_fn),
+    which need ``setup_context`` and a vmap rule."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(anchor, engine, unit):  # noqa: ARG004
+        return tuple(engine.buffers.views(unit))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # noqa: ARG004
+        ctx.engine, ctx.unit = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.engine.entry_done(ctx.unit, grads)
+        return None, None, None
+
+    @staticmethod
+    def jvp(ctx, *tangents):  # noqa: ARG004 - the params do not depend on the anchor
+        return tuple(torch.zeros_like(v) for v in ctx.engine.buffers.views(ctx.unit))
+
+
+def entry(anchor: torch.Tensor, engine, unit: str) -> tuple:
+    """A new autograd entry of ``unit``: its params as views."""
+    fn = _FuncEntry if torch._C._are_functorch_transforms_active() else _Entry
+    return fn.apply(anchor, engine, unit)
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, n = [], 1
+    for d in reversed(shape):
+        out.append(n)
+        n *= d
+    return tuple(reversed(out))
+
+
+def _own_base(buf: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``buf``'s memory with a version counter of its own.
+
+    Transports carve many buffers out of one segment, whose slices share one version
+    counter: filling one unit's buffer would then count as an in-place change to every
+    other unit's params, and autograd would reject them."""
+    return torch.empty(0, dtype=buf.dtype, device=buf.device).set_(
+        buf.untyped_storage(), buf.storage_offset(), buf.shape, buf.stride())
+

@@ -1,0 +1,143 @@
+"""The reduction side of FSDP units: grads summed over a unit's reads, then reduced in a fixed order.
+
+Each read of a unit is one autograd entry; backward hands each entry's grads here, and they
+add up in one flat buffer per bucket. A unit is complete when every entry's backward has run.
+Reductions are issued strictly in ``order`` (the last step's order; the first step the
+reverse of the first reads), the head of the queue as soon as it is complete, so every rank
+issues the same reductions in the same order whatever backward's timing, and a unit whose
+entry never runs backward (a read the loss does not use) only delays the queue to the end.
+For loop-style code that order is backward's own, so reductions overlap the rest of backward.
+
+With gradient accumulation, every micro-batch but the last keeps its sums here (``hold``) and
+communicates nothing; the last adds them in and reduces once.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from ..comm import schedule, world
+from ..comm.schedule import LOG
+from ..comm.transport import DONE
+from ..planning import Plan
+from ..trace import span
+
+__all__ = ["Reducer"]
+
+
+class Reducer:
+    """One step's grad sums and reductions (see the module doc)."""
+
+    def __init__(self, plan: Plan, comm, shared: list[bool], pipeline: bool, compute_sums: list,
+                 before_issue=lambda: None):
+        self.plan, self.comm, self.shared, self.pipeline = plan, comm, shared, pipeline
+        self.unit_buckets = {u: plan.units[u].buckets for u in plan.units}
+        self.compute_sums = compute_sums  # (bucket, group): partial grads summed over non-FSDP axes
+        self.grad_shards: list[torch.Tensor] = []
+        self.order: list[str] = []
+        self.landed_order: list[str] = []  # the order units were reduced in this step
+        self._outstanding: Counter = Counter()
+        self._sums: dict[str, list[torch.Tensor]] = {}
+        self._complete: set[str] = set()
+        self._next = 0
+        self._handles: list = []
+        self._held: dict[int, torch.Tensor] = {}
+        self.hold = False
+        self._before_issue = before_issue  # the engine's deferred gathers go first: one schedule
+
+    def start(self, grad_shards: list[torch.Tensor], order: list[str], hold: bool) -> None:
+        """A micro-batch starts; ``hold``: keep its sums for the next one instead of reducing."""
+        self.grad_shards, self.order, self.hold = grad_shards, order, hold
+        self._outstanding.clear()
+        self._sums.clear()
+        self._complete.clear()
+        self._next = 0
+        self.landed_order = []
+
+    def entry(self, unit: str) -> None:
+        """A read of ``unit`` created an autograd entry whose backward is to come."""
+        self._outstanding[unit] += 1
+
+    def add(self, unit: str, grads: tuple) -> bool:
+        """One entry's grads; True if that completed the unit."""
+        flats = self._sums.get(unit)
+        first = flats is None
+        if first:
+            flats = self._sums[unit] = [self._grad_flat(b) for b in self.unit_buckets[unit]]
+        i = 0
+        with span("hpf/copy grads", unit):
+            for b, flat in zip(self.unit_buckets[unit], flats):
+                slots = self.plan.buckets[b].slots
+                views = [flat[s.offset:s.offset + s.numel].view(s.local_shape) for s in slots]
+                (torch._foreach_copy_ if first else torch._foreach_add_)(views, list(grads[i:i + len(slots)]))
+                i += len(slots)
+        self._outstanding[unit] -= 1
+        if self._outstanding[unit]:
+            return False
+        self._complete.add(unit)
+        self._issue_ready()
+        return True
+
+    def _issue_ready(self) -> None:
+        while self._next < len(self.order) and self.order[self._next] in self._complete:
+            self._reduce(self.order[self._next])
+            self._next += 1
+
+    def finish(self) -> None:
+        """Backward is over: reduce every unit not yet reduced (zero grads if never read), in order."""
+        self._complete.update(self.order)
+        self._issue_ready()
+
+    def wait(self) -> None:
+        """Wait for every reduction of the step (then partial sums over non-FSDP axes)."""
+        with span("hpf/wait reduce-scatter"):
+            for h in self._handles:
+                schedule.wait(h, "a gradient reduction")
+        self._handles = []
+        for b, group in self.compute_sums:
+            LOG.record("all-reduce", f"partial grads of bucket {b}")
+            schedule.wait(world.all_reduce_async(self.grad_shards[b], group), "a partial-grad all-reduce")
+
+    def holds_sums(self) -> bool:
+        """Whether earlier micro-batches' sums are held for this step."""
+        return bool(self._held)
+
+    def drop_held(self) -> None:
+        """Forget sums held from earlier micro-batches (a step that raised or was skipped)."""
+        self._held.clear()
+
+    # -- internals ---------------------------------------------------------------------------------------
+    def _grad_flat(self, b: int) -> torch.Tensor:
+        bucket, shard = self.plan.buckets[b], self.grad_shards[b]
+        unsharded = bucket.shard_size == 1 and not self.shared[b]
+        flat = shard if unsharded and not self.hold else self.comm.grad_buffer(b, shard.dtype)
+        if bucket.padded_numel > bucket.numel:
+            flat[bucket.numel:].zero_()
+        return flat
+
+    def _reduce(self, unit: str) -> None:
+        flats = self._sums.pop(unit, None)
+        if flats is None:  # never read this step (or its params never reached the loss): zero grads
+            flats = [self._grad_flat(b).zero_() for b in self.unit_buckets[unit]]
+        buckets = self.unit_buckets[unit]
+        self.landed_order.append(unit)
+        if self.hold:  # an earlier micro-batch: keep the sums here, communicate nothing
+            for b, flat in zip(buckets, flats):
+                if b in self._held:
+                    self._held[b].add_(flat)
+                else:
+                    self._held[b] = flat.clone()  # (flat may be a comm buffer)
+            return
+        self._before_issue()
+        for b, flat in zip(buckets, flats):
+            held = self._held.pop(b, None)
+            if held is not None:
+                flat.add_(held)
+            LOG.record("reduce-scatter", unit, b)
+            with span("hpf/reduce-scatter bucket", b):
+                handle = self.comm.reduce(b, self.grad_shards[b], flat)
+            if not self.pipeline:
+                schedule.wait(handle, "a gradient reduction")
+                handle = DONE
+            self._handles.append(handle)

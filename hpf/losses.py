@@ -1,0 +1,145 @@
+"""What a loss function may return, and fp16's loss scaling.
+
+A loss function returns one of:
+
+- **a scalar tensor, read as a mean.** The step's loss is the mean of these over its
+  micro-batches and data-parallel ranks, ``(1 / (R * K)) * sum_r sum_k loss_fn(params,
+  micro_batch[r][k])``, and the grads are that mean's. It is the whole global batch's mean only
+  when every micro-batch averages over the same number of terms (not, e.g., for a padded
+  language-model loss whose micro-batches hold different numbers of real targets).
+- **``hpf.weighted(sum, count)``** (or a ``(sum, count)`` pair of tensors): a sum of per-term
+  losses and the number of terms. The step divides the total sum by the total count over every
+  micro-batch and rank: exactly the whole global batch's mean, whatever the masks, as fixed
+  gradient accumulation for causal language models does.
+- either one with a dict of aux tensors, ``(loss, {"name": tensor})``: ``metrics["aux"]`` holds
+  each summed over micro-batches and ranks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = ["Weighted", "weighted", "LossOut", "parse", "LossScale", "LossScaleState"]
+
+
+class Weighted(NamedTuple):
+    """A sum of per-term losses and how many terms it sums (see :func:`weighted`)."""
+
+    sum: torch.Tensor
+    count: torch.Tensor | int | float
+
+
+def weighted(sum: torch.Tensor, count: torch.Tensor | int | float) -> Weighted:  # noqa: A002 - the natural name
+    """A loss to be divided by the global ``count`` (over micro-batches and ranks), e.g.
+    ``hpf.weighted(F.cross_entropy(logits, y, ignore_index=-100, reduction="sum"), (y != -100).sum())``.
+
+    Args:
+        sum: a scalar tensor, the sum of this micro-batch's per-term losses.
+        count: the number of terms in it (a tensor, int or float; 0 is allowed on some ranks).
+
+    Raises:
+        TypeError: ``sum`` is not a one-element floating tensor.
+    """
+    _check_value(sum, "hpf.weighted(sum, count): sum")
+    return Weighted(sum, count)
+
+
+@dataclass
+class LossOut:
+    """One micro-batch's loss, parsed: ``value`` to differentiate, ``count`` (None: a mean), aux."""
+
+    value: torch.Tensor
+    count: torch.Tensor | None
+    aux: dict[str, torch.Tensor] | None
+
+
+def parse(out: Any) -> LossOut:
+    """``loss_fn``'s return value as a :class:`LossOut` (the forms in the module doc).
+
+    Raises:
+        TypeError: any other form, or a loss that is not a one-element floating tensor.
+        ValueError: a loss that does not depend on the params.
+    """
+    aux = None
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
+        out, aux = out
+    count = None
+    if isinstance(out, Weighted) or (isinstance(out, tuple) and len(out) == 2):
+        out, count = out
+        if not isinstance(count, (torch.Tensor, int, float)) or isinstance(count, bool) or (
+                isinstance(count, torch.Tensor) and count.numel() != 1):
+            raise TypeError(f"loss_fn returned a pair whose second item is {type(count).__name__}; a pair means "
+                            "(sum, count), with count a number or one-element tensor, and (loss, aux) needs a dict "
+                            "of aux tensors")
+        count = torch.as_tensor(count, dtype=torch.float64).detach().reshape(())
+    _check_value(out, "loss_fn's loss" if count is None else "the sum of hpf.weighted(sum, count)")
+    if not out.requires_grad:
+        raise ValueError("the loss does not depend on the params (it has no grad_fn): make loss_fn compute with "
+                         "the params it receives")
+    aux = None if aux is None else {k: v.detach() for k, v in aux.items()}
+    return LossOut(out.reshape(()), count, aux)
+
+
+def _check_value(x: Any, what: str) -> None:
+    if not isinstance(x, torch.Tensor) or x.numel() != 1:
+        got = f"a tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"{what} must be a scalar tensor (one element); got {got}. Return a mean (e.g. .mean()), "
+                        "hpf.weighted(sum, count), or either with a dict of aux tensors")
+    if not x.is_floating_point():
+        raise TypeError(f"{what} is a {x.dtype} tensor; a loss must be floating (int and bool tensors have no "
+                        "grads): compute it in floating point, e.g. with .float()")
+
+
+# -- fp16 loss scaling ---------------------------------------------------------------------------------------------
+class LossScaleState(NamedTuple):
+    """The running loss scale (float64) and the clean steps since it last changed (int64)."""
+
+    scale: torch.Tensor
+    good_steps: torch.Tensor
+
+
+@dataclass(frozen=True)
+class LossScale:
+    """Dynamic loss scaling with ``torch.amp.GradScaler``'s semantics, for fp16 compute.
+
+    Backward runs on ``loss * scale``; the grads are divided back before anything reads them.
+    A step whose grads overflow is skipped (no update, ``metrics["skipped"]``) and the scale
+    shrinks by ``backoff_factor``; after ``growth_interval`` clean steps in a row it grows by
+    ``growth_factor``. The state rides in ``TrainState.loss_scale`` (and in checkpoints).
+
+    Args:
+        init_scale, growth_factor, backoff_factor, growth_interval: as GradScaler's.
+
+    Raises:
+        ValueError: a scale or factor that is not finite and > 0, a growth factor <= 1, a
+            backoff factor outside (0, 1), or an interval < 1.
+    """
+
+    init_scale: float = 2.0 ** 16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+    def __post_init__(self):
+        ok = (0 < self.init_scale < float("inf") and self.growth_factor > 1 and 0 < self.backoff_factor < 1
+              and isinstance(self.growth_interval, int) and self.growth_interval >= 1)
+        if not ok:
+            raise ValueError(f"{self}: need 0 < init_scale < inf, growth_factor > 1, 0 < backoff_factor < 1 and "
+                             "an int growth_interval >= 1")
+
+    def init(self) -> LossScaleState:
+        return LossScaleState(torch.tensor(float(self.init_scale), dtype=torch.float64),
+                              torch.zeros((), dtype=torch.int64))
+
+    def update(self, state: LossScaleState, finite: bool) -> None:
+        """After a step: back off on overflow, grow after enough clean steps (in place)."""
+        if not finite:
+            state.scale.mul_(self.backoff_factor)
+            state.good_steps.zero_()
+            return
+        state.good_steps.add_(1)
+        if int(state.good_steps) >= self.growth_interval:
+            state.scale.mul_(self.growth_factor)
+            state.good_steps.zero_()
