@@ -136,8 +136,8 @@ class ShardStep:
                 try:
                     with span("hpf/optimizer", "all"):
                         state = self._update(state, decision)
-                except BaseException:
-                    self.engine.abort()
+                except BaseException as err:
+                    self.engine.abort(err)
                     raise
             elif state.loss_scale is not None:
                 self.config.loss_scale.update(state.loss_scale, finite=False)
@@ -178,8 +178,8 @@ class ShardStep:
             self.after_reductions()
             eng.end_step()
             return self._decide(outs, batch, state, clip)
-        except BaseException:
-            eng.abort()
+        except BaseException as err:
+            eng.abort(err)
             raise
 
     def forward_backward(self, state: TrainState, batch: Any, hold: bool = False, scale=None) -> losses.LossOut:

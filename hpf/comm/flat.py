@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..planning import Plan
-from .cost import bucket_comm_bytes, count_bytes
+from .cost import bucket_comm_bytes, count_bytes, dtype_bytes
 from .transport import DONE, Handle, is_done, reduce_scatter_async, wait_for
 
 __all__ = ["BucketComm"]
@@ -57,11 +57,17 @@ class BucketComm:
     def __init__(self, plan: Plan, device: torch.device, compute_dtypes, reduce_dtypes):
         self.plan, self.device = plan, device
         mesh = plan.mesh
-        self.shard_groups = [mesh.group(b.shard_axes) if b.shard_size > 1 else None for b in plan.buckets]
-        # Replica all-reduces start when a poll finds their reduce-scatter landed, a moment that
-        # differs across ranks: on groups of their own, no other collective can interleave.
-        self.replica_groups = [mesh.group(b.replicate_axes, tag="replica")
-                               if mesh.axis_size(b.replicate_axes) > 1 else None for b in plan.buckets]
+        # A group per kind of collective and byte size: ranks that issue different buckets then
+        # wait on different groups (a named error from hpf.comm.schedule) instead of pairing them
+        # (gloo aborts the process on a size mismatch). Replica all-reduces start when a poll finds
+        # their reduce-scatter landed, a moment that differs across ranks: on groups of their own,
+        # no other collective can interleave.
+        def group(b, axes, kind, dtype):
+            return mesh.group(axes, tag=f"{kind}/{b.padded_numel * dtype_bytes(dtype)}B") if mesh.axis_size(axes) > 1 \
+                else None
+        self.gather_groups = [group(b, b.shard_axes, "gather", compute_dtypes[b.index]) for b in plan.buckets]
+        self.reduce_groups = [group(b, b.shard_axes, "reduce", reduce_dtypes[b.index]) for b in plan.buckets]
+        self.replica_groups = [group(b, b.replicate_axes, "replica", reduce_dtypes[b.index]) for b in plan.buckets]
         self.bytes: Counter = Counter()  # (op, tier) -> bytes this rank sent (hpf.comm.cost's model)
         self._op_bytes = [bucket_comm_bytes(mesh, b, compute_dtypes[b.index], reduce_dtypes[b.index])
                           for b in plan.buckets]
@@ -72,7 +78,7 @@ class BucketComm:
     grad_buffer = full_buffer
 
     def all_gather(self, b: int, out: torch.Tensor, shard: torch.Tensor) -> Handle:
-        g = self.shard_groups[b]
+        g = self.gather_groups[b]
         if g is None:
             out.copy_(shard)
             return DONE
@@ -81,7 +87,7 @@ class BucketComm:
 
     def reduce(self, b: int, shard: torch.Tensor, flat: torch.Tensor) -> Handle:
         """shard <- this rank's slice of the sum of every data-parallel rank's flat grad."""
-        g = self.shard_groups[b]
+        g = self.reduce_groups[b]
         if g is None:
             if shard.data_ptr() != flat.data_ptr():
                 shard.copy_(flat)

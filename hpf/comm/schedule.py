@@ -57,7 +57,8 @@ class ScheduleLog:
         self._codes: dict[tuple, int] = {}
 
     def record(self, kind: str, subject: str, n: int = 0) -> None:
-        """One collective this rank issues now; (kind, subject, n) must mean the same on every rank."""
+        """One event: a collective this rank issues now, or a read of a unit by the loss function
+        (which decides the collectives); (kind, subject, n) must mean the same on every rank."""
         key = (kind, subject, n)
         code = self._codes.get(key)
         if code is None:
@@ -81,11 +82,14 @@ LOG = ScheduleLog()
 
 
 def describe(event: tuple | None) -> str:
+    """One logged event in words (the same words on every rank for the same event)."""
     if event is None:
-        return "nothing (it had not reached that collective)"
+        return "nothing (it had not got there)"
     seq, step, kind, subject, n = event
-    detail = f" #{n}" if n else ""
-    return f"{kind} {subject}{detail} (collective {seq}, step {step + 1})"
+    what = {"read": f"read {subject} (read {n} of the step)",
+            "all-gather": f"all-gather {subject}" + (" (backward)" if n else ""),
+            "reduce-scatter": f"reduce-scatter {subject} (bucket {n})"}.get(kind, f"{kind} {subject}".strip())
+    return f"{what} [event {seq}, step {step + 1}]"
 
 
 # -- the per-step digest check ---------------------------------------------------------------------------
@@ -188,10 +192,10 @@ def _mismatch(seq: int, events: dict[int, tuple | None]) -> str:
     for r, e in sorted(events.items()):
         groups.setdefault(describe(e), []).append(r)
     said = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_ranks(rs)}: {d}" for d, rs in groups.items())
-    return (f"ranks disagree on collective {seq}: {said}. Every rank must issue the same collectives in the same "
-            "order: the loss function must read the same units in the same order on every rank (a rank-dependent "
-            "read or branch breaks that), and collective calls (step, step.save, step.full_params, step.restore) "
-            "must be made by every rank")
+    return (f"ranks disagree at event {seq} of their schedules: {said}. Every rank must issue the same collectives "
+            "in the same order: the loss function must read the same units in the same order on every rank (a "
+            "rank-dependent read or branch breaks that), and collective calls (step, step.save, step.full_params, "
+            "step.restore) must be made by every rank")
 
 
 def _ranks(rs: list[int]) -> str:

@@ -41,7 +41,7 @@ from ..trace import span
 from . import world
 from .cost import bucket_comm_bytes, count_bytes, dtype_bytes
 from .shm import ShmGroup
-from .transport import ProcessGroupTransport, Transport
+from .transport import DONE, Handle, ProcessGroupTransport, Transport
 
 __all__ = ["Topology", "SlowLink", "TieredComm"]
 
@@ -182,9 +182,9 @@ class TieredComm:
         fast_axes = set(mesh.fast_axes)
         self._stages = []
         shm_need = 0
-        for b in plan.buckets:
-            fast = tuple(a for a in b.shard_order if a in fast_axes)
-            slow = tuple(a for a in b.shard_order if a not in fast_axes)
+        for b in plan.buckets:  # (axes of size 1 move nothing: at world 1 a bucket has no stage at all)
+            fast = tuple(a for a in b.shard_order if a in fast_axes and mesh.axis_size(a) > 1)
+            slow = tuple(a for a in b.shard_order if a not in fast_axes and mesh.axis_size(a) > 1)
             if not topology.hierarchical:
                 fast, slow = (), b.shard_order  # one flat collective, counted by tier
             self._stages.append((fast, slow))
@@ -195,18 +195,25 @@ class TieredComm:
         # step's first units while another step (another engine on the same mesh) runs.
         # Every rank builds its comms in the same order, so the instance numbers agree.
         instance = next(_INSTANCES)
-        self._transports: dict[tuple[str, tuple[str, ...]], Transport] = {}  # (direction, axes): both tiers
+        # Process-group transports are also split by bucket size: two ranks issuing different
+        # buckets then wait on different groups (a named error from hpf.comm.schedule) instead of
+        # pairing them (gloo aborts the process on a size mismatch).
+        self._transports: dict[tuple, Transport] = {}
+        self._route: dict[tuple[str, int, str], Transport] = {}  # (direction, bucket, tier) -> transport
         for tag in ("gather", "reduce"):
-            for fast, slow in self._stages:
+            for b, (fast, slow) in zip(plan.buckets, self._stages):
+                nbytes = b.padded_numel * dtype_bytes((compute_dtypes if tag == "gather" else reduce_dtypes)[b.index])
                 for axes, tier in ((fast, "fast"), (slow, "slow")):
-                    key = (tag, axes)
-                    if axes and key not in self._transports:
-                        group = mesh.group(axes, tag=f"{tag}{instance}")
-                        if tier == "fast" and use_shm:
-                            self._transports[key] = ShmGroup(group, topology.shm_bytes or shm_need,
-                                                             timeout=topology.timeout_s)
-                        else:
-                            self._transports[key] = ProcessGroupTransport(group, device)
+                    if not axes:
+                        continue
+                    shm = tier == "fast" and use_shm
+                    key = (tag, axes) if shm else (tag, axes, nbytes)
+                    if key not in self._transports:
+                        group = mesh.group(axes, tag=f"{tag}{instance}" + ("" if shm else f"/{nbytes}B"))
+                        self._transports[key] = (ShmGroup(group, topology.shm_bytes or shm_need,
+                                                          timeout=topology.timeout_s) if shm
+                                                 else ProcessGroupTransport(group, device))
+                    self._route[tag, b.index, tier] = self._transports[key]
         self._replica = [mesh.group(b.replicate_axes, tag=f"replica{instance}") if mesh.axis_size(b.replicate_axes) > 1
                          else None for b in plan.buckets]
         self._rank = rank
@@ -232,14 +239,14 @@ class TieredComm:
         bucket = self.plan.buckets[b]
         if self.is_shared(b):
             fast, _ = self._stages[b]
-            return self._transports[("gather", fast)].buffer(("full", b), bucket.padded_numel, dtype)
+            return self._route["gather", b, "fast"].buffer(("full", b), bucket.padded_numel, dtype)
         return torch.empty(bucket.padded_numel, dtype=dtype, device=self._device)
 
     def grad_buffer(self, b: int, dtype: torch.dtype) -> torch.Tensor:
         bucket = self.plan.buckets[b]
         if self.is_shared(b):
             fast, _ = self._stages[b]
-            return self._transports[("reduce", fast)].buffer(("grad", b), bucket.padded_numel, dtype, per_rank=True)
+            return self._route["reduce", b, "fast"].buffer(("grad", b), bucket.padded_numel, dtype, per_rank=True)
         return torch.empty(bucket.padded_numel, dtype=dtype, device=self._device)
 
     # -- collectives -----------------------------------------------------------------------------
@@ -253,8 +260,12 @@ class TieredComm:
         if self._link is not None and nbytes:
             time.sleep(max(0.0, self._link.delay(nbytes) - (time.perf_counter() - start)))
 
-    def all_gather(self, b: int, out: torch.Tensor, shard: torch.Tensor) -> _Handle:
+    def all_gather(self, b: int, out: torch.Tensor, shard: torch.Tensor) -> Handle:
         fast, slow = self._stages[b]
+        if not fast and not slow:  # nothing to send (one rank holds it all): no worker round trip
+            if out.data_ptr() != shard.data_ptr():
+                out.copy_(shard)
+            return DONE
         bucket = self.plan.buckets[b]
         tiers = self._op_bytes[b]["all_gather"]
 
@@ -267,7 +278,7 @@ class TieredComm:
         def slow_stage():
             if slow:
                 with span("hpf/all-gather slow tier, bucket", b):
-                    self._over_slow_link(lambda: self._transports[("gather", slow)].all_gather_into(block, shard),
+                    self._over_slow_link(lambda: self._route["gather", b, "slow"].all_gather_into(block, shard),
                                          tiers["slow"])
             elif block.data_ptr() != shard.data_ptr():
                 with span("hpf/copy shard, bucket", b):
@@ -276,16 +287,20 @@ class TieredComm:
         def fast_stage():
             if fast:
                 with span("hpf/all-gather fast tier, bucket", b):
-                    self._transports[("gather", fast)].all_gather_into(out, block)
+                    self._route["gather", b, "fast"].all_gather_into(out, block)
 
         count_bytes(self.bytes, "all_gather", tiers)  # as issued, on the caller's thread
         w = self._workers
         return _Handle(_pipeline((w["gather", "slow"], slow_stage), (w["gather", "fast"], fast_stage)))
 
-    def reduce(self, b: int, shard: torch.Tensor, flat: torch.Tensor) -> _Handle:
+    def reduce(self, b: int, shard: torch.Tensor, flat: torch.Tensor) -> Handle:
         """shard <- this rank's slice of the sum of every data-parallel rank's flat grad."""
         fast, slow = self._stages[b]
         group = self._replica[b]
+        if not fast and not slow and group is None:
+            if shard.data_ptr() != flat.data_ptr():
+                shard.copy_(flat)
+            return DONE
         tiers, replica = self._op_bytes[b]["reduce_scatter"], self._op_bytes[b]["all_reduce"]
 
         block = flat  # fast stage: the sum over this rank's fast-tier peers of its block
@@ -297,12 +312,12 @@ class TieredComm:
         def fast_stage():
             if fast:
                 with span("hpf/reduce-scatter fast tier, bucket", b):
-                    self._transports[("reduce", fast)].reduce_scatter(block, flat)
+                    self._route["reduce", b, "fast"].reduce_scatter(block, flat)
 
         def slow_stage():
             if slow:
                 with span("hpf/reduce-scatter slow tier, bucket", b):
-                    self._over_slow_link(lambda: self._transports[("reduce", slow)].reduce_scatter(shard, block),
+                    self._over_slow_link(lambda: self._route["reduce", b, "slow"].reduce_scatter(shard, block),
                                          tiers["slow"])
             elif not fast and shard.data_ptr() != flat.data_ptr():
                 shard.copy_(flat)

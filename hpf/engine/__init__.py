@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..comm import schedule
+from ..comm.schedule import LOG
 from ..planning import ROOT, Plan
 from ..trace import Ranges, span
 from .gather import Saved, UnitBuffers, entry
@@ -78,9 +79,11 @@ class UnitEngine:
         self.in_backward = False
         self._reduce_order = list(reversed(self.units))  # the first step's guess: backward of tree order
         self._deferred: list[tuple[str, str]] = []  # prefetches decided, waiting for memory (in order)
+        self.broken: BaseException | None = None  # an error that left the ranks out of step
         self._prefetched: list | None = None  # (bucket, master, version) the next step's gathers were made from
         self._root = None
         self._anchor = None
+        self._reads = 0  # reads of this micro-batch (the schedule log numbers them)
         self._gathered: set[str] = set()  # units gathered in this phase (forward, then backward)
         self._phase = Ranges()  # trace: each unit's forward and backward
 
@@ -88,6 +91,10 @@ class UnitEngine:
     def begin(self, masters: list[torch.Tensor]) -> None:
         """A step starts on ``masters``; the gathers ``prefetch`` started are kept if these are
         still the shards they were made from."""
+        if self.broken is not None:
+            raise RuntimeError(f"this step cannot run again: an earlier call failed with {type(self.broken).__name__} "
+                               f"({self.broken}), and the ranks may be out of step. End the job and restart it "
+                               "(from a checkpoint)") from self.broken
         snap = self._prefetched
         self._prefetched = None
         if snap is not None and _untouched(snap, masters):
@@ -119,6 +126,7 @@ class UnitEngine:
         self.reducer.start(grad_shards, self._reduce_order, hold)
         self._anchor = torch.empty(0, device=self.device, requires_grad=True)
         self._root, self.in_backward, self._gathered = None, False, set(self.buffers.live)
+        self._reads = 0
         try:
             yield
         finally:
@@ -157,19 +165,32 @@ class UnitEngine:
         self.buffers.free_all()
         self._count()
 
-    def abort(self) -> None:
-        """After an error anywhere in a step: wait for what is in flight, free, forget the step."""
+    def abort(self, err: BaseException | None = None) -> None:
+        """After an error anywhere in a step: wait for what is in flight, free, forget the step.
+
+        After ranks fell out of step (ScheduleMismatchError), or when what was in flight cannot
+        land, the engine is broken: its next use raises, naming the first error."""
         self._phase.end()
         self._root = self._anchor = None
         self.in_backward = False
         self._prefetched = None
+        self._deferred = []
         self.reducer.drop_held()
-        self._settle()
+        if isinstance(err, schedule.ScheduleMismatchError):
+            self.broken = err
+            return
+        try:
+            self._settle()
+        except Exception as e:  # noqa: BLE001 - the step's own error is the one raised
+            self.broken = e
 
     # -- reads ----------------------------------------------------------------------------------------------
     def _read(self, unit: str) -> Any:
         """The loss function reads list element ``unit``."""
         needs = self.view.needs(unit)
+        if not self.in_backward:
+            self._reads += 1
+            LOG.record("read", unit, self._reads)
         acts = self.residency.need(needs) if self.in_backward else self.residency.read(needs)
         self._apply(acts, "backward" if self.in_backward else "forward")
         if not self.in_backward:
@@ -263,7 +284,8 @@ class UnitEngine:
                 self.buffers.release(u)
         for u in acts.gather:
             self._issue(u, phase)
-        for u in acts.prefetch:
+        for u in acts.prefetch:  # recorded when decided: the schedule, whenever memory lets it start
+            LOG.record("all-gather", u, phase == "backward")
             self._deferred.append((u, phase))
         self._flush(force=False)
         self._count()
@@ -271,6 +293,7 @@ class UnitEngine:
     def _issue(self, unit: str, phase: str) -> None:
         """Issue a gather now; every prefetch decided before it goes first (the schedule's order)."""
         self._flush(force=True)
+        LOG.record("all-gather", unit, phase == "backward")
         self._start(unit, phase)
 
     def _start(self, unit: str, phase: str) -> None:
@@ -279,7 +302,7 @@ class UnitEngine:
             if self.on_extra_gather is not None:
                 self.on_extra_gather(unit, phase)
         self._gathered.add(unit)
-        self.buffers.gather(unit, phase)
+        self.buffers.gather(unit)
         self.stats.gathers += 1
 
     def _flush(self, force: bool) -> None:

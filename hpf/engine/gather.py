@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..comm.schedule import LOG, wait
+from ..comm.schedule import wait
 from ..planning import Plan
 from ..trace import span
 
@@ -88,9 +88,8 @@ class UnitBuffers:
                 self.full[b] = masters[b]
 
     # -- gather, wait, release --------------------------------------------------------------------------
-    def gather(self, unit: str, why: str) -> None:
-        """Start gathering ``unit`` into its buffers (recorded in the schedule log)."""
-        LOG.record("all-gather", unit, 0 if why == "forward" else 1)
+    def gather(self, unit: str) -> None:
+        """Start gathering ``unit`` into its buffers (the engine records it in the schedule log)."""
         self.lingering.pop(unit, None)  # (evicted, still held, not yet freed: gathered into the same memory)
         handles = self.pending.setdefault(unit, [])
         with span("hpf/gather", unit):
