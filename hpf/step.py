@@ -8,46 +8,34 @@ same collectives) -> the update -> the next step's first gathers.
 """
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from . import batching, checks, losses
 from . import tree as tree_util
-from .checks import DonatedStateError, NonFiniteError, UnevenBatchError
-from .comm import schedule, world
-from .comm.collectives import SPMD, gather_dim0, spmd
+from .checks import DonatedStateError, NonFiniteError
+from .comm import world
+from .comm.collectives import SPMD, spmd
 from .comm.flat import BucketComm
-from .comm.schedule import LOG
 from .comm.tiered import TieredComm, Topology
 from .config import StepConfig
+from .decision import Decider, Decision
 from .device import default_device
 from .engine import UnitEngine, explain_freed, refuses_hooks
 from .launcher import init_distributed, is_launched
 from .mesh import Mesh, MeshError
 from .optim.base import ForPlan, PartialUpdate
 from .planning import Plan, plan as make_plan
+from .state_io import StateIO
 from .trace import span
 from .types import TrainState
 
 __all__ = ["ShardStep", "step_plan"]
 
 
-@dataclass
-class Decision:
-    """What the step's one all-reduce decided, the same on every rank."""
-
-    loss: float
-    grad_norm: float
-    grad_scale: float  # multiplies the summed grads: 1 / normalizer (and / loss scale), times the clip
-    finite: bool
-    aux: dict | None
-
-
-class ShardStep:
+class ShardStep(StateIO):
     """The production step: the callable :func:`hpf.shard_step` returns for ``mode="production"``.
 
     Subclasses (validation mode) extend three documented hooks: :meth:`forward_backward` (one
@@ -113,7 +101,9 @@ class ShardStep:
         # Axes a param computes sharded over (experts on a borrowed data axis) allow collectives.
         self._spmd = SPMD(self.mesh, self.rank, tuple(a for a in self.plan.fsdp_axes if a not in self.plan.split_axes))
         self._n_compute = self.mesh.axis_size(self.plan.compute_axes)  # ranks computing one replica's loss
-        self._replicas = torch.tensor([float(self.plan.replicas(b)) for b in self.plan.buckets], dtype=torch.float64)
+        self.decider = Decider(self.mesh.size, self.dp_size, self._n_compute,
+                               torch.tensor([float(self.plan.replicas(b)) for b in self.plan.buckets],
+                                            dtype=torch.float64), cfg.max_grad_norm)
         opt = self.optimizer
         self.plan_optimizer = opt.for_plan(self.plan, self.rank) if isinstance(opt, ForPlan) else opt
         state = TrainState(shards, self.plan_optimizer.init(shards), cfg.loss_scale.init() if cfg.loss_scale else None)
@@ -177,7 +167,10 @@ class ShardStep:
             eng.land()
             self.after_reductions()
             eng.end_step()
-            return self._decide(outs, batch, state, clip)
+            scale = float(state.loss_scale.scale) if state.loss_scale is not None else 1.0
+            decision = self.decider.decide(outs, self.grad_shards, batch, scale, clip)
+            eng.add_wait(decision.waited_s)
+            return decision
         except BaseException as err:
             eng.abort(err)
             raise
@@ -246,53 +239,6 @@ class ShardStep:
     def after_reductions(self) -> None:
         """A hook: the step's grads have landed in ``self.grad_shards`` (summed, not yet divided)."""
 
-    def _decide(self, outs: list[losses.LossOut], batch: Any, state: TrainState, clip: bool) -> Decision:
-        """The step's one all-reduce, and what follows from it on every rank alike."""
-        weighted = outs[0].count is not None
-        if any((o.count is not None) != weighted for o in outs):
-            raise TypeError("loss_fn returned hpf.weighted(sum, count) for some micro-batches and a plain loss for "
-                            "others; return one form every time")
-        values = torch.stack([o.value.detach().to(torch.float64).cpu() for o in outs])
-        count = sum(float(o.count) for o in outs) if weighted else float(len(outs))
-        norms = torch._foreach_norm(self.grad_shards)
-        sq = float((torch.stack(norms).to(torch.float64).cpu().square() / self._replicas).sum())
-        aux = _sum_aux(outs)
-        shape = 0 if weighted else batching.shape_signature(batch)
-        local = [float(values.sum()), count, float(not bool(torch.isfinite(values).all())), sq,
-                 *schedule.digest_parts(LOG.digest()), *schedule.digest_parts(shape)]
-        flat_aux = [v.detach().to(torch.float64).cpu().reshape(-1) for v in (aux or {}).values()]
-        totals = torch.cat([torch.tensor(local, dtype=torch.float64)] + flat_aux)
-        n = self.mesh.size
-        if world.is_distributed() and n > 1:
-            with span("hpf/all-reduce the step's totals"):
-                LOG.record("all-reduce", "the step's totals")
-                t = time.perf_counter()
-                schedule.wait(world.all_reduce_async(totals), "the step's all-reduce")
-                self.engine.wait_s += time.perf_counter() - t
-        tv = totals.tolist()
-        schedule.check_digests(schedule.parts_agree(tv[4:10], n))
-        if not weighted and not schedule.parts_agree(tv[10:16], n):
-            raise UnevenBatchError(
-                "local batches differ in shape across ranks, and the loss is a plain mean: the step's loss is the "
-                "mean of the ranks' means, which is the global mean only for equal local batches. Split the global "
-                "batch evenly, or return hpf.weighted(sum, count) from loss_fn (the step then divides by the global "
-                "count)")
-        scale = float(state.loss_scale.scale) if state.loss_scale is not None else 1.0
-        # weighted: sums over every rank (replicas along non-FSDP axes repeat theirs) / the global count
-        normalizer = tv[1] / self._n_compute if weighted else float(self.dp_size * len(outs))
-        loss = (tv[0] / tv[1] if tv[1] else math.nan) if weighted else tv[0] / (n * len(outs))
-        grad_norm = math.sqrt(tv[3]) / (normalizer * scale) if normalizer else 0.0
-        finite = not tv[2] and math.isfinite(grad_norm) and math.isfinite(loss)
-        coef = 1.0
-        if clip and finite and self.config.max_grad_norm is not None:
-            coef = min(1.0, self.config.max_grad_norm / (grad_norm + 1e-6))
-        out_aux = None
-        if aux is not None:
-            flat = torch.tensor(tv[16:], dtype=torch.float64)
-            out_aux = {k: x.view(v.shape).to(v.dtype) for (k, v), x in
-                       zip(aux.items(), torch.split(flat, [v.numel() for v in aux.values()]))}
-        return Decision(loss, grad_norm, coef / (normalizer * scale) if normalizer else 0.0, finite, out_aux)
-
     def _update(self, state: TrainState, d: Decision) -> TrainState:
         """Divide and clip the grads, update, and start the next step's first gathers: with the
         overlap, the units it reads first are updated first and gather while the rest update."""
@@ -333,60 +279,6 @@ class ShardStep:
                 f"{op}: this state was already passed to step, which updated its buffers in place (donated, as "
                 "in JAX). Use the state the step returned: state, metrics = step(state, batch)")
 
-    # -- checkpoints (hpf/checkpoint.py) ------------------------------------------------------
-    def fresh_state(self) -> TrainState:
-        """A zero train state of this plan's layout (what ``restore`` loads into)."""
-        master = self.mp.master_dtype if self.mp else None
-        shards = [torch.zeros(b.shard_numel, dtype=master or b.dtype, device=self.device) for b in self.plan.buckets]
-        scale = self.config.loss_scale
-        return TrainState(shards, self.plan_optimizer.init(shards), scale.init() if scale else None)
-
-    def save(self, state: TrainState, path, extra: Any = None, *, keep_last: int | None = None,
-             async_save: bool = False):
-        """Collective: write a DCP checkpoint of ``state`` to ``path`` (see hpf.checkpoint.save)."""
-        from . import checkpoint
-
-        self._check_live(state, "step.save(state, path)")
-        self.wait_save()
-        self._pending_save = checkpoint.save(self, state, path, extra, keep_last=keep_last, async_save=async_save)
-        return self._pending_save
-
-    def wait_save(self):
-        """Block until an async save is published; re-raises its error. Returns its path or None."""
-        pending, self._pending_save = self._pending_save, None
-        return pending.wait() if pending is not None else None
-
-    def restore(self, path, state: TrainState | None = None) -> tuple[TrainState, Any]:
-        """Collective: ``(state, extra)`` from the checkpoint at ``path``, whatever mesh saved it."""
-        from . import checkpoint
-
-        self.wait_save()
-        state, extra = checkpoint.restore(self, path, state)
-        self._unloaded, self._live = False, state.params
-        return state, extra
-
-    def full_params(self, state: TrainState, rank: int | None = None) -> Any:
-        """The gathered full params, as a plain pytree of fresh tensors.
-
-        A collective: every rank must call it (a rank that skips it makes the others raise
-        ScheduleMismatchError). ``rank=None`` returns the tree on every rank; ``rank=r`` returns it
-        on rank r and None elsewhere (every rank still calls). One-off (checkpoints,
-        evaluation): it uses plain all-gathers, not the step's transports."""
-        self._check_live(state, "full_params(state)")
-        schedule.rendezvous("step.full_params")
-        plan = self.plan
-        local = {}
-        for b, shard in zip(plan.buckets, state.params):
-            ranks = plan.shard_ranks(b, self.rank)  # entry i holds shard position i
-            full = shard
-            if len(ranks) > 1:
-                by_rank = dict(zip(sorted(ranks), world.all_gather_list(shard, plan.mesh.group(b.shard_axes))))
-                full = torch.cat([by_rank[r] for r in ranks])
-            local.update(plan.views(b, full))
-        tree = plan.tree({p: _gather_compute_axes(plan, p, x).clone() for p, x in local.items()})
-        return tree if rank is None or rank == self.rank else None
-
-
 def step_plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes=None, *,
               topology: Topology | None = None, hsdp: bool = False) -> Plan:
     """The plan :func:`hpf.shard_step` makes for these arguments (the CLI's ``hpf plan`` prints it).
@@ -404,21 +296,3 @@ def step_plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes=None, 
                      hierarchical=topology is not None and topology.hierarchical,
                      default_shard_axes=[a for a in fsdp if a in mesh.fast_axes] if hsdp else None,
                      bucket_bytes=topology.bucket_bytes if topology else 0)
-
-
-def _sum_aux(outs: list[losses.LossOut]) -> dict | None:
-    """The micro-batches' aux dicts, summed key by key (e.g. tokens per expert)."""
-    if outs[0].aux is None:
-        return None
-    return {k: sum((o.aux[k] for o in outs[1:]), outs[0].aux[k]) for k in outs[0].aux}
-
-
-def _gather_compute_axes(plan: Plan, path: str, local: torch.Tensor) -> torch.Tensor:
-    """Undo the non-FSDP splits of one param: all-gather along each split dim."""
-    slot = plan.slots[path]
-    out = local
-    for dim in range(len(slot.spec)):
-        axes = plan.split_dim_axes(slot, dim)
-        if axes:
-            out = gather_dim0(out.movedim(dim, 0), plan.mesh.group(axes), plan.mesh.axis_size(axes)).movedim(0, dim)
-    return out

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -24,26 +23,13 @@ import torch
 from ..comm import schedule
 from ..comm.schedule import LOG
 from ..planning import ROOT, Plan
-from ..trace import Ranges, span
-from .gather import Saved, UnitBuffers, entry
+from ..trace import Ranges
+from .gather import MemoryStats, Saved, UnitBuffers, entry
 from .reduce import Reducer
 from .residency import Actions, Residency
 from .views import ParamsView
 
 __all__ = ["UnitEngine", "MemoryStats", "explain_freed"]
-
-
-@dataclass
-class MemoryStats:
-    """Gathered-buffer accounting: what FSDP keeps alive, and what an access pattern costs."""
-
-    live_bytes: int = 0
-    peak_bytes: int = 0
-    live_blocks: int = 0  # block units (not the root) whose gathered memory is held now
-    peak_blocks: int = 0
-    gathers: int = 0  # unit gathers, all steps
-    # Gathers beyond loop-style use (each unit once in forward and at most once in backward).
-    extra_gathers: int = 0
 
 
 class UnitEngine:
@@ -65,26 +51,21 @@ class UnitEngine:
                  on_extra_gather: Callable[[str, str], None] | None = None):
         self.plan, self.comm, self.device = plan, comm, device
         self.units = list(plan.units)
-        self.buffers = UnitBuffers(plan, comm, compute_dtype, device)
+        self.buffers = UnitBuffers(plan, comm, compute_dtype, device, capacity, on_extra_gather)
         pinned = {u for u in self.units if u == ROOT or u not in self.buffers.freeable}
         self.residency = Residency(self.units, pinned, capacity)
-        self._capacity = capacity
         self.reducer = Reducer(plan, comm, self.buffers.shared, pipeline, list(compute_sums),
-                               before_issue=lambda: self._flush(force=True))
+                               before_issue=lambda: self.buffers.flush(force=True))
         slot_paths = {u: [s.path for b in plan.units[u].buckets for s in plan.buckets[b].slots] for u in self.units}
         self.view = ParamsView(plan, slot_paths, self._entry)
-        self.on_extra_gather = on_extra_gather
-        self.stats = MemoryStats()
-        self.wait_s = 0.0
+        self.stats: MemoryStats = self.buffers.stats
         self.in_backward = False
         self._reduce_order = list(reversed(self.units))  # the first step's guess: backward of tree order
-        self._deferred: list[tuple[str, str]] = []  # prefetches decided, waiting for memory (in order)
         self.broken: BaseException | None = None  # an error that left the ranks out of step
         self._prefetched: list | None = None  # (bucket, master, version) the next step's gathers were made from
         self._root = None
         self._anchor = None
         self._reads = 0  # reads of this micro-batch (the schedule log numbers them)
-        self._gathered: set[str] = set()  # units gathered in this phase (forward, then backward)
         self._phase = Ranges()  # trace: each unit's forward and backward
 
     # -- phases of a step -------------------------------------------------------------------------------
@@ -102,16 +83,16 @@ class UnitEngine:
             return
         self._settle()
         self.buffers.set_shards(masters)
-        self._gathered = set()
-        self._apply(self.residency.begin(), "forward")
+        self.buffers.new_phase(set())
+        self.buffers.apply(self.residency.begin(), "forward")
 
     def prefetch(self, masters: list[torch.Tensor]) -> None:
         """Start the next step's first gathers (``first_units``) from ``masters``, already updated."""
         first = self.first_units()
         buckets = [b for u in first for b in self.plan.units[u].buckets]
         self.buffers.set_shards(masters, keep=set(self.units) - set(first))
-        self._gathered = set()
-        self._apply(self.residency.begin(), "forward")
+        self.buffers.new_phase(set())
+        self.buffers.apply(self.residency.begin(), "forward")
         self._prefetched = [(b, masters[b], masters[b]._version) for b in buckets]
 
     def first_units(self) -> list[str]:
@@ -125,7 +106,8 @@ class UnitEngine:
         every unit not yet reduced is (``hold``: kept for the next micro-batch instead)."""
         self.reducer.start(grad_shards, self._reduce_order, hold)
         self._anchor = torch.empty(0, device=self.device, requires_grad=True)
-        self._root, self.in_backward, self._gathered = None, False, set(self.buffers.live)
+        self._root, self.in_backward = None, False
+        self.buffers.new_phase(set(self.buffers.live))
         self._reads = 0
         try:
             yield
@@ -143,17 +125,17 @@ class UnitEngine:
     def start_backward(self) -> None:
         """The loss is computed: from here a read is a checkpoint recomputing."""
         self.in_backward = True
-        self._gathered = set(self.buffers.live)
+        self.buffers.new_phase(set(self.buffers.live))
         self.residency.start_backward()
         self._phase.switch("hpf/backward", ROOT)
 
     def land(self) -> None:
         """Wait for every reduction of the step (then the grad shards are final)."""
-        self._flush(force=True)
+        self.buffers.flush(force=True)
         t = time.perf_counter()
         self.reducer.wait()
         self.buffers.wait_all()
-        self.wait_s += time.perf_counter() - t
+        self.add_wait(time.perf_counter() - t)
 
     def end_step(self) -> None:
         """The step's reads are over: learn them for the next step, free what is gathered."""
@@ -163,7 +145,6 @@ class UnitEngine:
             self.buffers.release(u)
         self.buffers.live.clear()
         self.buffers.free_all()
-        self._count()
 
     def abort(self, err: BaseException | None = None) -> None:
         """After an error anywhere in a step: wait for what is in flight, free, forget the step.
@@ -174,7 +155,7 @@ class UnitEngine:
         self._root = self._anchor = None
         self.in_backward = False
         self._prefetched = None
-        self._deferred = []
+        self.buffers.deferred.clear()
         self.reducer.drop_held()
         if isinstance(err, schedule.ScheduleMismatchError):
             self.broken = err
@@ -192,7 +173,7 @@ class UnitEngine:
             self._reads += 1
             LOG.record("read", unit, self._reads)
         acts = self.residency.need(needs) if self.in_backward else self.residency.read(needs)
-        self._apply(acts, "backward" if self.in_backward else "forward")
+        self.buffers.apply(acts, "backward" if self.in_backward else "forward")
         if not self.in_backward:
             self._phase.switch("hpf/forward", unit)
         return self.view.subtree(unit)
@@ -201,7 +182,7 @@ class UnitEngine:
         """The param views of one read of ``unit`` (an autograd entry, except while recomputing)."""
         if unit == ROOT and self._root is not None:
             return self._root
-        self._wait(unit)
+        self.buffers.wait(unit)
         if self.in_backward and unit != ROOT:  # a checkpoint recomputing: the forward's entries take the grads
             return tuple(self.buffers.views(unit))
         views = entry(self._anchor, self, unit)
@@ -217,19 +198,19 @@ class UnitEngine:
         if self.reducer.add(unit, grads):
             for u in self.residency.done(unit):
                 self.buffers.release(u)
-            self._flush(force=False)
+            self.buffers.flush(force=False)
             pos = self.units.index(unit)
             self._phase.switch("hpf/backward", self.units[pos - 1] if pos > 0 else ROOT)
 
     # -- saved-tensor hooks (only while some unit's memory can be freed) -------------------------------------
     def saved_tensor_hooks(self):
-        if not self.buffers.freeable or self._capacity >= len(self.units):
+        if not self.buffers.freeable or self.buffers.capacity >= len(self.units):
             return contextlib.nullcontext()
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if self._deferred:  # (between reads: the last unit's param tensors may have died by now)
-            self._flush(force=False)
+        if self.buffers.deferred:  # (between reads: the last unit's param tensors may have died by now)
+            self.buffers.flush(force=False)
         return self.buffers.pack(t)
 
     def _unpack(self, saved: Any) -> Any:
@@ -237,26 +218,26 @@ class UnitEngine:
             return saved
         acts = self.residency.need([saved.unit])
         if acts.gather or acts.evict or acts.prefetch:
-            self._apply(acts, "backward")
-        self._wait(saved.unit)
+            self.buffers.apply(acts, "backward")
+        self.buffers.wait(saved.unit)
         return saved.tensor
 
     def keep_gathered(self) -> None:
         """From now on keep every unit gathered from its read to the end of its backward, with no
         saved-tensor hooks: for loss functions that run torch.func.grad/vjp inside, which refuse
         them (``refuses_hooks``)."""
-        self._capacity = len(self.units)
-        self.residency = Residency(self.units, self.residency.pinned, self._capacity)
+        self.buffers.capacity = len(self.units)
+        self.residency = Residency(self.units, self.residency.pinned, len(self.units))
 
     # -- torch.func ---------------------------------------------------------------------------------------
     def gathered_tree(self) -> Any:
         """Every unit gathered at once, as one params tree of plain views (grad="torch.func")."""
         for u in self.units:
             if u not in self.buffers.live:
-                self._issue(u, "forward")
+                self.buffers.apply(Actions(gather=[u]), "forward")
         by_path = {}
         for u in self.units:
-            self._wait(u)
+            self.buffers.wait(u)
             self.reducer.entry(u)
             by_path.update(zip((s.path for b in self.plan.units[u].buckets for s in self.plan.buckets[b].slots),
                                self.buffers.views(u)))
@@ -272,76 +253,21 @@ class UnitEngine:
         for u in reversed(self.units):
             self.reducer.add(u, tuple(sums[s.path] for b in self.plan.units[u].buckets for s in self.plan.buckets[b].slots))
 
-    # -- gather, wait, evict ----------------------------------------------------------------------------------
-    def _apply(self, acts: Actions, phase: str) -> None:
-        """Carry out the policy's actions. A prefetch waits for memory (an evicted unit whose
-        param tensors the loss function still holds, e.g. the previous block in its loop
-        variable) until a saved-tensor hook or the next collective finds it free: local facts
-        may delay when a gather starts, never what is gathered or in which order."""
-        if acts.evict:
-            self._flush(force=True)
-            for u in acts.evict:
-                self.buffers.release(u)
-        for u in acts.gather:
-            self._issue(u, phase)
-        for u in acts.prefetch:  # recorded when decided: the schedule, whenever memory lets it start
-            LOG.record("all-gather", u, phase == "backward")
-            self._deferred.append((u, phase))
-        self._flush(force=False)
-        self._count()
-
-    def _issue(self, unit: str, phase: str) -> None:
-        """Issue a gather now; every prefetch decided before it goes first (the schedule's order)."""
-        self._flush(force=True)
-        LOG.record("all-gather", unit, phase == "backward")
-        self._start(unit, phase)
-
-    def _start(self, unit: str, phase: str) -> None:
-        if unit in self._gathered:
-            self.stats.extra_gathers += 1
-            if self.on_extra_gather is not None:
-                self.on_extra_gather(unit, phase)
-        self._gathered.add(unit)
-        self.buffers.gather(unit)
-        self.stats.gathers += 1
-
-    def _flush(self, force: bool) -> None:
-        """Issue the deferred prefetches: all of them (``force``), or those there is memory for."""
-        if not self._deferred:
-            return
-        if not force:
-            self.buffers.free_lingering()
-        while self._deferred and (force or len(self.buffers.allocated - self.residency.pinned) < self._capacity):
-            self._start(*self._deferred.pop(0))
-        self._count()
-
-    def _wait(self, unit: str) -> None:
-        if any(u == unit for u, _ in self._deferred):
-            self._flush(force=True)
-        t = time.perf_counter()
-        with span("hpf/wait all-gather"):
-            waited = self.buffers.wait(unit)
-        if waited:
-            self.wait_s += time.perf_counter() - t
-
     def _settle(self) -> None:
         """Wait for every gather in flight and free every buffer: the engine holds nothing."""
-        self._flush(force=True)
+        self.buffers.flush(force=True)
         self.buffers.wait_all()
         self.residency.end_step(learn=False)
         self.buffers.live.clear()
         self.buffers.free_all()
-        self._count()
 
-    def _count(self) -> None:
-        s, b = self.stats, self.buffers
-        s.live_bytes, s.peak_bytes = b.live_bytes, max(s.peak_bytes, b.peak_bytes)
-        s.live_blocks = len(b.held_units() - {ROOT})
-        s.peak_blocks = max(s.peak_blocks, s.live_blocks)
+    def add_wait(self, seconds: float) -> None:
+        """Count ``seconds`` the step spent blocked on a collective of its own."""
+        self.buffers.wait_s += seconds
 
     def take_wait_s(self) -> float:
         """Seconds compute spent waiting on collectives since the last call."""
-        out, self.wait_s = self.wait_s, 0.0
+        out, self.buffers.wait_s = self.buffers.wait_s, 0.0
         return out
 
 

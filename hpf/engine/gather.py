@@ -17,17 +17,32 @@ which gathers per the residency policy. The hooks run only while some unit can b
 """
 from __future__ import annotations
 
+import time
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from ..comm.schedule import wait
-from ..planning import Plan
+from ..comm.schedule import LOG, wait
+from ..planning import ROOT, Plan
 from ..trace import span
+from .residency import Actions
 
-__all__ = ["UnitBuffers", "Saved", "entry"]
+__all__ = ["UnitBuffers", "MemoryStats", "Saved", "entry"]
+
+
+@dataclass
+class MemoryStats:
+    """Gathered-buffer accounting: what FSDP keeps alive, and what an access pattern costs."""
+
+    live_bytes: int = 0
+    peak_bytes: int = 0
+    live_blocks: int = 0  # block units (not the root) whose gathered memory is held now
+    peak_blocks: int = 0
+    gathers: int = 0  # unit gathers, all steps
+    # Gathers beyond loop-style use (each unit once in forward and at most once in backward).
+    extra_gathers: int = 0
 
 
 @dataclass
@@ -41,8 +56,10 @@ class Saved:
 class UnitBuffers:
     """Per unit: the gathered buffers, the gathers in flight, and the param views."""
 
-    def __init__(self, plan: Plan, comm, compute_dtype: torch.dtype | None, device: torch.device):
+    def __init__(self, plan: Plan, comm, compute_dtype: torch.dtype | None, device: torch.device, capacity: int,
+                 on_extra_gather: Callable[[str, str], None] | None = None):
         self.plan, self.comm, self.compute_dtype, self.device = plan, comm, compute_dtype, device
+        self.capacity, self.on_extra_gather = capacity, on_extra_gather
         bks = plan.buckets
         self.unit_buckets = {u: plan.units[u].buckets for u in plan.units}
         # Buckets every rank holds whole in the compute dtype: the buffer is the master shard.
@@ -72,8 +89,11 @@ class UnitBuffers:
         self.allocated: set[str] = set()  # freeable units whose plain storage is allocated
         self.lingering: dict[str, None] = {}  # evicted units whose storage waits for their views to die
         self.handed: dict[str, list] = {}  # unit -> weak references to the param views handed out
-        self.gathers = 0  # all steps
-        self.live_bytes = self.peak_bytes = 0
+        self.stats = MemoryStats()
+        self._held: set[str] = set()  # units whose gathered memory is held now
+        self.deferred: list[tuple[str, str]] = []  # prefetches decided, waiting for memory (in order)
+        self._gathered: set[str] = set()  # units gathered in this phase (forward, then backward)
+        self.wait_s = 0.0  # seconds compute spent blocked on collectives (the engine takes it)
 
     # -- shards ---------------------------------------------------------------------------------------
     def set_shards(self, masters: list[torch.Tensor], keep: set[str] = frozenset()) -> None:
@@ -88,8 +108,50 @@ class UnitBuffers:
                 self.full[b] = masters[b]
 
     # -- gather, wait, release --------------------------------------------------------------------------
+    # -- the residency policy's actions ---------------------------------------------------------------
+    def apply(self, acts: Actions, phase: str) -> None:
+        """Carry out the policy's actions. A prefetch waits for memory (an evicted unit whose
+        param tensors the loss function still holds, e.g. the previous block in its loop
+        variable) until a saved-tensor hook or the next collective finds it free: local facts
+        may delay when a gather starts, never what is gathered or in which order. Each gather
+        is recorded in the schedule log when decided."""
+        if acts.evict:
+            self.flush(force=True)
+            for u in acts.evict:
+                self.release(u)
+        for u in acts.gather:
+            self.flush(force=True)
+            LOG.record("all-gather", u, phase == "backward")
+            self._start(u, phase)
+        for u in acts.prefetch:
+            LOG.record("all-gather", u, phase == "backward")
+            self.deferred.append((u, phase))
+        self.flush(force=False)
+
+    def flush(self, force: bool) -> None:
+        """Start the deferred prefetches: all of them (``force``), or those there is memory for."""
+        if not self.deferred:
+            return
+        if not force:
+            self.free_lingering()
+        while self.deferred and (force or len(self.allocated - {ROOT}) < self.capacity):
+            self._start(*self.deferred.pop(0))
+
+    def new_phase(self, gathered: set[str]) -> None:
+        """Forward or backward begins with ``gathered`` in place (a second gather of a unit in one
+        phase is an extra one: reported, and warned of in validation mode)."""
+        self._gathered = gathered
+
+    def _start(self, unit: str, phase: str) -> None:
+        if unit in self._gathered:
+            self.stats.extra_gathers += 1
+            if self.on_extra_gather is not None:
+                self.on_extra_gather(unit, phase)
+        self._gathered.add(unit)
+        self.gather(unit)
+
     def gather(self, unit: str) -> None:
-        """Start gathering ``unit`` into its buffers (the engine records it in the schedule log)."""
+        """Start gathering ``unit`` into its buffers (``apply`` recorded it in the schedule log)."""
         self.lingering.pop(unit, None)  # (evicted, still held, not yet freed: gathered into the same memory)
         handles = self.pending.setdefault(unit, [])
         with span("hpf/gather", unit):
@@ -99,18 +161,25 @@ class UnitBuffers:
                 full = self.full[b]
                 if not self.shared[b] and full.untyped_storage().nbytes() == 0:
                     full.untyped_storage().resize_(self.nbytes[b])
-                    self._account(self.nbytes[b])
+                    self._account(unit, self.nbytes[b])
                     self.allocated.add(unit)
+                elif self.shared[b]:
+                    self._account(unit, 0)
                 handles.append(self.comm.all_gather(b, self.fill[b], self.shards[b]))
         self.live.add(unit)
-        self.gathers += 1
+        self.stats.gathers += 1
 
-    def wait(self, unit: str) -> bool:
-        """Wait for ``unit``'s gathers in flight; False if there were none."""
+    def wait(self, unit: str) -> None:
+        """Wait for ``unit``'s gathers in flight (started first if still deferred)."""
+        if any(u == unit for u, _ in self.deferred):
+            self.flush(force=True)
         handles = self.pending.pop(unit, None)
-        for h in handles or ():
-            wait(h, f"the all-gather of {unit}")
-        return bool(handles)
+        if handles:
+            t = time.perf_counter()
+            with span("hpf/wait all-gather"):
+                for h in handles:
+                    wait(h, f"the all-gather of {unit}")
+            self.wait_s += time.perf_counter() - t
 
     def wait_all(self) -> None:
         for unit in list(self.pending):
@@ -136,8 +205,10 @@ class UnitBuffers:
                 st = None if self.whole[b] or self.shared[b] else self.full[b].untyped_storage()
                 if st is not None and st.nbytes():
                     st.resize_(0)
-                    self._account(-self.nbytes[b])
+                    self._account(unit, -self.nbytes[b])
             self.allocated.discard(unit)
+            self._held.discard(unit)
+            self.stats.live_blocks = len(self._held - {ROOT})
 
     def free_all(self) -> None:
         """Free every plain buffer, held or not (the step is over)."""
@@ -145,13 +216,13 @@ class UnitBuffers:
             self.lingering[unit] = None
         self.free_lingering(force=True)
 
-    def held_units(self) -> set[str]:
-        """Units whose gathered memory is held now (plain storage allocated, or live in shared memory)."""
-        return self.allocated | {u for u in self.live if u not in self.freeable}
-
-    def _account(self, nbytes: int) -> None:
-        self.live_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+    def _account(self, unit: str, nbytes: int) -> None:
+        s = self.stats
+        s.live_bytes += nbytes
+        s.peak_bytes = max(s.peak_bytes, s.live_bytes)
+        self._held.add(unit)
+        s.live_blocks = len(self._held - {ROOT})
+        s.peak_blocks = max(s.peak_blocks, s.live_blocks)
 
     # -- the params the loss function sees ------------------------------------------------------------
     def views(self, unit: str) -> list[torch.Tensor]:

@@ -1,0 +1,107 @@
+"""The step's one global decision: a single all-reduce, and what every rank concludes from it.
+
+After a step's reductions land, each rank sends its loss sum, its count (micro-batches, or the
+terms of ``hpf.weighted``), whether its loss was finite, its grads' squared norm, the digest of
+its schedule (hpf.comm.schedule) and of its batch shapes, and its aux tensors. The sums are the
+same on every rank, so every rank decides alike, before any update: the loss and grad norm,
+the factor that turns summed grads into the update's (the normalizer, the loss scale, the
+clip), whether the step is finite, and whether the ranks agreed on their reads and batches.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import batching, losses
+from .checks import UnevenBatchError
+from .comm import schedule, world
+from .comm.schedule import LOG
+from .trace import span
+
+__all__ = ["Decision", "Decider"]
+
+
+@dataclass
+class Decision:
+    """What the step's all-reduce decided, the same on every rank."""
+
+    loss: float
+    grad_norm: float
+    grad_scale: float  # multiplies the summed grads: 1 / normalizer (and / loss scale), times the clip
+    finite: bool
+    aux: dict | None
+    waited_s: float = 0.0  # blocked in the all-reduce
+
+
+@dataclass(frozen=True)
+class Decider:
+    """A plan's fixed facts the decision needs (made once, by the step's ``init``).
+
+    Args:
+        world: ranks in the mesh; dp_size: ranks of one replica's data parallelism (FSDP axes);
+        n_compute: ranks that compute one replica's loss together (non-FSDP axes);
+        replicas: per bucket, how many ranks hold each of its shards (counted once in the norm);
+        max_grad_norm: the clip (None: none).
+    """
+
+    world: int
+    dp_size: int
+    n_compute: int
+    replicas: torch.Tensor
+    max_grad_norm: float | None
+
+    def decide(self, outs: list[losses.LossOut], grads: list[torch.Tensor], batch: Any, scale: float = 1.0,
+               clip: bool = True) -> Decision:
+        weighted = outs[0].count is not None
+        if any((o.count is not None) != weighted for o in outs):
+            raise TypeError("loss_fn returned hpf.weighted(sum, count) for some micro-batches and a plain loss for "
+                            "others; return one form every time")
+        values = torch.stack([o.value.detach().to(torch.float64).cpu() for o in outs])
+        count = sum(float(o.count) for o in outs) if weighted else float(len(outs))
+        sq = float((torch.stack(torch._foreach_norm(grads)).to(torch.float64).cpu().square() / self.replicas).sum())
+        aux = _sum_aux(outs)
+        shape = 0 if weighted else batching.shape_signature(batch)
+        local = [float(values.sum()), count, float(not bool(torch.isfinite(values).all())), sq,
+                 *schedule.digest_parts(LOG.digest()), *schedule.digest_parts(shape)]
+        totals = torch.cat([torch.tensor(local, dtype=torch.float64)]
+                           + [v.detach().to(torch.float64).cpu().reshape(-1) for v in (aux or {}).values()])
+        waited = 0.0
+        if world.is_distributed() and self.world > 1:
+            with span("hpf/all-reduce the step's totals"):
+                LOG.record("all-reduce", "the step's totals")
+                t = time.perf_counter()
+                schedule.wait(world.all_reduce_async(totals), "the step's all-reduce")
+                waited = time.perf_counter() - t
+        tv = totals.tolist()
+        schedule.check_digests(schedule.parts_agree(tv[4:10], self.world))
+        if not weighted and not schedule.parts_agree(tv[10:16], self.world):
+            raise UnevenBatchError(
+                "local batches differ in shape across ranks, and the loss is a plain mean: the step's loss is the "
+                "mean of the ranks' means, which is the global mean only for equal local batches. Split the global "
+                "batch evenly, or return hpf.weighted(sum, count) from loss_fn (the step then divides by the global "
+                "count)")
+        # weighted: sums over every rank (replicas along non-FSDP axes repeat theirs) / the global count
+        normalizer = tv[1] / self.n_compute if weighted else float(self.dp_size * len(outs))
+        loss = (tv[0] / tv[1] if tv[1] else math.nan) if weighted else tv[0] / (self.world * len(outs))
+        grad_norm = math.sqrt(tv[3]) / (normalizer * scale) if normalizer else 0.0
+        finite = not tv[2] and math.isfinite(grad_norm) and math.isfinite(loss)
+        coef = 1.0
+        if clip and finite and self.max_grad_norm is not None:
+            coef = min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
+        out_aux = None
+        if aux is not None:
+            flat = torch.tensor(tv[16:], dtype=torch.float64)
+            out_aux = {k: x.view(v.shape).to(v.dtype) for (k, v), x in
+                       zip(aux.items(), torch.split(flat, [v.numel() for v in aux.values()]))}
+        return Decision(loss, grad_norm, coef / (normalizer * scale) if normalizer else 0.0, finite, out_aux, waited)
+
+
+def _sum_aux(outs: list[losses.LossOut]) -> dict | None:
+    """The micro-batches' aux dicts, summed key by key (e.g. tokens per expert)."""
+    if outs[0].aux is None:
+        return None
+    return {k: sum((o.aux[k] for o in outs[1:]), outs[0].aux[k]) for k in outs[0].aux}
