@@ -202,6 +202,8 @@ def _state_dict(step, state) -> dict[str, Any]:
             sd[f"optimizer.{name}"] = value
         elif isinstance(value, (list, tuple)) and len(value) == len(plan.buckets):
             for b, t in zip(plan.buckets, value):
+                if b.frozen:  # not trained: no optimizer state
+                    continue
                 only = layouts.get(name)
                 if only is None and t.shape != (b.shard_numel,):
                     raise CheckpointError(f"optimizer state {name}[{b.index}] has shape {tuple(t.shape)}, not the "
@@ -210,6 +212,8 @@ def _state_dict(step, state) -> dict[str, Any]:
         else:
             raise CheckpointError(f"optimizer state field {name!r} ({type(value).__name__}) is neither a scalar "
                                   "tensor nor one tensor per plan bucket; hpf.checkpoint cannot place it")
+    if state.loss_scale is not None:  # fp16's loss scale (hpf.LossScale): the same on every rank
+        sd.update({f"loss_scale.{k}": v for k, v in state.loss_scale._asdict().items()})
     return sd
 
 

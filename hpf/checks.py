@@ -9,6 +9,7 @@ digest); the ones here run once, at ``init`` or when an argument is given.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Sequence
 
 import torch
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from . import tree as tree_util
 
 __all__ = ["NonFiniteError", "DonatedStateError", "ParamsMismatchError", "UnevenBatchError", "CATALOGUE",
-           "clean_params", "check_same_on_all_ranks", "check_rate", "as_axes", "finite_or_none"]
+           "clean_params", "frozen_paths", "check_same_on_all_ranks", "check_rate", "as_axes", "finite_or_none"]
 
 
 class NonFiniteError(FloatingPointError):
@@ -59,7 +60,7 @@ CATALOGUE: tuple[tuple[str, str, str], ...] = (
      "`hpf.Mesh({'dp': 4})`; `hpf.launch.init_distributed()` or torchrun"),
     ("accepted", "`nn.Parameter`/`requires_grad` leaves, `mixed_precision=torch.bfloat16`, an fp32 batch under "
      "bf16, `fsdp_axes=\"dp\"`, `Mesh([(\"dp\", 2)])`, a loss of shape (1,), Muon with only vectors",
-     "nothing: detached; a dtype policy; floating batch leaves cast to the compute dtype; one axis; pairs; a "
+     "nothing: detached (leaves beside them with requires_grad=False are frozen, as in torch); a dtype policy; floating batch leaves cast to the compute dtype; one axis; pairs; a "
      "scalar; AdamW for all"),
 )
 
@@ -82,6 +83,23 @@ def clean_params(params: Any, *, allow_meta: bool = False) -> Any:
                              "Pass real tensors (meta params are for hpf.plan / hpf.check_plan), or call "
                              "step.restore(path) after init to load a checkpoint")
     return tree_util.unflatten(treedef, [x.detach() for x in leaves])
+
+
+def frozen_paths(params: Any, frozen: Any = None) -> set[str]:
+    """The params to keep fixed: those ``frozen`` names (a regex on the "/"-joined path, or a
+    callable ``path -> bool``), or by default torch's convention: once some leaf requires grad
+    (``nn.Parameter`` leaves do), the leaves that do not are frozen. A tree of plain tensors
+    (none requires grad, the pure-function way) trains every leaf."""
+    paths, leaves, _ = tree_util.flatten(params)
+    if frozen is not None:
+        if isinstance(frozen, str):
+            pattern = re.compile(frozen)
+            return {p for p in paths if pattern.fullmatch(p)}
+        if not callable(frozen):
+            raise TypeError(f"frozen={frozen!r}: give a regex on parameter paths, a callable (path) -> bool, or None")
+        return {p for p in paths if frozen(p)}
+    flags = [isinstance(x, torch.Tensor) and x.requires_grad for x in leaves]
+    return {p for p, f in zip(paths, flags) if not f} if any(flags) else set()
 
 
 def _check_no_empty_lists(node: Any, path: str) -> None:

@@ -56,6 +56,10 @@ class StepConfig:
             not differ across ranks.
         loss_scale: fp16's dynamic loss scaling, :class:`hpf.LossScale` (the default under fp16;
             None turns it off). Other precisions need none.
+        frozen: params to keep fixed (no grads, no update, no optimizer state, no reduction): a
+            regex on the "/"-joined path or a callable ``(path) -> bool``. None: torch's
+            convention, the leaves with ``requires_grad=False`` once some leaf requires grad
+            (a tree of plain tensors trains every leaf).
         resident_units: how many FSDP units (besides the root and shared-memory units) may be
             gathered at once: the memory bound of the residency policy (2 keeps a loop-style
             loss function at the current block and the prefetched next one).
@@ -83,6 +87,7 @@ class StepConfig:
     batch_axes: Any = None
     loss_scale: Any = "auto"
     resident_units: int = 2
+    frozen: Any = None
 
     def __post_init__(self):
         if not isinstance(self.mesh, Mesh):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import optree
 import torch
@@ -61,6 +61,7 @@ class Bucket:
     shard_order: tuple[str, ...] = ()
     slots: list[ParamSlot] = field(default_factory=list)
     numel: int = 0
+    frozen: bool = False  # its params are not trained: no grads, no reduction, no optimizer state
 
     @property
     def shard_numel(self) -> int:
@@ -198,7 +199,8 @@ class Plan:
 
 
 def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[str] | None = None, *,
-         hierarchical: bool = False, default_shard_axes: Sequence[str] | None = None, bucket_bytes: int = 0) -> Plan:
+         hierarchical: bool = False, default_shard_axes: Sequence[str] | None = None, bucket_bytes: int = 0,
+         frozen: Collection[str] = ()) -> Plan:
     """Resolve the sharding of ``params`` on ``mesh`` once.
 
     ``params`` may be meta tensors; ``mesh`` may be virtual. Axes of a spec that are in
@@ -209,6 +211,7 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
     ``bucket_bytes`` caps a bucket (one flat buffer, one fused collective): a unit's params
     of one layout and dtype fill buckets in tree order, a new one starting where the next
     param would pass the cap (0: one bucket each; a param bigger than the cap gets its own).
+    ``frozen`` params (paths) go to buckets of their own, which are gathered but never reduced.
 
     Args:
         params: the full params pytree (meta tensors are enough).
@@ -216,7 +219,7 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
         param_specs: None, a ``P`` for every param, ``hpf.rules([...])`` / any ``path -> P``
             callable, or a pytree of ``P`` (None leaves mean ``P()``) with the params' structure.
         fsdp_axes: the axes params are stored sharded over and gathered for compute.
-        hierarchical, default_shard_axes, bucket_bytes: as above.
+        hierarchical, default_shard_axes, bucket_bytes, frozen: as above.
 
     Raises:
         SpecError: a spec naming a non-axis or an axis twice, more entries than dims, no
@@ -252,7 +255,7 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
             continue
         shard_axes, split_axes = _param_axes(path, spec, mesh, fsdp)
         local_shape = _local_shape(path, leaf, spec, mesh, split_axes)
-        key = (unit, shard_axes, split_axes, leaf.dtype)
+        key = (unit, shard_axes, split_axes, leaf.dtype, path in frozen)
         b = by_key.get(key)
         if b is None or (bucket_bytes and b.numel and
                          (b.numel + math.prod(local_shape)) * leaf.element_size() > bucket_bytes):
@@ -262,7 +265,7 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
             b = Bucket(index=len(buckets), unit=unit, shard_axes=shard_axes,
                        replicate_axes=tuple(a for a in fsdp if a not in shard_axes + split_axes),
                        dtype=leaf.dtype, shard_size=mesh.axis_size(shard_axes), split_axes=split_axes,
-                       shard_order=order)
+                       shard_order=order, frozen=path in frozen)
             by_key[key] = b
             buckets.append(b)
             units.setdefault(unit, Unit(unit, [])).buckets.append(b.index)

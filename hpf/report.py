@@ -49,8 +49,9 @@ class PlanReport:
             compute = dtype_bytes(compute_dtype or b.dtype)
             reduce_dtype_b = reduce_dtype or master_dtype or b.dtype
             params += b.shard_numel * master
-            grads += b.shard_numel * dtype_bytes(reduce_dtype_b)
-            opt += b.shard_numel * 4 * optimizer_states
+            if not b.frozen:  # frozen params have no grads and no optimizer state
+                grads += b.shard_numel * dtype_bytes(reduce_dtype_b)
+                opt += b.shard_numel * 4 * optimizer_states
             replicas = mesh.size // b.shard_size
             padded_total += b.padded_numel * master * replicas
             unit_bytes[b.unit] = unit_bytes.get(b.unit, 0) + b.padded_numel * compute

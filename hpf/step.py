@@ -75,17 +75,19 @@ class ShardStep(StateIO):
                                 "first under torchrun")
             init_distributed()
         self.mesh.check_world()
+        frozen = checks.frozen_paths(full_params, cfg.frozen)
         full_params = checks.clean_params(full_params, allow_meta=True)
         self._unloaded = any(x.is_meta for x in tree_util.flatten(full_params)[1])
         self.rank = world.rank()
         self.device = default_device()
         self.plan = step_plan(full_params, self.mesh, cfg.param_specs, cfg.fsdp_axes, topology=cfg.topology,
-                              hsdp=cfg.hsdp)
+                              hsdp=cfg.hsdp, frozen=frozen)
         checks.check_same_on_all_ranks(self.plan, full_params, self.device)
         mp = self.mp
         shards = [torch.zeros(s.shape, dtype=s.dtype, device=self.device) if s.is_meta else s.to(self.device)
                   for s in self.plan.shards(full_params, self.rank, mp.master_dtype if mp else None)]
-        self.grad_shards = [torch.zeros_like(s, dtype=mp.reduce_dtype if mp else s.dtype) for s in shards]
+        self.grad_shards = [torch.zeros_like(s[:0] if b.frozen else s, dtype=mp.reduce_dtype if mp else s.dtype)
+                            for b, s in zip(self.plan.buckets, shards)]  # (frozen buckets: none)
         cdts = [mp.compute_dtype if mp else b.dtype for b in self.plan.buckets]
         rdts = [g.dtype for g in self.grad_shards]
         comm = (BucketComm(self.plan, self.device, cdts, rdts) if cfg.topology is None
@@ -280,12 +282,13 @@ class ShardStep(StateIO):
                 "in JAX). Use the state the step returned: state, metrics = step(state, batch)")
 
 def step_plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes=None, *,
-              topology: Topology | None = None, hsdp: bool = False) -> Plan:
+              topology: Topology | None = None, hsdp: bool = False, frozen=()) -> Plan:
     """The plan :func:`hpf.shard_step` makes for these arguments (the CLI's ``hpf plan`` prints it).
 
     Args:
         params: the full params (meta tensors are enough).
         mesh, param_specs, fsdp_axes, topology, hsdp: as for :func:`hpf.shard_step`.
+        frozen: the paths of params that are not trained.
 
     Raises:
         SpecError: as :func:`hpf.plan`.
@@ -295,4 +298,4 @@ def step_plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes=None, 
     return make_plan(params, mesh, param_specs, fsdp_axes,
                      hierarchical=topology is not None and topology.hierarchical,
                      default_shard_axes=[a for a in fsdp if a in mesh.fast_axes] if hsdp else None,
-                     bucket_bytes=topology.bucket_bytes if topology else 0)
+                     bucket_bytes=topology.bucket_bytes if topology else 0, frozen=frozen)

@@ -68,11 +68,13 @@ def bucket_comm_bytes(mesh: Mesh, bucket: BucketLayout, compute_dtype: torch.dty
     {op: {tier: bytes}} for the ops in OPS. Params travel in ``compute_dtype``, grads in
     ``reduce_dtype``; ``hierarchical``: two-stage (fast tier first) collectives."""
     out = {op: dict.fromkeys(TIERS, 0) for op in OPS}
+    frozen = getattr(bucket, "frozen", False)  # no grads: nothing to reduce
     if bucket.shard_axes:
         for op, dtype in (("all_gather", compute_dtype), ("reduce_scatter", reduce_dtype)):
-            out[op] = collective_bytes(mesh, bucket.shard_axes, bucket.shard_numel * dtype_bytes(dtype), hierarchical)
+            if op == "all_gather" or not frozen:
+                out[op] = collective_bytes(mesh, bucket.shard_axes, bucket.shard_numel * dtype_bytes(dtype), hierarchical)
     m = mesh.axis_size(bucket.replicate_axes)
-    if m > 1:
+    if m > 1 and not frozen:
         part = -(-bucket.shard_numel // m) * dtype_bytes(reduce_dtype)
         out["all_reduce"] = {t: 2 * n for t, n in
                              collective_bytes(mesh, bucket.replicate_axes, part, hierarchical).items()}

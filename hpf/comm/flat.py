@@ -66,8 +66,10 @@ class BucketComm:
             return mesh.group(axes, tag=f"{kind}/{b.padded_numel * dtype_bytes(dtype)}B") if mesh.axis_size(axes) > 1 \
                 else None
         self.gather_groups = [group(b, b.shard_axes, "gather", compute_dtypes[b.index]) for b in plan.buckets]
-        self.reduce_groups = [group(b, b.shard_axes, "reduce", reduce_dtypes[b.index]) for b in plan.buckets]
-        self.replica_groups = [group(b, b.replicate_axes, "replica", reduce_dtypes[b.index]) for b in plan.buckets]
+        self.reduce_groups = [None if b.frozen else group(b, b.shard_axes, "reduce", reduce_dtypes[b.index])
+                              for b in plan.buckets]
+        self.replica_groups = [None if b.frozen else group(b, b.replicate_axes, "replica", reduce_dtypes[b.index])
+                               for b in plan.buckets]
         self.bytes: Counter = Counter()  # (op, tier) -> bytes this rank sent (hpf.comm.cost's model)
         self._op_bytes = [bucket_comm_bytes(mesh, b, compute_dtypes[b.index], reduce_dtypes[b.index])
                           for b in plan.buckets]

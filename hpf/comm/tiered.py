@@ -190,7 +190,8 @@ class TieredComm:
             self._stages.append((fast, slow))
             c, r = compute_dtypes[b.index], reduce_dtypes[b.index]
             # a shared full buffer and one grad row per local rank, each row cache-line aligned
-            shm_need += b.padded_numel * (dtype_bytes(c) + mesh.axis_size(fast) * dtype_bytes(r)) + 64 * (mesh.size + 1)
+            rows = 0 if b.frozen else mesh.axis_size(fast)  # (frozen: no grads)
+            shm_need += b.padded_numel * (dtype_bytes(c) + rows * dtype_bytes(r)) + 64 * (mesh.size + 1)
         # Process groups of its own: its worker threads may still be gathering the next
         # step's first units while another step (another engine on the same mesh) runs.
         # Every rank builds its comms in the same order, so the instance numbers agree.
@@ -202,6 +203,8 @@ class TieredComm:
         self._route: dict[tuple[str, int, str], Transport] = {}  # (direction, bucket, tier) -> transport
         for tag in ("gather", "reduce"):
             for b, (fast, slow) in zip(plan.buckets, self._stages):
+                if tag == "reduce" and b.frozen:
+                    continue
                 nbytes = b.padded_numel * dtype_bytes((compute_dtypes if tag == "gather" else reduce_dtypes)[b.index])
                 for axes, tier in ((fast, "fast"), (slow, "slow")):
                     if not axes:
@@ -214,7 +217,8 @@ class TieredComm:
                                                           timeout=topology.timeout_s) if shm
                                                  else ProcessGroupTransport(group, device))
                     self._route[tag, b.index, tier] = self._transports[key]
-        self._replica = [mesh.group(b.replicate_axes, tag=f"replica{instance}") if mesh.axis_size(b.replicate_axes) > 1
+        self._replica = [mesh.group(b.replicate_axes, tag=f"replica{instance}")
+                         if mesh.axis_size(b.replicate_axes) > 1 and not b.frozen
                          else None for b in plan.buckets]
         self._rank = rank
         self._device = device

@@ -60,7 +60,7 @@ class UnitEngine:
         self.view = ParamsView(plan, slot_paths, self._entry)
         self.stats: MemoryStats = self.buffers.stats
         self.in_backward = False
-        self._reduce_order = list(reversed(self.units))  # the first step's guess: backward of tree order
+        self._reduce_order = list(reversed(self.reducer.units))  # the first step's guess: backward of tree order
         self.broken: BaseException | None = None  # an error that left the ranks out of step
         self._prefetched: list | None = None  # (bucket, master, version) the next step's gathers were made from
         self._root = None
@@ -139,7 +139,7 @@ class UnitEngine:
 
     def end_step(self) -> None:
         """The step's reads are over: learn them for the next step, free what is gathered."""
-        if self.reducer.landed_order and set(self.reducer.landed_order) == set(self.units):
+        if self.reducer.landed_order and set(self.reducer.landed_order) == set(self.reducer.units):
             self._reduce_order = list(self.reducer.landed_order)
         for u in self.residency.end_step():
             self.buffers.release(u)
@@ -250,7 +250,7 @@ class UnitEngine:
         for p, g in zip(self.plan.leaf_paths or list(self.plan.slots), optree.tree_leaves(grads, none_is_leaf=True)):
             o = self.plan.ties.get(p, p)
             sums[o] = g if o not in sums else sums[o] + g
-        for u in reversed(self.units):
+        for u in reversed(self.reducer.units):
             self.reducer.add(u, tuple(sums[s.path] for b in self.plan.units[u].buckets for s in self.plan.buckets[b].slots))
 
     def _settle(self) -> None:

@@ -83,6 +83,8 @@ class UnitBuffers:
         # per unit: each param's (bucket, shape, stride, offset) in its buffer, slot order
         self.layout = {u: [(s.bucket, s.local_shape, _strides(s.local_shape), s.offset)
                            for b in self.unit_buckets[u] for s in bks[b].slots] for u in plan.units}
+        # per unit: the positions of its frozen params among its views (handed out without grad)
+        self.frozen_views = {u: [i for i, (b, *_) in enumerate(lay) if bks[b].frozen] for u, lay in self.layout.items()}
         self.shards: list[torch.Tensor] = []
         self.pending: dict[str, list] = {}  # unit -> gathers in flight
         self.live: set[str] = set()  # units whose buffers hold this step's values
@@ -250,7 +252,11 @@ class _Entry(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, engine, unit):  # noqa: ARG004 - anchor only makes backward run
         ctx.engine, ctx.unit = engine, unit
-        return tuple(engine.buffers.views(unit))
+        views = tuple(engine.buffers.views(unit))
+        frozen = engine.buffers.frozen_views[unit]
+        if frozen:
+            ctx.mark_non_differentiable(*(views[i] for i in frozen))
+        return views
 
     @staticmethod
     def backward(ctx, *grads):
@@ -269,8 +275,11 @@ class _FuncEntry(torch.autograd.Function):
         return tuple(engine.buffers.views(unit))
 
     @staticmethod
-    def setup_context(ctx, inputs, output):  # noqa: ARG004
+    def setup_context(ctx, inputs, output):
         ctx.engine, ctx.unit = inputs[1], inputs[2]
+        frozen = ctx.engine.buffers.frozen_views[ctx.unit]
+        if frozen:
+            ctx.mark_non_differentiable(*(output[i] for i in frozen))
 
     @staticmethod
     def backward(ctx, *grads):

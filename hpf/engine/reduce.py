@@ -33,6 +33,9 @@ class Reducer:
                  before_issue=lambda: None):
         self.plan, self.comm, self.shared, self.pipeline = plan, comm, shared, pipeline
         self.unit_buckets = {u: plan.units[u].buckets for u in plan.units}
+        # the buckets each unit trains (frozen ones have no grads); units with none are never reduced
+        self.trained = {u: [b for b in bs if not plan.buckets[b].frozen] for u, bs in self.unit_buckets.items()}
+        self.units = [u for u, bs in self.trained.items() if bs]
         self.compute_sums = compute_sums  # (bucket, group): partial grads summed over non-FSDP axes
         self.grad_shards: list[torch.Tensor] = []
         self.order: list[str] = []
@@ -56,23 +59,29 @@ class Reducer:
         self.landed_order = []
 
     def entry(self, unit: str) -> None:
-        """A read of ``unit`` created an autograd entry whose backward is to come."""
-        self._outstanding[unit] += 1
+        """A read of ``unit`` created an autograd entry whose backward is to come (none for a
+        unit whose params are all frozen)."""
+        if self.trained[unit]:
+            self._outstanding[unit] += 1
 
     def add(self, unit: str, grads: tuple) -> bool:
         """One entry's grads (in slot order); True if that completed the unit."""
         flats = self._sums.get(unit)
         first = flats is None
         if first:
-            flats = self._sums[unit] = [self._grad_flat(b) for b in self.unit_buckets[unit]]
+            flats = self._sums[unit] = [self._grad_flat(b) for b in self.trained[unit]]
         i = 0
+        flats_of = iter(flats)
         with span("hpf/copy grads", unit):
-            for b, flat in zip(self.unit_buckets[unit], flats):
+            for b in self.unit_buckets[unit]:
                 bucket = self.plan.buckets[b]
                 n = len(bucket.slots)
-                packed = flat[:bucket.numel]
-                parts = [g.reshape(-1) for g in grads[i:i + n]]  # one cat: 3x cheaper than a view per param
                 i += n
+                if bucket.frozen:
+                    continue
+                flat = next(flats_of)
+                packed = flat[:bucket.numel]
+                parts = [g.reshape(-1) for g in grads[i - n:i]]  # one cat: 3x cheaper than a view per param
                 if first and parts[0].dtype == flat.dtype:
                     torch.cat(parts, out=packed)
                 elif first:
@@ -126,8 +135,8 @@ class Reducer:
     def _reduce(self, unit: str) -> None:
         flats = self._sums.pop(unit, None)
         if flats is None:  # never read this step (or its params never reached the loss): zero grads
-            flats = [self._grad_flat(b).zero_() for b in self.unit_buckets[unit]]
-        buckets = self.unit_buckets[unit]
+            flats = [self._grad_flat(b).zero_() for b in self.trained[unit]]
+        buckets = self.trained[unit]
         self.landed_order.append(unit)
         if self.hold:  # an earlier micro-batch: keep the sums here, communicate nothing
             for b, flat in zip(buckets, flats):

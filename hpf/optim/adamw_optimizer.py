@@ -71,10 +71,18 @@ class AdamW:
     weight_decay: float = 0.01
     weight_decay_mask: Any = None  # None: all; mask(path, tensor) -> bool; or a pytree of bools
     _shard_decay: Any = field(default=None, repr=False, compare=False)  # per flat shard: slices (for_plan)
+    _frozen: Any = field(default=None, repr=False, compare=False)  # per flat shard: not trained (for_plan)
 
     def for_plan(self, plan, rank: int) -> "AdamW":
         """This optimizer on ``plan``'s flat shards (``hpf.shard_step`` calls it): the mask
-        becomes, per shard, the element ranges of the params that decay."""
+        becomes, per shard, the element ranges of the params that decay; frozen buckets get no
+        state and no update."""
+        frozen = tuple(b.frozen for b in plan.buckets)
+        if any(frozen):
+            return replace(self, _frozen=frozen).for_plan_mask(plan, rank)
+        return self.for_plan_mask(plan, rank)
+
+    def for_plan_mask(self, plan, rank: int) -> "AdamW":
         if self.weight_decay_mask is None:
             return self
         decays = self._mask_by_path(plan.tree({p: torch.empty(s.global_shape, dtype=s.dtype, device="meta")
@@ -106,6 +114,9 @@ class AdamW:
         return [[leaf] if d else [] for leaf, d in zip(leaves, decays.values())]
 
     def init(self, params: Any) -> AdamWState:
+        if self._frozen is not None:  # flat shards of a plan: frozen ones keep no moments
+            moments = lambda: [p[:0].clone() if f else torch.zeros_like(p) for p, f in zip(params, self._frozen)]  # noqa: E731
+            return AdamWState(torch.zeros((), dtype=torch.int64), moments(), moments())
         zeros = optree.tree_map(torch.zeros_like, params)
         return AdamWState(torch.zeros((), dtype=torch.int64), zeros,
                           optree.tree_map(torch.zeros_like, params))
@@ -132,6 +143,8 @@ class AdamW:
         step = int(state.count)
 
         def apply(indices: list[int], grads: list) -> None:
+            if self._frozen is not None:
+                indices = [i for i in indices if not self._frozen[i]]
             self.apply(*([x[i] for i in indices] for x in (p, grads, m, v)), step,
                        decay=None if decay is None else [t for i in indices for t in decay[i]])
         return apply

@@ -172,6 +172,9 @@ class DistMuon:
         self.bytes_sent = 0  # point-to-point payload this rank sent, over all updates
         tag = 0
         for b in plan.buckets:
+            if b.frozen:  # not trained: no state, no update
+                self.adamw_numel.append(0)
+                continue
             lo, hi = b.shard_range(plan.shard_index(b, rank))
             ranks = tuple(plan.shard_ranks(b, rank))
             n_adamw = 0
@@ -207,15 +210,16 @@ class DistMuon:
     # -- optax-style interface ----------------------------------------------------------------
     def init(self, shards: Sequence[torch.Tensor]) -> MuonState:
         self._check(shards, "shards")
-        return MuonState(torch.zeros((), dtype=torch.int64), [torch.zeros_like(s) for s in shards],
+        return MuonState(torch.zeros((), dtype=torch.int64),
+                         [s.new_zeros(0) if b.frozen else torch.zeros_like(s) for b, s in zip(self.plan.buckets, shards)],
                          [s.new_zeros(n) for s, n in zip(shards, self.adamw_numel)])
 
     def update(self, grads: Sequence[torch.Tensor], state: MuonState, params: Sequence[torch.Tensor]
                ) -> tuple[list[torch.Tensor], MuonState]:
         """One step, in place on ``params`` and ``state`` (donated); returns them."""
         self._check(params, "params")
-        self._check(grads, "grads")
-        self._check(state.exp_avg, "state.exp_avg")
+        self._check(grads, "grads", trained=True)
+        self._check(state.exp_avg, "state.exp_avg", trained=True)
         m = self.muon
         m.check_rates(int(state.count) + 1)
         state.count.add_(1)
@@ -280,13 +284,14 @@ class DistMuon:
         for scale, (ps, ds) in by_scale.items():
             apply_muon_updates_(ps, ds, lr=lr, weight_decay=self.muon.weight_decay, scale=scale)
 
-    def _check(self, shards: Sequence[torch.Tensor], what: str) -> None:
+    def _check(self, shards: Sequence[torch.Tensor], what: str, trained: bool = False) -> None:
+        """One flat shard per bucket (``trained``: empty for frozen buckets, which have no grads or state)."""
         buckets = self.plan.buckets
         if len(shards) != len(buckets):
             raise ValueError(f"distributed Muon: {what} has {len(shards)} entries but the plan has "
                              f"{len(buckets)} buckets; pass one flat shard per bucket, as hpf.shard_step does")
         for b, s in zip(buckets, shards):
-            if not isinstance(s, torch.Tensor) or s.shape != (b.shard_numel,):
+            if not isinstance(s, torch.Tensor) or s.shape != ((0,) if trained and b.frozen else (b.shard_numel,)):
                 got = tuple(s.shape) if isinstance(s, torch.Tensor) else type(s).__name__
                 raise ValueError(f"distributed Muon: {what}[{b.index}] (unit {b.unit!r}) has shape {got}, "
                                  f"expected the flat shard ({b.shard_numel},)")
