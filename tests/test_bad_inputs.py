@@ -15,6 +15,7 @@ import sys
 
 import numpy as np
 import pytest
+import optree
 import torch
 import torch.nn.functional as F
 
@@ -283,13 +284,33 @@ def check_against_reference(losses, full, ref_losses, ref_params, rtol=1e-5, ato
 
 
 def test_nn_parameter_and_requires_grad_leaves_are_detached():
-    p = params()
-    p["w_in"] = torch.nn.Parameter(p["w_in"])
-    p["blocks"][0]["w"].requires_grad_()
+    """Every leaf an nn.Parameter (or requiring grad): all trained, as plain tensors would be."""
+    p = optree.tree_map(torch.nn.Parameter, params())
     losses, full = hpf_losses(p=p)
     ref_l, _, ref_p = adamw_training(loss_fn, params(), batch, 3, **ADAMW)
     check_against_reference(losses, full, ref_l, ref_p)
     assert not any(x.requires_grad for x in hpf.tree.flatten(clean_params(p))[1])
+
+
+def test_leaves_beside_params_that_require_grad_are_frozen_as_in_torch():
+    """Some leaves require grad, the others do not: torch trains only the first (issue 28, item 3)."""
+    p = params()
+    p["w_in"] = torch.nn.Parameter(p["w_in"])
+    p["blocks"][0]["w"].requires_grad_()
+    losses, full = hpf_losses(p=p)
+    ref = params()
+    paths, leaves, _ = hpf.tree.flatten(ref)
+    trained = [x.requires_grad_() for path, x in zip(paths, leaves) if path in ("w_in", "blocks/0/w")]
+    opt = torch.optim.AdamW(trained, **ADAMW)
+    ref_l = []
+    for s in range(3):
+        opt.zero_grad()
+        loss = loss_fn(ref, batch(s))
+        loss.backward()
+        opt.step()
+        ref_l.append(float(loss.detach()))
+    check_against_reference(losses, full, ref_l, dict(zip(paths, (x.detach() for x in leaves))))
+    assert torch.equal(full["head"], params()["head"]), "a frozen leaf moved"
 
 
 def test_loss_of_shape_1_is_a_scalar():

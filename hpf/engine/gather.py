@@ -196,13 +196,16 @@ class UnitBuffers:
             self.free_lingering()
 
     def free_lingering(self, force: bool = False) -> None:
-        """Free the storage of evicted units that nothing holds any more (``force``: all of them)."""
+        """Free the storage of evicted units that nothing holds any more (``force``: all of them).
+        A unit whose next gather is already decided (a deferred prefetch) keeps its memory."""
+        deferred = {u for u, _ in self.deferred}
         for unit in list(self.lingering):
-            if not force and any(ref() is not None for ref in self.handed.get(unit, ())):
+            if unit in deferred or (not force and any(ref() is not None for ref in self.handed.get(unit, ()))):
                 continue
             del self.lingering[unit]
             self.handed.pop(unit, None)
-            self.wait(unit)  # a gather still writing into it (issued on every rank: it lands)
+            for h in self.pending.pop(unit, ()):  # a gather still writing into it (every rank issued it: it lands)
+                wait(h, f"the all-gather of {unit}")
             for b in self.unit_buckets[unit]:
                 st = None if self.whole[b] or self.shared[b] else self.full[b].untyped_storage()
                 if st is not None and st.nbytes():
