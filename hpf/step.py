@@ -481,6 +481,9 @@ def _check_loss(loss: Any) -> None:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
                         f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+    if not loss.is_floating_point():
+        raise TypeError(f"loss_fn returned a {loss.dtype} loss, which has no gradient: return a real floating-point "
+                        "tensor (an integer cast such as .long() or a comparison cuts the loss off from the params)")
     if not loss.requires_grad:
         raise ValueError("the loss does not depend on the params (it has no grad_fn): make loss_fn "
                          "compute with the params it receives")
@@ -492,6 +495,6 @@ def _gather_compute_axes(plan: Plan, path: str, local: torch.Tensor) -> torch.Te
     out = local
     for dim in range(len(slot.spec)):
         axes = plan.split_dim_axes(slot, dim)
-        if axes:
+        if axes and plan.mesh.axis_size(axes) > 1:  # (size 1: nothing to gather, maybe no process group)
             out = gather_dim0(out.movedim(dim, 0), plan.mesh.group(axes), plan.mesh.axis_size(axes)).movedim(0, dim)
     return out
