@@ -213,19 +213,20 @@ def _state_dict(step, state) -> dict[str, Any]:
     return sd
 
 
-def _skeleton(full_like: Any) -> Any:
-    """The params tree with each leaf replaced by its path (JSON: dicts, lists, tuples)."""
+def _skeleton(plan) -> Any:
+    """The params tree as JSON (dicts, lists, tuples), each leaf the path of the param it holds:
+    a tied leaf names the param it shares (``head`` -> ``"embed"``), which alone is saved."""
     def walk(x, path):
         if isinstance(x, dict):
             return {str(k): walk(v, f"{path}/{k}" if path else str(k)) for k, v in x.items()}
         if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
             items = [walk(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(x)]
             return items if isinstance(x, list) else {"__tuple__": items}
-        if isinstance(x, torch.Tensor):
-            return path
+        if isinstance(x, str):
+            return x
         raise CheckpointError(f"params at {path!r}: a {type(x).__name__} container; hpf checkpoints "
                               "keep dict/list/tuple trees")
-    return walk(full_like, "")
+    return walk(plan.tree({p: p for p in plan.slots}), "")
 
 
 def _unskeleton(node: Any, leaves: dict[str, torch.Tensor]) -> Any:
@@ -241,7 +242,7 @@ def _unskeleton(node: Any, leaves: dict[str, torch.Tensor]) -> Any:
 def _header(step, sd: dict) -> dict:
     plan = step.plan
     return {"format": "hpf-dcp", "version": VERSION, "optimizer": type(step._opt).__name__,
-            "tree": _skeleton(plan.tree({p: torch.empty(0) for p in plan.slots})),
+            "tree": _skeleton(plan),
             "tensors": {k: [list(v.shape if isinstance(v, _Chunks) else v.shape), str(v.dtype)]
                         for k, v in sd.items() if isinstance(v, (_Chunks, torch.Tensor))}}
 
@@ -458,13 +459,17 @@ def restore(step, path, state=None) -> tuple[Any, Any]:
 
 
 def load_params(path) -> Any:
-    """The full params pytree of a checkpoint, in this process alone (no process group needed)."""
+    """The full params pytree of a checkpoint, in this process alone (no process group needed).
+    Tied params come back as one tensor at each of their paths, as they were trained."""
     path = Path(path)
     header, metadata = _read_header(path)
     paths = []
     optree.tree_map(paths.append, header["tree"], is_leaf=lambda x: isinstance(x, str))
     want = {}
-    for p in paths:
+    for p in dict.fromkeys(paths):  # a tied param appears once per place it is used, and is loaded once
+        if key_of(p) not in header["tensors"]:
+            raise CheckpointError(f"{path}/{HEADER}: param {p!r} has no tensor in the checkpoint (a tied param "
+                                  "saved by an older hpf?); step.restore(path) then step.full_params(state) reads it")
         shape, dtype = header["tensors"][key_of(p)]
         want[key_of(p)] = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")))
     _check(path, metadata, want)

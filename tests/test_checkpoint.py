@@ -2,6 +2,7 @@
 
 References are independent of the code under test: the full params (step.full_params or the
 init tensors), plain torch (dcp_to_torch_save, an FSDP2 module), and uninterrupted runs."""
+import dataclasses
 import os
 import random
 import types
@@ -327,3 +328,22 @@ def test_cli_resumes_from_the_last_complete_checkpoint_after_a_killed_save(tmp_p
     assert [r["step"] for r in resumed] == list(range(1, 7))
     assert [r["loss"] for r in resumed] == [r["loss"] for r in whole]  # bitwise, same mesh
     assert [r.get("expert_imbalance") for r in resumed] == [r.get("expert_imbalance") for r in whole]
+
+
+def test_load_params_of_tied_weights_feeds_to_hf(tmp_path):
+    """A tied Llama (tie_embeddings, as the 1b config): load_params gives one tensor at both
+    paths, the init's values, and llama.to_hf writes it (issue 28 item 10)."""
+    from safetensors.torch import load_file
+
+    from hpf.models import llama
+
+    c = dataclasses.replace(llama.CONFIGS["tiny"], tie_embeddings=True)
+    params = llama.init(c)
+    step = hpf.shard_step(llama.loss_for(c), mesh=hpf.Mesh({"dp": 1}), optimizer=hpf.optim.adamw())
+    step.save(step.init(params), tmp_path / "ckpt")
+    back = ck.load_params(tmp_path / "ckpt")
+    assert back["head"] is back["embed"]
+    assert leaves_equal(back, params)
+    llama.to_hf(c, back, tmp_path / "hf")
+    hf = load_file(tmp_path / "hf" / "model.safetensors")
+    assert torch.equal(hf["model.embed_tokens.weight"], params["embed"]) and "lm_head.weight" not in hf
