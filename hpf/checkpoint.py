@@ -46,6 +46,8 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from .optim.base import StateLayout
+
 
 __all__ = ["CheckpointError", "save", "restore", "load_params", "boxes", "latest", "rng_state",
            "set_rng_state", "VERSION"]
@@ -154,10 +156,10 @@ def key_of(path: str) -> str:
     return path.replace("/", ".")
 
 
-def _add_chunks(sd: dict, plan, bucket, rank: int, flat: torch.Tensor, key: str, only: set | None) -> None:
+def _add_chunks(sd: dict, plan, bucket, rank: int, flat: torch.Tensor, key: str, only: frozenset | None) -> None:
     """Add the chunks of every param ``flat`` (this rank's state tensor of ``bucket``) holds.
     ``only=None``: flat is laid out as the param shard; else it packs just the params in
-    ``only``, back to back (DistMuon's AdamW moments)."""
+    ``only``, back to back (hpf.optim.StateLayout; DistMuon's AdamW second moment)."""
     lo, hi = bucket.shard_range(plan.shard_index(bucket, rank))
     at = 0
     for s in bucket.slots:
@@ -176,28 +178,17 @@ def _add_chunks(sd: dict, plan, bucket, rank: int, flat: torch.Tensor, key: str,
         at += stop - start
 
 
-def _opt_layouts(step) -> dict[str, set | None]:
-    """Per optimizer-state field of per-bucket tensors: None (laid out as the param shard) or
-    the params it packs. DistMuon keeps AdamW's second moment for its AdamW params only."""
-    from .optim.dist_muon import DistMuon, _meta
-
-    if isinstance(step._opt, DistMuon):
-        adamw = {p for p, s in step.plan.slots.items() if not step._opt.muon.on_muon(p, _meta(s))}
-        return {"exp_avg": None, "exp_avg_sq": adamw}
-    return {}
-
-
 def _state_dict(step, state) -> dict[str, Any]:
     plan, rank = step.plan, step.rank
     sd: dict[str, Any] = {}
     for b, shard in zip(plan.buckets, state.params):
         _add_chunks(sd, plan, b, rank, shard, "{}", None)
-    opt = state.opt_state
-    if not hasattr(opt, "_asdict"):
-        raise CheckpointError(f"optimizer state {type(opt).__name__} is not a NamedTuple of fields; "
+    opt_state, optimizer = state.opt_state, step.plan_optimizer
+    if not hasattr(opt_state, "_asdict"):
+        raise CheckpointError(f"optimizer state {type(opt_state).__name__} is not a NamedTuple of fields; "
                               "hpf.checkpoint saves AdamWState and MuonState")
-    layouts = _opt_layouts(step)
-    for name, value in opt._asdict().items():
+    layouts = optimizer.state_layout() if isinstance(optimizer, StateLayout) else {}  # packed fields' params
+    for name, value in opt_state._asdict().items():
         if isinstance(value, torch.Tensor) and value.dim() == 0:
             sd[f"optimizer.{name}"] = value
         elif isinstance(value, (list, tuple)) and len(value) == len(plan.buckets):
@@ -241,7 +232,7 @@ def _unskeleton(node: Any, leaves: dict[str, torch.Tensor]) -> Any:
 
 def _header(step, sd: dict) -> dict:
     plan = step.plan
-    return {"format": "hpf-dcp", "version": VERSION, "optimizer": type(step._opt).__name__,
+    return {"format": "hpf-dcp", "version": VERSION, "optimizer": type(step.plan_optimizer).__name__,
             "tree": _skeleton(plan),
             "tensors": {k: [list(v.shape if isinstance(v, _Chunks) else v.shape), str(v.dtype)]
                         for k, v in sd.items() if isinstance(v, (_Chunks, torch.Tensor))}}
@@ -443,9 +434,9 @@ def restore(step, path, state=None) -> tuple[Any, Any]:
     error = None
     try:
         header, metadata = _read_header(path)
-        if header["optimizer"] != type(step._opt).__name__:
+        if header["optimizer"] != type(step.plan_optimizer).__name__:
             raise CheckpointError(f"{path}: saved with optimizer {header['optimizer']}, restoring into "
-                                  f"{type(step._opt).__name__}; use the same optimizer")
+                                  f"{type(step.plan_optimizer).__name__}; use the same optimizer")
         _check(path, metadata, sd)
     except CheckpointError as e:
         error = e

@@ -389,6 +389,11 @@ class ShardStep:
         return self.loss_fn(params, batch)
 
     # -- checkpoints (hpf/checkpoint.py) ------------------------------------------------------
+    @property
+    def plan_optimizer(self) -> Optimizer:
+        """The optimizer as it runs on this plan's flat shards (``for_plan``'s result, if it has one)."""
+        return self._opt
+
     def fresh_state(self) -> TrainState:
         """A zero train state of this plan's layout (what ``restore`` loads into)."""
         master = self.mp.master_dtype if self.mp else None

@@ -6,6 +6,7 @@ import dataclasses
 import os
 import random
 import types
+from typing import NamedTuple
 
 import numpy as np
 import optree
@@ -78,7 +79,7 @@ def test_chunks_of_every_rank_tile_the_full_params(axes, kw):
     opt = hpf.optim.adamw()
     for r in range(mesh.size):
         shards = plan.shards(full, r)
-        fake = types.SimpleNamespace(plan=plan, rank=r, _opt=opt)
+        fake = types.SimpleNamespace(plan=plan, rank=r, plan_optimizer=opt)
         sd = ck._state_dict(fake, TrainState(shards, opt.init(shards)))
         for key, obj in sd.items():
             if key not in rebuilt:
@@ -347,3 +348,51 @@ def test_load_params_of_tied_weights_feeds_to_hf(tmp_path):
     llama.to_hf(c, back, tmp_path / "hf")
     hf = load_file(tmp_path / "hf" / "model.safetensors")
     assert torch.equal(hf["model.embed_tokens.weight"], params["embed"]) and "lm_head.weight" not in hf
+
+
+class _HeadState(NamedTuple):
+    count: torch.Tensor
+    buf: list  # per bucket: this rank's elements of "head" only
+
+
+class _HeadMomentum:
+    """A user's optimizer on flat shards whose state packs one param's elements, as DistMuon's
+    exp_avg_sq packs its AdamW params: it says so through hpf.optim.StateLayout."""
+
+    def __init__(self, plan=None, rank=0):
+        self.plan, self.rank = plan, rank
+
+    def for_plan(self, plan, rank):
+        return _HeadMomentum(plan, rank)
+
+    def state_layout(self):
+        return {"buf": frozenset({"head"})}
+
+    def init(self, shards):
+        sizes = []
+        for b in self.plan.buckets:
+            lo, hi = b.shard_range(self.plan.shard_index(b, self.rank))
+            sizes.append(sum(max(0, min(s.offset + s.numel, hi) - max(s.offset, lo)) for s in b.slots if s.path == "head"))
+        return _HeadState(torch.zeros((), dtype=torch.int64), [s.new_zeros(n) for s, n in zip(shards, sizes)])
+
+    def update(self, grads, state, params):
+        return params, state
+
+
+def test_an_optimizer_describes_its_packed_state_to_checkpoints(tmp_path):
+    """Checkpoints place optimizer state by hpf.optim.StateLayout, not by knowing DistMuon."""
+    assert isinstance(_HeadMomentum(), hpf.optim.StateLayout)
+    step = make_step({"dp": 1}, optimizer=_HeadMomentum())
+    full = gpt.init(CFG)
+    state = step.init(full)
+    for i, t in enumerate(state.opt_state.buf):
+        t.copy_(torch.arange(t.numel()) + 100.0 * i)
+    step.save(state, tmp_path / "ckpt")
+    dcp_to_torch_save(tmp_path / "ckpt", tmp_path / "t.pt")
+    saved = torch.load(tmp_path / "t.pt", weights_only=False)
+    head = next(t for t in state.opt_state.buf if t.numel())
+    assert torch.equal(saved["optimizer.state.head.buf"], head.view(full["head"].shape))
+    again = make_step({"dp": 1}, optimizer=_HeadMomentum())
+    again.init(gpt.init(CFG, device="meta"))
+    restored, _ = again.restore(tmp_path / "ckpt")
+    assert all(torch.equal(a, b) for a, b in zip(restored.opt_state.buf, state.opt_state.buf))

@@ -147,7 +147,7 @@ def _run(rank, axes, ep_axis, optimizer=None, steps=1, bias=None):
         state, m = step(state, moe.batch_with_bias(local, bias0() if bias is None else bias))
     expert_buckets = [(b.shard_axes, b.split_axes, b.replicate_axes) for b in step.plan.buckets
                       if any("experts" in s.path for s in b.slots)]
-    opt = step._opt
+    opt = step.plan_optimizer
     orthogonalized = sum(math.prod(x.shape[:-2]) for x in getattr(opt, "local", []) + getattr(opt, "owned", []))
     return {"loss": m["loss"], "counts": m["aux"]["expert_counts"],
             "after": [x.clone() for x in hpf.tree.flatten(step.full_params(state))[1]],
