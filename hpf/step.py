@@ -415,12 +415,13 @@ class ShardStep:
         pending, self._pending_save = self._pending_save, None
         return pending.wait() if pending is not None else None
 
-    def restore(self, path, state: TrainState | None = None) -> tuple[TrainState, Any]:
-        """Collective: ``(state, extra)`` from the checkpoint at ``path``, whatever mesh saved it."""
+    def restore(self, path, state: TrainState | None = None, *, strict: bool = True) -> tuple[TrainState, Any]:
+        """Collective: ``(state, extra)`` from the checkpoint at ``path``, whatever mesh saved it
+        (``strict``: see hpf.checkpoint.restore)."""
         from . import checkpoint
 
         self.wait_save()
-        state, extra = checkpoint.restore(self, path, state)
+        state, extra = checkpoint.restore(self, path, state, strict=strict)
         self._unloaded, self._live = False, state.params
         return state, extra
 
