@@ -19,16 +19,22 @@ offsets add the rank's non-FSDP block offset. Padding is never written. Identica
 chunk layout into any other by overlap, so a checkpoint restores on any mesh.
 
 Saves go to ``<name>.tmp`` next to the target and are published by a rename once every rank
-has written; an older checkpoint is removed only after that (``keep_last``).
+has written; an older checkpoint of the same series is removed only after that (``keep_last``).
+Every save and restore starts with a recorded rendezvous (hpf.comm.schedule) and a check that
+all ranks passed the same path, so a rank that skips the call, or a path that differs by rank,
+is a named error on every rank before any file is touched. Async saves still running when the
+program ends are finished by ``hpf.launch.shutdown()``, or reported at exit (status 1).
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
 import random
 import re
 import shutil
+import sys
 import threading
 import warnings
 from dataclasses import dataclass
@@ -46,8 +52,12 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from .comm import schedule, world
+from .launcher import at_shutdown
+from .optim.base import StateLayout
 
-__all__ = ["CheckpointError", "save", "restore", "load_params", "boxes", "latest", "rng_state",
+
+__all__ = ["CheckpointError", "save", "restore", "load_params", "wait_pending", "boxes", "latest", "rng_state",
            "set_rng_state", "VERSION"]
 
 VERSION = 1
@@ -154,10 +164,10 @@ def key_of(path: str) -> str:
     return path.replace("/", ".")
 
 
-def _add_chunks(sd: dict, plan, bucket, rank: int, flat: torch.Tensor, key: str, only: set | None) -> None:
+def _add_chunks(sd: dict, plan, bucket, rank: int, flat: torch.Tensor, key: str, only: frozenset | None) -> None:
     """Add the chunks of every param ``flat`` (this rank's state tensor of ``bucket``) holds.
     ``only=None``: flat is laid out as the param shard; else it packs just the params in
-    ``only``, back to back (DistMuon's AdamW moments)."""
+    ``only``, back to back (hpf.optim.StateLayout; DistMuon's AdamW second moment)."""
     lo, hi = bucket.shard_range(plan.shard_index(bucket, rank))
     at = 0
     for s in bucket.slots:
@@ -176,28 +186,17 @@ def _add_chunks(sd: dict, plan, bucket, rank: int, flat: torch.Tensor, key: str,
         at += stop - start
 
 
-def _opt_layouts(step) -> dict[str, set | None]:
-    """Per optimizer-state field of per-bucket tensors: None (laid out as the param shard) or
-    the params it packs. DistMuon keeps AdamW's second moment for its AdamW params only."""
-    from .optim.dist_muon import DistMuon, _meta
-
-    if isinstance(step.plan_optimizer, DistMuon):
-        adamw = {p for p, s in step.plan.slots.items() if not step.plan_optimizer.muon.on_muon(p, _meta(s))}
-        return {"exp_avg": None, "exp_avg_sq": adamw}
-    return {}
-
-
 def _state_dict(step, state) -> dict[str, Any]:
     plan, rank = step.plan, step.rank
     sd: dict[str, Any] = {}
     for b, shard in zip(plan.buckets, state.params):
         _add_chunks(sd, plan, b, rank, shard, "{}", None)
-    opt = state.opt_state
-    if not hasattr(opt, "_asdict"):
-        raise CheckpointError(f"optimizer state {type(opt).__name__} is not a NamedTuple of fields; "
+    opt_state, optimizer = state.opt_state, step.plan_optimizer
+    if not hasattr(opt_state, "_asdict"):
+        raise CheckpointError(f"optimizer state {type(opt_state).__name__} is not a NamedTuple of fields; "
                               "hpf.checkpoint saves AdamWState and MuonState")
-    layouts = _opt_layouts(step)
-    for name, value in opt._asdict().items():
+    layouts = optimizer.state_layout() if isinstance(optimizer, StateLayout) else {}  # packed fields' params
+    for name, value in opt_state._asdict().items():
         if isinstance(value, torch.Tensor) and value.dim() == 0:
             sd[f"optimizer.{name}"] = value
         elif isinstance(value, (list, tuple)) and len(value) == len(plan.buckets):
@@ -217,19 +216,20 @@ def _state_dict(step, state) -> dict[str, Any]:
     return sd
 
 
-def _skeleton(full_like: Any) -> Any:
-    """The params tree with each leaf replaced by its path (JSON: dicts, lists, tuples)."""
+def _skeleton(plan) -> Any:
+    """The params tree as JSON (dicts, lists, tuples), each leaf the path of the param it holds:
+    a tied leaf names the param it shares (``head`` -> ``"embed"``), which alone is saved."""
     def walk(x, path):
         if isinstance(x, dict):
             return {str(k): walk(v, f"{path}/{k}" if path else str(k)) for k, v in x.items()}
         if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
             items = [walk(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(x)]
             return items if isinstance(x, list) else {"__tuple__": items}
-        if isinstance(x, torch.Tensor):
-            return path
+        if isinstance(x, str):
+            return x
         raise CheckpointError(f"params at {path!r}: a {type(x).__name__} container; hpf checkpoints "
                               "keep dict/list/tuple trees")
-    return walk(full_like, "")
+    return walk(plan.tree({p: p for p in plan.slots}), "")
 
 
 def _unskeleton(node: Any, leaves: dict[str, torch.Tensor]) -> Any:
@@ -245,7 +245,7 @@ def _unskeleton(node: Any, leaves: dict[str, torch.Tensor]) -> Any:
 def _header(step, sd: dict) -> dict:
     plan = step.plan
     return {"format": "hpf-dcp", "version": VERSION, "optimizer": type(step.plan_optimizer).__name__,
-            "tree": _skeleton(plan.tree({p: torch.empty(0) for p in plan.slots})),
+            "tree": _skeleton(plan),
             "tensors": {k: [list(v.shape if isinstance(v, _Chunks) else v.shape), str(v.dtype)]
                         for k, v in sd.items() if isinstance(v, (_Chunks, torch.Tensor))}}
 
@@ -259,11 +259,6 @@ def _quiet():
 
 
 # -- save --------------------------------------------------------------------------------------
-def _world() -> tuple[int, bool]:
-    on = dist.is_available() and dist.is_initialized()
-    return (dist.get_rank() if on else 0), on
-
-
 _GROUP: dict[str, Any] = {}
 
 
@@ -272,6 +267,24 @@ def _group():
     if "g" not in _GROUP:
         _GROUP["g"] = dist.new_group(backend="gloo", timeout=timedelta(minutes=10))
     return _GROUP["g"]
+
+
+def _start(call: str, path: Path) -> None:
+    """Every rank meets at the start of ``call`` and agrees on ``path``, before any file is touched.
+
+    A rank that skips the call (rank 0 alone saving, the torch.save habit) leaves the others
+    at the rendezvous, which names the mismatch on every rank within seconds
+    (ScheduleMismatchError). Different paths (a timestamp that ticked between ranks) would
+    publish one rank's part as a whole checkpoint, or load each rank's shards from another one."""
+    schedule.rendezvous("checkpoint", call)
+    paths = world.all_gather_object(str(path))
+    if len(set(paths)) > 1:
+        said = "; ".join(f"rank {r}: {p!r}" for r, p in enumerate(paths[:8])) + ("; ..." if len(paths) > 8 else "")
+        raise CheckpointError(f"{call}: the ranks passed different paths ({said}); every rank must pass the same "
+                              "path (derive it from the step number, not from a clock or the rank)")
+
+
+_PENDING: set[SaveHandle] = set()  # this process's async saves not yet waited for
 
 
 class SaveHandle:
@@ -283,23 +296,62 @@ class SaveHandle:
     def wait(self) -> Path:
         if self.thread is not None:
             self.thread.join()
+        _PENDING.discard(self)
         if "error" in self.box:
             raise self.box["error"]
         return self.box["path"]
 
 
+@at_shutdown
+def wait_pending() -> None:
+    """Finish every async save of this process; re-raises the first error. Needs the process
+    group, so it runs before teardown: ``hpf.launch.shutdown()`` calls it (and hpf.launch
+    calls that when ``fn`` returns)."""
+    for handle in list(_PENDING):
+        handle.wait()
+
+
+def _report_lost_saves() -> None:
+    """At exit: finish the async saves still running, or, once the process group is gone
+    (``destroy_process_group()`` with a save in flight), say which were lost and exit 1, so a
+    lost checkpoint never ends a job that looks successful."""
+    if not _PENDING:
+        return
+    paths = ", ".join(sorted(str(h.box["path"]) for h in _PENDING))
+    try:
+        if (not world.is_distributed() or schedule.LOG.broken) and any(h.thread.is_alive() for h in _PENDING):
+            raise CheckpointError("it was still running when the process group was destroyed (or broken), so it "
+                                  "may be incomplete")
+        wait_pending()
+        return
+    except Exception as e:  # noqa: BLE001 -- reported, then the exit status says it
+        sys.stdout.flush()
+        sys.stderr.write(f"hpf.checkpoint: the async save to {paths} failed: {e}. End the program with "
+                         "hpf.launch.shutdown() (or call step.wait_save()) before "
+                         "torch.distributed.destroy_process_group()\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+
+atexit.register(_report_lost_saves)
+
+
 def save(step, state, path, extra: Any = None, *, keep_last: int | None = None, async_save: bool = False) -> SaveHandle:
-    """Write ``state`` (and ``extra``, rank 0's) to the directory ``path``; every rank calls it.
+    """Write ``state`` (and ``extra``, rank 0's) to the directory ``path``; every rank calls it,
+    with the same path (checked: a CheckpointError on every rank otherwise).
 
     ``async_save``: copy the state to the CPU now (the only exposed time) and write in a
     background thread while training goes on; ``step.wait_save()`` (or the next save or
-    restore) waits for it. ``keep_last=k`` then removes all but the newest k checkpoints next
-    to ``path`` (directories holding an ``hpf.json``, ordered by the number ending their name).
+    restore, or ``hpf.launch.shutdown()``) waits for it. ``keep_last=k`` then removes all but
+    the newest k checkpoints of ``path``'s series: hpf checkpoints next to it whose names
+    differ from its name only in the number that ends it (``step_100``: ``step_<n>``), so
+    other folders (``best``) are never touched.
     """
-    if keep_last is not None and keep_last < 1:
-        raise ValueError(f"keep_last={keep_last}: keep at least 1 checkpoint, or None to keep all")
     path = Path(path)
-    rank, on = _world()
+    if keep_last is not None:
+        _series(path, keep_last)  # checks keep_last and the name before any collective
+    _start("step.save", path)
+    on = world.is_distributed()
     group = _group() if on else None
     if async_save:
         state = optree.tree_map(lambda t: t.detach().to("cpu", copy=True), state)
@@ -307,14 +359,14 @@ def save(step, state, path, extra: Any = None, *, keep_last: int | None = None, 
     header = _header(step, sd)
     sd["extra"] = extra
     tmp = path.with_name(path.name + TMP_SUFFIX)
+    rank = world.rank()
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a save that died here before
         tmp.mkdir(parents=True)
-    if on:
-        dist.barrier(group=group)
+    schedule.rendezvous("checkpoint", "step.save: the .tmp directory is ready", group)
     box: dict[str, Any] = {"path": path}
 
-    def write():
+    def write():  # no schedule records here: a background thread's would interleave with the step's
         try:
             with _quiet():
                 dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), planner=_SavePlanner(),
@@ -330,9 +382,13 @@ def save(step, state, path, extra: Any = None, *, keep_last: int | None = None, 
         handle = SaveHandle(None, box)
         handle.wait()
         return handle
-    thread = threading.Thread(target=write, name=f"hpf-save-{path.name}", daemon=False)
+    # A daemon thread: at exit, _report_lost_saves decides (finish it, or report it lost) instead
+    # of the interpreter joining a thread whose process group may be gone (a hang).
+    thread = threading.Thread(target=write, name=f"hpf-save-{path.name}", daemon=True)
+    handle = SaveHandle(thread, box)
+    _PENDING.add(handle)
     thread.start()
-    return SaveHandle(thread, box)
+    return handle
 
 
 def _publish(tmp: Path, path: Path, header: dict, keep_last: int | None) -> None:
@@ -346,8 +402,22 @@ def _publish(tmp: Path, path: Path, header: dict, keep_last: int | None) -> None
     else:
         os.rename(tmp, path)
     if keep_last:
-        for stale in _checkpoints(path.parent)[:-keep_last]:
+        series = _series(path, keep_last)
+        for stale in [p for p in _checkpoints(path.parent) if series.fullmatch(p.name)][:-keep_last]:
             shutil.rmtree(stale, ignore_errors=True)
+
+
+def _series(path: Path, keep_last: int) -> re.Pattern:
+    """The names of ``path``'s series (its name with any number in place of the one ending it):
+    the only folders ``keep_last`` may remove."""
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+        raise ValueError(f"keep_last={keep_last!r}: keep at least 1 checkpoint, or None to keep all")
+    m = re.fullmatch(r"(.*?)\d+", path.name)
+    if m is None:
+        raise ValueError(f"keep_last={keep_last} with path {str(path)!r}: keep_last removes the older checkpoints of "
+                         "a series named by a number at the end (e.g. step_100); put the step number at the end of "
+                         "the name, or pass keep_last=None")
+    return re.compile(re.escape(m.group(1)) + r"\d+")
 
 
 def _checkpoints(root: Path) -> list[Path]:
@@ -420,55 +490,73 @@ def _check(path: Path, metadata, want: dict[str, Any]) -> None:
                                   f" key {key!r} needs bytes up to {end}")
 
 
-def _agree(error: CheckpointError | None, on: bool) -> None:
+def _agree(error: CheckpointError | None) -> None:
     """Raise on every rank if any rank failed its checks (so none enters DCP's collectives)."""
-    messages = [str(error) if error else None]
-    if on and dist.get_world_size() > 1:
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, messages[0])
-        messages = gathered
-    for r, m in enumerate(messages):
+    for r, m in enumerate(world.all_gather_object(str(error) if error else None)):
         if m is not None:
-            raise CheckpointError(m if (on and r == dist.get_rank()) or not on else f"rank {r}: {m}")
+            raise CheckpointError(m if r == world.rank() else f"rank {r}: {m}")
 
 
-def restore(step, path, state=None) -> tuple[Any, Any]:
+def _some(keys: list[str], n: int = 8) -> str:
+    return ", ".join(map(repr, keys[:n])) + (f" and {len(keys) - n} more" if len(keys) > n else "")
+
+
+def restore(step, path, state=None, *, strict: bool = True) -> tuple[Any, Any]:
     """Load this rank's shards of params and optimizer state from ``path``, whatever mesh saved
-    them; returns ``(state, extra)``. ``state``: load into it in place (default: a fresh one)."""
+    them; returns ``(state, extra)``. ``state``: load into it in place (default: a fresh one).
+    Every rank calls it, with the same path (checked).
+
+    ``strict`` (as ``load_state_dict``'s): a checkpoint key this model and optimizer lack (a
+    deeper model's layer) is a CheckpointError; ``strict=False`` drops such keys and warns,
+    listing them. A key this model needs and the checkpoint lacks is always an error: the
+    state would keep zeros or stale values."""
     path = Path(path)
     if step.plan is None:
         raise RuntimeError("call step.init(params) first (meta params are fine), then step.restore(path)")
-    _, on = _world()
+    _start("step.restore", path)
     if state is None:
         state = step.fresh_state()
     sd = _state_dict(step, state)
     sd["extra"] = None
-    error = None
+    error, dropped = None, []
     try:
         header, metadata = _read_header(path)
         if header["optimizer"] != type(step.plan_optimizer).__name__:
             raise CheckpointError(f"{path}: saved with optimizer {header['optimizer']}, restoring into "
                                   f"{type(step.plan_optimizer).__name__}; use the same optimizer")
         _check(path, metadata, sd)
+        dropped = sorted(set(metadata.state_dict_metadata) - set(sd))
+        if dropped and strict:
+            raise CheckpointError(f"{path}: the checkpoint holds {len(dropped)} key(s) this model and optimizer do "
+                                  f"not have: {_some(dropped)} (another model?); restore(path, strict=False) "
+                                  "loads the rest and drops them")
     except CheckpointError as e:
         error = e
-    _agree(error, on)
+    _agree(error)
     try:
         with _quiet():
-            dcp.load(sd, storage_reader=dcp.FileSystemReader(path), planner=_LoadPlanner(), no_dist=not on)
+            dcp.load(sd, storage_reader=dcp.FileSystemReader(path), planner=_LoadPlanner(),
+                     no_dist=not world.is_distributed())
     except Exception as e:  # noqa: BLE001 -- DCP raises the same CheckpointException on every rank
         raise CheckpointError(f"{path}: reading failed ({type(e).__name__}: {e})") from e
+    if dropped and world.rank() == 0:
+        warnings.warn(f"{path}: restore(strict=False) dropped {len(dropped)} checkpoint key(s) this model and "
+                      f"optimizer do not have: {_some(dropped, 50)}", stacklevel=3)
     return state, sd["extra"]
 
 
 def load_params(path) -> Any:
-    """The full params pytree of a checkpoint, in this process alone (no process group needed)."""
+    """The full params pytree of a checkpoint, in this process alone (no process group needed).
+    Tied params come back as one tensor at each of their paths, as they were trained."""
     path = Path(path)
     header, metadata = _read_header(path)
     paths = []
     optree.tree_map(paths.append, header["tree"], is_leaf=lambda x: isinstance(x, str))
     want = {}
-    for p in paths:
+    for p in dict.fromkeys(paths):  # a tied param appears once per place it is used, and is loaded once
+        if key_of(p) not in header["tensors"]:
+            raise CheckpointError(f"{path}/{HEADER}: param {p!r} has no tensor in the checkpoint (a tied param "
+                                  "saved by an older hpf?); step.restore(path) then step.full_params(state) reads it")
         shape, dtype = header["tensors"][key_of(p)]
         want[key_of(p)] = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")))
     _check(path, metadata, want)

@@ -8,11 +8,13 @@ as `RankError` with the child's traceback, so a broken rank never leaves the oth
 hanging in a collective.
 
 Code written for `launch` runs unchanged under torchrun: call `init_distributed()`
-(a no-op when the group already exists) at the top of the script.
+(a no-op when the group already exists) at the top of the script, and `shutdown()` at its
+end (`launch` calls it when `fn` returns).
 """
 from __future__ import annotations
 
 import datetime
+import gc
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -29,7 +31,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankError", "launch", "init_distributed", "is_launched", "rank", "world_size"]
+from .comm import schedule
+
+__all__ = ["RankError", "launch", "init_distributed", "shutdown", "at_shutdown", "is_launched", "rank", "world_size"]
 
 _TERMINATE_GRACE_S = 2.0  # SIGTERM first, SIGKILL after this
 
@@ -95,6 +99,37 @@ def init_distributed(timeout: float | datetime.timedelta = 300.0, backend: str |
     dist.init_process_group(backend=backend, timeout=_as_timedelta(timeout), **init)
 
 
+_AT_SHUTDOWN: list[Callable[[], None]] = []
+
+
+def at_shutdown(fn: Callable[[], None]) -> Callable[[], None]:
+    """Have :func:`shutdown` call ``fn()`` while the process group still runs (hpf.checkpoint
+    registers finishing its async saves); returns ``fn``."""
+    if fn not in _AT_SHUTDOWN:
+        _AT_SHUTDOWN.append(fn)
+    return fn
+
+
+def shutdown() -> None:
+    """End this rank's part of the job: finish what needs the process group (async checkpoint
+    saves), meet the other ranks, then destroy the group. A no-op without one.
+
+    ``launch`` calls it when ``fn`` returns. Under torchrun, end the script with it instead of
+    ``torch.distributed.destroy_process_group()``, which cuts an async save short. The meeting
+    is a recorded rendezvous, so a peer still inside a collective call this rank skipped (rank
+    0 alone in ``step.save``) ends in ScheduleMismatchError on both, within seconds. After
+    such an error it does nothing: collectives no longer pair up, and the exit frees all."""
+    if not dist.is_initialized() or schedule.LOG.broken is not None:
+        return
+    for fn in _AT_SHUTDOWN:
+        fn()
+    schedule.rendezvous("hpf.launch.shutdown", "at the end of the program")
+    # Free garbage cycles that hold collectives' objects now: freed at interpreter exit instead,
+    # a gloo thread may need the GIL then and abort the process (seen: 1 torchrun exit in 8).
+    gc.collect()
+    dist.destroy_process_group()
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -145,6 +180,7 @@ def _child(fn, rank_, world_size_, args, env, timeout, backend, conn) -> None:
     try:
         init_distributed(timeout=timeout, backend=backend)
         message = ("ok", fn(rank_, *args))
+        shutdown()  # an unfinished async save or a peer stuck in a skipped collective is this rank's error
     except BaseException:  # noqa: BLE001 -- everything, incl. SystemExit, is reported to the parent
         message = ("error", traceback.format_exc())
     message += (time.monotonic(),)  # system-wide clock: the parent blames the earliest error
@@ -162,8 +198,6 @@ def _child(fn, rank_, world_size_, args, env, timeout, backend, conn) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)  # skip teardown: peers may be blocked in a collective with us; the parent ends them
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _exit_description(code: int | None) -> str:
@@ -310,6 +344,6 @@ def _remove_shm_leftovers(pids: list[int]) -> None:
 
 # `hpf.launch` is this module's `launch` function once hpf/__init__.py exports it; keep
 # `hpf.launch.RankError`, `hpf.launch.init_distributed`, ... reachable through it too.
-for _name in ("RankError", "init_distributed", "is_launched", "rank", "world_size"):
+for _name in ("RankError", "init_distributed", "shutdown", "is_launched", "rank", "world_size"):
     setattr(launch, _name, globals()[_name])
 del _name

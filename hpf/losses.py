@@ -88,8 +88,8 @@ def _check_value(x: Any, what: str) -> None:
         raise TypeError(f"{what} must be a scalar tensor (one element); got {got}. Return a mean (e.g. .mean()), "
                         "hpf.weighted(sum, count), or either with a dict of aux tensors")
     if not x.is_floating_point():
-        raise TypeError(f"{what} is a {x.dtype} tensor; a loss must be floating (int and bool tensors have no "
-                        "grads): compute it in floating point, e.g. with .float()")
+        raise TypeError(f"{what} is a {x.dtype} tensor, which has no gradient: return a real floating-point tensor "
+                        "(an integer cast such as .long() or a comparison cuts the loss off from the params)")
 
 
 # -- fp16 loss scaling ---------------------------------------------------------------------------------------------

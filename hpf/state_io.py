@@ -42,12 +42,13 @@ class StateIO:
         pending, self._pending_save = self._pending_save, None
         return pending.wait() if pending is not None else None
 
-    def restore(self, path, state: TrainState | None = None) -> tuple[TrainState, Any]:
-        """Collective: ``(state, extra)`` from the checkpoint at ``path``, whatever mesh saved it."""
+    def restore(self, path, state: TrainState | None = None, *, strict: bool = True) -> tuple[TrainState, Any]:
+        """Collective: ``(state, extra)`` from the checkpoint at ``path``, whatever mesh saved it
+        (``strict``: see hpf.checkpoint.restore)."""
         from . import checkpoint
 
         self.wait_save()
-        state, extra = checkpoint.restore(self, path, state)
+        state, extra = checkpoint.restore(self, path, state, strict=strict)
         self._unloaded, self._live = False, state.params
         return state, extra
 
@@ -79,6 +80,6 @@ def _gather_compute_axes(plan: Plan, path: str, local: torch.Tensor) -> torch.Te
     out = local
     for dim in range(len(slot.spec)):
         axes = plan.split_dim_axes(slot, dim)
-        if axes:
+        if axes and plan.mesh.axis_size(axes) > 1:  # (size 1: nothing to gather, maybe no process group)
             out = gather_dim0(out.movedim(dim, 0), plan.mesh.group(axes), plan.mesh.axis_size(axes)).movedim(0, dim)
     return out

@@ -103,3 +103,18 @@ def test_no_library_file_over_700_lines():
     long = {str(p.relative_to(ROOT)): n for p in library_files()
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"library files over {MAX_LINES} lines: {long}"
+
+
+def test_models_never_import_validation_code():
+    """Models run validation mode's checks by name (hpf.comm.collectives.run_check), so the
+    dependency points from validate to models' hooks, never from models to validate."""
+    graph = import_graph()
+    wrong = {m: sorted(i for i in imports if i.startswith("hpf.validate")) for m, imports in graph.items()
+             if m.startswith("hpf.models")}
+    assert not any(wrong.values()), f"models importing hpf.validate: {wrong}"
+
+
+def test_checkpoint_never_imports_an_optimizer_implementation():
+    """Checkpoints place optimizer state by what the optimizer says (hpf.optim.StateLayout)."""
+    imports = import_graph()["hpf.checkpoint"]
+    assert not {i for i in imports if i.startswith("hpf.optim.") and i != "hpf.optim.base"}, imports

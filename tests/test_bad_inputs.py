@@ -57,7 +57,7 @@ def _step_on_meta():
 
 
 def make(opt=None, loss=loss_fn, **kw):
-    return hpf.shard_step(loss, mesh=ONE, optimizer=opt or hpf.optim.adamw(**ADAMW), **kw)
+    return hpf.shard_step(loss, optimizer=opt or hpf.optim.adamw(**ADAMW), **{"mesh": ONE, **kw})
 
 
 def init(p=None, **kw):
@@ -139,6 +139,8 @@ CASES = {
                            ["scalar tensor", "(2,)"]),
     "loss without params": (lambda: run(1, loss=lambda p, b: b["y"].sum()), ValueError,
                             ["does not depend on the params"]),
+    "int loss": (lambda: run(1, loss=lambda p, b: (loss_fn(p, b) * 100).long()), TypeError,
+                 ["torch.int64", "real floating-point"]),
     "NaN loss": (lambda: run(1, loss=nan_loss), hpf.NonFiniteError, ["loss", "non-finite", "nothing was updated",
                                                                        "on_nonfinite"]),
     "inf grad, finite loss": (lambda: run(1, loss=sqrt_at_zero), hpf.NonFiniteError, ["grad norm", "validate"]),
@@ -311,6 +313,18 @@ def test_leaves_beside_params_that_require_grad_are_frozen_as_in_torch():
         ref_l.append(float(loss.detach()))
     check_against_reference(losses, full, ref_l, dict(zip(paths, (x.detach() for x in leaves))))
     assert torch.equal(full["head"], params()["head"]), "a frozen leaf moved"
+
+
+@pytest.mark.parametrize("kw", [
+    dict(topology=hpf.Topology()),
+    dict(mesh=hpf.Mesh({"dp": 1, "tp": 1}), fsdp_axes=("dp",),
+         param_specs=hpf.rules([(r"blocks/\d+/w", P("dp", "tp")), (r".*", P())])),
+], ids=["two-tier topology", "size-1 tp axis"])
+def test_one_process_runs_need_no_process_group(kw):
+    """A 1-process run has no process group: a two-tier topology and size-1 axes must not ask for one."""
+    losses, full = hpf_losses(**kw)
+    ref_l, _, ref_p = adamw_training(loss_fn, params(), batch, 3, **ADAMW)
+    check_against_reference(losses, full, ref_l, ref_p)
 
 
 def test_loss_of_shape_1_is_a_scalar():

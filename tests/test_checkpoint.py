@@ -2,9 +2,12 @@
 
 References are independent of the code under test: the full params (step.full_params or the
 init tensors), plain torch (dcp_to_torch_save, an FSDP2 module), and uninterrupted runs."""
+import dataclasses
 import os
 import random
+import time
 import types
+from typing import NamedTuple
 
 import numpy as np
 import optree
@@ -327,3 +330,189 @@ def test_cli_resumes_from_the_last_complete_checkpoint_after_a_killed_save(tmp_p
     assert [r["step"] for r in resumed] == list(range(1, 7))
     assert [r["loss"] for r in resumed] == [r["loss"] for r in whole]  # bitwise, same mesh
     assert [r.get("expert_imbalance") for r in resumed] == [r.get("expert_imbalance") for r in whole]
+
+
+def test_load_params_of_tied_weights_feeds_to_hf(tmp_path):
+    """A tied Llama (tie_embeddings, as the 1b config): load_params gives one tensor at both
+    paths, the init's values, and llama.to_hf writes it (issue 28 item 10)."""
+    from safetensors.torch import load_file
+
+    from hpf.models import llama
+
+    c = dataclasses.replace(llama.CONFIGS["tiny"], tie_embeddings=True)
+    params = llama.init(c)
+    step = hpf.shard_step(llama.loss_for(c), mesh=hpf.Mesh({"dp": 1}), optimizer=hpf.optim.adamw())
+    step.save(step.init(params), tmp_path / "ckpt")
+    back = ck.load_params(tmp_path / "ckpt")
+    assert back["head"] is back["embed"]
+    assert leaves_equal(back, params)
+    llama.to_hf(c, back, tmp_path / "hf")
+    hf = load_file(tmp_path / "hf" / "model.safetensors")
+    assert torch.equal(hf["model.embed_tokens.weight"], params["embed"]) and "lm_head.weight" not in hf
+
+
+class _HeadState(NamedTuple):
+    count: torch.Tensor
+    buf: list  # per bucket: this rank's elements of "head" only
+
+
+class _HeadMomentum:
+    """A user's optimizer on flat shards whose state packs one param's elements, as DistMuon's
+    exp_avg_sq packs its AdamW params: it says so through hpf.optim.StateLayout."""
+
+    def __init__(self, plan=None, rank=0):
+        self.plan, self.rank = plan, rank
+
+    def for_plan(self, plan, rank):
+        return _HeadMomentum(plan, rank)
+
+    def state_layout(self):
+        return {"buf": frozenset({"head"})}
+
+    def init(self, shards):
+        sizes = []
+        for b in self.plan.buckets:
+            lo, hi = b.shard_range(self.plan.shard_index(b, self.rank))
+            sizes.append(sum(max(0, min(s.offset + s.numel, hi) - max(s.offset, lo)) for s in b.slots if s.path == "head"))
+        return _HeadState(torch.zeros((), dtype=torch.int64), [s.new_zeros(n) for s, n in zip(shards, sizes)])
+
+    def update(self, grads, state, params):
+        return params, state
+
+
+def test_an_optimizer_describes_its_packed_state_to_checkpoints(tmp_path):
+    """Checkpoints place optimizer state by hpf.optim.StateLayout, not by knowing DistMuon."""
+    assert isinstance(_HeadMomentum(), hpf.optim.StateLayout)
+    step = make_step({"dp": 1}, optimizer=_HeadMomentum())
+    full = gpt.init(CFG)
+    state = step.init(full)
+    for i, t in enumerate(state.opt_state.buf):
+        t.copy_(torch.arange(t.numel()) + 100.0 * i)
+    step.save(state, tmp_path / "ckpt")
+    dcp_to_torch_save(tmp_path / "ckpt", tmp_path / "t.pt")
+    saved = torch.load(tmp_path / "t.pt", weights_only=False)
+    head = next(t for t in state.opt_state.buf if t.numel())
+    assert torch.equal(saved["optimizer.state.head.buf"], head.view(full["head"].shape))
+    again = make_step({"dp": 1}, optimizer=_HeadMomentum())
+    again.init(gpt.init(CFG, device="meta"))
+    restored, _ = again.restore(tmp_path / "ckpt")
+    assert all(torch.equal(a, b) for a, b in zip(restored.opt_state.buf, state.opt_state.buf))
+
+
+def test_keep_last_removes_only_the_older_checkpoints_of_its_own_series(tmp_path):
+    """keep_last never touches a user's other folders, even hpf checkpoints (issue 28 item 6)."""
+    step = make_step({"dp": 1})
+    state = step.init(gpt.init(CFG))
+    step.save(state, tmp_path / "best")
+    step.save(state, tmp_path / "run_b_7")
+    (tmp_path / "notes").mkdir()
+    for i in range(1, 5):
+        step.save(state, tmp_path / f"step_{i}", keep_last=2)
+    assert sorted(os.listdir(tmp_path)) == ["best", "notes", "run_b_7", "step_3", "step_4"]
+    with pytest.raises(ValueError, match="number at the end"):
+        step.save(state, tmp_path / "final", keep_last=2)
+    assert not (tmp_path / "final").exists()
+
+
+def test_restore_is_strict_and_strict_false_lists_what_it_dropped(tmp_path):
+    """A 3-layer checkpoint does not restore silently into a 2-layer model (issue 28 item 5)."""
+    deep = gpt.init(CFG)
+    step = make_step({"dp": 1})
+    step.save(step.init(deep), tmp_path / "deep")
+    shallow_cfg = dataclasses.replace(CFG, n_layers=2)
+    shallow = hpf.shard_step(gpt.loss_for(shallow_cfg), mesh=hpf.Mesh({"dp": 1}), optimizer=hpf.optim.adamw())
+    shallow.init(gpt.init(shallow_cfg, device="meta"))
+    with pytest.raises(ck.CheckpointError, match=r"'blocks\.2\.[a-z_0-9]+'.*strict=False"):
+        shallow.restore(tmp_path / "deep")
+    with pytest.warns(UserWarning, match=r"dropped \d+ checkpoint key.*'blocks\.2\.") as caught:
+        state, _ = shallow.restore(tmp_path / "deep", strict=False)
+    message = str(caught[0].message)
+    assert all(f"'blocks.2.{k}'" in message for k in deep["blocks"][2]) and "optimizer.state.blocks.2." in message
+    want = {**deep, "blocks": deep["blocks"][:2]}
+    assert leaves_equal(shallow.full_params(state), want)
+
+
+def _ranks_disagree_then_save_last(rank, root):
+    """Different paths on the two ranks (a timestamp that ticked), then an async save as the
+    function's last action: hpf.launch must finish it."""
+    step = make_step({"dp": 2})
+    state, _ = step(step.init(gpt.init(CFG)), local_batch(0, rank, 2))
+    errors = []
+    for call in (lambda: step.save(state, f"{root}/ckpt_{rank}"), lambda: step.restore(f"{root}/ckpt_{rank}")):
+        with pytest.raises(ck.CheckpointError) as e:
+            call()
+        errors.append(str(e.value))
+    full = step.full_params(state)
+    step.save(state, f"{root}/last_1", async_save=True)
+    return errors, full
+
+
+@pytest.mark.slow
+def test_ranks_must_agree_on_the_path_and_launch_finishes_an_async_save(tmp_path):
+    """Issue 28 items 4 (a CheckpointError on every rank, nothing published) and 8 (hpf.launch)."""
+    (errors, full), (other, _) = launch(_ranks_disagree_then_save_last, 2, str(tmp_path), timeout=120)
+    for message in errors + other:
+        assert "ckpt_0" in message and "ckpt_1" in message and "same path" in message, message
+    assert [p.name for p in tmp_path.iterdir()] == ["last_1"]
+    assert leaves_equal(ck.load_params(tmp_path / "last_1"), full)
+
+
+def _rank_0_saves_alone(rank, root, then):
+    step = make_step({"dp": 2})
+    state, _ = step(step.init(gpt.init(CFG)), local_batch(0, rank, 2))
+    if rank == 0:  # the torch.save habit
+        step.save(state, f"{root}/step_1")
+    if then == "next step":
+        step(state, local_batch(1, rank, 2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("then", ["next step", "return"])
+def test_a_save_on_rank_0_alone_is_a_named_error_within_seconds(tmp_path, then):
+    """Issue 28 item 7: not a hang until the launch timeout."""
+    t0 = time.monotonic()
+    with pytest.raises(hpf.launch.RankError, match=r"ScheduleMismatchError: .*rank 0: checkpoint step\.save"):
+        launch(_rank_0_saves_alone, 2, str(tmp_path), then, timeout=120)
+    assert time.monotonic() - t0 < 60
+    assert ck.latest(tmp_path) is None
+
+
+_TORCHRUN_SAVE = """
+import sys, time, torch, hpf
+from hpf import checkpoint
+from hpf.models import gpt
+save = checkpoint.dcp.save
+checkpoint.dcp.save = lambda *a, **k: (time.sleep(1), save(*a, **k))  # a save that outlasts the script
+hpf.launch.init_distributed()
+cfg = gpt.CONFIGS["tiny"]
+step = hpf.shard_step(gpt.loss_for(cfg), mesh=hpf.Mesh({"dp": 2}), optimizer=hpf.optim.adamw())
+state = step.init(gpt.init(cfg))
+step.save(state, sys.argv[1], async_save=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("end", ["hpf.launch.shutdown()", "torch.distributed.destroy_process_group()"])
+def test_torchrun_script_finishes_or_reports_an_async_save(tmp_path, end):
+    """Issue 28 item 8 under torchrun: hpf.launch.shutdown() publishes the save; a bare
+    destroy_process_group() (the old README ending) is reported, with a failing exit status."""
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+           "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [subprocess.Popen([sys.executable, "-c", _TORCHRUN_SAVE + end, str(tmp_path / "ckpt")],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    if end == "hpf.launch.shutdown()":
+        assert [p.returncode for p in procs] == [0, 0], outs
+        assert leaves_equal(ck.load_params(tmp_path / "ckpt"), gpt.init(CFG))
+    else:
+        assert all(p.returncode == 1 for p in procs), outs
+        assert all(f"the async save to {tmp_path / 'ckpt'} failed" in o and "hpf.launch.shutdown()" in o
+                   for o in outs), outs
+        assert ck.latest(tmp_path) is None

@@ -23,7 +23,7 @@ from hpf.checks import finite_or_none
 from hpf.cli.common import CliError, mesh_of, mesh_text, positive, sharding_of, topology_of
 from hpf.cli.plan import plan_of, report_of
 from hpf.device import default_device
-from hpf.launcher import init_distributed, is_launched, launch, rank, world_size
+from hpf.launcher import init_distributed, is_launched, launch, rank, shutdown, world_size
 from hpf import checkpoint
 from hpf import data as token_data
 from hpf.models import gpt, model_config
@@ -338,7 +338,7 @@ def cmd_train(args) -> int:
     if torchrun:
         init_distributed(timeout=args.timeout)
         _train_rank(rank(), job)
-        torch.distributed.destroy_process_group()
+        shutdown()
     else:
         launch(_train_rank, mesh.size, job, timeout=args.timeout)
     if not lead:

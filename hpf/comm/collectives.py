@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,8 @@ from torch.overrides import handle_torch_function, has_torch_function
 from ..mesh import Mesh, MeshError
 from .transport import reduce_scatter_async
 
-__all__ = ["psum", "all_gather", "all_to_all", "axis_index", "SPMD", "spmd", "current", "validating"]
+__all__ = ["psum", "all_gather", "all_to_all", "axis_index", "SPMD", "spmd", "current", "validating", "register_check",
+           "run_check"]
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,30 @@ def validating() -> bool:
     """Whether the running ``loss_fn`` is in a validation-mode step (checks cost time: only then)."""
     ctx = _CURRENT.get()
     return ctx is not None and ctx.validate
+
+
+_CHECKS: dict[str, Callable] = {}
+
+
+def register_check(name: str) -> Callable[[Callable], Callable]:
+    """Decorator: validation mode runs the function at the model's ``run_check(name, ...)``.
+
+    hpf.validate registers its checks here, so models call them by name and never import
+    validation code (production mode never loads it)."""
+    def register(fn: Callable) -> Callable:
+        _CHECKS[name] = fn
+        return fn
+    return register
+
+
+def run_check(name: str, *args: Any, **kwargs: Any) -> Any:
+    """The registered check ``name`` on these values in a validation-mode step (its result, e.g.
+    an object with later checks); None outside validation mode, at no cost."""
+    if not validating():
+        return None
+    if name not in _CHECKS:
+        raise RuntimeError(f"validation mode has no check {name!r}: hpf.validate registers it on import")
+    return _CHECKS[name](*args, **kwargs)
 
 
 @contextlib.contextmanager

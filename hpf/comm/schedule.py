@@ -24,8 +24,10 @@ import zlib
 from collections import deque
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
+from ..device import default_device
 from . import world
 from .transport import wait_for
 
@@ -53,6 +55,7 @@ class ScheduleLog:
         self.seq = 0
         self.step = 0  # which step's schedule this is (advanced by each digest)
         self.events: deque = deque(maxlen=_KEEP)  # (seq, step, kind, subject, n)
+        self.broken: str | None = None  # why the ranks' collectives stopped pairing (then none may follow)
         self._hash = 0
         self._codes: dict[tuple, int] = {}
 
@@ -106,16 +109,23 @@ def parts_agree(sums: list[float], n: int) -> bool:
     return all(n * int(sums[i + 1]) == int(sums[i]) ** 2 for i in range(0, len(sums), 2))
 
 
-def check_digests(agreed: bool, what: str = "collectives") -> None:
-    """After the step's all-reduce of ``digest_parts``: raise ScheduleMismatchError on every rank
-    if the digests differed, naming the first collective the ranks' logs disagree on. Every rank
-    calls it (``agreed`` is the same everywhere), so the log exchange is safe."""
+def check_digests(agreed: bool, what: str = "collectives", group=None) -> None:
+    """After an all-reduce of ``digest_parts`` over ``group``: raise ScheduleMismatchError on every
+    rank if the digests differed, naming the first collective the ranks' logs disagree on. Every
+    rank of the group calls it (``agreed`` is the same everywhere), so the log exchange is safe."""
     if agreed:
         return
-    logs = world.all_gather_object(LOG.snapshot())
-    raise ScheduleMismatchError(_report(logs) or f"the ranks' {what} this step differ (their digests disagree), "
-                                                 "but the recent logs hold no difference; the loss function must "
-                                                 "read the same units in the same order on every rank")
+    logs = world.all_gather_object(LOG.snapshot(), group)
+    raise _broken(ScheduleMismatchError(_report(logs) or f"the ranks' {what} this step differ (their digests "
+                                        "disagree), but the recent logs hold no difference; the loss function must "
+                                        "read the same units in the same order on every rank"))
+
+
+def _broken(error: Exception) -> Exception:
+    """Note that collectives no longer pair up (``LOG.broken``: teardown then skips its own), and
+    return ``error`` to raise."""
+    LOG.broken = str(error)
+    return error
 
 
 # -- waiting, with a diagnosis when a wait lasts --------------------------------------------------------------
@@ -149,12 +159,12 @@ def wait(handle: Any, what: Callable[[], str] | str = "a collective", timeout_s:
                     report = _report(logs)
                     if report:
                         published = False  # (leave the count: the peers are raising too)
-                        raise ScheduleMismatchError(report)
+                        raise _broken(ScheduleMismatchError(report))
             if time.monotonic() > deadline:
                 label = what() if callable(what) else what
-                raise TimeoutError(
+                raise _broken(TimeoutError(
                     f"hpf: {label} did not finish within {timeout_s:g} s. The ranks that waited agree on every "
-                    "collective so far; a peer rank died, hangs, or is stuck outside hpf's collectives")
+                    "collective so far; a peer rank died, hangs, or is stuck outside hpf's collectives"))
     finally:
         if published:
             store.add(_PREFIX + "waiting", -1)
@@ -163,11 +173,18 @@ def wait(handle: Any, what: Callable[[], str] | str = "a collective", timeout_s:
 def rendezvous(kind: str, subject: str = "", group=None) -> None:
     """Every rank meets here, recorded, before a collective call does its own traffic.
 
-    A call that one rank skips (rank 0 alone calling ``step.save``) then leaves the others
-    waiting at this barrier, and that wait names the mismatch (``wait``) within seconds."""
+    The meeting is an all-reduce of this call's digest, not a plain barrier: two different
+    calls (rank 0 in ``step.save``, rank 1 at the end of the program) would pair up as two
+    barriers do, so the ranks check that they meet in the same call and raise
+    ScheduleMismatchError naming both at once. A call that one rank skips while the others
+    go on to other collectives leaves a wait that names the mismatch (``wait``) within seconds."""
     LOG.record(kind, subject)
-    if world.world_size() > 1:
-        wait(dist.barrier(group=group, async_op=True), f"{kind} {subject}".strip())
+    n = world.world_size() if group is None else dist.get_world_size(group)
+    if n > 1:
+        code = zlib.crc32(repr((LOG.seq, kind, subject)).encode())
+        parts = torch.tensor(digest_parts(code), dtype=torch.float64, device=default_device())  # nccl needs its device
+        wait(dist.all_reduce(parts, group=group, async_op=True), f"{kind} {subject}".strip())
+        check_digests(parts_agree(parts.tolist(), n), "calls", group)
 
 
 def wait_all(handles, what: Callable[[], str] | str = "collectives") -> None:

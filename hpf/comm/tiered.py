@@ -182,11 +182,13 @@ class TieredComm:
         fast_axes = set(mesh.fast_axes)
         self._stages = []
         shm_need = 0
-        for b in plan.buckets:  # (axes of size 1 move nothing: at world 1 a bucket has no stage at all)
-            fast = tuple(a for a in b.shard_order if a in fast_axes and mesh.axis_size(a) > 1)
-            slow = tuple(a for a in b.shard_order if a not in fast_axes and mesh.axis_size(a) > 1)
+        for b in plan.buckets:
+            # A size-1 axis has no one to talk to (and, in a 1-process run, no process group).
+            order = tuple(a for a in b.shard_order if mesh.axis_size(a) > 1)
+            fast = tuple(a for a in order if a in fast_axes)
+            slow = tuple(a for a in order if a not in fast_axes)
             if not topology.hierarchical:
-                fast, slow = (), b.shard_order  # one flat collective, counted by tier
+                fast, slow = (), order  # one flat collective, counted by tier
             self._stages.append((fast, slow))
             c, r = compute_dtypes[b.index], reduce_dtypes[b.index]
             # a shared full buffer and one grad row per local rank, each row cache-line aligned

@@ -78,7 +78,10 @@ def all_gather_list(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
 
 
 def all_gather_object(obj: Any, group=None) -> list:
-    """Every rank's picklable ``obj``, by group rank (for checks and set-up, not hot paths)."""
+    """Every rank's picklable ``obj``, by group rank (for checks and set-up, not hot paths);
+    ``[obj]`` without a process group (a 1-process run is a world of one)."""
+    if not is_distributed():
+        return [obj]
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 import hpf_kernels
 
-from ..comm.collectives import all_to_all, axis_index, validating
+from ..comm.collectives import all_to_all, run_check
 from . import gpt
 
 __all__ = ["MoEConfig", "CONFIGS", "num_params", "init", "loss", "loss_for", "param_specs", "update_bias",
@@ -195,7 +195,7 @@ def routed_experts(x, idx, gates, ex, n_experts: int, ep_axis: str | None):
     flat = idx.reshape(-1)
     order = dispatch_order(flat)
     tok = order // k
-    checks = _DispatchChecks(flat[order], tok, x.shape[0], k, n_experts, ep_axis) if validating() else None
+    checks = run_check("moe dispatch", flat[order], tok, x.shape[0], k, n_experts, ep_axis)
     counts = torch.bincount(flat, minlength=n_experts)
     xs = x[tok]
     if n == 1:
@@ -220,26 +220,6 @@ def dispatch_order(flat_ids: torch.Tensor) -> torch.Tensor:
     return flat_ids.argsort(stable=True)
 
 
-class _DispatchChecks:
-    """Validation mode's MoE dispatch checks (hpf.validate.dispatch), raised on every EP rank."""
-
-    def __init__(self, ids, tok, n_tokens: int, k: int, n_experts: int, ep_axis):
-        from ..validate import dispatch  # validation only: production never imports it here
-        self.v, self.ids, self.axis = dispatch, ids, ep_axis
-        self.v.raise_together(self.v.check_dispatch(ids, tok, n_tokens, k, n_experts, "MoE dispatch"),
-                              self.v.TokenLostError, ep_axis, ids.device)
-
-    def placement(self, send, recv, recv_counts, n_local: int, perm) -> None:
-        """Send the expert ids along the tokens' way and back: they must land on their owner and return home."""
-        v, axis = self.v, self.axis
-        recv_ids = all_to_all(self.ids, axis, 0, 0, send_sizes=send, recv_sizes=recv)
-        owner = int(axis_index(axis))
-        v.raise_together(v.check_placement(recv_ids, recv_counts, owner, n_local, axis, "MoE dispatch"),
-                         v.ExpertPlacementError, axis, recv_ids.device)
-        back = all_to_all(recv_ids[perm][perm.argsort()], axis, 0, 0, send_sizes=recv, recv_sizes=send)
-        v.raise_together(v.check_return(self.ids, back, "MoE combine"), v.TokenLostError, axis, back.device)
-
-
 def _balance_loss(scores, idx, b: int, c: MoEConfig):
     """DeepSeek-V3's sequence-wise balance loss (per sequence, so independent of the batch split)."""
     e, k = c.n_experts, c.top_k
@@ -260,10 +240,7 @@ def block(blk: dict, x: torch.Tensor, bias, c: MoEConfig, ep_axis: str | None = 
         return x + _swiglu(h, blk["ffn"]), None, 0.0
     hf = h.reshape(b * t, -1)
     scores, idx, gates = route(hf, blk["router"], None if bias is None else bias.detach(), c)
-    if validating():
-        from ..validate import dispatch
-        dispatch.raise_together(dispatch.check_gates(gates, c.route_scale, "MoE router"), dispatch.GateSumError,
-                                ep_axis, gates.device)
+    run_check("moe gates", gates, c.route_scale, ep_axis)
     if experts is None:
         out, cnt = routed_experts(hf, idx, gates, blk["experts"], c.n_experts, ep_axis)
     else:

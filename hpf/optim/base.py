@@ -9,12 +9,14 @@ return them. Two optional capabilities, each its own protocol that the step chec
   updates each FSDP unit as soon as its grads have landed (optimizer overlap).
 - `ForPlan`: an optimizer that needs the plan's layout (distributed Muon) returns the form
   that runs on the step's flat shards.
+- `StateLayout`: an optimizer on flat shards whose state has a per-bucket field that is not
+  laid out as the param shard says which params it covers, so checkpoints can place it.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Protocol, runtime_checkable
 
-__all__ = ["Optimizer", "PartialUpdate", "ForPlan"]
+__all__ = ["Optimizer", "PartialUpdate", "ForPlan", "StateLayout"]
 
 
 @runtime_checkable
@@ -41,4 +43,16 @@ class PartialUpdate(Protocol):
 class ForPlan(Protocol):
     def for_plan(self, plan: Any, rank: int) -> Optimizer:
         """This optimizer on the flat shards of ``plan`` (an hpf.plan.Plan) as ``rank`` holds them."""
+        ...
+
+
+@runtime_checkable
+class StateLayout(Protocol):
+    def state_layout(self) -> dict[str, frozenset[str]]:
+        """The per-bucket state fields that pack only some params: field -> their paths.
+
+        Such a field's tensor for a bucket holds this rank's elements of those params only,
+        back to back in the bucket's param order. Every per-bucket field not named here is laid
+        out as the param shard (AdamW's moments: no method needed). hpf.checkpoint reads this
+        to save and restore the state on any mesh."""
         ...

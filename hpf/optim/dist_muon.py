@@ -161,6 +161,7 @@ class DistMuon:
     def __init__(self, muon, plan: Plan, rank: int, comm_dtype: torch.dtype | None = None):
         self.muon, self.plan, self.rank, self.comm_dtype = muon, plan, rank, comm_dtype
         on_muon = muon_paths(muon, plan)
+        self.adamw_paths = frozenset(plan.slots) - on_muon
         for path in sorted(on_muon):
             _check_whole_matrices(plan, plan.slots[path])
         self.owners, self.ns_load = assign_owners(plan, on_muon, muon.ns_steps)
@@ -260,6 +261,10 @@ class DistMuon:
         world.wait_all(pending)
         self._apply(params, self.held, held_dirs, lr)
         return params, state
+
+    def state_layout(self) -> dict[str, frozenset[str]]:
+        """``exp_avg_sq`` holds AdamW's second moment of the AdamW params only (hpf.optim.StateLayout)."""
+        return {"exp_avg_sq": self.adamw_paths}
 
     # -- helpers -------------------------------------------------------------------------------
     def _assemble(self, x: _Matrix, own_piece: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -5,6 +5,9 @@ computed by an expert another rank owns, gates that do not sum to 1. Validation 
 each, on the values (the routing is data, not layout), and raises the named error on every
 rank of the expert-parallel axis together (one rank raising alone would leave the others
 waiting in the next all-to-all). Production mode runs none of this.
+
+The model calls the checks by name (``collectives.run_check("moe gates", ...)``, "moe
+dispatch"); this module registers them, so models never import validation code.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import torch.distributed as dist
 from ..comm import collectives
 from .errors import DispatchError, ExpertPlacementError, GateSumError, TokenLostError
 
-__all__ = ["check_gates", "check_dispatch", "check_placement", "check_return", "raise_together",
+__all__ = ["check_gates", "check_dispatch", "check_placement", "check_return", "raise_together", "DispatchChecks",
            # re-exported: callers raise them as dispatch.X
            "DispatchError", "ExpertPlacementError", "GateSumError", "TokenLostError"]
 
@@ -90,3 +93,29 @@ def raise_together(message: str | None, error: type[DispatchError], axis: str | 
     if int(failed):
         raise error(f"another rank of {axis!r} found a {error.__name__} in the MoE dispatch (its message names it); "
                     "this rank stops with it")
+
+
+# -- the checks the MoE model runs by name (hpf.comm.collectives.run_check) ---------------------------
+@collectives.register_check("moe gates")
+def _gates(gates: torch.Tensor, route_scale: float, axis: str | None) -> None:
+    raise_together(check_gates(gates, route_scale, "MoE router"), GateSumError, axis, gates.device)
+
+
+@collectives.register_check("moe dispatch")
+class DispatchChecks:
+    """The sender's side at once; ``placement`` then checks the receivers' side and the return
+    trip, by sending the expert ids along the tokens' way and back."""
+
+    def __init__(self, ids: torch.Tensor, tok: torch.Tensor, n_tokens: int, k: int, n_experts: int, axis):
+        self.ids, self.axis = ids, axis
+        raise_together(check_dispatch(ids, tok, n_tokens, k, n_experts, "MoE dispatch"), TokenLostError, axis,
+                       ids.device)
+
+    def placement(self, send, recv, recv_counts, n_local: int, perm) -> None:
+        axis = self.axis
+        recv_ids = collectives.all_to_all(self.ids, axis, 0, 0, send_sizes=send, recv_sizes=recv)
+        owner = int(collectives.axis_index(axis))
+        raise_together(check_placement(recv_ids, recv_counts, owner, n_local, axis, "MoE dispatch"),
+                       ExpertPlacementError, axis, recv_ids.device)
+        back = collectives.all_to_all(recv_ids[perm][perm.argsort()], axis, 0, 0, send_sizes=recv, recv_sizes=send)
+        raise_together(check_return(self.ids, back, "MoE combine"), TokenLostError, axis, back.device)
