@@ -51,7 +51,7 @@ def build_parser(command: str | None = None) -> Parser:
         if name == command:
             full = importlib.import_module(f"hpf.cli.{name}").add_parser(sub, help_)
             full.add_argument("--debug", action="store_true",
-                              help="on an error, print its full traceback (always kept in the run folder's error.log)")
+                              help="on an error, print its full traceback (hpf train also keeps it in <out>/error.log)")
         else:
             sub.add_parser(name, help=help_, add_help=False)
     return parser
