@@ -79,16 +79,17 @@ class Complete(Exception):
     """--resume of a run that has nothing left to do: said in one line, exit code 0."""
 
 
-def resolve(args, out: Path, fresh: dict) -> tuple[str | None, str | None]:
+def resolve(args, out: Path, fresh: dict, lead: bool = True) -> tuple[str | None, str | None]:
     """Settle the options against the run already in ``out`` (if any), filling ``args`` in place.
 
     ``fresh`` holds a new run's defaults; options not given are None in ``args`` until this
     fills them. Returns (the checkpoint to resume from or None, a note to print or None).
     Raises CliError when the folder holds a run this command must not touch or change, and
-    Complete when ``--resume`` finds nothing left to train."""
+    Complete when ``--resume`` finds nothing left to train. Under torchrun every rank resolves; only
+    the ``lead`` (rank 0, which writes run.json) checks that no other run uses the folder."""
     previous = read_run(out) if out.is_dir() else None
     has_run = previous is not None or (out / "metrics.jsonl").exists()
-    if previous is not None and _in_use(previous):
+    if lead and previous is not None and _in_use(previous):
         raise CliError(f"--out {out} is in use by a running hpf train (pid {previous['pid']}); pick another folder")
     status, done = (previous or {}).get("status", "stopped"), _steps_done(out)
     newest = checkpoint.latest(out / "checkpoints") if has_run else None

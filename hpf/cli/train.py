@@ -134,7 +134,7 @@ def cmd_train(args) -> int:
     lead = rank() == 0  # rank 0 under torchrun; the driver otherwise
     out = args.out or Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     try:
-        resume, note = run_folder.resolve(args, out, args.fresh)
+        resume, note = run_folder.resolve(args, out, args.fresh, lead)
     except run_folder.Complete as done:
         if lead:
             print(f"hpf train: {done}")
