@@ -326,7 +326,7 @@ def test_calibration_sizes_cover_the_models_largest_bucket():
 def test_the_committed_validation_is_of_the_committed_model(run, cases):
     """``--repredict`` replays docs/simulate/validation (no processes): every case's predicted step
     time and exposed share from its rounds' calibrations must be what the run predicted, or the
-    README's table is of another model."""
+    docs' validation table (docs/simulate.md) is of another model."""
     import pathlib
     import subprocess
     import sys
