@@ -120,7 +120,7 @@ def test_resume_needs_only_the_folder_and_repeats_the_uninterrupted_run(finished
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flag, value", [("--optimizer", "muon"), ("--model", "llama"), ("--steps", "10"),
+@pytest.mark.parametrize("flag, value", [("--optimizer", "muon"), ("--model", "llama"), ("--schedule", "cosine"),
                                          ("--lr", "0.5")])
 def test_resume_names_an_option_that_would_change_the_run(interrupted, flag, value):
     proc = hpf_cmd("train", "--out", interrupted, "--resume", flag, value)
@@ -135,6 +135,16 @@ def test_resuming_a_finished_run_says_so_and_does_nothing(finished):
     proc = hpf_cmd("train", "--out", finished[0], "--resume")
     assert proc.returncode == 0 and proc.stdout.strip() == f"hpf train: the run in {finished[0]} is complete (4 steps); nothing to do"
     assert (finished[0] / "metrics.jsonl").read_text() == before
+
+
+@pytest.mark.slow
+def test_resume_may_train_a_finished_run_further_and_says_so(finished, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(finished[0], out)
+    proc = hpf_cmd("train", "--out", out, "--resume", "--steps", 6)
+    assert proc.returncode == 0, proc.stderr
+    assert "--steps 6 changes the run's 4 steps" in proc.stdout and len(losses(out)) == 6
+    assert losses(out)[:4] == losses(finished[0])
 
 
 @pytest.mark.slow

@@ -13,7 +13,8 @@ from hpf import checkpoint
 from hpf.cli.common import CliError
 
 RUN_FILE = "run.json"
-# What the run computes: a resumed run keeps these, and a different value is refused.
+# What the run computes: a resumed run keeps these, and a different value is refused, except
+# --steps, which may extend (or shorten) the run: a line says so, since the lr schedule follows it.
 FIXED = ("model", "config", "optimizer", "lr", "warmup", "schedule", "steps", "batch_size", "seed", "data")
 # How it runs: a resumed run takes these from run.json unless they are given again.
 INHERITED = ("mesh", "fsdp_axes", "mixed_precision", "topology", "hsdp", "ep_axis", "accumulate", "mode",
@@ -104,9 +105,10 @@ def resolve(args, out: Path, fresh: dict, lead: bool = True) -> tuple[str | None
     elif args.resume == "latest" and not has_run:
         raise CliError(f"--resume: --out {out} holds no run to go on from; check the folder, or start the run "
                        "without --resume")
-    elif has_run and status == "done":
+    elif has_run and status == "done" and (args.resume is None or newest is None or (args.steps or 0) <= done):
         if args.resume is None:
-            raise CliError(f"--out {out} already holds a finished run ({done} steps); pick another folder")
+            raise CliError(f"--out {out} already holds a finished run ({done} steps); pick another folder, or "
+                           "pass --resume --steps N to train it further")
         raise Complete(f"the run in {out} is complete ({done} steps); nothing to do")
     elif newest is not None:
         if args.resume is None:
@@ -118,7 +120,12 @@ def resolve(args, out: Path, fresh: dict, lead: bool = True) -> tuple[str | None
         note = (f"--out {out} holds a run that stopped at step {done} ({status}) before its first checkpoint; "
                 "it starts again from step 1")
         source = previous if args.resume else None
-    _fill(args, (source or {}).get("options") or {}, fresh, strict=resume is not None)
+    saved = (source or {}).get("options") or {}
+    _fill(args, saved, fresh, strict=resume is not None)
+    if resume and saved.get("steps") not in (None, args.steps):
+        note = (f"--steps {args.steps} changes the run's {saved['steps']} steps"
+                + (f" (its {args.schedule} lr schedule now ends at step {args.steps})" if args.schedule != "constant"
+                   else ""))
     step = checkpoint_step(Path(resume)) if resume else None
     if step is not None and step >= args.steps:
         raise Complete(f"the run of {resume} is complete: the checkpoint is at step {step} of {args.steps}; "
@@ -143,7 +150,7 @@ def _fill(args, saved: dict, fresh: dict, strict: bool) -> None:
             value = list(value)
         if value is None:
             value = old if key in saved else fresh.get(key)
-        elif strict and key in FIXED and key in saved and value != old:
+        elif strict and key in FIXED and key != "steps" and key in saved and value != old:
             changed.append(f"--{key.replace('_', '-')} {value} differs from the run's {old}")
         if key == "data" and value is not None:
             value = Path(value)
