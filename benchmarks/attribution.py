@@ -19,7 +19,12 @@ with compute for the cores (gloo's own threads are not traced).
 
 The profiler slows each step (it records every op): the traced step time is printed beside
 the untraced one, and categories are ms of the traced step.
+
+``--read`` attributes traces already written, such as ``hpf train --trace``'s rank<r>.json
+files, instead of running steps: one column per file, the median traced step of each.
+
 Usage: python benchmarks/attribution.py [--config small] [--batch 8] [--steps 5] [--contenders flat,shm]
+       python benchmarks/attribution.py --read runs/<run>/trace/rank0.json runs/<run>/trace/rank1.json
 """
 from __future__ import annotations
 
@@ -126,13 +131,33 @@ def rank_main(rank: int, args, folder: str) -> dict:
         step.engine.comm.close()
         with open(path) as f:  # the first traced step pays for the profiler's start: left out
             per_step = attribute(json.load(f)["traceEvents"])[1:]
-        median_step = sorted(per_step, key=lambda ms: ms["step"])[len(per_step) // 2]  # its parts add up
-        result[name] = {"untraced_ms": statistics.median(untraced[-args.steps:]) * 1e3, "ms": median_step}
+        result[name] = {"untraced_ms": statistics.median(untraced[-args.steps:]) * 1e3, "ms": median_step(per_step)}
     return result
+
+
+def median_step(per_step: list[dict[str, float]]) -> dict[str, float]:
+    """The median traced step's ms by category (its parts add up to its step time)."""
+    if not per_step:
+        raise SystemExit("attribution: no hpf/step range in the trace; write it with hpf train --trace or "
+                         "hpf.trace.tracing")
+    return sorted(per_step, key=lambda ms: ms["step"])[len(per_step) // 2]
+
+
+def read(paths: list[Path]) -> None:
+    """--read: the median step of each trace file, one column each."""
+    columns = []
+    for p in paths:
+        with open(p) as f:
+            columns.append(median_step(attribute(json.load(f)["traceEvents"])))
+    print(f"ms in each trace's median traced step ({', '.join(str(p) for p in paths)})")
+    print_table(["category"] + [p.stem for p in paths],
+                [[c] + [col[c] for col in columns] for c in CATEGORIES + ("step", "comm threads busy")])
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--read", type=Path, nargs="+", metavar="TRACE",
+                    help="attribute these trace files (e.g. hpf train --trace's rank<r>.json) instead of running")
     ap.add_argument("--config", default="small", choices=sorted(gpt.CONFIGS))
     ap.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     ap.add_argument("--warmup", type=int, default=8, help="untraced steps (the last --steps of them timed)")
@@ -140,6 +165,8 @@ def main():
     ap.add_argument("--contenders", default="flat,shm", help="comma-separated: flat (gloo), shm (two-tier)")
     ap.add_argument("--keep", type=Path, help="copy the traces into this folder")
     args = ap.parse_args()
+    if args.read:
+        return read(args.read)
     config = gpt.CONFIGS[args.config]
     print(f"GPT {args.config} ({gpt.num_params(config) / 1e6:.2f}M params), global batch {args.batch}, {WORLD} ranks, "
           f"{torch.get_num_threads()} threads; ms in each rank's median traced step of {args.steps}")

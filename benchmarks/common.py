@@ -49,7 +49,7 @@ def mib(nbytes: float) -> str:
 
 
 def report_ratio(name: str, value: float, target: str = "") -> None:
-    """Print ``RATIO <name> <value> <target>``, the line ``hpf bench`` collects into its table.
+    """Print ``RATIO <name> <value> <target>``, the line ``benchmarks/run.py`` collects into its table and results file.
 
     ``name`` has no spaces (e.g. ``hpf/fsdp2``); ``target`` is ``"<=0.70"``, ``">=0.999999"``
     or empty for a figure with no target. The table shows the value one decimal finer

@@ -1,6 +1,6 @@
 """One-shot accelerator check (at most ~8 minutes on one CUDA GPU); never part of CI.
 
-What it checks, each printed as RATIO rows for ``hpf bench``:
+What it checks, each printed as RATIO rows for ``benchmarks/run.py``:
   1. world size 1 on NCCL (``cpu:gloo,cuda:nccl``) comes up and an all-reduce is exact;
   2. hpf's step on the GPU vs the same step on the CPU, fp32 and bf16 (equivalence);
   3. the Triton Newton-Schulz kernel vs the torch reference (accuracy and speed);

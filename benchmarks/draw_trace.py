@@ -1,7 +1,7 @@
 """Draw one step of a merged hpf trace (``hpf train --trace``'s trace.json) as a PNG timeline:
 a row per rank and thread, hpf's ranges coloured by kind, nested ranges drawn thinner on top.
 
-For a picture in the README; open the JSON in https://ui.perfetto.dev to explore.
+For the picture on the docs' topology page; open the JSON in https://ui.perfetto.dev to explore.
 Usage: python benchmarks/draw_trace.py RUN/trace/trace.json docs/trace_2x2.png [--step 1]
 """
 from __future__ import annotations

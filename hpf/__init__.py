@@ -1,28 +1,52 @@
 """hpf: JAX-style fully sharded training of pure-function models on PyTorch.
 
 Models are pure functions over pytrees of plain tensors; sharding is written as
-PartitionSpecs and resolved once into a plan. The module map, the data flow and which
-module owns which decision are in docs/architecture.md; the user guide is README.md.
-"""
-from . import tree
-from .launcher import launch
-from .mesh import Mesh, MeshError
-from .planning import Plan, plan
-from .spec import P, SpecError, rules
-from .types import MixedPrecision, TrainState
-from .checks import DonatedStateError, NonFiniteError, ParamsMismatchError, UnevenBatchError
-from .comm.schedule import ScheduleMismatchError
-from .losses import LossScale, weighted
-from .config import StepConfig
-from .step import ShardStep
-from .api import shard_step
-from .comm.tiered import SlowLink, Topology
-from .comm.collectives import all_gather, all_to_all, axis_index, psum
-from .validate import check_plan
-from . import optim
+PartitionSpecs and resolved once into a plan. The module map is in docs/architecture.md.
 
-__all__ = ["DonatedStateError", "NonFiniteError", "ParamsMismatchError", "ScheduleMismatchError", "UnevenBatchError",
-           "LossScale", "P", "Mesh", "MeshError", "MixedPrecision", "Plan", "ShardStep", "SlowLink", "SpecError",
-           "StepConfig", "Topology", "TrainState", "all_gather", "all_to_all", "axis_index", "check_plan", "launch",
-           "optim", "plan", "psum", "rules", "shard_step", "tree", "weighted"]
+Every public name, and the submodules ``checkpoint``, ``data``, ``models``, ``optim``,
+``sim`` and ``tree``, loads on first use (PEP 562): ``import hpf`` does not import torch,
+so the ``hpf`` command answers ``--help`` at once.
+"""
+from __future__ import annotations
+
+import importlib
+
 __version__ = "0.1.0"
+
+# public name -> the module that defines it
+_NAMES = {
+    "Mesh": "mesh", "MeshError": "mesh",
+    "Plan": "planning", "plan": "planning",
+    "P": "spec", "SpecError": "spec", "rules": "spec",
+    "MixedPrecision": "types", "TrainState": "types",
+    "DonatedStateError": "checks", "NonFiniteError": "checks", "ParamsMismatchError": "checks",
+    "UnevenBatchError": "checks",
+    "ScheduleMismatchError": "comm.schedule",
+    "LossScale": "losses", "weighted": "losses",
+    "StepConfig": "config",
+    "ShardStep": "step",
+    "shard_step": "api",
+    "SlowLink": "comm.tiered", "Topology": "comm.tiered",
+    "all_gather": "comm.collectives", "all_to_all": "comm.collectives", "axis_index": "comm.collectives",
+    "psum": "comm.collectives",
+    "check_plan": "validate",
+    "launch": "launcher",
+}
+_SUBMODULES = ("checkpoint", "data", "models", "optim", "sim", "tree")
+
+__all__ = sorted([*_NAMES, *_SUBMODULES])
+
+
+def __getattr__(name: str):
+    if name in _NAMES:
+        value = getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module 'hpf' has no attribute {name!r}")
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -14,6 +14,7 @@ on the world size, and a run resumes from ``{"seed", "step"}`` alone.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -70,28 +71,57 @@ def text_files(inputs: Sequence[str | os.PathLike], glob: str = "*") -> list[Pat
     return files
 
 
+def _text(path: Path) -> bytes:
+    """The bytes of a text file; a binary file (a NUL byte, or not UTF-8) is an error naming it,
+    since its bytes would train a model on noise."""
+    data = path.read_bytes()
+    try:
+        if b"\0" in data:
+            raise UnicodeDecodeError("utf-8", data, data.index(b"\0"), data.index(b"\0") + 1, "a NUL byte")
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not a text file ({e.reason} at byte {e.start}); give text files, or pick a "
+                         "folder's text files with --glob (glob= in Python), e.g. '*.py'") from None
+    return data
+
+
 def prepare(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike, tokenizer: str = "bytes",
-            val_fraction: float = 0.05, glob: str = "*") -> dict:
+            val_fraction: float = 0.05, glob: str = "*", overwrite: bool = False) -> dict:
     """Tokenize the ``text_files(inputs, glob)`` (in that order, each followed by the
     end-of-document token when the tokenizer has one) into ``out_dir``; the last ``val_fraction``
     of the token stream is the held-out split (nanoGPT's convention). ``tokenizer``: "bytes"
     (vocab 257: 256 byte values + end-of-document) or a local HF ``tokenizer.json``. Returns the
-    header it wrote."""
+    header it wrote.
+
+    Raises:
+        ValueError: a file that is not UTF-8 text, too little text for both splits, or an
+            ``out_dir`` that already holds token files (unless ``overwrite``).
+    """
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
+    out = Path(out_dir)
+    held = [p.name for p in (out / n for n in ("meta.json", "train.bin", "val.bin")) if p.exists()]
+    if held and not overwrite:
+        raise ValueError(f"{out} already holds token files ({', '.join(held)}); pick another folder, or overwrite "
+                         "them with --overwrite (overwrite=True in Python)")
     files = text_files(inputs, glob)
     encode, vocab, eot, name = _byte_encoder() if tokenizer == "bytes" else _hf_encoder(Path(tokenizer))
     dtype = np.uint16 if vocab < 2 ** 16 else np.uint32
-    parts = []
+    parts, text_bytes = [], 0
     for f in files:  # the whole corpus is held once in memory, as compact token ids
-        parts.append(encode(f.read_bytes()).astype(dtype))
+        data = _text(f)
+        text_bytes += len(data)
+        parts.append(encode(data).astype(dtype))
         if eot is not None:
             parts.append(np.array([eot], dtype=dtype))
+    if not text_bytes:
+        raise ValueError(f"the {len(files)} input file(s) hold no text (0 bytes); give files with text in them")
     tokens = np.concatenate(parts)
     n_val = int(round(len(tokens) * val_fraction))
     if n_val < 2 or len(tokens) - n_val < 2:
-        raise ValueError(f"prepare: {len(tokens)} tokens are too few to split {val_fraction:g} off for validation")
-    out = Path(out_dir)
+        need = math.ceil(2 / min(val_fraction, 1 - val_fraction))
+        raise ValueError(f"{len(tokens)} tokens ({text_bytes} bytes of text) are too few: holding out "
+                         f"{val_fraction:g} of them for validation needs at least {need}; give more text")
     out.mkdir(parents=True, exist_ok=True)
     counts = {}
     for split, chunk in zip(SPLITS, (tokens[:-n_val], tokens[-n_val:])):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import math
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -33,9 +34,13 @@ import torch.distributed as dist
 
 from .comm import schedule
 
-__all__ = ["RankError", "launch", "init_distributed", "shutdown", "at_shutdown", "is_launched", "rank", "world_size"]
+__all__ = ["RankError", "launch", "init_distributed", "shutdown", "at_shutdown", "is_launched", "rank", "world_size",
+           "COLLECTIVE_TIMEOUT_S"]
 
 _TERMINATE_GRACE_S = 2.0  # SIGTERM first, SIGKILL after this
+# A collective that waits this long for a peer raises: how a hung or dead rank is found. It
+# bounds a wait, never a healthy run, which may take as long as it needs.
+COLLECTIVE_TIMEOUT_S = 300.0
 
 
 class RankError(RuntimeError):
@@ -66,13 +71,13 @@ def _as_timedelta(timeout: float | datetime.timedelta) -> datetime.timedelta:
     return timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
 
 
-def init_distributed(timeout: float | datetime.timedelta = 300.0, backend: str | None = None) -> None:
+def init_distributed(timeout: float | datetime.timedelta = COLLECTIVE_TIMEOUT_S, backend: str | None = None) -> None:
     """Initialize the default process group from torchrun-style env vars; no-op if it exists.
 
     backend=None picks by device: gloo on CPU; with an accelerator, gloo for CPU tensors plus
     the device's own backend (nccl, hccl, ...) for device tensors, and the device is set
-    from LOCAL_RANK. The timeout bounds every collective, so a lost peer raises instead of
-    hanging forever.
+    from LOCAL_RANK. ``timeout`` bounds each collective's wait for its peers, so a lost peer
+    raises instead of hanging forever.
     """
     if dist.is_initialized():
         return
@@ -223,17 +228,18 @@ def _stop(procs: list) -> None:
         p.join()
 
 
-def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0,
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | None = None,
            backend: str | None = None, master_port: int | None = None,
-           env: dict[str, str] | None = None) -> list[Any]:
+           env: dict[str, str] | None = None, collective_timeout: float = COLLECTIVE_TIMEOUT_S) -> list[Any]:
     """Run `fn(rank, *args)` on `world_size` forked local processes; return their results by rank.
 
     Each child gets torchrun's environment variables (plus `env`), a default process group
     (see `init_distributed`; `backend` overrides the choice) and
     `torch.set_num_threads(cores // world_size)`. Results travel back by pickle.
     Tensors come back by value with their whole storage: return `.clone()`s of views.
-    The first rank that raises or dies ends all others and raises `RankError` here; after
-    `timeout` seconds everything is ended and `RankError` (rank None) is raised.
+    The first rank that raises or dies ends all others and raises `RankError` here. A hung
+    rank is found by its peers: a collective that waits ``collective_timeout`` seconds raises.
+    There is no limit on the whole run unless ``timeout`` sets one.
     With an accelerator, the calling process must not have initialized it (as with any fork).
     The ranks rendezvous through a file store in a private temporary folder, so concurrent
     launches never race for a port; ``master_port`` makes them use a TCP store on that port.
@@ -243,10 +249,12 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
         fn: called as ``fn(rank, *args)`` in each child; its result must pickle.
         world_size: the number of ranks (processes) to fork.
         args: passed to every rank after its rank.
-        timeout: seconds until every rank is ended and ``RankError`` raised.
+        timeout: seconds until every rank is ended and ``RankError`` raised (default: no limit).
         backend: the process-group backend (default: nccl/hccl with an accelerator, else gloo).
         master_port: use a TCP store on this port instead of a file store.
         env: extra environment variables for the children.
+        collective_timeout: seconds a collective may wait for its peers (the process group's
+            timeout), capped at ``timeout``.
 
     Raises:
         ValueError: ``world_size`` is not a positive int.
@@ -276,7 +284,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
                 "TORCHELASTIC_RUN_ID": f"hpf-{os.getpid()}-{port}", **rendezvous, **(env or {})}
             recv, send = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_child, name=f"hpf-rank{r}",
-                            args=(fn, r, world_size, args, child_env, timeout, backend, send))
+                            args=(fn, r, world_size, args, child_env, min(collective_timeout, timeout or math.inf),
+                                  backend, send))
             p.start()
             send.close()
             procs.append(p)
@@ -291,15 +300,15 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
             shutil.rmtree(rendezvous_dir, ignore_errors=True)
 
 
-def _collect(procs: list, conns: list, timeout: float) -> list[Any]:
+def _collect(procs: list, conns: list, timeout: float | None) -> list[Any]:
     missing = object()
     results = [missing] * len(procs)
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + (math.inf if timeout is None else timeout)
     while any(v is missing for v in results):
         pending = [r for r, v in enumerate(results) if v is missing]
-        remaining = deadline - time.monotonic()
+        remaining = None if timeout is None else max(0.0, deadline - time.monotonic())
         ready = set(mp.connection.wait([conns[r] for r in pending] + [procs[r].sentinel for r in pending],
-                                       timeout=max(0.0, remaining)))
+                                       timeout=remaining))
         if not ready:
             raise RankError(f"hpf.launch: timed out after {timeout:g} s; ranks {pending} had not "
                             "finished and were ended")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-__all__ = ["breakdown", "loss_figure", "breakdown_figure", "save_plots"]
+__all__ = ["breakdown", "loss_figure", "breakdown_figure", "save_plots", "missing_matplotlib"]
 
 MAX_LABELLED_CUTS = 3  # clipped bars labelled with their value; more are counted in the title
 
@@ -65,3 +65,14 @@ def save_plots(records: list[dict], out: Path, title: str = "training loss") -> 
     for fig, path in zip((loss_figure(records, title), breakdown_figure(records)), paths):
         fig.savefig(path, dpi=120)
     return paths
+
+
+def missing_matplotlib(option: str) -> str | None:
+    """None when matplotlib imports; else the one warning line every ``--plot`` prints before it
+    goes on without the plots (they are an extra; the run's results are not)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return (f"hpf: warning: {option} skipped: matplotlib is not installed (pip install matplotlib, or "
+                "pip install -e '.[plot]'); the rest goes on")
+    return None

@@ -34,7 +34,7 @@ class Progress:
         self.every = max(1, total // LINES_WHEN_NOT_A_TTY)
         self.started = self.last = self.beat = time.perf_counter()  # last: the latest update
         self.width = 0
-        self.done = 0
+        self.done = self.first = 0  # first: items done before this bar began (a resumed run's)
         self.heartbeat_s = heartbeat_s
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -47,8 +47,12 @@ class Progress:
 
     def update(self, done: int, fields: dict[str, str] | None = None) -> None:
         self.done, self.last = done, time.perf_counter()
-        if self.is_tty or done == 1 or done % self.every == 0 or done == self.total:
+        if self.is_tty or done == self.first + 1 or done % self.every == 0 or done == self.total:
             self._show(self._line(done, fields or {}))
+
+    def note(self, line: str) -> None:
+        """A line of its own between updates (a checkpoint saved, a warning)."""
+        self._show(f"{self.label}  {line}", newline=True)
 
     def close(self) -> None:
         self._stop.set()
@@ -79,7 +83,7 @@ class Progress:
 
     def _line(self, done: int, fields: dict[str, str]) -> str:
         elapsed = time.perf_counter() - self.started
-        eta = elapsed / done * (self.total - done) if done else 0.0
+        eta = elapsed / (done - self.first) * (self.total - done) if done > self.first else 0.0
         filled = BAR_WIDTH * done // max(1, self.total)
         bar = f"[{'#' * filled}{'.' * (BAR_WIDTH - filled)}]" if self.is_tty else ""
         digits = len(str(self.total))

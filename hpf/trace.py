@@ -102,13 +102,15 @@ def tracing(path: str | Path, *, skip_steps: int = 2, steps: int = 3) -> Iterato
     def start() -> None:
         global _on
         _events.clear()
-        prof.start()
+        with _without_profiler_log():
+            prof.start()
         _on = True
 
     def stop() -> None:
         global _on
         _on = False
-        prof.stop()
+        with _without_profiler_log():
+            prof.stop()
         _write(prof, Path(path))
 
     def advance() -> None:
@@ -125,6 +127,30 @@ def tracing(path: str | Path, *, skip_steps: int = 2, steps: int = 3) -> Iterato
     finally:
         if _on:
             stop()
+
+
+@contextlib.contextmanager
+def _without_profiler_log() -> Iterator[None]:
+    """Drop the "USDT:... profiler_start/stop" lines torch's profiler (kineto) writes to stderr on
+    each start and stop (no setting turns them off); any other line written meanwhile is kept."""
+    import sys
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = [line for line in caught.read().splitlines(keepends=True)
+                    if not (line.startswith(b"USDT:") and b"profiler_st" in line)]
+            if kept:
+                os.write(2, b"".join(kept))
 
 
 def _write(prof, path: Path) -> None:

@@ -4,6 +4,7 @@ so the test fails the moment a change breaks either rule."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,3 +119,31 @@ def test_checkpoint_never_imports_an_optimizer_implementation():
     """Checkpoints place optimizer state by what the optimizer says (hpf.optim.StateLayout)."""
     imports = import_graph()["hpf.checkpoint"]
     assert not {i for i in imports if i.startswith("hpf.optim.") and i != "hpf.optim.base"}, imports
+
+
+def module_map() -> list[str]:
+    """The paths docs/architecture.md's module map names: the backticked .py paths and folders of
+    each row's first cell, relative to hpf/ unless they start with hpf/ or hpf_kernels/."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    table = text.split("## Module map", 1)[1].split("\n## ", 1)[0]
+    paths = []
+    for row in table.splitlines():
+        if not row.startswith("| `"):
+            continue
+        for token in re.findall(r"`([^`]+)`", row.split(" | ")[0]):
+            if token.endswith((".py", "/")):
+                paths.append(token if token.startswith(PACKAGES) else f"hpf/{token}")
+    return paths
+
+
+def test_the_module_map_lists_every_module_and_only_modules_that_exist():
+    listed = module_map()
+    assert listed, "no rows found in docs/architecture.md's module map"
+    missing = [p for p in listed if not (ROOT / p).exists()]
+    assert not missing, f"docs/architecture.md lists modules that do not exist: {missing}"
+    folders = tuple(p for p in listed if p.endswith("/"))
+    packages = {str(Path(p).parent) for p in listed if p.endswith(".py")}  # a package goes with its listed modules
+    unlisted = [str(p.relative_to(ROOT)) for p in library_files()
+                if str(p.relative_to(ROOT)) not in listed and not str(p.relative_to(ROOT)).startswith(folders)
+                and not (p.name == "__init__.py" and str(p.parent.relative_to(ROOT)) in packages)]
+    assert not unlisted, f"modules missing from docs/architecture.md's module map: {unlisted}"

@@ -1,5 +1,5 @@
-"""The `hpf` command: train writes sane metrics and learns, plan reports any mesh, bench tabulates
-ratios, and bad arguments cost one line of stderr."""
+"""The `hpf` command: train writes sane metrics and learns, plan reports any mesh, the benchmark
+runner tabulates ratios, and bad arguments cost one line of stderr."""
 import io
 import json
 import math
@@ -160,7 +160,7 @@ def test_muon_option_trains_with_muon(tmp_path, capsys):
     (["train", "--world-size", "3", "--mesh", "node=2,local=2"], "--world-size"),
     (["train", "--batch-size", "6"], "--batch-size"),
     (["plan", "--fsdp-axes", "bogus"], "bogus"),  # raised by hpf.plan as a SpecError
-    (["bench", "--dir", "/no/such/folder"], "--dir"),
+    (["calibrate"], "--out FILE"),
     (["plan", "--model", "llama", "--config", "medium"], "not a llama config"),
     (["simulate", "--ep-axis", "local"], "--ep-axis local"),  # gpt has no experts
 ])
@@ -171,20 +171,23 @@ def test_bad_arguments_get_one_line_errors(argv, names, capsys):
     assert err.startswith("hpf") and "error:" in err and names in err and "Traceback" not in err
 
 
-def test_reused_run_folder_is_a_one_line_error(tmp_path, capsys):
+def test_a_finished_run_folder_is_a_one_line_error(tmp_path, capsys):
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "metrics.jsonl").write_text("")
+    (tmp_path / "b" / "run.json").write_text('{"status": "done"}')
     code, _, err = run_main(["train", "--out", str(tmp_path / "b")], capsys)
-    assert code == 2 and err.count("\n") == 1 and "--out" in err
+    assert code == 2 and err.count("\n") == 1 and "--out" in err and "finished run" in err
 
 
 def test_mesh_argument_parses_outer_to_inner():
     assert list(cli.parse_mesh("node=96, local=8").items()) == [("node", 96), ("local", 8)]
 
 
-def test_bench_tabulates_ratio_lines_and_reports_failures(tmp_path, capsys):
-    # report_ratio from the repository's benchmarks/common.py prints the lines bench parses.
-    (tmp_path / "a_fast.py").write_text(textwrap.dedent(f"""
+def test_benchmark_runner_tabulates_ratio_lines_writes_results_and_reports_failures(tmp_path):
+    # report_ratio from the repository's benchmarks/common.py prints the lines run.py parses.
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "a_fast.py").write_text(textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(REPO / "benchmarks")!r})
         from common import report_ratio
@@ -194,17 +197,23 @@ def test_bench_tabulates_ratio_lines_and_reports_failures(tmp_path, capsys):
         report_ratio("ns_batched/loop", 2.5, ">=3")
         report_ratio("quick_flag_seen", float("--quick" in sys.argv))
         """))
-    (tmp_path / "b_broken.py").write_text("raise SystemExit(3)\n")
-    (tmp_path / "common.py").write_text("raise SystemExit('helpers are not benchmarks')\n")
-    code, out, err = run_main(["bench", "--dir", str(tmp_path), "--quick"], capsys)
-    assert code == 1 and "b_broken.py" in err and "common.py" not in out
-    table = out[out.index("benchmark  "):].splitlines()
-    rows = {line.split()[1]: line.split()[2:] for line in table[2:]}
+    (bench / "b_broken.py").write_text("raise SystemExit(3)  # report_ratio( is never reached\n")
+    (bench / "c_tool.py").write_text("raise SystemExit('a tool that reports no ratio is not a benchmark')\n")
+    runner = [sys.executable, str(REPO / "benchmarks" / "run.py"), "--dir", str(bench)]
+    proc = subprocess.run(runner + ["--quick", "--json", str(tmp_path / "r.json")], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)  # from any folder: it finds its siblings itself
+    assert proc.returncode == 1 and "b_broken.py" in proc.stderr and "c_tool" not in proc.stdout
+    table = proc.stdout[proc.stdout.index("benchmark  "):].splitlines()
+    rows = {line.split()[1]: line.split()[2:] for line in table[2:] if len(line.split()) > 2}
     assert rows == {"hpf/fsdp2": ["0.620", "<=0.70", "ok"], "pearson": ["0.9999997", ">=0.999999", "ok"],
                     "ns_batched/loop": ["2.5", ">=3", "MISS"], "quick_flag_seen": ["1", "-"]}
+    results = json.loads((tmp_path / "r.json").read_text())
+    assert results["settings"]["quick"] and results["settings"]["failed"] == ["b_broken.py"]
+    assert [(r["name"], r["verdict"]) for r in results["ratios"]][:3] == [
+        ("hpf/fsdp2", "ok"), ("pearson", "ok"), ("ns_batched/loop", "MISS")]
 
-    code, out, _ = run_main(["bench", "--dir", str(tmp_path), "--only", "fast"], capsys)
-    assert code == 0 and "b_broken" not in out and "quick_flag_seen  0" in out
+    proc = subprocess.run(runner + ["--only", "fast"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "b_broken" not in proc.stdout and "quick_flag_seen  0" in proc.stdout
 
 
 def test_progress_prints_about_ten_plain_lines_when_not_a_terminal():

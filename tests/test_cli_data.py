@@ -76,7 +76,7 @@ def test_accumulate_gives_the_losses_of_the_whole_batch(tmp_path, capsys):
     (["train", "--model", "llama", "--config", "medium"], "llama"),
     (["train", "--schedule", "cosine", "--warmup", "100", "--steps", "100"], "--warmup"),
     (["prepare", "/no/such/file", "--out", "/tmp/x"], "neither"),
-    (["train", "--resume", "--out", "/tmp/hpf-no-such-run"], "no complete checkpoint"),
+    (["train", "--resume", "--out", "/tmp/hpf-no-such-run"], "holds no run"),
     (["train", "--resume", "/no/such/checkpoint"], "no such checkpoint"),
     (["train", "--resume"], "--out"),
     (["train", "--world-size", "2", "--batch-size", "6", "--accumulate", "2"], "2 ranks x 2 micro-batches"),

@@ -107,7 +107,7 @@ def test_cli_simulate_names_a_file_that_is_not_a_calibration(text, says, capsys,
     path.write_text(text)
     assert cli.main(["simulate", "--config", "tiny", "--mesh", "dp=2", "--hardware", str(path)]) == 2
     err = capsys.readouterr().err
-    assert f"{path} is not a calibration" in err and says in err and "hpf.sim.calibrate --out" in err
+    assert f"{path} is not a calibration" in err and says in err and "hpf calibrate --out" in err
 
 
 def test_plan_points_to_simulate(capsys):
@@ -310,7 +310,7 @@ def test_calibration_takes_the_median_of_launches_leaf_by_leaf(monkeypatch):
     from hpf.sim import calibrate
 
     runs = iter([{"a": (1.0, 9.0), 16: [3.0]}, {"a": (2.0, 1.0), 16: [1.0]}, {"a": (9.0, 2.0), 16: [2.0]}])
-    monkeypatch.setattr(calibrate, "launch", lambda fn, world, *a, timeout: [next(runs)])
+    monkeypatch.setattr(calibrate, "launch", lambda fn, world, *a: [next(runs)])
     assert calibrate._median_of_launches(None, 2, launches=3) == {"a": (2.0, 2.0), 16: [2.0]}
 
 
@@ -326,7 +326,7 @@ def test_calibration_sizes_cover_the_models_largest_bucket():
 def test_the_committed_validation_is_of_the_committed_model(run, cases):
     """``--repredict`` replays docs/simulate/validation (no processes): every case's predicted step
     time and exposed share from its rounds' calibrations must be what the run predicted, or the
-    README's table is of another model."""
+    docs' validation table (docs/simulate.md) is of another model."""
     import pathlib
     import subprocess
     import sys
@@ -344,9 +344,10 @@ def test_the_committed_validation_is_of_the_committed_model(run, cases):
 @pytest.mark.parametrize("argv,names", [(["--shapes", "bogus/2"], "'bogus/2'"), (["--shapes", "tiny"], "'tiny'"),
                                         (["--launches", "0"], "'0'"), (["--reps", "-1"], "'-1'")])
 def test_calibrate_refuses_bad_arguments_before_measuring(argv, names, capsys, monkeypatch):
+    from hpf.cli import main
     from hpf.sim import calibrate
 
     monkeypatch.setattr(calibrate, "launch", lambda *a, **k: pytest.fail("measured despite a bad argument"))
     with pytest.raises(SystemExit):
-        calibrate.main(["--out", "unused.json", *argv])
+        main(["calibrate", "--out", "unused.json", *argv])
     assert names in capsys.readouterr().err

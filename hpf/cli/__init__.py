@@ -1,64 +1,111 @@
-"""The ``hpf`` command: ``hpf train`` (the main job), ``hpf prepare``, ``hpf plan``, ``hpf bench`` and ``hpf simulate``.
+"""The ``hpf`` command: ``hpf train`` (the main job), ``prepare``, ``plan``, ``simulate`` and ``calibrate``.
 
-One module per subcommand; each has ``add_parser`` and its ``cmd_*``. Errors are one line."""
+One module per subcommand, each with ``add_parser(sub, help)`` and its ``cmd_*``. Only the
+named subcommand's module is imported, so ``hpf --help`` answers without importing torch.
+An error is one line on stderr; ``--debug`` shows its traceback."""
 from __future__ import annotations
 
-import os
+import argparse
+import importlib
 import sys
+import traceback
+from pathlib import Path
 
-from hpf.checks import NonFiniteError
-from hpf.cli import bench, plan, prepare, simulate, train
-from hpf.cli.bench import parse_ratio_line
-from hpf.cli.common import CliError, Parser, job_parsers, parse_mesh
-from hpf.cli.train import TRAIN_DEFAULTS, read_metrics
-from hpf.launcher import RankError, rank
-from hpf.plots import save_plots
+__all__ = ["main", "build_parser", "COMMANDS", "parse_mesh", "read_metrics", "TRAIN_DEFAULTS"]
 
-__all__ = ["main", "parse_mesh", "read_metrics", "save_plots", "parse_ratio_line", "TRAIN_DEFAULTS", "build_parser"]
+_LAZY = {"parse_mesh": "common", "read_metrics": "train", "TRAIN_DEFAULTS": "train"}  # name -> hpf.cli module
 
 
-def build_parser() -> Parser:
-    job, optimizer = job_parsers()
-    parser = Parser(prog="hpf", description="hpf: fully sharded training of pure-function models on PyTorch.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,prepare,plan,bench,simulate}")
-    train.add_parser(sub, job, optimizer)
-    prepare.add_parser(sub)
-    plan.add_parser(sub, job, optimizer)
-    bench.add_parser(sub)
-    simulate.add_parser(sub, job)
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'hpf.cli' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"hpf.cli.{_LAZY[name]}"), name)
+
+# name -> the one-line help ``hpf --help`` shows (the module hpf.cli.<name> builds the rest)
+COMMANDS = {
+    "train": "train a model on local processes or under torchrun (the main job)",
+    "prepare": "tokenize local text files into a token folder for hpf train --data",
+    "plan": "print per-rank memory and communication for any config and mesh",
+    "simulate": "predict step time and exposed communication at any scale (no processes)",
+    "calibrate": "measure this machine for hpf simulate --hardware FILE (about 3 minutes)",
+}
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (the usage block is one --help away)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser(command: str | None = None) -> Parser:
+    """The ``hpf`` parser; only ``command``'s subparser is built in full (the others are names)."""
+    from hpf import __version__
+
+    parser = Parser(prog="hpf", description="hpf: fully sharded training of pure-function models on PyTorch. "
+                                            "Run `hpf COMMAND --help` for a command's options.")
+    parser.add_argument("--version", action="version", version=f"hpf {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}",
+                                parser_class=Parser)
+    for name, help_ in COMMANDS.items():
+        if name == command:
+            full = importlib.import_module(f"hpf.cli.{name}").add_parser(sub, help_)
+            full.add_argument("--debug", action="store_true",
+                              help="on an error, print its full traceback (hpf train also keeps it in <out>/error.log)")
+        else:
+            sub.add_parser(name, help=help_, add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command if command in COMMANDS else None).parse_args(argv)
+    from hpf.checks import NonFiniteError
+    from hpf.cli.common import CliError
+    from hpf.launcher import RankError, rank
+
+    args.log_dir = None  # a command that has a run folder sets it: tracebacks go to <log_dir>/error.log
+    kept = False  # whether a traceback was kept for this error
     try:
         return args.run(args)
-    except (CliError, ValueError) as e:  # hpf's SpecError and MeshError are ValueErrors
-        if os.environ.get("HPF_TRACEBACK"):
-            raise
-        if rank() == 0:  # under torchrun every rank checks the same arguments: one line, not one each
-            print(f"hpf: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-    except NonFiniteError as e:  # under torchrun: this process is the rank that raised
-        print(f"hpf: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 1
-    except RankError as e:  # a rank's traceback (when it sent one), then one line
-        diverged = "NonFiniteError" in _last_line(e)  # a diverged run is one line, not a traceback
-        if e.child_traceback and not diverged:
-            print(e.child_traceback, file=sys.stderr)
-        if e.rank is None:  # the launch timed out: no rank to blame
-            what = f"{' '.join(str(e).removeprefix('hpf.launch: ').split())} (--timeout)"
-        else:
-            what = f"rank {e.rank} failed: {_last_line(e)}"
-        print(f"hpf: error: {what}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         print("hpf: interrupted", file=sys.stderr)
         return 130
+    except (CliError, ValueError) as e:  # a wrong argument; hpf's SpecError and MeshError are ValueErrors
+        if args.debug:
+            raise
+        code, line = 2, str(e)
+    except NonFiniteError as e:  # a diverged run: the message says what to do
+        code, line = 1, str(e)
+    except RankError as e:  # the rank's traceback goes to the log, its last line to the user
+        code, line = 1, (f"rank {e.rank} failed: {_last_line(e.child_traceback or str(e))}" if e.rank is not None
+                         else str(e).removeprefix("hpf.launch: "))
+        kept = bool(e.child_traceback) and _keep(args, e.child_traceback)
+    except Exception as e:  # noqa: BLE001 -- anything else: one line, the traceback kept
+        code, line = 1, f"{type(e).__name__}: {e}"
+        kept = _keep(args, traceback.format_exc())
+    if rank() == 0 or code == 1:  # torchrun: every rank checks the same arguments, so one line, not one each
+        where = ""
+        if kept and not args.debug:
+            where = (f" (traceback: {Path(args.log_dir) / 'error.log'})" if args.log_dir
+                     else " (--debug shows the traceback)")
+        print(f"hpf: error: {' '.join(line.split())}{where}", file=sys.stderr)
+    return code
 
 
-def _last_line(e: RankError) -> str:
-    lines = (e.child_traceback or str(e)).strip().splitlines()
+def _keep(args, text: str) -> bool:
+    """The traceback of a failure: shown with --debug, written to the run folder's error.log."""
+    if args.debug:
+        print(text, file=sys.stderr)
+    if args.log_dir:
+        try:
+            (Path(args.log_dir) / "error.log").write_text(text)
+        except OSError:
+            args.log_dir = None
+    return True
+
+
+def _last_line(text: str) -> str:
+    lines = text.strip().splitlines()
     return lines[-1] if lines else "no message"
-
-

@@ -3,9 +3,11 @@ options that describe a job (config, mesh, precision, topology, optimizer)."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 import hpf
+from hpf.cli import Parser
 from hpf.launcher import is_launched, world_size
 from hpf.models import MODELS
 from hpf.types import PRECISIONS
@@ -15,13 +17,6 @@ DEFAULT_MESH = {"node": 2, "local": 2}  # 2 "hosts" x 2 local ranks: exercises b
 
 class CliError(Exception):
     """A mistake in the command line or a missing optional part; printed as one line."""
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (the usage block is one --help away)."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 # ------------------------------------------------------------------ argument types
@@ -50,12 +45,14 @@ def axes_list(text: str) -> tuple[str, ...]:
 
 
 def positive(kind, least=None):
-    """An argparse type: a number > 0 (or >= ``least``)."""
+    """An argparse type: a finite number > 0 (or >= ``least``)."""
     def check(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
         if value <= 0 if least is None else value < least:
             raise argparse.ArgumentTypeError(f"{text!r} must be " + ("positive" if least is None else f">= {least}"))
         return value

@@ -6,7 +6,7 @@ import dataclasses
 import torch
 
 import hpf
-from hpf.cli.common import CliError, mesh_of, mesh_text, sharding_of, topology_of
+from hpf.cli.common import CliError, job_parsers, mesh_of, mesh_text, sharding_of, topology_of
 from hpf.models import model_config
 from hpf.optim.dist_muon import muon_plan_state
 from hpf.report import PlanReport
@@ -79,9 +79,9 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def add_parser(sub, job, optimizer) -> None:
+def add_parser(sub, help_: str):
     plan = sub.add_parser(
-        "plan", parents=[job, optimizer], help="print per-rank memory and communication for any config and mesh",
+        "plan", parents=job_parsers(), help=help_,
         description="Print the plan report of a GPT config on a virtual mesh of any size, from meta "
                     "tensors; starts no process. Example: hpf plan --config 1b --mesh node=96,local=8 "
                     "(also how to size a config too big to train here)")
@@ -89,3 +89,4 @@ def add_parser(sub, job, optimizer) -> None:
                       help="also run validation mode for rank 0's view of the mesh on meta tensors "
                            "(hpf.check_plan): layouts and shapes of the whole step, forward and backward")
     plan.set_defaults(run=cmd_plan)
+    return plan

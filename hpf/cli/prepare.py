@@ -12,19 +12,20 @@ def cmd_prepare(args) -> int:
     started = time.perf_counter()
     try:
         meta = token_data.prepare(args.inputs, args.out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
-                                  glob=args.glob)
+                                  glob=args.glob, overwrite=args.overwrite)
     except (OSError, ModuleNotFoundError) as e:
         raise CliError(str(e)) from None
     n = meta["tokens"]
-    print(f"hpf prepare: {len(meta['sources'])} files -> {args.out}: {n['train']:,} train + {n['val']:,} val tokens "
+    n_files = len(meta["sources"])
+    print(f"hpf prepare: {n_files} file{'s' if n_files != 1 else ''} -> {args.out}: {n['train']:,} train + {n['val']:,} val tokens "
           f"({meta['dtype']}, vocab {meta['vocab_size']}, tokenizer {meta['tokenizer']}) "
           f"in {time.perf_counter() - started:.1f} s")
     return 0
 
 
-def add_parser(sub) -> None:
+def add_parser(sub, help_: str):
     prepare = sub.add_parser(
-        "prepare", help="tokenize text files into a token folder for hpf train --data",
+        "prepare", help=help_,
         description="Tokenize text into train.bin / val.bin (uint16 or uint32 token ids, nanoGPT's layout) "
                     "and meta.json. Folders are searched recursively for files matching --glob. Nothing is "
                     "downloaded. Example: hpf prepare \"$(python3 -c 'import sysconfig; "
@@ -38,4 +39,7 @@ def add_parser(sub) -> None:
                          help="share of the tokens held out, taken from the end (default: 0.05)")
     prepare.add_argument("--glob", default="*", metavar="PATTERN",
                          help="which files of a folder to take, e.g. '*.py' (default: all)")
+    prepare.add_argument("--overwrite", action="store_true",
+                         help="replace the token files --out already holds (without it, such a folder is an error)")
     prepare.set_defaults(run=cmd_prepare)
+    return prepare

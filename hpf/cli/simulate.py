@@ -1,23 +1,25 @@
 """``hpf simulate``: predicted step time, exposed communication and tokens/s at any scale."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from hpf import sim
-from hpf.cli.common import CliError, mesh_of, positive
+from hpf.cli.common import CliError, job_parsers, mesh_of, positive
 from hpf.models import model_config
+from hpf.plots import missing_matplotlib
 
 
-def add_parser(sub, job) -> None:
+def add_parser(sub, help_: str):
     simulate = sub.add_parser(
-        "simulate", parents=[job], help="predict step time and exposed communication at any scale (no processes)",
+        "simulate", parents=job_parsers()[:1], help=help_,
         description="Predict step time, exposed communication and tokens/s of hpf, FSDP2 and Megatron DDP from "
                     "the plan alone (hpf.sim: alpha-beta links per tier, the step's schedule as an event "
                     "simulation). Example: hpf simulate --config 1b --mesh node=48,local=16 --hardware "
                     "cloudmatrix384 --mixed-precision bf16")
     simulate.add_argument("--hardware", default="cloudmatrix384", metavar="NAME|FILE",
                           help="a published profile (cloudmatrix384, ascend910c-roce, h100, h200) or a calibration "
-                               "JSON from `python -m hpf.sim.calibrate` (default: cloudmatrix384)")
+                               "JSON from `hpf calibrate` (default: cloudmatrix384)")
     simulate.add_argument("--local-batch", type=positive(int), default=4, metavar="B",
                           help="sequences per rank per step (weak scaling; default: 4)")
     simulate.add_argument("--sweep", metavar="N,N,...",
@@ -25,9 +27,10 @@ def add_parser(sub, job) -> None:
                                "fast domains: node=N/fast,local=fast)")
     simulate.add_argument("--plot", type=Path, metavar="DIR",
                           help="with --sweep: write step_time.png, exposed_comm.png, tokens_per_rank.png into DIR "
-                               "(needs matplotlib)")
+                               "(needs matplotlib; without it one line says so and the table is still printed)")
     simulate.add_argument("--no-pipeline", action="store_true", help="hpf waits for each unit's reduction")
     simulate.set_defaults(run=cmd_simulate)
+    return simulate
 
 
 def cmd_simulate(args) -> int:
@@ -58,27 +61,34 @@ def cmd_simulate(args) -> int:
           f"{' HSDP' if args.hsdp else ''}{f', experts over {args.ep_axis}' if args.ep_axis else ''}; "
           "the baselines as modelled in hpf.sim")
     print(f"{'ranks':>6} {'strategy':<8} {'step ms':>9} {'exposed':>8} {'tokens/s':>12} {'tok/s/rank':>11} "
-          f"{'vs hpf':>7} {'fast busy ms':>12} {'slow busy ms':>12}")
+          f"{'hpf vs':>7} {'fast busy ms':>12} {'slow busy ms':>12}")
     for n, res in rows:
-        base = res[strategies[0]].step_s
+        ours = res[strategies[0]].step_s
         for name, r in res.items():
+            versus = "-" if name == strategies[0] else f"{ours / r.step_s - 1:+.1%}"
             print(f"{n:>6} {name:<8} {r.step_s * 1e3:>9.2f} {r.exposed_share:>8.1%} {r.tokens_per_s:>12,.0f} "
-                  f"{r.tokens_per_s / n:>11,.0f} {r.step_s / base - 1:>+7.1%} {r.busy_s['fast'] * 1e3:>12.2f} "
+                  f"{r.tokens_per_s / n:>11,.0f} {versus:>7} {r.busy_s['fast'] * 1e3:>12.2f} "
                   f"{r.busy_s['slow'] * 1e3:>12.2f}")
+    print(f"  hpf vs: {strategies[0]}'s step time against that row's (-20%: a step 20% shorter than that strategy's)")
     for note in hw.notes:
         print(f"  note: {note}")
+    for n, _ in rows:
+        for warning in sim.extrapolation(args.config, args.local_batch, n, hw, args.model):
+            print(f"hpf: warning: {warning}", file=sys.stderr)
     if args.plot:
-        for f in save_simulate_plots(rows, args.plot):
-            print(f"  wrote {f}")
+        skipped = missing_matplotlib("--plot")
+        if skipped:
+            print(skipped, file=sys.stderr)
+        else:
+            for f in save_simulate_plots(rows, args.plot):
+                print(f"  wrote {f}")
     return 0
 
 
 def save_simulate_plots(rows, out: Path) -> list[Path]:
     """step_time.png, exposed_comm.png, tokens_per_rank.png of a sweep, one line per strategy."""
-    try:
-        from matplotlib.figure import Figure
-    except ModuleNotFoundError:
-        raise CliError("--plot needs matplotlib: pip install matplotlib (the plot extra: pip install -e '.[plot]')") from None
+    from matplotlib.figure import Figure
+
     out.mkdir(parents=True, exist_ok=True)
     ranks = [n for n, _ in rows]
     files = []

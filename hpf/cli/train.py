@@ -4,210 +4,34 @@ Every argument is checked in the driver process before any rank starts, so a mis
 one line on stderr, not a traceback from four processes."""
 from __future__ import annotations
 
-import contextlib
 import datetime
-import json
+import importlib
 import math
 import os
+import socket
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 import hpf
-from hpf.api import STEPS
-from hpf.checks import finite_or_none
-from hpf.cli.common import CliError, mesh_of, mesh_text, positive, sharding_of, topology_of
-from hpf.cli.plan import plan_of, report_of
-from hpf.device import default_device
-from hpf.launcher import init_distributed, is_launched, launch, rank, shutdown, world_size
 from hpf import checkpoint
 from hpf import data as token_data
-from hpf.models import gpt, model_config
-from hpf.optim.schedules import NAMES as SCHEDULES, Schedule
-from hpf.plots import breakdown, save_plots
-from hpf.progress import Progress
+from hpf.api import STEPS
+from hpf.cli import run_folder
+from hpf.cli.common import CliError, job_parsers, mesh_of, mesh_text, positive
+from hpf.cli.job import EVAL_BATCHES, TRAIN_DEFAULTS, TrainJob, defaults, make_step, read_metrics, train_rank
+from hpf.cli.plan import plan_of, report_of
+from hpf.launcher import init_distributed, is_launched, launch, rank, shutdown, world_size
+from hpf.models import model_config
+from hpf.optim.schedules import NAMES as SCHEDULES
+from hpf.plots import breakdown, missing_matplotlib, save_plots
 from hpf.report import PlanReport
 
-# Per config: AdamW lr (also Muon's AdamW fallback), Muon lr, linear warmup steps. Picked so the
-# first 10 steps at the default batch fall steadily (small at a flat 0.01 started above ln V and
-# oscillated); tiny and small were measured, medium and 1b are GPT-2/3 practice.
-TRAIN_DEFAULTS = {"tiny": (1e-2, 0.02, 0), "small": (3e-3, 0.02, 20), "medium": (6e-4, 0.02, 100),
-                  "1b": (3e-4, 0.02, 200)}
-STEP_METRICS = ("loss", "grad_norm", "step_s", "comm_wait_s", "optimizer_s")  # from shard_step's metrics
-EVAL_BATCHES = 4  # held-out batches (of --batch-size sequences) per evaluation, the same ones each time
-
-
-@dataclass(frozen=True)
-class TrainJob:
-    """Everything a rank needs; plain data, so it travels to forked ranks unchanged."""
-
-    config: str
-    axes: dict
-    fsdp_axes: tuple | None
-    optimizer: str
-    lr: float
-    steps: int
-    batch_size: int
-    mode: str
-    seed: int
-    mixed_precision: str | None
-    topology: str
-    hsdp: bool
-    metrics_path: str
-    warmup: int = 0
-    model: str = "gpt"
-    schedule: str = "constant"
-    data: str | None = None  # a folder `hpf prepare` wrote; None: the synthetic Markov source
-    vocab_size: int | None = None  # the data's (meta.json)
-    eval_every: int = 0
-    save_every: int = 0
-    keep_last: int = 3
-    resume: str | None = None  # a checkpoint folder, resolved by the driver
-    accumulate: int = 1  # micro-batches per step (gradient accumulation)
-    trace_dir: str | None = None  # --trace: Chrome traces of a few steps, one per rank and a merged one
-    ep_axis: str | None = None  # --ep-axis: the mesh axis experts are split over (moe)
-
-    def model_config(self):
-        return model_config(self.model, self.config, self.vocab_size)
-
-    def eval_due(self, i: int) -> bool:
-        """--eval-every N: after every N-th step and after the last one."""
-        return bool(self.eval_every) and (i % self.eval_every == 0 or i == self.steps)
-
-    def save_due(self, i: int) -> bool:
-        return bool(self.save_every) and i % self.save_every == 0
-
-    @property
-    def checkpoints(self) -> Path:
-        return Path(self.metrics_path).parent / "checkpoints"
-
-
-def _make_optimizer(job: TrainJob):
-    """--optimizer at --lr along --schedule after --warmup (hpf.optim.schedules). AdamW decays
-    matrices only (hpf.optim.default_weight_decay_mask: not norms, biases or embeddings)."""
-    def lr(peak: float) -> Schedule:
-        return Schedule(job.schedule, peak, total_steps=job.steps, warmup=job.warmup)
-    if job.optimizer == "muon":  # AdamW at the config's AdamW lr for embeddings, head and vectors
-        return hpf.optim.muon(lr=lr(job.lr), adamw_lr=lr(_defaults(job.config)[0]))
-    return hpf.optim.adamw(lr=lr(job.lr), weight_decay_mask=hpf.optim.default_weight_decay_mask)
-
-
-def _make_step(job: TrainJob, mesh: hpf.Mesh):
-    module, config = job.model_config()
-    # a model with a training-loop Balancer (moe) returns its aux counts and takes --ep-axis
-    loss_fn = module.loss_for(config, job.ep_axis, aux=True) if hasattr(module, "Balancer") else module.loss_for(config)
-    return hpf.shard_step(loss_fn, mesh=mesh, optimizer=_make_optimizer(job), accumulate=job.accumulate,
-                          **sharding_of(job.model, config, mesh, job.fsdp_axes, job.ep_axis), mode=job.mode,
-                          mixed_precision=job.mixed_precision, hsdp=job.hsdp, topology=topology_of(job.topology))
-
-
-def _defaults(config: str) -> tuple[float, float, int]:
-    """TRAIN_DEFAULTS of a config name; a name it lacks (a model's own config) gets tiny's."""
-    return TRAIN_DEFAULTS.get(config, TRAIN_DEFAULTS["tiny"])
-
-
-def _batches(job: TrainJob, config, split: str, rank: int, world: int, start: int):
-    """This rank's rows of the global batches from step ``start`` (0-based) on: a pure function
-    of (seed, position), so a resumed run reads exactly what an uninterrupted one would."""
-    where = dict(rank=rank, world_size=world, device=default_device())
-    if job.data:
-        return token_data.TokenData(job.data, split).batches(job.batch_size, config.seq_len, job.seed,
-                                                            state={"seed": job.seed, "step": start}, **where)
-    return gpt.synthetic_batches(config, job.batch_size, job.seed, start=start, **where)
-
-
-def _train_rank(rank: int, job: TrainJob) -> None:
-    """One rank of ``hpf train``; rank 0 also shows progress and writes the metrics."""
-    module, config = job.model_config()
-    mesh = hpf.Mesh(job.axes)
-    progress = Progress(job.steps, label="train") if rank == 0 else None
-    if progress:  # a big config's first step can take minutes: say it has begun, and that it runs
-        progress.start(f"step 1 of {job.steps}: init, first gathers and warm-up")
-    step = _make_step(job, mesh)
-    # loop state that rides in each batch and moves by the step's metrics (moe: the expert bias)
-    balancer = module.Balancer(config, default_device()) if hasattr(module, "Balancer") else None
-    done = 0
-    if job.resume:  # meta params: shapes only; the checkpoint fills the shards
-        step.init(module.init(config, device="meta"))
-        state, extra = step.restore(job.resume)
-        if not (isinstance(extra, dict) and {"step", "rng"} <= extra.keys()):
-            raise ValueError(f"--resume {job.resume}: this checkpoint was not written by hpf train (its extra is "
-                             f"{type(extra).__name__}, not a dict with 'step' and 'rng'); load its params with "
-                             "hpf.checkpoint.load_params instead")
-        done = int(extra["step"])
-        checkpoint.set_rng_state(extra["rng"])
-        if balancer is not None:
-            balancer.bias = extra["expert_bias"].to(balancer.bias.device)
-    else:
-        state = step.init(module.init(config, torch.Generator().manual_seed(job.seed)))
-    tokens = _batches(job, config, "train", rank, mesh.size, start=done)
-    batches = tokens if balancer is None else map(balancer.batch, tokens)
-    evaluate = None
-    if job.eval_every:  # the same held-out batches at every evaluation
-        held_out = _batches(job, config, "val", rank, mesh.size, start=0)
-        evaluate = token_data.HeldOut(module.loss_for(config), [next(held_out) for _ in range(EVAL_BATCHES)])
-    tokens_per_step = job.batch_size * config.seq_len
-    kept = []  # a resumed run keeps the metrics of the steps it does not redo
-    if rank == 0 and job.resume and os.path.exists(job.metrics_path):
-        kept = [r for r in read_metrics(job.metrics_path) if r["step"] <= done]
-    try:
-        with (open(job.metrics_path, "w") if rank == 0 else contextlib.nullcontext()) as out, \
-                _traced(job, rank, mesh.size) as advance:
-            for r in kept:
-                out.write(json.dumps(r) + "\n")
-            for i in range(done + 1, job.steps + 1):
-                state, m = step(state, next(batches))
-                advance()
-                record = {"step": i, **{k: m[k] for k in STEP_METRICS}, "tokens_per_s": tokens_per_step / m["step_s"]}
-                if evaluate and job.eval_due(i):
-                    record["eval_loss"] = evaluate(step, state)
-                if balancer is not None:
-                    record["expert_imbalance"] = balancer.update(m)
-                if job.save_due(i):  # async: the write overlaps the next steps
-                    extra = {"step": i, "rng": checkpoint.rng_state()}
-                    if balancer is not None:
-                        extra["expert_bias"] = balancer.bias.cpu()
-                    step.save(state, job.checkpoints / f"step_{i:06d}", extra=extra, keep_last=job.keep_last,
-                              async_save=True)
-                if out is None:
-                    continue
-                out.write(json.dumps(finite_or_none(record), allow_nan=False) + "\n")  # NaN -> null: valid JSON
-                out.flush()  # a crashed or interrupted run keeps its metrics so far
-                shown = {"loss": f"{m['loss']:.4f}"}
-                if "eval_loss" in record:
-                    shown["eval"] = f"{record['eval_loss']:.4f}"
-                shown.update({"tokens/s": f"{record['tokens_per_s'] / 1e3:.1f}k",
-                              "comm wait": f"{m['comm_wait_s'] / m['step_s']:.0%}"})
-                if "expert_imbalance" in record:
-                    shown["experts max/mean"] = f"{record['expert_imbalance']:.2f}"
-                progress.update(i, shown)
-        step.wait_save()
-    finally:
-        if progress:
-            progress.close()
-
-
-@contextlib.contextmanager
-def _traced(job: TrainJob, rank: int, world: int):
-    """--trace: yields advance() for after each step. Skips 2 warm-up steps (as many as the run
-    allows), traces up to 3 into <dir>/rank<r>.json; rank 0 then merges them into trace.json."""
-    if job.trace_dir is None:
-        yield lambda: None
-        return
-    from hpf import trace
-    folder = Path(job.trace_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    skip = min(2, job.steps - 1)
-    with trace.tracing(folder / f"rank{rank}.json", skip_steps=skip, steps=min(3, job.steps - skip)) as advance:
-        yield advance
-    if world > 1:  # every rank's file is written before rank 0 reads them
-        torch.distributed.barrier()
-    if rank == 0:
-        trace.merge_traces([folder / f"rank{r}.json" for r in range(world)], folder / "trace.json")
+__all__ = ["cmd_train", "add_parser", "summary", "read_metrics", "TRAIN_DEFAULTS", "EVAL_BATCHES"]
 
 
 def _banner(job: TrainJob, n_units: int) -> str:
@@ -215,9 +39,14 @@ def _banner(job: TrainJob, n_units: int) -> str:
     module, config = job.model_config()
     warmup = f", {job.warmup} warmup steps" if job.warmup else ""
     return (f"hpf train: {job.model} {job.config!r} ({module.num_params(config) / 1e6:.2f}M params, {n_units} FSDP units) "
-            f"on {math.prod(job.axes.values())} ranks, mesh {mesh_text(job.axes)}, "
+            f"on {_ranks(math.prod(job.axes.values()))}, mesh {mesh_text(job.axes)}, "
             f"{job.topology}{' HSDP' if job.hsdp else ''}, {job.optimizer} lr {job.lr:g} ({job.schedule}{warmup}), "
-            f"{job.mixed_precision or 'fp32'} compute, {job.mode} mode")
+            f"{job.mixed_precision or 'fp32'} compute, "
+            + (f"{job.accumulate} micro-batches per step, " if job.accumulate > 1 else "") + f"{job.mode} mode")
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank" + ("s" if n != 1 else "")
 
 
 def _host_memory_available() -> int:
@@ -268,13 +97,10 @@ def _check_memory(job: TrainJob, report: PlanReport, local_ranks: int) -> None:
         "is the tool for sizing it on a bigger mesh (or lower --batch-size or the ranks)")
 
 
-def _prepare_out(out: Path, resume: bool) -> None:
+def _prepare_out(out: Path) -> None:
     """Create the run folder, or say in one line why it cannot be."""
     if out.exists() and not out.is_dir():
         raise CliError(f"--out {out} is a file, not a folder; pick a folder for the run")
-    if (out / "metrics.jsonl").exists() and not resume:
-        raise CliError(f"--out {out} already holds a run (metrics.jsonl); pick another folder, or pass --resume "
-                       "to go on from its newest checkpoint")
     try:
         out.mkdir(parents=True, exist_ok=True)
         (out / ".write-test").touch()
@@ -283,10 +109,38 @@ def _prepare_out(out: Path, resume: bool) -> None:
         raise CliError(f"--out {out} cannot be written ({e.strerror}); pick a folder you can write to") from None
 
 
+def _lr_and_warmup(args) -> str | None:
+    """Settle --lr and --warmup (per config when not given); a note when the config's own warmup
+    outlasts a short run. An explicit --warmup must end before the run does."""
+    adamw_lr, muon_lr, warmup = defaults(args.config)
+    args.lr = args.lr or (muon_lr if args.optimizer == "muon" else adamw_lr)
+    if args.warmup and args.warmup >= args.steps and args.resume is None:  # a resumed run's were checked
+        raise CliError(f"--warmup {args.warmup} is not below --steps {args.steps}: the lr would still be rising "
+                       f"when the run ends; use a --warmup below {args.steps}")
+    if args.warmup is None and warmup >= args.steps:
+        if args.schedule != "constant":
+            raise CliError(f"--config {args.config}'s warmup of {warmup} steps is not below --steps {args.steps}, "
+                           f"so the {args.schedule} schedule would never decay; pass a --warmup below {args.steps}")
+        args.warmup = warmup
+        return (f"note: --config {args.config}'s warmup of {warmup} steps is not below --steps {args.steps}, so "
+                f"the lr stays below its peak {args.lr:g}; pass --warmup to choose")
+    args.warmup = warmup if args.warmup is None else args.warmup
+    return None
+
+
 def cmd_train(args) -> int:
     """Fork the ranks here with hpf.launch, or, under torchrun, be one of them."""
     torchrun = is_launched()
+    lead = rank() == 0  # rank 0 under torchrun; the driver otherwise
+    out = args.out or Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    try:
+        resume, note = run_folder.resolve(args, out, args.fresh, lead)
+    except run_folder.Complete as done:
+        if lead:
+            print(f"hpf train: {done}")
+        return 0
     mesh = mesh_of(args)
+    args.mesh = dict(zip(mesh.axis_names, mesh.shape))
     vocab_size = _check_data_options(args)
     _, config = model_config(args.model, args.config, vocab_size)
     if torchrun and mesh.size != world_size():
@@ -295,64 +149,88 @@ def cmd_train(args) -> int:
         per = f"{mesh.size} ranks" + (f" x {args.accumulate} micro-batches" if args.accumulate > 1 else "")
         raise CliError(f"--batch-size {args.batch_size} is the global batch and must split evenly over {per}; "
                        f"use a multiple of {mesh.size * args.accumulate}")
+    warmup_note = _lr_and_warmup(args)
     plots = None
     if args.plot:
+        skipped = missing_matplotlib("--plot")
+        plots = "skipped: matplotlib is not installed" if skipped else "loss.png, step_breakdown.png"
+        if skipped and lead:
+            print(skipped, file=sys.stderr, flush=True)
+    if args.tensorboard is not None:
         try:
-            import matplotlib  # noqa: F401 -- only checked here; hpf.plots imports what it draws with
-            plots = "loss.png, step_breakdown.png"
+            importlib.import_module("torch.utils.tensorboard")  # needs the tensorboard package
         except ImportError:
-            plots = "skipped: matplotlib is not installed"
-            if rank() == 0:
-                print("hpf: warning: --plot skipped: matplotlib is not installed (pip install matplotlib, or "
-                      "pip install -e '.[plot]'); training goes on", file=sys.stderr, flush=True)
-    out = args.out or Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    lead = rank() == 0  # rank 0 under torchrun; the driver otherwise
-    adamw_lr, muon_lr, warmup = _defaults(args.config)
-    warmup = warmup if args.warmup is None else args.warmup
-    if args.schedule != "constant" and warmup >= args.steps:
-        raise CliError(f"--warmup {warmup} must be below --steps {args.steps} for the {args.schedule} schedule")
-    same = ("config", "fsdp_axes", "optimizer", "steps", "batch_size", "mode", "seed", "mixed_precision",
-            "topology", "hsdp", "model", "schedule", "keep_last", "accumulate", "ep_axis")
-    job = TrainJob(**{k: getattr(args, k) for k in same}, axes=dict(zip(mesh.axis_names, mesh.shape)),
-                   lr=args.lr or (muon_lr if args.optimizer == "muon" else adamw_lr), warmup=warmup,
-                   metrics_path=str(out / "metrics.jsonl"), data=str(args.data) if args.data else None,
-                   vocab_size=vocab_size, eval_every=args.eval_every or 0, save_every=args.save_every or 0,
-                   resume=_resume_path(args, out),
-                   trace_dir=None if args.trace is None else str(args.trace if args.trace != "" else out / "trace"))
-    _make_step(job, mesh)  # checks optimizer, mode and precision here, before any rank starts
+            raise CliError("--tensorboard needs the tensorboard package: pip install tensorboard (or pip install "
+                           "-e '.[tensorboard]'); metrics.jsonl has the same scalars without it") from None
+    same = ("config", "fsdp_axes", "optimizer", "lr", "warmup", "steps", "batch_size", "mode", "seed",
+            "mixed_precision", "topology", "hsdp", "model", "schedule", "keep_last", "accumulate", "ep_axis")
+    job = TrainJob(**{k: getattr(args, k) for k in same}, axes=args.mesh, metrics_path=str(out / "metrics.jsonl"),
+                   data=str(args.data) if args.data else None, vocab_size=vocab_size,
+                   eval_every=args.eval_every or 0, save_every=args.save_every or 0, resume=resume,
+                   trace_dir=None if args.trace is None else str(args.trace or out / "trace"),
+                   tensorboard=None if args.tensorboard is None else str(args.tensorboard or out / "tensorboard"))
+    make_step(job, mesh)  # checks optimizer, mode and precision here, before any rank starts
     plan = plan_of(args, mesh)  # checks the axes
     _check_memory(job, report_of(args, plan)[0],
                   int(os.environ.get("LOCAL_WORLD_SIZE", mesh.size)) if torchrun else mesh.size)
     if lead:
-        _prepare_out(out, resume=job.resume is not None)
-        (out / "run.json").write_text(json.dumps(
-            {**asdict(job), "plots": plots, "hpf": hpf.__version__, "torch": torch.__version__,
-             "started": datetime.datetime.now().isoformat(timespec="seconds")}, indent=1) + "\n")
+        _prepare_out(out)
+        for folder, option in ((job.trace_dir, "--trace"), (job.tensorboard, "--tensorboard")):
+            _make_folder(folder, option)
+        run_folder.write_run(out, {
+            **asdict(job), "options": run_folder.options_of(args), "plots": plots, "status": "running",
+            "host": socket.gethostname(), "pid": os.getpid(), "hpf": hpf.__version__, "torch": torch.__version__,
+            "started": datetime.datetime.now().isoformat(timespec="seconds")})
+        args.log_dir = out  # from here on a failure's traceback goes to <out>/error.log
         print(_banner(job, len(plan.units)))
         source = (f"{args.data} (vocab {vocab_size}{f', held-out loss every {args.eval_every} steps' if args.eval_every else ''})"
                   if args.data else "a fixed random Markov source")
         micro = f" in {args.accumulate} micro-batches" if args.accumulate > 1 else ""
         print(f"data: {args.batch_size} x {config.seq_len} tokens per step{micro} from {source}; run folder {out}"
               + (f"; resuming from {job.resume}" if job.resume else ""), flush=True)
+        for line in (note, warmup_note):
+            if line:
+                print(line, flush=True)
     started = time.perf_counter()
-    if torchrun:
-        init_distributed(timeout=args.timeout)
-        _train_rank(rank(), job)
-        shutdown()
-    else:
-        launch(_train_rank, mesh.size, job, timeout=args.timeout)
+    try:
+        if torchrun:
+            init_distributed()
+            train_rank(rank(), job)
+            shutdown()  # finishes async saves, meets the other ranks, destroys the process group
+        else:
+            launch(train_rank, mesh.size, job, timeout=args.timeout)
+    except BaseException as e:
+        if lead:
+            run_folder.set_status(out, "interrupted" if isinstance(e, KeyboardInterrupt) else
+                                  f"failed: {type(e).__name__}")
+        raise
     if not lead:
         return 0
     wall = time.perf_counter() - started
     records = read_metrics(out / "metrics.jsonl")
+    run_folder.set_status(out, "done")
     files = [out / "metrics.jsonl", out / "run.json"]
+    newest = checkpoint.latest(job.checkpoints)
+    if newest is not None:
+        files.append(f"{newest} (the newest checkpoint)")
     if job.trace_dir:  # open in https://ui.perfetto.dev or chrome://tracing
         files.append(Path(job.trace_dir) / "trace.json")
+    if job.tensorboard:
+        files.append(f"{job.tensorboard} (tensorboard --logdir {job.tensorboard})")
     if plots and not plots.startswith("skipped"):
         files += save_plots(records, out, f"loss: {args.model} {args.config!r}, mesh {mesh_text(job.axes)}, "
                                           f"{args.optimizer}{', ' + args.mixed_precision if args.mixed_precision else ''}")
-    print(summary(records, wall, files))
+    print(summary(records, wall, files, run_folder.checkpoint_step(Path(resume)) or 0 if resume else 0))
     return 0
+
+
+def _make_folder(folder: str | None, option: str) -> None:
+    if folder is None:
+        return
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CliError(f"{option} {folder} cannot be made ({e.strerror}); pick a folder you can write to") from None
 
 
 def _check_data_options(args) -> int | None:
@@ -367,35 +245,19 @@ def _check_data_options(args) -> int | None:
         raise CliError(f"--data: {e}") from None
 
 
-def _resume_path(args, out: Path) -> str | None:
-    """The checkpoint --resume names: a path, or the newest complete one under <out>/checkpoints."""
-    if args.resume is None:
-        return None
-    if args.resume != "latest":
-        if not Path(args.resume).is_dir():
-            raise CliError(f"--resume {args.resume}: no such checkpoint folder")
-        return args.resume
-    if args.out is None:
-        raise CliError("--resume with no PATH resumes the run in --out DIR; pass --out or a checkpoint PATH")
-    found = checkpoint.latest(out / "checkpoints")
-    if found is None:
-        raise CliError(f"--resume: no complete checkpoint in {out / 'checkpoints'}; start without --resume")
-    return str(found)
-
-
-def read_metrics(path: str | os.PathLike) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def summary(records: list[dict], wall_s: float, files: list[Path]) -> str:
+def summary(records: list[dict], wall_s: float, files: list, resumed_at: int = 0) -> str:
+    """The closing lines; a resumed run's figures are of the steps it ran, its loss line of the whole run."""
+    ran = [r for r in records if r["step"] > resumed_at] or records
+    first, last = records[0], records[-1]
+    records = ran
     median = {k: statistics.median(r[k] for r in records) for k in ("step_s", "tokens_per_s")}
     compute, comm, opt = (statistics.median(x) for x in zip(*map(breakdown, records)))
     total_step = sum(r["step_s"] for r in records)
     tail = records[-min(10, len(records)):]
     return "\n".join([
-        f"done: {len(records)} steps in {wall_s:.1f} s",
-        f"  loss        {records[0]['loss']:.4f} (step 1) -> {records[-1]['loss']:.4f} (step {len(records)}), "
+        f"done: {len(records)} steps in {wall_s:.1f} s" + (f" (steps {resumed_at + 1}-{last['step']}, resumed)"
+                                                            if resumed_at else ""),
+        f"  loss        {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} (step {last['step']}), "
         f"mean of last {len(tail)}: {statistics.fmean(r['loss'] for r in tail):.4f}",
         *_eval_summary(records),
         f"  step time   {median['step_s'] * 1e3:.1f} ms median: compute {compute * 1e3:.1f}, "
@@ -414,13 +276,14 @@ def _eval_summary(records: list[dict]) -> list[str]:
             f"held-out, {len(evals)} evaluations"]
 
 
-def add_parser(sub, job, optimizer) -> None:
+def add_parser(sub, help_: str):
     train = sub.add_parser(
-        "train", parents=[job, optimizer], help="train the GPT on local processes (the main job)",
-        description="Train the pure-function GPT on local processes (hpf.launch) with synthetic data "
-                    "from a fixed random Markov source. Rank 0 shows progress and writes "
-                    "<out>/metrics.jsonl, one JSON object per step. Under torchrun "
-                    "(torchrun --nproc-per-node 8 -m hpf train ...) each process is one rank.")
+        "train", parents=job_parsers(), help=help_,
+        description="Train a pure-function model (hpf.models) on local processes (hpf.launch), on synthetic "
+                    "data from a fixed random Markov source or on a token folder (--data). Rank 0 shows progress "
+                    "and writes <out>/metrics.jsonl, one JSON object per step, and <out>/run.json, every option "
+                    "and how the run ended: --out DIR --resume goes on from the newest checkpoint with no other "
+                    "flag. Under torchrun (torchrun --nproc-per-node 8 -m hpf train ...) each process is one rank.")
     train.add_argument("--steps", type=positive(int), default=100, help="(default: 100)")
     train.add_argument("--batch-size", type=positive(int), default=32, metavar="B",
                        help="global batch in sequences, split over the ranks (default: 32)")
@@ -462,6 +325,13 @@ def add_parser(sub, job, optimizer) -> None:
                        help="write Chrome/Perfetto traces of steps 3-5 (torch's ops and hpf's ranges: gathers, "
                             "each unit's forward and backward, reductions, optimizer, waits) into DIR "
                             "(default: <out>/trace): rank<r>.json per rank and trace.json, all ranks merged")
-    train.add_argument("--timeout", type=positive(float), default=3600.0, metavar="S",
-                       help="end the run after this many seconds; also bounds each collective (default: 3600)")
-    train.set_defaults(run=cmd_train)
+    train.add_argument("--tensorboard", nargs="?", const="", metavar="DIR",
+                       help="also write metrics.jsonl's scalars as TensorBoard events into DIR (default: "
+                            "<out>/tensorboard); needs the tensorboard package (the tensorboard extra)")
+    train.add_argument("--timeout", type=positive(float), metavar="S",
+                       help="end the run after this many seconds (default: no limit; a collective that waits "
+                            "on a peer for hpf.launch's collective timeout raises on its own)")
+    # Options a resumed run takes from its run.json: None until run_folder.resolve fills them.
+    fresh = {k: train.get_default(k) for k in run_folder.OPTIONS}
+    train.set_defaults(run=cmd_train, fresh=fresh, **{k: None for k in run_folder.OPTIONS})
+    return train

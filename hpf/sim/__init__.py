@@ -13,6 +13,7 @@ experts split over ``ep_axis``), and ``unit_a2a(config, local_batch, mesh, ep_ax
 """
 from __future__ import annotations
 
+import math
 from types import ModuleType
 
 from ..planning import plan as make_plan
@@ -22,7 +23,8 @@ from .model import (Options, SimResult, allreduce_time, default_unit_flops, ring
                     two_tier_time)
 
 __all__ = ["simulate", "compare", "sweep", "sweep_mesh", "Hardware", "Link", "Options", "SimResult", "PROFILES",
-           "hardware", "load_calibration", "ring_time", "allreduce_time", "two_tier_time", "STRATEGIES"]
+           "hardware", "load_calibration", "ring_time", "allreduce_time", "two_tier_time", "STRATEGIES",
+           "extrapolation"]
 
 STRATEGIES = ("hpf", "hsdp", "fsdp2", "ddp")
 _BYTES = {None: 4, "bf16": 2, "fp16": 2}
@@ -96,3 +98,40 @@ def sweep(config, ranks_list, hw, strategies=("hpf", "fsdp2", "ddp"), **kw) -> l
     """(ranks, {strategy: SimResult}) along a scaling curve (weak scaling: fixed local batch)."""
     hw = hardware(hw) if isinstance(hw, str) else hw
     return [(n, compare(config, sweep_mesh(n, hw), hw, strategies, **kw)) for n in ranks_list]
+
+
+def extrapolation(config: str, local_batch: int, ranks: int, hw: Hardware, model="gpt") -> list[str]:
+    """What a prediction on a calibrated profile takes from outside its calibration, and how far
+    outside: a shape whose compute was not measured (estimated from FLOPs at the calibrated
+    efficiency, which can be off by 2-3x on a CPU) or a world size whose links were not. Empty
+    for a published profile (its figures are the inputs) and for a calibrated shape."""
+    if not hw.compute:
+        return []
+    out = []
+    if f"{config}/{local_batch}/{ranks}" not in hw.compute:
+        mod = _model(model)
+        shapes = {tuple(k.split("/")) for k in hw.compute}  # (config, local batch, ranks)
+        listed = ", ".join(sorted({f"{n}/{b}" for n, b, _ in shapes}))
+        same = sorted(int(w) for n, b, w in shapes if (n, int(b)) == (config, local_batch))
+        if same:
+            near = f"; {config}/{local_batch} was measured on {', '.join(map(str, same))} ranks only"
+        elif hasattr(mod, "unit_flops") and config in mod.CONFIGS:
+            flops = lambda name, batch: sum(mod.unit_flops(mod.CONFIGS[name], int(batch)).values())  # noqa: E731
+            ratio, n, b = min(((flops(config, local_batch) / flops(n, b), n, b) for n, b, _ in shapes
+                               if n in mod.CONFIGS), key=lambda k: abs(math.log(k[0])))
+            near = (f"; its FLOPs per rank are {ratio:.1f}x those of the nearest calibrated shape ({n}/{b})"
+                    if ratio >= 1 else f"; its FLOPs per rank are 1/{1 / ratio:.1f} of the nearest calibrated "
+                                       f"shape's ({n}/{b})")
+        else:
+            near = ""
+        out.append(f"compute of {config} at {local_batch} sequences per rank on {ranks} ranks is not calibrated "
+                   f"(calibrated config/local batch: {listed}), so it is estimated from FLOPs at the calibrated "
+                   f"efficiency, which can be off by 2-3x{near}; measure it with hpf calibrate --shapes "
+                   f"{config}/{local_batch} --world-sizes {ranks}")
+    worlds = sorted({w for links in (hw.fast, hw.slow) if isinstance(links, dict)
+                     for w in (k[1] if isinstance(k, tuple) else k for k in links)})
+    if worlds and ranks not in worlds and ranks > 1:
+        far = f"{ranks / max(worlds):.1f}x the largest" if ranks > max(worlds) else "between the calibrated ones"
+        out.append(f"links were calibrated on {', '.join(map(str, worlds))} ranks; {ranks} ranks ({far}) use the "
+                   "nearest, slowed by ranks per core")
+    return out

@@ -9,18 +9,13 @@ reduce-scatter path through ``fully_shard`` (``ops``; what the simulator charges
 Collectives are fitted up to the shapes' largest bucket; every term is the median of
 ``--launches`` launches (a shared host has slow spells longer than one launch).
 
-    python -m hpf.sim.calibrate --out calib.json [--world-sizes 2 4] [--shapes small/2 tiny/4] [--launches 3]
-    python -m hpf.sim.calibrate --update calib.json   # add the terms an older calibration lacks
-                                                      # (issue_s, FSDP2's collectives, overlap)
-
-Runs only when asked: the tests never run a calibration. Pass the file as ``--hardware calib.json``.
+``hpf calibrate --out calib.json`` runs it (hpf.cli.calibrate); pass the file to
+``hpf simulate --hardware calib.json``. The tests never run a calibration.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
-import json
 import os
 import socket
 import statistics
@@ -37,7 +32,7 @@ from ..mesh import Mesh
 from ..models import gpt
 from ..planning import plan
 
-__all__ = ["calibrate", "fit_alpha_beta"]
+__all__ = ["calibrate", "fit_alpha_beta", "stages", "add_issue_costs", "add_fsdp2_comm", "add_sync_terms"]
 
 
 def fit_alpha_beta(p: int, sizes: list[int], seconds: list[float]) -> tuple[float, float]:
@@ -58,8 +53,8 @@ def _median_slowest_each(fns, reps: int, pick=statistics.median,
                          min_s: float = 0.3) -> tuple[list[float], list[float]]:
     """Each of ``fns`` timed in turn (interleaved, so drifting load hits them alike), every rank at
     once after a barrier: the ``pick`` over reps of the slowest rank's time. At least ``reps`` reps,
-    more (up to 8x) while they take under ``min_s`` together: a millisecond call's median of 7 moved
-    by 2-4x between calibrations on shared cores. The ranks agree on the count. Also each fn's
+    more (up to 8x) while they take under ``min_s`` together: on shared cores a millisecond call's
+    median of 7 moves by 2-4x between calibrations. The ranks agree on the count. Also each fn's
     skew: the median over reps of the mean rank's lead on the slowest, as a fraction of the
     slowest's time (ranks sharing cores finish the same work 4-30% apart here)."""
     probe = torch.tensor([_timed(lambda: [fn() for fn in fns])], dtype=torch.float64)
@@ -84,10 +79,9 @@ def _contention(comm_of, small: int, large: int, reps: int, stretch_at: int = 0)
     come from two sizes (bytes: ``small`` and ``stretch_at`` or ``large``), as alpha and beta
     do: on loaded cores a collective mostly pays a fixed wait per call (a descheduled peer),
     not a slower copy. Beside compute, each call goes to an idle worker thread and compute runs
-    until it lands, as the engine issues a bucket's collective and computes a unit: a worker
-    kept busy by calls in a row (the earlier protocol) waited 2.5-5 ms a call for its peers on
-    shared memory, several times what a real step's collectives took (0.2-1.2 ms on 2 ranks).
-    Medians of ``2 * reps`` pairs, alone and beside compute interleaved."""
+    until it lands, as the engine issues a bucket's collective and computes a unit (a worker kept
+    busy by calls in a row would wait for peers that compute keeps off the cores, which a real
+    step's collectives do not). Medians of ``2 * reps`` pairs, alone and beside compute interleaved."""
     import queue
     import threading
 
@@ -157,9 +151,9 @@ def _timed(fn) -> float:
 
 def _median_of_launches(fn, world: int, *args, launches: int = 3):
     """The element-wise median of ``launches`` launches of ``fn`` (rank 0's results): one launch
-    spans a few seconds and can land on a slow spell of the shared host (a 16 KiB gloo
-    all-gather's median of 56 calls read 2.3 ms once, 0.3-0.5 ms in the launches around it)."""
-    runs = [launch(fn, world, *args, timeout=1800)[0] for _ in range(launches)]
+    spans a few seconds and can land on a slow spell of the shared host, where a small
+    collective's median reads several times its usual value."""
+    runs = [launch(fn, world, *args)[0] for _ in range(launches)]
     return optree.tree_map(lambda *xs: statistics.median(xs), *runs)
 
 
@@ -202,8 +196,8 @@ def _comm_rank(rank, sizes, reps):
 
 def _compute_rank(rank, shapes, reps):
     """Seconds of forward + backward of a 1- and an up-to-4-layer GPT at each (config, local
-    batch); the median rep of each: runs are judged by their median step under the same
-    shared load (the fastest rep predicted medium 0.67-0.74x of its measured steps)."""
+    batch); the median rep of each, because runs are judged by their median step under the same
+    shared load (the fastest rep would under-predict them)."""
     out = {}
     for name, batch in shapes:
         depth = min(max(gpt.CONFIGS[name].n_layers, 2), 4)  # up to 4 blocks: less noise per block, bounded time
@@ -279,7 +273,7 @@ SIZES_MIB = (1 / 64, 0.0625, 0.25, 1, 4, 16)  # the collective sizes alpha and b
 def sizes_for(shapes) -> tuple[float, ...]:
     """``SIZES_MIB``, extended by 4x steps to cover the largest bucket of the shapes' GPTs (MiB): above
     32 MiB glibc maps every fresh buffer anew, so a fit up to 16 MiB under-charges medium's 190 MiB
-    root (its FSDP2 steps were predicted at 0.77-0.88 of measured)."""
+    root."""
     largest = max(b.padded_numel * 4 / 2 ** 20 for name, _ in shapes
                   for b in plan(gpt.init(gpt.CONFIGS[name], device="meta"), Mesh({"dp": 2})).buckets)
     sizes = list(SIZES_MIB)
@@ -305,9 +299,9 @@ def _fsdp2_comm_rank(rank, sizes, reps) -> dict:
     its hooks run them in a step, synchronously on CPU ranks: a chain of such modules, forward (each
     gathered: copy-in, a fresh output, all_gather, copy-out; then resharded) and backward (each
     re-gathered, then its grad reduce-scattered: copy-in, FSDP2's op, the sharded grad's views).
-    Per module: gather = forward / k, reduction = backward / k - gather. Explicit ``unshard()``
-    calls took 0.6-0.8 ms at 16 KiB where a forward's gather took 1.2 ms, and tiny FSDP2 steps were
-    predicted at 0.69-0.76 of measured. The slowest rank's median, per op."""
+    Per module: gather = forward / k, reduction = backward / k - gather. (Explicit ``unshard()``
+    calls cost about half of a gather inside a forward at 16 KiB, so timing them would under-charge
+    FSDP2.) The slowest rank's median, per op."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -328,15 +322,30 @@ def _fsdp2_comm_rank(rank, sizes, reps) -> dict:
     return out
 
 
-def add_fsdp2_comm(calib: dict, reps: int = 7, sizes_mib=SIZES_MIB, launches: int = 3) -> dict:
+def _quiet(what: str) -> None:
+    """The default ``stage`` callback: calibrate says nothing (``hpf calibrate`` prints each stage)."""
+
+
+def stages(world_sizes, update: dict | None = None) -> int:
+    """How many times calibrate (or ``--update`` of the calibration ``update``) calls ``stage``."""
+    w = len(world_sizes if update is None else update["links"]["gloo"])
+    if update is None:
+        return 6 * w + 2
+    return (0 if "issue_when" in update else 2 * w) + (0 if "fsdp2_comm_when" in update else w + 1) \
+        + (0 if "sync_when" in update else w)
+
+
+def add_fsdp2_comm(calib: dict, reps: int = 7, sizes_mib=SIZES_MIB, launches: int = 3, stage=_quiet) -> dict:
     """FSDP2's gather and reduce-scatter figures per gloo world, as ``ops`` of the gloo links (alpha,
     beta fitted as the others): what the simulator charges FSDP2 on CPU ranks, in place. Less the
     smallest size's seconds on one rank (hooks and Python: in ``fsdp2_unit_overhead_s`` already);
     the median of ``launches`` launches per size (the cores are shared)."""
     sizes = [int(m * 2 ** 20) for m in sizes_mib]
 
+    stage("FSDP2's own collectives on 1 rank (its per-call floor)")
     one = _median_of_launches(_fsdp2_comm_rank, 1, sizes[:1], reps, launches=launches)
     for w, link in calib["links"]["gloo"].items():
+        stage(f"FSDP2's all-gather and reduce-scatter through fully_shard on {w} ranks")
         meas = _median_of_launches(_fsdp2_comm_rank, int(w), sizes, reps, launches=launches)
         link.setdefault("ops", {}).update({
             f"fsdp2_{op}": fit_alpha_beta(int(w), sizes, [max(t - one[op][0], 1e-6) for t in ts])
@@ -394,11 +403,12 @@ def _issue_rank(rank, two_tier: bool, reps: int) -> float:
     return max(0.0, max(per_rank))
 
 
-def add_issue_costs(calib: dict, reps: int = 7, launches: int = 3) -> dict:
-    """Measure ``issue_s`` for every (transport, world) of a calibration, in place: the quick
-    update of a calibration made before the term existed (``--update``)."""
+def add_issue_costs(calib: dict, reps: int = 7, launches: int = 3, stage=_quiet) -> dict:
+    """Measure ``issue_s`` for every (transport, world) of a calibration, in place (also what
+    ``--update`` adds to a calibration file that lacks it)."""
     for transport, per in calib["links"].items():
         for w, link in per.items():
+            stage(f"compute-thread cost per collective, {transport}, {w} ranks")
             link["issue_s"] = _median_of_launches(_issue_rank, int(w), transport == "shm", reps, launches=launches)
     calib["issue_when"] = datetime.datetime.now().isoformat(timespec="seconds")
     return calib
@@ -427,25 +437,27 @@ def _concurrency_rank(rank, nbytes: int, reps: int) -> float:
     return min(max(statistics.median(statistics.mean(r) for r in zip(*every)), 0.0), 1.0)
 
 
-def add_sync_terms(calib: dict, reps: int = 7, nbytes: int = 256 << 10, launches: int = 3) -> dict:
+def add_sync_terms(calib: dict, reps: int = 7, nbytes: int = 256 << 10, launches: int = 3, stage=_quiet) -> dict:
     """Per gloo world: ``overlap`` of two collectives at once (``_concurrency_rank``; ``nbytes``: a tiny
     GPT bucket's), in place."""
     for w, link in calib["links"]["gloo"].items():
+        stage(f"two gloo collectives at once, {w} ranks")
         link["overlap"] = _median_of_launches(_concurrency_rank, int(w), nbytes, 2 * reps, launches=launches)
     calib["sync_when"] = datetime.datetime.now().isoformat(timespec="seconds")
     return calib
 
 
 def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)),
-              sizes_mib=None, reps: int = 7, launches: int = 3) -> dict:
+              sizes_mib=None, reps: int = 7, launches: int = 3, stage=_quiet) -> dict:
     """Measure and fit; returns the calibration dict (``json.dump`` it; hardware() loads the file).
     Every term is the median of ``launches`` launches; collectives at ``sizes_mib`` (default
-    ``sizes_for(shapes)``)."""
+    ``sizes_for(shapes)``). ``stage(what)`` is called as each of ``stages(world_sizes)`` parts begins."""
     sizes_mib = sizes_mib or sizes_for(shapes)
     sizes = [int(m * 2 ** 20) for m in sizes_mib]
     links: dict = {"gloo": {}, "shm": {}}
     compute, mem_bw, peak = {}, [], []
     for w in world_sizes:
+        stage(f"gloo and shared-memory collectives on {w} ranks, {len(sizes)} sizes up to {max(sizes_mib):g} MiB")
         meas = _median_of_launches(_comm_rank, w, sizes, reps, launches=launches)
         for transport in ("gloo", "shm"):
             link = {}
@@ -457,6 +469,7 @@ def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)),
             link["source"] = (f"fitted on {len(sizes)} sizes {sizes_mib} MiB, {w} ranks, median of {reps}+ "
                               f"calls, median of {launches} launches")
             links[transport][w] = link
+        stage(f"compute of {', '.join(f'{n}/{b}' for n, b in shapes)} on {w} ranks, AdamW and matmul rates")
         comp, bw, pk = _median_of_launches(_compute_rank, w, list(shapes), reps, launches=launches)
         compute.update(comp)
         mem_bw.append(bw)
@@ -468,63 +481,11 @@ def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)),
         flops = gpt.unit_flops(gpt.CONFIGS[name], int(batch))
         if c["block_s"] > 1e-5:  # a block lost in the noise says nothing about efficiency
             effs.append(min(1.0, 3 * flops["blocks/0"] / c["block_s"] / peak_flops))
-    overhead = launch(_overhead_rank, 1, reps, timeout=600)[0]
+    stage("hpf's per-unit overhead on 1 rank")
+    overhead = launch(_overhead_rank, 1, reps)[0]
     calib = {"host": socket.gethostname(), "when": datetime.datetime.now().isoformat(timespec="seconds"),
              "cores": len(os.sched_getaffinity(0)), "kernel_overhead_s": overhead,
              "torch": torch.__version__, "peak_flops": peak_flops, "efficiency": statistics.median(effs) if effs else 0.5,
              "mem_bw": statistics.median(mem_bw), "links": links, "compute": compute}
-    calib = add_fsdp2_comm(add_issue_costs(calib, reps, launches), reps, sizes_mib, launches)
-    return add_sync_terms(calib, reps, launches=launches)
-
-
-def _shape(text: str) -> tuple[str, int]:
-    """A ``config/local_batch`` argument, checked before anything is measured."""
-    name, _, batch = text.partition("/")
-    if name not in gpt.CONFIGS or not batch.isdigit() or int(batch) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give config/local_batch with a config of "
-                                         f"{sorted(gpt.CONFIGS)} and a batch >= 1, e.g. tiny/4")
-    return name, int(batch)
-
-
-def _at_least_one(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number >= 1")
-    return int(text)
-
-
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description="Calibrate hpf simulate's local-cpu profile on this machine (links, "
-                                 "compute, contention, overheads); about 3 minutes with the defaults on 2 cores. "
-                                 "Use the file as: hpf simulate --hardware FILE")
-    ap.add_argument("--out", help="JSON file to write")
-    ap.add_argument("--update", metavar="JSON", help="only measure the terms this calibration file lacks "
-                    "(issue_s, FSDP2's collectives, gloo's overlap): a minute, not a full calibration; "
-                    "written to --out if given, else in place")
-    ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--shapes", nargs="+", type=_shape, default=[("tiny", 4), ("small", 2)],
-                    help="config/local_batch pairs")
-    ap.add_argument("--reps", type=_at_least_one, default=7)
-    ap.add_argument("--launches", type=_at_least_one, default=3, help="each term is the median of this many launches")
-    args = ap.parse_args(argv)
-    if not (args.out or args.update):
-        ap.error("give --out FILE (a full calibration) or --update FILE (its newer terms only)")
-    if args.update:
-        with open(args.update) as f:
-            result = json.load(f)
-        if "issue_when" not in result:
-            add_issue_costs(result, args.reps, args.launches)
-        if "fsdp2_comm_when" not in result:
-            add_fsdp2_comm(result, args.reps, launches=args.launches)
-        if "sync_when" not in result:
-            add_sync_terms(result, args.reps, launches=args.launches)
-        args.out = args.out or args.update  # --out: write elsewhere, keep the old file
-    else:
-        result = calibrate(args.world_sizes, args.shapes, reps=args.reps, launches=args.launches)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(json.dumps({k: v for k, v in result.items() if k != "compute"}, indent=1))
-    print(f"wrote {args.out}")
-
-
-if __name__ == "__main__":
-    main()
+    calib = add_fsdp2_comm(add_issue_costs(calib, reps, launches, stage), reps, sizes_mib, launches, stage)
+    return add_sync_terms(calib, reps, launches=launches, stage=stage)

@@ -2,7 +2,7 @@
 
 Every published figure carries its source and a confidence note. The published profiles
 are inputs, not measurements: change them (``Hardware.replace``) when better figures exist.
-The ``local-cpu`` profile is filled by calibration (``hpf.sim.calibrate``) and loaded from
+The ``local-cpu`` profile is filled by calibration (``hpf calibrate``) and loaded from
 its JSON file; nothing here measures anything.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Link:
     # On a shared host (CPU ranks) a collective's copies run on the cores that compute:
     # compute runs ``cpu_slowdown`` x slower while this link is busy, and a stage takes
     # ``busy_slowdown`` x its alone time plus ``busy_latency`` (a descheduled peer's wait)
-    # (calibrated together, hpf.sim.calibrate). 1.0 and 0: no contention.
+    # (calibrated together, hpf calibrate). 1.0 and 0: no contention.
     cpu_slowdown: float = 1.0
     busy_slowdown: float = 1.0
     busy_latency: float = 0.0
@@ -46,7 +46,7 @@ class Link:
     # ``fsdp2_reduce_scatter``: FSDP2's copy-in, fresh buffers, collective and copy-out together)
     ops: dict = field(default_factory=dict)
     # two collectives issued together on gloo's ProcessGroup (2 worker threads) take the longer plus
-    # ``overlap`` x the shorter: 1 runs them one after another (the old model), 0 side by side (calibrated)
+    # ``overlap`` x the shorter: 1 runs them one after another, 0 side by side (calibrated)
     overlap: float = 1.0
     source: str = ""
 
@@ -64,7 +64,7 @@ class Link:
     def sliced(self, factor: float) -> "Link":
         """This link ``factor`` x slower: on a shared host a CPU transport's handoffs wait for peers
         to get a core and its copies share the cores, so a group measured among fewer ranks than
-        the job's runs ``factor`` = (ranks per core now) / (then) slower."""
+        the job's runs ``factor`` = (the job's ranks per core) / (the measurement's) slower."""
         div = lambda x: None if x is None else x / factor  # noqa: E731
         mul = lambda x: None if x is None else x * factor  # noqa: E731
         return dataclasses.replace(self, alpha=self.alpha * factor, beta=self.beta / factor,
@@ -127,7 +127,7 @@ class Hardware:
 
 # -- published profiles ------------------------------------------------------------------------
 _CM_SRC = ("arXiv 2506.12708 (Zuo et al. 2025, 'Serving Large Language Models on Huawei CloudMatrix384': a "
-           "DeepSeek-R1 serving paper; its hardware section) via secondary summaries read 2026-12 "
+           "DeepSeek-R1 serving paper; its hardware section) via secondary summaries "
            "(emergentmind.com topic page; besthub.dev / Architects' Tech Alliance article; "
            "chinaresearchcollective substack), not the PDF itself")
 _ASSUMED = "assumption of this profile, not a published figure"
@@ -198,12 +198,12 @@ def hardware(name_or_path: str) -> Hardware:
     if name_or_path in PROFILES:
         return PROFILES[name_or_path]
     if name_or_path == "local-cpu":
-        raise ValueError("--hardware local-cpu needs a calibration: run `python -m hpf.sim.calibrate --out "
-                         "calib.json` once, then pass --hardware calib.json")
+        raise ValueError("--hardware local-cpu needs a calibration: run `hpf calibrate --out calib.json` once, "
+                         "then pass --hardware calib.json")
     if os.path.isfile(name_or_path):
         return load_calibration(name_or_path)
     raise ValueError(f"unknown hardware {name_or_path!r}: use one of {sorted(PROFILES)} or a calibration "
-                     "JSON file written by hpf.sim.calibrate")
+                     "JSON file written by hpf calibrate")
 
 
 def _link(d: dict | None) -> Link | None:
@@ -224,5 +224,5 @@ def load_calibration(path: str | os.PathLike, transport: str = "shm") -> Hardwar
             cores=c.get("cores", 0), compute=c.get("compute", {}),
             notes=(f"calibrated on {c.get('host', '?')} at {c.get('when', '?')}",))
     except (ValueError, KeyError, TypeError, AttributeError) as e:  # not JSON, or not a calibration's fields
-        raise ValueError(f"{path} is not a calibration written by hpf.sim.calibrate ({type(e).__name__}: {e}); "
-                         "make one with `python -m hpf.sim.calibrate --out calib.json`") from e
+        raise ValueError(f"{path} is not a calibration written by hpf calibrate ({type(e).__name__}: {e}); "
+                         "make one with `hpf calibrate --out calib.json`") from e

@@ -1,0 +1,242 @@
+"""One rank of ``hpf train``: the job's plain-data description and the training loop it runs.
+
+The driver (``hpf.cli.train``) checks every option and builds a ``TrainJob``; the ranks
+(forked by hpf.launch, or started by torchrun) only run it."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import hpf
+from hpf import checkpoint
+from hpf import data as token_data
+from hpf.checks import finite_or_none
+from hpf.cli.common import sharding_of, topology_of
+from hpf.device import default_device
+from hpf.models import gpt, model_config
+from hpf.optim.schedules import Schedule
+from hpf.progress import Progress
+
+# Per config: AdamW lr (also Muon's AdamW fallback), Muon lr, linear warmup steps. Picked so the
+# first 10 steps at the default batch fall steadily (tiny and small measured; medium and 1b
+# follow GPT-2/3 practice).
+TRAIN_DEFAULTS = {"tiny": (1e-2, 0.02, 0), "small": (3e-3, 0.02, 20), "medium": (6e-4, 0.02, 100),
+                  "1b": (3e-4, 0.02, 200)}
+STEP_METRICS = ("loss", "grad_norm", "step_s", "comm_wait_s", "optimizer_s")  # from shard_step's metrics
+EVAL_BATCHES = 4  # held-out batches (of --batch-size sequences) per evaluation, the same ones each time
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """Everything a rank needs; plain data, so it travels to forked ranks unchanged."""
+
+    config: str
+    axes: dict
+    fsdp_axes: tuple | None
+    optimizer: str
+    lr: float
+    steps: int
+    batch_size: int
+    mode: str
+    seed: int
+    mixed_precision: str | None
+    topology: str
+    hsdp: bool
+    metrics_path: str
+    warmup: int = 0
+    model: str = "gpt"
+    schedule: str = "constant"
+    data: str | None = None  # a folder `hpf prepare` wrote; None: the synthetic Markov source
+    vocab_size: int | None = None  # the data's (meta.json)
+    eval_every: int = 0
+    save_every: int = 0
+    keep_last: int = 3
+    resume: str | None = None  # a checkpoint folder, resolved by the driver
+    accumulate: int = 1  # micro-batches per step (gradient accumulation)
+    trace_dir: str | None = None  # --trace: Chrome traces of a few steps, one per rank and a merged one
+    ep_axis: str | None = None  # --ep-axis: the mesh axis experts are split over (moe)
+    tensorboard: str | None = None  # --tensorboard: the event folder rank 0 writes the metrics to
+
+    def model_config(self):
+        return model_config(self.model, self.config, self.vocab_size)
+
+    def eval_due(self, i: int) -> bool:
+        """--eval-every N: after every N-th step and after the last one."""
+        return bool(self.eval_every) and (i % self.eval_every == 0 or i == self.steps)
+
+    def save_due(self, i: int) -> bool:
+        return bool(self.save_every) and i % self.save_every == 0
+
+    @property
+    def checkpoints(self) -> Path:
+        return Path(self.metrics_path).parent / "checkpoints"
+
+
+def defaults(config: str) -> tuple[float, float, int]:
+    """TRAIN_DEFAULTS of a config name; a name it lacks (a model's own config) gets tiny's."""
+    return TRAIN_DEFAULTS.get(config, TRAIN_DEFAULTS["tiny"])
+
+
+def make_step(job: TrainJob, mesh: hpf.Mesh):
+    """The job's shard_step: --optimizer at --lr along --schedule after --warmup. AdamW decays
+    matrices only (hpf.optim.default_weight_decay_mask: not norms, biases or embeddings)."""
+    module, config = job.model_config()
+
+    def lr(peak: float) -> Schedule:
+        return Schedule(job.schedule, peak, total_steps=job.steps, warmup=job.warmup)
+    if job.optimizer == "muon":  # AdamW at the config's AdamW lr for embeddings, head and vectors
+        optimizer = hpf.optim.muon(lr=lr(job.lr), adamw_lr=lr(defaults(job.config)[0]))
+    else:
+        optimizer = hpf.optim.adamw(lr=lr(job.lr), weight_decay_mask=hpf.optim.default_weight_decay_mask)
+    # a model with a training-loop Balancer (moe) returns its aux counts and takes --ep-axis
+    loss_fn = module.loss_for(config, job.ep_axis, aux=True) if hasattr(module, "Balancer") else module.loss_for(config)
+    return hpf.shard_step(loss_fn, mesh=mesh, optimizer=optimizer, accumulate=job.accumulate,
+                          **sharding_of(job.model, config, mesh, job.fsdp_axes, job.ep_axis), mode=job.mode,
+                          mixed_precision=job.mixed_precision, hsdp=job.hsdp, topology=topology_of(job.topology))
+
+
+def _batches(job: TrainJob, config, split: str, rank: int, world: int, start: int):
+    """This rank's rows of the global batches from step ``start`` (0-based) on: a pure function
+    of (seed, position), so a resumed run reads exactly what an uninterrupted one would."""
+    where = dict(rank=rank, world_size=world, device=default_device())
+    if job.data:
+        return token_data.TokenData(job.data, split).batches(job.batch_size, config.seq_len, job.seed,
+                                                            state={"seed": job.seed, "step": start}, **where)
+    return gpt.synthetic_batches(config, job.batch_size, job.seed, start=start, **where)
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def train_rank(rank: int, job: TrainJob) -> None:
+    """One rank of ``hpf train``; rank 0 also shows progress and writes the metrics."""
+    module, config = job.model_config()
+    mesh = hpf.Mesh(job.axes)
+    progress = Progress(job.steps, label="train") if rank == 0 else None
+    if progress:  # a big config's first step can take minutes: say it has begun, and that it runs
+        progress.start(f"restore {job.resume}, first gathers and warm-up" if job.resume else
+                       f"step 1 of {job.steps}: init, first gathers and warm-up")
+    step = make_step(job, mesh)
+    # loop state that rides in each batch and moves by the step's metrics (moe: the expert bias)
+    balancer = module.Balancer(config, default_device()) if hasattr(module, "Balancer") else None
+    done = 0
+    if job.resume:  # meta params: shapes only; the checkpoint fills the shards
+        step.init(module.init(config, device="meta"))
+        state, extra = step.restore(job.resume)
+        if not (isinstance(extra, dict) and {"step", "rng"} <= extra.keys()):
+            raise ValueError(f"--resume {job.resume}: this checkpoint was not written by hpf train (its extra is "
+                             f"{type(extra).__name__}, not a dict with 'step' and 'rng'); load its params with "
+                             "hpf.checkpoint.load_params instead")
+        done = int(extra["step"])
+        if done >= job.steps:
+            raise ValueError(f"--resume {job.resume}: this checkpoint is at step {done}, and the run has "
+                             f"{job.steps} steps; nothing is left to train")
+        checkpoint.set_rng_state(extra["rng"])
+        if balancer is not None:
+            balancer.bias = extra["expert_bias"].to(balancer.bias.device)
+    else:
+        state = step.init(module.init(config, torch.Generator().manual_seed(job.seed)))
+    if progress:
+        progress.first = done  # a resumed run's rate and ETA count only the steps it runs
+    tokens = _batches(job, config, "train", rank, mesh.size, start=done)
+    batches = tokens if balancer is None else map(balancer.batch, tokens)
+    evaluate = None
+    if job.eval_every:  # the same held-out batches at every evaluation
+        held_out = _batches(job, config, "val", rank, mesh.size, start=0)
+        evaluate = token_data.HeldOut(module.loss_for(config), [next(held_out) for _ in range(EVAL_BATCHES)])
+    tokens_per_step = job.batch_size * config.seq_len
+    kept = []  # a resumed run keeps the metrics of the steps it does not redo
+    if rank == 0 and job.resume and os.path.exists(job.metrics_path):
+        kept = [r for r in read_metrics(job.metrics_path) if r["step"] <= done]
+    try:
+        with (_Metrics(job, kept) if rank == 0 else contextlib.nullcontext()) as out, \
+                _traced(job, rank, mesh.size) as advance:
+            for i in range(done + 1, job.steps + 1):
+                state, m = step(state, next(batches))
+                advance()
+                record = {"step": i, **{k: m[k] for k in STEP_METRICS}, "tokens_per_s": tokens_per_step / m["step_s"]}
+                if evaluate and job.eval_due(i):
+                    record["eval_loss"] = evaluate(step, state)
+                if balancer is not None:
+                    record["expert_imbalance"] = balancer.update(m)
+                if job.save_due(i):  # async: the write overlaps the next steps
+                    extra = {"step": i, "rng": checkpoint.rng_state()}
+                    if balancer is not None:
+                        extra["expert_bias"] = balancer.bias.cpu()
+                    path = job.checkpoints / f"step_{i:06d}"
+                    step.save(state, path, extra=extra, keep_last=job.keep_last, async_save=True)
+                    if progress:
+                        progress.note(f"checkpoint  step {i} -> {path} (written in the background)")
+                if out is None:
+                    continue
+                out.write(record)
+                shown = {"loss": f"{m['loss']:.4f}"}
+                if "eval_loss" in record:
+                    shown["eval"] = f"{record['eval_loss']:.4f}"
+                shown.update({"tokens/s": f"{record['tokens_per_s'] / 1e3:.1f}k",
+                              "comm wait": f"{m['comm_wait_s'] / m['step_s']:.0%}"})
+                if "expert_imbalance" in record:
+                    shown["experts max/mean"] = f"{record['expert_imbalance']:.2f}"
+                progress.update(i, shown)
+        step.wait_save()
+    finally:
+        if progress:
+            progress.close()
+
+
+class _Metrics:
+    """Rank 0's record of each step: a line of metrics.jsonl (flushed, so a crashed run keeps its
+    steps so far) and, with --tensorboard, the same scalars as TensorBoard events."""
+
+    def __init__(self, job: TrainJob, kept: list[dict]):
+        self.file = open(job.metrics_path, "w")
+        self.board = None
+        if job.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # the tensorboard extra; the driver checked it
+
+            self.board = SummaryWriter(job.tensorboard, purge_step=kept[-1]["step"] + 1 if kept else None)
+        for r in kept:
+            self.file.write(json.dumps(r) + "\n")
+
+    def write(self, record: dict) -> None:
+        record = finite_or_none(record)  # NaN -> null: valid JSON
+        self.file.write(json.dumps(record, allow_nan=False) + "\n")
+        self.file.flush()
+        if self.board is not None:
+            for key, value in record.items():
+                if key != "step" and value is not None:
+                    self.board.add_scalar(key, value, record["step"])
+            self.board.flush()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.file.close()
+        if self.board is not None:
+            self.board.close()
+
+
+@contextlib.contextmanager
+def _traced(job: TrainJob, rank: int, world: int):
+    """--trace: yields advance() for after each step. Skips 2 warm-up steps (as many as the run
+    allows), traces up to 3 into <dir>/rank<r>.json; rank 0 then merges them into trace.json."""
+    if job.trace_dir is None:
+        yield lambda: None
+        return
+    from hpf import trace
+    folder = Path(job.trace_dir)
+    skip = min(2, job.steps - 1)
+    with trace.tracing(folder / f"rank{rank}.json", skip_steps=skip, steps=min(3, job.steps - skip)) as advance:
+        yield advance
+    if world > 1:  # every rank's file is written before rank 0 reads them
+        torch.distributed.barrier()
+    if rank == 0:
+        trace.merge_traces([folder / f"rank{r}.json" for r in range(world)], folder / "trace.json")
