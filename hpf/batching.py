@@ -59,6 +59,11 @@ def micro_batches(batch: Any, k: int, axes: list[int | None]) -> list[Any]:
     if k == 1:
         return [batch]
     paths, leaves, treedef = tree_util.flatten(batch)
+    sizes = {p or "<root>": x.shape[a] for p, x, a in zip(paths, leaves, axes) if a is not None}
+    if len(set(sizes.values())) > 1:
+        raise ValueError(f"accumulate={k}: the per-example batch leaves hold different numbers of examples along their "
+                         f"batch dims ({sizes}). Mark the leaves that are not per-example with batch_axes=... None (as "
+                         "JAX's in_axes), e.g. shard_step(..., batch_axes={'tokens': 0, 'expert_bias': None})")
     parts = []
     for p, x, a in zip(paths, leaves, axes):
         if a is None:

@@ -20,8 +20,11 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["Weighted", "weighted", "LossOut", "parse", "LossScale", "LossScaleState"]
+__all__ = ["Weighted", "weighted", "token_cross_entropy", "LossOut", "parse", "LossScale", "LossScaleState"]
+
+IGNORE = -100  # a target that is padding (torch's ignore_index)
 
 
 class Weighted(NamedTuple):
@@ -44,6 +47,16 @@ def weighted(sum: torch.Tensor, count: torch.Tensor | int | float) -> Weighted: 
     """
     _check_value(sum, "hpf.weighted(sum, count): sum")
     return Weighted(sum, count)
+
+
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, weighted: bool = False):
+    """Next-token cross-entropy of ``logits`` [N, V] against ``targets`` [N], padding (-100)
+    ignored, in fp32: the mean over real targets, or (``weighted``) ``hpf.weighted(sum, count)``,
+    which the step divides by the global count of real targets. The models' losses use it."""
+    logits, targets = logits.float().flatten(0, -2), targets.flatten()
+    if not weighted:
+        return F.cross_entropy(logits, targets, ignore_index=IGNORE)
+    return Weighted(F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum"), (targets != IGNORE).sum())
 
 
 @dataclass

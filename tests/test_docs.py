@@ -52,6 +52,8 @@ def test_the_readme_contract_matches_what_the_step_does():
     contract = README.split("<!-- contract: start -->", 1)[1].split("<!-- contract: end -->", 1)[0]
     assert "hpf.DonatedStateError" in contract  # reusing a donated state is detected
     assert "floating leaf of the batch is cast" in contract  # and the batch is cast under mixed precision
+    assert "hpf.weighted(sum, count)" in contract and "batch_axes" in contract  # the loss's meaning, the opt-out
+    assert "hpf.ScheduleMismatchError" in contract
 
 
 def test_the_readme_option_table_names_real_options_and_every_model():

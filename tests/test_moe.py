@@ -429,3 +429,51 @@ def test_cli_plan_moe_505b_at_768_ranks(capsys):
                       (["--model", "moe", "--check"], "hpf train --mode validate")):
         assert cli.main(["plan", *bad, "--mesh", "node=2,local=2"]) == 2
         assert what in capsys.readouterr().err
+
+
+def test_accumulation_gives_every_micro_batch_the_whole_expert_bias_and_equals_one_big_batch():
+    """Issue 28, item 9: the bias [layers, E] is not per-example (moe.BATCH_AXES); K=2 splits the
+    tokens only, and with a token-weighted loss equals K=1 (loss and params after a step)."""
+    batch = moe.batch_with_bias(tokens(), bias0())
+    runs = {}
+    for k in (1, 2):
+        step = hpf.shard_step(moe.loss_for(C, weighted=True), mesh=hpf.Mesh({"dp": 1}),
+                              optimizer=hpf.optim.adamw(lr=1e-2, eps=1e-3), accumulate=k, batch_axes=moe.BATCH_AXES)
+        state, m = step(step.init(params0()), batch)
+        runs[k] = m["loss"], hpf.tree.flatten(step.full_params(state))[1]
+    assert runs[2][0] == pytest.approx(runs[1][0], rel=1e-5)
+    for a, b in zip(runs[1][1], runs[2][1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
+    plain = hpf.shard_step(moe.loss_for(C), mesh=hpf.Mesh({"dp": 1}), optimizer=hpf.optim.adamw(), accumulate=2)
+    with pytest.raises(ValueError, match=r"different numbers of examples .*'expert_bias': 2.* batch_axes"):
+        plain(plain.init(params0()), batch)
+
+
+def test_mixed_precision_casts_per_example_leaves_only():
+    seen = {}
+
+    def loss_fn(params, batch):
+        seen.update({k: v.dtype for k, v in batch.items()})
+        return (params["w"] * batch["x"].mean() * batch["scale"].float().sum()).sum()
+    batch = {"x": torch.ones(4, 3), "scale": torch.ones(2), "ids": torch.arange(4)}
+    step = hpf.shard_step(loss_fn, mesh=hpf.Mesh({"dp": 1}), optimizer=hpf.optim.adamw(),
+                          mixed_precision="bf16", batch_axes={"x": 0, "scale": None, "ids": 0})
+    step(step.init({"w": torch.ones(3)}), batch)
+    assert seen == {"x": torch.bfloat16, "scale": torch.float32, "ids": torch.int64}
+
+
+@pytest.mark.parametrize("axes, says", [({"x": 0}, "not a prefix"), ({"x": 2, "y": 0}, "'x'.*batch dim 2")])
+def test_bad_batch_axes_name_the_leaf(axes, says):
+    step = hpf.shard_step(lambda p, b: p["w"].sum(), mesh=hpf.Mesh({"dp": 1}), optimizer=hpf.optim.adamw(),
+                          batch_axes=axes)
+    with pytest.raises(ValueError, match=says):
+        step(step.init({"w": torch.ones(3)}), {"x": torch.ones(4, 3), "y": torch.ones(4)})
+
+
+@pytest.mark.slow
+def test_cli_trains_moe_with_accumulation(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "hpf", "train", "--model", "moe", "--accumulate", "2", "--steps", "2",
+                           "--world-size", "2", "--batch-size", "8", "--out", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert "done: 2 steps" in proc.stdout

@@ -93,11 +93,14 @@ def make_step(job: TrainJob, mesh: hpf.Mesh):
         optimizer = hpf.optim.muon(lr=lr(job.lr), adamw_lr=lr(defaults(job.config)[0]))
     else:
         optimizer = hpf.optim.adamw(lr=lr(job.lr), weight_decay_mask=hpf.optim.default_weight_decay_mask)
+    # token-weighted: the step's loss is the global token mean, over micro-batches and ranks;
     # a model with a training-loop Balancer (moe) returns its aux counts and takes --ep-axis
-    loss_fn = module.loss_for(config, job.ep_axis, aux=True) if hasattr(module, "Balancer") else module.loss_for(config)
+    loss_fn = (module.loss_for(config, job.ep_axis, aux=True, weighted=True) if hasattr(module, "Balancer")
+               else module.loss_for(config, weighted=True))
     return hpf.shard_step(loss_fn, mesh=mesh, optimizer=optimizer, accumulate=job.accumulate,
                           **sharding_of(job.model, config, mesh, job.fsdp_axes, job.ep_axis), mode=job.mode,
-                          mixed_precision=job.mixed_precision, hsdp=job.hsdp, topology=topology_of(job.topology))
+                          mixed_precision=job.mixed_precision, hsdp=job.hsdp, topology=topology_of(job.topology),
+                          batch_axes=getattr(module, "BATCH_AXES", None))
 
 
 def _batches(job: TrainJob, config, split: str, rank: int, world: int, start: int):

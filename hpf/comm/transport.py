@@ -165,7 +165,7 @@ def reduce_scatter_async(out: torch.Tensor, full: torch.Tensor, group=None) -> H
 
 @runtime_checkable
 class UnitComm(Protocol):
-    """The FSDP engine's collectives, per plan bucket b (hpf.fsdp.UnitEngine calls them).
+    """The FSDP engine's collectives, per plan bucket b (hpf.engine.UnitEngine calls them).
 
     Every rank issues them in the same order. Reductions sum; the engine divides by the
     data-parallel size once every sum has landed.

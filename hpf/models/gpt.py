@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from ..losses import token_cross_entropy
+
 __all__ = [
     "GPTConfig", "CONFIGS", "num_params", "init", "forward", "loss", "loss_for",
     "global_batch", "synthetic_batches", "unit_flops",
@@ -151,17 +153,19 @@ def forward(params: dict, tokens: torch.Tensor, *, n_heads: int | None = None) -
     return _rms_norm(x, params["norm_f"]) @ params["head"]
 
 
-def loss(params: dict, batch: torch.Tensor, *, n_heads: int | None = None) -> torch.Tensor:
-    """Mean next-token cross-entropy of ``batch`` [B, T+1]; the softmax runs in fp32 for any param dtype."""
+def loss(params: dict, batch: torch.Tensor, *, n_heads: int | None = None, weighted: bool = False):
+    """Next-token cross-entropy of ``batch`` [B, T+1] (targets of -100 are padding); the softmax
+    runs in fp32 for any param dtype. The mean, or (``weighted``) ``hpf.weighted(sum, count)``:
+    the step then divides by the global count of real targets (hpf.losses)."""
     if batch.dim() != 2 or batch.shape[1] < 2:
         raise ValueError(f"batch must be [batch, time+1] token ids with time+1 >= 2, got shape {list(batch.shape)}")
     logits = forward(params, batch[:, :-1], n_heads=n_heads)
-    return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+    return token_cross_entropy(logits, batch[:, 1:], weighted=weighted)
 
 
-def loss_for(config: GPTConfig):
+def loss_for(config: GPTConfig, weighted: bool = False):
     """``loss_fn(params, batch)`` for ``config``: what ``hpf.shard_step`` takes."""
-    return functools.partial(loss, n_heads=config.n_heads)
+    return functools.partial(loss, n_heads=config.n_heads, weighted=weighted)
 
 
 # ---------------------------------------------------------------- synthetic data

@@ -25,7 +25,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
 from einops import rearrange
+
+from ..losses import token_cross_entropy
 
 from hpf.models.gpt import INIT_STD, param_makers, synthetic_batches
 
@@ -145,18 +148,19 @@ def forward(params: dict, tokens: torch.Tensor, *, config: LlamaConfig | None = 
     return F.linear(rms_norm(x, params["norm"], c.norm_eps), params["head"])
 
 
-def loss(params: dict, batch: torch.Tensor, *, config: LlamaConfig | None = None) -> torch.Tensor:
-    """Mean next-token cross-entropy of ``batch`` [B, T+1] over ``batch[:, 1:]`` (transformers'
-    ``labels=batch``); the softmax runs in fp32 for any param dtype."""
+def loss(params: dict, batch: torch.Tensor, *, config: LlamaConfig | None = None, weighted: bool = False):
+    """Next-token cross-entropy of ``batch`` [B, T+1] over ``batch[:, 1:]`` (transformers'
+    ``labels=batch``; -100 is padding); the softmax runs in fp32 for any param dtype. The mean,
+    or (``weighted``) ``hpf.weighted(sum, count)`` for the step to divide by the global count."""
     if batch.dim() != 2 or batch.shape[1] < 2:
         raise ValueError(f"batch must be [batch, time+1] token ids with time+1 >= 2, got shape {list(batch.shape)}")
     logits = forward(params, batch[:, :-1], config=config)
-    return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+    return token_cross_entropy(logits, batch[:, 1:], weighted=weighted)
 
 
-def loss_for(config: LlamaConfig):
+def loss_for(config: LlamaConfig, weighted: bool = False):
     """``loss_fn(params, batch)`` for ``config``: what ``hpf.shard_step`` takes."""
-    return functools.partial(loss, config=config)
+    return functools.partial(loss, config=config, weighted=weighted)
 
 
 # ---------------------------------------------------------------- transformers checkpoints

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 import hpf_kernels
 
 from ..comm.collectives import all_to_all, run_check
+from ..losses import Weighted, token_cross_entropy
 from . import gpt
 
 __all__ = ["MoEConfig", "CONFIGS", "num_params", "init", "loss", "loss_for", "param_specs", "update_bias",
@@ -251,9 +252,12 @@ def block(blk: dict, x: torch.Tensor, bias, c: MoEConfig, ep_axis: str | None = 
     return x + out.view(b, t, -1), cnt, balance
 
 
-def loss(params: dict, batch, *, config: MoEConfig, ep_axis: str | None = None, aux: bool = False):
-    """Mean next-token cross-entropy (+ aux_loss_coeff * balance loss) of ``batch``: tokens
-    [B, T+1], or {"tokens": ..., "expert_bias": [n_moe_layers, E]}. ``aux=True`` returns
+def loss(params: dict, batch, *, config: MoEConfig, ep_axis: str | None = None, aux: bool = False,
+         weighted: bool = False):
+    """Next-token cross-entropy (+ aux_loss_coeff * balance loss) of ``batch``: tokens
+    [B, T+1], or {"tokens": ..., "expert_bias": [n_moe_layers, E]} (``BATCH_AXES``: the bias is
+    not per-example). The mean, or (``weighted``) ``hpf.weighted(sum, count)``, the balance loss
+    weighted by this micro-batch's count. ``aux=True`` returns
     ``(loss, {"expert_counts": [n_moe_layers, E] float})``."""
     c = config
     tokens, bias = (batch["tokens"], batch.get("expert_bias")) if isinstance(batch, dict) else (batch, None)
@@ -264,20 +268,26 @@ def loss(params: dict, batch, *, config: MoEConfig, ep_axis: str | None = None, 
         balance = balance + bal
         if cnt is not None:
             counts.append(cnt)
-    value = head_loss(params, x, tokens[:, 1:]) + c.aux_loss_coeff * balance
+    ce = head_loss(params, x, tokens[:, 1:], weighted)
+    value = (Weighted(ce.sum + c.aux_loss_coeff * balance * ce.count, ce.count) if weighted
+             else ce + c.aux_loss_coeff * balance)
     if not aux:
         return value
     return value, {"expert_counts": torch.stack(counts).float() if counts else torch.zeros(0)}
 
 
-def head_loss(params: dict, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = F.linear(_rms(x, params["norm_f"]), params["head"])
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+def head_loss(params: dict, x: torch.Tensor, targets: torch.Tensor, weighted: bool = False):
+    return token_cross_entropy(F.linear(_rms(x, params["norm_f"]), params["head"]), targets, weighted=weighted)
 
 
-def loss_for(config: MoEConfig, ep_axis: str | None = None, aux: bool = False):
+#: batch_axes for hpf.shard_step: tokens are per-example, the expert bias is not (accumulation
+#: gives every micro-batch the whole bias, mixed precision leaves it in fp32).
+BATCH_AXES = {"tokens": 0, "expert_bias": None}
+
+
+def loss_for(config: MoEConfig, ep_axis: str | None = None, aux: bool = False, weighted: bool = False):
     """``loss_fn(params, batch)`` for ``hpf.shard_step``; ``ep_axis``: the mesh axis experts are split over."""
-    return functools.partial(loss, config=config, ep_axis=ep_axis, aux=aux)
+    return functools.partial(loss, config=config, ep_axis=ep_axis, aux=aux, weighted=weighted)
 
 
 # -- balancing --------------------------------------------------------------------------------------
