@@ -38,6 +38,7 @@ __all__ = ["RankError", "launch", "init_distributed", "shutdown", "at_shutdown",
            "COLLECTIVE_TIMEOUT_S"]
 
 _TERMINATE_GRACE_S = 2.0  # SIGTERM first, SIGKILL after this
+_DEATH_ECHO_S = 1.0  # after a rank's error, how long to watch for a peer's death that caused it
 # A collective that waits this long for a peer raises: how a hung or dead rank is found. It
 # bounds a wait, never a healthy run, which may take as long as it needs.
 COLLECTIVE_TIMEOUT_S = 300.0
@@ -331,6 +332,13 @@ def _collect(procs: list, conns: list, timeout: float | None) -> list[Any]:
                 errors.append((message[2], r, message[1]))
             else:
                 results[r] = message[1]
+        if errors and not deaths:  # a peer's error may be the echo of a death not yet seen: look once more
+            others = [r for r in pending if results[r] is missing and r not in {e[1] for e in errors}]
+            for sentinel in mp.connection.wait([procs[r].sentinel for r in others], timeout=_DEATH_ECHO_S):
+                r = next(r for r in others if procs[r].sentinel == sentinel)
+                if not conns[r].poll():  # gone without a word: the root cause
+                    procs[r].join(_TERMINATE_GRACE_S)
+                    deaths.append(r)
         if deaths:  # a silent death is a root cause; peers' errors are its consequences
             r = deaths[0]
             raise RankError(f"hpf.launch: rank {r} {_exit_description(procs[r].exitcode)} without "
