@@ -13,9 +13,9 @@ import re
 from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
 
 from . import tree as tree_util
+from .comm import world
 
 __all__ = ["NonFiniteError", "DonatedStateError", "ParamsMismatchError", "UnevenBatchError", "CATALOGUE",
            "clean_params", "frozen_paths", "check_same_on_all_ranks", "check_rate", "as_axes", "finite_or_none"]
@@ -115,24 +115,23 @@ def check_same_on_all_ranks(plan, full_params: Any, device: torch.device) -> Non
     """Fail at init, not with a silently mixed model, when ranks were given different params:
     paths, shapes and dtypes by one object all-gather, values by one int64 all-reduce of a
     bitwise, position-weighted hash per parameter."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if world.world_size() == 1:
         return
     paths, leaves, _ = tree_util.flatten(full_params)
     meta = any(x.is_meta for x in leaves)  # shapes only (before step.restore): no values to compare
     mine = [(p, s.global_shape, str(s.dtype)) for p, s in plan.slots.items()] + [("meta params", meta)]
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    everyone = world.all_gather_object(mine)
     for r, theirs in enumerate(everyone):
         if theirs != mine:
             diff = next((a, b) for a, b in zip(mine + [None] * len(theirs), theirs + [None] * len(mine)) if a != b)
             raise ParamsMismatchError(
-                f"rank {r} has different params than rank {dist.get_rank()}: {diff[1]} vs {diff[0]} (path, shape, "
+                f"rank {r} has different params than rank {world.rank()}: {diff[1]} vs {diff[0]} (path, shape, "
                 "dtype). Every rank must call step.init with the same full params tree")
     if meta:
         return
     hashes = torch.stack([_bit_hash(x) for x in leaves]).to(device)
     both = torch.cat([hashes, ~hashes])  # max(~h) = ~min(h): one MAX all-reduce gives min and max
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    world.all_reduce(both, op="max")
     differ = [p for p, hi, lo in zip(paths, both[:len(paths)].tolist(), both[len(paths):].tolist()) if hi != ~lo]
     if differ:
         raise ParamsMismatchError(

@@ -22,6 +22,8 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
+from .comm import world
+
 __all__ = ["prepare", "text_files", "read_meta", "TokenData", "Batches", "HeldOut", "BYTE_VOCAB", "EOT_BYTE"]
 
 FORMAT, VERSION = "hpf-tokens", 1
@@ -246,7 +248,6 @@ class HeldOut:
         params = step.full_params(state)
         with torch.no_grad():
             total = torch.stack([self.loss_fn(params, b).float() for b in self.batches]).mean()
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            torch.distributed.all_reduce(total)
-            total /= torch.distributed.get_world_size()
+        world.all_reduce(total)
+        total /= world.world_size()
         return float(total)

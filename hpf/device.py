@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+
+from .comm import world
 
 __all__ = ["default_device"]
 
 
 def default_device() -> torch.device:
     """The accelerator the process group drives, else the CPU (gloo)."""
-    if dist.is_initialized() and dist.get_backend() != "gloo" and torch.accelerator.is_available():
+    if world.backend() not in (None, "gloo") and torch.accelerator.is_available():
         return torch.device(torch.accelerator.current_accelerator().type, torch.accelerator.current_device_index())
     return torch.device("cpu")

@@ -389,7 +389,7 @@ def test_hpf_train_exits_nonzero_on_nonfinite_loss(tmp_path, monkeypatch, capsys
     from hpf.models import gpt
     real = gpt.loss_for
 
-    def loss_for(config):
+    def loss_for(config, weighted=False):
         inner, calls = real(config), [0]
 
         def loss(p, b):

@@ -240,6 +240,6 @@ def _traced(job: TrainJob, rank: int, world: int):
     with trace.tracing(folder / f"rank{rank}.json", skip_steps=skip, steps=min(3, job.steps - skip)) as advance:
         yield advance
     if world > 1:  # every rank's file is written before rank 0 reads them
-        torch.distributed.barrier()
+        comm_world.barrier()
     if rank == 0:
         trace.merge_traces([folder / f"rank{r}.json" for r in range(world)], folder / "trace.json")

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["is_distributed", "rank", "world_size", "backend", "store", "timeout_s", "all_reduce", "all_reduce_async", "all_gather_list",
+__all__ = ["is_distributed", "rank", "world_size", "backend", "store", "timeout_s", "all_reduce", "barrier", "all_reduce_async", "all_gather_list",
            "all_gather_object", "exchange", "wait_all"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -59,10 +59,18 @@ def timeout_s() -> float:
 
 
 def all_reduce(tensor: torch.Tensor, group=None, op: str = "sum") -> None:
-    """tensor <- the sum (op="sum") or maximum (op="max") of every rank's tensor, in place."""
+    """tensor <- the sum (op="sum") or maximum (op="max") of every rank's tensor, in place
+    (nothing to do without a process group)."""
     if op not in _OPS:
         raise ValueError(f"all_reduce: op={op!r}; use one of {sorted(_OPS)}")
-    dist.all_reduce(tensor, op=_OPS[op], group=group)
+    if is_distributed():
+        dist.all_reduce(tensor, op=_OPS[op], group=group)
+
+
+def barrier(group=None) -> None:
+    """Every rank of ``group`` reaches this point (nothing to do without a process group)."""
+    if is_distributed():
+        dist.barrier(group=group)
 
 
 def all_reduce_async(tensor: torch.Tensor, group=None) -> dist.Work:

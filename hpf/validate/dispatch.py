@@ -12,8 +12,8 @@ dispatch"); this module registers them, so models never import validation code.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from ..comm import world
 from ..comm import collectives
 from .errors import DispatchError, ExpertPlacementError, GateSumError, TokenLostError
 
@@ -87,7 +87,7 @@ def raise_together(message: str | None, error: type[DispatchError], axis: str | 
     ctx = collectives.current()
     failed = torch.tensor([message is not None], dtype=torch.int32, device=device)
     if axis is not None and ctx is not None and not ctx.virtual and ctx.mesh.axis_size((axis,)) > 1:
-        dist.all_reduce(failed, group=ctx.mesh.group((axis,)))
+        world.all_reduce(failed, group=ctx.mesh.group((axis,)))
     if message is not None:
         raise error(message)
     if int(failed):

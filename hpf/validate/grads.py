@@ -7,9 +7,9 @@ from typing import Any, Callable
 
 import optree
 import torch
-import torch.distributed as dist
 
 from .. import losses
+from ..comm import world
 from .. import tree as tree_util
 from ..comm.collectives import spmd
 from ..step import ShardStep
@@ -90,10 +90,9 @@ def check_grads(step: ShardStep, state: TrainState, batch: Any, *, rtol: float =
 
 def _data_parallel_batches(step: ShardStep, batch: Any) -> list:
     """Every data-parallel rank's local batch (this rank's non-FSDP coordinates), in rank order."""
-    if not dist.is_initialized() or step.mesh.size == 1:
+    if world.world_size() == 1:
         return [batch]
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, optree.tree_map(lambda x: x.cpu() if isinstance(x, torch.Tensor) else x, batch))
+    everyone = world.all_gather_object(optree.tree_map(lambda x: x.cpu() if isinstance(x, torch.Tensor) else x, batch))
     move = lambda x: x.to(step.device) if isinstance(x, torch.Tensor) else x  # noqa: E731
     return [optree.tree_map(move, everyone[r]) for r in step.mesh.group_ranks(step.plan.fsdp_axes, step.rank)]
 

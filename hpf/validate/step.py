@@ -7,9 +7,9 @@ import warnings
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from .. import losses
+from ..comm import world
 from .. import tree as tree_util
 from ..config import StepConfig
 from ..step import ShardStep
@@ -113,10 +113,9 @@ class ValidateStep(ShardStep):
         sig = [(p, tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else (p, type(x).__name__, None)
                for p, x in zip(paths, leaves)]
         sums = [_checksum(x) for x in leaves if isinstance(x, torch.Tensor)]
-        if not dist.is_initialized() or self.mesh.size == 1:
+        if world.world_size() == 1:
             return
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (sig, sums))
+        everyone = world.all_gather_object((sig, sums))
         for r, (theirs, _) in enumerate(everyone):
             if theirs != sig:
                 diff = next(((a, b) for a, b in zip(sig, theirs) if a != b),
@@ -142,19 +141,12 @@ class ValidateStep(ShardStep):
         """The same loss across non-FSDP ranks (LossNotReplicatedError) and a finite loss
         (NonFiniteError), decided together by all ranks."""
         value = loss.detach().float().reshape(1)
-        if dist.is_initialized() and self.mesh.size > 1:
-            values = value.new_empty(dist.get_world_size())
-            dist.all_gather_single(values, value)
-        else:
-            values = value
+        values = torch.cat(world.all_gather_list(value)) if world.world_size() > 1 else value
         values = values.cpu()
         bad = [r for r, v in enumerate(values.tolist()) if not math.isfinite(v)]
         if bad:
             origin = tracker.first_nonfinite() if self.rank in bad else None
-            origins = [origin]
-            if dist.is_initialized() and self.mesh.size > 1:
-                origins = [None] * dist.get_world_size()
-                dist.all_gather_object(origins, origin)
+            origins = world.all_gather_object(origin)
             r = bad[0]
             raise NonFiniteError(
                 f"the loss is non-finite on rank(s) {bad}; on rank {r} the first non-finite value in the "
@@ -182,8 +174,7 @@ class ValidateStep(ShardStep):
         if not flags:
             return
         flags = torch.stack(flags).float()
-        if dist.is_initialized() and self.mesh.size > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        world.all_reduce(flags, op="max")
         bad_paths = [p for p, f in zip(paths, flags.tolist()) if f]
         if bad_paths:
             raise NonFiniteError(
