@@ -71,3 +71,29 @@ def test_report_ignores_a_rank_that_is_only_behind():
     assert schedule._report([{"rank": 0, "events": ev}, {"rank": 1, "events": ev[:1]}]) is None
     other = ev[:1] + [(2, 0, "all-gather", "blocks/2", 0)]
     assert "rank 1: all-gather blocks/2" in schedule._report([{"rank": 0, "events": ev}, {"rank": 1, "events": other}])
+
+
+def test_device_collectives_order_streams_and_settle_on_the_cpu():
+    """On an accelerator a wait only orders the compute stream after the collective (the CPU runs
+    on, as FSDP2's); at the step's end the CPU polls them, so a hang is named there."""
+    from hpf.comm.transport import StreamWork
+
+    class FakeWork:
+        def __init__(self):
+            self.waits, self.completed = [], False
+
+        def wait(self, *args):
+            self.waits.append(args)
+            return True
+
+        def is_completed(self):
+            return self.completed
+
+    work = FakeWork()
+    handle = StreamWork(work)
+    assert handle.wait(5.0) and work.waits == [()], "a device wait must not pass a timeout (that blocks the CPU)"
+    settled = StreamWork.settled([handle])
+    start = time.monotonic()
+    assert settled.wait(0.05) is False and time.monotonic() - start < 1.0
+    work.completed = True
+    assert settled.wait(0.05) is True

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ..planning import Plan
 from .cost import bucket_comm_bytes, count_bytes, dtype_bytes
-from .transport import DONE, Handle, is_done, reduce_scatter_async, wait_for
+from .transport import DONE, Handle, is_done, on_device, reduce_scatter_async, wait_for
 
 __all__ = ["BucketComm"]
 
@@ -85,7 +85,7 @@ class BucketComm:
             out.copy_(shard)
             return DONE
         count_bytes(self.bytes, "all_gather", self._op_bytes[b]["all_gather"])
-        return dist.all_gather_single(out, shard, group=g, async_op=True)
+        return on_device(dist.all_gather_single(out, shard, group=g, async_op=True), self.device)
 
     def reduce(self, b: int, shard: torch.Tensor, flat: torch.Tensor) -> Handle:
         """shard <- this rank's slice of the sum of every data-parallel rank's flat grad."""
@@ -96,12 +96,12 @@ class BucketComm:
             handle = DONE
         else:
             count_bytes(self.bytes, "reduce_scatter", self._op_bytes[b]["reduce_scatter"])
-            handle = reduce_scatter_async(shard, flat, g)
+            handle = on_device(reduce_scatter_async(shard, flat, g), self.device)
         rg = self.replica_groups[b]
         if rg is None:
             return handle
         count_bytes(self.bytes, "all_reduce", self._op_bytes[b]["all_reduce"])
-        return _Chain(handle, lambda: dist.all_reduce(shard, group=rg, async_op=True))
+        return _Chain(handle, lambda: on_device(dist.all_reduce(shard, group=rg, async_op=True), self.device))
 
     def close(self) -> None:
         pass

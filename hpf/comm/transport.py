@@ -18,6 +18,7 @@ that; shared memory sends nothing on a wire, but a peer reads the same amount.)
 from __future__ import annotations
 
 import datetime
+import time
 from collections import Counter
 from typing import Protocol, Union, runtime_checkable
 
@@ -26,7 +27,7 @@ import torch.distributed as dist
 
 from .cost import ring_bytes
 
-__all__ = ["Transport", "ProcessGroupTransport", "UnitComm", "Handle", "DONE", "is_done", "wait_for",
+__all__ = ["Transport", "ProcessGroupTransport", "UnitComm", "Handle", "DONE", "is_done", "wait_for", "StreamWork", "on_device",
            "reduce_scatter_async"]
 
 REDUCE_OPS = ("sum", "mean")
@@ -93,6 +94,54 @@ DONE = _Done()
 def is_done(handle: Handle) -> bool:
     """Whether a collective handle (ours, or a torch.distributed Work) has finished; never blocks."""
     return handle.done() if hasattr(handle, "done") else handle.is_completed()
+
+
+class StreamWork:
+    """A collective on an accelerator (NCCL, HCCL) on its comm stream. ``wait`` puts the compute
+    stream after it, as FSDP2 does, so compute waits only for the unit it needs and the CPU runs
+    on; ``settled(works)`` is a handle that blocks the CPU until they finished on the device (the
+    step's end, where a hang must surface as a named error, not inside a later device sync)."""
+
+    __slots__ = ("work",)
+
+    def __init__(self, work: dist.Work):
+        self.work = work
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.work.wait()
+        return True
+
+    def done(self) -> bool:
+        return self.work.is_completed()
+
+    @staticmethod
+    def settled(works: list["StreamWork"]) -> "_Polled":
+        return _Polled([w.work for w in works])
+
+
+class _Polled:
+    """Works whose ``wait(timeout)`` polls their completion on the CPU."""
+
+    def __init__(self, works: list[dist.Work]):
+        self.works = works
+
+    def wait(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not all(w.is_completed() for w in self.works):
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(1e-4)
+        for w in self.works:
+            w.wait()  # re-raises a failure
+        return True
+
+    def done(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+def on_device(work: dist.Work, device: torch.device) -> Handle:
+    """``work`` as the engine waits on it: a StreamWork on an accelerator, itself on the CPU."""
+    return work if device.type == "cpu" else StreamWork(work)
 
 
 def wait_for(handle: Handle, timeout: float | None = None) -> bool:

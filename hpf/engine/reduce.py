@@ -19,7 +19,7 @@ import torch
 
 from ..comm import schedule, world
 from ..comm.schedule import LOG
-from ..comm.transport import DONE
+from ..comm.transport import DONE, StreamWork
 from ..planning import Plan
 from ..trace import span
 
@@ -110,6 +110,9 @@ class Reducer:
         with span("hpf/wait reduce-scatter"):
             for h in self._handles:
                 schedule.wait(h, "a gradient reduction")
+            on_device = [h for h in self._handles if isinstance(h, StreamWork)]
+            if on_device:  # (an accelerator: the waits above ordered streams; now the CPU, so a hang is named here)
+                schedule.wait(StreamWork.settled(on_device), "the step's gradient reductions")
         self._handles = []
         for b, group in self.compute_sums:
             LOG.record("all-reduce", f"partial grads of bucket {b}")
