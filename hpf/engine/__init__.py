@@ -104,6 +104,9 @@ class UnitEngine:
     def micro_batch(self, grad_shards: list[torch.Tensor], hold: bool) -> Iterator[None]:
         """One forward and backward (``params_tree``, ``start_backward``, autograd); on leaving,
         every unit not yet reduced is (``hold``: kept for the next micro-batch instead)."""
+        if self.reducer.holds_sums():  # a later micro-batch: prefetch its first units
+            self.buffers.new_phase(set())
+            self.buffers.apply(self.residency.resume(), "forward")
         self.reducer.start(grad_shards, self._reduce_order, hold)
         self._anchor = torch.empty(0, device=self.device, requires_grad=True)
         self._root, self.in_backward = None, False

@@ -41,9 +41,11 @@ class Residency:
         order = [u for u in self.units if u not in self.pinned]
         self._next = _successors(order)  # the first step's guess: tree order
         self.resident: dict[str, None] = {}  # non-pinned units gathered now, least recent first
-        self.reads: list[str] = []  # this step's forward reads (non-pinned)
+        self.reads: list[str] = []  # this micro-batch's forward reads (non-pinned)
+        self._step_reads: list[str] = []  # the whole step's (what the next step is predicted from)
         self.backward: bool = False
-        self._seen: dict[str, int] = {}  # unit -> reads (or backward visits) of it so far this phase
+        self._seen: dict[str, int] = {}  # unit -> its reads so far this step
+        self._visits: dict[str, int] = {}  # unit -> its backward visits so far this backward
         self._back_next: dict = {}
         self._last_need: str | None = None
         self.first = order[:1]  # the first read, as predicted
@@ -56,7 +58,24 @@ class Residency:
         for u in self.predicted_first():
             self.resident[u] = None
             acts.prefetch.append(u)
-        self.reads, self.backward, self._seen, self._last_need = [], False, {}, None
+        self.reads, self._step_reads, self.backward, self._seen, self._last_need = [], [], False, {}, None
+        return acts
+
+    def resume(self) -> Actions:
+        """Another micro-batch of the step starts: its first reads are predicted as the step's were."""
+        self.reads, self.backward, self._last_need = [], False, None
+        first = self.predicted_first()
+        acts = Actions()
+        for u in first:
+            if u in self.resident:
+                self.resident.pop(u)
+            else:
+                acts.prefetch.append(u)
+            self.resident[u] = None
+        while len(self.resident) > max(self.capacity, len(first)):
+            victim = next(u for u in self.resident if u not in first)
+            del self.resident[victim]
+            acts.evict.append(victim)
         return acts
 
     def predicted_first(self) -> list[str]:
@@ -70,12 +89,13 @@ class Residency:
             return Actions()
         for unit in units:
             self.reads.append(unit)
+            self._step_reads.append(unit)
             k = self._seen[unit] = self._seen.get(unit, 0) + 1
         return self._use(units, self._next.get((unit, k)) or self._next.get((unit, 1)))
 
     def start_backward(self) -> None:
         """Forward is over: backward walks its reads in reverse."""
-        self.backward, self._seen, self._last_need = True, {}, None
+        self.backward, self._visits, self._last_need = True, {}, None
         back = [u for i, u in enumerate(reversed(self.reads)) if i == 0 or u != self.reads[-i]]
         self._back_next = _successors(back)
 
@@ -85,7 +105,7 @@ class Residency:
         if not units or (len(units) == 1 and units[0] == self._last_need and units[0] in self.resident):
             return Actions()
         for unit in units:
-            k = self._seen[unit] = self._seen.get(unit, 0) + 1
+            k = self._visits[unit] = self._visits.get(unit, 0) + 1
         self._last_need = unit
         return self._use(units, self._back_next.get((unit, k)) or self._back_next.get((unit, 1)))
 
@@ -101,9 +121,9 @@ class Residency:
     def end_step(self, learn: bool = True) -> list[str]:
         """The step is over: learn its reads as the next step's prediction (unless the step
         failed: ``learn=False``); evict what is resident."""
-        if learn and self.reads:
-            self._next = _successors(self.reads)
-            self.first = self.reads[:1]
+        if learn and self._step_reads:
+            self._next = _successors(self._step_reads)
+            self.first = self._step_reads[:1]
         gone = list(self.resident)
         self.resident.clear()
         return gone
