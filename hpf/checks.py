@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -18,7 +18,7 @@ from . import tree as tree_util
 from .comm import world
 
 __all__ = ["NonFiniteError", "DonatedStateError", "ParamsMismatchError", "UnevenBatchError", "CATALOGUE",
-           "clean_params", "frozen_paths", "check_same_on_all_ranks", "check_rate", "as_axes", "finite_or_none"]
+           "clean_params", "frozen_paths", "check_same_on_all_ranks", "check_rate", "finite_or_none"]
 
 
 class NonFiniteError(FloatingPointError):
@@ -162,13 +162,6 @@ def check_rate(value: float, what: str, step: int | None = None) -> float:
         at = f" returned {value} at step {step}" if step is not None else f"={value}"
         raise ValueError(f"{what}{at}: learning rates must be finite and >= 0; fix the value or the schedule")
     return value
-
-
-def as_axes(axes: str | Sequence[str] | None) -> tuple[str, ...] | None:
-    """Axis names as a tuple; a string is one axis name (not its characters)."""
-    if axes is None:
-        return None
-    return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
 def finite_or_none(record: dict) -> dict:

@@ -12,7 +12,7 @@ import torch
 
 from .comm.tiered import Topology
 from .losses import LossScale
-from .mesh import Mesh
+from .mesh import Mesh, as_axes
 from .optim.base import Optimizer
 from .types import MixedPrecision
 
@@ -114,8 +114,7 @@ class StepConfig:
                 raise ValueError(f"{name}={v!r}: give an int >= 1")
         if self.topology is not None and not isinstance(self.topology, Topology):
             raise TypeError(f"topology={self.topology!r}: pass hpf.Topology(...) or None")
-        axes = self.fsdp_axes
-        object.__setattr__(self, "fsdp_axes", None if axes is None else (axes,) if isinstance(axes, str) else tuple(axes))
+        object.__setattr__(self, "fsdp_axes", as_axes(self.fsdp_axes))
         mp = MixedPrecision.parse(self.mixed_precision)
         object.__setattr__(self, "mixed_precision", mp)
         scale = self.loss_scale

@@ -16,7 +16,7 @@ from typing import Mapping, Sequence
 # helpers would make the two import each other.
 import torch.distributed as dist
 
-__all__ = ["Mesh", "MeshError"]
+__all__ = ["Mesh", "MeshError", "as_axes"]
 
 
 class MeshError(ValueError):
@@ -58,7 +58,7 @@ class Mesh:
         self.axis_names: tuple[str, ...] = tuple(axes)
         self.shape: tuple[int, ...] = tuple(axes.values())
         self.size: int = math.prod(self.shape)
-        fast = _as_tuple(fast_axes) if fast_axes is not None else self.axis_names[-1:]  # a str is one axis
+        fast = as_axes(fast_axes) if fast_axes is not None else self.axis_names[-1:]  # a str is one axis
         for a in fast:
             self._check_axis(a)
         self.fast_axes = tuple(a for a in self.axis_names if a in fast)
@@ -67,7 +67,7 @@ class Mesh:
 
     # -- pure geometry -------------------------------------------------------------------
     def axis_size(self, axes: str | Sequence[str]) -> int:
-        return math.prod(self.shape[self._index(a)] for a in _as_tuple(axes))
+        return math.prod(self.shape[self._index(a)] for a in as_axes(axes))
 
     def coords(self, rank: int) -> tuple[int, ...]:
         if not 0 <= rank < self.size:
@@ -163,7 +163,7 @@ class Mesh:
 
     def _ordered(self, axes: str | Sequence[str]) -> tuple[str, ...]:
         """Axes sorted into mesh order, so ('local', 'node') and ('node', 'local') are one group."""
-        want = _as_tuple(axes)
+        want = as_axes(axes)
         for a in want:
             self._check_axis(a)
         return tuple(a for a in self.axis_names if a in want)
@@ -186,5 +186,8 @@ class Mesh:
         return state
 
 
-def _as_tuple(axes: str | Sequence[str]) -> tuple[str, ...]:
+def as_axes(axes: str | Sequence[str] | None) -> tuple[str, ...] | None:
+    """Axis names as a tuple; a string is one axis name (not its characters); None stays None."""
+    if axes is None:
+        return None
     return (axes,) if isinstance(axes, str) else tuple(axes)

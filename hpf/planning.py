@@ -15,7 +15,7 @@ import optree
 import torch
 
 from . import tree as tree_util
-from .mesh import Mesh, _as_tuple
+from .mesh import Mesh, as_axes
 from .report import PlanReport
 from .spec import IndivisibleSpecError, P, SpecError, resolve_specs
 from .tree import ROOT
@@ -230,7 +230,7 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
         ValueError: a ``bucket_bytes`` that is not an int >= 0.
     """
     check_bucket_bytes(bucket_bytes)
-    fsdp = tuple(mesh.axis_names) if fsdp_axes is None else _as_tuple(fsdp_axes)  # a str is one axis name
+    fsdp = tuple(mesh.axis_names) if fsdp_axes is None else as_axes(fsdp_axes)  # a str is one axis name
     for a in fsdp:
         if a not in mesh.axis_names:
             raise SpecError(f"fsdp_axes names {a!r}, which is not an axis of {mesh}")

@@ -25,7 +25,7 @@ from .decision import Decider, Decision
 from .device import default_device
 from .engine import UnitEngine, explain_freed, refuses_hooks
 from .launcher import init_distributed, is_launched
-from .mesh import Mesh, MeshError
+from .mesh import Mesh, MeshError, as_axes
 from .optim.base import ForPlan, PartialUpdate
 from .planning import Plan, plan as make_plan
 from .state_io import StateIO
@@ -293,7 +293,7 @@ def step_plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes=None, 
     Raises:
         SpecError: as :func:`hpf.plan`.
     """
-    fsdp_axes = checks.as_axes(fsdp_axes)
+    fsdp_axes = as_axes(fsdp_axes)
     fsdp = mesh.axis_names if fsdp_axes is None else fsdp_axes
     return make_plan(params, mesh, param_specs, fsdp_axes,
                      hierarchical=topology is not None and topology.hierarchical,
