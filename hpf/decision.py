@@ -35,6 +35,7 @@ class Decision:
     finite: bool
     aux: dict | None
     waited_s: float = 0.0  # blocked in the all-reduce
+    count: float | None = None  # hpf.weighted: the global count of terms
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class Decider:
 
     def decide(self, outs: list[losses.LossOut], grads: list[torch.Tensor], batch: Any, scale: float = 1.0,
                clip: bool = True) -> Decision:
+        """``scale``: what backward's seed multiplied the losses by (beyond 1 / n_compute)."""
         weighted = outs[0].count is not None
         if any((o.count is not None) != weighted for o in outs):
             raise TypeError("loss_fn returned hpf.weighted(sum, count) for some micro-batches and a plain loss for "
@@ -97,7 +99,8 @@ class Decider:
             flat = torch.tensor(tv[16:], dtype=torch.float64)
             out_aux = {k: x.view(v.shape).to(v.dtype) for (k, v), x in
                        zip(aux.items(), torch.split(flat, [v.numel() for v in aux.values()]))}
-        return Decision(loss, grad_norm, coef / (normalizer * scale) if normalizer else 0.0, finite, out_aux, waited)
+        return Decision(loss, grad_norm, coef / (normalizer * scale) if normalizer else 0.0, finite, out_aux, waited,
+                        normalizer if weighted else None)
 
 
 def _sum_aux(outs: list[losses.LossOut]) -> dict | None:

@@ -21,21 +21,31 @@ def autograd_grads(loss_fn: Callable, params: Any, batch: Any) -> dict[str, torc
 
 def adamw_training(loss_fn: Callable, params: Any, batches: Callable[[int], Any], steps: int, *,
                    max_grad_norm: float | None = None, compute_dtype: torch.dtype = torch.float32,
+                   trainable: Callable[[str], bool] | None = None, zero_unused: bool = False,
                    **adamw) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """(losses, pre-clip global grad norms, final params by path) of plain autograd and
     torch.optim.AdamW(**adamw) on ``batches(step)``. ``compute_dtype`` other than fp32: the
-    loss runs on casts of the fp32 master params."""
+    loss runs on casts of the fp32 master params. ``trainable(path)``: only those params get
+    grads and updates (torch leaves the others alone). Tied params (one tensor at several
+    paths) stay one param. ``zero_unused``: a param the loss does not use gets a zero grad, as
+    in JAX and hpf (AdamW still decays it); torch.optim skips a param whose .grad is None."""
     paths, leaves, treedef = hpf.tree.flatten(params)
-    leaves = [p.detach().clone().requires_grad_() for p in leaves]
+    copies = {id(p): p.detach().clone() for p in leaves}
+    leaves = [copies[id(p)] for p in leaves]
+    trained = list({id(x): x.requires_grad_() for path, x in zip(paths, leaves)
+                    if trainable is None or trainable(path)}.values())
     params = hpf.tree.unflatten(treedef, leaves)
-    opt = torch.optim.AdamW(leaves, **adamw)
+    opt = torch.optim.AdamW(trained, **adamw)
     losses, norms = [], []
     for s in range(steps):
         compute = optree.tree_map(lambda p: p.to(compute_dtype), params) if compute_dtype != torch.float32 else params
         loss = loss_fn(compute, batches(s))
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(leaves, math.inf if max_grad_norm is None
+        for x in trained if zero_unused else ():
+            if x.grad is None:
+                x.grad = torch.zeros_like(x)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(trained, math.inf if max_grad_norm is None
                                                           else max_grad_norm)))
         opt.step()
         losses.append(loss.item())

@@ -300,18 +300,9 @@ def test_leaves_beside_params_that_require_grad_are_frozen_as_in_torch():
     p["w_in"] = torch.nn.Parameter(p["w_in"])
     p["blocks"][0]["w"].requires_grad_()
     losses, full = hpf_losses(p=p)
-    ref = params()
-    paths, leaves, _ = hpf.tree.flatten(ref)
-    trained = [x.requires_grad_() for path, x in zip(paths, leaves) if path in ("w_in", "blocks/0/w")]
-    opt = torch.optim.AdamW(trained, **ADAMW)
-    ref_l = []
-    for s in range(3):
-        opt.zero_grad()
-        loss = loss_fn(ref, batch(s))
-        loss.backward()
-        opt.step()
-        ref_l.append(float(loss.detach()))
-    check_against_reference(losses, full, ref_l, dict(zip(paths, (x.detach() for x in leaves))))
+    ref_l, _, ref_p = adamw_training(loss_fn, params(), batch, 3, trainable=lambda path: path in ("w_in", "blocks/0/w"),
+                                     **ADAMW)
+    check_against_reference(losses, full, ref_l, ref_p)
     assert torch.equal(full["head"], params()["head"]), "a frozen leaf moved"
 
 

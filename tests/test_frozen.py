@@ -4,21 +4,21 @@ state and no reduction traffic. Checked against plain torch, which leaves such a
 """
 import pytest
 import torch
-import torch.nn.functional as F
 
 import hpf
 from hpf.launcher import launch
 from hpf.models import gpt
+from references import adamw_training
+from toy_models import lm_batch, lm_loss, lm_params
 
-V, D, N_BLOCKS, ROWS, T, STEPS = 11, 6, 3, 8, 5, 3
+STEPS = 3
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+FROZEN = ("embed", "blocks/1/b")
+batch_of, loss_fn = lm_batch, lm_loss
 
 
 def init(freeze_by_flag=True):
-    g = torch.Generator().manual_seed(0)
-    params = {"embed": torch.randn(V, D, generator=g) * 0.5, "head": torch.randn(V, D, generator=g) * 0.5,
-              "blocks": [{"w": torch.randn(D, D, generator=g) / D ** 0.5, "b": torch.randn(D, generator=g) * 0.1}
-                         for _ in range(N_BLOCKS)]}
+    params = lm_params(n_blocks=3)
     if freeze_by_flag:  # torch's habit: trainable leaves require grad, the frozen embedding does not
         for x in hpf.tree.flatten(params)[1]:
             x.requires_grad_()
@@ -27,37 +27,16 @@ def init(freeze_by_flag=True):
     return params
 
 
-def batch_of(step, rank=0, world=1):
-    full = torch.randint(0, V, (ROWS, T + 1), generator=torch.Generator().manual_seed(100 + step))
-    n = ROWS // world
-    return full[rank * n:(rank + 1) * n]
-
-
-def loss_fn(params, tokens):
-    x = params["embed"][tokens[:, :-1]]
-    for blk in params["blocks"]:
-        x = x + torch.tanh(x @ blk["w"] + blk["b"])
-    return F.cross_entropy((x @ params["head"].T).reshape(-1, V), tokens[:, 1:].reshape(-1))
-
-
 def torch_reference():
-    params = init()
-    paths, leaves, _ = hpf.tree.flatten(params)
-    opt = torch.optim.AdamW([x for x in leaves if x.requires_grad], **ADAMW)
-    losses = []
-    for s in range(STEPS):
-        opt.zero_grad()
-        loss = loss_fn(params, batch_of(s))
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    return losses, dict(zip(paths, (x.detach() for x in leaves)))
+    losses, _, params = adamw_training(loss_fn, init(freeze_by_flag=False), batch_of, STEPS,
+                                       trainable=lambda path: path not in FROZEN, **ADAMW)
+    return losses, params
 
 
 def _train(rank, how, optimizer="adamw"):
     params = init(freeze_by_flag=how == "flag")
     opt = hpf.optim.adamw(**ADAMW) if optimizer == "adamw" else hpf.optim.muon(lr=0.02)
-    extra = {"frozen": r"embed|blocks/1/b"} if how == "option" else {}
+    extra = {"frozen": "|".join(FROZEN)} if how == "option" else {}
     step = hpf.shard_step(loss_fn, mesh=hpf.Mesh({"dp": 2}), optimizer=opt, **extra)
     state = step.init(params)
     losses = []

@@ -9,33 +9,21 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import hpf
 from hpf.launcher import launch
+from references import adamw_training
+from toy_models import LM_ROWS, LM_T, lm_batch, lm_loss, lm_params
 
-V, D, N_BLOCKS, ROWS, T = 11, 6, 3, 8, 5
 ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+ROWS, T = LM_ROWS, LM_T
 
 
 def init():
-    g = torch.Generator().manual_seed(0)
-    return {"embed": torch.randn(V, D, generator=g) * 0.5, "head": torch.randn(V, D, generator=g) * 0.5,
-            "blocks": [{"w": torch.randn(D, D, generator=g) / D ** 0.5, "b": torch.randn(D, generator=g) * 0.1}
-                       for _ in range(N_BLOCKS)]}
+    return lm_params(n_blocks=3)
 
 
-def batch_of(step, rank=0, world=1):
-    full = torch.randint(0, V, (ROWS, T + 1), generator=torch.Generator().manual_seed(100 + step))
-    n = ROWS // world
-    return full[rank * n:(rank + 1) * n]
-
-
-def loss_fn(params, tokens):
-    x = params["embed"][tokens[:, :-1]]
-    for blk in params["blocks"]:
-        x = x + torch.tanh(x @ blk["w"] + blk["b"])
-    return F.cross_entropy((x @ params["head"].T).reshape(-1, V), tokens[:, 1:].reshape(-1))
+batch_of, loss_fn = lm_batch, lm_loss
 
 
 def one_bad_element(params, tokens):
@@ -75,19 +63,10 @@ def test_a_non_finite_grad_seen_by_one_rank_raises_on_every_rank_and_updates_not
         assert unchanged, "a rank moved its params or optimizer state on a step that raised"
         assert count == 4  # steps 0, 1, 2, 3 (the bad one never counted): the same on every rank
     # as if the bad step never happened: plain torch on batches 0, 1, 2, 3
-    params = init()
-    leaves = [x.requires_grad_() for x in hpf.tree.flatten(params)[1]]
-    opt = torch.optim.AdamW(leaves, **ADAMW)
-    losses = []
-    for s in range(4):
-        opt.zero_grad()
-        loss = loss_fn(params, batch_of(s))
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
+    losses, _, params = adamw_training(loss_fn, init(), batch_of, 4, **ADAMW)
     torch.testing.assert_close(runs[0][3], losses[1:], rtol=1e-5, atol=0)
-    for got, want in zip(runs[0][4], leaves):
-        torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-5)
+    for got, want in zip(runs[0][4], params.values()):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
 # -- fp16: dynamic loss scaling ---------------------------------------------------------------------------------

@@ -14,23 +14,23 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import hpf
 from hpf.launcher import launch
+from references import adamw_training
+from toy_models import LM_D, lm_batch, lm_block, lm_head_loss, lm_params
 
-V, D, N_BLOCKS, BATCH, T, STEPS = 11, 6, 4, 8, 5, 2
+STEPS, N_BLOCKS = 2, 4
 ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 KEPT: list = []  # references a "debugging" loss function keeps (module-level, as users do)
+batch_of, block, head_loss = lm_batch, lm_block, lm_head_loss
 
 
 def init(seed=0, tie=None, wide_last=False):
-    g = torch.Generator().manual_seed(seed)
-    params = {"embed": torch.randn(V, D, generator=g) * 0.5, "head": torch.randn(V, D, generator=g) * 0.5,
-              "blocks": [{"w": torch.randn(D, D, generator=g) / D ** 0.5, "b": torch.randn(D, generator=g) * 0.1}
-                         for _ in range(N_BLOCKS)]}
+    params = lm_params(n_blocks=N_BLOCKS, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
     if wide_last:  # a last block of another size: its gather cannot pair with another block's
-        params["blocks"][-1]["extra"] = torch.randn(3 * D, generator=g)
+        params["blocks"][-1]["extra"] = torch.randn(3 * LM_D, generator=g)
     if tie == "root":
         params["head"] = params["embed"]
     elif tie == "across":
@@ -40,40 +40,10 @@ def init(seed=0, tie=None, wide_last=False):
     return params
 
 
-def batch_of(step, rank=0, world=1):
-    full = torch.randint(0, V, (BATCH, T + 1), generator=torch.Generator().manual_seed(100 + step))
-    n = BATCH // world
-    return full[rank * n:(rank + 1) * n]
-
-
-def block(x, blk, c=1.0):
-    return x + c * torch.tanh(x @ blk["w"] + blk["b"])
-
-
-def head_loss(params, x, tokens):
-    return F.cross_entropy((x @ params["head"].T).reshape(-1, V), tokens[:, 1:].reshape(-1))
-
-
 def reference(loss_fn, params, steps=STEPS):
-    """Losses and final params of plain autograd + torch.optim.AdamW on the whole global batch.
-    A param the loss does not use gets a zero grad, as in JAX/optax and in hpf (AdamW still
-    decays it); torch.optim would skip a param whose .grad is None."""
-    paths, leaves, treedef = hpf.tree.flatten(params)
-    unique = list({id(x): x for x in leaves}.values())
-    for x in unique:
-        x.requires_grad_()
-    opt = torch.optim.AdamW(unique, **ADAMW)
-    losses = []
-    for s in range(steps):
-        loss = loss_fn(params, batch_of(s))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        for x in unique:
-            if x.grad is None:
-                x.grad = torch.zeros_like(x)
-        opt.step()
-        losses.append(loss.item())
-    return losses, [x.detach().clone() for x in leaves]
+    """Plain autograd + torch.optim.AdamW on the whole global batch (unused params: zero grads)."""
+    losses, _, by_path = adamw_training(loss_fn, params, batch_of, steps, zero_unused=True, **ADAMW)
+    return losses, list(by_path.values())
 
 
 def train(rank, mesh, loss_fn, params, steps=STEPS, after_step=lambda: None):

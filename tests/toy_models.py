@@ -94,3 +94,38 @@ def tp_mlp_loss(params, batch, psum=hpf.psum):
 
 def tp_mlp_batch():
     return torch.randint(0, MLP_V, (3, 5), generator=torch.Generator().manual_seed(1))
+
+
+# -- a tiny language model of blocks: the contract, SPMD, non-finite and frozen tests ------------------------
+LM_V, LM_D, LM_ROWS, LM_T = 11, 6, 8, 5
+
+
+def lm_params(n_blocks: int = 4, seed: int = 0) -> dict:
+    """An embedding, a head and ``n_blocks`` blocks {"w", "b"} (each list element one FSDP unit)."""
+    g = torch.Generator().manual_seed(seed)
+    return {"embed": torch.randn(LM_V, LM_D, generator=g) * 0.5, "head": torch.randn(LM_V, LM_D, generator=g) * 0.5,
+            "blocks": [{"w": torch.randn(LM_D, LM_D, generator=g) / LM_D ** 0.5,
+                        "b": torch.randn(LM_D, generator=g) * 0.1} for _ in range(n_blocks)]}
+
+
+def lm_batch(step: int, rank: int = 0, world: int = 1) -> torch.Tensor:
+    """This rank's rows of global batch ``step`` ([LM_ROWS, LM_T + 1] token ids)."""
+    full = torch.randint(0, LM_V, (LM_ROWS, LM_T + 1), generator=torch.Generator().manual_seed(100 + step))
+    n = LM_ROWS // world
+    return full[rank * n:(rank + 1) * n]
+
+
+def lm_block(x: torch.Tensor, blk: dict, c: float = 1.0) -> torch.Tensor:
+    return x + c * torch.tanh(x @ blk["w"] + blk["b"])
+
+
+def lm_head_loss(params: dict, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy((x @ params["head"].T).reshape(-1, LM_V), tokens[:, 1:].reshape(-1))
+
+
+def lm_loss(params: dict, tokens: torch.Tensor) -> torch.Tensor:
+    """The loop-style loss: embed, every block in order, the head."""
+    x = params["embed"][tokens[:, :-1]]
+    for blk in params["blocks"]:
+        x = lm_block(x, blk)
+    return lm_head_loss(params, x, tokens)
