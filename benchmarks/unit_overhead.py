@@ -23,7 +23,7 @@ import hpf
 from hpf.launcher import launch
 from hpf.models import gpt
 
-from common import interleaved, median_ms, print_table, report_ratio
+from common import interleaved, median_ms, print_table, report_ratio, step_runner
 from step_vs_fsdp2 import adamw_step, fsdp2_gpt
 
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -41,19 +41,13 @@ def replica(params, config):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
     return step
 
 
 def hpf_step(params, config, **kwargs):
-    step = hpf.shard_step(gpt.loss_for(config), mesh=hpf.Mesh({"dp": 1}), optimizer=hpf.optim.adamw(**ADAMW),
-                          **kwargs)
-    box = [step.init(params)]
-
-    def run(batch):
-        box[0], metrics = step(box[0], batch)
-        return metrics["loss"]
-    return run
+    return step_runner(hpf.shard_step(gpt.loss_for(config), mesh=hpf.Mesh({"dp": 1}),
+                                      optimizer=hpf.optim.adamw(**ADAMW), **kwargs), params)
 
 
 def rank_main(rank, args):
