@@ -76,7 +76,22 @@ def step_bench_parser(doc: str, *, config: str = "small", batch: int = 8, warmup
     ap.add_argument("--rounds", type=int, default=rounds)
     ap.add_argument("--calls", type=int, default=calls, help="timed steps per contender per round")
     ap.add_argument("--quick", action="store_true", help="2 rounds of 1 step, for a smoke run")
+    ap.add_argument("--layers", type=int, default=0, help="override the config's n_layers (0: keep)")
+    ap.add_argument("--d-model", type=int, default=0, help="override the config's d_model (0: keep; d_ff follows)")
     return ap
+
+
+def config_of(args):
+    """The GPT config the options name, with --layers / --d-model applied (e.g. small at d 128: ~1M params)."""
+    import dataclasses
+
+    from hpf.models import gpt
+
+    config = gpt.CONFIGS[args.config]
+    changes = {"n_layers": args.layers} if args.layers else {}
+    if args.d_model:
+        changes.update(d_model=args.d_model, d_ff=4 * args.d_model)
+    return dataclasses.replace(config, **changes)
 
 
 def parse_step_args(ap: argparse.ArgumentParser) -> argparse.Namespace:

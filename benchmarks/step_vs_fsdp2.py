@@ -35,7 +35,7 @@ from hpf import Topology
 from hpf.comm.transport import reduce_scatter_async
 from hpf.planning import ROOT
 
-from common import interleaved, median_ms, mib, parse_step_args, print_table, report_ratio, step_bench_parser, time_steps
+from common import config_of, interleaved, median_ms, mib, parse_step_args, print_table, report_ratio, step_bench_parser, time_steps
 
 WORLD = 2
 LOCAL_LOSS = ("limit", "limit+gloo")  # contenders whose loss is this rank's own (no all-reduce), not the global mean
@@ -311,7 +311,7 @@ def fsdp_min_bytes(params) -> int:
 
 # -- the job -------------------------------------------------------------------------------
 def rank_main(rank, args):
-    config = gpt.CONFIGS[args.config]
+    config = config_of(args)
     params = gpt.init(config, torch.Generator().manual_seed(0))
     adamw = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     local = args.batch // WORLD
@@ -361,8 +361,8 @@ def main():
     ap.add_argument("--no-shm", dest="shm", action="store_false",
                     help="skip hpf with its shared-memory fast tier (the hpf train default)")
     args = parse_step_args(ap)
-    config = gpt.CONFIGS[args.config]
-    print(f"GPT {args.config} ({gpt.num_params(config) / 1e6:.2f}M params), global batch {args.batch}, "
+    config = config_of(args)
+    print(f"GPT {args.config}, {config.n_layers} layers of d_model {config.d_model} ({gpt.num_params(config) / 1e6:.2f}M params), global batch {args.batch}, "
           f"{WORLD} ranks, gloo, {torch.get_num_threads()} cores")
     out = launch(rank_main, WORLD, args, timeout=1800)[0]
 

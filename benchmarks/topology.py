@@ -21,7 +21,6 @@ Usage: python benchmarks/topology.py [--config small] [--layers N] [--batch 8] [
 """
 from __future__ import annotations
 
-import dataclasses
 import statistics
 
 import numpy as np
@@ -32,7 +31,8 @@ from hpf import SlowLink, Topology
 from hpf.launcher import launch
 from hpf.models import gpt
 
-from common import median_ms, mib, parse_step_args, print_table, report_ratio, step_bench_parser, time_steps
+from common import (config_of, median_ms, mib, parse_step_args, print_table, report_ratio, step_bench_parser,
+                    time_steps)
 from shm_vs_gloo import _bench as shm_vs_gloo_bench
 from step_vs_fsdp2 import LOCAL_LOSS, adamw_step, fsdp2_gpt, make_limit
 
@@ -75,11 +75,6 @@ def _time(impls, batches, args):
                 run.metrics.clear()
     times, losses, _cpu = time_steps(impls, batches, args, after_warmup=reset_counters)
     return times, losses
-
-
-def config_of(args) -> gpt.GPTConfig:
-    config = gpt.CONFIGS[args.config]
-    return dataclasses.replace(config, n_layers=args.layers) if args.layers else config
 
 
 def rank_main(rank, args):
@@ -134,7 +129,6 @@ def check_same_math(losses: dict) -> None:
 
 def main():
     ap = step_bench_parser(__doc__)
-    ap.add_argument("--layers", type=int, default=0, help="override the config's n_layers (0: keep)")
     ap.add_argument("--latency-ms", type=float, default=2.0, help="emulated slow link: latency per collective")
     ap.add_argument("--bandwidth-mbs", type=float, default=100.0, help="emulated slow link: MB/s per rank")
     ap.add_argument("--mib", type=int, nargs="+", default=[1, 4, 16, 64], help="shm vs gloo sizes")
