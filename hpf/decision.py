@@ -35,7 +35,6 @@ class Decision:
     finite: bool
     aux: dict | None
     waited_s: float = 0.0  # blocked in the all-reduce
-    count: float | None = None  # hpf.weighted: the global count of terms
 
 
 @dataclass(frozen=True)
@@ -99,8 +98,7 @@ class Decider:
             flat = torch.tensor(tv[16:], dtype=torch.float64)
             out_aux = {k: x.view(v.shape).to(v.dtype) for (k, v), x in
                        zip(aux.items(), torch.split(flat, [v.numel() for v in aux.values()]))}
-        return Decision(loss, grad_norm, coef / (normalizer * scale) if normalizer else 0.0, finite, out_aux, waited,
-                        normalizer if weighted else None)
+        return Decision(loss, grad_norm, coef / (normalizer * scale) if normalizer else 0.0, finite, out_aux, waited)
 
 
 def _sum_aux(outs: list[losses.LossOut]) -> dict | None:

@@ -8,7 +8,6 @@ same collectives) -> the update -> the next step's first gathers.
 """
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Callable
 
@@ -61,11 +60,6 @@ class ShardStep(StateIO):
         self._live: list | None = None  # the params list of the state this step last returned
         self._unloaded = False  # init had meta params and no restore has filled them yet
         self._pending_save = None  # an async save in flight (hpf.checkpoint.SaveHandle)
-        # hpf.weighted sums are seeded / this: the last step's terms per micro-batch, as a power
-        # of two, so their grads are as large as a mean's (fp16 scaling needs that) and bitwise
-        # the same as with no divisor (a resumed run starts at 1); the same on every rank, and
-        # divided back out by the decision
-        self._weight_div = 1.0
 
     # -- set-up, once ---------------------------------------------------------------------------
     def init(self, full_params: Any) -> TrainState:
@@ -176,12 +170,8 @@ class ShardStep(StateIO):
             self.after_reductions()
             eng.end_step()
             scale = float(state.loss_scale.scale) if state.loss_scale is not None else 1.0
-            weighted = outs[0].count is not None
-            decision = self.decider.decide(outs, self.grad_shards, batch,
-                                           scale / self._weight_div if weighted else scale, clip)
+            decision = self.decider.decide(outs, self.grad_shards, batch, scale, clip)
             eng.add_wait(decision.waited_s)
-            if decision.count:  # (the next step's seeds: every rank knows the same global count)
-                self._weight_div = 2.0 ** max(0, round(math.log2(max(decision.count / (self.dp_size * len(micro)), 1))))
             return decision
         except BaseException as err:
             eng.abort(err)
@@ -217,8 +207,6 @@ class ShardStep(StateIO):
             with eng.saved_tensor_hooks():
                 out = losses.parse(self.call_loss(eng.params_tree(), batch))
                 eng.start_backward()
-                if out.count is not None:
-                    seed /= self._weight_div
                 out.value.backward(None if seed == 1.0 else torch.full_like(out.value, seed))
         return out
 
@@ -230,8 +218,7 @@ class ShardStep(StateIO):
             out = losses.parse(self.call_loss(params, batch))
             parsed.append(out)
             aux = tuple(out.aux.values()) if out.aux else ()
-            s = seed / self._weight_div if out.count is not None else seed
-            return (out.value if s == 1.0 else out.value * s), (out.value, *aux)
+            return (out.value if seed == 1.0 else out.value * seed), (out.value, *aux)
         grads, (_, (value, *aux)) = torch.func.grad_and_value(seeded, has_aux=True)(self.engine.gathered_tree())
         self.engine.reduce_tree(grads)
         out = parsed[-1]
