@@ -66,16 +66,18 @@ class UnitBuffers:
         self.whole = [b.shard_size == 1 and (compute_dtype is None or compute_dtype == b.dtype)
                       and not comm.is_shared(b.index) for b in bks]
         self.shared = [comm.is_shared(b.index) for b in bks]
-        self.full: list[torch.Tensor | None] = [
-            None if self.whole[b.index] else _own_base(comm.full_buffer(b.index, compute_dtype or b.dtype)) for b in bks]
+        self.full: list[torch.Tensor | None] = []
+        self.nbytes: list[int] = []
+        for b in bks:  # each plain buffer freed as soon as it is made: never the whole model at once
+            f = None if self.whole[b.index] else _own_base(comm.full_buffer(b.index, compute_dtype or b.dtype))
+            self.full.append(f)
+            self.nbytes.append(0 if f is None else f.numel() * f.element_size())
+            if f is not None and not self.shared[b.index]:
+                f.untyped_storage().resize_(0)
         # Collectives write through a second tensor over the same memory, whose version counter
         # is its own: a re-gather into a buffer whose old views the loss function still holds
         # (the same values again) must not count as an in-place change of those views.
         self.fill = [None if f is None else _own_base(f) for f in self.full]
-        self.nbytes = [0 if f is None else f.numel() * f.element_size() for f in self.full]
-        for b, f in enumerate(self.full):
-            if f is not None and not self.shared[b]:
-                f.untyped_storage().resize_(0)
         #: units whose memory an eviction can free (their saved tensors need the hooks)
         self.freeable = {u for u, bs in self.unit_buckets.items() if any(
             not self.whole[b] and not self.shared[b] for b in bs)}

@@ -19,7 +19,7 @@ import torch
 
 from ..comm import schedule, world
 from ..comm.schedule import LOG
-from ..comm.transport import DONE, StreamWork
+from ..comm.transport import DONE, StreamWork, is_done, wait_for
 from ..planning import Plan
 from ..trace import span
 
@@ -149,6 +149,8 @@ class Reducer:
                     self._held[b] = flat.clone()  # (flat may be a comm buffer)
             return
         self._before_issue()
+        while self._handles and _landed(self._handles[0]):  # frees their buffers (peak: those in flight);
+            self._handles.pop(0)  # in order: a poll may start an HSDP replica all-reduce, in issue order only
         for b, flat in zip(buckets, flats):
             held = self._held.pop(b, None)
             if held is not None:
@@ -160,3 +162,11 @@ class Reducer:
                 schedule.wait(handle, "a gradient reduction")
                 handle = DONE
             self._handles.append(handle)
+
+
+def _landed(handle) -> bool:
+    """Whether a reduction has landed; then it is finished (waited), never twice."""
+    if not is_done(handle):
+        return False
+    wait_for(handle)
+    return True
