@@ -12,7 +12,8 @@ hook alone (no process, meta tensors), and takes the peak of these moments:
   its saved activations (recomputed first if it was checkpointed) and the grads its backward
   holds, the blocks below it still saved, the param grads autograd holds (the root's through
   all of backward, this block's), and the reductions still holding memory;
-- **the end of backward**: the root's reduction issued.
+- **the end of backward**: the root's reduction issued;
+- **init**, on CPU ranks: the state beside the full params each rank builds before sharding.
 
 Reductions: the flat collectives (``hpf.comm.flat.BucketComm``) keep every unit's flat grad
 buffer until the step's reductions land, with gloo's receive buffer beside it on CPU ranks
@@ -24,6 +25,7 @@ every bucket's summed grads between micro-batches.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 
@@ -63,12 +65,13 @@ def size(nbytes: float) -> str:
 
 def step_memory(report: PlanReport, plan: Plan, acts: Activations | None, *, compute_dtype=None,
                 reduce_dtype=None, recompute: str = "none", accumulate: int = 1, comm: str = "flat",
-                reduce_copies: int = 2, resident_units: int = 2) -> StepMemory:
+                reduce_copies: int = 2, resident_units: int = 2, init_copy: bool = False) -> StepMemory:
     """The peak per rank of a step of ``plan`` (see the module doc). ``report``: its plan report
     (the state: shards, grad shards, optimizer state); ``acts``: the model's activations on one
     micro-batch (None: not counted); ``compute_dtype``/``reduce_dtype``: the mixed precision's
     (None: the params' own); ``reduce_copies``: 2 where a reduce-scatter keeps a receive buffer
-    as big as its input (gloo), else 1."""
+    as big as its input (gloo), else 1; ``init_copy``: the rank builds the full params in its
+    own memory before sharding them (a CPU rank: ``hpf train``'s init)."""
     if comm not in COMMS:
         raise ValueError(f"comm={comm!r}: use one of {COMMS}")
     units: dict[str, dict[str, int]] = {}
@@ -115,6 +118,9 @@ def step_memory(report: PlanReport, plan: Plan, acts: Activations | None, *, com
             "reductions": held(blocks[k + 1:])}))
     moments.append(("the end of backward", {"gathered": gathered_with(set()), "param grads": root["grads"],
                                             "reductions": held(blocks + [root])}))
+    if init_copy:
+        moments.append(("init", {"full params": sum(math.prod(s.global_shape) * dtype_bytes(s.dtype)
+                                                    for s in plan.slots.values())}))
     when, parts = max(moments, key=lambda m: sum(m[1].values()))
     return StepMemory({**state, **parts}, when)
 
@@ -125,8 +131,8 @@ def predict(module, config, plan: Plan, report: PlanReport, *, local_batch: int,
     """The peak per rank of a job: ``module`` (an hpf.models module; its ``activations`` hook, if
     it has one) at ``local_batch`` sequences per rank in ``accumulate`` micro-batches, on
     ``plan`` (its ``report`` from :func:`state_report`), with hpf train's ``topology`` ("flat" or
-    "two-tier"). ``cpu``: CPU ranks of one host (gloo's reduce-scatter keeps a receive buffer;
-    two-tier collectives use shared memory there)."""
+    "two-tier"). ``cpu``: CPU ranks of one host (each builds the full params at init; gloo's
+    reduce-scatter keeps a receive buffer; two-tier collectives use shared memory there)."""
     mp = MixedPrecision.parse(mixed_precision)
     compute = mp.compute_dtype if mp else None
     acts = (module.activations(config, local_batch // accumulate, dtype_bytes(compute) if compute else 4)
@@ -134,7 +140,7 @@ def predict(module, config, plan: Plan, report: PlanReport, *, local_batch: int,
     comm = "flat" if topology == "flat" else "shm" if cpu else "tiered"
     return step_memory(report, plan, acts, compute_dtype=compute, reduce_dtype=mp.reduce_dtype if mp else None,
                        recompute=recompute, accumulate=accumulate, comm=comm, reduce_copies=2 if cpu else 1,
-                       resident_units=resident_units)
+                       resident_units=resident_units, init_copy=cpu)
 
 
 def state_report(plan: Plan, mixed_precision=None, optimizer: str = "adamw",
@@ -158,20 +164,20 @@ def state_report(plan: Plan, mixed_precision=None, optimizer: str = "adamw",
             f"moments for the other {len(plan.slots) - n_muon} tensors (the busiest rank's count); {balance}")
 
 
-def machine_memory(local_ranks: int) -> tuple[int, int, str]:
-    """(bytes available, how many ranks share them, what they are) on this machine: under
-    torchrun with an accelerator, this rank's free device memory; else the host's available
-    memory (MemAvailable on Linux), shared by its ``local_ranks``."""
+def machine_memory(local_ranks: int) -> tuple[int, str]:
+    """(bytes one rank may use, what they are) on this machine: under torchrun with an
+    accelerator, its free device memory; else the host's available memory (MemAvailable on
+    Linux) over its ``local_ranks``."""
     import torch
 
     from .launcher import is_launched
 
     if is_launched() and torch.accelerator.is_available():
         free, _ = torch.accelerator.get_memory_info(int(os.environ.get("LOCAL_RANK", 0)))
-        return free, 1, f"{torch.accelerator.current_accelerator().type} memory free"
+        return free, f"{torch.accelerator.current_accelerator().type} memory free"
     try:
         with open("/proc/meminfo") as f:
             available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration):
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return available, local_ranks, "host memory available"
+    return available // local_ranks, f"host memory available over {local_ranks} rank(s)"

@@ -204,7 +204,7 @@ class SearchResult:
                  f"{self.plans} plans, {self.seconds:.2f} s",
                  f"{'#':>2} {'predicted step':>14} {'tokens/s':>12} {'memory/rank':>12}  plan"]
         for i, r in enumerate(self.ranked[:self.top], 1):
-            lines.append(f"{i:>2} {r.step_s * 1e3:>11.2f} ms {self.tokens_per_s(r):>12,.0f} "
+            lines.append(f"{i:>2} {r.step_s * 1e3:>11.4g} ms {self.tokens_per_s(r):>12,.0f} "
                          f"{memory.size(r.memory.total):>12}  {r.candidate.label()}")
         fell_time = self.candidates - self.over_memory - min(len(self.ranked), self.top)
         lines += [f"why #1: {self.why()}",

@@ -61,6 +61,8 @@ class TrainJob:
     trace_dir: str | None = None  # --trace: Chrome traces of a few steps, one per rank and a merged one
     ep_axis: str | None = None  # --ep-axis: the mesh axis experts are split over (moe)
     tensorboard: str | None = None  # --tensorboard: the event folder rank 0 writes the metrics to
+    recompute: str = "none"  # --recompute: blocks that run their forward again in backward
+    bucket_bytes: int = 0  # --bucket-bytes: two-tier's cap on one fused collective
 
     def model_config(self):
         return model_config(self.model, self.config, self.vocab_size)
@@ -94,10 +96,12 @@ def make_step(job: TrainJob, mesh: hpf.Mesh):
     else:
         optimizer = hpf.optim.adamw(lr=lr(job.lr), weight_decay_mask=hpf.optim.default_weight_decay_mask)
     # a model with a training-loop Balancer (moe) returns its aux counts and takes --ep-axis
-    loss_fn = module.loss_for(config, job.ep_axis, aux=True) if hasattr(module, "Balancer") else module.loss_for(config)
+    loss_fn = (module.loss_for(config, job.ep_axis, aux=True, recompute=job.recompute) if hasattr(module, "Balancer")
+               else module.loss_for(config, recompute=job.recompute))
     return hpf.shard_step(loss_fn, mesh=mesh, optimizer=optimizer, accumulate=job.accumulate,
                           **sharding_of(job.model, config, mesh, job.fsdp_axes, job.ep_axis), mode=job.mode,
-                          mixed_precision=job.mixed_precision, hsdp=job.hsdp, topology=topology_of(job.topology))
+                          mixed_precision=job.mixed_precision, hsdp=job.hsdp,
+                          topology=topology_of(job.topology, job.bucket_bytes))
 
 
 def _batches(job: TrainJob, config, split: str, rank: int, world: int, start: int):

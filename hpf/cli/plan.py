@@ -5,6 +5,7 @@ import torch
 
 import hpf
 from hpf.cli.common import CliError, job_parsers, mesh_of, mesh_text, sharding_of, topology_of
+from hpf.cli.search import add_options as add_search_options, cmd_search
 from hpf.models import model_config
 from hpf.memory import state_report
 from hpf.report import PlanReport
@@ -17,7 +18,7 @@ def plan_of(args, mesh: hpf.Mesh) -> hpf.Plan:
     module, config = model_config(args.model, args.config)
     return step_plan(module.init(config, device="meta"), mesh,
                      **sharding_of(args.model, config, mesh, args.fsdp_axes, args.ep_axis),
-                     topology=topology_of(args.topology), hsdp=args.hsdp)
+                     topology=topology_of(args.topology, args.bucket_bytes), hsdp=args.hsdp)
 
 
 def report_of(args, plan: hpf.Plan) -> tuple[PlanReport, str]:
@@ -35,6 +36,8 @@ def report_dtype_bytes(args) -> int:
 def cmd_plan(args) -> int:
     module, config = model_config(args.model, args.config)
     mesh = mesh_of(args)
+    if args.search:
+        return cmd_search(args, mesh)
     plan = plan_of(args, mesh)
     report, state = report_of(args, plan)
     print(f"{args.model} {args.config!r}: {module.num_params(config) / 1e6:,.1f}M params in {len(plan.slots)} tensors, "
@@ -74,5 +77,11 @@ def add_parser(sub, help_: str):
     plan.add_argument("--check", action="store_true",
                       help="also run validation mode for rank 0's view of the mesh on meta tensors "
                            "(hpf.check_plan): layouts and shapes of the whole step, forward and backward")
+    plan.add_argument("--search", action="store_true",
+                      help="search the plan instead: FSDP layout, experts' axis, bucket bytes, precision, "
+                           "recomputation and micro-batches, under --memory-per-rank, ranked by hpf.sim's "
+                           "predicted step time on --hardware; --mixed-precision, --ep-axis and --hsdp, when given, "
+                           "hold theirs (docs: search.md)")
+    add_search_options(plan, train=False)
     plan.set_defaults(run=cmd_plan)
     return plan
