@@ -8,9 +8,8 @@ cases run ``topology=None``. Not a timing: the machine need not be quiet.
 
     python benchmarks/memory_model.py [--quick] [--json docs/results/memory_model.json]
 
-Prints one line per case and ``RATIO memory/<case> predicted/measured <=1.15`` ... (the
-target: within 15% either way, checked as two ratios per case would double the table, so
-the ratio printed is max(p/m, m/p)).
+Prints one line per case and ``RATIO memory/<case> <max(predicted/measured, measured/predicted)>
+<=1.15``: the target is within 15% either way.
 """
 from __future__ import annotations
 
@@ -29,8 +28,10 @@ from hpf.step import step_plan
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import report_ratio  # noqa: E402
 
-# (config, ranks, sequences per rank); each with recompute "none" and "all"
-CASES = [("tiny", 2, 8), ("tiny", 4, 8), ("small", 2, 4), ("small", 4, 4), ("medium", 2, 1), ("medium", 4, 1)]
+# (config, ranks, sequences per rank); each with recompute "none" and "all". Medium at 1 sequence
+# peaks when its reductions are held (the end of backward), at 2 while its activations are.
+CASES = [("tiny", 2, 8), ("tiny", 4, 8), ("small", 2, 4), ("small", 4, 4), ("medium", 2, 1), ("medium", 4, 1),
+         ("medium", 2, 2)]
 QUICK = [("tiny", 2, 8), ("small", 2, 4)]
 
 

@@ -33,7 +33,8 @@ from .models import MODELS, model_config
 from .models.recompute import RECOMPUTE
 from .sim import Hardware, SimResult
 
-__all__ = ["Candidate", "Ranked", "SearchResult", "search", "DIMENSIONS", "NoFeasiblePlan", "load"]
+__all__ = ["Candidate", "Ranked", "SearchResult", "search", "candidates", "simulate", "DIMENSIONS",
+           "NoFeasiblePlan", "load"]
 
 MiB = 2**20
 
@@ -76,7 +77,8 @@ class Candidate:
         specs = module.param_specs(config, self.ep_axis, data) if hasattr(module, "param_specs") else None
         return {"mesh": mesh, "param_specs": specs, "fsdp_axes": data, "hsdp": self.hsdp,
                 "topology": Topology(bucket_bytes=self.bucket_bytes) if self.topology == "two-tier" else None,
-                "mixed_precision": self.mixed_precision, "accumulate": self.accumulate}
+                "mixed_precision": self.mixed_precision, "accumulate": self.accumulate,
+                "batch_axes": getattr(module, "BATCH_AXES", None)}
 
     def loss_args(self, model: str) -> dict[str, Any]:
         """The keyword arguments of the model's ``loss_for`` beside the config."""
@@ -204,7 +206,7 @@ class SearchResult:
                  f"{self.plans} plans, {self.seconds:.2f} s",
                  f"{'#':>2} {'predicted step':>14} {'tokens/s':>12} {'memory/rank':>12}  plan"]
         for i, r in enumerate(self.ranked[:self.top], 1):
-            lines.append(f"{i:>2} {r.step_s * 1e3:>11.4g} ms {self.tokens_per_s(r):>12,.0f} "
+            lines.append(f"{i:>2} {r.step_s * 1e3:>#11.4g} ms {self.tokens_per_s(r):>12,.0f} "
                          f"{memory.size(r.memory.total):>12}  {r.candidate.label()}")
         fell_time = self.candidates - self.over_memory - min(len(self.ranked), self.top)
         lines += [f"why #1: {self.why()}",
@@ -259,7 +261,8 @@ def search(model: str, config: str, mesh, hw: Hardware | str, *, global_batch: i
     or an hpf.Mesh), priced on ``hw`` (a profile name, a calibration file or a Hardware), for a
     ``global_batch`` of sequences (default: one per rank) split evenly over the ranks; drop those
     over ``memory_per_rank`` bytes (None: no cap) and rank the rest by predicted step time.
-    ``fixed``: Candidate fields to hold (e.g. ``{"mixed_precision": None}``).
+    ``fixed``: Candidate fields to hold (e.g. ``{"mixed_precision": None}``); ``optimizer``:
+    whose state the memory counts ("adamw" or "muon").
 
     Raises:
         ValueError: an unknown model/config, a batch that does not split over the ranks, an
@@ -267,21 +270,10 @@ def search(model: str, config: str, mesh, hw: Hardware | str, *, global_batch: i
         NoFeasiblePlan: no candidate fits ``memory_per_rank``; it names the smallest one's memory.
     """
     started = time.perf_counter()
-    module, cfg = model_config(model, config)
     mesh = mesh if isinstance(mesh, Mesh) else Mesh(dict(mesh))
     hw = sim.hardware(hw) if isinstance(hw, str) else hw
     global_batch = mesh.size if global_batch is None else global_batch
-    if global_batch < 1 or global_batch % mesh.size:
-        raise ValueError(f"global batch {global_batch} must split evenly over the {mesh.size} ranks; use a multiple "
-                         f"of {mesh.size}")
-    fixed = dict(fixed or {})
-    unknown = set(fixed) - {f.name for f in dataclasses.fields(Candidate)}
-    if unknown:
-        raise ValueError(f"fixed: {sorted(unknown)} are not search dimensions; use some of "
-                         f"{[f.name for f in dataclasses.fields(Candidate)]}")
-    job = _Job(model, cfg, module, mesh, hw, global_batch // mesh.size, optimizer)
-    candidates = _candidates(job, fixed)
-    priced = [_price(job, config, c) for c in candidates]
+    priced, plans = _priced(model, config, mesh, hw, global_batch, optimizer, fixed)
     fits = [r for r in priced if memory_per_rank is None or r.memory.total <= memory_per_rank]
     if not fits:
         small = min(priced, key=lambda r: r.memory.total)
@@ -296,12 +288,42 @@ def search(model: str, config: str, mesh, hw: Hardware | str, *, global_batch: i
         if len(ranked) >= top and r.floor_s >= ranked[top - 1].step_s:
             pruned += 1
             continue
-        r.sim = sim.simulate(config, mesh, hw, local_batch=job.local_batch, model=model, **r.candidate.sim_args())
+        r.sim = simulate(r.candidate, model, config, mesh, hw, global_batch)
         ranked.append(r)
         ranked.sort(key=lambda x: (x.step_s, x.memory.total))
     return SearchResult(model, config, dict(zip(mesh.axis_names, mesh.shape)), global_batch, hw.name, memory_per_rank,
-                        ranked, len(priced), len(priced) - len(fits), pruned, time.perf_counter() - started, top,
-                        len({id(p) for p, _ in job.reports.values()}))
+                        ranked, len(priced), len(priced) - len(fits), pruned, time.perf_counter() - started, top, plans)
+
+
+def candidates(model: str, config: str, mesh, hw: Hardware | str, *, global_batch: int | None = None,
+               optimizer: str = "adamw", fixed: dict | None = None) -> list[Ranked]:
+    """Every candidate :func:`search` considers, priced (memory, compute floor) but not simulated."""
+    mesh = mesh if isinstance(mesh, Mesh) else Mesh(dict(mesh))
+    return _priced(model, config, mesh, sim.hardware(hw) if isinstance(hw, str) else hw,
+                   mesh.size if global_batch is None else global_batch, optimizer, fixed)[0]
+
+
+def simulate(c: Candidate, model: str, config: str, mesh, hw: Hardware | str, global_batch: int) -> SimResult:
+    """hpf.sim's prediction of one candidate's step."""
+    mesh = mesh if isinstance(mesh, Mesh) else Mesh(dict(mesh))
+    return sim.simulate(config, mesh, hw, local_batch=global_batch // mesh.size, model=model, **c.sim_args())
+
+
+def _priced(model: str, config: str, mesh: Mesh, hw: Hardware, global_batch: int, optimizer: str,
+            fixed: dict | None) -> tuple[list[Ranked], int]:
+    """(every candidate priced, how many distinct plans that took)."""
+    module, cfg = model_config(model, config)
+    if global_batch < 1 or global_batch % mesh.size:
+        raise ValueError(f"global batch {global_batch} must split evenly over the {mesh.size} ranks; use a multiple "
+                         f"of {mesh.size}")
+    fixed = dict(fixed or {})
+    unknown = set(fixed) - {f.name for f in dataclasses.fields(Candidate)}
+    if unknown:
+        raise ValueError(f"fixed: {sorted(unknown)} are not search dimensions; use some of "
+                         f"{[f.name for f in dataclasses.fields(Candidate)]}")
+    job = _Job(model, cfg, module, mesh, hw, global_batch // mesh.size, optimizer)
+    priced = [_price(job, config, c) for c in _candidates(job, fixed)]
+    return priced, len({id(p) for p, _ in job.reports.values()})
 
 
 def _candidates(job: _Job, fixed: dict) -> list[Candidate]:

@@ -150,11 +150,10 @@ def test_search_keeps_the_exhaustive_top_five():
     simulating every candidate under the cap."""
     mesh, cap = {"node": 2, "local": 4}, 20 * 2**30  # compute-bound: the floor prunes; fp32's memory does not fit
     result = search.search("gpt", "1b", mesh, "h100", global_batch=32, memory_per_rank=cap)
-    job = search._Job("gpt", gpt.CONFIGS["1b"], gpt, hpf.Mesh(mesh), sim.hardware("h100"), 4, "adamw")
-    every = [search._price(job, "1b", c) for c in search._candidates(job, {})]
+    every = search.candidates("gpt", "1b", mesh, "h100", global_batch=32)
     fits = [r for r in every if r.memory.total <= cap]
     assert result.candidates == len(every) and result.over_memory == len(every) - len(fits) > 0
-    times = sorted(sim.simulate("1b", mesh, "h100", local_batch=4, **r.candidate.sim_args()).step_s for r in fits)
+    times = sorted(search.simulate(r.candidate, "gpt", "1b", mesh, "h100", 32).step_s for r in fits)
     assert [r.step_s for r in result.ranked[:5]] == pytest.approx(times[:5], rel=1e-12)
     assert result.pruned > 0 and len(result.ranked) + result.pruned == len(fits)
     assert all(r.memory.total <= cap for r in result.ranked)
@@ -208,7 +207,7 @@ def test_the_api_choice_runs_and_trains_like_the_reference():
     result = search.search("gpt", "tiny", {"dp": 2}, "h100", global_batch=8, fixed={"mixed_precision": None})
     choice = result.best.candidate
     assert set(result.step_args()) == {"mesh", "param_specs", "fsdp_axes", "hsdp", "topology", "mixed_precision",
-                                       "accumulate"}
+                                       "accumulate", "batch_axes"}
     fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
     losses = hpf.launch(_run_searched, 2, fields, timeout=300)[0]
     config = gpt.CONFIGS["tiny"]
@@ -273,3 +272,30 @@ def test_cli_train_replays_a_saved_plan_and_refuses_another_job(tmp_path):
     assert options["batch_size"] == 8 and options["mesh"] == {"dp": 2}
     proc = hpf_cmd("train", "--plan", saved, "--config", "small", "--out", tmp_path / "other")
     assert proc.returncode == 2 and "was searched for --config tiny" in proc.stderr
+
+
+@pytest.mark.slow
+def test_cli_train_moe_recomputed_in_micro_batches_matches_one_process(tmp_path):
+    """Experts over ep, 2 micro-batches (the bias is not split: moe.BATCH_AXES), every block
+    recomputed: step 1's loss is the one-process loss of the same params and batch."""
+    proc = hpf_cmd("train", "--model", "moe", "--mesh", "dp=2,ep=2", "--ep-axis", "ep", "--steps", "1",
+                   "--batch-size", "8", "--accumulate", "2", "--recompute", "all", "--out", tmp_path / "run")
+    assert proc.returncode == 0, proc.stderr
+    assert "recompute all" in proc.stdout
+    loss = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    config = moe.CONFIGS["tiny"]
+    batch = moe.batch_with_bias(moe.global_batch(config, 8, 0, 0), torch.zeros(config.n_moe_layers, config.n_experts))
+    want = moe.loss_for(config)(moe.init(config, torch.Generator().manual_seed(0)), batch)
+    assert loss == pytest.approx(want.item(), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_cli_train_plan_auto_searches_this_machine(tmp_path):
+    proc = hpf_cmd("train", "--plan", "auto", "--hardware", "h100", "--world-size", "1", "--steps", "1",
+                   "--batch-size", "4", "--out", tmp_path / "run")
+    assert proc.returncode == 0, proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("plan: "))
+    assert "searched" in line and "on h100" in line and "per rank" in line
+    options = json.loads((tmp_path / "run" / "run.json").read_text())["options"]
+    fields = [f.name for f in dataclasses.fields(search.Candidate)]
+    assert search.Candidate(**{k: options[k] for k in fields}).label() in line

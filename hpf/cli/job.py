@@ -99,6 +99,7 @@ def make_step(job: TrainJob, mesh: hpf.Mesh):
     loss_fn = (module.loss_for(config, job.ep_axis, aux=True, recompute=job.recompute) if hasattr(module, "Balancer")
                else module.loss_for(config, recompute=job.recompute))
     return hpf.shard_step(loss_fn, mesh=mesh, optimizer=optimizer, accumulate=job.accumulate,
+                          batch_axes=getattr(module, "BATCH_AXES", None),
                           **sharding_of(job.model, config, mesh, job.fsdp_axes, job.ep_axis), mode=job.mode,
                           mixed_precision=job.mixed_precision, hsdp=job.hsdp,
                           topology=topology_of(job.topology, job.bucket_bytes))

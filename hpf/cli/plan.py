@@ -77,11 +77,6 @@ def add_parser(sub, help_: str):
     plan.add_argument("--check", action="store_true",
                       help="also run validation mode for rank 0's view of the mesh on meta tensors "
                            "(hpf.check_plan): layouts and shapes of the whole step, forward and backward")
-    plan.add_argument("--search", action="store_true",
-                      help="search the plan instead: FSDP layout, experts' axis, bucket bytes, precision, "
-                           "recomputation and micro-batches, under --memory-per-rank, ranked by hpf.sim's "
-                           "predicted step time on --hardware; --mixed-precision, --ep-axis and --hsdp, when given, "
-                           "hold theirs (docs: search.md)")
     add_search_options(plan, train=False)
     plan.set_defaults(run=cmd_plan)
     return plan

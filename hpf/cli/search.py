@@ -7,10 +7,12 @@ import dataclasses
 import math
 import re
 
-from hpf.cli.common import CliError, mesh_text
+from hpf import memory, search, sim
+from hpf.cli.common import CliError, mesh_text, positive
+from hpf.search import Candidate
 
-# hpf train's options a plan sets (hpf.search.Candidate's fields)
-PLANNED = ("topology", "hsdp", "ep_axis", "bucket_bytes", "mixed_precision", "recompute", "accumulate")
+# hpf train's options a plan sets: hpf.search.Candidate's fields
+PLANNED = tuple(f.name for f in dataclasses.fields(Candidate))
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 
@@ -32,7 +34,19 @@ def memory_bytes(text: str):
 
 
 def add_options(parser, *, train: bool) -> None:
-    """The search's options: the cap, the hardware that prices the candidates (plan also: the batch, --save)."""
+    """The search's options: hpf train's --plan or hpf plan's --search, the cap, the hardware that
+    prices the candidates (plan also: the batch, --save)."""
+    if train:
+        parser.add_argument("--plan", metavar="auto|FILE",
+                            help="run a searched plan: auto searches now (hpf plan --search on --hardware, capped at "
+                                 "--memory-per-rank, default this machine's memory); FILE replays hpf plan --search "
+                                 "--save FILE. It sets " + ", ".join("--" + o.replace("_", "-") for o in PLANNED))
+    else:
+        parser.add_argument("--search", action="store_true",
+                            help="search the plan instead: FSDP layout, experts' axis, bucket bytes, precision, "
+                                 "recomputation and micro-batches, under --memory-per-rank, ranked by hpf.sim's "
+                                 "predicted step time on --hardware; --mixed-precision, --ep-axis and --hsdp, when "
+                                 "given, hold theirs (docs: search.md)")
     parser.add_argument("--memory-per-rank", type=memory_bytes, metavar="BYTES|auto",
                         help="the search's cap on predicted peak memory per rank, e.g. 64GiB; auto: this machine's "
                              "(an accelerator's free memory under torchrun, else the host's available memory over "
@@ -43,7 +57,7 @@ def add_options(parser, *, train: bool) -> None:
                              "h200) or a calibration from `hpf calibrate`" +
                              (" (needed by --plan auto)" if train else " (default: cloudmatrix384)"))
     if not train:
-        parser.add_argument("--batch-size", type=int, metavar="B",
+        parser.add_argument("--batch-size", type=positive(int), metavar="B",
                             help="with --search: the global batch in sequences, split evenly over the ranks "
                                  "(default: one per rank)")
         parser.add_argument("--save", metavar="FILE",
@@ -53,19 +67,15 @@ def add_options(parser, *, train: bool) -> None:
 def _cap(args, hw, local_ranks: int, machine: bool) -> int:
     """--memory-per-rank in bytes: given; else the profile's (hpf plan, a published profile);
     else this machine's (``machine``: hpf train, which runs here)."""
-    from hpf.memory import machine_memory
-
     if args.memory_per_rank not in (None, "auto"):
         return args.memory_per_rank
     if args.memory_per_rank is None and hw.memory_bytes and not machine:
         return hw.memory_bytes
-    return machine_memory(local_ranks)[0]
+    return memory.machine_memory(local_ranks)[0]
 
 
 def run_search(args, mesh, *, batch_size: int, local_ranks: int, machine: bool = False):
     """hpf.search.search for the command line's job; its errors as one line."""
-    from hpf import search, sim
-
     try:
         hw = sim.hardware(args.hardware)
     except ValueError as e:
@@ -105,8 +115,6 @@ def check_plan_flags(args) -> None:
                            "calibration of this machine (hpf calibrate --out calib.json, about 3 minutes) or a "
                            "profile (h100, h200, cloudmatrix384)")
         return
-    from hpf import search
-
     try:
         saved = search.load(args.plan)
     except ValueError as e:
@@ -125,14 +133,11 @@ def check_plan_flags(args) -> None:
 
 def apply_plan(args, mesh, local_ranks: int) -> str:
     """Set the run's options from the plan (searched now for --plan auto); returns the line that says so."""
-    from hpf.memory import size
-    from hpf.search import Candidate
-
     if args.plan == "auto":
         result = run_search(args, mesh, batch_size=args.batch_size, local_ranks=local_ranks, machine=True)
         choice, where = result.best.candidate, (f"searched {result.candidates} candidates in {result.seconds:.1f} s "
                                                 f"on {result.hardware}, predicted {result.best.step_s * 1e3:.3g} ms "
-                                                f"per step, {size(result.best.memory.total)} per rank")
+                                                f"per step, {memory.size(result.best.memory.total)} per rank")
     else:
         choice, where = Candidate(**args.plan_choice), f"from {args.plan}"
     for key, value in dataclasses.asdict(choice).items():

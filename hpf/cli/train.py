@@ -295,11 +295,6 @@ def add_parser(sub, help_: str):
     train.add_argument("--recompute", choices=RECOMPUTE, default="none",
                        help="activation checkpointing: every_other or all blocks keep only their input and run "
                             "their forward again in backward (less activation memory, more compute; default: none)")
-    train.add_argument("--plan", metavar="auto|FILE",
-                       help="run a searched plan: auto searches now (hpf plan --search on --hardware, capped at "
-                            "--memory-per-rank, default this machine's memory); FILE replays hpf plan --search --save "
-                            "FILE. It sets --topology, --hsdp, --ep-axis, --bucket-bytes, --mixed-precision, "
-                            "--recompute and --accumulate")
     add_search_options(train, train=True)
     train.add_argument("--mode", choices=tuple(STEPS), default="production",
                        help="validate runs the same plan with layout checks on every op (default: production)")

@@ -34,7 +34,8 @@ from . import gpt
 from . import recompute as recompute_
 
 __all__ = ["MoEConfig", "CONFIGS", "num_params", "init", "loss", "loss_for", "param_specs", "update_bias",
-           "imbalance", "Balancer", "synthetic_batches", "global_batch", "batch_with_bias", "dispatch_bytes",
+           "imbalance", "Balancer", "synthetic_batches", "global_batch", "batch_with_bias", "BATCH_AXES",
+           "dispatch_bytes",
            "unit_flops", "unit_a2a", "activations"]
 
 NORM_EPS = 1e-6
@@ -298,6 +299,11 @@ def update_bias(bias: torch.Tensor, counts: torch.Tensor, coeff: float) -> torch
 def imbalance(counts: torch.Tensor) -> float:
     """max/mean tokens per expert, worst layer (1.0 is perfect balance)."""
     return float((counts.max(-1).values / counts.mean(-1).clamp_min(1e-9)).max()) if counts.numel() else 1.0
+
+
+#: ``shard_step(batch_axes=...)`` for ``batch_with_bias`` batches: the bias is not per-example, so
+#: every micro-batch (``accumulate``) gets it whole and it is never cast
+BATCH_AXES = {"tokens": 0, "expert_bias": None}
 
 
 def batch_with_bias(tokens: torch.Tensor, bias: torch.Tensor) -> dict:
