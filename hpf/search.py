@@ -195,7 +195,8 @@ class SearchResult:
                      "the optimizer": r.optimizer_s - b.optimizer_s}
             term = max(gains, key=gains.get)
             line += (f"; against #2 it saves {(r.step_s - b.step_s) * 1e3:.3g} ms, most of it in {term} "
-                     f"({gains[term] * 1e3:+.3g} ms for #2)")
+                     f"({gains[term] * 1e3:+.3g} ms for #2)" if r.step_s > b.step_s else
+                     "; #2 is predicted as fast, and #1 needs no more memory")
         return line
 
     def format(self) -> str:
@@ -206,7 +207,7 @@ class SearchResult:
                  f"{self.plans} plans, {self.seconds:.2f} s",
                  f"{'#':>2} {'predicted step':>14} {'tokens/s':>12} {'memory/rank':>12}  plan"]
         for i, r in enumerate(self.ranked[:self.top], 1):
-            lines.append(f"{i:>2} {r.step_s * 1e3:>#11.4g} ms {self.tokens_per_s(r):>12,.0f} "
+            lines.append(f"{i:>2} {r.step_s * 1e3:>11.2f} ms {self.tokens_per_s(r):>12,.0f} "
                          f"{memory.size(r.memory.total):>12}  {r.candidate.label()}")
         fell_time = self.candidates - self.over_memory - min(len(self.ranked), self.top)
         lines += [f"why #1: {self.why()}",
@@ -322,7 +323,15 @@ def _priced(model: str, config: str, mesh: Mesh, hw: Hardware, global_batch: int
         raise ValueError(f"fixed: {sorted(unknown)} are not search dimensions; use some of "
                          f"{[f.name for f in dataclasses.fields(Candidate)]}")
     job = _Job(model, cfg, module, mesh, hw, global_batch // mesh.size, optimizer)
-    priced = [_price(job, config, c) for c in _candidates(job, fixed)]
+    priced, seen = [], set()
+    for c in _candidates(job, fixed):
+        r = _price(job, config, c)
+        plan = job.reports[_plan_key(c)][0]
+        same = (c.topology, c.mixed_precision, c.recompute, c.accumulate,  # what runs: HSDP on a MoE's
+                tuple((b.shard_axes, b.replicate_axes, b.numel) for b in plan.buckets))  # explicit specs is a no-op
+        if same not in seen:
+            seen.add(same)
+            priced.append(r)
     return priced, len({id(p) for p, _ in job.reports.values()})
 
 
@@ -336,9 +345,13 @@ def _candidates(job: _Job, fixed: dict) -> list[Candidate]:
     return out
 
 
+def _plan_key(c: Candidate) -> tuple:
+    return c.topology, c.hsdp, c.ep_axis, c.bucket_bytes, c.mixed_precision
+
+
 def _price(job: _Job, config: str, c: Candidate) -> Ranked:
     """Memory on the candidate's plan (one per layout, cached) and the compute floor of its step."""
-    key = (c.topology, c.hsdp, c.ep_axis, c.bucket_bytes, c.mixed_precision)
+    key = _plan_key(c)
     if key not in job.reports:
         plan = sim.plan_for(job.module, job.config, job.mesh, None, c.ep_axis, c.topology == "two-tier", c.hsdp,
                             c.bucket_bytes if c.topology == "two-tier" else 0)
