@@ -456,7 +456,7 @@ def _hpf_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float) 
 
 
 def _reduce(tl: _Timeline, u: _Unit, opts: Options, landing: list, live: dict, held: bool = False) -> None:
-    if not opts.shm:
+    if not opts.shm and not (held and u.name == ROOT):  # the pinned root changes only with the update
         live.pop(u.name, None)
     if held:  # an earlier micro-batch: grads packed and added into the held sums, nothing sent
         tl.run(2 * u.reduce_copy_s)
