@@ -50,30 +50,32 @@ def _batch(model: str, config, rank: int, ranks: int, batch: int, step: int):
 
 def _measure(rank: int, model: str, config_name: str, batch: int, candidates: list[dict], rounds: int, warmup: int,
              steps: int) -> list[float]:
-    """Median step seconds of each candidate (hpf train's options), rounds rotated."""
+    """Median step seconds of each candidate (hpf train's options), rounds rotated, after one
+    untimed run of the first (a process's first steps pay its one-time costs)."""
     from hpf.models import model_config
 
     module, config = model_config(model, config_name)
     mesh = hpf.Mesh(MESH)
+
+    def run(c: search.Candidate, steps: int) -> list[float]:
+        loss = module.loss_for(config, **c.loss_args(model), **({"aux": True} if hasattr(module, "Balancer") else {}))
+        step = hpf.shard_step(loss, optimizer=hpf.optim.adamw(lr=1e-3), **c.step_args(model, config, mesh))
+        state = step.init(module.init(config))
+        times = []
+        for s in range(warmup + steps):
+            torch.distributed.barrier()
+            state, m = step(state, _batch(model, config, rank, mesh.size, batch, s))
+            times.append(m["step_s"])
+        step.engine.comm.close()
+        return times[warmup:]
+
+    run(search.Candidate(**candidates[0]), 1)
     per: list[list[float]] = [[] for _ in candidates]
     for r in range(rounds):
         order = list(range(len(candidates)))
-        order = order[r % len(order):] + order[:r % len(order)]
-        for i in order:
-            c = search.Candidate(**candidates[i])
-            loss = module.loss_for(config, **c.loss_args(model), **({"aux": True} if hasattr(module, "Balancer") else {}))
-            step = hpf.shard_step(loss, optimizer=hpf.optim.adamw(lr=1e-3), **c.step_args(model, config, mesh))
-            state = step.init(module.init(config))
-            times = []
-            for s in range(warmup + steps):
-                torch.distributed.barrier()
-                state, m = step(state, _batch(model, config, rank, mesh.size, batch, s))
-                if s >= warmup:
-                    times.append(m["step_s"])
-            step.engine.comm.close()
-            per[i].append(statistics.median(times))
-    # the slowest rank's view: every rank times the same steps; rank 0's medians stand for the job
-    return [statistics.median(t) for t in per]
+        for i in order[r % len(order):] + order[:r % len(order)]:
+            per[i].append(statistics.median(run(search.Candidate(**candidates[i]), steps)))
+    return [statistics.median(t) for t in per]  # rank 0's: every rank times the same steps
 
 
 def main() -> None:
