@@ -14,7 +14,6 @@ Usage: python benchmarks/agreement_cost.py [--configs tiny,small] [--rounds 4] [
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch

@@ -14,6 +14,8 @@ ROOT = DOCS.parent
 VALIDATION = DOCS / "simulate" / "validation"
 BENCHMARKS = DOCS / "results" / "benchmarks.json"
 REAL_RUN = DOCS / "results" / "real_run.json"
+MEMORY_MODEL = DOCS / "results" / "memory_model.json"
+SEARCH_CHOICE = DOCS / "results" / "search_choice.json"
 # The paper's headline figures for the dense 1B GPT at 768 ranks (arXiv 2609.21594), as the issue states them.
 PAPER_1B = {"exposed": "2.9%", "fsdp2": "-29.7%", "ddp": "-25.5%"}
 PAPER_505B_TOKENS_S = 421e3
@@ -171,6 +173,70 @@ def real_run() -> str:
     return ("```bash\n" + "\n".join(r["commands"]) + "\n```\n\n" + table(["", "first", "last"], rows))
 
 
+# -- the plan search ---------------------------------------------------------------------------------
+
+def search_example() -> str:
+    """What ``hpf plan --search`` prints for the dense 1B GPT at 768 ranks (computed at build time)."""
+    from hpf import search
+
+    result = search.search("gpt", "1b", {"node": 48, "local": 16}, "cloudmatrix384", memory_per_rank=64 * 2**30)
+    return ("```text\n$ hpf plan --search --config 1b --mesh node=48,local=16 --hardware cloudmatrix384\n"
+            + result.format() + "\n```\n")
+
+
+def search_paper() -> str:
+    """The paper's setups: today's hand-written options against the search's pick, predicted."""
+    from hpf import memory, search
+
+    rows = []
+    for model, config, hand in (("gpt", "1b", search.Candidate(mixed_precision="bf16")),
+                                ("moe", "505b", search.Candidate(ep_axis="local", mixed_precision="bf16"))):
+        mesh = {"node": 48, "local": 16}
+        priced = {r.candidate: r for r in search.candidates(model, config, mesh, "cloudmatrix384")}
+        mine = search.simulate(hand, model, config, mesh, "cloudmatrix384", 768)
+        setup = f"{model} {config}, 768 dies, 1 sequence each"
+        rows.append([setup, "hand-written: " + hand.label(), memory.size(priced[hand].memory.total),
+                     f"{mine.tokens_per_s / 1e3:,.0f}k"])
+        for cap in (64 * 2**30, None):  # the die's memory; without a cap only where nothing fits it
+            try:
+                best = search.search(model, config, mesh, "cloudmatrix384", memory_per_rank=cap).best
+            except search.NoFeasiblePlan:
+                small = min(priced.values(), key=lambda r: r.memory.total)
+                rows.append([setup, f"search, {memory.size(cap)} cap: none fits (smallest: {small.candidate.label()})",
+                             memory.size(small.memory.total), "-"])
+                continue
+            rows.append([setup, f"search, {memory.size(cap) + ' cap' if cap else 'no cap'}: {best.candidate.label()}",
+                         memory.size(best.memory.total), f"{best.sim.tokens_per_s / 1e3:,.0f}k"])
+            break
+    return table(["setup", "plan", "predicted memory per die", "predicted tokens/s"], rows)
+
+
+def memory_validation() -> str:
+    """hpf.memory's predicted peak per rank against the measured one (benchmarks/memory_model.py)."""
+    data = json.loads(MEMORY_MODEL.read_text())
+    rows = [[r["case"], _mib(r["predicted"]), _mib(r["measured"]), f"{r['predicted'] / r['measured']:.3f}", r["when"]]
+            for r in data["cases"]]
+    return table(["case (config/ranks/sequences per rank/recompute)", "predicted", "measured", "ratio",
+                  "predicted peak at"], rows)
+
+
+def search_choice() -> str:
+    """The searched plan's measured step against the best measured candidate (benchmarks/search_choice.py)."""
+    data = json.loads(SEARCH_CHOICE.read_text())
+    head = ("Settings: " + ("--quick (one round of two steps, the pick and four others: a check of the script, "
+                            "not the measurement)" if data["quick"] else f"{data['rounds']} rounds of "
+                            f"{data['steps']} steps per candidate") + f", torch {data['torch']}.\n\n")
+    rows = [[j["job"], j["candidates"], j["measured"], f"{j['search_s']:.2f} s", f"{j['exhaustive_s'] / 60:.1f} min",
+             f"{j['picked']} ({_ms(j['picked_s'])})", f"{j['best']} ({_ms(j['best_s'])})",
+             f"{j['picked_s'] / j['best_s']:.3f}"] for j in data["jobs"]]
+    return head + table(["job", "candidates", "measured", "search", "exhaustive run", "searched plan",
+                         "best measured", "ratio (target <= 1.10)"], rows)
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
 GENERATED = {
     "train_options.md": lambda out: options("train"),
     "prepare_options.md": lambda out: options("prepare"),
@@ -185,6 +251,10 @@ GENERATED = {
     "validation_counts.md": lambda out: validation_counts(),
     "benchmarks.md": lambda out: benchmarks(),
     "real_run.md": lambda out: real_run(),
+    "search_example.md": lambda out: search_example(),
+    "search_paper.md": lambda out: search_paper(),
+    "memory_validation.md": lambda out: memory_validation(),
+    "search_choice.md": lambda out: search_choice(),
 }
 
 

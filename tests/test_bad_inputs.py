@@ -380,8 +380,8 @@ def test_hpf_train_exits_nonzero_on_nonfinite_loss(tmp_path, monkeypatch, capsys
     from hpf.models import gpt
     real = gpt.loss_for
 
-    def loss_for(config, weighted=False):
-        inner, calls = real(config), [0]
+    def loss_for(config, **kw):
+        inner, calls = real(config, **kw), [0]
 
         def loss(p, b):
             calls[0] += 1

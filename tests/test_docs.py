@@ -25,7 +25,7 @@ def test_the_docs_build_with_warnings_as_errors_and_run_the_notebooks(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "sphinx", "-W", "-q", "-b", "html", "docs", str(tmp_path / "html")],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    for page in ("contract", "topology", "validation", "muon", "moe", "checkpoints", "simulate", "benchmarks",
+    for page in ("contract", "topology", "validation", "muon", "moe", "checkpoints", "simulate", "search", "benchmarks",
                  "architecture", "cli", "api", "notebooks/quickstart", "notebooks/muon"):
         assert (tmp_path / "html" / f"{page}.html").is_file(), page
     quickstart = (tmp_path / "html" / "notebooks" / "quickstart.html").read_text()

@@ -135,10 +135,11 @@ MUON = dict(lr=0.02, adamw_lr=1e-3)
 MUON_STEPS = 2
 
 
-def _run(rank, axes, ep_axis, optimizer=None, steps=1, bias=None):
+def _run(rank, axes, ep_axis, optimizer=None, steps=1, bias=None, recompute="none"):
     mesh = hpf.Mesh(axes)
     data = tuple(axes)
-    step = hpf.shard_step(moe.loss_for(C, ep_axis=ep_axis, aux=True), mesh=mesh, optimizer=optimizer or SGD1(),
+    step = hpf.shard_step(moe.loss_for(C, ep_axis=ep_axis, aux=True, recompute=recompute), mesh=mesh,
+                          optimizer=optimizer or SGD1(),
                           param_specs=moe.param_specs(C, ep_axis, data), fsdp_axes=data)
     state = step.init(params0())
     rows = BATCH // mesh.size
@@ -210,6 +211,8 @@ def _validate_cases(rank):
 
 def _four(rank):
     return {"ep2": _run(rank, {"dp": 2, "ep": 2}, "ep"), "ep4": _run(rank, {"ep": 4}, "ep"),
+            # every block's forward, all-to-alls included, runs again in backward
+            "ep2_recompute": _run(rank, {"dp": 2, "ep": 2}, "ep", recompute="all"),
             "muon": _run(rank, {"dp": 2, "ep": 2}, "ep", hpf.optim.muon(**MUON), steps=MUON_STEPS),
             "starved": _run(rank, {"dp": 2, "ep": 2}, "ep", bias=starving_bias()),
             "a2a": _uneven_all_to_all(rank), "validate": _validate_cases(rank)}
@@ -250,7 +253,7 @@ def assert_matches_reference(four, ref, run):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", ["ep2", "ep4"])
+@pytest.mark.parametrize("run", ["ep2", "ep4", "ep2_recompute"])
 def test_ep_fsdp_step_matches_dense_reference(four, ref, run):
     assert ref[1][0, DEAD] == 0
     assert_matches_reference(four, ref, run)

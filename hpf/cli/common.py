@@ -100,8 +100,8 @@ def sharding_of(model: str, config, mesh: hpf.Mesh, fsdp_axes, ep_axis: str | No
     return {"param_specs": module.param_specs(config, ep_axis, data), "fsdp_axes": data}
 
 
-def topology_of(name: str) -> hpf.Topology | None:
-    return hpf.Topology() if name == "two-tier" else None
+def topology_of(name: str, bucket_bytes: int = 0) -> hpf.Topology | None:
+    return hpf.Topology(bucket_bytes=bucket_bytes) if name == "two-tier" else None
 
 
 def job_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
@@ -129,6 +129,9 @@ def job_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                           "still shard over every FSDP axis, experts over the others (default: none)")
     job.add_argument("--hsdp", action="store_true",
                      help="shard params within the fast tier only and replicate them across the slow tier")
+    job.add_argument("--bucket-bytes", type=positive(int, least=0), default=0, metavar="BYTES",
+                     help="two-tier: split each unit into fused collectives of at most this many bytes, so one's slow "
+                          "stage overlaps the next one's fast stage (default: 0, one per unit)")
     optimizer = Parser(add_help=False)  # train and plan (its state and owners), not simulate
     optimizer.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
                            help="muon: Muon for weight matrices (one momentum each; owners balanced by "

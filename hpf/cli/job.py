@@ -62,6 +62,8 @@ class TrainJob:
     trace_dir: str | None = None  # --trace: Chrome traces of a few steps, one per rank and a merged one
     ep_axis: str | None = None  # --ep-axis: the mesh axis experts are split over (moe)
     tensorboard: str | None = None  # --tensorboard: the event folder rank 0 writes the metrics to
+    recompute: str = "none"  # --recompute: blocks that run their forward again in backward
+    bucket_bytes: int = 0  # --bucket-bytes: two-tier's cap on one fused collective
 
     def model_config(self):
         return model_config(self.model, self.config, self.vocab_size)
@@ -96,12 +98,13 @@ def make_step(job: TrainJob, mesh: hpf.Mesh):
         optimizer = hpf.optim.adamw(lr=lr(job.lr), weight_decay_mask=hpf.optim.default_weight_decay_mask)
     # token-weighted: the step's loss is the global token mean, over micro-batches and ranks;
     # a model with a training-loop Balancer (moe) returns its aux counts and takes --ep-axis
-    loss_fn = (module.loss_for(config, job.ep_axis, aux=True, weighted=True) if hasattr(module, "Balancer")
-               else module.loss_for(config, weighted=True))
+    loss_fn = (module.loss_for(config, job.ep_axis, aux=True, recompute=job.recompute, weighted=True)
+               if hasattr(module, "Balancer") else module.loss_for(config, recompute=job.recompute, weighted=True))
     return hpf.shard_step(loss_fn, mesh=mesh, optimizer=optimizer, accumulate=job.accumulate,
+                          batch_axes=getattr(module, "BATCH_AXES", None),
                           **sharding_of(job.model, config, mesh, job.fsdp_axes, job.ep_axis), mode=job.mode,
-                          mixed_precision=job.mixed_precision, hsdp=job.hsdp, topology=topology_of(job.topology),
-                          batch_axes=getattr(module, "BATCH_AXES", None))
+                          mixed_precision=job.mixed_precision, hsdp=job.hsdp,
+                          topology=topology_of(job.topology, job.bucket_bytes))
 
 
 def _batches(job: TrainJob, config, split: str, rank: int, world: int, start: int):

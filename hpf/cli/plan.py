@@ -1,14 +1,13 @@
 """``hpf plan``: per-rank memory and communication of any config on any mesh, from meta tensors."""
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 import hpf
 from hpf.cli.common import CliError, job_parsers, mesh_of, mesh_text, sharding_of, topology_of
+from hpf.cli.search import add_options as add_search_options, cmd_search
 from hpf.models import model_config
-from hpf.optim.dist_muon import muon_plan_state
+from hpf.memory import state_report
 from hpf.report import PlanReport
 from hpf.step import step_plan
 from hpf.types import MixedPrecision
@@ -19,25 +18,13 @@ def plan_of(args, mesh: hpf.Mesh) -> hpf.Plan:
     module, config = model_config(args.model, args.config)
     return step_plan(module.init(config, device="meta"), mesh,
                      **sharding_of(args.model, config, mesh, args.fsdp_axes, args.ep_axis),
-                     topology=topology_of(args.topology), hsdp=args.hsdp)
+                     topology=topology_of(args.topology, args.bucket_bytes), hsdp=args.hsdp)
 
 
 def report_of(args, plan: hpf.Plan) -> tuple[PlanReport, str]:
     """The plan report for these arguments, its optimizer state counted for --optimizer, and a
     line that says what that state is."""
-    mp = MixedPrecision.parse(args.mixed_precision)
-    report = plan.report(compute_dtype=mp.compute_dtype if mp else None, master_dtype=mp.master_dtype if mp else None,
-                         reduce_dtype=mp.reduce_dtype if mp else None,
-                         hierarchical=args.topology == "two-tier")
-    if args.optimizer == "adamw":
-        return report, "optimizer state: AdamW, two fp32 moments per element"
-    most, load, n_muon = muon_plan_state(hpf.optim.muon(), plan)
-    busiest = max(range(plan.mesh.size), key=lambda r: (load[r], -r))
-    balance = (f"Newton-Schulz FLOPs per rank max/mean {load[busiest] / (sum(load.values()) / plan.mesh.size):.2f} "
-               f"(busiest rank {busiest}: {load[busiest] / 1e9:,.2f} GFLOP per step)" if load else "no matrices")
-    return (dataclasses.replace(report, optimizer_bytes=most * 4),
-            f"optimizer state: Muon, one fp32 momentum per element of its {n_muon} matrices, AdamW's two "
-            f"moments for the other {len(plan.slots) - n_muon} tensors (the busiest rank's count); {balance}")
+    return state_report(plan, args.mixed_precision, args.optimizer, hierarchical=args.topology == "two-tier")
 
 
 def report_dtype_bytes(args) -> int:
@@ -49,6 +36,8 @@ def report_dtype_bytes(args) -> int:
 def cmd_plan(args) -> int:
     module, config = model_config(args.model, args.config)
     mesh = mesh_of(args)
+    if args.search:
+        return cmd_search(args, mesh)
     plan = plan_of(args, mesh)
     report, state = report_of(args, plan)
     print(f"{args.model} {args.config!r}: {module.num_params(config) / 1e6:,.1f}M params in {len(plan.slots)} tensors, "
@@ -88,5 +77,6 @@ def add_parser(sub, help_: str):
     plan.add_argument("--check", action="store_true",
                       help="also run validation mode for rank 0's view of the mesh on meta tensors "
                            "(hpf.check_plan): layouts and shapes of the whole step, forward and backward")
+    add_search_options(plan, train=False)
     plan.set_defaults(run=cmd_plan)
     return plan

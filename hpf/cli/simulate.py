@@ -42,6 +42,7 @@ def cmd_simulate(args) -> int:
         raise CliError(f"--ep-axis {args.ep_axis}: --model {args.model} has no experts; use --model moe")
     hw = sim.hardware(args.hardware)
     kw = dict(local_batch=args.local_batch, mixed_precision=args.mixed_precision, topology=args.topology,
+              bucket_bytes=args.bucket_bytes,
               fsdp_axes=args.fsdp_axes, pipeline=not args.no_pipeline, model=args.model, ep_axis=args.ep_axis)
     # Megatron DDP keeps full replicas: no baseline for a model whose experts only fit split
     strategies = ("hsdp" if args.hsdp else "hpf", "fsdp2") + (() if args.ep_axis else ("ddp",))

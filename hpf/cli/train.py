@@ -25,8 +25,11 @@ from hpf.cli import run_folder
 from hpf.cli.common import CliError, job_parsers, mesh_of, mesh_text, positive
 from hpf.cli.job import EVAL_BATCHES, TRAIN_DEFAULTS, TrainJob, defaults, make_step, read_metrics, train_rank
 from hpf.cli.plan import plan_of, report_of
+from hpf.cli.search import add_options as add_search_options, apply_plan, check_plan_flags
 from hpf.launcher import init_distributed, is_launched, launch, rank, shutdown, world_size
+from hpf.memory import machine_memory, predict, size
 from hpf.models import model_config
+from hpf.models.recompute import RECOMPUTE
 from hpf.optim.schedules import NAMES as SCHEDULES
 from hpf.plots import breakdown, missing_matplotlib, save_plots
 from hpf.report import PlanReport
@@ -42,59 +45,31 @@ def _banner(job: TrainJob, n_units: int) -> str:
             f"on {_ranks(math.prod(job.axes.values()))}, mesh {mesh_text(job.axes)}, "
             f"{job.topology}{' HSDP' if job.hsdp else ''}, {job.optimizer} lr {job.lr:g} ({job.schedule}{warmup}), "
             f"{job.mixed_precision or 'fp32'} compute, "
-            + (f"{job.accumulate} micro-batches per step, " if job.accumulate > 1 else "") + f"{job.mode} mode")
+            + (f"{job.accumulate} micro-batches per step, " if job.accumulate > 1 else "")
+            + (f"recompute {job.recompute}, " if job.recompute != "none" else "") + f"{job.mode} mode")
 
 
 def _ranks(n: int) -> str:
     return f"{n} rank" + ("s" if n != 1 else "")
 
 
-def _host_memory_available() -> int:
-    """Bytes the host can still give: MemAvailable (Linux), else its free pages."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def _activation_bytes(config, tokens: int, compute_bytes: int) -> int:
-    """Saved activations of gpt.loss for ``tokens`` tokens: about L*(13d + 2f) values per token
-    in the compute dtype plus 3V fp32 (logits, softmax, their grad), fitted on small configs."""
-    per_token = config.n_layers * (13 * config.d_model + 2 * config.d_ff) * compute_bytes + 3 * config.vocab_size * 4
-    return tokens * per_token
-
-
-def _check_memory(job: TrainJob, report: PlanReport, local_ranks: int) -> None:
-    """Refuse, before anything is allocated, a run whose ranks on this machine would not fit.
-
-    On the CPU the local ranks share the host's memory. Under torchrun with an accelerator each
-    rank checks its own device (the driver of hpf.launch must not touch the device before the
-    fork, so there only the host is checked)."""
+def _check_memory(job: TrainJob, plan: hpf.Plan, report: PlanReport, local_ranks: int) -> None:
+    """Refuse, before anything is allocated, a run whose ranks on this machine would not fit
+    (hpf.memory's peak per rank). On the CPU the local ranks share the host's memory. Under
+    torchrun with an accelerator each rank checks its own device (the driver of hpf.launch must
+    not touch the device before the fork, so there only the host is checked)."""
     module, config = job.model_config()
-    parts = {"params": report.params_bytes, "grads": report.grad_bytes, "optimizer": report.optimizer_bytes,
-             "gathered": report.peak_gathered_bytes,
-             "activations ~": _activation_bytes(config, job.batch_size // report.world_size // job.accumulate * config.seq_len,
-                                                2 if job.mixed_precision else 4)}
-    init_copy = module.num_params(config) * 4  # each rank builds the full params on the host, then shards them
-    if is_launched() and torch.accelerator.is_available():
-        available, _ = torch.accelerator.get_memory_info(int(os.environ.get("LOCAL_RANK", 0)))
-        where, ranks = f"{torch.accelerator.current_accelerator().type} memory free", 1
-    else:
-        parts["full init copy"] = init_copy
-        available, where, ranks = _host_memory_available(), "host memory available", local_ranks
-    per_rank = sum(parts.values())
-    if per_rank * ranks <= available:
+    available, where = machine_memory(local_ranks)
+    on_device = not where.startswith("host")
+    mem = predict(module, config, plan, report, local_batch=job.batch_size // plan.mesh.size,
+                  mixed_precision=job.mixed_precision, recompute=job.recompute, accumulate=job.accumulate,
+                  topology=job.topology, cpu=not on_device)
+    if mem.total <= available:
         return
-    gib = lambda n: f"{n / 2**30:.2f}"  # noqa: E731
     raise CliError(
-        f"--config {job.config} needs about {gib(per_rank)} GiB per rank ("
-        + ", ".join(f"{k} {gib(v)}" for k, v in parts.items()) + f") x {ranks} rank(s) here = "
-        f"{gib(per_rank * ranks)} GiB, but {where} is {gib(available)} GiB; hpf plan --config {job.config} "
-        "is the tool for sizing it on a bigger mesh (or lower --batch-size or the ranks)")
+        f"--config {job.config} needs about {size(mem.total)} per rank (peak {mem.format()}), but the {where} is "
+        f"{size(available)} per rank; hpf plan --search --config {job.config} finds a plan that fits (or lower "
+        "--batch-size, or use more ranks)")
 
 
 def _prepare_out(out: Path) -> None:
@@ -133,6 +108,8 @@ def cmd_train(args) -> int:
     torchrun = is_launched()
     lead = rank() == 0  # rank 0 under torchrun; the driver otherwise
     out = args.out or Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    if args.plan:
+        check_plan_flags(args)
     try:
         resume, note = run_folder.resolve(args, out, args.fresh, lead)
     except run_folder.Complete as done:
@@ -141,6 +118,8 @@ def cmd_train(args) -> int:
         return 0
     mesh = mesh_of(args)
     args.mesh = dict(zip(mesh.axis_names, mesh.shape))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", mesh.size)) if torchrun else mesh.size
+    plan_note = apply_plan(args, mesh, local_ranks) if args.plan else None
     vocab_size = _check_data_options(args)
     _, config = model_config(args.model, args.config, vocab_size)
     if torchrun and mesh.size != world_size():
@@ -163,7 +142,8 @@ def cmd_train(args) -> int:
             raise CliError("--tensorboard needs the tensorboard package: pip install tensorboard (or pip install "
                            "-e '.[tensorboard]'); metrics.jsonl has the same scalars without it") from None
     same = ("config", "fsdp_axes", "optimizer", "lr", "warmup", "steps", "batch_size", "mode", "seed",
-            "mixed_precision", "topology", "hsdp", "model", "schedule", "keep_last", "accumulate", "ep_axis")
+            "mixed_precision", "topology", "hsdp", "model", "schedule", "keep_last", "accumulate", "ep_axis",
+            "recompute", "bucket_bytes")
     job = TrainJob(**{k: getattr(args, k) for k in same}, axes=args.mesh, metrics_path=str(out / "metrics.jsonl"),
                    data=str(args.data) if args.data else None, vocab_size=vocab_size,
                    eval_every=args.eval_every or 0, save_every=args.save_every or 0, resume=resume,
@@ -171,8 +151,7 @@ def cmd_train(args) -> int:
                    tensorboard=None if args.tensorboard is None else str(args.tensorboard or out / "tensorboard"))
     make_step(job, mesh)  # checks optimizer, mode and precision here, before any rank starts
     plan = plan_of(args, mesh)  # checks the axes
-    _check_memory(job, report_of(args, plan)[0],
-                  int(os.environ.get("LOCAL_WORLD_SIZE", mesh.size)) if torchrun else mesh.size)
+    _check_memory(job, plan, report_of(args, plan)[0], local_ranks)
     if lead:
         _prepare_out(out)
         for folder, option in ((job.trace_dir, "--trace"), (job.tensorboard, "--tensorboard")):
@@ -188,7 +167,7 @@ def cmd_train(args) -> int:
         micro = f" in {args.accumulate} micro-batches" if args.accumulate > 1 else ""
         print(f"data: {args.batch_size} x {config.seq_len} tokens per step{micro} from {source}; run folder {out}"
               + (f"; resuming from {job.resume}" if job.resume else ""), flush=True)
-        for line in (note, warmup_note):
+        for line in (plan_note, note, warmup_note):
             if line:
                 print(line, flush=True)
     started = time.perf_counter()
@@ -313,6 +292,10 @@ def add_parser(sub, help_: str):
     train.add_argument("--accumulate", type=positive(int), default=1, metavar="K",
                        help="gradient accumulation: each rank runs its share of --batch-size as K micro-batches "
                             "(activations of one micro-batch), reducing grads once per step (default: 1)")
+    train.add_argument("--recompute", choices=RECOMPUTE, default="none",
+                       help="activation checkpointing: every_other or all blocks keep only their input and run "
+                            "their forward again in backward (less activation memory, more compute; default: none)")
+    add_search_options(train, train=True)
     train.add_argument("--mode", choices=tuple(STEPS), default="production",
                        help="validate runs the same plan with layout checks on every op (default: production)")
     train.add_argument("--seed", type=positive(int, least=0), default=0,

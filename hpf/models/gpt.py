@@ -23,10 +23,11 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from ..losses import token_cross_entropy
+from . import recompute as recompute_
 
 __all__ = [
     "GPTConfig", "CONFIGS", "num_params", "init", "forward", "loss", "loss_for",
-    "global_batch", "synthetic_batches", "unit_flops",
+    "global_batch", "synthetic_batches", "unit_flops", "activations", "block",
 ]
 
 NORM_EPS = 1e-5
@@ -129,8 +130,19 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + NORM_EPS) * weight
 
 
-def forward(params: dict, tokens: torch.Tensor, *, n_heads: int | None = None) -> torch.Tensor:
-    """Logits [B, T, V] for int64 tokens [B, T]; computes in the params' dtype."""
+def block(blk: dict, x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """One pre-norm transformer block on the residual stream x [B, T, D]."""
+    q, k, v = rearrange(_rms_norm(x, blk["norm1"]) @ blk["w_qkv"],
+                        "b t (three h e) -> three b h t e", three=3, h=n_heads)
+    attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    x = x + rearrange(attn, "b h t e -> b t (h e)") @ blk["w_o"]
+    h = F.gelu(_rms_norm(x, blk["norm2"]) @ blk["w_up"], approximate="tanh")
+    return x + h @ blk["w_down"]
+
+
+def forward(params: dict, tokens: torch.Tensor, *, n_heads: int | None = None, recompute: str = "none") -> torch.Tensor:
+    """Logits [B, T, V] for int64 tokens [B, T]; computes in the params' dtype. ``recompute``:
+    which blocks recompute their forward in backward (hpf.models.recompute)."""
     if n_heads is None:
         raise TypeError(
             "gpt.forward/gpt.loss need n_heads= (the head count is not visible in the param shapes); "
@@ -143,29 +155,27 @@ def forward(params: dict, tokens: torch.Tensor, *, n_heads: int | None = None) -
     if t > max_t:
         raise ValueError(f"sequence length {t} exceeds params['pos'] length {max_t} (config.seq_len)")
     x = F.embedding(tokens, params["embed"]) + params["pos"][:t]
-    for blk in params["blocks"]:
-        q, k, v = rearrange(_rms_norm(x, blk["norm1"]) @ blk["w_qkv"],
-                            "b t (three h e) -> three b h t e", three=3, h=n_heads)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + rearrange(attn, "b h t e -> b t (h e)") @ blk["w_o"]
-        h = F.gelu(_rms_norm(x, blk["norm2"]) @ blk["w_up"], approximate="tanh")
-        x = x + h @ blk["w_down"]
+    for i, blk in enumerate(params["blocks"]):
+        x = recompute_.run_block(block, i, recompute, blk, x, n_heads)
     return _rms_norm(x, params["norm_f"]) @ params["head"]
 
 
-def loss(params: dict, batch: torch.Tensor, *, n_heads: int | None = None, weighted: bool = False):
+def loss(params: dict, batch: torch.Tensor, *, n_heads: int | None = None, recompute: str = "none",
+         weighted: bool = False):
     """Next-token cross-entropy of ``batch`` [B, T+1] (targets of -100 are padding); the softmax
     runs in fp32 for any param dtype. The mean, or (``weighted``) ``hpf.weighted(sum, count)``:
     the step then divides by the global count of real targets (hpf.losses)."""
     if batch.dim() != 2 or batch.shape[1] < 2:
         raise ValueError(f"batch must be [batch, time+1] token ids with time+1 >= 2, got shape {list(batch.shape)}")
-    logits = forward(params, batch[:, :-1], n_heads=n_heads)
+    logits = forward(params, batch[:, :-1], n_heads=n_heads, recompute=recompute)
     return token_cross_entropy(logits, batch[:, 1:], weighted=weighted)
 
 
-def loss_for(config: GPTConfig, weighted: bool = False):
-    """``loss_fn(params, batch)`` for ``config``: what ``hpf.shard_step`` takes."""
-    return functools.partial(loss, n_heads=config.n_heads, weighted=weighted)
+def loss_for(config: GPTConfig, recompute: str = "none", weighted: bool = False):
+    """``loss_fn(params, batch)`` for ``config``: what ``hpf.shard_step`` takes. ``recompute``:
+    "none", "all" or "every_other" block recomputes its forward in backward (less memory);
+    ``weighted``: return ``hpf.weighted(sum, count)``."""
+    return functools.partial(loss, n_heads=config.n_heads, recompute=recompute_.check(recompute), weighted=weighted)
 
 
 # ---------------------------------------------------------------- synthetic data
@@ -233,3 +243,15 @@ def unit_flops(config: GPTConfig, local_batch: int) -> dict[str, float]:
     d, f = c.d_model, c.d_ff
     block = 2 * tokens * (4 * d * d + 2 * d * f) + 4 * tokens * c.seq_len * d
     return {"<root>": 2.0 * tokens * d * c.vocab_size, **{f"blocks/{i}": float(block) for i in range(c.n_layers)}}
+
+
+def activations(config: GPTConfig, local_batch: int, dtype_bytes: int = 4) -> recompute_.Activations:
+    """What ``loss`` keeps for backward on ``local_batch`` sequences (hpf.memory's hook), counted
+    op by op: per block, both norms' input, rsqrt, product and output (6d + 2), q/k/v (3d), the
+    attention output (d) and its fp32 logsumexp per head (flash attention: no T x T scores),
+    the MLP's GELU input and output (2f); its backward holds about f + d more at once."""
+    c = config
+    n = local_batch * c.seq_len
+    saved = n * ((10 * c.d_model + 2 * c.d_ff + 2) * dtype_bytes + 4 * c.n_heads)
+    return recompute_.Activations.of(n, c.d_model, c.vocab_size, dtype_bytes, [saved] * c.n_layers,
+                                     [n * (c.d_ff + c.d_model) * dtype_bytes] * c.n_layers)

@@ -29,12 +29,12 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from ..losses import token_cross_entropy
-
+from . import recompute as recompute_
 from hpf.models.gpt import INIT_STD, param_makers, synthetic_batches
 
 __all__ = [
     "LlamaConfig", "CONFIGS", "num_params", "init", "forward", "loss", "loss_for",
-    "from_hf", "to_hf", "synthetic_batches",
+    "from_hf", "to_hf", "synthetic_batches", "activations", "block",
 ]
 
 
@@ -125,8 +125,23 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def forward(params: dict, tokens: torch.Tensor, *, config: LlamaConfig | None = None) -> torch.Tensor:
-    """Logits [B, T, V] for int64 tokens [B, T]; computes in the params' dtype."""
+def block(blk: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, c: LlamaConfig) -> torch.Tensor:
+    """One block on the residual stream x [B, T, D]: RoPE grouped-query attention, then SwiGLU."""
+    h = rms_norm(x, blk["attn_norm"], c.norm_eps)
+    q = rearrange(F.linear(h, blk["wq"]), "b t (h e) -> b h t e", e=c.head_dim)
+    k = rearrange(F.linear(h, blk["wk"]), "b t (h e) -> b h t e", e=c.head_dim)
+    v = rearrange(F.linear(h, blk["wv"]), "b t (h e) -> b h t e", e=c.head_dim)
+    q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.n_kv_heads != c.n_heads)
+    x = x + F.linear(rearrange(attn, "b h t e -> b t (h e)"), blk["wo"])
+    h = rms_norm(x, blk["mlp_norm"], c.norm_eps)
+    return x + F.linear(F.silu(F.linear(h, blk["w_gate"])) * F.linear(h, blk["w_up"]), blk["w_down"])
+
+
+def forward(params: dict, tokens: torch.Tensor, *, config: LlamaConfig | None = None,
+            recompute: str = "none") -> torch.Tensor:
+    """Logits [B, T, V] for int64 tokens [B, T]; computes in the params' dtype. ``recompute``:
+    which blocks recompute their forward in backward (hpf.models.recompute)."""
     if config is None:
         raise TypeError("llama.forward/llama.loss need config= (head counts are not all visible in the shapes); "
                         "use llama.loss_for(config) as the loss_fn")
@@ -135,32 +150,41 @@ def forward(params: dict, tokens: torch.Tensor, *, config: LlamaConfig | None = 
     c = config
     x = F.embedding(tokens, params["embed"])
     cos, sin = rope_cos_sin(c, tokens.shape[1], x.device, x.dtype)
-    for blk in params["blocks"]:
-        h = rms_norm(x, blk["attn_norm"], c.norm_eps)
-        q = rearrange(F.linear(h, blk["wq"]), "b t (h e) -> b h t e", e=c.head_dim)
-        k = rearrange(F.linear(h, blk["wk"]), "b t (h e) -> b h t e", e=c.head_dim)
-        v = rearrange(F.linear(h, blk["wv"]), "b t (h e) -> b h t e", e=c.head_dim)
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.n_kv_heads != c.n_heads)
-        x = x + F.linear(rearrange(attn, "b h t e -> b t (h e)"), blk["wo"])
-        h = rms_norm(x, blk["mlp_norm"], c.norm_eps)
-        x = x + F.linear(F.silu(F.linear(h, blk["w_gate"])) * F.linear(h, blk["w_up"]), blk["w_down"])
+    for i, blk in enumerate(params["blocks"]):
+        x = recompute_.run_block(block, i, recompute, blk, x, cos, sin, c)
     return F.linear(rms_norm(x, params["norm"], c.norm_eps), params["head"])
 
 
-def loss(params: dict, batch: torch.Tensor, *, config: LlamaConfig | None = None, weighted: bool = False):
+def loss(params: dict, batch: torch.Tensor, *, config: LlamaConfig | None = None, recompute: str = "none",
+         weighted: bool = False):
     """Next-token cross-entropy of ``batch`` [B, T+1] over ``batch[:, 1:]`` (transformers'
     ``labels=batch``; -100 is padding); the softmax runs in fp32 for any param dtype. The mean,
     or (``weighted``) ``hpf.weighted(sum, count)`` for the step to divide by the global count."""
     if batch.dim() != 2 or batch.shape[1] < 2:
         raise ValueError(f"batch must be [batch, time+1] token ids with time+1 >= 2, got shape {list(batch.shape)}")
-    logits = forward(params, batch[:, :-1], config=config)
+    logits = forward(params, batch[:, :-1], config=config, recompute=recompute)
     return token_cross_entropy(logits, batch[:, 1:], weighted=weighted)
 
 
-def loss_for(config: LlamaConfig, weighted: bool = False):
-    """``loss_fn(params, batch)`` for ``config``: what ``hpf.shard_step`` takes."""
-    return functools.partial(loss, config=config, weighted=weighted)
+def loss_for(config: LlamaConfig, recompute: str = "none", weighted: bool = False):
+    """``loss_fn(params, batch)`` for ``config``: what ``hpf.shard_step`` takes. ``recompute``:
+    "none", "all" or "every_other" block recomputes its forward in backward (less memory);
+    ``weighted``: return ``hpf.weighted(sum, count)``."""
+    return functools.partial(loss, config=config, recompute=recompute_.check(recompute), weighted=weighted)
+
+
+def activations(config: LlamaConfig, local_batch: int, dtype_bytes: int = 4) -> recompute_.Activations:
+    """What ``loss`` keeps for backward on ``local_batch`` sequences (hpf.memory's hook): per block,
+    both norms' fp32 input and rsqrt and their output before and after the weight, q and k after
+    RoPE and v, the attention output and its fp32 logsumexp per head, SwiGLU's gate, up, SiLU and
+    product (4f); its backward holds about f + d more at once."""
+    c, b = config, dtype_bytes
+    n = local_batch * c.seq_len
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    norm = 4 * c.d_model + 4 + 2 * b * c.d_model
+    saved = n * (2 * norm + (2 * q + 2 * kv + 4 * c.d_ff) * b + 4 * c.n_heads)
+    return recompute_.Activations.of(n, c.d_model, c.vocab_size, b, [saved] * c.n_layers,
+                                     [n * (c.d_ff + c.d_model) * b] * c.n_layers, norm=norm)
 
 
 # ---------------------------------------------------------------- transformers checkpoints

@@ -32,10 +32,12 @@ import hpf_kernels
 from ..comm.collectives import all_to_all, run_check
 from ..losses import Weighted, token_cross_entropy
 from . import gpt
+from . import recompute as recompute_
 
 __all__ = ["MoEConfig", "CONFIGS", "num_params", "init", "loss", "loss_for", "param_specs", "update_bias",
-           "imbalance", "Balancer", "synthetic_batches", "global_batch", "batch_with_bias", "dispatch_bytes",
-           "unit_flops", "unit_a2a"]
+           "imbalance", "Balancer", "synthetic_batches", "global_batch", "batch_with_bias", "BATCH_AXES",
+           "dispatch_bytes",
+           "unit_flops", "unit_a2a", "activations"]
 
 NORM_EPS = 1e-6
 INIT_STD = 0.02
@@ -253,18 +255,21 @@ def block(blk: dict, x: torch.Tensor, bias, c: MoEConfig, ep_axis: str | None = 
 
 
 def loss(params: dict, batch, *, config: MoEConfig, ep_axis: str | None = None, aux: bool = False,
-         weighted: bool = False):
+         recompute: str = "none", weighted: bool = False):
     """Next-token cross-entropy (+ aux_loss_coeff * balance loss) of ``batch``: tokens
     [B, T+1], or {"tokens": ..., "expert_bias": [n_moe_layers, E]} (``BATCH_AXES``: the bias is
     not per-example). The mean, or (``weighted``) ``hpf.weighted(sum, count)``, the balance loss
     weighted by this micro-batch's count. ``aux=True`` returns
-    ``(loss, {"expert_counts": [n_moe_layers, E] float})``."""
+    ``(loss, {"expert_counts": [n_moe_layers, E] float})``. ``recompute``: which blocks recompute
+    their forward (and their all-to-alls) in backward (hpf.models.recompute)."""
     c = config
     tokens, bias = (batch["tokens"], batch.get("expert_bias")) if isinstance(batch, dict) else (batch, None)
     x = F.embedding(tokens[:, :-1], params["embed"])
     counts, balance = [], 0.0
-    for blk in params["blocks"]:
-        x, cnt, bal = block(blk, x, None if bias is None or "router" not in blk else bias[len(counts)], c, ep_axis)
+    for i, blk in enumerate(params["blocks"]):
+        x, cnt, bal = recompute_.run_block(block, i, recompute, blk, x,
+                                           None if bias is None or "router" not in blk else bias[len(counts)], c,
+                                           ep_axis)
         balance = balance + bal
         if cnt is not None:
             counts.append(cnt)
@@ -285,9 +290,13 @@ def head_loss(params: dict, x: torch.Tensor, targets: torch.Tensor, weighted: bo
 BATCH_AXES = {"tokens": 0, "expert_bias": None}
 
 
-def loss_for(config: MoEConfig, ep_axis: str | None = None, aux: bool = False, weighted: bool = False):
-    """``loss_fn(params, batch)`` for ``hpf.shard_step``; ``ep_axis``: the mesh axis experts are split over."""
-    return functools.partial(loss, config=config, ep_axis=ep_axis, aux=aux, weighted=weighted)
+def loss_for(config: MoEConfig, ep_axis: str | None = None, aux: bool = False, recompute: str = "none",
+             weighted: bool = False):
+    """``loss_fn(params, batch)`` for ``hpf.shard_step``; ``ep_axis``: the mesh axis experts are split
+    over; ``recompute``: "none", "all" or "every_other" block recomputes its forward in backward;
+    ``weighted``: return ``hpf.weighted(sum, count)``."""
+    return functools.partial(loss, config=config, ep_axis=ep_axis, aux=aux, recompute=recompute_.check(recompute),
+                             weighted=weighted)
 
 
 # -- balancing --------------------------------------------------------------------------------------
@@ -364,3 +373,24 @@ def unit_a2a(config: MoEConfig, local_batch: int, mesh, ep_axis: str | None = No
         return {}
     nbytes = local_batch * config.seq_len * config.top_k * config.d_model * dtype_bytes
     return {f"blocks/{i}": (nbytes, (ep_axis,)) for i in range(config.n_dense_layers, config.n_layers)}
+
+
+def activations(config: MoEConfig, local_batch: int, dtype_bytes: int = 4) -> recompute_.Activations:
+    """What ``loss`` keeps for backward on ``local_batch`` sequences (hpf.memory's hook), under
+    uniform routing (each rank's experts get as many token copies as it sends). Per block: both
+    norms (6d + 2), q/k/v after RoPE, the attention output and its fp32 logsumexp per head; a
+    dense FFN's SwiGLU (4 d_ff); a MoE FFN's fp32 router scores (and its fp32 input in a lower
+    compute dtype), top-k ids and gates, the k token copies in, out and gated (3kd), the routed
+    and shared SwiGLUs (4 d_expert per copy). Its backward holds about h + d more, h the
+    hidden width a token meets."""
+    c, b = config, dtype_bytes
+    n = local_batch * c.seq_len
+    d, k, de = c.d_model, c.top_k, c.d_expert
+    attn = (10 * d + 2) * b + 4 * c.n_heads
+    dense = n * (attn + 4 * c.d_ff * b)
+    routed = n * (attn + (3 * k * d + 4 * (k + c.n_shared) * de) * b + 4 * (c.n_experts + 2 * k + 1)
+                  + (4 * d if b != 4 else 0) + 8 * 3 * k)
+    hidden = [c.d_ff if i < c.n_dense_layers else (k + c.n_shared) * de for i in range(c.n_layers)]
+    return recompute_.Activations.of(n, d, c.vocab_size, b,
+                                     [dense if i < c.n_dense_layers else routed for i in range(c.n_layers)],
+                                     [n * (h + d) * b for h in hidden])

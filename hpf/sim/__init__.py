@@ -13,18 +13,20 @@ experts split over ``ep_axis``), and ``unit_a2a(config, local_batch, mesh, ep_ax
 """
 from __future__ import annotations
 
+import functools
 import math
 from types import ModuleType
 
-from ..planning import plan as make_plan
+from ..models.recompute import recomputes
+from ..planning import ROOT, plan as make_plan
 from ..mesh import Mesh
 from .hardware import PROFILES, Hardware, Link, hardware, load_calibration
-from .model import (Options, SimResult, allreduce_time, default_unit_flops, ring_time, simulate_plan,
-                    two_tier_time)
+from .model import (Options, SimResult, allreduce_time, compute_floor as model_floor, default_unit_flops, ring_time,
+                    simulate_plan, two_tier_time)
 
 __all__ = ["simulate", "compare", "sweep", "sweep_mesh", "Hardware", "Link", "Options", "SimResult", "PROFILES",
            "hardware", "load_calibration", "ring_time", "allreduce_time", "two_tier_time", "STRATEGIES",
-           "extrapolation"]
+           "extrapolation", "plan_for", "compute_floor"]
 
 STRATEGIES = ("hpf", "hsdp", "fsdp2", "ddp")
 _BYTES = {None: 4, "bf16": 2, "fp16": 2}
@@ -40,19 +42,38 @@ def _model(model):
     return importlib.import_module(f"hpf.models.{model}")
 
 
-def simulate(config, mesh, hw: Hardware | str, strategy: str = "hpf", *, local_batch: int = 1, model="gpt",
-             mixed_precision: str | None = None, topology: str = "two-tier", fsdp_axes=None, pipeline: bool = True,
-             overlap_optimizer: bool = True, emulated_slow: tuple[float, float] | None = None,
-             shm: bool | None = None, steps: int = 3, ep_axis: str | None = None) -> SimResult:
+def simulate(config, mesh, hw: Hardware | str, strategy: str = "hpf", **kw) -> SimResult:
     """One strategy on one mesh. ``config``: a name in the model's CONFIGS or a config object;
     ``mesh``: an hpf.Mesh or {axis: size}; ``hw``: a Hardware, a profile name or a calibration
     file. ``strategy``: "hpf", "hsdp" (hpf sharding over the fast tier only), "fsdp2", "ddp".
-    ``topology``: "two-tier" (hpf.Topology()) or "flat" (topology=None), as ``hpf train``.
-    ``ep_axis``: a MoE model's expert-parallel axis (experts split over it, tokens exchanged)."""
+    Keywords: ``local_batch`` (sequences per rank), ``model``, ``mixed_precision``, ``topology``
+    ("two-tier": hpf.Topology(); "flat": topology=None, as ``hpf train``), ``fsdp_axes``,
+    ``pipeline``, ``overlap_optimizer``, ``emulated_slow``, ``shm``, ``steps``, ``ep_axis`` (a MoE
+    model's expert-parallel axis: experts split over it, tokens exchanged); hpf only:
+    ``bucket_bytes`` (two-tier: hpf.Topology's cap on one fused collective), ``accumulate``
+    micro-batches of ``local_batch / accumulate`` sequences, ``recompute`` ("none", "all",
+    "every_other": the blocks whose forward runs again in backward)."""
+    plan, hw, opts, flops, extra = _inputs(config, mesh, hw, strategy, **kw)
+    return simulate_plan(plan, hw, opts, flops, **extra)
+
+
+def compute_floor(config, mesh, hw: Hardware | str, strategy: str = "hpf", **kw) -> float:
+    """A lower bound of ``simulate(...)``'s step time (the same arguments), without the event
+    simulation: the compute thread's own work, which no schedule shortens."""
+    plan, hw, opts, flops, extra = _inputs(config, mesh, hw, strategy, **kw)
+    return model_floor(plan, hw, opts, flops, **extra)
+
+
+def _inputs(config, mesh, hw, strategy, *, local_batch=1, model="gpt", mixed_precision=None, topology="two-tier",
+            fsdp_axes=None, pipeline=True, overlap_optimizer=True, emulated_slow=None, shm=None, steps=3,
+            ep_axis=None, bucket_bytes=0, accumulate=1, recompute="none"):
+    """simulate_plan's arguments for simulate's (see there)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy {strategy!r}: use one of {STRATEGIES}")
     if mixed_precision not in _BYTES:
         raise ValueError(f"mixed_precision {mixed_precision!r}: use None, 'bf16' or 'fp16'")
+    if local_batch % accumulate:
+        raise ValueError(f"accumulate={accumulate} does not divide local_batch={local_batch}")
     mod = _model(model)
     cfg_name = config if isinstance(config, str) else None
     cfg = mod.CONFIGS[config] if isinstance(config, str) else config
@@ -60,22 +81,41 @@ def simulate(config, mesh, hw: Hardware | str, strategy: str = "hpf", *, local_b
     hw = hardware(hw) if isinstance(hw, str) else hw
     is_hpf = strategy in ("hpf", "hsdp")
     tiered = is_hpf and topology == "two-tier"
-    fsdp = tuple(fsdp_axes or mesh.axis_names)
     if ep_axis is not None and not hasattr(mod, "param_specs"):
         raise ValueError(f"ep_axis={ep_axis!r}: model {getattr(mod, '__name__', mod)} has no experts; use the moe model")
-    specs = mod.param_specs(cfg, ep_axis, fsdp) if hasattr(mod, "param_specs") else None
-    plan = make_plan(mod.init(cfg, device="meta"), mesh, specs, fsdp_axes=fsdp_axes, hierarchical=tiered,
-                     default_shard_axes=[a for a in fsdp if a in mesh.fast_axes] if strategy == "hsdp" else None)
-    flops = mod.unit_flops(cfg, local_batch) if hasattr(mod, "unit_flops") else default_unit_flops(
-        plan, local_batch * getattr(cfg, "seq_len", 1))
-    a2a = mod.unit_a2a(cfg, local_batch, mesh, ep_axis, _BYTES[mixed_precision]) if hasattr(mod, "unit_a2a") else None
+    plan = plan_for(mod, cfg, mesh, fsdp_axes, ep_axis, tiered, strategy == "hsdp", bucket_bytes if tiered else 0)
+    micro = local_batch // accumulate  # compute, all-to-alls and a calibrated shape are a micro-batch's
+    flops = mod.unit_flops(cfg, micro) if hasattr(mod, "unit_flops") else default_unit_flops(
+        plan, micro * getattr(cfg, "seq_len", 1))
+    a2a = mod.unit_a2a(cfg, micro, mesh, ep_axis, _BYTES[mixed_precision]) if hasattr(mod, "unit_a2a") else None
+    blocks = [u for u in plan.units if u != ROOT]
     opts = Options(strategy="hpf" if is_hpf else strategy, topology=tiered, hierarchical=tiered,
                    pipeline=pipeline, overlap_optimizer=overlap_optimizer,
                    shm=(hw.shared_links and tiered) if shm is None else shm,
-                   compute_bytes=_BYTES[mixed_precision], reduce_bytes=4, emulated_slow=emulated_slow, steps=steps)
-    measured = hw.compute.get(f"{cfg_name}/{local_batch}/{mesh.size}") if cfg_name else None
+                   compute_bytes=_BYTES[mixed_precision], reduce_bytes=4, emulated_slow=emulated_slow, steps=steps,
+                   accumulate=accumulate if is_hpf else 1,
+                   recompute=frozenset(u for i, u in enumerate(blocks) if is_hpf and recomputes(i, recompute)))
+    measured = hw.compute.get(f"{cfg_name}/{micro}/{mesh.size}") if cfg_name else None
     tokens = local_batch * getattr(cfg, "seq_len", 1) * mesh.size
-    return simulate_plan(plan, hw, opts, flops, tokens=tokens, measured=measured, a2a=a2a)
+    return plan, hw, opts, flops, dict(tokens=tokens, measured=measured, a2a=a2a)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(mod: ModuleType, cfg, axes: tuple, fsdp_axes, ep_axis, tiered: bool, hsdp: bool, bucket_bytes: int):
+    mesh = Mesh(dict(axes))
+    fsdp = tuple(fsdp_axes or mesh.axis_names)
+    specs = mod.param_specs(cfg, ep_axis, fsdp) if hasattr(mod, "param_specs") else None
+    return make_plan(mod.init(cfg, device="meta"), mesh, specs, fsdp_axes=fsdp_axes, hierarchical=tiered,
+                     default_shard_axes=[a for a in fsdp if a in mesh.fast_axes] if hsdp else None,
+                     bucket_bytes=bucket_bytes)
+
+
+def plan_for(mod: ModuleType, cfg, mesh: Mesh, fsdp_axes=None, ep_axis: str | None = None, tiered: bool = True,
+             hsdp: bool = False, bucket_bytes: int = 0):
+    """The plan hpf.shard_step makes for this model on ``mesh`` (the experts over ``ep_axis``), cached:
+    a search simulates many candidates on few plans. Read it, do not change it."""
+    return _plan(mod, cfg, tuple(zip(mesh.axis_names, mesh.shape)), None if fsdp_axes is None else tuple(fsdp_axes),
+                 ep_axis, tiered, hsdp, bucket_bytes)
 
 
 def compare(config, mesh, hw, strategies=("hpf", "fsdp2", "ddp"), **kw) -> dict[str, SimResult]:

@@ -101,6 +101,7 @@ class Hardware:
     cores: int = 0  # a shared host's cores: per-rank Python overheads slow by ranks/cores beyond it (0: never)
     compute: dict = field(default_factory=dict)  # calibrated: "config/local_batch/ranks" -> unit seconds
     notes: tuple[str, ...] = ()
+    memory_bytes: int = 0  # one rank's device memory (the notes give the source); 0: unknown (a CPU host)
 
     def replace(self, **kw) -> "Hardware":
         return dataclasses.replace(self, **kw)
@@ -151,6 +152,7 @@ _ROCE = Link(alpha=5.0e-6, beta=25 * GB,
 ASCEND_910C = dict(
     peak_flops=376e12,  # 752 TFLOPS bf16 per package, 2 dies
     mem_bw=1.6e12,  # 3.2 TB/s per package
+    memory_bytes=64 * 2**30,  # 128 GB HBM per package
     notes=("Ascend 910C: 2 dies per card, 752 TFLOPS bf16 and 128 GB / 3.2 TB/s HBM per package, so "
            f"~376 TFLOPS, 64 GB, 1.6 TB/s per die (one rank = one die); {_CM_SRC}. Press figures differ a "
            "little (TechPowerUp: 780 TFLOPS bf16; others ~800 TFLOPS fp16; 8 HBM2E stacks, 3.2 TB/s): "
@@ -178,7 +180,7 @@ PROFILES: dict[str, Hardware] = {
                   "GPU (NVIDIA H100 SXM datasheet); alpha 2 us is an assumption. Confidence: high (bandwidth)"),
         slow=Link(alpha=5e-6, beta=50 * GB, source="NDR InfiniBand 400 Gb/s = 50 GB/s per GPU (one ConnectX-7 per "
                   "GPU, DGX H100); alpha 5 us is an assumption. Confidence: high (bandwidth)"),
-        fast_domain=8,
+        fast_domain=8, memory_bytes=80 * 2**30,
         notes=("H100 SXM: 989 TFLOPS dense bf16, 80 GB HBM3 at 3.35 TB/s (NVIDIA datasheet; the 1,979 TFLOPS "
                "some pages call dense is the 2:4-sparsity figure). Confidence: high",
                f"efficiency 0.45 is {_ASSUMED}")),
@@ -186,7 +188,7 @@ PROFILES: dict[str, Hardware] = {
         name="h200", peak_flops=989e12, efficiency=0.45, mem_bw=4.8e12,
         fast=Link(alpha=2e-6, beta=450 * GB, source="NVLink4 as H100"),
         slow=Link(alpha=5e-6, beta=50 * GB, source="NDR InfiniBand as H100"),
-        fast_domain=8,
+        fast_domain=8, memory_bytes=141 * 10**9,
         notes=("H200 SXM: H100 compute (989 TFLOPS dense bf16; 1,979 is with sparsity), 141 GB HBM3e at "
                "4.8 TB/s, NVLink4 900 GB/s bidirectional (NVIDIA datasheet, checked against spec pages). "
                "Confidence: high", f"efficiency 0.45 is {_ASSUMED}")),

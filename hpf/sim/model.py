@@ -29,7 +29,7 @@ from ..comm.cost import bucket_comm_bytes, collective_bytes
 from .hardware import Hardware, Link
 
 __all__ = ["ring_time", "allreduce_time", "two_tier_time", "Options", "SimResult", "simulate_plan",
-           "default_unit_flops"]
+           "default_unit_flops", "compute_floor"]
 
 CONTENTION_PASSES = 6  # replays on the earlier passes' compute (averaged: settles in ~5)
 ADAMW_BYTES_PER_ELEMENT = 28  # read param, grad, m, v; write param, m, v (fp32)
@@ -80,6 +80,8 @@ class Options:
     emulated_slow: tuple[float, float] | None = None
     ddp_bucket_bytes: int = 40_000_000 * 4  # Megatron's default bucket: 40M params, fp32 grads
     steps: int = 3  # simulated; the last is reported (steady state)
+    accumulate: int = 1  # hpf: micro-batches per step (each gathers again; one reduction, after the last)
+    recompute: frozenset = frozenset()  # hpf: units that recompute their forward in backward (checkpointed)
 
 
 @dataclass
@@ -122,6 +124,7 @@ class _Unit:
     reduce_copy_s: float = 0.0  # packing grads into the flat reduce buffer (both)
     full_grad_bytes: int = 0
     a2a_s: float = 0.0  # per pass (forward, backward): blocking all-to-alls (MoE dispatch + combine)
+    recompute: bool = False  # its forward runs again in backward; its checkpoint keeps it gathered till then
     issue_s: float = 0.0  # compute-thread seconds to issue one of its gathers or reductions (all buckets)
     land_s: float = 0.0  # compute-thread seconds when its reductions land (the gloo reduce-scatter's local sum)
 
@@ -177,7 +180,8 @@ def _unit_costs(plan: Plan, hw: Hardware, opts: Options, flops: dict, measured: 
             update_s=numel * ADAMW_BYTES_PER_ELEMENT / hw.mem_bw,
             gather_copy_s=copy(sum(plan.buckets[bi].padded_numel for bi in unit.buckets) * opts.compute_bytes),
             reduce_copy_s=copy(full_grad), full_grad_bytes=full_grad, issue_s=issue, land_s=land,
-            a2a_s=_a2a_time(hw, opts, plan, *a2a[name]) if a2a and name in a2a else 0.0))
+            a2a_s=_a2a_time(hw, opts, plan, *a2a[name]) if a2a and name in a2a else 0.0,
+            recompute=name in opts.recompute))
     return units
 
 
@@ -380,7 +384,10 @@ def _hpf_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float) 
     residency bound keeps the block read and the next (prefetched) gathered; backward walks the
     blocks in reverse, the last two still gathered; reductions overlap backward (pipeline);
     after they land, one all-reduce decides; then the units the next step reads first are
-    updated and gathered while the rest update (``overlap_optimizer``)."""
+    updated and gathered while the rest update (``overlap_optimizer``). With micro-batches
+    every one gathers again and only the last reduces (the others add into held sums); a
+    recomputed block stays gathered from its forward to its backward, which runs its forward
+    (and all-to-alls) again first."""
     by = {u.name: u for u in units}
     root = by.get(ROOT)
     blocks = [u for u in units if u.name != ROOT]
@@ -398,33 +405,38 @@ def _hpf_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float) 
         if step == opts.steps - 1:
             tl.reset_counters()
             start = tl.t
-        for name in first:  # begin(): nothing if the last step prefetched them
-            gather(by[name])
         landing: list = []
-        if root:
-            tl.wait_until(live[ROOT])
-        for i, u in enumerate(blocks):
-            if i > 1 and not opts.shm:
-                live.pop(blocks[i - 2].name, None)  # evicted past the bound
-            gather(u)
-            tl.wait_until(live[u.name])
-            if i + 1 < len(blocks):
-                gather(blocks[i + 1])
-            _a2a(tl, u)
-            tl.run(u.fwd_s)
-        if root:
-            tl.run(root.fwd_s + root.bwd_s)  # head forward and backward (the embedding's is small)
-        for i in reversed(range(len(blocks))):
-            u = blocks[i]
-            gather(u)  # a re-gather unless still live (the last two blocks, or shared memory)
-            tl.wait_until(live[u.name])
-            if i:
-                gather(blocks[i - 1])
-            _a2a(tl, u)
-            tl.run(u.bwd_s)
-            _reduce(tl, u, opts, landing, live)
-        if root:
-            _reduce(tl, root, opts, landing, live)
+        for micro in range(opts.accumulate):
+            held = micro < opts.accumulate - 1  # sums kept for the next micro-batch: no reduction
+            for name in first:  # begin(): nothing if the last step prefetched them
+                gather(by[name])
+            if root:
+                tl.wait_until(live[ROOT])
+            for i, u in enumerate(blocks):
+                if i > 1 and not opts.shm and not blocks[i - 2].recompute:
+                    live.pop(blocks[i - 2].name, None)  # evicted past the bound
+                gather(u)
+                tl.wait_until(live[u.name])
+                if i + 1 < len(blocks):
+                    gather(blocks[i + 1])
+                _a2a(tl, u)
+                tl.run(u.fwd_s)
+            if root:
+                tl.run(root.fwd_s + root.bwd_s)  # head forward and backward (the embedding's is small)
+            for i in reversed(range(len(blocks))):
+                u = blocks[i]
+                gather(u)  # a re-gather unless still live (the last two blocks, or shared memory)
+                tl.wait_until(live[u.name])
+                if i:
+                    gather(blocks[i - 1])
+                if u.recompute:
+                    _a2a(tl, u)
+                    tl.run(u.fwd_s)
+                _a2a(tl, u)
+                tl.run(u.bwd_s)
+                _reduce(tl, u, opts, landing, live, held)
+            if root:
+                _reduce(tl, root, opts, landing, live, held)
         for u, end, land in landing:  # land(): every reduction
             tl.wait_until(end)
             tl.wait_until(tl.t + land)
@@ -443,9 +455,12 @@ def _hpf_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float) 
     tl.step_s = tl.t - start
 
 
-def _reduce(tl: _Timeline, u: _Unit, opts: Options, landing: list, live: dict) -> None:
-    if not opts.shm:
+def _reduce(tl: _Timeline, u: _Unit, opts: Options, landing: list, live: dict, held: bool = False) -> None:
+    if not opts.shm and not (held and u.name == ROOT):  # the pinned root changes only with the update
         live.pop(u.name, None)
+    if held:  # an earlier micro-batch: grads packed and added into the held sums, nothing sent
+        tl.run(2 * u.reduce_copy_s)
+        return
     tl.run(u.reduce_copy_s + u.issue_s)  # grads packed into the flat buffer, the reduction issued
     end = _issue(tl, u.reduce)
     if not opts.pipeline:  # waited (and summed) at once
@@ -553,6 +568,16 @@ def _ddp_steps(units: list[_Unit], tl: _Timeline, opts: Options, plan: Plan, hw:
         tl.run(replicas_numel * ADAMW_BYTES_PER_ELEMENT / hw.mem_bw, optimizer=True)
         tl.sync(norm_s)
     tl.step_s = tl.t - start
+
+
+def compute_floor(plan: Plan, hw: Hardware, opts: Options, unit_flops: dict[str, float], *, tokens: int = 0,
+                  measured: dict | None = None, a2a: dict | None = None) -> float:
+    """A lower bound of ``simulate_plan``'s step time: the work hpf's compute thread does alone
+    (each micro-batch's forward, recompute and backward with their all-to-alls, the update),
+    none of which a schedule overlaps or contention shortens."""
+    units = _unit_costs(plan, hw, opts, unit_flops, measured, a2a)
+    passes = sum(u.fwd_s * (1 + u.recompute) + u.bwd_s + u.a2a_s * (2 + u.recompute) for u in units)
+    return opts.accumulate * passes + sum(u.update_s for u in units)
 
 
 def simulate_plan(plan: Plan, hw: Hardware, opts: Options, unit_flops: dict[str, float], *, tokens: int = 0,

@@ -1,0 +1,114 @@
+"""hpf.memory's predicted peak per rank against the measured one, on CPU ranks.
+
+Measured: torch.profiler's memory profiling (every tensor allocation and free of the rank's
+own thread) from before ``step.init`` to the end of the last step; the peak is the highest
+live total during the steps. The flat collectives keep every allocation on that thread (the
+two-tier ones allocate on their worker threads, which the profiler does not see), so the
+cases run ``topology=None``. Not a timing: the machine need not be quiet.
+
+    python benchmarks/memory_model.py [--quick] [--json docs/results/memory_model.json]
+
+Prints one line per case and ``RATIO memory/<case> <max(predicted/measured, measured/predicted)>
+<=1.15``: the target is within 15% either way.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import hpf
+from hpf.memory import step_memory
+from hpf.models import gpt
+from hpf.step import step_plan
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import report_ratio  # noqa: E402
+
+# (config, ranks, sequences per rank); each with recompute "none" and "all". Medium at 1 sequence
+# peaks when its reductions are held (the end of backward), at 2 while its activations are.
+CASES = [("tiny", 2, 8), ("tiny", 4, 8), ("small", 2, 4), ("small", 4, 4), ("medium", 2, 1), ("medium", 4, 1),
+         ("medium", 2, 2)]
+QUICK = [("tiny", 2, 8), ("small", 2, 4)]
+
+
+def predicted(config: str, ranks: int, local_batch: int, recompute: str) -> hpf.memory.StepMemory:
+    cfg = gpt.CONFIGS[config]
+    plan = step_plan(gpt.init(cfg, device="meta"), hpf.Mesh({"dp": ranks}))
+    return step_memory(plan.report(), plan, gpt.activations(cfg, local_batch), recompute=recompute,
+                       comm="flat", reduce_copies=2)
+
+
+def _peak(prof, steps_range: str) -> int:
+    """The highest live total of this thread's tensor allocations inside the range ``steps_range``."""
+    from torch._C._profiler import _EventType
+
+    allocs, span = [], None
+
+    def walk(e):
+        nonlocal span
+        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
+            allocs.append((e.start_time_ns, e.extra_fields.alloc_size))
+        elif e.name == steps_range:
+            span = (e.start_time_ns, e.end_time_ns)
+        for child in e.children:
+            walk(child)
+    for e in prof.profiler.kineto_results.experimental_event_tree():
+        walk(e)
+    live = peak = 0
+    for t, n in sorted(allocs):
+        live += n
+        if span[0] <= t <= span[1]:
+            peak = max(peak, live)
+    return peak
+
+
+def measure(rank: int, config: str, ranks: int, local_batch: int, recompute: str, steps: int, out: str) -> None:
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    cfg = gpt.CONFIGS[config]
+    step = hpf.shard_step(gpt.loss_for(cfg, recompute), mesh=hpf.Mesh({"dp": ranks}),
+                          optimizer=hpf.optim.adamw(lr=1e-3))
+    params = gpt.init(cfg)
+    batches = [gpt.global_batch(cfg, local_batch * ranks, 0, i)[rank * local_batch:(rank + 1) * local_batch]
+               for i in range(steps)]
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        state = step.init(params)  # (its transient: every unit's buffer made, then freed, before the steps)
+        del params
+        with record_function("memory_model/steps"):
+            for b in batches:
+                state, _ = step(state, b)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(_peak(prof, "memory_model/steps")))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny and small on 2 ranks only")
+    ap.add_argument("--json", type=Path, help="write the results here (docs/results/memory_model.json)")
+    args = ap.parse_args()
+    import tempfile
+
+    rows = []
+    for config, ranks, local in (QUICK if args.quick else CASES):
+        for recompute in ("none", "all"):
+            with tempfile.TemporaryDirectory() as tmp:
+                hpf.launch(measure, ranks, config, ranks, local, recompute, 3, tmp)
+                meas = max(json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(ranks))
+            pred = predicted(config, ranks, local, recompute)
+            case = f"{config}/{ranks}r/b{local}/{recompute}"
+            print(f"{case:<24} predicted {pred.total / 2**20:9.2f} MiB  measured {meas / 2**20:9.2f} MiB  "
+                  f"ratio {pred.total / meas:.3f}   peak at {pred.format()}", flush=True)
+            report_ratio(f"memory/{case.replace('/', '-')}", max(pred.total / meas, meas / pred.total), "<=1.15")
+            rows.append({"case": case, "config": config, "ranks": ranks, "local_batch": local, "recompute": recompute,
+                         "predicted": pred.total, "measured": meas, "when": pred.when,
+                         "parts": pred.parts})
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"torch": torch.__version__, "cases": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

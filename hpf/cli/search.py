@@ -1,0 +1,145 @@
+"""``hpf plan --search`` and ``hpf train --plan auto|FILE``: the plan search (hpf.search) on the
+command line, its options, and how a searched plan becomes ``hpf train``'s options."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import re
+
+from hpf import memory, search, sim
+from hpf.cli.common import CliError, mesh_text, positive
+from hpf.search import Candidate
+
+# hpf train's options a plan sets: hpf.search.Candidate's fields
+PLANNED = tuple(f.name for f in dataclasses.fields(Candidate))
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def memory_bytes(text: str):
+    """An argparse type: "auto", or bytes as a number with an optional unit (80GB, 64GiB, 1.5e9)."""
+    if text == "auto":
+        return text
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m[2].lower() if m else None
+    try:
+        value = float(m[1]) * _UNITS[unit] if m and unit in _UNITS else None
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a memory size; give bytes with an optional unit "
+                                         "(e.g. 64GiB, 80GB, 5e9) or auto (this machine's)")
+    return int(value)
+
+
+def add_options(parser, *, train: bool) -> None:
+    """The search's options: hpf train's --plan or hpf plan's --search, the cap, the hardware that
+    prices the candidates (plan also: the batch, --save)."""
+    if train:
+        parser.add_argument("--plan", metavar="auto|FILE",
+                            help="run a searched plan: auto searches now (hpf plan --search on --hardware, capped at "
+                                 "--memory-per-rank, default this machine's memory); FILE replays hpf plan --search "
+                                 "--save FILE. It sets " + ", ".join("--" + o.replace("_", "-") for o in PLANNED))
+    else:
+        parser.add_argument("--search", action="store_true",
+                            help="search the plan instead: FSDP layout, experts' axis, bucket bytes, precision, "
+                                 "recomputation and micro-batches, under --memory-per-rank, ranked by hpf.sim's "
+                                 "predicted step time on --hardware; --mixed-precision, --ep-axis and --hsdp, when "
+                                 "given, hold theirs (docs: search.md)")
+    parser.add_argument("--memory-per-rank", type=memory_bytes, metavar="BYTES|auto",
+                        help="the search's cap on predicted peak memory per rank, e.g. 64GiB; auto: this machine's "
+                             "(an accelerator's free memory under torchrun, else the host's available memory over "
+                             "its ranks). Default: " +
+                             ("auto" if train else "the --hardware profile's memory per rank, else auto"))
+    parser.add_argument("--hardware", metavar="NAME|FILE", default=None if train else "cloudmatrix384",
+                        help="what hpf.sim prices the candidates on: a profile (cloudmatrix384, ascend910c-roce, h100, "
+                             "h200) or a calibration from `hpf calibrate`" +
+                             (" (needed by --plan auto)" if train else " (default: cloudmatrix384)"))
+    if not train:
+        parser.add_argument("--batch-size", type=positive(int), metavar="B",
+                            help="with --search: the global batch in sequences, split evenly over the ranks "
+                                 "(default: one per rank)")
+        parser.add_argument("--save", metavar="FILE",
+                            help="with --search: write the result as JSON for hpf train --plan FILE")
+
+
+def _cap(args, hw, local_ranks: int, machine: bool) -> int:
+    """--memory-per-rank in bytes: given; else the profile's (hpf plan, a published profile);
+    else this machine's (``machine``: hpf train, which runs here)."""
+    if args.memory_per_rank not in (None, "auto"):
+        return args.memory_per_rank
+    if args.memory_per_rank is None and hw.memory_bytes and not machine:
+        return hw.memory_bytes
+    return memory.machine_memory(local_ranks)[0]
+
+
+def run_search(args, mesh, *, batch_size: int, local_ranks: int, machine: bool = False):
+    """hpf.search.search for the command line's job; its errors as one line."""
+    try:
+        hw = sim.hardware(args.hardware)
+    except ValueError as e:
+        raise CliError(f"--hardware: {e}") from None
+    fixed = {k: getattr(args, k) for k in ("mixed_precision", "ep_axis") if getattr(args, k, None) is not None}
+    if getattr(args, "hsdp", False):
+        fixed["hsdp"] = True
+    try:
+        return search.search(args.model, args.config, mesh, hw, global_batch=batch_size,
+                             memory_per_rank=_cap(args, hw, local_ranks, machine), optimizer=args.optimizer,
+                             fixed=fixed)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+
+def cmd_search(args, mesh) -> int:
+    """hpf plan --search: the ranking, and with --save the file hpf train --plan replays."""
+    result = run_search(args, mesh, batch_size=args.batch_size or mesh.size, local_ranks=mesh.size)
+    print(result.format())
+    if args.save:
+        result.save(args.save)
+        model = "" if args.model == "gpt" else f"--model {args.model} "
+        print(f"saved to {args.save}; run it with hpf train {model}--config {args.config} --plan {args.save}")
+    return 0
+
+
+def check_plan_flags(args) -> None:
+    """Before the run folder fills defaults: --plan sets these options, so giving both is an error;
+    --plan FILE also gives the job (model, config, mesh, batch) where the command line does not."""
+    given = [o for o in PLANNED if getattr(args, o) not in (None, False)]
+    if given:
+        raise CliError(f"--plan {args.plan} chooses {', '.join('--' + o.replace('_', '-') for o in given)}; "
+                       "drop them, or drop --plan")
+    if args.plan == "auto":
+        if args.hardware is None:
+            raise CliError("--plan auto ranks plans by hpf.sim's predicted step time on --hardware: give a "
+                           "calibration of this machine (hpf calibrate --out calib.json, about 3 minutes) or a "
+                           "profile (h100, h200, cloudmatrix384)")
+        return
+    try:
+        saved = search.load(args.plan)
+    except ValueError as e:
+        raise CliError(f"--plan: {e}") from None
+    for key in ("model", "config", "mesh", "batch_size"):
+        mine = getattr(args, key)
+        if mine is None:
+            setattr(args, key, saved[key])
+        elif mine != saved[key]:
+            shown = mesh_text(mine) if key == "mesh" else mine
+            raise CliError(f"--plan {args.plan} was searched for --{key.replace('_', '-')} "
+                           f"{mesh_text(saved[key]) if key == 'mesh' else saved[key]}, not {shown}; search again "
+                           "for this job (hpf plan --search ... --save FILE) or drop the option")
+    args.plan_choice = saved["choice"]["options"]
+
+
+def apply_plan(args, mesh, local_ranks: int) -> str:
+    """Set the run's options from the plan (searched now for --plan auto); returns the line that says so."""
+    if args.plan == "auto":
+        result = run_search(args, mesh, batch_size=args.batch_size, local_ranks=local_ranks, machine=True)
+        choice, where = result.best.candidate, (f"searched {result.candidates} candidates in {result.seconds:.1f} s "
+                                                f"on {result.hardware}, predicted {result.best.step_s * 1e3:.3g} ms "
+                                                f"per step, {memory.size(result.best.memory.total)} per rank")
+    else:
+        choice, where = Candidate(**args.plan_choice), f"from {args.plan}"
+    for key, value in dataclasses.asdict(choice).items():
+        setattr(args, key, value)
+    return f"plan: {choice.label()} ({where})"

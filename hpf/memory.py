@@ -1,0 +1,183 @@
+"""The per-rank memory model of a training step: the one home for "does it fit".
+
+``hpf plan --search`` drops candidates by it and ``hpf train`` refuses a run that would not fit
+by it. It follows the engine through one step, from the plan and the model's ``activations``
+hook alone (no process, meta tensors), and takes the peak of these moments:
+
+- **the start of backward**: the state, the gathered units (the root, the ``resident_units``
+  blocks still gathered, and every recomputed block that forward evicted: its checkpoint holds
+  its param views, so the engine keeps its memory until the step ends), every block's saved
+  activations (a recomputed block's input only), the root's, and the loss's grads;
+- **each block's backward**, top down: that block and the one prefetched below it gathered,
+  its saved activations (recomputed first if it was checkpointed) and the grads its backward
+  holds, the blocks below it still saved, the param grads autograd holds (the root's through
+  all of backward, this block's), and the reductions still holding memory;
+- **the end of backward**: the root's reduction issued;
+- **init**, on CPU ranks: the state beside the full params each rank builds before sharding.
+
+Reductions: the flat collectives (``hpf.comm.flat.BucketComm``) keep every unit's flat grad
+buffer until the step's reductions land, with gloo's receive buffer beside it on CPU ranks
+(``reduce_copies`` 2); the two-tier ones free each when its stages finish, so about two units
+are in flight; the shared-memory fast tier (CPU ranks of one host) keeps every bucket's full
+buffer in one segment per host and every rank's grad row for good. Gradient accumulation keeps
+every bucket's summed grads between micro-batches.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+
+from .comm.cost import dtype_bytes
+from .models.recompute import Activations, recomputes
+from .planning import ROOT, Plan
+from .report import PlanReport
+from .types import MixedPrecision
+
+__all__ = ["StepMemory", "COMMS", "step_memory", "predict", "state_report", "machine_memory", "size"]
+
+#: how reductions hold memory: "flat" (BucketComm), "tiered" (TieredComm, process groups),
+#: "shm" (TieredComm with a shared-memory fast tier: CPU ranks on one host)
+COMMS = ("flat", "tiered", "shm")
+IN_FLIGHT = 2  # two-tier reductions holding memory at once: the pipeline's depth
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """The predicted peak per rank: its parts at the moment of the peak (``when``)."""
+
+    parts: dict[str, int]
+    when: str
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def format(self) -> str:
+        return f"{size(self.total)} at {self.when}: " + ", ".join(f"{k} {size(v)}" for k, v in self.parts.items() if v)
+
+
+def size(nbytes: float) -> str:
+    """Bytes for people: GiB from 1 GiB up, else MiB."""
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def step_memory(report: PlanReport, plan: Plan, acts: Activations | None, *, compute_dtype=None,
+                reduce_dtype=None, recompute: str = "none", accumulate: int = 1, comm: str = "flat",
+                reduce_copies: int = 2, resident_units: int = 2, init_copy: bool = False) -> StepMemory:
+    """The peak per rank of a step of ``plan`` (see the module doc). ``report``: its plan report
+    (the state: shards, grad shards, optimizer state); ``acts``: the model's activations on one
+    micro-batch (None: not counted); ``compute_dtype``/``reduce_dtype``: the mixed precision's
+    (None: the params' own); ``reduce_copies``: 2 where a reduce-scatter keeps a receive buffer
+    as big as its input (gloo), else 1; ``init_copy``: the rank builds the full params in its
+    own memory before sharding them (a CPU rank: ``hpf train``'s init)."""
+    if comm not in COMMS:
+        raise ValueError(f"comm={comm!r}: use one of {COMMS}")
+    units: dict[str, dict[str, int]] = {}
+    for b in plan.buckets:
+        c = dtype_bytes(compute_dtype or b.dtype)
+        u = units.setdefault(b.unit, dict(gathered=0, grads=0, flat=0, shard=0))
+        u["gathered"] += b.padded_numel * c
+        u["shard"] += b.shard_numel * c if compute_dtype not in (None, b.dtype) else 0
+        if not b.frozen:
+            u["grads"] += b.numel * c
+            u["flat"] += b.padded_numel * dtype_bytes(reduce_dtype or b.dtype)
+    root = units.get(ROOT, dict(gathered=0, grads=0, flat=0, shard=0))
+    blocks = [units[u] for u in plan.units if u != ROOT]
+    state = {"params": report.params_bytes, "grads": report.grad_bytes, "optimizer": report.optimizer_bytes,
+             "compute shards": sum(u["shard"] for u in units.values())}
+    flats = sum(u["flat"] for u in units.values())
+    if accumulate > 1:
+        state["accumulated grads"] = flats
+    if comm == "shm":  # every full buffer mapped for good, one per host; each rank's grad rows too
+        fast = plan.mesh.axis_size(plan.mesh.fast_axes)
+        state["shared memory"] = sum(u["gathered"] for u in units.values()) // fast + flats
+    gathered = (lambda *us: 0) if comm == "shm" else (lambda *us: sum(u["gathered"] for u in us))
+    held = (lambda done: 0) if comm == "shm" else (  # reductions still holding memory
+        (lambda done: reduce_copies * sum(u["flat"] for u in done)) if comm == "flat" else
+        (lambda done: reduce_copies * sum(sorted((u["flat"] for u in done), reverse=True)[:IN_FLIGHT])))
+    if acts is None:
+        acts = Activations(((0, 0, 0),) * len(blocks), 0, 0)
+    saved = [s for s, _, _ in acts.blocks]
+    kept = [i if recomputes(k, recompute) else s for k, (s, i, _) in enumerate(acts.blocks)]
+    n = len(blocks)
+    resident = n - min(resident_units, n)  # the first block still gathered when forward ends
+    lingering = {j for j in range(resident) if recomputes(j, recompute)}
+
+    def gathered_with(ks: set[int]):  # the root, blocks ks, and the lingering recomputed blocks
+        return gathered(root, *(blocks[j] for j in sorted(ks | lingering)))
+    moments = [("the start of backward", {
+        "gathered": gathered_with(set(range(resident, n))),
+        "activations": acts.root_saved + sum(kept) + acts.root_backward})]
+    for k in reversed(range(n)):
+        moments.append((f"the backward of blocks/{k}", {
+            "gathered": gathered_with({k, k - 1} - {-1}),
+            "activations": sum(kept[:k]) + saved[k] + acts.blocks[k][2],
+            "param grads": root["grads"] + blocks[k]["grads"],
+            "reductions": held(blocks[k + 1:])}))
+    moments.append(("the end of backward", {"gathered": gathered_with(set()), "param grads": root["grads"],
+                                            "reductions": held(blocks + [root])}))
+    if init_copy:
+        moments.append(("init", {"full params": sum(math.prod(s.global_shape) * dtype_bytes(s.dtype)
+                                                    for s in plan.slots.values())}))
+    when, parts = max(moments, key=lambda m: sum(m[1].values()))
+    return StepMemory({**state, **parts}, when)
+
+
+def predict(module, config, plan: Plan, report: PlanReport, *, local_batch: int, mixed_precision=None,
+            recompute: str = "none", accumulate: int = 1, topology: str = "two-tier", cpu: bool = True,
+            resident_units: int = 2) -> StepMemory:
+    """The peak per rank of a job: ``module`` (an hpf.models module; its ``activations`` hook, if
+    it has one) at ``local_batch`` sequences per rank in ``accumulate`` micro-batches, on
+    ``plan`` (its ``report`` from :func:`state_report`), with hpf train's ``topology`` ("flat" or
+    "two-tier"). ``cpu``: CPU ranks of one host (each builds the full params at init; gloo's
+    reduce-scatter keeps a receive buffer; two-tier collectives use shared memory there)."""
+    mp = MixedPrecision.parse(mixed_precision)
+    compute = mp.compute_dtype if mp else None
+    acts = (module.activations(config, local_batch // accumulate, dtype_bytes(compute) if compute else 4)
+            if hasattr(module, "activations") else None)
+    comm = "flat" if topology == "flat" else "shm" if cpu else "tiered"
+    return step_memory(report, plan, acts, compute_dtype=compute, reduce_dtype=mp.reduce_dtype if mp else None,
+                       recompute=recompute, accumulate=accumulate, comm=comm, reduce_copies=2 if cpu else 1,
+                       resident_units=resident_units, init_copy=cpu)
+
+
+def state_report(plan: Plan, mixed_precision=None, optimizer: str = "adamw",
+                 hierarchical: bool = False) -> tuple[PlanReport, str]:
+    """The plan report with ``optimizer``'s state counted ("adamw" or "muon": the busiest rank's),
+    and a line that says what that state is."""
+    mp = MixedPrecision.parse(mixed_precision)
+    report = plan.report(compute_dtype=mp.compute_dtype if mp else None, master_dtype=mp.master_dtype if mp else None,
+                         reduce_dtype=mp.reduce_dtype if mp else None, hierarchical=hierarchical)
+    if optimizer == "adamw":
+        return report, "optimizer state: AdamW, two fp32 moments per element"
+    from .optim import muon
+    from .optim.dist_muon import muon_plan_state
+
+    most, load, n_muon = muon_plan_state(muon(), plan)
+    busiest = max(range(plan.mesh.size), key=lambda r: (load[r], -r))
+    balance = (f"Newton-Schulz FLOPs per rank max/mean {load[busiest] / (sum(load.values()) / plan.mesh.size):.2f} "
+               f"(busiest rank {busiest}: {load[busiest] / 1e9:,.2f} GFLOP per step)" if load else "no matrices")
+    return (dataclasses.replace(report, optimizer_bytes=most * 4),
+            f"optimizer state: Muon, one fp32 momentum per element of its {n_muon} matrices, AdamW's two "
+            f"moments for the other {len(plan.slots) - n_muon} tensors (the busiest rank's count); {balance}")
+
+
+def machine_memory(local_ranks: int) -> tuple[int, str]:
+    """(bytes one rank may use, what they are) on this machine: under torchrun with an
+    accelerator, its free device memory; else the host's available memory (MemAvailable on
+    Linux) over its ``local_ranks``."""
+    import torch
+
+    from .launcher import is_launched
+
+    if is_launched() and torch.accelerator.is_available():
+        free, _ = torch.accelerator.get_memory_info(int(os.environ.get("LOCAL_RANK", 0)))
+        return free, f"{torch.accelerator.current_accelerator().type} memory free"
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return available // local_ranks, f"host memory available over {local_ranks} rank(s)"

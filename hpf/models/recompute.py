@@ -1,0 +1,64 @@
+"""Activation checkpointing per block, shared by the models' loss functions and their memory hooks.
+
+A recomputed block keeps only its input for backward and runs its forward again there
+(``torch.utils.checkpoint``, non-reentrant, so it works inside ``hpf.shard_step``'s pure loss
+functions). ``"every_other"`` recomputes the odd blocks (1, 3, ...): about half the savings for
+a third of ``"all"``'s extra compute per saved byte.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["RECOMPUTE", "Activations", "check", "recomputes", "run_block"]
+
+#: the ``recompute=`` values of the models' ``loss_for``
+RECOMPUTE = ("none", "all", "every_other")
+
+
+def check(recompute: str) -> str:
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r}: use one of {', '.join(RECOMPUTE)}")
+    return recompute
+
+
+def recomputes(i: int, recompute: str) -> bool:
+    """Whether block ``i`` recomputes its forward in backward."""
+    return recompute == "all" or (recompute == "every_other" and i % 2 == 1)
+
+
+def run_block(fn: Callable, i: int, recompute: str, *args):
+    """``fn(*args)`` for block ``i``: checkpointed where ``recompute`` says so."""
+    if recomputes(i, recompute):
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
+
+
+@dataclass(frozen=True)
+class Activations:
+    """What a model's loss keeps for backward on one rank's micro-batch, in bytes (a model's
+    ``activations(config, local_batch, dtype_bytes)`` hook; hpf.memory walks it through backward).
+
+    ``blocks``: per block, (saved by its forward, its input: all a recomputed block keeps, the
+    grads its backward holds at once on top); ``root_saved``: the embedding, final norm and loss;
+    ``root_backward``: the loss's grads at the start of backward."""
+
+    blocks: tuple[tuple[int, int, int], ...]
+    root_saved: int
+    root_backward: int
+
+    @classmethod
+    def of(cls, tokens: int, d_model: int, vocab: int, dtype_bytes: int, blocks: list[int],
+           backward: list[int], norm: int | None = None) -> "Activations":
+        """A decoder's: ``blocks`` saved and ``backward`` bytes per block, each fed a residual
+        stream of ``d_model``; the root is the embedding, a final RMSNorm (``norm`` bytes per token;
+        default its input, rsqrt, product and output in the compute dtype) and the fp32
+        cross-entropy (log-softmax output and int64 targets saved; the grads of the logits, fp32
+        and, in a lower compute dtype, cast back, at its backward)."""
+        b = dtype_bytes
+        norm = (3 * d_model + 1) * b if norm is None else norm
+        root_saved = tokens * (norm + 4 * vocab + 8)
+        root_backward = tokens * vocab * (8 + (b if b != 4 else 0))
+        return cls(tuple((s, tokens * d_model * b, g) for s, g in zip(blocks, backward)), root_saved, root_backward)

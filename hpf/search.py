@@ -1,0 +1,366 @@
+"""Automatic plan search: the ``shard_step`` options that train a model fastest on a mesh under a
+memory cap, chosen by hpf.sim's predicted step time (``hpf plan --search``, ``hpf train --plan auto``).
+
+    result = hpf.search.search("gpt", "1b", {"node": 96, "local": 8}, "cloudmatrix384", global_batch=768)
+    print(result.format())
+    step = hpf.shard_step(result.loss_fn(), optimizer=hpf.optim.adamw(lr=3e-4), **result.step_args())
+
+Every candidate is a point of ``DIMENSIONS``: the layout (flat or two-tier collectives, HSDP),
+the expert-parallel axis (MoE), the fused-collective cap, mixed precision, activation
+recomputation and the micro-batches of the global batch. Each is priced twice:
+
+- **memory** by hpf.memory on the plan (meta tensors; a plan per layout, cached, shared by the
+  candidates that differ only in precision, recomputation or micro-batches): over the cap, out;
+- **time** by hpf.sim, in order of each candidate's compute floor (the compute thread's own
+  work: a lower bound of its step time that costs no event simulation). Once ``top`` candidates
+  are simulated, one whose floor is no faster than the ``top``-th best's step cannot enter the
+  ranking and is not simulated (branch and bound: the ranking is exact, not sampled).
+
+The global batch is fixed, so ranking by step time is ranking by tokens/s.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import memory, sim
+from .mesh import Mesh
+from .models import MODELS, model_config
+from .models.recompute import RECOMPUTE
+from .sim import Hardware, SimResult
+
+__all__ = ["Candidate", "Ranked", "SearchResult", "search", "candidates", "simulate", "DIMENSIONS",
+           "NoFeasiblePlan", "load"]
+
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the search space. The fields are named as ``hpf train``'s options, so a
+    candidate is also the options that run it. A new dimension (the slow tier's precision of the
+    low-bit issue, say) is a field here with the value that means "as before", its values in
+    ``DIMENSIONS``, and what it sets in :meth:`step_args` and :meth:`sim_args`."""
+
+    topology: str = "two-tier"  # "two-tier" (hpf.Topology) or "flat" (one collective over all ranks)
+    hsdp: bool = False  # shard over the fast tier only, replicate across the slow one
+    ep_axis: str | None = None  # MoE: the data axis experts are split over
+    bucket_bytes: int = 0  # two-tier: the cap on one fused collective (0: a bucket per unit)
+    mixed_precision: str | None = None  # None (fp32) or "bf16"
+    recompute: str = "none"  # activation checkpointing: "none", "every_other" or "all" blocks
+    accumulate: int = 1  # micro-batches per step
+
+    def label(self) -> str:
+        """A short name: what differs from the defaults."""
+        parts = [self.topology + (" HSDP" if self.hsdp else "")]
+        if self.ep_axis:
+            parts.append(f"experts over {self.ep_axis}")
+        if self.bucket_bytes:
+            parts.append(f"buckets {self.bucket_bytes // MiB} MiB")
+        parts.append(self.mixed_precision or "fp32")
+        if self.recompute != "none":
+            parts.append(f"recompute {self.recompute.replace('_', ' ')}")
+        if self.accumulate > 1:
+            parts.append(f"{self.accumulate} micro-batches")
+        return ", ".join(parts)
+
+    def step_args(self, model: str, config, mesh: Mesh) -> dict[str, Any]:
+        """The keyword arguments of ``hpf.shard_step`` (all but the loss function and optimizer)."""
+        from .comm.tiered import Topology
+
+        module = MODELS[model]
+        data = tuple(mesh.axis_names)
+        specs = module.param_specs(config, self.ep_axis, data) if hasattr(module, "param_specs") else None
+        return {"mesh": mesh, "param_specs": specs, "fsdp_axes": data, "hsdp": self.hsdp,
+                "topology": Topology(bucket_bytes=self.bucket_bytes) if self.topology == "two-tier" else None,
+                "mixed_precision": self.mixed_precision, "accumulate": self.accumulate,
+                "batch_axes": getattr(module, "BATCH_AXES", None)}
+
+    def loss_args(self, model: str) -> dict[str, Any]:
+        """The keyword arguments of the model's ``loss_for`` beside the config."""
+        return {"recompute": self.recompute, **({"ep_axis": self.ep_axis} if hasattr(MODELS[model], "param_specs") else {})}
+
+    def sim_args(self) -> dict[str, Any]:
+        """The keyword arguments of ``hpf.sim.simulate``."""
+        return {"strategy": "hsdp" if self.hsdp else "hpf", "topology": self.topology, "ep_axis": self.ep_axis,
+                "bucket_bytes": self.bucket_bytes, "mixed_precision": self.mixed_precision,
+                "recompute": self.recompute, "accumulate": self.accumulate}
+
+
+def _layouts(job: "_Job") -> list[tuple[str, bool]]:
+    two_tiers = len(job.mesh.fast_axes) < len(job.mesh.axis_names)  # HSDP needs a slow tier to replicate over
+    return [("two-tier", False), ("flat", False)] + ([("two-tier", True), ("flat", True)] if two_tiers else [])
+
+
+def _ep_axes(job: "_Job") -> list[str | None]:
+    experts = getattr(job.config, "n_experts", 0)
+    return [None] + [a for a, n in zip(job.mesh.axis_names, job.mesh.shape) if experts and n > 1 and not experts % n]
+
+
+def _bucket_caps(job: "_Job", c: Candidate) -> list[int]:
+    """0 (a bucket per unit) and the powers-of-4 MiB caps that split the largest unit into 2-16."""
+    if c.topology != "two-tier":
+        return [0]
+    plan = sim.plan_for(job.module, job.config, job.mesh, None, c.ep_axis, True, c.hsdp)
+    largest = max((sum(plan.buckets[b].padded_numel for b in u.buckets) * 4 for u in plan.units.values()), default=0)
+    return [0] + [4**k * MiB for k in range(6) if largest / 16 <= 4**k * MiB < largest]
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if not n % k]
+
+
+#: The searched dimensions in Candidate's field order: name -> the values for a job (and the
+#: candidate so far, for dimensions that depend on earlier ones).
+DIMENSIONS = {
+    "layout": lambda job, c: [dict(topology=t, hsdp=h) for t, h in _layouts(job)],
+    "ep_axis": lambda job, c: [dict(ep_axis=a) for a in _ep_axes(job)],
+    "bucket_bytes": lambda job, c: [dict(bucket_bytes=b) for b in _bucket_caps(job, c)],
+    "mixed_precision": lambda job, c: [dict(mixed_precision=p) for p in (None, "bf16")],
+    "recompute": lambda job, c: [dict(recompute=r) for r in RECOMPUTE],
+    "accumulate": lambda job, c: [dict(accumulate=k) for k in _divisors(job.local_batch)],
+}
+
+
+@dataclass
+class Ranked:
+    """A candidate with its predicted memory and step time (``sim`` None: not simulated)."""
+
+    candidate: Candidate
+    memory: memory.StepMemory
+    floor_s: float
+    sim: SimResult | None = None
+
+    @property
+    def step_s(self) -> float:
+        return self.sim.step_s if self.sim else float("inf")
+
+
+class NoFeasiblePlan(ValueError):
+    """Every candidate needs more memory per rank than the cap."""
+
+
+@dataclass
+class SearchResult:
+    """The ranking of a search: the simulated candidates best first, and what fell where."""
+
+    model: str
+    config_name: str
+    mesh: dict[str, int]
+    global_batch: int
+    hardware: str
+    memory_cap: int | None
+    ranked: list[Ranked]  # simulated and under the cap, fastest first
+    candidates: int
+    over_memory: int
+    pruned: int  # under the cap, never simulated: their compute floor was no faster than the top's
+    seconds: float
+    top: int = 5
+    plans: int = 0  # distinct plans built
+
+    @property
+    def best(self) -> Ranked:
+        return self.ranked[0]
+
+    @property
+    def config(self):
+        return model_config(self.model, self.config_name)[1]
+
+    def step_args(self) -> dict[str, Any]:
+        """The best candidate's ``hpf.shard_step`` keyword arguments (add ``optimizer=``)."""
+        return self.best.candidate.step_args(self.model, self.config, Mesh(self.mesh))
+
+    def loss_fn(self, **kw):
+        """The model's loss function for the best candidate (``kw``: e.g. ``aux=True`` for MoE)."""
+        module = MODELS[self.model]
+        return module.loss_for(self.config, **self.best.candidate.loss_args(self.model), **kw)
+
+    def tokens_per_s(self, r: Ranked) -> float:
+        return r.sim.tokens_per_s if r.sim else 0.0
+
+    def why(self) -> str:
+        """Which term dominates the best's predicted step, and what it gains over the runner-up."""
+        b = self.best.sim
+        terms = {"compute": b.compute_s, "exposed communication": b.exposed_comm_s, "the optimizer": b.optimizer_s}
+        top = max(terms, key=terms.get)
+        shares = ", ".join(f"{k} {v / b.step_s:.0%}" for k, v in terms.items())
+        line = f"{top} dominates its predicted step ({shares})"
+        if len(self.ranked) > 1:
+            r = self.ranked[1].sim
+            gains = {"compute": r.compute_s - b.compute_s, "exposed communication": r.exposed_comm_s - b.exposed_comm_s,
+                     "the optimizer": r.optimizer_s - b.optimizer_s}
+            term = max(gains, key=gains.get)
+            line += (f"; against #2 it saves {(r.step_s - b.step_s) * 1e3:.3g} ms, most of it in {term} "
+                     f"({gains[term] * 1e3:+.3g} ms for #2)" if r.step_s > b.step_s else
+                     "; #2 is predicted as fast, and #1 needs no more memory")
+        return line
+
+    def format(self) -> str:
+        cap = f"{memory.size(self.memory_cap)} per rank" if self.memory_cap else "no memory cap"
+        lines = [f"hpf plan --search: {self.model} {self.config_name!r} on mesh "
+                 f"{','.join(f'{a}={n}' for a, n in self.mesh.items())}, global batch {self.global_batch} "
+                 f"sequences, hardware {self.hardware}, {cap}: {self.candidates} candidates, "
+                 f"{self.plans} plans, {self.seconds:.2f} s",
+                 f"{'#':>2} {'predicted step':>14} {'tokens/s':>12} {'memory/rank':>12}  plan"]
+        for i, r in enumerate(self.ranked[:self.top], 1):
+            lines.append(f"{i:>2} {r.step_s * 1e3:>11.2f} ms {self.tokens_per_s(r):>12,.0f} "
+                         f"{memory.size(r.memory.total):>12}  {r.candidate.label()}")
+        fell_time = self.candidates - self.over_memory - min(len(self.ranked), self.top)
+        lines += [f"why #1: {self.why()}",
+                  f"memory of #1: {self.best.memory.format()}",
+                  f"fell to memory: {self.over_memory} of {self.candidates} candidates need more than the cap",
+                  f"fell to time: {fell_time} ranked below the top {self.top} ({self.pruned} of them by their compute "
+                  "floor alone, without a full simulation)"]
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        """What ``hpf train --plan FILE`` replays: the job, the choice, and the ranking."""
+        row = lambda r: {"options": dataclasses.asdict(r.candidate), "step_s": r.step_s,  # noqa: E731
+                         "tokens_per_s": self.tokens_per_s(r), "memory_bytes": r.memory.total}
+        return {"model": self.model, "config": self.config_name, "mesh": self.mesh, "batch_size": self.global_batch,
+                "hardware": self.hardware, "memory_per_rank": self.memory_cap, "choice": row(self.best),
+                "top": [row(r) for r in self.ranked[:self.top]], "candidates": self.candidates,
+                "over_memory": self.over_memory, "pruned": self.pruned, "seconds": self.seconds}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+
+def load(path: str | Path) -> dict:
+    """A saved search (``SearchResult.save``), checked: its job and its chosen options."""
+    try:
+        saved = json.loads(Path(path).read_text())
+        Candidate(**saved["choice"]["options"])
+        for key in ("model", "config", "mesh", "batch_size"):
+            saved[key]  # noqa: B018 - present
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a search result written by hpf plan --search --save ({type(e).__name__}: "
+                         f"{e}); write one with hpf plan --search --save FILE") from None
+    return saved
+
+
+@dataclass
+class _Job:
+    model: str
+    config: Any
+    module: Any
+    mesh: Mesh
+    hw: Hardware
+    local_batch: int
+    optimizer: str
+    reports: dict = field(default_factory=dict)  # plan key -> (plan, state report)
+
+
+def search(model: str, config: str, mesh, hw: Hardware | str, *, global_batch: int | None = None,
+           memory_per_rank: int | None = None, optimizer: str = "adamw", top: int = 5,
+           fixed: dict | None = None) -> SearchResult:
+    """Search the candidates of ``DIMENSIONS`` for ``model``/``config`` on ``mesh`` ({axis: size}
+    or an hpf.Mesh), priced on ``hw`` (a profile name, a calibration file or a Hardware), for a
+    ``global_batch`` of sequences (default: one per rank) split evenly over the ranks; drop those
+    over ``memory_per_rank`` bytes (None: no cap) and rank the rest by predicted step time.
+    ``fixed``: Candidate fields to hold (e.g. ``{"mixed_precision": None}``); ``optimizer``:
+    whose state the memory counts ("adamw" or "muon").
+
+    Raises:
+        ValueError: an unknown model/config, a batch that does not split over the ranks, an
+            unknown ``fixed`` field.
+        NoFeasiblePlan: no candidate fits ``memory_per_rank``; it names the smallest one's memory.
+    """
+    started = time.perf_counter()
+    mesh = mesh if isinstance(mesh, Mesh) else Mesh(dict(mesh))
+    hw = sim.hardware(hw) if isinstance(hw, str) else hw
+    global_batch = mesh.size if global_batch is None else global_batch
+    priced, plans = _priced(model, config, mesh, hw, global_batch, optimizer, fixed)
+    fits = [r for r in priced if memory_per_rank is None or r.memory.total <= memory_per_rank]
+    if not fits:
+        small = min(priced, key=lambda r: r.memory.total)
+        raise NoFeasiblePlan(
+            f"--memory-per-rank {memory.size(memory_per_rank)}: none of the {len(priced)} candidates fits; the "
+            f"smallest ({small.candidate.label()}) needs {memory.size(small.memory.total)} per rank "
+            f"({small.memory.format()}); raise the cap, use more ranks or a smaller batch")
+    fits.sort(key=lambda r: r.floor_s)
+    ranked: list[Ranked] = []
+    pruned = 0
+    for r in fits:
+        if len(ranked) >= top and r.floor_s >= ranked[top - 1].step_s:
+            pruned += 1
+            continue
+        r.sim = simulate(r.candidate, model, config, mesh, hw, global_batch)
+        ranked.append(r)
+        ranked.sort(key=lambda x: (x.step_s, x.memory.total))
+    return SearchResult(model, config, dict(zip(mesh.axis_names, mesh.shape)), global_batch, hw.name, memory_per_rank,
+                        ranked, len(priced), len(priced) - len(fits), pruned, time.perf_counter() - started, top, plans)
+
+
+def candidates(model: str, config: str, mesh, hw: Hardware | str, *, global_batch: int | None = None,
+               optimizer: str = "adamw", fixed: dict | None = None) -> list[Ranked]:
+    """Every candidate :func:`search` considers, priced (memory, compute floor) but not simulated."""
+    mesh = mesh if isinstance(mesh, Mesh) else Mesh(dict(mesh))
+    return _priced(model, config, mesh, sim.hardware(hw) if isinstance(hw, str) else hw,
+                   mesh.size if global_batch is None else global_batch, optimizer, fixed)[0]
+
+
+def simulate(c: Candidate, model: str, config: str, mesh, hw: Hardware | str, global_batch: int) -> SimResult:
+    """hpf.sim's prediction of one candidate's step."""
+    mesh = mesh if isinstance(mesh, Mesh) else Mesh(dict(mesh))
+    return sim.simulate(config, mesh, hw, local_batch=global_batch // mesh.size, model=model, **c.sim_args())
+
+
+def _priced(model: str, config: str, mesh: Mesh, hw: Hardware, global_batch: int, optimizer: str,
+            fixed: dict | None) -> tuple[list[Ranked], int]:
+    """(every candidate priced, how many distinct plans that took)."""
+    module, cfg = model_config(model, config)
+    if global_batch < 1 or global_batch % mesh.size:
+        raise ValueError(f"global batch {global_batch} must split evenly over the {mesh.size} ranks; use a multiple "
+                         f"of {mesh.size}")
+    fixed = dict(fixed or {})
+    unknown = set(fixed) - {f.name for f in dataclasses.fields(Candidate)}
+    if unknown:
+        raise ValueError(f"fixed: {sorted(unknown)} are not search dimensions; use some of "
+                         f"{[f.name for f in dataclasses.fields(Candidate)]}")
+    job = _Job(model, cfg, module, mesh, hw, global_batch // mesh.size, optimizer)
+    priced, seen = [], set()
+    for c in _candidates(job, fixed):
+        r = _price(job, config, c)
+        plan = job.reports[_plan_key(c)][0]
+        same = (c.topology, c.mixed_precision, c.recompute, c.accumulate,  # what runs: HSDP on a MoE's
+                tuple((b.shard_axes, b.replicate_axes, b.numel) for b in plan.buckets))  # explicit specs is a no-op
+        if same not in seen:
+            seen.add(same)
+            priced.append(r)
+    return priced, len({id(p) for p, _ in job.reports.values()})
+
+
+def _candidates(job: _Job, fixed: dict) -> list[Candidate]:
+    """Every point of DIMENSIONS, with ``fixed`` fields held."""
+    out = [Candidate(**fixed)]
+    for dim in DIMENSIONS.values():
+        out = [dataclasses.replace(c, **{k: v for k, v in choice.items() if k not in fixed})
+               for c in out for choice in dim(job, c)]
+        out = list(dict.fromkeys(out))  # (a held field makes copies)
+    return out
+
+
+def _plan_key(c: Candidate) -> tuple:
+    return c.topology, c.hsdp, c.ep_axis, c.bucket_bytes, c.mixed_precision
+
+
+def _price(job: _Job, config: str, c: Candidate) -> Ranked:
+    """Memory on the candidate's plan (one per layout, cached) and the compute floor of its step."""
+    key = _plan_key(c)
+    if key not in job.reports:
+        plan = sim.plan_for(job.module, job.config, job.mesh, None, c.ep_axis, c.topology == "two-tier", c.hsdp,
+                            c.bucket_bytes if c.topology == "two-tier" else 0)
+        job.reports[key] = (plan, memory.state_report(plan, c.mixed_precision, job.optimizer,
+                                                      hierarchical=c.topology == "two-tier")[0])
+    plan, report = job.reports[key]
+    mem = memory.predict(job.module, job.config, plan, report, local_batch=job.local_batch,
+                         mixed_precision=c.mixed_precision, recompute=c.recompute, accumulate=c.accumulate,
+                         topology=c.topology, cpu=job.hw.shared_links)
+    floor = sim.compute_floor(config, job.mesh, job.hw, local_batch=job.local_batch, model=job.model,
+                              **c.sim_args())
+    return Ranked(c, mem, floor)
