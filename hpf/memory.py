@@ -4,10 +4,10 @@
 by it. It follows the engine through one step, from the plan and the model's ``activations``
 hook alone (no process, meta tensors), and takes the peak of these moments:
 
-- **the start of backward**: the state, the gathered units (the root, the ``resident_units``
-  blocks still gathered, and every recomputed block that forward evicted: its checkpoint holds
-  its param views, so the engine keeps its memory until the step ends), every block's saved
-  activations (a recomputed block's input only), the root's, and the loss's grads;
+- **the start of backward**: the state, the gathered units (the root and the ``resident_units``
+  blocks still gathered), every block's saved activations (a recomputed block's input only:
+  the models read a recomputed block inside its checkpoint, so it is gathered again for its
+  backward), the root's, and the loss's grads;
 - **each block's backward**, top down: that block and the one prefetched below it gathered,
   its saved activations (recomputed first if it was checkpointed) and the grads its backward
   holds, the blocks below it still saved, the param grads autograd holds (the root's through
@@ -15,10 +15,12 @@ hook alone (no process, meta tensors), and takes the peak of these moments:
 - **the end of backward**: the root's reduction issued;
 - **init**, on CPU ranks: the state beside the full params each rank builds before sharding.
 
-Reductions: the flat collectives (``hpf.comm.flat.BucketComm``) keep every unit's flat grad
-buffer until the step's reductions land, with gloo's receive buffer beside it on CPU ranks
-(``reduce_copies`` 2); the two-tier ones free each when its stages finish, so about two units
-are in flight; the shared-memory fast tier (CPU ranks of one host) keeps every bucket's full
+Reductions: the engine frees each one's flat grad buffer (and gloo's receive buffer beside it on
+CPU ranks: ``reduce_copies`` 2) when it lands, polling in issue order during backward, so how
+many hold memory depends on the link. For the flat collectives (``hpf.comm.flat.BucketComm``)
+the model counts every one issued as still held: the bound for a slow link (measured peaks on
+CPU ranks fall up to ~20% below it when gloo keeps up); the two-tier ones pipeline about two
+units in flight; the shared-memory fast tier (CPU ranks of one host) keeps every bucket's full
 buffer in one segment per host and every rank's grad row for good. Gradient accumulation keeps
 every bucket's summed grads between micro-batches.
 """
@@ -103,10 +105,9 @@ def step_memory(report: PlanReport, plan: Plan, acts: Activations | None, *, com
     kept = [i if recomputes(k, recompute) else s for k, (s, i, _) in enumerate(acts.blocks)]
     n = len(blocks)
     resident = n - min(resident_units, n)  # the first block still gathered when forward ends
-    lingering = {j for j in range(resident) if recomputes(j, recompute)}
 
-    def gathered_with(ks: set[int]):  # the root, blocks ks, and the lingering recomputed blocks
-        return gathered(root, *(blocks[j] for j in sorted(ks | lingering)))
+    def gathered_with(ks: set[int]):  # the root and blocks ks
+        return gathered(root, *(blocks[j] for j in sorted(ks)))
     moments = [("the start of backward", {
         "gathered": gathered_with(set(range(resident, n))),
         "activations": acts.root_saved + sum(kept) + acts.root_backward})]

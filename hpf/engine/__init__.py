@@ -186,8 +186,10 @@ class UnitEngine:
         if unit == ROOT and self._root is not None:
             return self._root
         self.buffers.wait(unit)
-        if self.in_backward and unit != ROOT:  # a checkpoint recomputing: the forward's entries take the grads
-            return tuple(self.buffers.views(unit))
+        if self.in_backward and unit != ROOT:  # a checkpoint recomputing: the forward's entries take the grads,
+            frozen = self.buffers.frozen_views[unit]  # these only need to save what forward saved (requires_grad)
+            return tuple(v if i in frozen else v.detach().requires_grad_()
+                         for i, v in enumerate(self.buffers.views(unit)))
         views = entry(self._anchor, self, unit)
         self.reducer.entry(unit)
         if unit == ROOT:

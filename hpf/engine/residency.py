@@ -67,11 +67,7 @@ class Residency:
         first = self.predicted_first()
         acts = Actions()
         for u in first:
-            if u in self.resident:
-                self.resident.pop(u)
-            else:
-                acts.prefetch.append(u)
-            self.resident[u] = None
+            self._touch(u, acts.prefetch)
         while len(self.resident) > max(self.capacity, len(first)):
             victim = next(u for u in self.resident if u not in first)
             del self.resident[victim]
@@ -134,11 +130,7 @@ class Residency:
         ``predicted`` if the bound leaves room beside them; evict the least recent others."""
         acts = Actions()
         for unit in units:
-            if unit in self.resident:
-                self.resident.pop(unit)
-            else:
-                acts.gather.append(unit)
-            self.resident[unit] = None
+            self._touch(unit, acts.gather)
         if (predicted is not None and predicted not in self.resident
                 and len(dict.fromkeys(units)) < self.capacity):
             acts.prefetch.append(predicted)
@@ -149,6 +141,14 @@ class Residency:
             del self.resident[victim]
             acts.evict.append(victim)
         return acts
+
+    def _touch(self, unit: str, missing: list[str]) -> None:
+        """Make ``unit`` the most recent resident; append it to ``missing`` if it was not resident."""
+        if unit in self.resident:
+            self.resident.pop(unit)
+        else:
+            missing.append(unit)
+        self.resident[unit] = None
 
     def _predicted_run(self, unit: str | None) -> list[str]:
         out, k = [], {}

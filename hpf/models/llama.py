@@ -150,8 +150,8 @@ def forward(params: dict, tokens: torch.Tensor, *, config: LlamaConfig | None = 
     c = config
     x = F.embedding(tokens, params["embed"])
     cos, sin = rope_cos_sin(c, tokens.shape[1], x.device, x.dtype)
-    for i, blk in enumerate(params["blocks"]):
-        x = recompute_.run_block(block, i, recompute, blk, x, cos, sin, c)
+    for i in range(len(params["blocks"])):
+        x = recompute_.run_block(block, params["blocks"], i, recompute, x, cos, sin, c)
     return F.linear(rms_norm(x, params["norm"], c.norm_eps), params["head"])
 
 

@@ -29,11 +29,13 @@ def recomputes(i: int, recompute: str) -> bool:
     return recompute == "all" or (recompute == "every_other" and i % 2 == 1)
 
 
-def run_block(fn: Callable, i: int, recompute: str, *args):
-    """``fn(*args)`` for block ``i``: checkpointed where ``recompute`` says so."""
+def run_block(fn: Callable, blocks, i: int, recompute: str, *args):
+    """``fn(blocks[i], *args)``: checkpointed where ``recompute`` says so. The block is read
+    inside the checkpoint, so a recomputed block is gathered again for its backward instead
+    of held by the checkpoint from forward to backward (hpf.shard_step frees it between)."""
     if recomputes(i, recompute):
-        return checkpoint(fn, *args, use_reentrant=False)
-    return fn(*args)
+        return checkpoint(lambda *a: fn(blocks[i], *a), *args, use_reentrant=False)
+    return fn(blocks[i], *args)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -30,6 +30,9 @@ from ..comm import world
 from ..planning import Bucket, ParamSlot, Plan
 from .adamw_optimizer import schedule_value
 from .muon_math import MuonState, apply_muon_updates_, muon_momentum_, orthogonalize, update_scale
+
+if TYPE_CHECKING:
+    from .muon_optimizer import Muon
 
 __all__ = ["DistMuon", "assign_owners", "ns_flops", "muon_paths", "muon_plan_state"]
 
