@@ -61,6 +61,7 @@ class TrainJob:
     trace_dir: str | None = None  # --trace: Chrome traces of a few steps, one per rank and a merged one
     ep_axis: str | None = None  # --ep-axis: the mesh axis experts are split over (moe)
     tensorboard: str | None = None  # --tensorboard: the event folder rank 0 writes the metrics to
+    slow_precision: str | None = None  # --slow-precision: "W,G" of the low-bit slow tier
 
     def model_config(self):
         return model_config(self.model, self.config, self.vocab_size)
@@ -97,7 +98,8 @@ def make_step(job: TrainJob, mesh: hpf.Mesh):
     loss_fn = module.loss_for(config, job.ep_axis, aux=True) if hasattr(module, "Balancer") else module.loss_for(config)
     return hpf.shard_step(loss_fn, mesh=mesh, optimizer=optimizer, accumulate=job.accumulate,
                           **sharding_of(job.model, config, mesh, job.fsdp_axes, job.ep_axis), mode=job.mode,
-                          mixed_precision=job.mixed_precision, hsdp=job.hsdp, topology=topology_of(job.topology))
+                          mixed_precision=job.mixed_precision, hsdp=job.hsdp,
+                          topology=topology_of(job.topology, job.slow_precision))
 
 
 def _batches(job: TrainJob, config, split: str, rank: int, world: int, start: int):

@@ -18,6 +18,7 @@ from types import ModuleType
 
 from ..planning import plan as make_plan
 from ..mesh import Mesh
+from ..types import SlowPrecision
 from .hardware import PROFILES, Hardware, Link, hardware, load_calibration
 from .model import (Options, SimResult, allreduce_time, default_unit_flops, ring_time, simulate_plan,
                     two_tier_time)
@@ -43,12 +44,16 @@ def _model(model):
 def simulate(config, mesh, hw: Hardware | str, strategy: str = "hpf", *, local_batch: int = 1, model="gpt",
              mixed_precision: str | None = None, topology: str = "two-tier", fsdp_axes=None, pipeline: bool = True,
              overlap_optimizer: bool = True, emulated_slow: tuple[float, float] | None = None,
-             shm: bool | None = None, steps: int = 3, ep_axis: str | None = None) -> SimResult:
+             shm: bool | None = None, steps: int = 3, ep_axis: str | None = None,
+             slow_precision=None) -> SimResult:
     """One strategy on one mesh. ``config``: a name in the model's CONFIGS or a config object;
     ``mesh``: an hpf.Mesh or {axis: size}; ``hw``: a Hardware, a profile name or a calibration
     file. ``strategy``: "hpf", "hsdp" (hpf sharding over the fast tier only), "fsdp2", "ddp".
     ``topology``: "two-tier" (hpf.Topology()) or "flat" (topology=None), as ``hpf train``.
-    ``ep_axis``: a MoE model's expert-parallel axis (experts split over it, tokens exchanged)."""
+    ``ep_axis``: a MoE model's expert-parallel axis (experts split over it, tokens exchanged).
+    ``slow_precision``: hpf's low-bit slow tier (two-tier only), "W[,G]" as ``hpf simulate
+    --slow-precision`` or an hpf.types.SlowPrecision: fewer slow-tier bytes, plus the quantize cost
+    (hpf's own: the baselines are simulated without it)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy {strategy!r}: use one of {STRATEGIES}")
     if mixed_precision not in _BYTES:
@@ -64,8 +69,13 @@ def simulate(config, mesh, hw: Hardware | str, strategy: str = "hpf", *, local_b
     if ep_axis is not None and not hasattr(mod, "param_specs"):
         raise ValueError(f"ep_axis={ep_axis!r}: model {getattr(mod, '__name__', mod)} has no experts; use the moe model")
     specs = mod.param_specs(cfg, ep_axis, fsdp) if hasattr(mod, "param_specs") else None
+    slow = SlowPrecision.parse(slow_precision) if is_hpf else None  # the baselines have no low-bit tier
+    if slow is not None and not tiered:
+        raise ValueError(f"slow_precision={slow_precision!r} with topology={topology!r}: a low-bit slow tier is a "
+                         "stage of hpf's two-tier collectives; use topology='two-tier'")
     plan = make_plan(mod.init(cfg, device="meta"), mesh, specs, fsdp_axes=fsdp_axes, hierarchical=tiered,
-                     default_shard_axes=[a for a in fsdp if a in mesh.fast_axes] if strategy == "hsdp" else None)
+                     default_shard_axes=[a for a in fsdp if a in mesh.fast_axes] if strategy == "hsdp" else None,
+                     slow_precision=slow)
     flops = mod.unit_flops(cfg, local_batch) if hasattr(mod, "unit_flops") else default_unit_flops(
         plan, local_batch * getattr(cfg, "seq_len", 1))
     a2a = mod.unit_a2a(cfg, local_batch, mesh, ep_axis, _BYTES[mixed_precision]) if hasattr(mod, "unit_a2a") else None
