@@ -16,6 +16,7 @@ import torch
 
 from . import tree as tree_util
 from .mesh import Mesh, _as_tuple
+from .comm.cost import low_bit
 from .report import PlanReport
 from .spec import IndivisibleSpecError, P, SpecError, resolve_specs
 from .tree import ROOT
@@ -215,8 +216,9 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
     of one layout and dtype fill buckets in tree order, a new one starting where the next
     param would pass the cap (0: one bucket each; a param bigger than the cap gets its own).
     ``frozen`` params (paths) go to buckets of their own, which are gathered but never reduced.
-    ``slow_precision`` (:class:`hpf.types.SlowPrecision`) pads the shards of buckets that cross
-    the slow tier to whole quantization blocks, and rides with the plan.
+    ``slow_precision`` (:class:`hpf.types.SlowPrecision`) pads the shards of buckets with a
+    low-bit collective (``hpf.comm.cost.low_bit``) to whole quantization blocks, and rides with
+    the plan.
 
     Args:
         params: the full params pytree (meta tensors are enough).
@@ -270,8 +272,9 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
             replicate = tuple(a for a in fsdp if a not in shard_axes + split_axes)
             b = Bucket(index=len(buckets), unit=unit, shard_axes=shard_axes, replicate_axes=replicate,
                        dtype=leaf.dtype, shard_size=mesh.axis_size(shard_axes), split_axes=split_axes,
-                       shard_order=order, frozen=path in frozen,
-                       align=slow_precision.block if slow_precision and mesh.slow_axes_of(shard_axes + replicate) else 1)
+                       shard_order=order, frozen=path in frozen)
+            if any(low_bit(mesh, b, slow_precision).values()):  # its slow-tier messages are whole blocks
+                b.align = slow_precision.block
             by_key[key] = b
             buckets.append(b)
             units.setdefault(unit, Unit(unit, [])).buckets.append(b.index)
