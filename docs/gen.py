@@ -14,6 +14,8 @@ ROOT = DOCS.parent
 VALIDATION = DOCS / "simulate" / "validation"
 BENCHMARKS = DOCS / "results" / "benchmarks.json"
 REAL_RUN = DOCS / "results" / "real_run.json"
+LOWBIT = DOCS / "results" / "lowbit.json"
+LOWBIT_QUALITY = DOCS / "results" / "lowbit_quality.json"
 # The paper's headline figures for the dense 1B GPT at 768 ranks (arXiv 2609.21594), as the issue states them.
 PAPER_1B = {"exposed": "2.9%", "fsdp2": "-29.7%", "ddp": "-25.5%"}
 PAPER_505B_TOKENS_S = 421e3
@@ -171,6 +173,41 @@ def real_run() -> str:
     return ("```bash\n" + "\n".join(r["commands"]) + "\n```\n\n" + table(["", "first", "last"], rows))
 
 
+def _verdict(value: float, target: str) -> str:
+    bound = float(target[2:])
+    return "ok" if (value <= bound if target.startswith("<=") else value >= bound) else "MISS"
+
+
+def lowbit() -> str:
+    """Slow-tier bytes and the emulated-link step of benchmarks/lowbit.py (docs/results/lowbit.json)."""
+    r = json.loads(LOWBIT.read_text())
+    s = r["settings"]
+    rows = [[f"`{name}`", f"{v['value']:.3f}", v["target"] or "-", _verdict(v["value"], v["target"]) if v["target"] else ""]
+            for name, v in r["ratios"].items()]
+    runs = "--quick (2 steps each: a smoke run, not a measurement)" if s["quick"] else f"{s['rounds']} rounds"
+    head = (f"GPT {s['config']}, 2 x 2 mesh, {runs}, emulated link {s['latency_ms']:g} ms + bytes / {s['bandwidth_mbs']:g} MB/s, {s['cores']} cores, torch "
+            f"{s['torch']}; step medians {', '.join(f'{k} {v:.1f} ms' for k, v in r['step_ms'].items())}.\n\n")
+    return head + table(["ratio", "value", "target", ""], rows)
+
+
+def lowbit_quality() -> str:
+    """Final held-out losses of benchmarks/lowbit_quality.py (docs/results/lowbit_quality.json)."""
+    r = json.loads(LOWBIT_QUALITY.read_text())
+    s = r["settings"]
+    ratios = {v: k for k, v in (("int8 weights, int8 grads", "quality/int8_int8/eval_loss"),
+                                ("int8 weights, int4 grads + error feedback", "quality/int8_int4/eval_loss"))}
+    rows = []
+    for name, run in r["runs"].items():
+        key = next((k for k, n in ratios.items() if n == name), None)
+        ratio = r["ratios"][key] if key else None
+        rows.append([name, f"{run['eval_losses'][-1][1]:.4f}",
+                     f"{ratio['value']:.4f} (target {ratio['target']}, {_verdict(ratio['value'], ratio['target'])})"
+                     if ratio else "-", f"`{run['command']}`"])
+    head = (f"Llama {s['config']}, {s['steps']} steps" + (" (--quick: a smoke run)" if s["quick"] else "")
+            + f", held-out loss at the last step, {s['cores']} cores.\n\n")
+    return head + table(["slow tier", "held-out loss", "vs full precision", "command"], rows)
+
+
 GENERATED = {
     "train_options.md": lambda out: options("train"),
     "prepare_options.md": lambda out: options("prepare"),
@@ -185,6 +222,8 @@ GENERATED = {
     "validation_counts.md": lambda out: validation_counts(),
     "benchmarks.md": lambda out: benchmarks(),
     "real_run.md": lambda out: real_run(),
+    "lowbit.md": lambda out: lowbit(),
+    "lowbit_quality.md": lambda out: lowbit_quality(),
 }
 
 

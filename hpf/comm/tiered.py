@@ -345,11 +345,15 @@ class TieredComm:
 
         fmt = self._fmt[b]["all_gather"]
 
+        def gather():
+            if fmt:
+                self._gather_low_bit(b, block, shard, fmt)
+            else:
+                self._route["gather", b, "slow"].all_gather_into(block, shard)
+
         def slow_stage():
             if slow:
                 with span("hpf/all-gather slow tier, bucket", b):
-                    gather = (lambda: self._gather_low_bit(b, block, shard, fmt)) if fmt else (
-                        lambda: self._route["gather", b, "slow"].all_gather_into(block, shard))
                     self._over_slow_link(gather, tiers["slow"])
             elif block.data_ptr() != shard.data_ptr():
                 with span("hpf/copy shard, bucket", b):
@@ -387,19 +391,27 @@ class TieredComm:
 
         fmt = self._fmt[b]
 
+        def reduce_scatter():
+            if fmt["reduce_scatter"]:
+                self._reduce_low_bit(b, shard, block, fmt["reduce_scatter"])
+            else:
+                self._route["reduce", b, "slow"].reduce_scatter(shard, block)
+
+        def all_reduce():
+            if fmt["all_reduce"]:
+                self._all_reduce_low_bit(b, shard, group, fmt["all_reduce"])
+            else:
+                dist.all_reduce(shard, group=group)
+
         def slow_stage():
             if slow:
                 with span("hpf/reduce-scatter slow tier, bucket", b):
-                    reduce = (lambda: self._reduce_low_bit(b, shard, block, fmt["reduce_scatter"])) if fmt[
-                        "reduce_scatter"] else (lambda: self._route["reduce", b, "slow"].reduce_scatter(shard, block))
-                    self._over_slow_link(reduce, tiers["slow"])
+                    self._over_slow_link(reduce_scatter, tiers["slow"])
             elif not fast and shard.data_ptr() != flat.data_ptr():
                 shard.copy_(flat)
             if group is not None:
                 with span("hpf/all-reduce replicas, bucket", b):
-                    reduce = (lambda: self._all_reduce_low_bit(b, shard, group, fmt["all_reduce"])) if fmt[
-                        "all_reduce"] else (lambda: dist.all_reduce(shard, group=group))
-                    self._over_slow_link(reduce, replica["slow"])
+                    self._over_slow_link(all_reduce, replica["slow"])
 
         count_bytes(self.bytes, "reduce_scatter", tiers)
         count_bytes(self.bytes, "all_reduce", replica)
@@ -449,8 +461,9 @@ class TieredComm:
         drop, kept aside until ``commit_feedback``. Row ``own`` never leaves the rank: it drops
         nothing. Validation mode's capture gets the rows as sent and as the peers receive them."""
         k, s = self.slow.block, self._feedback_scale
-        resid = self._feedback[b][at:at + rows.numel()].view(rows.shape) if self._feedback and self.feedback_numel[
-            b] else None
+        resid = None
+        if self._feedback is not None and self.feedback_numel[b]:
+            resid = self._feedback[b][at:at + rows.numel()].view(rows.shape)
         sent = rows.float() if resid is None else rows + (resid if s == 1.0 else resid * s)
         payload = quantize(sent, fmt, k)
         if resid is not None or self.capture is not None:
