@@ -194,18 +194,20 @@ def lowbit_quality() -> str:
     """Final held-out losses of benchmarks/lowbit_quality.py (docs/results/lowbit_quality.json)."""
     r = json.loads(LOWBIT_QUALITY.read_text())
     s = r["settings"]
-    ratios = {v: k for k, v in (("int8 weights, int8 grads", "quality/int8_int8/eval_loss"),
-                                ("int8 weights, int4 grads + error feedback", "quality/int8_int4/eval_loss"))}
+    names = {"control: bf16 grads": "control_bf16_grads", "int8 weights, int8 grads": "int8_int8",
+             "int8 weights, int4 grads + error feedback": "int8_int4"}
     rows = []
-    for name, run in r["runs"].items():
-        key = next((k for k, n in ratios.items() if n == name), None)
-        ratio = r["ratios"][key] if key else None
-        rows.append([name, f"{run['eval_losses'][-1][1]:.4f}",
-                     f"{ratio['value']:.4f} (target {ratio['target']}, {_verdict(ratio['value'], ratio['target'])})"
-                     if ratio else "-", f"`{run['command']}`"])
+    for name, seeds in r["runs"].items():
+        finals = [run["eval_losses"][-1][1] for run in seeds]
+        ratio = r["ratios"].get(f"quality/{names.get(name)}/eval_loss")
+        versus = "-" if ratio is None else f"{ratio['value']:.4f}" + (
+            f" (target {ratio['target']}, {_verdict(ratio['value'], ratio['target'])})" if ratio["target"] else "")
+        rows.append([name, f"{sum(finals) / len(finals):.4f}", ", ".join(f"{f:.4f}" for f in finals), versus])
+    command = r["runs"]["full precision"][0]["command"]
     head = (f"Llama {s['config']}, {s['steps']} steps" + (" (--quick: a smoke run)" if s["quick"] else "")
-            + f", held-out loss at the last step, {s['cores']} cores.\n\n")
-    return head + table(["slow tier", "held-out loss", "vs full precision", "command"], rows)
+            + f", held-out loss at the last step, seeds {', '.join(map(str, s['seeds']))}, {s['cores']} cores; "
+            f"each run is `{command}` (seed and `--slow-precision` varied).\n\n")
+    return head + table(["slow tier", "mean held-out loss", "per seed", "mean vs full precision"], rows)
 
 
 GENERATED = {

@@ -29,6 +29,7 @@ from hpf.validate import QuantizationError
 from hpf_kernels import dequantize, quantize
 from hpf_kernels.formats import FORMATS
 from references import autograd_grads
+from test_cli import run_main
 
 CONFIG = gpt.CONFIGS["tiny"]
 MESH = {"node": 2, "local": 2}
@@ -287,7 +288,11 @@ def test_the_simulator_counts_the_same_bytes_and_the_quantize_cost():
     assert low.bytes["all_gather"]["fast"] == pytest.approx(full.bytes["all_gather"]["fast"], rel=1e-3)  # (padding)
     # the slow link is busy for fewer bytes; the quantize passes on its worker cost memory time
     report = _small_report("int8,int4")
-    assert report.codec_bytes > 0 and report.feedback_bytes > 0
+    plan = step_plan(gpt.init(gpt.CONFIGS["small"], device="meta"), hpf.Mesh(MESH),
+                     topology=Topology(slow_weights="int8", slow_grads="int4"))
+    # one fp32 residual row per slow peer (one here); this rank's own row never leaves it
+    assert report.feedback_bytes == 4 * sum(b.shard_numel for b in plan.buckets) > 0
+    assert report.codec_bytes > 0
     hw = sim.hardware("cloudmatrix384")
     free = sim.simulate("small", MESH, dataclasses.replace(hw, mem_bw=1e30), slow_precision="int8,int4", **kw)
     slower = sim.simulate("small", MESH, dataclasses.replace(hw, mem_bw=hw.mem_bw / 100), slow_precision="int8,int4",
@@ -424,3 +429,40 @@ def test_validation_mode_reports_per_param_errors_and_fails_past_the_tolerance(r
         assert runs[r]["validate"][1.0] == report  # one all-reduce: every rank reports the same
         message, unchanged = runs[r]["validate"][1e-6]
         assert "past quantization_tolerance=1e-06" in message and unchanged
+
+
+# -- the command line ------------------------------------------------------------------------------
+def test_plan_and_simulate_take_slow_precision(capsys):
+    code, out, err = run_main(["plan", "--config", "small", "--mixed-precision", "bf16", "--slow-precision", "int8,int4"],
+                          capsys)
+    assert code == 0, err
+    assert "slow tier low-bit: int8 weights, int4 grads (block 128, error feedback)" in out
+    mib = lambda text, op: float(text.split(f"  {op}")[1].split()[2])  # noqa: E731 - the slow tier's column
+    _, full, _ = run_main(["plan", "--config", "small", "--mixed-precision", "bf16"], capsys)
+    assert mib(out, "all_gather") / mib(full, "all_gather") == pytest.approx(0.516, abs=0.01)
+    assert mib(out, "reduce_scatter") / mib(full, "reduce_scatter") == pytest.approx(0.133, abs=0.01)
+    assert "error feedback" in out.split("per-rank bytes")[0]  # the residuals' memory
+    code, out, err = run_main(["simulate", "--config", "tiny", "--mesh", "node=2,local=2", "--slow-precision", "int8"],
+                          capsys)
+    assert code == 0 and "(slow tier int8,int8)" in out, err
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["plan", "--slow-precision", "int4"], "none,int4"),
+    (["plan", "--slow-precision", "int9,int8"], "slow_weights='int9'"),
+    (["plan", "--slow-precision", "int8", "--topology", "flat"], "needs --topology two-tier"),
+    (["train", "--slow-precision", "int8", "--topology", "flat", "--steps", "1"], "needs --topology two-tier"),
+])
+def test_bad_slow_precision_is_a_one_line_error(argv, names, capsys):
+    code, out, err = run_main(argv, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and names in err and "Traceback" not in err, err
+
+
+def test_train_records_slow_precision_in_the_run_folder(tmp_path, capsys):
+    import json
+
+    code, out, err = run_main(["train", "--world-size", "1", "--steps", "1", "--slow-precision", "int8,int4",
+                           "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    assert "(slow tier int8,int4)" in out.splitlines()[0]
+    assert json.loads((tmp_path / "run.json").read_text())["options"]["slow_precision"] == "int8,int4"

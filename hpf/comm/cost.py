@@ -141,12 +141,13 @@ def codec_bytes(mesh: Mesh, bucket: BucketLayout, compute_dtype: torch.dtype, re
 
 def feedback_numel(mesh: Mesh, bucket: BucketLayout, slow: SlowPrecision | None) -> int:
     """Values of this rank's error-feedback residual for ``bucket``: each value it sends low-bit
-    across the slow tier in a grad reduction (the reduce-scatter's rows, the HSDP shard)."""
+    across the slow tier in a grad reduction (the reduce-scatter's rows bound for its slow peers,
+    its own row staying exact; then the HSDP shard)."""
     if slow is None or not slow.error_feedback:
         return 0
     fmt, n = low_bit(mesh, bucket, slow), bucket.shard_numel
-    rows = mesh.axis_size(mesh.slow_axes_of(bucket.shard_axes))
-    return (rows * n if fmt["reduce_scatter"] else 0) + (n if fmt["all_reduce"] else 0)
+    peers = mesh.axis_size(mesh.slow_axes_of(bucket.shard_axes)) - 1
+    return (peers * n if fmt["reduce_scatter"] else 0) + (n if fmt["all_reduce"] else 0)
 
 
 def count_bytes(counter, op: str, tiers: dict[str, int]) -> None:

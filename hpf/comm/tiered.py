@@ -456,22 +456,25 @@ class TieredComm:
                              torch.empty(m, shard.numel(), dtype=torch.float32, device=shard.device)), shard)
 
     def _send_rows(self, b: int, rows: torch.Tensor, at: int, fmt: str, own: int | None, offset: int):
-        """(rows + this rank's residual of them, in fp32; its payloads). The residual (at ``at`` in
-        the bucket's, unscaled: fp16's loss scale changes between steps) becomes what the payloads
-        drop, kept aside until ``commit_feedback``. Row ``own`` never leaves the rank: it drops
-        nothing. Validation mode's capture gets the rows as sent and as the peers receive them."""
+        """(rows + this rank's residual of them, in fp32; their payloads). Row ``own`` never leaves
+        the rank: it stays exact and keeps no residual. The residual of the others (at ``at`` in the
+        bucket's, unscaled: fp16's loss scale changes between steps) becomes what their payloads
+        drop, kept aside until ``commit_feedback``. Validation mode's capture gets the rows as sent
+        and as the peers receive them."""
         k, s = self.slow.block, self._feedback_scale
-        resid = None
+        sent, resid = rows.float(), None
+        away = [j for j in range(len(rows)) if j != own]
         if self._feedback is not None and self.feedback_numel[b]:
-            resid = self._feedback[b][at:at + rows.numel()].view(rows.shape)
-        sent = rows.float() if resid is None else rows + (resid if s == 1.0 else resid * s)
+            resid = self._feedback[b][at:at + len(away) * rows.shape[1]].view(len(away), -1)
+            sent = sent.clone()
+            sent[away] += resid if s == 1.0 else resid * s
         payload = quantize(sent, fmt, k)
         if resid is not None or self.capture is not None:
             got = dequantize(payload, fmt, k, torch.empty_like(sent))
             if own is not None:
                 got[own] = sent[own]
             if resid is not None:
-                lost = sent - got
+                lost = (sent - got)[away]
                 self._pending.setdefault(b, []).append((resid, lost if s == 1.0 else lost / s))
             if self.capture is not None:
                 self.capture["grads", b] = (offset, sent.reshape(-1).clone(), got.reshape(-1))
