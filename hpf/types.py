@@ -98,16 +98,26 @@ class SlowPrecision:
 
     @classmethod
     def parse(cls, value: "SlowPrecision | str | None") -> "SlowPrecision | None":
-        """``"W"`` (both sides), ``"W,G"`` (``none``: full precision), a policy or None -> a policy or None."""
+        """``"W"`` (both sides), ``"W,G"`` (``none``: full precision), ``"W,G,ef"`` or ``"W,G,no-ef"``
+        (error feedback on or off; default: int4's), a policy or None -> a policy or None."""
         if value is None or isinstance(value, SlowPrecision):
             return value
         parts = [p.strip().lower() for p in str(value).split(",")]
-        if len(parts) not in (1, 2) or not all(parts):
-            raise ValueError(f"slow precision {value!r}: write W or W,G, e.g. int8 or int8,int4 (none: full precision)")
+        feedback = {"ef": True, "no-ef": False}.get(parts[-1]) if len(parts) == 3 else None
+        if len(parts) not in (1, 2, 3) or not all(parts) or (len(parts) == 3 and feedback is None):
+            raise ValueError(f"slow precision {value!r}: write W, W,G or W,G,ef (or no-ef), e.g. int8 or int8,int4 "
+                             "(none: full precision)")
         if parts == ["int4"]:
             raise ValueError("slow precision 'int4': int4 is for grads only; write none,int4 or int8,int4 (W,G)")
         weights, grads = (None if p == "none" else p for p in (parts * 2)[:2])
-        return cls(weights, grads) if weights or grads else None
+        return cls(weights, grads, error_feedback=feedback) if weights or grads or feedback else None
+
+    def text(self) -> str:
+        """The ``W,G[,ef]`` form ``parse`` reads back (``hpf train --slow-precision``, run.json); the
+        error-feedback part only where it is not int4's default."""
+        default = self.grads == "int4"
+        return ",".join([self.weights or "none", self.grads or "none"]
+                        + ([] if self.error_feedback == default else ["ef" if self.error_feedback else "no-ef"]))
 
     def describe(self) -> str:
         """``int8 weights, int4 grads (block 256, error feedback)``, as reports say it."""

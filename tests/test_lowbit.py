@@ -225,7 +225,10 @@ def test_slow_precision_defaults_and_parse():
     assert SlowPrecision.parse("int8") == SlowPrecision("int8", "int8")
     assert SlowPrecision.parse("none,int4") == SlowPrecision(None, "int4")
     assert SlowPrecision.parse("none") is None
-    for bad, match in (("int4", "write none,int4"), ("int8,int8,int8", "write W or W,G"), ("int8,", "W or W,G")):
+    assert SlowPrecision.parse("int8,int4,no-ef") == SlowPrecision("int8", "int4", error_feedback=False)
+    assert SlowPrecision.parse("none,int8,ef").text() == "none,int8,ef" and SlowPrecision.parse("int8").text() == "int8,int8"
+    for bad, match in (("int4", "write none,int4"), ("int8,int8,int8", "W,G,ef"), ("int8,", "W, W,G"),
+                       ("none,none,ef", "set slow_grads too")):
         with pytest.raises(ValueError, match=match):
             SlowPrecision.parse(bad)
 

@@ -101,14 +101,14 @@ def sharding_of(model: str, config, mesh: hpf.Mesh, fsdp_axes, ep_axis: str | No
 
 
 def slow_precision(text: str) -> str:
-    """``--slow-precision W[,G]``: "int8" (both sides), "int8,int4", "none,int4" -> "W,G" (checked)."""
+    """``--slow-precision W[,G[,ef]]``: "int8" (both sides), "int8,int4", "none,int8,ef" -> "W,G,ef" (checked)."""
     from hpf.types import SlowPrecision
 
     try:
         slow = SlowPrecision.parse(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    return ",".join(f or "none" for f in (slow.weights, slow.grads)) if slow else "none,none"
+    return slow.text() if slow else "none,none"
 
 
 def topology_of(name: str, slow: str | None = None) -> hpf.Topology | None:
@@ -121,7 +121,8 @@ def topology_of(name: str, slow: str | None = None) -> hpf.Topology | None:
             raise CliError(f"--slow-precision {slow} needs --topology two-tier: the flat ring has no slow stage of "
                            "its own (the fast tier stays at full precision)")
         return None
-    return hpf.Topology(slow_weights=low and low.weights, slow_grads=low and low.grads)
+    return hpf.Topology(slow_weights=low and low.weights, slow_grads=low and low.grads,
+                        slow_error_feedback=low and low.error_feedback)
 
 
 def job_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
@@ -144,11 +145,11 @@ def job_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                      help="two-tier: fast-tier collectives first (shared memory between local CPU ranks), "
                           "1/fast-size of the bytes over the slow tier, reductions overlapping backward; "
                           "flat: one collective over all ranks (default: two-tier)")
-    job.add_argument("--slow-precision", type=slow_precision, metavar="W[,G]",
+    job.add_argument("--slow-precision", type=slow_precision, metavar="W[,G[,ef]]",
                      help="a low-bit slow tier: the format weights are gathered in and grads exchanged in across the "
                           "slow tier (W: bf16, fp8, int8; G: also int4; none: full precision; W alone sets both), "
-                          "block-quantized with fp32 masters and fp32 sums; int4 grads carry error feedback "
-                          "(default: none)")
+                          "block-quantized with fp32 masters and fp32 sums; ef / no-ef: grad error feedback on or "
+                          "off (default: on for int4 only) (default: none)")
     job.add_argument("--ep-axis", metavar="AXIS",
                      help="--model moe: the data axis experts are split over (expert parallelism); dense params "
                           "still shard over every FSDP axis, experts over the others (default: none)")
