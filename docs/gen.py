@@ -16,6 +16,8 @@ BENCHMARKS = DOCS / "results" / "benchmarks.json"
 REAL_RUN = DOCS / "results" / "real_run.json"
 MEMORY_MODEL = DOCS / "results" / "memory_model.json"
 SEARCH_CHOICE = DOCS / "results" / "search_choice.json"
+LOWBIT = DOCS / "results" / "lowbit.json"
+LOWBIT_QUALITY = DOCS / "results" / "lowbit_quality.json"
 # The paper's headline figures for the dense 1B GPT at 768 ranks (arXiv 2609.21594), as the issue states them.
 PAPER_1B = {"exposed": "2.9%", "fsdp2": "-29.7%", "ddp": "-25.5%"}
 PAPER_505B_TOKENS_S = 421e3
@@ -235,6 +237,47 @@ def search_choice() -> str:
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
+def _verdict(value: float, target: str) -> str:
+    bound = float(target[2:])
+    return "ok" if (value <= bound if target.startswith("<=") else value >= bound) else "MISS"
+
+
+def lowbit() -> str:
+    """Slow-tier bytes and the emulated-link step of benchmarks/lowbit.py (docs/results/lowbit.json)."""
+    r = json.loads(LOWBIT.read_text())
+    s = r["settings"]
+    rows = [[f"`{name}`", f"{v['value']:.3f}", v["target"] or "-", _verdict(v["value"], v["target"]) if v["target"] else ""]
+            for name, v in r["ratios"].items()]
+    runs = "--quick (2 steps each: a smoke run, not a measurement)" if s["quick"] else f"{s['rounds']} rounds"
+    head = (f"GPT {s['config']}, 2 x 2 mesh, {runs}, emulated link {s['latency_ms']:g} ms + bytes / {s['bandwidth_mbs']:g} MB/s, {s['cores']} cores, torch "
+            f"{s['torch']}; step medians {', '.join(f'{k} {v:.1f} ms' for k, v in r['step_ms'].items())}.\n\n")
+    return head + table(["ratio", "value", "target", ""], rows)
+
+
+def _quality_key(name: str) -> str:
+    """A setting's name in the ratios: "int8 weights, int4 grads, no error feedback" -> "int8_int4_no_ef"."""
+    if name.startswith("control"):
+        return "control_bf16_grads"
+    formats = [w.split()[0] for w in name.split(",")[:2]]
+    return "_".join(formats) + ("_no_ef" if "no error feedback" in name else "")
+
+
+def lowbit_quality() -> str:
+    """Final held-out losses of benchmarks/lowbit_quality.py (docs/results/lowbit_quality.json)."""
+    r = json.loads(LOWBIT_QUALITY.read_text())
+    s = r["settings"]
+    rows = []
+    for name, seeds in r["runs"].items():
+        finals = [run["eval_losses"][-1][1] for run in seeds]
+        ratio = next((v for k, v in r["ratios"].items() if k.split("/")[1] == _quality_key(name)), None)
+        versus = "-" if ratio is None else f"{ratio['value']:.4f}" + (
+            f" (target {ratio['target']}, {_verdict(ratio['value'], ratio['target'])})" if ratio["target"] else "")
+        rows.append([name, f"{sum(finals) / len(finals):.4f}", ", ".join(f"{f:.4f}" for f in finals), versus])
+    command = r["runs"]["full precision"][0]["command"]
+    head = (f"Llama {s['config']}, {s['steps']} steps" + (" (--quick: a smoke run)" if s["quick"] else "")
+            + f", held-out loss at the last step, seeds {', '.join(map(str, s['seeds']))}, {s['cores']} cores; "
+            f"each run is `{command}` (seed and `--slow-precision` varied).\n\n")
+    return head + table(["slow tier", "mean held-out loss", "per seed", "mean vs full precision"], rows)
 
 
 GENERATED = {
@@ -255,6 +298,8 @@ GENERATED = {
     "search_paper.md": lambda out: search_paper(),
     "memory_validation.md": lambda out: memory_validation(),
     "search_choice.md": lambda out: search_choice(),
+    "lowbit.md": lambda out: lowbit(),
+    "lowbit_quality.md": lambda out: lowbit_quality(),
 }
 
 

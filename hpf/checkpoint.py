@@ -9,7 +9,10 @@ global shape:
 - an optimizer moment is ``optimizer.state.<dotted path>.<field>`` (``exp_avg``,
   ``exp_avg_sq``; Muon's momentum is its ``exp_avg``), a scalar is ``optimizer.<field>``
   (the step ``count``);
-- ``extra`` is rank 0's object (data position, RNG state, ...), pickled by DCP.
+- ``extra`` is rank 0's object (data position, RNG state, ...), pickled by DCP;
+- error-feedback residuals of a low-bit slow tier are ``error_feedback.bucket<b>``, one row
+  per rank (they belong to the mesh that made them: restored on the same mesh and plan, and
+  left at zero, with a warning, where the checkpoint has none that fit).
 
 A rank's flat shard covers an interval of its bucket's flat buffer, i.e. intervals of the
 flattened local blocks of several params. Each interval is cut into N-D boxes (``boxes``:
@@ -62,6 +65,7 @@ __all__ = ["CheckpointError", "save", "restore", "load_params", "wait_pending", 
 
 VERSION = 1
 HEADER = "hpf.json"
+FEEDBACK = "error_feedback.bucket"  # + bucket index: a low-bit slow tier's residuals
 TMP_SUFFIX = ".tmp"
 
 
@@ -213,7 +217,23 @@ def _state_dict(step, state) -> dict[str, Any]:
                                   "tensor nor one tensor per plan bucket; hpf.checkpoint cannot place it")
     if state.loss_scale is not None:  # fp16's loss scale (hpf.LossScale): the same on every rank
         sd.update({f"loss_scale.{k}": v for k, v in state.loss_scale._asdict().items()})
+    for b, r in zip(plan.buckets, state.error_feedback or ()):
+        if r.numel():  # this rank's row of a (world, n) tensor
+            sd[f"{FEEDBACK}{b.index}"] = _Chunks(torch.Size((plan.mesh.size, r.numel())), r.dtype,
+                                                  {(rank, 0): r.view(1, -1)})
     return sd
+
+
+def _fitting_feedback(path: Path, metadata, sd: dict) -> None:
+    """Drop from ``sd`` the residuals the checkpoint has none of, or none of this shape (another
+    mesh or plan): they stay zero, which a warning says once."""
+    md = metadata.state_dict_metadata
+    misfits = [k for k, v in sd.items() if k.startswith(FEEDBACK) and (k not in md or tuple(md[k].size) != v.shape)]
+    for k in misfits:
+        del sd[k]
+    if misfits and world.rank() == 0:
+        warnings.warn(f"{path}: the checkpoint holds no error-feedback residuals for this mesh and plan (saved "
+                      "without them or on another mesh): they start at zero", stacklevel=4)
 
 
 def _skeleton(plan) -> Any:
@@ -524,8 +544,9 @@ def restore(step, path, state=None, *, strict: bool = True) -> tuple[Any, Any]:
         if header["optimizer"] != type(step.plan_optimizer).__name__:
             raise CheckpointError(f"{path}: saved with optimizer {header['optimizer']}, restoring into "
                                   f"{type(step.plan_optimizer).__name__}; use the same optimizer")
+        _fitting_feedback(path, metadata, sd)
         _check(path, metadata, sd)
-        dropped = sorted(set(metadata.state_dict_metadata) - set(sd))
+        dropped = sorted(k for k in set(metadata.state_dict_metadata) - set(sd) if not k.startswith(FEEDBACK))
         if dropped and strict:
             raise CheckpointError(f"{path}: the checkpoint holds {len(dropped)} key(s) this model and optimizer do "
                                   f"not have: {_some(dropped)} (another model?); restore(path, strict=False) "

@@ -52,6 +52,9 @@ CATALOGUE: tuple[tuple[str, str, str], ...] = (
     ("TypeError", "a params leaf that is int/bool, or not a tensor; a loss that is not one element",
      "keep int data in the batch; `loss_fn` returns a scalar tensor"),
     ("ValueError", "an empty list of blocks", "drop the empty list"),
+    ("ValueError", "a low-bit slow tier (`hpf.Topology(slow_weights=..., slow_grads=...)`) with an unknown format, "
+     "`int4` weights, an odd block under int4, or `hierarchical=False`; a quantize block that does not divide a row",
+     "weights: bf16, fp8 or int8; grads: also int4; an even block; the message lists what is allowed"),
     ("RuntimeError", "a step, save or `full_params` on a state `init` built from meta params, before `step.restore`",
      "call `state, extra = step.restore(path)` first (meta params are for restoring a checkpoint)"),
     ("SpecError", "a rule regex that does not compile, a spec naming a non-axis, no matching rule",

@@ -63,10 +63,17 @@ class StepConfig:
         resident_units: how many FSDP units (besides the root and shared-memory units) may be
             gathered at once: the memory bound of the residency policy (2 keeps a loop-style
             loss function at the current block and the prefetched next one).
+        quantization_tolerance: validation mode with a low-bit slow tier (``topology`` with
+            ``slow_weights``/``slow_grads``): the largest quantization error allowed on any
+            param's weights or grads, relative to the param's largest value; past it the step
+            raises :class:`hpf.validate.QuantizationError` before any update (None: report only,
+            in ``metrics["quantization"]``).
 
     Raises:
         ValueError: an unknown ``mode``, ``grad``, ``mixed_precision`` or ``on_nonfinite``; a
-            ``max_grad_norm`` that is not finite and > 0; ``accumulate`` or ``resident_units`` < 1.
+            ``max_grad_norm`` or ``quantization_tolerance`` that is not finite and > 0, or a
+            ``quantization_tolerance`` with no low-bit slow tier; ``accumulate`` or
+            ``resident_units`` < 1.
         TypeError: ``mesh`` is not an hpf.Mesh, ``optimizer`` has no ``init``/``update``, or
             ``topology`` is not an hpf.Topology.
     """
@@ -88,6 +95,7 @@ class StepConfig:
     loss_scale: Any = "auto"
     resident_units: int = 2
     frozen: Any = None
+    quantization_tolerance: float | None = None
 
     def __post_init__(self):
         if not isinstance(self.mesh, Mesh):
@@ -104,16 +112,23 @@ class StepConfig:
         if self.on_nonfinite not in ("raise", "skip"):
             raise ValueError(f"on_nonfinite={self.on_nonfinite!r}: use 'raise' (NonFiniteError) or 'skip' "
                              "(no update)")
-        mg = self.max_grad_norm
-        if mg is not None and not (isinstance(mg, (int, float)) and not isinstance(mg, bool)
-                                   and math.isfinite(mg) and mg > 0):
-            raise ValueError(f"max_grad_norm={mg!r}: must be a finite number > 0, or None for no clipping")
+        for name, off in (("max_grad_norm", "no clipping"), ("quantization_tolerance", "report only")):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                      and math.isfinite(v) and v > 0):
+                raise ValueError(f"{name}={v!r}: must be a finite number > 0, or None for {off}")
         for name in ("accumulate", "resident_units"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r}: give an int >= 1")
         if self.topology is not None and not isinstance(self.topology, Topology):
             raise TypeError(f"topology={self.topology!r}: pass hpf.Topology(...) or None")
+        if self.quantization_tolerance is not None and (self.topology is None or self.topology.slow_precision is None):
+            raise ValueError(f"quantization_tolerance={self.quantization_tolerance!r}: nothing is quantized; it bounds a "
+                             "low-bit slow tier, hpf.Topology(slow_weights=..., slow_grads=...), in mode='validate'")
+        if self.quantization_tolerance is not None and self.mode != "validate":
+            raise ValueError(f"quantization_tolerance={self.quantization_tolerance!r} is checked in mode='validate' "
+                             f"(mode={self.mode!r} measures no quantization error); use mode='validate'")
         object.__setattr__(self, "fsdp_axes", as_axes(self.fsdp_axes))
         mp = MixedPrecision.parse(self.mixed_precision)
         object.__setattr__(self, "mixed_precision", mp)

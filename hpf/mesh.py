@@ -69,6 +69,10 @@ class Mesh:
     def axis_size(self, axes: str | Sequence[str]) -> int:
         return math.prod(self.shape[self._index(a)] for a in as_axes(axes))
 
+    def slow_axes_of(self, axes: str | Sequence[str]) -> tuple[str, ...]:
+        """Those of ``axes`` whose ranks talk across the slow tier (not fast, size > 1)."""
+        return tuple(a for a in as_axes(axes) if a not in self.fast_axes and self.axis_size(a) > 1)
+
     def coords(self, rank: int) -> tuple[int, ...]:
         if not 0 <= rank < self.size:
             raise MeshError(f"rank {rank} is outside a mesh of {self.size} ranks")

@@ -16,9 +16,11 @@ import torch
 
 from . import tree as tree_util
 from .mesh import Mesh, as_axes
+from .comm.cost import low_bit
 from .report import PlanReport
 from .spec import IndivisibleSpecError, P, SpecError, resolve_specs
 from .tree import ROOT
+from .types import SlowPrecision
 
 __all__ = ["Plan", "Bucket", "ParamSlot", "Unit", "plan", "unit_names", "ROOT"]
 
@@ -62,10 +64,11 @@ class Bucket:
     slots: list[ParamSlot] = field(default_factory=list)
     numel: int = 0
     frozen: bool = False  # its params are not trained: no grads, no reduction, no optimizer state
+    align: int = 1  # shards are whole multiples of this (a low-bit slow tier's block)
 
     @property
     def shard_numel(self) -> int:
-        return -(-self.numel // self.shard_size) if self.numel else 0
+        return -(-self.numel // (self.shard_size * self.align)) * self.align if self.numel else 0
 
     @property
     def padded_numel(self) -> int:
@@ -121,6 +124,7 @@ class Plan:
     # every other path (an alias) maps to the owner here. All leaf paths, in tree order.
     ties: dict[str, str] = field(default_factory=dict)
     leaf_paths: list[str] = field(default_factory=list)
+    slow_precision: SlowPrecision | None = None  # what crosses the slow tier in fewer bytes (hpf.Topology's)
 
     # -- parameter <-> shard conversions (used at init, checkpointing and in tests) --------
     def block_offsets(self, path: str, rank: int) -> tuple[int, ...]:
@@ -200,7 +204,7 @@ class Plan:
 
 def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[str] | None = None, *,
          hierarchical: bool = False, default_shard_axes: Sequence[str] | None = None, bucket_bytes: int = 0,
-         frozen: Collection[str] = ()) -> Plan:
+         frozen: Collection[str] = (), slow_precision: SlowPrecision | None = None) -> Plan:
     """Resolve the sharding of ``params`` on ``mesh`` once.
 
     ``params`` may be meta tensors; ``mesh`` may be virtual. Axes of a spec that are in
@@ -212,6 +216,9 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
     of one layout and dtype fill buckets in tree order, a new one starting where the next
     param would pass the cap (0: one bucket each; a param bigger than the cap gets its own).
     ``frozen`` params (paths) go to buckets of their own, which are gathered but never reduced.
+    ``slow_precision`` (:class:`hpf.types.SlowPrecision`) pads the shards of buckets with a
+    low-bit collective (``hpf.comm.cost.low_bit``) to whole quantization blocks, and rides with
+    the plan.
 
     Args:
         params: the full params pytree (meta tensors are enough).
@@ -219,7 +226,7 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
         param_specs: None, a ``P`` for every param, ``hpf.rules([...])`` / any ``path -> P``
             callable, or a pytree of ``P`` (None leaves mean ``P()``) with the params' structure.
         fsdp_axes: the axes params are stored sharded over and gathered for compute.
-        hierarchical, default_shard_axes, bucket_bytes, frozen: as above.
+        hierarchical, default_shard_axes, bucket_bytes, frozen, slow_precision: as above.
 
     Raises:
         SpecError: a spec naming a non-axis or an axis twice, more entries than dims, no
@@ -262,10 +269,12 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
             order = shard_axes
             if hierarchical:
                 order = tuple(sorted(shard_axes, key=lambda a: a not in mesh.fast_axes))
-            b = Bucket(index=len(buckets), unit=unit, shard_axes=shard_axes,
-                       replicate_axes=tuple(a for a in fsdp if a not in shard_axes + split_axes),
+            replicate = tuple(a for a in fsdp if a not in shard_axes + split_axes)
+            b = Bucket(index=len(buckets), unit=unit, shard_axes=shard_axes, replicate_axes=replicate,
                        dtype=leaf.dtype, shard_size=mesh.axis_size(shard_axes), split_axes=split_axes,
                        shard_order=order, frozen=path in frozen)
+            if any(low_bit(mesh, b, slow_precision).values()):  # its slow-tier messages are whole blocks
+                b.align = slow_precision.block
             by_key[key] = b
             buckets.append(b)
             units.setdefault(unit, Unit(unit, [])).buckets.append(b.index)
@@ -275,7 +284,7 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
         slots[path] = slot
     if not units[ROOT].buckets:
         del units[ROOT]
-    return Plan(mesh, fsdp, compute_axes, specs, slots, buckets, units, treedef, ties, list(paths))
+    return Plan(mesh, fsdp, compute_axes, specs, slots, buckets, units, treedef, ties, list(paths), slow_precision)
 
 
 def check_bucket_bytes(bucket_bytes: int) -> None:

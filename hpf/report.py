@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .comm.cost import OPS, TIERS, bucket_comm_bytes, dtype_bytes
+from .comm.cost import OPS, TIERS, bucket_comm_bytes, codec_bytes, dtype_bytes, feedback_numel
 from .tree import ROOT
 
 __all__ = ["PlanReport"]
@@ -25,6 +25,9 @@ class PlanReport:
     padded_total_bytes: int  # stored over all ranks: each bucket's padded buffer once per replica
     comm: dict[str, dict[str, int]] = field(default_factory=dict)  # collective -> tier -> bytes/step
     layouts: dict[str, int] = field(default_factory=dict)  # "FSDP over .. / split over .." -> params (global)
+    slow_precision: str = ""  # the low-bit slow tier in words ("" when off)
+    codec_bytes: int = 0  # per rank and step: memory the quantize/dequantize passes read and write
+    feedback_bytes: int = 0  # per rank: error-feedback residuals (fp32)
 
     @classmethod
     def of(cls, plan, *, compute_dtype: torch.dtype | None = None, master_dtype: torch.dtype | None = None,
@@ -41,6 +44,8 @@ class PlanReport:
         unit_bytes: dict[str, int] = {}
         comm = {op: dict.fromkeys(TIERS, 0) for op in OPS}
         layouts: dict[str, int] = {}
+        slow = plan.slow_precision
+        codec = feedback = 0
         for b in plan.buckets:
             key = (f"FSDP over ({','.join(b.shard_axes) or '-'})"
                    + (f", computed split over ({','.join(b.split_axes)})" if b.split_axes else ""))
@@ -56,13 +61,17 @@ class PlanReport:
             padded_total += b.padded_numel * master * replicas
             unit_bytes[b.unit] = unit_bytes.get(b.unit, 0) + b.padded_numel * compute
             gathers = 2 if regather and b.unit != ROOT and b.unit not in resident else 1
-            ops = bucket_comm_bytes(mesh, b, compute_dtype or b.dtype, reduce_dtype_b, hierarchical)
+            ops = bucket_comm_bytes(mesh, b, compute_dtype or b.dtype, reduce_dtype_b, hierarchical, slow)
             for op, tiers in ops.items():
                 for tier, n in tiers.items():
                     comm[op][tier] += (gathers if op == "all_gather" else 1) * n
+            for op, n in codec_bytes(mesh, b, compute_dtype or b.dtype, reduce_dtype_b, slow).items():
+                codec += (gathers if op == "all_gather" else 1) * n
+            feedback += 4 * feedback_numel(mesh, b, slow)
         blocks = sorted((v for k, v in unit_bytes.items() if k != ROOT), reverse=True)
         peak = unit_bytes.get(ROOT, 0) + sum(blocks[:2])
-        return cls(mesh.size, params, grads, opt, peak, padded_total, comm, layouts)
+        return cls(mesh.size, params, grads, opt, peak, padded_total, comm, layouts,
+                   slow.describe() if slow else "", codec, feedback)
 
     @property
     def comm_total(self) -> dict[str, int]:
@@ -78,6 +87,7 @@ class PlanReport:
             f"  grads (shards)       {mib(self.grad_bytes)}",
             f"  optimizer state      {mib(self.optimizer_bytes)}",
             f"  peak gathered units  {mib(self.peak_gathered_bytes)}",
+            *([f"  error feedback       {mib(self.feedback_bytes)}"] if self.feedback_bytes else []),
             f"  padded total, all ranks {self.padded_total_bytes / 2**30:.3f} GiB",
             "per-rank bytes sent per step         fast tier          slow tier",
         ]
@@ -85,4 +95,7 @@ class PlanReport:
             lines.append(f"  {name:<16}  {mib(tiers['fast'])}   {mib(tiers['slow'])}")
         tot = self.comm_total
         lines.append(f"  {'total':<16}  {mib(tot['fast'])}   {mib(tot['slow'])}")
+        if self.slow_precision:
+            lines.append(f"  slow tier low-bit: {self.slow_precision}; quantize and dequantize move "
+                         f"{self.codec_bytes / 2**20:.2f} MiB through memory per step")
         return "\n".join(lines)

@@ -25,7 +25,16 @@ class StateIO:
         master = self.mp.master_dtype if self.mp else None
         shards = [torch.zeros(b.shard_numel, dtype=master or b.dtype, device=self.device) for b in self.plan.buckets]
         scale = self.config.loss_scale
-        return TrainState(shards, self.plan_optimizer.init(shards), scale.init() if scale else None)
+        return TrainState(shards, self.plan_optimizer.init(shards), scale.init() if scale else None,
+                          self.fresh_feedback())
+
+    def fresh_feedback(self) -> list[torch.Tensor] | None:
+        """Zero error-feedback residuals, one per bucket (empty where none crosses the slow tier);
+        None when the step's slow tier keeps none."""
+        numel = getattr(self.engine.comm, "feedback_numel", None) if self.engine else None
+        if not numel or not any(numel):
+            return None
+        return [torch.zeros(n, dtype=torch.float32, device=self.device) for n in numel]
 
     def save(self, state: TrainState, path, extra: Any = None, *, keep_last: int | None = None,
              async_save: bool = False):

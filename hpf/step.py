@@ -108,7 +108,8 @@ class ShardStep(StateIO):
                                             dtype=torch.float64), cfg.max_grad_norm)
         opt = self.optimizer
         self.plan_optimizer = opt.for_plan(self.plan, self.rank) if isinstance(opt, ForPlan) else opt
-        state = TrainState(shards, self.plan_optimizer.init(shards), cfg.loss_scale.init() if cfg.loss_scale else None)
+        state = TrainState(shards, self.plan_optimizer.init(shards), cfg.loss_scale.init() if cfg.loss_scale else None,
+                           self.fresh_feedback())
         self._live = state.params
         return state
 
@@ -162,6 +163,8 @@ class ShardStep(StateIO):
         axes = batching.leaf_axes(batch, self.config.batch_axes)
         micro = batching.micro_batches(batch, self.config.accumulate, axes)
         eng = self.engine
+        if state.error_feedback is not None:
+            eng.comm.use_feedback(state.error_feedback, float(state.loss_scale.scale) if state.loss_scale else 1.0)
         try:
             eng.begin(state.params)
             outs = [self.forward_backward(state, mb, hold=i < len(micro) - 1, scale=state.loss_scale)
@@ -245,6 +248,8 @@ class ShardStep(StateIO):
         """Divide and clip the grads, update, and start the next step's first gathers: with the
         overlap, the units it reads first are updated first and gather while the rest update."""
         grads, eng, opt = self.grad_shards, self.engine, self.plan_optimizer
+        if state.error_feedback is not None:
+            eng.comm.commit_feedback()
         torch._foreach_mul_(grads, d.grad_scale)
         if self.config.overlap_optimizer and isinstance(opt, PartialUpdate):
             first = sorted({b for u in eng.first_units() for b in self.plan.units[u].buckets})
@@ -259,13 +264,13 @@ class ShardStep(StateIO):
             eng.prefetch(params)
         if state.loss_scale is not None:
             self.config.loss_scale.update(state.loss_scale, finite=True)
-        return TrainState(params, opt_state, state.loss_scale)
+        return state._replace(params=params, opt_state=opt_state)
 
     # -- donation ----------------------------------------------------------------------------------------------
     def _donate(self, state: TrainState) -> TrainState:
         """Make ``state`` the live one: a fresh params list over the same buffers, so the state
         passed in (same buffers, old list) is recognizably donated."""
-        state = TrainState(list(state.params), state.opt_state, state.loss_scale)
+        state = state._replace(params=list(state.params))
         self._live = state.params
         return state
 
@@ -298,4 +303,5 @@ def step_plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes=None, 
     return make_plan(params, mesh, param_specs, fsdp_axes,
                      hierarchical=topology is not None and topology.hierarchical,
                      default_shard_axes=[a for a in fsdp if a in mesh.fast_axes] if hsdp else None,
-                     bucket_bytes=topology.bucket_bytes if topology else 0, frozen=frozen)
+                     bucket_bytes=topology.bucket_bytes if topology else 0, frozen=frozen,
+                     slow_precision=topology.slow_precision if topology else None)

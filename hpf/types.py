@@ -1,4 +1,4 @@
-"""The plain data types that cross the public API: the train state and the precision policy.
+"""The plain data types that cross the public API: the train state and the precision policies.
 
 They live apart from the step so that every module that takes or returns them (the
 production step, validation mode, the CLI, checkpoints) imports them from here, and none
@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["MixedPrecision", "TrainState"]
+__all__ = ["MixedPrecision", "SlowPrecision", "TrainState"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,75 @@ class MixedPrecision:
 PRECISIONS = {"bf16": MixedPrecision(torch.bfloat16), "fp16": MixedPrecision(torch.float16)}
 
 
+@dataclass(frozen=True)
+class SlowPrecision:
+    """What crosses the slow tier in fewer bytes: ``hpf.Topology(slow_weights=..., slow_grads=...)``
+    makes one, and the plan carries it (so the plan report, ``hpf.sim``, the comm and Muon read
+    one choice). The fast tier and the fp32 master shards stay at full precision.
+
+    Args:
+        weights: None (the compute dtype), "bf16", "fp8" or "int8": the format weight shards are
+            all-gathered in across the slow tier (quantized per block, dequantized into the
+            gathered buffer).
+        grads: None (the reduce dtype), "bf16", "fp8", "int8" or "int4": the format of the slow
+            stage of grad reductions (after a full-precision fast-tier reduce; summed in fp32).
+        block: values per scale (hpf_kernels.formats). Shards that cross the slow tier are padded
+            to whole blocks.
+        error_feedback: carry each rank's grad quantization error into its next step (a residual
+            kept in ``TrainState.error_feedback`` and checkpoints). None: on for int4 only.
+
+    Raises:
+        ValueError: an unknown format (the message lists the allowed ones), int4 for weights,
+            a block that is not an int >= 1 (or odd with int4), error feedback without grads.
+    """
+
+    weights: str | None = None
+    grads: str | None = None
+    block: int = 128
+    error_feedback: bool | None = None
+
+    def __post_init__(self):
+        from hpf_kernels.formats import GRAD_FORMATS, WEIGHT_FORMATS, check_block, check_format
+
+        if self.weights is not None:
+            check_format(self.weights, WEIGHT_FORMATS, "slow_weights")
+        if self.grads is not None:
+            check_format(self.grads, GRAD_FORMATS, "slow_grads")
+        check_block(self.block, self.grads or "", "slow_block")
+        ef = self.grads == "int4" if self.error_feedback is None else self.error_feedback
+        if ef and self.grads is None:
+            raise ValueError("slow_error_feedback=True carries the error of quantized grads: set slow_grads too")
+        object.__setattr__(self, "error_feedback", bool(ef))
+
+    @classmethod
+    def parse(cls, value: "SlowPrecision | str | None") -> "SlowPrecision | None":
+        """``"W"`` (both sides), ``"W,G"`` (``none``: full precision), ``"W,G,ef"`` or ``"W,G,no-ef"``
+        (error feedback on or off; default: int4's), a policy or None -> a policy or None."""
+        if value is None or isinstance(value, SlowPrecision):
+            return value
+        parts = [p.strip().lower() for p in str(value).split(",")]
+        feedback = {"ef": True, "no-ef": False}.get(parts[-1]) if len(parts) == 3 else None
+        if len(parts) not in (1, 2, 3) or not all(parts) or (len(parts) == 3 and feedback is None):
+            raise ValueError(f"slow precision {value!r}: write W, W,G or W,G,ef (or no-ef), e.g. int8 or int8,int4 "
+                             "(none: full precision)")
+        if parts == ["int4"]:
+            raise ValueError("slow precision 'int4': int4 is for grads only; write none,int4 or int8,int4 (W,G)")
+        weights, grads = (None if p == "none" else p for p in (parts * 2)[:2])
+        return cls(weights, grads, error_feedback=feedback) if weights or grads or feedback else None
+
+    def text(self) -> str:
+        """The ``W,G[,ef]`` form ``parse`` reads back (``hpf train --slow-precision``, run.json); the
+        error-feedback part only where it is not int4's default."""
+        default = self.grads == "int4"
+        return ",".join([self.weights or "none", self.grads or "none"]
+                        + ([] if self.error_feedback == default else ["ef" if self.error_feedback else "no-ef"]))
+
+    def describe(self) -> str:
+        """``int8 weights, int4 grads (block 256, error feedback)``, as reports say it."""
+        parts = [f"{f} {side}" for side, f in (("weights", self.weights), ("grads", self.grads)) if f]
+        return ", ".join(parts) + f" (block {self.block}{', error feedback' if self.error_feedback else ''})"
+
+
 class TrainState(NamedTuple):
     """The sharded train state: one flat master shard per plan bucket, and optimizer state.
 
@@ -63,6 +132,9 @@ class TrainState(NamedTuple):
         params: this rank's flat master shard of every plan bucket, in bucket order.
         opt_state: the optimizer's state for those shards (its ``init`` made it).
         loss_scale: fp16's loss-scaling state (:class:`hpf.losses.LossScaleState`), else None.
+        error_feedback: with slow-tier error feedback (:class:`SlowPrecision`), this rank's
+            residual of each bucket's quantized grad exchange (an empty tensor where none
+            crosses the slow tier), carried to the next step and saved in checkpoints; else None.
 
     Raises:
         Nothing itself; a step given a state of another plan raises (validation mode names
@@ -72,3 +144,4 @@ class TrainState(NamedTuple):
     params: list[torch.Tensor]
     opt_state: Any
     loss_scale: Any = None
+    error_feedback: list[torch.Tensor] | None = None

@@ -1,9 +1,10 @@
 """Device kernels for hpf behind one dispatch by device type.
 
 newton_schulz orthogonalizes a batch of matrices (Muon's direction); grouped_mm runs MoE experts
-over their token groups (torch._grouped_mm on CUDA sm90+ bf16, a loop of matmuls elsewhere). Backends: "reference" (plain
-torch, any device), "cuda" (optional Triton kernel for the symmetric products), "npu" (torch_npu,
-imported only when used).
+over their token groups (torch._grouped_mm on CUDA sm90+ bf16, a loop of matmuls elsewhere);
+quantize/dequantize pack rows into the slow tier's block-scaled wire formats (hpf_kernels.formats).
+Backends: "reference" (plain torch, any device), "cuda" (optional Triton kernels), "npu"
+(torch_npu, imported only when used).
 """
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import torch
 
 from .backends import cuda, npu, reference
 from .coefficients import NAMED_COEFFICIENTS, CoefficientSpec, resolve_coefficients
+from .formats import FORMATS, check_block, check_format, payload_bytes
 
-__all__ = ["newton_schulz", "grouped_mm", "resolve_coefficients", "NAMED_COEFFICIENTS", "BACKENDS"]
+__all__ = ["newton_schulz", "grouped_mm", "quantize", "dequantize", "payload_bytes", "FORMATS", "resolve_coefficients",
+           "NAMED_COEFFICIENTS", "BACKENDS"]
 
 # backend name -> module; a tensor on device type T uses BACKENDS[T] when present, else "reference".
 BACKENDS = {"reference": reference, "cuda": cuda, "npu": npu}
@@ -40,10 +43,7 @@ def newton_schulz(
     if X.numel() == 0:
         raise ValueError(f"newton_schulz got an empty tensor of shape {tuple(X.shape)}")
     per_step, norm_scale = resolve_coefficients(coefficients, steps)
-    name = backend or (X.device.type if X.device.type in BACKENDS else "reference")
-    if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; use one of {sorted(BACKENDS)} or None (by device)")
-    return BACKENDS[name].newton_schulz(
+    return _backend(X, backend).newton_schulz(
         X, per_step, norm_scale=norm_scale, eps=eps, compute_dtype=compute_dtype
     )
 
@@ -54,5 +54,47 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, sizes, *, backend: str | None =
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[1] or len(sizes) != w.shape[0]:
         raise ValueError(f"grouped_mm needs x [N, K], w [G, K, M] and G sizes; got x {tuple(x.shape)}, "
                          f"w {tuple(w.shape)}, {len(sizes)} sizes")
-    name = backend or (x.device.type if x.device.type in BACKENDS else "reference")
-    return BACKENDS[name].grouped_mm(x, w, sizes)
+    return _backend(x, backend).grouped_mm(x, w, sizes)
+
+
+def quantize(x: torch.Tensor, fmt: str, block: int = 256, *, backend: str | None = None) -> torch.Tensor:
+    """Rows of ``x`` ([n] or [rows, n], floating) -> their payloads, uint8 [rows, payload_bytes(n)]:
+    codes in ``fmt`` ("bf16", "fp8", "int8", "int4") and one float32 scale per ``block`` values.
+    ``block`` must divide n (bf16 has no scales and ignores it). Errors: hpf_kernels.formats."""
+    f = check_format(fmt)
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() not in (1, 2):
+        raise ValueError(f"quantize needs a floating tensor [n] or [rows, n], got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    x2 = x.reshape(1, -1) if x.dim() == 1 else x
+    _check_rows(x2.shape[1], f, block)
+    return _backend(x, backend).quantize(x2, f, block)
+
+
+def dequantize(payload: torch.Tensor, fmt: str, block: int, out: torch.Tensor, *,
+               backend: str | None = None) -> torch.Tensor:
+    """Payloads of ``quantize`` (uint8 [rows, payload_bytes(n)]) -> ``out`` ([n] or [rows, n], any
+    floating dtype), in place; returns ``out``."""
+    f = check_format(fmt)
+    out2 = out.view(1, -1) if out.dim() == 1 else out
+    _check_rows(out2.shape[1], f, block)
+    want = (out2.shape[0], payload_bytes(out2.shape[1], fmt, block))
+    if payload.dtype != torch.uint8 or payload.reshape(-1).numel() != want[0] * want[1]:
+        raise ValueError(f"dequantize: a payload of {want[0]} row(s) of {want[1]} bytes (uint8) fills out "
+                         f"{tuple(out.shape)} in {fmt} with block {block}; got {payload.dtype} {tuple(payload.shape)}")
+    _backend(out, backend).dequantize(payload.reshape(want), f, block, out2)
+    return out
+
+
+def _check_rows(n: int, f, block: int) -> None:
+    check_block(block, f.name)
+    if f.scaled and n % block:
+        raise ValueError(f"block size {block} does not divide the {n} values of a row: use a block that divides "
+                         f"{n}, or pad rows to a multiple of {block}")
+
+
+def _backend(t: torch.Tensor, backend: str | None):
+    """The backend module for a tensor on ``t``'s device (or the one named)."""
+    name = backend or (t.device.type if t.device.type in BACKENDS else "reference")
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; use one of {sorted(BACKENDS)} or None (by device)")
+    return BACKENDS[name]

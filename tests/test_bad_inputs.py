@@ -170,6 +170,13 @@ CASES = {
     "mixed_precision int dtype": (lambda: make(mixed_precision=torch.int32), ValueError, ["torch.int32",
                                                                                            "torch.bfloat16"]),
     "mixed_precision number": (lambda: make(mixed_precision=16), ValueError, ["mixed_precision=16"]),
+    "slow tier: int4 weights": (lambda: hpf.Topology(slow_weights="int4"), ValueError,
+                                ["slow_weights='int4'", "'int8'", "grads only"]),
+    "slow tier: unknown format": (lambda: hpf.Topology(slow_grads="int2"), ValueError, ["slow_grads='int2'", "'int4'"]),
+    "slow tier: odd int4 block": (lambda: hpf.Topology(slow_grads="int4", slow_block=33), ValueError,
+                                  ["slow_block=33", "even"]),
+    "quantize: block does not divide": (lambda: __import__("hpf_kernels").quantize(torch.zeros(100), "int8", 64),
+                                        ValueError, ["block size 64", "100 values", "pad"]),
     # specs and rules
     "bad regex in rules": (lambda: hpf.rules([(r"blocks/[0-9", P())]), hpf.SpecError,
                            ["'blocks/[0-9'", "regular expression"]),

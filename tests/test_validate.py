@@ -51,7 +51,7 @@ def test_plan_check_of_the_gpt_on_768_ranks():
 def test_the_checks_are_the_documented_error_classes():
     assert [c.__name__ for c in CHECKS] == [
         "PartialSumError", "ShardedContractionError", "LossNotReplicatedError", "BatchMismatchError",
-        "ParamsTreeError", "PrecisionError", "NonFiniteError", "IndivisibleSpecError",
+        "ParamsTreeError", "PrecisionError", "NonFiniteError", "IndivisibleSpecError", "QuantizationError",
         "TokenLostError", "ExpertPlacementError", "GateSumError"]
     assert issubclass(ParamsTreeError, hpf.SpecError) and issubclass(IndivisibleSpecError, hpf.SpecError)
 

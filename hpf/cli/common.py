@@ -100,8 +100,29 @@ def sharding_of(model: str, config, mesh: hpf.Mesh, fsdp_axes, ep_axis: str | No
     return {"param_specs": module.param_specs(config, ep_axis, data), "fsdp_axes": data}
 
 
-def topology_of(name: str, bucket_bytes: int = 0) -> hpf.Topology | None:
-    return hpf.Topology(bucket_bytes=bucket_bytes) if name == "two-tier" else None
+def slow_precision(text: str) -> str:
+    """``--slow-precision W[,G[,ef]]``: "int8" (both sides), "int8,int4", "none,int8,ef" -> "W,G,ef" (checked)."""
+    from hpf.types import SlowPrecision
+
+    try:
+        slow = SlowPrecision.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return slow.text() if slow else "none,none"
+
+
+def topology_of(name: str, bucket_bytes: int = 0, slow: str | None = None) -> hpf.Topology | None:
+    """--topology, --bucket-bytes and --slow-precision as shard_step's ``topology``."""
+    from hpf.types import SlowPrecision
+
+    low = SlowPrecision.parse(slow)
+    if name != "two-tier":
+        if low:
+            raise CliError(f"--slow-precision {slow} needs --topology two-tier: the flat ring has no slow stage of "
+                           "its own (the fast tier stays at full precision)")
+        return None
+    return hpf.Topology(bucket_bytes=bucket_bytes, slow_weights=low and low.weights, slow_grads=low and low.grads,
+                        slow_error_feedback=low and low.error_feedback)
 
 
 def job_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
@@ -124,6 +145,11 @@ def job_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                      help="two-tier: fast-tier collectives first (shared memory between local CPU ranks), "
                           "1/fast-size of the bytes over the slow tier, reductions overlapping backward; "
                           "flat: one collective over all ranks (default: two-tier)")
+    job.add_argument("--slow-precision", type=slow_precision, metavar="W[,G[,ef]]",
+                     help="a low-bit slow tier: the format weights are gathered in and grads exchanged in across the "
+                          "slow tier (W: bf16, fp8, int8; G: also int4; none: full precision; W alone sets both), "
+                          "block-quantized with fp32 masters and fp32 sums; ef / no-ef: grad error feedback on or "
+                          "off (default: on for int4 only) (default: none)")
     job.add_argument("--ep-axis", metavar="AXIS",
                      help="--model moe: the data axis experts are split over (expert parallelism); dense params "
                           "still shard over every FSDP axis, experts over the others (default: none)")

@@ -64,6 +64,7 @@ class TrainJob:
     tensorboard: str | None = None  # --tensorboard: the event folder rank 0 writes the metrics to
     recompute: str = "none"  # --recompute: blocks that run their forward again in backward
     bucket_bytes: int = 0  # --bucket-bytes: two-tier's cap on one fused collective
+    slow_precision: str | None = None  # --slow-precision: "W,G" of the low-bit slow tier
 
     def model_config(self):
         return model_config(self.model, self.config, self.vocab_size)
@@ -104,7 +105,7 @@ def make_step(job: TrainJob, mesh: hpf.Mesh):
                           batch_axes=getattr(module, "BATCH_AXES", None),
                           **sharding_of(job.model, config, mesh, job.fsdp_axes, job.ep_axis), mode=job.mode,
                           mixed_precision=job.mixed_precision, hsdp=job.hsdp,
-                          topology=topology_of(job.topology, job.bucket_bytes))
+                          topology=topology_of(job.topology, job.bucket_bytes, job.slow_precision))
 
 
 def _batches(job: TrainJob, config, split: str, rank: int, world: int, start: int):

@@ -18,7 +18,7 @@ def plan_of(args, mesh: hpf.Mesh) -> hpf.Plan:
     module, config = model_config(args.model, args.config)
     return step_plan(module.init(config, device="meta"), mesh,
                      **sharding_of(args.model, config, mesh, args.fsdp_axes, args.ep_axis),
-                     topology=topology_of(args.topology, args.bucket_bytes), hsdp=args.hsdp)
+                     topology=topology_of(args.topology, args.bucket_bytes, args.slow_precision), hsdp=args.hsdp)
 
 
 def report_of(args, plan: hpf.Plan) -> tuple[PlanReport, str]:

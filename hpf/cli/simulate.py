@@ -42,7 +42,7 @@ def cmd_simulate(args) -> int:
         raise CliError(f"--ep-axis {args.ep_axis}: --model {args.model} has no experts; use --model moe")
     hw = sim.hardware(args.hardware)
     kw = dict(local_batch=args.local_batch, mixed_precision=args.mixed_precision, topology=args.topology,
-              bucket_bytes=args.bucket_bytes,
+              bucket_bytes=args.bucket_bytes, slow_precision=args.slow_precision,
               fsdp_axes=args.fsdp_axes, pipeline=not args.no_pipeline, model=args.model, ep_axis=args.ep_axis)
     # Megatron DDP keeps full replicas: no baseline for a model whose experts only fit split
     strategies = ("hsdp" if args.hsdp else "hpf", "fsdp2") + (() if args.ep_axis else ("ddp",))
@@ -59,7 +59,8 @@ def cmd_simulate(args) -> int:
         rows = [(mesh.size, sim.compare(args.config, mesh, hw, strategies, **kw))]
     print(f"hpf simulate: {args.model} {args.config!r}, {args.local_batch} x {config.seq_len} tokens per "
           f"rank, {args.mixed_precision or 'fp32'}, hardware {hw.name}, hpf {args.topology}"
-          f"{' HSDP' if args.hsdp else ''}{f', experts over {args.ep_axis}' if args.ep_axis else ''}; "
+          f"{' HSDP' if args.hsdp else ''}{f' (slow tier {args.slow_precision})' if args.slow_precision else ''}"
+          f"{f', experts over {args.ep_axis}' if args.ep_axis else ''}; "
           "the baselines as modelled in hpf.sim")
     print(f"{'ranks':>6} {'strategy':<8} {'step ms':>9} {'exposed':>8} {'tokens/s':>12} {'tok/s/rank':>11} "
           f"{'hpf vs':>7} {'fast busy ms':>12} {'slow busy ms':>12}")

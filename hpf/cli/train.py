@@ -43,7 +43,8 @@ def _banner(job: TrainJob, n_units: int) -> str:
     warmup = f", {job.warmup} warmup steps" if job.warmup else ""
     return (f"hpf train: {job.model} {job.config!r} ({module.num_params(config) / 1e6:.2f}M params, {n_units} FSDP units) "
             f"on {_ranks(math.prod(job.axes.values()))}, mesh {mesh_text(job.axes)}, "
-            f"{job.topology}{' HSDP' if job.hsdp else ''}, {job.optimizer} lr {job.lr:g} ({job.schedule}{warmup}), "
+            f"{job.topology}{' HSDP' if job.hsdp else ''}{f' (slow tier {job.slow_precision})' if job.slow_precision else ''}"
+            f", {job.optimizer} lr {job.lr:g} ({job.schedule}{warmup}), "
             f"{job.mixed_precision or 'fp32'} compute, "
             + (f"{job.accumulate} micro-batches per step, " if job.accumulate > 1 else "")
             + (f"recompute {job.recompute}, " if job.recompute != "none" else "") + f"{job.mode} mode")
@@ -143,7 +144,7 @@ def cmd_train(args) -> int:
                            "-e '.[tensorboard]'); metrics.jsonl has the same scalars without it") from None
     same = ("config", "fsdp_axes", "optimizer", "lr", "warmup", "steps", "batch_size", "mode", "seed",
             "mixed_precision", "topology", "hsdp", "model", "schedule", "keep_last", "accumulate", "ep_axis",
-            "recompute", "bucket_bytes")
+            "recompute", "bucket_bytes", "slow_precision")
     job = TrainJob(**{k: getattr(args, k) for k in same}, axes=args.mesh, metrics_path=str(out / "metrics.jsonl"),
                    data=str(args.data) if args.data else None, vocab_size=vocab_size,
                    eval_every=args.eval_every or 0, save_every=args.save_every or 0, resume=resume,

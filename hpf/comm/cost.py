@@ -10,6 +10,12 @@ every rank send c bytes to each of its n - 1 peers (a direct exchange; a ring se
 total). Hierarchical collectives exchange along the slow axes only the 1/n_fast part of the
 data that the fast tier has already gathered or reduced. An all-reduce is a reduce-scatter
 plus an all-gather: twice the bytes.
+
+A low-bit slow tier (``hpf.types.SlowPrecision``, the plan's ``slow_precision``) sends the slow
+stage's data as payloads (hpf_kernels.formats: codes and block scales): ``low_bit`` says which
+collectives of a bucket do, ``codec_bytes`` what their quantize and dequantize passes move
+through memory. An HSDP replica all-reduce across the slow tier, low-bit, is an all-gather of
+the payloads (each replica then sums the same rows: the replicas stay bitwise equal).
 """
 from __future__ import annotations
 
@@ -17,10 +23,13 @@ from typing import Protocol
 
 import torch
 
-from ..mesh import Mesh
+from hpf_kernels.formats import payload_bytes
 
-__all__ = ["OPS", "TIERS", "BucketLayout", "bucket_comm_bytes", "collective_bytes", "count_bytes",
-           "dtype_bytes", "ring_bytes"]
+from ..mesh import Mesh
+from ..types import SlowPrecision
+
+__all__ = ["OPS", "TIERS", "BucketLayout", "bucket_comm_bytes", "codec_bytes", "collective_bytes", "count_bytes",
+           "dtype_bytes", "feedback_numel", "low_bit", "ring_bytes"]
 
 TIERS = ("fast", "slow")
 # A bucket's collectives in one step: gather params and reduce-scatter grads over its shard
@@ -33,6 +42,7 @@ class BucketLayout(Protocol):
 
     shard_axes: tuple[str, ...]  # the FSDP axes it is split over
     replicate_axes: tuple[str, ...]  # the FSDP axes it is replicated over
+    frozen: bool  # not trained: nothing to reduce
 
     @property
     def shard_numel(self) -> int: ...  # elements of one rank's shard
@@ -62,23 +72,82 @@ def collective_bytes(mesh: Mesh, axes: tuple[str, ...], contribution: int,
     return {"fast": contribution * (n_fast - 1), "slow": contribution * (n - n_fast)}
 
 
+def low_bit(mesh: Mesh, bucket: BucketLayout, slow: SlowPrecision | None) -> dict[str, str | None]:
+    """The format each of ``bucket``'s collectives sends across the slow tier in (None: its own dtype).
+
+    The gather and the reduce-scatter are low-bit when their shard group has a slow stage; the
+    HSDP all-reduce when every replica axis is a slow one (a fast one would carry it too)."""
+    out = dict.fromkeys(OPS)
+    if slow is None:
+        return out
+    crosses = bool(mesh.slow_axes_of(bucket.shard_axes))
+    out["all_gather"] = slow.weights if crosses else None
+    if not bucket.frozen:
+        out["reduce_scatter"] = slow.grads if crosses else None
+        replicas = [a for a in bucket.replicate_axes if mesh.axis_size(a) > 1]
+        out["all_reduce"] = slow.grads if replicas and set(mesh.slow_axes_of(replicas)) == set(replicas) else None
+    return out
+
+
 def bucket_comm_bytes(mesh: Mesh, bucket: BucketLayout, compute_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                      hierarchical: bool = False) -> dict[str, dict[str, int]]:
+                      hierarchical: bool = False, slow: SlowPrecision | None = None) -> dict[str, dict[str, int]]:
     """Bytes one rank sends per op and tier for one call of each of ``bucket``'s collectives:
     {op: {tier: bytes}} for the ops in OPS. Params travel in ``compute_dtype``, grads in
-    ``reduce_dtype``; ``hierarchical``: two-stage (fast tier first) collectives."""
+    ``reduce_dtype``, the slow stage in ``slow``'s formats (``low_bit``); ``hierarchical``:
+    two-stage (fast tier first) collectives."""
     out = {op: dict.fromkeys(TIERS, 0) for op in OPS}
-    frozen = getattr(bucket, "frozen", False)  # no grads: nothing to reduce
+    fmt = low_bit(mesh, bucket, slow)
+    n = bucket.shard_numel
     if bucket.shard_axes:
         for op, dtype in (("all_gather", compute_dtype), ("reduce_scatter", reduce_dtype)):
-            if op == "all_gather" or not frozen:
-                out[op] = collective_bytes(mesh, bucket.shard_axes, bucket.shard_numel * dtype_bytes(dtype), hierarchical)
+            if op == "all_gather" or not bucket.frozen:
+                out[op] = collective_bytes(mesh, bucket.shard_axes, n * dtype_bytes(dtype), hierarchical)
+                if fmt[op]:
+                    out[op]["slow"] = collective_bytes(mesh, bucket.shard_axes, payload_bytes(n, fmt[op], slow.block),
+                                                       hierarchical)["slow"]
     m = mesh.axis_size(bucket.replicate_axes)
-    if m > 1 and not frozen:
-        part = -(-bucket.shard_numel // m) * dtype_bytes(reduce_dtype)
-        out["all_reduce"] = {t: 2 * n for t, n in
+    if fmt["all_reduce"]:  # an all-gather of every replica's payload
+        out["all_reduce"] = {"fast": 0, "slow": (m - 1) * payload_bytes(n, fmt["all_reduce"], slow.block)}
+    elif m > 1 and not bucket.frozen:
+        part = -(-n // m) * dtype_bytes(reduce_dtype)
+        out["all_reduce"] = {t: 2 * k for t, k in
                              collective_bytes(mesh, bucket.replicate_axes, part, hierarchical).items()}
     return out
+
+
+def codec_bytes(mesh: Mesh, bucket: BucketLayout, compute_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                slow: SlowPrecision | None) -> dict[str, int]:
+    """Memory bytes the low-bit collectives of ``bucket`` read and write per call, by op (an
+    estimate of the quantize cost: every pass streams its input and output once). A gather
+    quantizes this rank's shard and dequantizes every peer's; a reduction quantizes each row it
+    sends (error feedback adds a pass to measure the error), dequantizes every row it receives
+    and sums them in fp32."""
+    fmt, out = low_bit(mesh, bucket, slow), dict.fromkeys(OPS, 0)
+    n, c, r = bucket.shard_numel, dtype_bytes(compute_dtype), dtype_bytes(reduce_dtype)
+
+    def codec(f, values):  # one quantize or dequantize of one row of n values
+        return n * values + payload_bytes(n, f, slow.block)
+    if fmt["all_gather"]:
+        rows = mesh.axis_size(mesh.slow_axes_of(bucket.shard_axes))
+        out["all_gather"] = codec(fmt["all_gather"], c) * (1 + rows)
+    for op, axes in (("reduce_scatter", bucket.shard_axes), ("all_reduce", bucket.replicate_axes)):
+        if fmt[op]:
+            rows = mesh.axis_size(mesh.slow_axes_of(axes))
+            sent = rows if op == "reduce_scatter" else 1
+            feedback = sent * (codec(fmt[op], r) + 3 * n * r) if slow.error_feedback else 0
+            out[op] = sent * codec(fmt[op], r) + rows * (codec(fmt[op], r) + n * r) + feedback
+    return out
+
+
+def feedback_numel(mesh: Mesh, bucket: BucketLayout, slow: SlowPrecision | None) -> int:
+    """Values of this rank's error-feedback residual for ``bucket``: each value it sends low-bit
+    across the slow tier in a grad reduction (the reduce-scatter's rows bound for its slow peers,
+    its own row staying exact; then the HSDP shard)."""
+    if slow is None or not slow.error_feedback:
+        return 0
+    fmt, n = low_bit(mesh, bucket, slow), bucket.shard_numel
+    peers = mesh.axis_size(mesh.slow_axes_of(bucket.shard_axes)) - 1
+    return (peers * n if fmt["reduce_scatter"] else 0) + (n if fmt["all_reduce"] else 0)
 
 
 def count_bytes(counter, op: str, tiers: dict[str, int]) -> None:

@@ -341,6 +341,14 @@ class ProcessGroupTransport(CallCounters):
             out.copy_(result)
         self._count("reduce_scatter", ring_bytes(full.numel() * full.element_size(), self.world_size))
 
+    def all_to_all(self, out: torch.Tensor, rows: torch.Tensor) -> None:
+        """out[j] <- rank j's rows[this rank], for [world_size, k] rows (the low-bit slow tier's
+        reduction: each rank sums the rows it receives itself). Not in the Transport protocol:
+        only the slow tier, always a process group, needs it."""
+        check_shards(rows.view(-1), rows[0], self.world_size, "rows", "rows[0]")
+        dist.all_to_all_single(out.view(-1), rows.reshape(-1).contiguous(), group=self.group)
+        self._count("all_to_all", ring_bytes(rows.numel() * rows.element_size(), self.world_size))
+
     def all_reduce(self, tensor, op="sum"):
         check_op(op)
         dist.all_reduce(tensor, group=self.group)

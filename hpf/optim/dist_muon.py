@@ -15,7 +15,10 @@ says which ranks hold which elements of every matrix, so:
 
 The math is hpf.optim.muon_math's (muon_momentum_, orthogonalize, apply_muon_updates_, and
 AdamW.apply), so a sharded run matches the single-device optimizer on the full params. Pieces
-travel point-to-point through hpf.comm.world.exchange.
+travel point-to-point through hpf.comm.world.exchange, in ``comm_dtype``; with a low-bit slow
+tier (the plan's ``slow_precision``) a piece bound for a rank across the slow tier travels
+block-quantized like the FSDP collectives: momentum pieces to the owner in the grads' format,
+the owner's direction back in the weights' format (the state itself is never quantized).
 """
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import torch
+
+from hpf_kernels import dequantize, payload_bytes, quantize
 
 from ..comm import world
 from ..planning import Bucket, ParamSlot, Plan
@@ -174,6 +179,8 @@ class DistMuon:
         self.held: list[_Matrix] = []  # split; this rank holds a piece, another owns them
         self.adamw_numel: list[int] = []
         self.bytes_sent = 0  # point-to-point payload this rank sent, over all updates
+        self.slow = plan.slow_precision
+        self._landing: list = []  # low-bit pieces received: (payload, format, destination), unpacked once they land
         tag = 0
         for b in plan.buckets:
             if b.frozen:  # not trained: no state, no update
@@ -238,12 +245,13 @@ class DistMuon:
         dtype = self.comm_dtype or (ups[0].dtype if ups else None)
         whole = [self._assemble(x, u, dtype) for x, u in zip(self.owned, owned_ups)]
         pending = self._exchange(
-            sends=[(x.owner, u.to(dtype), 2 * x.tag) for x, u in zip(self.held, held_ups)],
-            recvs=[(r, buf[part], 2 * x.tag) for x, buf in zip(self.owned, whole) for r, part in x.others])
+            sends=[(x.owner, self._wire(x.owner, "grads", u, dtype), 2 * x.tag) for x, u in zip(self.held, held_ups)],
+            recvs=[(r, self._arrival(r, "grads", buf[part]), 2 * x.tag)
+                   for x, buf in zip(self.owned, whole) for r, part in x.others])
         m.adamw.apply([params[b][s] for b, s, _ in self.adamw], [grads[b][s] for b, s, _ in self.adamw],
                       [state.exp_avg[b][s] for b, s, _ in self.adamw],
                       [state.exp_avg_sq[b][c] for b, _, c in self.adamw], step)
-        world.wait_all(pending)
+        self._land(pending)
 
         # 2. one NS per matrix, same shapes batched: those wholly here and those this rank owns.
         matrices = [u.view(x.shape) for x, u in zip(self.local, local_ups)]
@@ -255,13 +263,14 @@ class DistMuon:
         held_dirs = [torch.empty(x.mine.stop - x.mine.start, dtype=dtype, device=u.device)
                      for x, u in zip(self.held, held_ups)]
         pending = self._exchange(
-            sends=[(r, d[part].to(dtype), 2 * x.tag + 1)
+            sends=[(r, self._wire(r, "weights", d[part], dtype), 2 * x.tag + 1)
                    for x, d in zip(self.owned, directions[n_local:]) for r, part in x.others],
-            recvs=[(x.owner, buf, 2 * x.tag + 1) for x, buf in zip(self.held, held_dirs)])
+            recvs=[(x.owner, self._arrival(x.owner, "weights", buf), 2 * x.tag + 1)
+                   for x, buf in zip(self.held, held_dirs)])
         lr = schedule_value(m.lr, step)
         here = self.local + self.owned
         self._apply(params, here, [d[x.in_matrix] for x, d in zip(here, directions)], lr)
-        world.wait_all(pending)
+        self._land(pending)
         self._apply(params, self.held, held_dirs, lr)
         return params, state
 
@@ -275,6 +284,40 @@ class DistMuon:
         buf = torch.empty(x.numel, dtype=dtype, device=own_piece.device)
         buf[x.in_matrix] = own_piece
         return buf
+
+    def _format(self, peer: int, side: str) -> str | None:
+        """The low-bit format of a piece to or from ``peer`` (None: across the fast tier, or no low-bit tier)."""
+        fmt = getattr(self.slow, side) if self.slow is not None else None
+        mesh = self.plan.mesh
+        return fmt if fmt and any(a not in mesh.fast_axes and p != q for a, p, q in
+                                  zip(mesh.axis_names, mesh.coords(peer), mesh.coords(self.rank))) else None
+
+    def _wire(self, peer: int, side: str, piece: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``piece`` as it travels to ``peer``: in ``dtype``, or as a payload padded to whole blocks."""
+        fmt = self._format(peer, side)
+        if fmt is None:
+            return piece.to(dtype)
+        return quantize(torch.nn.functional.pad(piece.float(), (0, -piece.numel() % self.slow.block)), fmt,
+                        self.slow.block).view(-1)
+
+    def _arrival(self, peer: int, side: str, dest: torch.Tensor) -> torch.Tensor:
+        """The receive buffer for a piece from ``peer`` that lands in ``dest``."""
+        fmt = self._format(peer, side)
+        if fmt is None:
+            return dest
+        k = self.slow.block
+        buf = torch.empty(payload_bytes(dest.numel() + (-dest.numel() % k), fmt, k), dtype=torch.uint8,
+                          device=dest.device)
+        self._landing.append((buf, fmt, dest))
+        return buf
+
+    def _land(self, pending: list) -> None:
+        """Wait for an exchange; unpack its low-bit pieces into their destinations."""
+        world.wait_all(pending)
+        for buf, fmt, dest in self._landing:
+            n, k = dest.numel(), self.slow.block
+            dest.copy_(dequantize(buf, fmt, k, torch.empty(n + (-n % k), dtype=torch.float32, device=dest.device))[:n])
+        self._landing = []
 
     def _exchange(self, sends, recvs) -> list:
         """Post point-to-point sends and receives, each (peer global rank, tensor, tag), as one batch."""

@@ -20,6 +20,7 @@ from types import ModuleType
 from ..models.recompute import recomputes
 from ..planning import ROOT, plan as make_plan
 from ..mesh import Mesh
+from ..types import SlowPrecision
 from .hardware import PROFILES, Hardware, Link, hardware, load_calibration
 from .model import (Options, SimResult, allreduce_time, compute_floor as model_floor, default_unit_flops, ring_time,
                     simulate_plan, two_tier_time)
@@ -50,7 +51,9 @@ def simulate(config, mesh, hw: Hardware | str, strategy: str = "hpf", **kw) -> S
     ("two-tier": hpf.Topology(); "flat": topology=None, as ``hpf train``), ``fsdp_axes``,
     ``pipeline``, ``overlap_optimizer``, ``emulated_slow``, ``shm``, ``steps``, ``ep_axis`` (a MoE
     model's expert-parallel axis: experts split over it, tokens exchanged); hpf only:
-    ``bucket_bytes`` (two-tier: hpf.Topology's cap on one fused collective), ``accumulate``
+    ``bucket_bytes`` (two-tier: hpf.Topology's cap on one fused collective), ``slow_precision``
+    (two-tier: the low-bit slow tier, "W[,G]" as ``hpf simulate --slow-precision`` or an
+    hpf.types.SlowPrecision: fewer slow-tier bytes plus the quantize cost), ``accumulate``
     micro-batches of ``local_batch / accumulate`` sequences, ``recompute`` ("none", "all",
     "every_other": the blocks whose forward runs again in backward)."""
     plan, hw, opts, flops, extra = _inputs(config, mesh, hw, strategy, **kw)
@@ -66,7 +69,7 @@ def compute_floor(config, mesh, hw: Hardware | str, strategy: str = "hpf", **kw)
 
 def _inputs(config, mesh, hw, strategy, *, local_batch=1, model="gpt", mixed_precision=None, topology="two-tier",
             fsdp_axes=None, pipeline=True, overlap_optimizer=True, emulated_slow=None, shm=None, steps=3,
-            ep_axis=None, bucket_bytes=0, accumulate=1, recompute="none"):
+            ep_axis=None, bucket_bytes=0, slow_precision=None, accumulate=1, recompute="none"):
     """simulate_plan's arguments for simulate's (see there)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy {strategy!r}: use one of {STRATEGIES}")
@@ -83,7 +86,12 @@ def _inputs(config, mesh, hw, strategy, *, local_batch=1, model="gpt", mixed_pre
     tiered = is_hpf and topology == "two-tier"
     if ep_axis is not None and not hasattr(mod, "param_specs"):
         raise ValueError(f"ep_axis={ep_axis!r}: model {getattr(mod, '__name__', mod)} has no experts; use the moe model")
-    plan = plan_for(mod, cfg, mesh, fsdp_axes, ep_axis, tiered, strategy == "hsdp", bucket_bytes if tiered else 0)
+    slow = SlowPrecision.parse(slow_precision) if is_hpf else None  # the baselines have no low-bit tier
+    if slow is not None and not tiered:
+        raise ValueError(f"slow_precision={slow_precision!r} with topology={topology!r}: a low-bit slow tier is a "
+                         "stage of hpf's two-tier collectives; use topology='two-tier'")
+    plan = plan_for(mod, cfg, mesh, fsdp_axes, ep_axis, tiered, strategy == "hsdp", bucket_bytes if tiered else 0,
+                    slow)
     micro = local_batch // accumulate  # compute, all-to-alls and a calibrated shape are a micro-batch's
     flops = mod.unit_flops(cfg, micro) if hasattr(mod, "unit_flops") else default_unit_flops(
         plan, micro * getattr(cfg, "seq_len", 1))
@@ -101,21 +109,22 @@ def _inputs(config, mesh, hw, strategy, *, local_batch=1, model="gpt", mixed_pre
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(mod: ModuleType, cfg, axes: tuple, fsdp_axes, ep_axis, tiered: bool, hsdp: bool, bucket_bytes: int):
+def _plan(mod: ModuleType, cfg, axes: tuple, fsdp_axes, ep_axis, tiered: bool, hsdp: bool, bucket_bytes: int,
+          slow: SlowPrecision | None):
     mesh = Mesh(dict(axes))
     fsdp = tuple(fsdp_axes or mesh.axis_names)
     specs = mod.param_specs(cfg, ep_axis, fsdp) if hasattr(mod, "param_specs") else None
     return make_plan(mod.init(cfg, device="meta"), mesh, specs, fsdp_axes=fsdp_axes, hierarchical=tiered,
                      default_shard_axes=[a for a in fsdp if a in mesh.fast_axes] if hsdp else None,
-                     bucket_bytes=bucket_bytes)
+                     bucket_bytes=bucket_bytes, slow_precision=slow)
 
 
 def plan_for(mod: ModuleType, cfg, mesh: Mesh, fsdp_axes=None, ep_axis: str | None = None, tiered: bool = True,
-             hsdp: bool = False, bucket_bytes: int = 0):
+             hsdp: bool = False, bucket_bytes: int = 0, slow: SlowPrecision | None = None):
     """The plan hpf.shard_step makes for this model on ``mesh`` (the experts over ``ep_axis``), cached:
     a search simulates many candidates on few plans. Read it, do not change it."""
     return _plan(mod, cfg, tuple(zip(mesh.axis_names, mesh.shape)), None if fsdp_axes is None else tuple(fsdp_axes),
-                 ep_axis, tiered, hsdp, bucket_bytes)
+                 ep_axis, tiered, hsdp, bucket_bytes, slow)
 
 
 def compare(config, mesh, hw, strategies=("hpf", "fsdp2", "ddp"), **kw) -> dict[str, SimResult]:

@@ -25,7 +25,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from ..planning import ROOT, Plan
-from ..comm.cost import bucket_comm_bytes, collective_bytes
+from ..comm.cost import bucket_comm_bytes, codec_bytes, collective_bytes
 from .hardware import Hardware, Link
 
 __all__ = ["ring_time", "allreduce_time", "two_tier_time", "Options", "SimResult", "simulate_plan",
@@ -150,12 +150,16 @@ def _unit_costs(plan: Plan, hw: Hardware, opts: Options, flops: dict, measured: 
             if opts.strategy == "ddp":
                 continue
             hier = opts.strategy == "hpf" and opts.topology and opts.hierarchical
-            per_op = bucket_comm_bytes(mesh, b, _dtype(opts.compute_bytes), _dtype(opts.reduce_bytes), hier)
+            slow = plan.slow_precision if hier else None  # a low-bit slow tier: fewer bytes, plus its quantize passes
+            per_op = bucket_comm_bytes(mesh, b, _dtype(opts.compute_bytes), _dtype(opts.reduce_bytes), hier, slow)
+            codec = {op: n / hw.mem_bw for op, n in codec_bytes(mesh, b, _dtype(opts.compute_bytes),
+                                                                 _dtype(opts.reduce_bytes), slow).items()}
             ag, rs, ar = per_op["all_gather"], per_op["reduce_scatter"], per_op["all_reduce"]
             fast_axes = tuple(a for a in b.shard_axes if a in mesh.fast_axes)
             p_fast = mesh.axis_size(fast_axes)
             p_slow = b.shard_size // p_fast
             g, r = _stages(hw, opts, world, b.shard_size, p_fast, p_slow, ag, rs, hier, emu)
+            g, r = _on_slow(g, codec["all_gather"]), _on_slow(r, codec["reduce_scatter"])
             if opts.strategy == "hpf" and not opts.topology and hw.shared_links and b.shard_size > 1:
                 # BucketComm on gloo: an all-to-all, then the waiting (compute) thread sums the p slices
                 # (transport.reduce_scatter_async): p-1 adds of n/p, 3 accesses each. The calibrated
@@ -169,7 +173,7 @@ def _unit_costs(plan: Plan, hw: Hardware, opts: Options, flops: dict, measured: 
                 m = mesh.axis_size(b.replicate_axes)
                 worker = "reduce-slow" if opts.strategy == "hpf" and opts.topology else "replica"
                 t, link = _flat_time(hw, opts, world, m, ar, "all_reduce", emu, steps=2 * (m - 1))
-                r.append(_stage(worker, link, t, "slow" if ar["slow"] else "fast", "all_reduce", ar))
+                r.append(_stage(worker, link, t + codec["all_reduce"], "slow" if ar["slow"] else "fast", "all_reduce", ar))
             gathers.append(g)
             reduces.append(r)
         # read + write; FSDP2's copies are in its calibrated collectives where those exist (Link.ops)
@@ -183,6 +187,11 @@ def _unit_costs(plan: Plan, hw: Hardware, opts: Options, flops: dict, measured: 
             a2a_s=_a2a_time(hw, opts, plan, *a2a[name]) if a2a and name in a2a else 0.0,
             recompute=name in opts.recompute))
     return units
+
+
+def _on_slow(stages: list, seconds: float) -> list:
+    """``stages`` with ``seconds`` more on the slow-tier one (the quantize passes run on its worker)."""
+    return [(w, t + seconds, tier, *rest) if tier == "slow" else (w, t, tier, *rest) for w, t, tier, *rest in stages]
 
 
 def _a2a_time(hw: Hardware, opts: Options, plan: Plan, nbytes: int, axes: tuple[str, ...]) -> float:

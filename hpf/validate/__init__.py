@@ -13,8 +13,8 @@ One concern per module:
 """
 from .errors import (CHECKS, BatchMismatchError, CollectiveError, DispatchError, ExpertPlacementError, GateSumError,
                      GradientMismatchError, IndivisibleSpecError, LayoutError, LossNotReplicatedError,
-                     NonFiniteError, ParamsTreeError, PartialSumError, PrecisionError, ShardedContractionError,
-                     ShardingMismatchError, TokenLostError)
+                     NonFiniteError, ParamsTreeError, PartialSumError, PrecisionError, QuantizationError,
+                     ShardedContractionError, ShardingMismatchError, TokenLostError)
 from . import dispatch  # registers the MoE checks models run by name (hpf.comm.collectives.run_check)
 from .grads import GradReport, check_grads
 from .layout import PARTIAL, VARYING, Info, describe, make_info
@@ -25,7 +25,7 @@ from .tracker import Tracker
 __all__ = [
     "LayoutError", "PartialSumError", "ShardingMismatchError", "ShardedContractionError",
     "LossNotReplicatedError", "BatchMismatchError", "ParamsTreeError", "PrecisionError",
-    "NonFiniteError", "IndivisibleSpecError", "CollectiveError", "GradientMismatchError", "CHECKS",
+    "NonFiniteError", "IndivisibleSpecError", "QuantizationError", "CollectiveError", "GradientMismatchError", "CHECKS",
     "DispatchError", "TokenLostError", "ExpertPlacementError", "GateSumError",
     "ValidateStep", "check_plan", "check_grads", "PlanCheck", "GradReport", "Tracker",
     "PARTIAL", "VARYING", "Info", "describe", "make_info",

@@ -10,6 +10,7 @@ The fail-fast checks, in the order the docs and tests name them (:data:`CHECKS`)
 * :class:`PrecisionError`          an op that silently leaves the mixed-precision compute dtype;
 * :class:`NonFiniteError`          a non-finite loss or grad, named where it first appeared;
 * :class:`IndivisibleSpecError`    a non-FSDP axis that does not divide the dim it splits;
+* :class:`QuantizationError`       a low-bit slow tier's error on a param past ``quantization_tolerance``;
 * :class:`TokenLostError`, :class:`ExpertPlacementError`, :class:`GateSumError`: MoE dispatch
   (:class:`DispatchError`): a token copy lost, an expert's tokens on the wrong rank, gates
   that do not sum to 1.
@@ -27,7 +28,7 @@ from .. import checks, spec
 __all__ = [
     "LayoutError", "PartialSumError", "ShardingMismatchError", "ShardedContractionError",
     "LossNotReplicatedError", "BatchMismatchError", "ParamsTreeError", "PrecisionError",
-    "NonFiniteError", "IndivisibleSpecError", "CollectiveError", "GradientMismatchError", "CHECKS",
+    "NonFiniteError", "IndivisibleSpecError", "QuantizationError", "CollectiveError", "GradientMismatchError", "CHECKS",
     "DispatchError", "TokenLostError", "ExpertPlacementError", "GateSumError", "as_layout_errors",
 ]
 
@@ -76,6 +77,11 @@ class IndivisibleSpecError(LayoutError, spec.IndivisibleSpecError):
     """A non-FSDP axis does not divide the dim it splits (only FSDP axes are padded)."""
 
 
+class QuantizationError(LayoutError):
+    """A param's weights or grads lose more than ``quantization_tolerance`` (relative to the
+    param's largest value) crossing a low-bit slow tier (``hpf.Topology(slow_weights=...)``)."""
+
+
 class CollectiveError(LayoutError):
     """An hpf collective applied to a layout it cannot mean (e.g. psum of a replicated value)."""
 
@@ -107,7 +113,7 @@ class GradientMismatchError(LayoutError):
 #: The fail-fast checks of validation mode, in their documented order.
 CHECKS: tuple[type[LayoutError], ...] = (
     PartialSumError, ShardedContractionError, LossNotReplicatedError, BatchMismatchError,
-    ParamsTreeError, PrecisionError, NonFiniteError, IndivisibleSpecError,
+    ParamsTreeError, PrecisionError, NonFiniteError, IndivisibleSpecError, QuantizationError,
     TokenLostError, ExpertPlacementError, GateSumError,
 )
 

@@ -14,7 +14,8 @@ from .. import tree as tree_util
 from ..config import StepConfig
 from ..step import ShardStep
 from ..types import TrainState
-from .errors import BatchMismatchError, LossNotReplicatedError, NonFiniteError, ParamsTreeError, as_layout_errors
+from .errors import (BatchMismatchError, LossNotReplicatedError, NonFiniteError, ParamsTreeError, QuantizationError,
+                     as_layout_errors)
 from .grads import GradReport, check_grads
 from .tracker import Tracker
 
@@ -29,8 +30,11 @@ class ValidateStep(ShardStep):
     non-FSDP ranks (BatchMismatchError); every op's layouts must agree (PartialSumError,
     ShardedContractionError, PrecisionError and more); the loss must be complete and
     replicated (PartialSumError, LossNotReplicatedError); no loss or grad may be non-finite
-    (NonFiniteError). Losses and grads are bit-identical to production's: the same ops run on
-    the same plain tensors. The optimizer always updates after backward (overlap off), since
+    (NonFiniteError); with a low-bit slow tier, each param's quantization error (weights
+    against the unquantized gather, grads against what was sent) is reported in
+    ``metrics["quantization"]`` and bounded by ``quantization_tolerance`` (QuantizationError).
+    Losses and grads are bit-identical to production's: the same ops run on the same plain
+    tensors. The optimizer always updates after backward (overlap off), since
     grads are checked before anything is updated.
 
     Args:
@@ -53,7 +57,16 @@ class ValidateStep(ShardStep):
             state = super().init(full_params)
         self._state_sig = [(tuple(s.shape), s.dtype) for s in state.params]
         self._spmd = dataclasses.replace(self._spmd, validate=True)  # models' own checks (MoE dispatch) on
+        self.quantization: dict[str, dict[str, float]] = {}
+        if getattr(self.engine.comm, "slow", None) is not None:
+            self.engine.comm.capture = {}  # the slow tier keeps what it sent and what arrived
         return state
+
+    def __call__(self, state: TrainState, batch: Any):
+        state, metrics = super().__call__(state, batch)
+        if self.quantization:
+            metrics["quantization"] = self.quantization
+        return state, metrics
 
     def forward_backward(self, state: TrainState, batch: Any, hold: bool = False, scale=None) -> losses.LossOut:
         """The production hook, with the micro-batch checked first."""
@@ -65,8 +78,10 @@ class ValidateStep(ShardStep):
         self._check_state(state)
 
     def after_reductions(self) -> None:
-        """The production hook: no grad may be non-finite (the message names the params)."""
+        """The production hook: no grad may be non-finite (the message names the params), and no
+        param may lose more than ``quantization_tolerance`` to a low-bit slow tier."""
         self._check_grads_finite()
+        self._check_quantization()
 
     def call_loss(self, params: Any, batch: Any) -> Any:
         """The production hook, with params and batch tracked and the loss checked."""
@@ -181,6 +196,46 @@ class ValidateStep(ShardStep):
                 f"the loss is finite but the grads of {bad_paths[:8]} are not (first in parameter order: "
                 f"{bad_paths[0]!r}). The backward of an op on that parameter's path produced inf/nan, e.g. sqrt or "
                 "pow at 0, or log near 0; clamp its input away from the singular point")
+
+
+    def _check_quantization(self) -> None:
+        """Per param path, the max abs error of the slow tier's weights (this rank's shard as
+        every peer dequantized it, against the shard) and grads (each row as its peer received
+        it, against what was sent), and that over the param's max abs value; the max over
+        ranks, in one all-reduce. QuantizationError past the tolerance, before any update."""
+        capture = getattr(self.engine.comm, "capture", None)
+        if capture is None:
+            return
+        rows = []  # (kind, path): [max abs error, max abs value], the same entries on every rank
+        for kind in ("weights", "grads"):
+            for b in self.plan.buckets:
+                fmt = self.engine.comm.low_bit(b.index)
+                if not (fmt["all_gather"] if kind == "weights" else fmt["reduce_scatter"] or fmt["all_reduce"]):
+                    continue
+                at, exact, got = capture.get((kind, b.index), (0, torch.zeros(0), torch.zeros(0)))
+                for slot in b.slots:
+                    lo, hi = max(slot.offset - at, 0), min(slot.offset + slot.numel - at, exact.numel())
+                    stat = (torch.stack([(exact[lo:hi] - got[lo:hi]).abs().amax(), exact[lo:hi].abs().amax()])
+                            if hi > lo else torch.zeros(2))
+                    rows.append(((kind, slot.path), stat.cpu()))
+        if not rows:
+            return
+        stats = torch.stack([r for _, r in rows])
+        if world.world_size() > 1:
+            world.all_reduce(stats, op="max")
+        report: dict[str, dict[str, float]] = {}
+        for ((kind, path), _), (err, top) in zip(rows, stats.tolist()):
+            report.setdefault(path, {}).update({f"{kind}_max_abs": err, f"{kind}_rel": err / top if top else 0.0})
+        self.quantization = report
+        tol = self.config.quantization_tolerance
+        worst = max(((v[f"{k}_rel"], k, p) for p, v in report.items() for k in ("weights", "grads") if f"{k}_rel" in v),
+                    default=None)
+        if tol is not None and worst is not None and worst[0] > tol:
+            rel, kind, path = worst
+            raise QuantizationError(
+                f"the low-bit slow tier ({self.plan.slow_precision.describe()}) loses {rel:.3g} of {path!r}'s "
+                f"{kind} (max abs error over max abs value), past quantization_tolerance={tol:g}; use a smaller "
+                "slow_block, a wider format (int8 for int4, bf16 for fp8), or raise the tolerance")
 
 
 def _checksum(x: torch.Tensor) -> str:

@@ -127,3 +127,111 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, sizes) -> torch.Tensor:
         return reference.grouped_mm(x, w, sizes)
     sizes = torch.as_tensor(list(sizes) if not isinstance(sizes, torch.Tensor) else sizes, device=x.device)
     return torch._grouped_mm(x, w, offs=sizes.cumsum(0).to(torch.int32))
+
+
+# -- block quantization: one program per (row, block) ---------------------------------------------
+@functools.lru_cache(maxsize=1)
+def quant_kernels():
+    """Build the Triton quantize/dequantize kernels, or return None when Triton is not installed.
+
+    Same math as the reference (hpf_kernels.formats); rounding ties may go the other way (one
+    code apart, inside the stated bound). Scales are moved byte by byte: payload rows need not
+    be 4-byte aligned."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    # Each program holds its block as [HALF, 2] value pairs (2i, 2i+1): int4 packs a pair per byte.
+    @triton.jit
+    def _quantize(X, OUT, n, payload, block, qmax, FP8: tl.constexpr, INT4: tl.constexpr, HALF: tl.constexpr):
+        row, b = tl.program_id(0), tl.program_id(1)
+        i = tl.arange(0, HALF)
+        j = 2 * i[:, None] + tl.arange(0, 2)[None, :]
+        m = j < block
+        x = tl.load(X + row * n + b * block + j, mask=m, other=0.0).to(tl.float32)
+        # + nan when the block holds inf or nan (tl.max drops nan; the scale must carry it)
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0) + tl.sum(tl.sum(x * 0.0, axis=1), axis=0)
+        scale = amax / qmax
+        t = x * tl.where(amax > 0, qmax / amax, 0.0)
+        if FP8:
+            c = tl.minimum(tl.maximum(t, -qmax), qmax).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            q = tl.where(t >= 0, tl.floor(t + 0.5), tl.ceil(t - 0.5))
+            c = tl.minimum(tl.maximum(q, -qmax), qmax).to(tl.int8).to(tl.uint8, bitcast=True)
+        out = OUT + row * payload
+        if INT4:
+            lo, hi = tl.split((c + 8) & 15)
+            tl.store(out + b * (block // 2) + i, lo | (hi << 4), mask=2 * i < block)
+            codes_bytes = n // 2
+        else:
+            tl.store(out + b * block + j, c, mask=m)
+            codes_bytes = n
+        k = tl.arange(0, 4)
+        bits = scale.to(tl.int32, bitcast=True)
+        tl.store(out + codes_bytes + 4 * b + k, ((bits >> (8 * k)) & 255).to(tl.uint8))
+
+    @triton.jit
+    def _dequantize(P, OUT, n, payload, block, FP8: tl.constexpr, INT4: tl.constexpr, HALF: tl.constexpr):
+        row, b = tl.program_id(0), tl.program_id(1)
+        i = tl.arange(0, HALF)
+        j = 2 * i[:, None] + tl.arange(0, 2)[None, :]
+        m = j < block
+        src = P + row * payload
+        codes_bytes = n // 2 if INT4 else n
+        k = tl.arange(0, 4)
+        scale = tl.sum(tl.load(src + codes_bytes + 4 * b + k).to(tl.int32) << (8 * k), axis=0).to(tl.float32,
+                                                                                                    bitcast=True)
+        if INT4:
+            byte = tl.load(src + b * (block // 2) + i, mask=2 * i < block, other=0).to(tl.int32)
+            v = tl.join((byte & 15) - 8, (byte >> 4) - 8).to(tl.float32)
+        elif FP8:
+            v = tl.load(src + b * block + j, mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            v = tl.load(src + b * block + j, mask=m, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        tl.store(OUT + row * n + b * block + j, (v * scale).to(OUT.dtype.element_ty), mask=m)
+
+    return _quantize, _dequantize
+
+
+_quant_broken = False
+
+
+def _triton_quant_ok(t: torch.Tensor, fmt, block: int) -> bool:
+    """Scaled formats with even blocks (the kernels work on value pairs) on a Triton device."""
+    on_device = t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return (on_device and not _quant_broken and fmt.scaled and block % 2 == 0 and t.is_contiguous()
+            and quant_kernels() is not None)
+
+
+def _launch(which: int, rows: int, n: int, block: int, fmt, *args) -> bool:
+    """Run kernel ``which`` (0 quantize, 1 dequantize); False (and a warning, once) if it fails to compile."""
+    global _quant_broken
+    try:
+        quant_kernels()[which][(rows, n // block)](*args, FP8=fmt.name == "fp8", INT4=fmt.bits == 4,
+                                                  HALF=1 << max(0, (block // 2 - 1).bit_length()))
+        return True
+    except Exception as err:  # e.g. no fp8 conversion on this GPU: warn once, use torch
+        _quant_broken = True
+        warnings.warn(f"hpf_kernels: Triton quantization failed ({err!r}); using torch")
+        return False
+
+
+def quantize(x: torch.Tensor, fmt, block: int) -> torch.Tensor:
+    if _triton_quant_ok(x, fmt, block):
+        from ..formats import payload_bytes
+
+        rows, n = x.shape
+        out = torch.empty(rows, payload_bytes(n, fmt.name, block), dtype=torch.uint8, device=x.device)
+        if _launch(0, rows, n, block, fmt, x, out, n, out.shape[1], block, fmt.qmax):
+            return out
+    return reference.quantize(x, fmt, block)
+
+
+def dequantize(payload: torch.Tensor, fmt, block: int, out: torch.Tensor) -> torch.Tensor:
+    rows, n = out.shape
+    if _triton_quant_ok(out, fmt, block) and _launch(1, rows, n, block, fmt, payload.contiguous(), out, n,
+                                                     payload.shape[1], block):
+        return out
+    return reference.dequantize(payload, fmt, block, out)

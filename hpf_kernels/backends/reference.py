@@ -62,3 +62,44 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, sizes: Sequence[int]) -> torch.
     in autograd's graph even when every group is empty: an EP rank that receives no tokens
     must still run its half of the backward exchange (a fresh zeros tensor made it skip it)."""
     return torch.cat([xg @ w[g] for g, xg in enumerate(torch.split(x, list(sizes)))])
+
+
+# -- block quantization (hpf_kernels.formats: the payload layout and the error bounds) -----------
+def quantize(x: torch.Tensor, fmt, block: int) -> torch.Tensor:
+    """[rows, n] floats -> [rows, payload] uint8: each row's codes, then its block scales."""
+    rows, n = x.shape
+    if not fmt.scaled:  # bf16: the values themselves
+        return x.to(torch.bfloat16).contiguous().view(torch.uint8)
+    xb = x.reshape(rows, n // block, block).float()
+    amax = xb.abs().amax(-1, keepdim=True)  # nan propagates into the scale
+    scale = amax / fmt.qmax
+    inv = torch.where(amax > 0, fmt.qmax / amax, torch.zeros_like(amax))  # an all-zero block: codes 0
+    t = xb * inv
+    if fmt.name == "fp8":
+        codes = t.clamp(-fmt.qmax, fmt.qmax).to(torch.float8_e4m3fn).view(torch.uint8)
+    else:
+        q = t.round().clamp(-fmt.qmax, fmt.qmax).to(torch.int8)
+        if fmt.bits == 4:
+            u = (q + 8).view(torch.uint8).reshape(rows, -1)
+            codes = u[:, 0::2] | (u[:, 1::2] << 4)
+        else:
+            codes = q.view(torch.uint8)
+    return torch.cat([codes.reshape(rows, -1), scale.reshape(rows, -1).view(torch.uint8)], dim=1)
+
+
+def dequantize(payload: torch.Tensor, fmt, block: int, out: torch.Tensor) -> torch.Tensor:
+    """[rows, payload] uint8 -> ``out`` [rows, n] (its dtype), the inverse of ``quantize``."""
+    rows, n = out.shape
+    if not fmt.scaled:
+        return out.copy_(payload.contiguous().view(torch.bfloat16))
+    cb = n * fmt.bits // 8
+    codes = payload[:, :cb].contiguous()
+    scale = payload[:, cb:].contiguous().view(torch.float32).view(rows, -1, 1)
+    if fmt.name == "fp8":
+        vals = codes.view(torch.float8_e4m3fn).float()
+    elif fmt.bits == 8:
+        vals = codes.view(torch.int8).float()
+    else:
+        vals = torch.stack([codes & 15, codes >> 4], dim=-1).float() - 8
+    out.view(rows, -1, block).copy_(vals.view(rows, -1, block) * scale)
+    return out
