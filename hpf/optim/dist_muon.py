@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
@@ -36,9 +36,6 @@ from ..planning import Bucket, ParamSlot, Plan
 from .adamw_optimizer import schedule_value
 from .muon_math import MuonState, apply_muon_updates_, muon_momentum_, orthogonalize, update_scale
 
-if TYPE_CHECKING:
-    from .muon_optimizer import Muon
-
 __all__ = ["DistMuon", "assign_owners", "ns_flops", "muon_paths", "muon_plan_state"]
 
 
@@ -48,12 +45,12 @@ def ns_flops(shape: Sequence[int], steps: int) -> int:
     return math.prod(shape[:-2]) * steps * (4 * r * r * s + 2 * r ** 3)
 
 
-def muon_paths(muon: Muon, plan: Plan) -> set[str]:
-    """Paths of the params Muon orthogonalizes; the rest take its AdamW fallback."""
+def muon_paths(muon, plan: Plan) -> set[str]:
+    """Paths of the params ``muon`` (an hpf.optim.Muon) orthogonalizes; the rest take its AdamW fallback."""
     return {path for path, s in plan.slots.items() if muon.on_muon(path, _meta(s))}
 
 
-def muon_plan_state(muon: Muon, plan: Plan) -> tuple[int, Counter, int]:
+def muon_plan_state(muon, plan: Plan) -> tuple[int, Counter, int]:
     """(optimizer-state elements of the rank that holds most, NS FLOPs per rank, Muon matrices)
     of DistMuon on ``plan``, without building it: for hpf plan on meta tensors at any size.
 
