@@ -155,8 +155,8 @@ def forward(params: dict, tokens: torch.Tensor, *, n_heads: int | None = None, r
     if t > max_t:
         raise ValueError(f"sequence length {t} exceeds params['pos'] length {max_t} (config.seq_len)")
     x = F.embedding(tokens, params["embed"]) + params["pos"][:t]
-    for i in range(len(params["blocks"])):
-        x = recompute_.run_block(block, params["blocks"], i, recompute, x, n_heads)
+    for _, run in recompute_.each_block(params["blocks"], recompute):
+        x = run(block, x, n_heads)
     return _rms_norm(x, params["norm_f"]) @ params["head"]
 
 

@@ -150,8 +150,8 @@ def forward(params: dict, tokens: torch.Tensor, *, config: LlamaConfig | None = 
     c = config
     x = F.embedding(tokens, params["embed"])
     cos, sin = rope_cos_sin(c, tokens.shape[1], x.device, x.dtype)
-    for i in range(len(params["blocks"])):
-        x = recompute_.run_block(block, params["blocks"], i, recompute, x, cos, sin, c)
+    for _, run in recompute_.each_block(params["blocks"], recompute):
+        x = run(block, x, cos, sin, c)
     return F.linear(rms_norm(x, params["norm"], c.norm_eps), params["head"])
 
 

@@ -8,11 +8,11 @@ a third of ``"all"``'s extra compute per saved byte.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["RECOMPUTE", "Activations", "check", "recomputes", "run_block"]
+__all__ = ["RECOMPUTE", "Activations", "check", "each_block", "recomputes"]
 
 #: the ``recompute=`` values of the models' ``loss_for``
 RECOMPUTE = ("none", "all", "every_other")
@@ -29,13 +29,25 @@ def recomputes(i: int, recompute: str) -> bool:
     return recompute == "all" or (recompute == "every_other" and i % 2 == 1)
 
 
-def run_block(fn: Callable, blocks, i: int, recompute: str, *args):
-    """``fn(blocks[i], *args)``: checkpointed where ``recompute`` says so. The block is read
-    inside the checkpoint, so a recomputed block is gathered again for its backward instead
-    of held by the checkpoint from forward to backward (hpf.shard_step frees it between)."""
-    if recomputes(i, recompute):
-        return checkpoint(lambda *a: fn(blocks[i], *a), *args, use_reentrant=False)
-    return fn(blocks[i], *args)
+def each_block(blocks, recompute: str):
+    """Yields ``(i, run)`` per block, where ``run(fn, *args)`` is ``fn(block_i, *args)``,
+    checkpointed where ``recompute`` says so. A list of blocks (hpf.shard_step passes one) is
+    indexed inside the checkpoint, so a recomputed block is gathered again for its backward
+    instead of held by the checkpoint from forward to backward (hpf.shard_step frees it between).
+    Any other iterable is iterated once, in order (a recomputed block is then held)."""
+    def runner(i: int, read: Callable):
+        def run(fn: Callable, *args):
+            if recomputes(i, recompute):
+                return checkpoint(lambda *a: fn(read(), *a), *args, use_reentrant=False)
+            return fn(read(), *args)
+        return run
+
+    if isinstance(blocks, Sequence):
+        for i in range(len(blocks)):
+            yield i, runner(i, lambda i=i: blocks[i])
+    else:
+        for i, blk in enumerate(blocks):
+            yield i, runner(i, lambda blk=blk: blk)
 
 
 @dataclass(frozen=True)
