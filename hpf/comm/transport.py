@@ -93,7 +93,18 @@ DONE = _Done()
 
 def is_done(handle: Handle) -> bool:
     """Whether a collective handle (ours, or a torch.distributed Work) has finished; never blocks."""
-    return handle.done() if hasattr(handle, "done") else handle.is_completed()
+    return handle.done() if hasattr(handle, "done") else work_done(handle)
+
+
+def work_done(work: dist.Work) -> bool:
+    """Whether a torch.distributed Work has finished; never blocks. It reads the Work's future,
+    not ``is_completed()``: under torch's profiler, gloo finishes a Work by running a callback
+    that needs the GIL while holding the lock that ``is_completed()`` takes with the GIL held,
+    a deadlock whenever the collective was issued inside saved-tensor hooks (the engine's are)."""
+    try:
+        return work.get_future().done()
+    except RuntimeError:  # a Work without a future (gloo's point-to-point)
+        return work.is_completed()
 
 
 class StreamWork:
@@ -112,7 +123,7 @@ class StreamWork:
         return True
 
     def done(self) -> bool:
-        return self.work.is_completed()
+        return work_done(self.work)
 
     @staticmethod
     def settled(works: list["StreamWork"]) -> "_Polled":
@@ -127,7 +138,7 @@ class _Polled:
 
     def wait(self, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not all(w.is_completed() for w in self.works):
+        while not all(work_done(w) for w in self.works):
             if deadline is not None and time.monotonic() > deadline:
                 return False
             time.sleep(1e-4)
@@ -136,7 +147,7 @@ class _Polled:
         return True
 
     def done(self) -> bool:
-        return all(w.is_completed() for w in self.works)
+        return all(work_done(w) for w in self.works)
 
 
 def on_device(work: dist.Work, device: torch.device) -> Handle:
@@ -157,7 +168,7 @@ def wait_for(handle: Handle, timeout: float | None = None) -> bool:
         handle.wait(datetime.timedelta(seconds=timeout))
         return True
     except RuntimeError:
-        if handle.is_completed():
+        if work_done(handle):
             raise
         return False
 
@@ -191,7 +202,7 @@ class _SumOnArrival:
     def done(self) -> bool:
         if self.recv is None:
             return True
-        if not self.work.is_completed():
+        if not work_done(self.work):
             return False
         self.wait()
         return True
