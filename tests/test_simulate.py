@@ -322,7 +322,7 @@ def test_calibration_sizes_cover_the_models_largest_bucket():
     assert medium[:len(SIZES_MIB)] == SIZES_MIB and medium[-2] < 190 <= medium[-1]
 
 
-@pytest.mark.parametrize("run,cases", [("", 17), ("second_run", 17), ("tiny_runs/1", 7), ("tiny_runs/2", 7)])
+@pytest.mark.parametrize("run,cases", [("", 17), ("tiny_runs/1", 7)])
 def test_the_committed_validation_is_of_the_committed_model(run, cases):
     """``--repredict`` replays docs/simulate/validation (no processes): every case's predicted step
     time and exposed share from its rounds' calibrations must be what the run predicted, or the
