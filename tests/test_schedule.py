@@ -86,7 +86,10 @@ def test_device_collectives_order_streams_and_settle_on_the_cpu():
             self.waits.append(args)
             return True
 
-        def is_completed(self):
+        def get_future(self):  # (what the engine polls: see hpf.comm.transport.work_done)
+            return self
+
+        def done(self):
             return self.completed
 
     work = FakeWork()
