@@ -156,6 +156,13 @@ class Mesh:
                 self._groups[key] = mine
         return self._groups[key]
 
+    def drop_group(self, axes: str | Sequence[str], *, tag: str) -> None:
+        """Destroy the tagged group ``group(axes, tag=tag)`` made, freeing its threads and sockets
+        (a tagged group belongs to one owner, which drops it when it closes)."""
+        group = self._groups.pop((self._ordered(axes), tag), None)
+        if group is not None and dist.is_initialized():
+            dist.destroy_process_group(group)
+
     # -- helpers ---------------------------------------------------------------------------
     def _index(self, axis: str) -> int:
         self._check_axis(axis)

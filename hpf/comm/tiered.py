@@ -210,7 +210,7 @@ class TieredComm:
 
     def __init__(self, plan: Plan, topology: Topology, device: torch.device, compute_dtypes, reduce_dtypes):
         self.plan = plan
-        mesh = plan.mesh
+        mesh = self._mesh = plan.mesh
         rank = world.rank()
         self.timeout = topology.timeout_s
         self.bytes = Counter()  # (op, tier) -> bytes this rank sent
@@ -242,6 +242,7 @@ class TieredComm:
         # buckets then wait on different groups (a named error from hpf.comm.schedule) instead of
         # pairing them (gloo aborts the process on a size mismatch).
         self._transports: dict[tuple, Transport] = {}
+        self._tags: list[tuple] = []  # (axes, tag) of the groups this comm made: it destroys them on close
         self._route: dict[tuple[str, int, str], Transport] = {}  # (direction, bucket, tier) -> transport
         self.slow = plan.slow_precision
         self._fmt = [low_bit(mesh, b, self.slow) for b in plan.buckets]  # op -> slow-tier format or None
@@ -258,7 +259,8 @@ class TieredComm:
                     shm = tier == "fast" and use_shm
                     key = (tag, axes) if shm else (tag, axes, nbytes)
                     if key not in self._transports:
-                        group = mesh.group(axes, tag=f"{tag}{instance}" + ("" if shm else f"/{nbytes}B"))
+                        self._tags.append((axes, f"{tag}{instance}" + ("" if shm else f"/{nbytes}B")))
+                        group = mesh.group(axes, tag=self._tags[-1][1])
                         self._transports[key] = (ShmGroup(group, topology.shm_bytes or shm_need,
                                                           timeout=topology.timeout_s) if shm
                                                  else ProcessGroupTransport(group, device))
@@ -266,6 +268,8 @@ class TieredComm:
         self._replica = [mesh.group(b.replicate_axes, tag=f"replica{instance}")
                          if mesh.axis_size(b.replicate_axes) > 1 and not b.frozen
                          else None for b in plan.buckets]
+        self._tags += list(dict.fromkeys((b.replicate_axes, f"replica{instance}") for b, g in
+                                         zip(plan.buckets, self._replica) if g is not None))
         self._rank = rank
         self._device = device
         # low-bit slow tier: this rank's row in each bucket's slow group and fast block
@@ -499,4 +503,7 @@ class TieredComm:
         for t in self._transports.values():
             if isinstance(t, ShmGroup):
                 t.close()
+        for axes, tag in self._tags:
+            self._mesh.drop_group(axes, tag=tag)
+        self._tags, self._transports, self._route, self._replica = [], {}, {}, []  # (the groups go with them)
 
