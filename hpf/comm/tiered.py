@@ -242,7 +242,11 @@ class TieredComm:
         # buckets then wait on different groups (a named error from hpf.comm.schedule) instead of
         # pairing them (gloo aborts the process on a size mismatch).
         self._transports: dict[tuple, Transport] = {}
-        self._tags: list[tuple] = []  # (axes, tag) of the groups this comm made: it destroys them on close
+        self._owned: set[tuple] = set()  # (axes, tag) of the groups this comm made: it destroys them on close
+
+        def own_group(axes, tag: str):
+            self._owned.add((axes, tag))
+            return mesh.group(axes, tag=tag)
         self._route: dict[tuple[str, int, str], Transport] = {}  # (direction, bucket, tier) -> transport
         self.slow = plan.slow_precision
         self._fmt = [low_bit(mesh, b, self.slow) for b in plan.buckets]  # op -> slow-tier format or None
@@ -259,17 +263,14 @@ class TieredComm:
                     shm = tier == "fast" and use_shm
                     key = (tag, axes) if shm else (tag, axes, nbytes)
                     if key not in self._transports:
-                        self._tags.append((axes, f"{tag}{instance}" + ("" if shm else f"/{nbytes}B")))
-                        group = mesh.group(axes, tag=self._tags[-1][1])
+                        group = own_group(axes, f"{tag}{instance}" + ("" if shm else f"/{nbytes}B"))
                         self._transports[key] = (ShmGroup(group, topology.shm_bytes or shm_need,
                                                           timeout=topology.timeout_s) if shm
                                                  else ProcessGroupTransport(group, device))
                     self._route[tag, b.index, tier] = self._transports[key]
-        self._replica = [mesh.group(b.replicate_axes, tag=f"replica{instance}")
+        self._replica = [own_group(b.replicate_axes, f"replica{instance}")
                          if mesh.axis_size(b.replicate_axes) > 1 and not b.frozen
                          else None for b in plan.buckets]
-        self._tags += list(dict.fromkeys((b.replicate_axes, f"replica{instance}") for b, g in
-                                         zip(plan.buckets, self._replica) if g is not None))
         self._rank = rank
         self._device = device
         # low-bit slow tier: this rank's row in each bucket's slow group and fast block
@@ -503,7 +504,7 @@ class TieredComm:
         for t in self._transports.values():
             if isinstance(t, ShmGroup):
                 t.close()
-        for axes, tag in self._tags:
+        for axes, tag in self._owned:
             self._mesh.drop_group(axes, tag=tag)
-        self._tags, self._transports, self._route, self._replica = [], {}, {}, []  # (the groups go with them)
+        self._owned, self._transports, self._route, self._replica = set(), {}, {}, []  # (the groups go with them)
 
