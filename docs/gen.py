@@ -252,14 +252,6 @@ def lowbit() -> str:
     return head + table(["ratio", "value", "target", ""], rows)
 
 
-def _quality_key(name: str) -> str:
-    """A setting's name in the ratios: "int8 weights, int4 grads, no error feedback" -> "int8_int4_no_ef"."""
-    if name.startswith("control"):
-        return "control_bf16_grads"
-    formats = [w.split()[0] for w in name.split(",")[:2]]
-    return "_".join(formats) + ("_no_ef" if "no error feedback" in name else "")
-
-
 def lowbit_quality() -> str:
     """Final held-out losses of benchmarks/lowbit_quality.py (docs/results/lowbit_quality.json)."""
     r = json.loads(LOWBIT_QUALITY.read_text())
@@ -267,7 +259,7 @@ def lowbit_quality() -> str:
     rows = []
     for name, seeds in r["runs"].items():
         finals = [run["eval_losses"][-1][1] for run in seeds]
-        ratio = next((v for k, v in r["ratios"].items() if k.split("/")[1] == _quality_key(name)), None)
+        ratio = next((v for v in r["ratios"].values() if v["run"] == name), None)
         versus = "-" if ratio is None else f"{ratio['value']:.4f}" + (
             f" (target {ratio['target']}, {_verdict(ratio['value'], ratio['target'])})" if ratio["target"] else "")
         rows.append([name, f"{sum(finals) / len(finals):.4f}", ", ".join(f"{f:.4f}" for f in finals), versus])

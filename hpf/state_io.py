@@ -31,7 +31,8 @@ class StateIO:
     def fresh_feedback(self) -> list[torch.Tensor] | None:
         """Zero error-feedback residuals, one per bucket (empty where none crosses the slow tier);
         None when the step's slow tier keeps none."""
-        numel = getattr(self.engine.comm, "feedback_numel", None) if self.engine else None
+        lowbit = getattr(self.engine.comm, "lowbit", None) if self.engine else None
+        numel = lowbit.feedback_numel if lowbit else None
         if not numel or not any(numel):
             return None
         return [torch.zeros(n, dtype=torch.float32, device=self.device) for n in numel]

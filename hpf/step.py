@@ -164,7 +164,7 @@ class ShardStep(StateIO):
         micro = batching.micro_batches(batch, self.config.accumulate, axes)
         eng = self.engine
         if state.error_feedback is not None:
-            eng.comm.use_feedback(state.error_feedback, float(state.loss_scale.scale) if state.loss_scale else 1.0)
+            eng.comm.lowbit.use_feedback(state.error_feedback, float(state.loss_scale.scale) if state.loss_scale else 1.0)
         try:
             eng.begin(state.params)
             outs = [self.forward_backward(state, mb, hold=i < len(micro) - 1, scale=state.loss_scale)
@@ -249,7 +249,7 @@ class ShardStep(StateIO):
         overlap, the units it reads first are updated first and gather while the rest update."""
         grads, eng, opt = self.grad_shards, self.engine, self.plan_optimizer
         if state.error_feedback is not None:
-            eng.comm.commit_feedback()
+            eng.comm.lowbit.commit_feedback()
         torch._foreach_mul_(grads, d.grad_scale)
         if self.config.overlap_optimizer and isinstance(opt, PartialUpdate):
             first = sorted({b for u in eng.first_units() for b in self.plan.units[u].buckets})

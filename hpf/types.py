@@ -71,7 +71,8 @@ class SlowPrecision:
         block: values per scale (hpf_kernels.formats). Shards that cross the slow tier are padded
             to whole blocks.
         error_feedback: carry each rank's grad quantization error into its next step (a residual
-            kept in ``TrainState.error_feedback`` and checkpoints). None: on for int4 only.
+            kept in ``TrainState.error_feedback`` and checkpoints; hpf.comm.lowbit). Off unless
+            asked: with AdamW it trains worse than plain rounding (docs/topology.md has the runs).
 
     Raises:
         ValueError: an unknown format (the message lists the allowed ones), int4 for weights,
@@ -91,15 +92,15 @@ class SlowPrecision:
         if self.grads is not None:
             check_format(self.grads, GRAD_FORMATS, "slow_grads")
         check_block(self.block, self.grads or "", "slow_block")
-        ef = self.grads == "int4" if self.error_feedback is None else self.error_feedback
+        ef = bool(self.error_feedback)
         if ef and self.grads is None:
             raise ValueError("slow_error_feedback=True carries the error of quantized grads: set slow_grads too")
-        object.__setattr__(self, "error_feedback", bool(ef))
+        object.__setattr__(self, "error_feedback", ef)
 
     @classmethod
     def parse(cls, value: "SlowPrecision | str | None") -> "SlowPrecision | None":
         """``"W"`` (both sides), ``"W,G"`` (``none``: full precision), ``"W,G,ef"`` or ``"W,G,no-ef"``
-        (error feedback on or off; default: int4's), a policy or None -> a policy or None."""
+        (error feedback on or off; default: off), a policy or None -> a policy or None."""
         if value is None or isinstance(value, SlowPrecision):
             return value
         parts = [p.strip().lower() for p in str(value).split(",")]
@@ -113,11 +114,8 @@ class SlowPrecision:
         return cls(weights, grads, error_feedback=feedback) if weights or grads or feedback else None
 
     def text(self) -> str:
-        """The ``W,G[,ef]`` form ``parse`` reads back (``hpf train --slow-precision``, run.json); the
-        error-feedback part only where it is not int4's default."""
-        default = self.grads == "int4"
-        return ",".join([self.weights or "none", self.grads or "none"]
-                        + ([] if self.error_feedback == default else ["ef" if self.error_feedback else "no-ef"]))
+        """The ``W,G[,ef]`` form ``parse`` reads back (``hpf train --slow-precision``, run.json)."""
+        return ",".join([self.weights or "none", self.grads or "none"] + (["ef"] if self.error_feedback else []))
 
     def describe(self) -> str:
         """``int8 weights, int4 grads (block 256, error feedback)``, as reports say it."""

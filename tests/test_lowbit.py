@@ -38,7 +38,8 @@ WORLD, BATCH, BLOCK, STEPS, LR = 4, 8, 64, 3, 1e-2
 VARIANTS = {  # name -> shard_step keywords
     "full": {"topology": Topology(fast_transport="shm")},
     "int8": {"topology": Topology(fast_transport="shm", slow_weights="int8", slow_grads="int8", slow_block=BLOCK)},
-    "fp8_int4": {"topology": Topology(fast_transport="pg", slow_weights="fp8", slow_grads="int4", slow_block=BLOCK)},
+    "fp8_int4": {"topology": Topology(fast_transport="pg", slow_weights="fp8", slow_grads="int4", slow_block=BLOCK,
+                                      slow_error_feedback=True)},
     "hsdp_int8": {"topology": Topology(fast_transport="shm", slow_grads="int8", slow_block=BLOCK), "hsdp": True},
 }
 
@@ -159,11 +160,46 @@ def _validate(rank: int) -> dict:
     return out
 
 
+class _SGD:
+    """p <- p - grad: the params after T steps are p0 minus the sum of the grads the step received."""
+
+    def init(self, params):
+        return ()
+
+    def update(self, grads, state, params):
+        torch._foreach_sub_(list(params), list(grads))
+        return params, state
+
+
+FEEDBACK_STEPS = (60, 120)
+
+
+def _constant_grads(rank: int) -> dict:
+    """Each rank's grads are the same every step (a linear loss), mostly far below their block's
+    max (an int4 step drops them): the params after T steps, with error feedback and without."""
+    shapes = {"w": (64, 128), "v": (96, 64)}
+    gen = torch.Generator().manual_seed(100 + rank)
+    coeff = {k: torch.randn(s, generator=gen) * torch.where(torch.rand(s, generator=gen) < 0.02, 20.0, 1.0)
+             for k, s in shapes.items()}
+    out = {"coeff": coeff}
+    for ef in (True, False):
+        topo = Topology(fast_transport="shm", slow_grads="int4", slow_block=BLOCK, slow_error_feedback=ef)
+        step = _make(lambda p, b: sum((p[k] * coeff[k]).sum() for k in p), optimizer=_SGD(), topology=topo)
+        state = step.init({k: torch.zeros(s) for k, s in shapes.items()})
+        for t in range(1, FEEDBACK_STEPS[-1] + 1):
+            state, _ = step(state, torch.zeros(WORLD, 1))
+            if t in FEEDBACK_STEPS:
+                out[ef, t] = step.full_params(state)
+        step.engine.comm.close()
+    return out
+
+
 def _all(rank: int, ckpt: str) -> dict:
     out = {name: _variant(rank, name, kw, ckpt + name) for name, kw in VARIANTS.items()}
     out["skip"] = _skipped_step(rank)
     out["muon"] = _muon(rank)
     out["validate"] = _validate(rank)
+    out["constant"] = _constant_grads(rank)
     return out
 
 
@@ -220,12 +256,13 @@ def test_bad_slow_tier_options_say_what_is_allowed(kw, match):
 def test_slow_precision_defaults_and_parse():
     assert Topology().slow_precision is None
     int4 = Topology(slow_grads="int4").slow_precision
-    assert int4 == SlowPrecision(None, "int4", 128, True)  # error feedback on by default for int4 only
-    assert Topology(slow_grads="int8").slow_precision.error_feedback is False
+    assert int4 == SlowPrecision(None, "int4", 128, False)  # error feedback only when asked for
+    assert Topology(slow_grads="int4", slow_error_feedback=True).slow_precision.error_feedback is True
     assert SlowPrecision.parse("int8") == SlowPrecision("int8", "int8")
     assert SlowPrecision.parse("none,int4") == SlowPrecision(None, "int4")
     assert SlowPrecision.parse("none") is None
     assert SlowPrecision.parse("int8,int4,no-ef") == SlowPrecision("int8", "int4", error_feedback=False)
+    assert SlowPrecision.parse("int8,int4,ef").text() == "int8,int4,ef" and int4.text() == "none,int4"
     assert SlowPrecision.parse("none,int8,ef").text() == "none,int8,ef" and SlowPrecision.parse("int8").text() == "int8,int8"
     for bad, match in (("int4", "write none,int4"), ("int8,int8,int8", "W,G,ef"), ("int8,", "W, W,G"),
                        ("none,none,ef", "set slow_grads too")):
@@ -393,6 +430,25 @@ def test_error_feedback_is_carried_saved_and_resumed_bitwise(runs):
 
 
 @pytest.mark.slow
+def test_error_feedback_makes_the_grads_received_sum_to_the_grads_sent(runs):
+    """Constant grads: without feedback, each step drops the same part of them (most values sit
+    below an int4 step), so the params drift from the exact sum linearly; with it, the residual
+    stays bounded, so what arrives sums to the exact grads up to that residual, and the error
+    shrinks as 1/T. The exact params: p0 - T * the mean over ranks of each rank's grads."""
+    mean = {k: sum(runs[r]["constant"]["coeff"][k] for r in range(WORLD)) / WORLD for k in ("w", "v")}
+
+    def error(ef: bool, t: int) -> float:
+        got = runs[0]["constant"][ef, t]
+        return max(float((got[k] + t * mean[k]).norm() / (t * mean[k]).norm()) for k in mean)
+    short, long = FEEDBACK_STEPS
+    assert error(False, long) > 0.05  # the drift error feedback is there to remove
+    assert error(True, long) < 0.25 * error(False, long)
+    assert error(True, long) < 0.7 * error(True, short)  # a bounded residual: the error falls with T
+    assert all(torch.equal(runs[r]["constant"][True, long][k], runs[0]["constant"][True, long][k])
+               for r in range(WORLD) for k in mean)
+
+
+@pytest.mark.slow
 def test_a_skipped_step_leaves_the_residuals_as_they_were(runs):
     for r in range(WORLD):
         skip = runs[r]["skip"]
@@ -436,8 +492,8 @@ def test_validation_mode_reports_per_param_errors_and_fails_past_the_tolerance(r
 
 # -- the command line ------------------------------------------------------------------------------
 def test_plan_and_simulate_take_slow_precision(capsys):
-    code, out, err = run_main(["plan", "--config", "small", "--mixed-precision", "bf16", "--slow-precision", "int8,int4"],
-                          capsys)
+    code, out, err = run_main(["plan", "--config", "small", "--mixed-precision", "bf16", "--slow-precision",
+                               "int8,int4,ef"], capsys)
     assert code == 0, err
     assert "slow tier low-bit: int8 weights, int4 grads (block 128, error feedback)" in out
     mib = lambda text, op: float(text.split(f"  {op}")[1].split()[2])  # noqa: E731 - the slow tier's column

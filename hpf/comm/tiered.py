@@ -9,13 +9,8 @@ between them) get separate collectives:
   full buffer is one shared segment that every local rank reads: params are views of it.
 - reduce-scatter: the fast tier reduces first, so the slow tier carries 1/n_fast of the
   bytes, in one reduction per bucket, in the reduce dtype (fp32).
-- a low-bit slow tier (the plan's ``slow_precision``): the slow stage of a gather sends this
-  rank's shard as a block-quantized payload (hpf_kernels.quantize; the scales ride inside, so
-  no other collective is needed) and dequantizes every peer's into the gathered buffer; the
-  slow stage of a reduction quantizes each row bound for a slow peer (plus its error-feedback
-  residual), exchanges them all-to-all, and sums what arrives in fp32, this rank's own row
-  exact. An HSDP replica all-reduce gathers every replica's payload and each sums the same
-  rows. Master shards are never quantized.
+- a low-bit slow tier (the plan's ``slow_precision``): the slow stages send block-quantized
+  payloads and sum in fp32 (hpf.comm.lowbit). Master shards are never quantized.
 
 Collectives run on worker threads, one FIFO per tier and direction, each on its own
 process groups, so every rank runs them in the order it issued them, a bucket's slow
@@ -43,13 +38,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from hpf_kernels import dequantize, payload_bytes, quantize
+from hpf_kernels import payload_bytes
 
 from ..planning import Plan, check_bucket_bytes
 from ..trace import span
 from ..types import SlowPrecision
 from . import world
-from .cost import bucket_comm_bytes, count_bytes, dtype_bytes, feedback_numel, low_bit
+from .cost import bucket_comm_bytes, count_bytes, dtype_bytes
+from .lowbit import LowBitTier
 from .shm import ShmGroup
 from .transport import DONE, Handle, ProcessGroupTransport, Transport
 
@@ -115,7 +111,7 @@ class Topology:
     slow_weights: str | None = None
     slow_grads: str | None = None
     slow_block: int = 128
-    slow_error_feedback: bool | None = None
+    slow_error_feedback: bool = False
 
     def __post_init__(self):
         if self.fast_transport not in ("auto", "shm", "pg"):
@@ -197,14 +193,6 @@ class _Worker:
 _INSTANCES = itertools.count()
 
 
-def _sum_rows(rows: torch.Tensor, out: torch.Tensor) -> None:
-    """out <- rows[0] + rows[1] + ..., in fp32 and in rank order (the same sum on every run)."""
-    acc = rows[0].clone() if len(rows) == 1 else torch.add(rows[0], rows[1])
-    for r in rows[2:]:
-        acc.add_(r)
-    out.copy_(acc)
-
-
 class TieredComm:
     """Per-bucket two-tier collectives behind the engine's comm interface."""
 
@@ -249,7 +237,8 @@ class TieredComm:
             return mesh.group(axes, tag=tag)
         self._route: dict[tuple[str, int, str], Transport] = {}  # (direction, bucket, tier) -> transport
         self.slow = plan.slow_precision
-        self._fmt = [low_bit(mesh, b, self.slow) for b in plan.buckets]  # op -> slow-tier format or None
+        self.lowbit = LowBitTier(plan, self._stages, rank)  # what crosses the slow tier low-bit, and the residuals
+        self._fmt = self.lowbit.formats  # op -> slow-tier format or None
         for tag in ("gather", "reduce"):
             for b, (fast, slow) in zip(plan.buckets, self._stages):
                 if tag == "reduce" and b.frozen:
@@ -273,22 +262,9 @@ class TieredComm:
                          else None for b in plan.buckets]
         self._rank = rank
         self._device = device
-        # low-bit slow tier: this rank's row in each bucket's slow group and fast block
-        self._slow_index = [mesh.group_index(st[1], rank) if st[1] else 0 for st in self._stages]
-        self._fast_index = [mesh.group_index(st[0], rank) if st[0] else 0 for st in self._stages]
-        self.feedback_numel = [feedback_numel(mesh, b, self.slow) for b in plan.buckets]
-        self._feedback: list[torch.Tensor] | None = None  # this step's residuals (TrainState.error_feedback)
-        self._feedback_scale = 1.0
-        self._pending: dict[int, list] = {}  # bucket -> [(residual slice, new value)] until commit_feedback
-        #: validation mode sets a dict: (kind, bucket) -> (flat offset, exact, dequantized) of this rank's data
-        self.capture: dict | None = None
         # bytes each rank sends per call, by op and tier, from the same model as the plan report
         self._op_bytes = [bucket_comm_bytes(mesh, b, compute_dtypes[b.index], reduce_dtypes[b.index],
                                             topology.hierarchical, self.slow) for b in plan.buckets]
-
-    def low_bit(self, b: int) -> dict[str, str | None]:
-        """The format each of bucket b's collectives sends across the slow tier in (hpf.comm.cost.low_bit)."""
-        return self._fmt[b]
 
     def _row_bytes(self, b, op: str, dtype: torch.dtype, tier: str) -> int:
         """Bytes of one shard-sized row of ``op`` on ``tier``: a payload where it is low-bit."""
@@ -352,7 +328,7 @@ class TieredComm:
 
         def gather():
             if fmt:
-                self._gather_low_bit(b, block, shard, fmt)
+                self.lowbit.gather(b, block, shard, self._route["gather", b, "slow"])
             else:
                 self._route["gather", b, "slow"].all_gather_into(block, shard)
 
@@ -398,13 +374,13 @@ class TieredComm:
 
         def reduce_scatter():
             if fmt["reduce_scatter"]:
-                self._reduce_low_bit(b, shard, block, fmt["reduce_scatter"])
+                self.lowbit.reduce_scatter(b, shard, block, self._route["reduce", b, "slow"])
             else:
                 self._route["reduce", b, "slow"].reduce_scatter(shard, block)
 
         def all_reduce():
             if fmt["all_reduce"]:
-                self._all_reduce_low_bit(b, shard, group, fmt["all_reduce"])
+                self.lowbit.all_reduce(b, shard, group)
             else:
                 dist.all_reduce(shard, group=group)
 
@@ -422,81 +398,6 @@ class TieredComm:
         count_bytes(self.bytes, "all_reduce", replica)
         w = self._workers
         return _Handle(_pipeline((w["reduce", "fast"], fast_stage), (w["reduce", "slow"], slow_stage)))
-
-    # -- the low-bit slow tier (on the worker threads) -----------------------------------------------
-    def _gather_low_bit(self, b: int, block: torch.Tensor, shard: torch.Tensor, fmt: str) -> None:
-        """block <- every slow peer's shard, each sent as a payload and dequantized here."""
-        k = self.slow.block
-        rows = block.view(-1, shard.numel())
-        payload = quantize(shard, fmt, k)
-        recv = torch.empty(len(rows), payload.shape[1], dtype=torch.uint8, device=shard.device)
-        self._route["gather", b, "slow"].all_gather_into(recv.view(-1), payload.view(-1))
-        dequantize(recv, fmt, k, rows)
-        if self.capture is not None:  # this rank's shard as every peer now holds it
-            bucket = self.plan.buckets[b]
-            at = self.plan.shard_index(bucket, self._rank) * bucket.shard_numel
-            self.capture["weights", b] = (at, shard.float().clone(), rows[self._slow_index[b]].float().clone())
-
-    def _reduce_low_bit(self, b: int, shard: torch.Tensor, block: torch.Tensor, fmt: str) -> None:
-        """shard <- the fp32 sum of row i of every slow peer's block: each row bound for a peer
-        is sent as a payload (with this rank's residual added); its own row stays exact."""
-        rows = block.view(-1, shard.numel())
-        own = self._slow_index[b]
-        sent, payload = self._send_rows(b, rows, 0, fmt, own, self._fast_index[b] * rows.numel())
-        recv = torch.empty_like(payload)
-        self._route["reduce", b, "slow"].all_to_all(recv, payload)
-        vals = dequantize(recv, fmt, self.slow.block, torch.empty(sent.shape, dtype=torch.float32, device=sent.device))
-        vals[own] = sent[own]
-        _sum_rows(vals, shard)
-
-    def _all_reduce_low_bit(self, b: int, shard: torch.Tensor, group, fmt: str) -> None:
-        """shard <- the fp32 sum of every replica's shard, each dequantized from its payload, its
-        own too: every replica sums the same rows in the same order, so all stay equal."""
-        bucket, m = self.plan.buckets[b], dist.get_world_size(group)
-        _, payload = self._send_rows(b, shard.view(1, -1), self.feedback_numel[b] - shard.numel(), fmt, None,
-                                     self.plan.shard_index(bucket, self._rank) * bucket.shard_numel)
-        recv = torch.empty(m, payload.shape[1], dtype=torch.uint8, device=shard.device)
-        dist.all_gather_into_tensor(recv.view(-1), payload.view(-1), group=group)
-        _sum_rows(dequantize(recv, fmt, self.slow.block,
-                             torch.empty(m, shard.numel(), dtype=torch.float32, device=shard.device)), shard)
-
-    def _send_rows(self, b: int, rows: torch.Tensor, at: int, fmt: str, own: int | None, offset: int):
-        """(rows + this rank's residual of them, in fp32; their payloads). Row ``own`` never leaves
-        the rank: it stays exact and keeps no residual. The residual of the others (at ``at`` in the
-        bucket's, unscaled: fp16's loss scale changes between steps) becomes what their payloads
-        drop, kept aside until ``commit_feedback``. Validation mode's capture gets the rows as sent
-        and as the peers receive them."""
-        k, s = self.slow.block, self._feedback_scale
-        sent, resid = rows.float(), None
-        away = [j for j in range(len(rows)) if j != own]
-        if self._feedback is not None and self.feedback_numel[b]:
-            resid = self._feedback[b][at:at + len(away) * rows.shape[1]].view(len(away), -1)
-            sent = sent.clone()
-            sent[away] += resid if s == 1.0 else resid * s
-        payload = quantize(sent, fmt, k)
-        if resid is not None or self.capture is not None:
-            got = dequantize(payload, fmt, k, torch.empty_like(sent))
-            if own is not None:
-                got[own] = sent[own]
-            if resid is not None:
-                lost = (sent - got)[away]
-                self._pending.setdefault(b, []).append((resid, lost if s == 1.0 else lost / s))
-            if self.capture is not None:
-                self.capture["grads", b] = (offset, sent.reshape(-1).clone(), got.reshape(-1))
-        return sent, payload
-
-    def use_feedback(self, residuals: list[torch.Tensor] | None, scale: float = 1.0) -> None:
-        """This step's error-feedback residuals (``TrainState.error_feedback``, None: off), and the
-        loss scale its grads carry. New residuals are kept aside until ``commit_feedback``."""
-        self._feedback, self._feedback_scale = residuals, scale
-        self._pending = {}
-
-    def commit_feedback(self) -> None:
-        """The step updates: its residuals become the state's (a skipped step keeps the old ones)."""
-        for parts in self._pending.values():
-            for resid, new in parts:
-                resid.copy_(new)
-        self._pending = {}
 
     def close(self) -> None:
         for worker in self._workers.values():

@@ -59,7 +59,7 @@ class ValidateStep(ShardStep):
         self._spmd = dataclasses.replace(self._spmd, validate=True)  # models' own checks (MoE dispatch) on
         self.quantization: dict[str, dict[str, float]] = {}
         if getattr(self.engine.comm, "slow", None) is not None:
-            self.engine.comm.capture = {}  # the slow tier keeps what it sent and what arrived
+            self.engine.comm.lowbit.capture = {}  # the slow tier keeps what it sent and what arrived
         return state
 
     def __call__(self, state: TrainState, batch: Any):
@@ -203,13 +203,14 @@ class ValidateStep(ShardStep):
         every peer dequantized it, against the shard) and grads (each row as its peer received
         it, against what was sent), and that over the param's max abs value; the max over
         ranks, in one all-reduce. QuantizationError past the tolerance, before any update."""
-        capture = getattr(self.engine.comm, "capture", None)
+        lowbit = getattr(self.engine.comm, "lowbit", None)
+        capture = lowbit and lowbit.capture
         if capture is None:
             return
         rows = []  # (kind, path): [max abs error, max abs value], the same entries on every rank
         for kind in ("weights", "grads"):
             for b in self.plan.buckets:
-                fmt = self.engine.comm.low_bit(b.index)
+                fmt = lowbit.formats[b.index]
                 if not (fmt["all_gather"] if kind == "weights" else fmt["reduce_scatter"] or fmt["all_reduce"]):
                     continue
                 at, exact, got = capture.get((kind, b.index), (0, torch.zeros(0), torch.zeros(0)))
