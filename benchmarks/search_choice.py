@@ -92,7 +92,8 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory()
     if hardware is None:
         hardware = str(Path(tmp.name) / "calib.json")
-        shapes = ["small/4", "small/2", "small/1"]
+        ranks = hpf.Mesh(MESH).size  # every micro-batch size of each job's sequences per rank, fp32 and bf16
+        shapes = [f"{model}:{config}/{batch // ranks // k}" for model, config, batch in JOBS.values() for k in (1, 2, 4)]
         quick = ["--reps", "2", "--launches", "1"] if args.quick else []
         subprocess.run([sys.executable, "-m", "hpf", "calibrate", "--out", hardware, "--world-sizes", "4",
                         "--shapes", *shapes, *quick], check=True)

@@ -191,6 +191,27 @@ def test_simulate_warns_when_a_shape_was_not_calibrated_and_by_how_far():
     assert near.returncode == 0 and near.stderr == ""
 
 
+def test_compute_is_calibrated_per_model_and_precision_and_a_bf16_run_on_fp32_figures_is_named():
+    """A GPT's calibrated block does not stand in for a MoE's of the same config name, and a bf16
+    run takes its own figures (CPU bf16 is faster for a GPT block, slower for a tiny MoE)."""
+    hw = hpf.sim.load_calibration(CALIBRATION)
+    gpt_fp32 = hw.compute["small/2/2"]
+    assert hpf.sim.calibrated_compute(hw, "gpt", "small", 2, 2) is gpt_fp32
+    assert hpf.sim.calibrated_compute(hw, "moe", "small", 2, 2) is None  # another model: FLOPs, with a warning
+    assert any("compute of moe:small at 2 sequences" in w and "--shapes moe:small/2" in w
+               for w in hpf.sim.extrapolation("small", 2, 2, hw, "moe"))
+    # fp32 only: a bf16 run falls back to the fp32 figures and says so
+    assert hpf.sim.calibrated_compute(hw, "gpt", "small", 2, 2, "bf16") is gpt_fp32
+    (note,) = hpf.sim.extrapolation("small", 2, 2, hw, "gpt", "bf16")
+    assert "calibrated in fp32 only" in note
+    bf16 = {"block_s": gpt_fp32["block_s"] / 2, "root_s": gpt_fp32["root_s"], "skew": 0.0}
+    hw = hw.replace(compute={**hw.compute, "small/2/2/bf16": bf16})
+    assert hpf.sim.extrapolation("small", 2, 2, hw, "gpt", "bf16") == []
+    fp32, half = (hpf.sim.simulate("small", {"dp": 2}, hw, local_batch=2, topology="flat", mixed_precision=p)
+                  for p in (None, "bf16"))
+    assert half.compute_s < 0.8 * fp32.compute_s  # the bf16 figures, not fp32's
+
+
 def test_extrapolation_names_uncalibrated_rank_counts():
     warnings = hpf.sim.extrapolation("small", 2, 8, hpf.sim.load_calibration(CALIBRATION))
     assert any("small/2 was measured on 2, 4 ranks only" in w for w in warnings), warnings
@@ -310,13 +331,16 @@ def test_tensorboard_without_its_package_is_one_line_before_the_run(tmp_path):
 @pytest.mark.slow
 def test_calibrate_is_a_command_that_says_each_stage(tmp_path):
     out = tmp_path / "calib.json"
-    proc = hpf_cmd("calibrate", "--out", out, "--world-sizes", 2, "--shapes", "tiny/1", "--reps", 1, "--launches", 1)
+    proc = hpf_cmd("calibrate", "--out", out, "--world-sizes", 2, "--shapes", "tiny/1", "moe:tiny/1", "--reps", 1,
+                   "--launches", 1)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     stages = [line for line in lines if line.startswith("calibrate  [")]
     assert [re.match(r"calibrate  \[(\d+)/8\]", s)[1] for s in stages] == [str(i) for i in range(1, 9)]
     assert len(lines) == len(stages) + 2 and lines[-2].startswith(f"wrote {out}")  # no JSON dump
-    assert hpf.sim.load_calibration(out).compute.keys() == {"tiny/1/2"}
+    # each model and compute precision measured on its own (a GPT's and fp32's keys carry no tag)
+    assert hpf.sim.load_calibration(out).compute.keys() == {"tiny/1/2", "tiny/1/2/bf16", "moe:tiny/1/2",
+                                                            "moe:tiny/1/2/bf16"}
 
 
 def test_bench_is_a_repository_tool_not_an_hpf_command():

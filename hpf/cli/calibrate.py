@@ -10,15 +10,20 @@ from pathlib import Path
 from hpf.cli.common import CliError, positive
 
 
-def _shape(text: str) -> tuple[str, int]:
-    """A ``config/local_batch`` argument, checked before anything is measured."""
-    from hpf.models import gpt
+def _shape(text: str) -> tuple[str, str, int]:
+    """A ``[model:]config/local_batch`` argument (a GPT's without ``model:``), checked before
+    anything is measured."""
+    from hpf.models import MODELS
 
-    name, _, batch = text.partition("/")
-    if name not in gpt.CONFIGS or not batch.isdigit() or int(batch) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give config/local_batch with a GPT config of "
-                                         f"{sorted(gpt.CONFIGS)} and a batch >= 1, e.g. tiny/4")
-    return name, int(batch)
+    model, _, rest = text.rpartition(":")
+    model = model or "gpt"
+    name, _, batch = rest.partition("/")
+    configs = MODELS[model].CONFIGS if model in MODELS else {}
+    if name not in configs or not batch.isdigit() or int(batch) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give [model:]config/local_batch with a model of {sorted(MODELS)} (gpt when left out), one "
+            f"of its configs ({model}: {sorted(configs)}) and a batch >= 1, e.g. tiny/4 or moe:tiny/4")
+    return model, name, int(batch)
 
 
 def cmd_calibrate(args) -> int:
@@ -59,9 +64,10 @@ def cmd_calibrate(args) -> int:
     out.write_text(json.dumps(result, indent=1) + "\n")
     worlds = ", ".join(map(str, result["links"]["gloo"]))
     print(f"wrote {out} in {time.perf_counter() - started:.0f} s: links on {worlds} ranks (gloo, shared memory), "
-          f"compute of {', '.join(sorted(result['compute']))} (config/local batch/ranks), peak "
+          f"compute of {', '.join(sorted(result['compute']))} ([model:]config/local batch/ranks[/precision]), peak "
           f"{result['peak_flops'] / 1e9:.0f} GFLOP/s at efficiency {result['efficiency']:.2f}")
-    print(f"use it as: hpf simulate --hardware {out} --config {args.shapes[0][0]} --local-batch {args.shapes[0][1]} "
+    model, config, batch = args.shapes[0]
+    print(f"use it as: hpf simulate --hardware {out} --model {model} --config {config} --local-batch {batch} "
           f"--world-size {args.world_sizes[0]}")
     return 0
 
@@ -70,7 +76,7 @@ def add_parser(sub, help_: str):
     calibrate = sub.add_parser(
         "calibrate", help=help_,
         description="Measure this machine for hpf simulate: alpha and beta of gloo and shared-memory collectives per "
-                    "group size, the compute of GPT shapes with every rank busy, how collectives and compute slow "
+                    "group size, the compute of model shapes in fp32 and bf16 with every rank busy, how collectives and compute slow "
                     "each other on shared cores, per-unit overheads, and FSDP2's own collective path. About 3 "
                     "minutes with the defaults on 2 cores; one line per stage. Predictions for shapes and rank "
                     "counts it did not measure are extrapolated, and hpf simulate says so.")
@@ -80,9 +86,10 @@ def add_parser(sub, help_: str):
                                 "else in place)")
     calibrate.add_argument("--world-sizes", type=positive(int), nargs="+", default=[2, 4], metavar="N",
                            help="rank counts to measure links and compute on (default: 2 4)")
-    calibrate.add_argument("--shapes", type=_shape, nargs="+", default=[("tiny", 4), ("small", 2)],
-                           metavar="CONFIG/B", help="GPT config / sequences per rank to measure compute of "
-                                                    "(default: tiny/4 small/2)")
+    calibrate.add_argument("--shapes", type=_shape, nargs="+", default=[("gpt", "tiny", 4), ("gpt", "small", 2)],
+                           metavar="[MODEL:]CONFIG/B",
+                           help="model (gpt when left out), config and sequences per rank to measure compute of, in "
+                                "fp32 and bf16 (default: tiny/4 small/2; e.g. moe:tiny/4)")
     calibrate.add_argument("--reps", type=positive(int), default=7, help="repetitions per figure (default: 7)")
     calibrate.add_argument("--launches", type=positive(int), default=3,
                            help="each figure is the median of this many launches (default: 3)")

@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 from hpf import sim
-from hpf.cli.common import CliError, job_parsers, mesh_of, positive
+from hpf.cli.common import CliError, only_searched, job_parsers, mesh_of, positive
 from hpf.models import model_config
 from hpf.plots import missing_matplotlib
 
@@ -40,6 +40,7 @@ def cmd_simulate(args) -> int:
         raise CliError(str(e)) from None
     if args.ep_axis is not None and not hasattr(module, "param_specs"):
         raise CliError(f"--ep-axis {args.ep_axis}: --model {args.model} has no experts; use --model moe")
+    only_searched(args.slow_precision)
     hw = sim.hardware(args.hardware)
     kw = dict(local_batch=args.local_batch, mixed_precision=args.mixed_precision, topology=args.topology,
               bucket_bytes=args.bucket_bytes, slow_precision=args.slow_precision,
@@ -75,7 +76,7 @@ def cmd_simulate(args) -> int:
     for note in hw.notes:
         print(f"  note: {note}")
     for n, _ in rows:
-        for warning in sim.extrapolation(args.config, args.local_batch, n, hw, args.model):
+        for warning in sim.extrapolation(args.config, args.local_batch, n, hw, args.model, args.mixed_precision):
             print(f"hpf: warning: {warning}", file=sys.stderr)
     if args.plot:
         skipped = missing_matplotlib("--plot")

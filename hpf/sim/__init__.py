@@ -21,13 +21,13 @@ from ..models.recompute import recomputes
 from ..planning import ROOT, plan as make_plan
 from ..mesh import Mesh
 from ..types import SlowPrecision
-from .hardware import PROFILES, Hardware, Link, hardware, load_calibration
+from .hardware import PROFILES, Hardware, Link, compute_key, hardware, load_calibration, parse_compute_key
 from .model import (Options, SimResult, allreduce_time, compute_floor as model_floor, default_unit_flops, ring_time,
                     simulate_plan, two_tier_time)
 
 __all__ = ["simulate", "compare", "sweep", "sweep_mesh", "Hardware", "Link", "Options", "SimResult", "PROFILES",
            "hardware", "load_calibration", "ring_time", "allreduce_time", "two_tier_time", "STRATEGIES",
-           "extrapolation", "plan_for", "compute_floor"]
+           "extrapolation", "calibrated_compute", "plan_for", "compute_floor"]
 
 STRATEGIES = ("hpf", "hsdp", "fsdp2", "ddp")
 _BYTES = {None: 4, "bf16": 2, "fp16": 2}
@@ -103,7 +103,7 @@ def _inputs(config, mesh, hw, strategy, *, local_batch=1, model="gpt", mixed_pre
                    compute_bytes=_BYTES[mixed_precision], reduce_bytes=4, emulated_slow=emulated_slow, steps=steps,
                    accumulate=accumulate if is_hpf else 1,
                    recompute=frozenset(u for i, u in enumerate(blocks) if is_hpf and recomputes(i, recompute)))
-    measured = hw.compute.get(f"{cfg_name}/{micro}/{mesh.size}") if cfg_name else None
+    measured = calibrated_compute(hw, mod, cfg_name, micro, mesh.size, mixed_precision) if cfg_name else None
     tokens = local_batch * getattr(cfg, "seq_len", 1) * mesh.size
     return plan, hw, opts, flops, dict(tokens=tokens, measured=measured, a2a=a2a)
 
@@ -149,22 +149,40 @@ def sweep(config, ranks_list, hw, strategies=("hpf", "fsdp2", "ddp"), **kw) -> l
     return [(n, compare(config, sweep_mesh(n, hw), hw, strategies, **kw)) for n in ranks_list]
 
 
-def extrapolation(config: str, local_batch: int, ranks: int, hw: Hardware, model="gpt") -> list[str]:
+def calibrated_compute(hw: Hardware, model, config: str, local_batch: int, ranks: int,
+                       mixed_precision: str | None = None) -> dict | None:
+    """The calibrated seconds of ``model``'s blocks and root at this shape and compute precision;
+    the fp32 ones where only those were measured (older calibrations: extrapolation() says so)."""
+    name = _model(model).__name__.rsplit(".", 1)[-1]
+    return (hw.compute.get(compute_key(name, config, local_batch, ranks, mixed_precision))
+            or hw.compute.get(compute_key(name, config, local_batch, ranks)))
+
+
+def extrapolation(config: str, local_batch: int, ranks: int, hw: Hardware, model="gpt",
+                  mixed_precision: str | None = None) -> list[str]:
     """What a prediction on a calibrated profile takes from outside its calibration, and how far
     outside: a shape whose compute was not measured (estimated from FLOPs at the calibrated
-    efficiency, which can be off by 2-3x on a CPU) or a world size whose links were not. Empty
-    for a published profile (its figures are the inputs) and for a calibrated shape."""
+    efficiency, which can be off by 2-3x on a CPU), or measured in fp32 only for a bf16 run, or a
+    world size whose links were not. Empty for a published profile (its figures are the inputs)
+    and for a calibrated shape."""
     if not hw.compute:
         return []
     out = []
-    if f"{config}/{local_batch}/{ranks}" not in hw.compute:
-        mod = _model(model)
-        shapes = {tuple(k.split("/")) for k in hw.compute}  # (config, local batch, ranks)
-        listed = ", ".join(sorted({f"{n}/{b}" for n, b, _ in shapes}))
+    mod = _model(model)
+    name = mod.__name__.rsplit(".", 1)[-1]
+    prefix = "" if name == "gpt" else f"{name}:"
+    if mixed_precision and compute_key(name, config, local_batch, ranks) in hw.compute and \
+            compute_key(name, config, local_batch, ranks, mixed_precision) not in hw.compute:
+        out.append(f"compute of {prefix}{config}/{local_batch} on {ranks} ranks was calibrated in fp32 only, and "
+                   f"{mixed_precision} runs at another speed (on a CPU, faster or slower by up to 2x); measure it "
+                   f"again with hpf calibrate --shapes {prefix}{config}/{local_batch} --world-sizes {ranks}")
+    if compute_key(name, config, local_batch, ranks) not in hw.compute:
+        shapes = {parse_compute_key(k)[1:4] for k in hw.compute if parse_compute_key(k)[0] == name}
+        listed = ", ".join(sorted({f"{prefix}{n}/{b}" for n, b, _ in shapes})) or "none of this model"
         same = sorted(int(w) for n, b, w in shapes if (n, int(b)) == (config, local_batch))
         if same:
             near = f"; {config}/{local_batch} was measured on {', '.join(map(str, same))} ranks only"
-        elif hasattr(mod, "unit_flops") and config in mod.CONFIGS:
+        elif shapes and hasattr(mod, "unit_flops") and config in mod.CONFIGS:
             flops = lambda name, batch: sum(mod.unit_flops(mod.CONFIGS[name], int(batch)).values())  # noqa: E731
             ratio, n, b = min(((flops(config, local_batch) / flops(n, b), n, b) for n, b, _ in shapes
                                if n in mod.CONFIGS), key=lambda k: abs(math.log(k[0])))
@@ -173,10 +191,10 @@ def extrapolation(config: str, local_batch: int, ranks: int, hw: Hardware, model
                                        f"shape's ({n}/{b})")
         else:
             near = ""
-        out.append(f"compute of {config} at {local_batch} sequences per rank on {ranks} ranks is not calibrated "
+        out.append(f"compute of {prefix}{config} at {local_batch} sequences per rank on {ranks} ranks is not calibrated "
                    f"(calibrated config/local batch: {listed}), so it is estimated from FLOPs at the calibrated "
                    f"efficiency, which can be off by 2-3x{near}; measure it with hpf calibrate --shapes "
-                   f"{config}/{local_batch} --world-sizes {ranks}")
+                   f"{prefix}{config}/{local_batch} --world-sizes {ranks}")
     worlds = sorted({w for links in (hw.fast, hw.slow) if isinstance(links, dict)
                      for w in (k[1] if isinstance(k, tuple) else k for k in links)})
     if worlds and ranks not in worlds and ranks > 1:

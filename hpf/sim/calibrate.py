@@ -1,7 +1,7 @@
 """Calibrate the ``local-cpu`` profile on this machine: alpha and beta of gloo and of the
 shared-memory transport (ShmGroup) per group size, AdamW's memory rate, a big matmul's
-peak, the seconds of a GPT block and root (forward + backward) at the model's shapes,
-measured with every rank computing at once (the cores are shared as in a real run), how
+peak, the seconds of a block and root (forward + backward) of each model shape, in fp32 and
+bf16, measured with every rank computing at once (the cores are shared as in a real run), how
 much a collective and compute slow each other down when they share the cores, hpf's
 per-unit CPU overhead (one rank, no communication), the compute thread's seconds per
 collective issued through hpf's comm (``issue_s``), and FSDP2's own all-gather and
@@ -29,10 +29,11 @@ import torch.distributed as dist
 from ..comm.transport import reduce_scatter_async
 from ..launcher import launch
 from ..mesh import Mesh
-from ..models import gpt
+from ..models import MODELS, gpt
 from ..planning import plan
+from .hardware import compute_key, parse_compute_key
 
-__all__ = ["calibrate", "fit_alpha_beta", "stages", "add_issue_costs", "add_fsdp2_comm", "add_sync_terms"]
+__all__ = ["calibrate", "fit_alpha_beta", "stages", "add_issue_costs", "add_fsdp2_comm", "add_sync_terms", "as_shape"]
 
 
 def fit_alpha_beta(p: int, sizes: list[int], seconds: list[float]) -> tuple[float, float]:
@@ -195,25 +196,30 @@ def _comm_rank(rank, sizes, reps):
 
 
 def _compute_rank(rank, shapes, reps):
-    """Seconds of forward + backward of a 1- and an up-to-4-layer GPT at each (config, local
-    batch); the median rep of each, because runs are judged by their median step under the same
+    """Seconds of forward + backward of a 1- and an up-to-4-layer model at each (model, config,
+    local batch), in fp32 and in bf16 (params cast, as mixed precision's gathers hand them to the
+    loss); the median rep of each, because runs are judged by their median step under the same
     shared load (the fastest rep would under-predict them)."""
     out = {}
-    for name, batch in shapes:
-        depth = min(max(gpt.CONFIGS[name].n_layers, 2), 4)  # up to 4 blocks: less noise per block, bounded time
-        fns = []
-        for layers in (1, depth):
-            cfg = dataclasses.replace(gpt.CONFIGS[name], n_layers=layers)
-            params = gpt.init(cfg)
-            leaves = [p.requires_grad_() for p in torch.utils._pytree.tree_leaves(params)]
-            data, loss_fn = gpt.global_batch(cfg, batch, 0, 0), gpt.loss_for(cfg)
-            fns.append(lambda params=params, leaves=leaves, data=data, loss_fn=loss_fn:
-                       torch.autograd.grad(loss_fn(params, data), leaves))
-        slowest, skew = _median_slowest_each(fns, reps, min_s=1.0)
-        times = dict(zip((1, depth), slowest))
-        block = max((times[depth] - times[1]) / (depth - 1), 1e-6)
-        out[f"{name}/{batch}/{dist.get_world_size()}"] = {"block_s": block, "root_s": max(times[1] - block, 0.0),
-                                                         "skew": skew[1]}
+    for model, name, batch in shapes:
+        mod = MODELS[model]
+        depth = min(max(mod.CONFIGS[name].n_layers, 2), 4)  # up to 4 blocks: less noise per block, bounded time
+        for precision in (None, "bf16"):
+            fns = []
+            for layers in (1, depth):
+                cfg = dataclasses.replace(mod.CONFIGS[name], n_layers=layers)
+                params = mod.init(cfg)
+                if precision:
+                    params = optree.tree_map(lambda p: p.to(torch.bfloat16), params)
+                leaves = [p.requires_grad_() for p in optree.tree_leaves(params)]
+                data, loss_fn = mod.global_batch(cfg, batch, 0, 0), mod.loss_for(cfg)
+                fns.append(lambda params=params, leaves=leaves, data=data, loss_fn=loss_fn:
+                           torch.autograd.grad(loss_fn(params, data), leaves))
+            slowest, skew = _median_slowest_each(fns, reps, min_s=1.0)
+            times = dict(zip((1, depth), slowest))
+            block = max((times[depth] - times[1]) / (depth - 1), 1e-6)
+            out[compute_key(model, name, batch, dist.get_world_size(), precision)] = {
+                "block_s": block, "root_s": max(times[1] - block, 0.0), "skew": skew[1]}
     # AdamW's memory rate (the optimizer and copy model) and a big matmul's peak, also under load
     n = 1 << 22
     p = torch.nn.Parameter(torch.randn(n))
@@ -270,12 +276,17 @@ def _overhead_rank(rank, reps):
 SIZES_MIB = (1 / 64, 0.0625, 0.25, 1, 4, 16)  # the collective sizes alpha and beta are fitted on
 
 
+def as_shape(shape: tuple) -> tuple[str, str, int]:
+    """A calibrated shape as (model, config, local batch); a (config, local batch) pair is a GPT's."""
+    return tuple(shape) if len(shape) == 3 else ("gpt", *shape)
+
+
 def sizes_for(shapes) -> tuple[float, ...]:
     """``SIZES_MIB``, extended by 4x steps to cover the largest bucket of the shapes' GPTs (MiB): above
     32 MiB glibc maps every fresh buffer anew, so a fit up to 16 MiB under-charges medium's 190 MiB
     root."""
-    largest = max(b.padded_numel * 4 / 2 ** 20 for name, _ in shapes
-                  for b in plan(gpt.init(gpt.CONFIGS[name], device="meta"), Mesh({"dp": 2})).buckets)
+    largest = max(b.padded_numel * 4 / 2 ** 20 for model, name, _ in map(as_shape, shapes)
+                  for b in plan(MODELS[model].init(MODELS[model].CONFIGS[name], device="meta"), Mesh({"dp": 2})).buckets)
     sizes = list(SIZES_MIB)
     while sizes[-1] < largest:
         sizes.append(sizes[-1] * 4)
@@ -452,6 +463,7 @@ def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)),
     """Measure and fit; returns the calibration dict (``json.dump`` it; hardware() loads the file).
     Every term is the median of ``launches`` launches; collectives at ``sizes_mib`` (default
     ``sizes_for(shapes)``). ``stage(what)`` is called as each of ``stages(world_sizes)`` parts begins."""
+    shapes = [as_shape(s) for s in shapes]
     sizes_mib = sizes_mib or sizes_for(shapes)
     sizes = [int(m * 2 ** 20) for m in sizes_mib]
     links: dict = {"gloo": {}, "shm": {}}
@@ -469,7 +481,8 @@ def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)),
             link["source"] = (f"fitted on {len(sizes)} sizes {sizes_mib} MiB, {w} ranks, median of {reps}+ "
                               f"calls, median of {launches} launches")
             links[transport][w] = link
-        stage(f"compute of {', '.join(f'{n}/{b}' for n, b in shapes)} on {w} ranks, AdamW and matmul rates")
+        stage(f"compute of {', '.join(compute_key(m, n, b, w) for m, n, b in shapes)} in fp32 and bf16, AdamW and "
+              "matmul rates")
         comp, bw, pk = _median_of_launches(_compute_rank, w, list(shapes), reps, launches=launches)
         compute.update(comp)
         mem_bw.append(bw)
@@ -477,8 +490,10 @@ def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)),
     peak_flops = max(peak)
     effs = []
     for key, c in compute.items():
-        name, batch, _ = key.split("/")
-        flops = gpt.unit_flops(gpt.CONFIGS[name], int(batch))
+        model, name, batch, _, precision = parse_compute_key(key)
+        if precision or model != "gpt":
+            continue  # the fp32 peak's efficiency, from GPT's uniform blocks
+        flops = gpt.unit_flops(gpt.CONFIGS[name], batch)
         if c["block_s"] > 1e-5:  # a block lost in the noise says nothing about efficiency
             effs.append(min(1.0, 3 * flops["blocks/0"] / c["block_s"] / peak_flops))
     stage("hpf's per-unit overhead on 1 rank")

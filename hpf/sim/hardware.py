@@ -12,7 +12,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["Link", "Hardware", "PROFILES", "hardware", "load_calibration"]
+__all__ = ["Link", "Hardware", "PROFILES", "hardware", "load_calibration", "compute_key", "parse_compute_key"]
 
 GB = 1e9
 
@@ -99,7 +99,7 @@ class Hardware:
     kernel_overhead_s: float = 0.0  # per unit and pass (launch / Python); CPU calibration fills it
     fsdp2_unit_overhead_s: float = 0.0  # per unit and pass: FSDP2's hooks and DTensor wrapping
     cores: int = 0  # a shared host's cores: per-rank Python overheads slow by ranks/cores beyond it (0: never)
-    compute: dict = field(default_factory=dict)  # calibrated: "config/local_batch/ranks" -> unit seconds
+    compute: dict = field(default_factory=dict)  # calibrated: compute_key(...) -> unit seconds
     notes: tuple[str, ...] = ()
     memory_bytes: int = 0  # one rank's device memory (the notes give the source); 0: unknown (a CPU host)
 
@@ -124,6 +124,21 @@ class Hardware:
     def overhead(self, seconds: float, world: int) -> float:
         """A per-rank CPU overhead measured on one rank, with ``world`` ranks sharing ``cores``."""
         return seconds * max(1.0, world / self.cores) if self.cores else seconds
+
+
+def compute_key(model: str, config: str, local_batch: int, ranks: int, precision: str | None = None) -> str:
+    """The key of one calibrated compute shape: ``[model:]config/local_batch/ranks[/precision]``
+    (a GPT and fp32 carry no prefix and no suffix). Each model and each compute precision is
+    measured on its own: on a CPU, bf16 runs a GPT block 1.5x faster than fp32 and a tiny MoE's
+    2x slower (casts and small matmuls), which no FLOP count predicts."""
+    return f"{'' if model == 'gpt' else model + ':'}{config}/{local_batch}/{ranks}" + (f"/{precision}" if precision else "")
+
+
+def parse_compute_key(key: str) -> tuple[str, str, int, int, str | None]:
+    """(model, config, local batch, ranks, precision) of a :func:`compute_key`."""
+    model, _, rest = key.rpartition(":")
+    config, batch, ranks, *precision = rest.split("/")
+    return model or "gpt", config, int(batch), int(ranks), precision[0] if precision else None
 
 
 # -- published profiles ------------------------------------------------------------------------
