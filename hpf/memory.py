@@ -88,7 +88,7 @@ def step_memory(report: PlanReport, plan: Plan, acts: Activations | None, *, com
     root = units.get(ROOT, dict(gathered=0, grads=0, flat=0, shard=0))
     blocks = [units[u] for u in plan.units if u != ROOT]
     state = {"params": report.params_bytes, "grads": report.grad_bytes, "optimizer": report.optimizer_bytes,
-             "compute shards": sum(u["shard"] for u in units.values())}
+             "compute shards": sum(u["shard"] for u in units.values()), "error feedback": report.feedback_bytes}
     flats = sum(u["flat"] for u in units.values())
     if accumulate > 1:
         state["accumulated grads"] = flats

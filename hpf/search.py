@@ -7,7 +7,7 @@ memory cap, chosen by hpf.sim's predicted step time (``hpf plan --search``, ``hp
 
 Every candidate is a point of ``DIMENSIONS``: the layout (flat or two-tier collectives, HSDP),
 the expert-parallel axis (MoE), the fused-collective cap, mixed precision, activation
-recomputation and the micro-batches of the global batch. Each is priced twice:
+recomputation, the micro-batches of the global batch and the low-bit slow tier. Each is priced twice:
 
 - **memory** by hpf.memory on the plan (meta tensors; a plan per layout, cached, shared by the
   candidates that differ only in precision, recomputation or micro-batches): over the cap, out;
@@ -32,6 +32,7 @@ from .mesh import Mesh
 from .models import MODELS, model_config
 from .models.recompute import RECOMPUTE
 from .sim import Hardware, SimResult
+from .types import SlowPrecision
 
 __all__ = ["Candidate", "Ranked", "SearchResult", "search", "candidates", "simulate", "DIMENSIONS",
            "NoFeasiblePlan", "load"]
@@ -42,9 +43,9 @@ MiB = 2**20
 @dataclass(frozen=True)
 class Candidate:
     """One point of the search space. The fields are named as ``hpf train``'s options, so a
-    candidate is also the options that run it. A new dimension (the slow tier's precision of the
-    low-bit issue, say) is a field here with the value that means "as before", its values in
-    ``DIMENSIONS``, and what it sets in :meth:`step_args` and :meth:`sim_args`."""
+    candidate is also the options that run it. A new dimension is a field here with the value that
+    means "as before", its values in ``DIMENSIONS``, and what it sets in :meth:`step_args` and
+    :meth:`sim_args`."""
 
     topology: str = "two-tier"  # "two-tier" (hpf.Topology) or "flat" (one collective over all ranks)
     hsdp: bool = False  # shard over the fast tier only, replicate across the slow one
@@ -53,6 +54,7 @@ class Candidate:
     mixed_precision: str | None = None  # None (fp32) or "bf16"
     recompute: str = "none"  # activation checkpointing: "none", "every_other" or "all" blocks
     accumulate: int = 1  # micro-batches per step
+    slow_precision: str | None = None  # two-tier: the low-bit slow tier, "W,G" as --slow-precision (None: off)
 
     def label(self) -> str:
         """A short name: what differs from the defaults."""
@@ -66,6 +68,8 @@ class Candidate:
             parts.append(f"recompute {self.recompute.replace('_', ' ')}")
         if self.accumulate > 1:
             parts.append(f"{self.accumulate} micro-batches")
+        if self.slow_precision:
+            parts.append(f"slow tier {self.slow_precision}")
         return ", ".join(parts)
 
     def step_args(self, model: str, config, mesh: Mesh) -> dict[str, Any]:
@@ -73,10 +77,13 @@ class Candidate:
         from .comm.tiered import Topology
 
         module = MODELS[model]
+        low = SlowPrecision.parse(self.slow_precision)
         data = tuple(mesh.axis_names)
         specs = module.param_specs(config, self.ep_axis, data) if hasattr(module, "param_specs") else None
         return {"mesh": mesh, "param_specs": specs, "fsdp_axes": data, "hsdp": self.hsdp,
-                "topology": Topology(bucket_bytes=self.bucket_bytes) if self.topology == "two-tier" else None,
+                "topology": Topology(bucket_bytes=self.bucket_bytes, slow_weights=low and low.weights,
+                                     slow_grads=low and low.grads, slow_error_feedback=low and low.error_feedback)
+                if self.topology == "two-tier" else None,
                 "mixed_precision": self.mixed_precision, "accumulate": self.accumulate,
                 "batch_axes": getattr(module, "BATCH_AXES", None)}
 
@@ -88,12 +95,13 @@ class Candidate:
         """The keyword arguments of ``hpf.sim.simulate``."""
         return {"strategy": "hsdp" if self.hsdp else "hpf", "topology": self.topology, "ep_axis": self.ep_axis,
                 "bucket_bytes": self.bucket_bytes, "mixed_precision": self.mixed_precision,
-                "recompute": self.recompute, "accumulate": self.accumulate}
+                "recompute": self.recompute, "accumulate": self.accumulate, "slow_precision": self.slow_precision}
 
 
-def _layouts(job: "_Job") -> list[tuple[str, bool]]:
+def _layouts(job: "_Job", c: Candidate) -> list[tuple[str, bool]]:
     two_tiers = len(job.mesh.fast_axes) < len(job.mesh.axis_names)  # HSDP needs a slow tier to replicate over
-    return [("two-tier", False), ("flat", False)] + ([("two-tier", True), ("flat", True)] if two_tiers else [])
+    out = [("two-tier", False), ("flat", False)] + ([("two-tier", True), ("flat", True)] if two_tiers else [])
+    return [(t, h) for t, h in out if t == "two-tier" or not c.slow_precision]  # (a held low-bit tier is two-tier's)
 
 
 def _ep_axes(job: "_Job") -> list[str | None]:
@@ -110,6 +118,15 @@ def _bucket_caps(job: "_Job", c: Candidate) -> list[int]:
     return [0] + [4**k * MiB for k in range(6) if largest / 16 <= 4**k * MiB < largest]
 
 
+def _slow_precisions(job: "_Job", c: Candidate) -> list[str | None]:
+    """With ``low_bit`` (asked for: it rounds weights and grads, which no step-time ranking can
+    weigh), two-tier on a mesh with a slow tier: full precision, int8 both ways, and int8 weights
+    with int4 grads (ZeRO++'s qwZ and qgZ): slow-tier bytes traded for quantize passes."""
+    if not job.low_bit or c.topology != "two-tier" or len(job.mesh.fast_axes) == len(job.mesh.axis_names):
+        return [None]
+    return [None, "int8,int8", "int8,int4"]
+
+
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if not n % k]
 
@@ -117,12 +134,13 @@ def _divisors(n: int) -> list[int]:
 #: The searched dimensions in Candidate's field order: name -> the values for a job (and the
 #: candidate so far, for dimensions that depend on earlier ones).
 DIMENSIONS = {
-    "layout": lambda job, c: [dict(topology=t, hsdp=h) for t, h in _layouts(job)],
+    "layout": lambda job, c: [dict(topology=t, hsdp=h) for t, h in _layouts(job, c)],
     "ep_axis": lambda job, c: [dict(ep_axis=a) for a in _ep_axes(job)],
     "bucket_bytes": lambda job, c: [dict(bucket_bytes=b) for b in _bucket_caps(job, c)],
     "mixed_precision": lambda job, c: [dict(mixed_precision=p) for p in (None, "bf16")],
     "recompute": lambda job, c: [dict(recompute=r) for r in RECOMPUTE],
     "accumulate": lambda job, c: [dict(accumulate=k) for k in _divisors(job.local_batch)],
+    "slow_precision": lambda job, c: [dict(slow_precision=p) for p in _slow_precisions(job, c)],
 }
 
 
@@ -252,18 +270,20 @@ class _Job:
     hw: Hardware
     local_batch: int
     optimizer: str
+    low_bit: bool = False  # search the low-bit slow tier too
     reports: dict = field(default_factory=dict)  # plan key -> (plan, state report)
 
 
 def search(model: str, config: str, mesh, hw: Hardware | str, *, global_batch: int | None = None,
            memory_per_rank: int | None = None, optimizer: str = "adamw", top: int = 5,
-           fixed: dict | None = None) -> SearchResult:
+           fixed: dict | None = None, low_bit: bool = False) -> SearchResult:
     """Search the candidates of ``DIMENSIONS`` for ``model``/``config`` on ``mesh`` ({axis: size}
     or an hpf.Mesh), priced on ``hw`` (a profile name, a calibration file or a Hardware), for a
     ``global_batch`` of sequences (default: one per rank) split evenly over the ranks; drop those
     over ``memory_per_rank`` bytes (None: no cap) and rank the rest by predicted step time.
     ``fixed``: Candidate fields to hold (e.g. ``{"mixed_precision": None}``); ``optimizer``:
-    whose state the memory counts ("adamw" or "muon").
+    whose state the memory counts ("adamw" or "muon"); ``low_bit``: also try a low-bit slow tier
+    (int8, int8 weights with int4 grads), which changes the numerics and so is off unless asked.
 
     Raises:
         ValueError: an unknown model/config, a batch that does not split over the ranks, an
@@ -274,7 +294,7 @@ def search(model: str, config: str, mesh, hw: Hardware | str, *, global_batch: i
     mesh = mesh if isinstance(mesh, Mesh) else Mesh(dict(mesh))
     hw = sim.hardware(hw) if isinstance(hw, str) else hw
     global_batch = mesh.size if global_batch is None else global_batch
-    priced, plans = _priced(model, config, mesh, hw, global_batch, optimizer, fixed)
+    priced, plans = _priced(model, config, mesh, hw, global_batch, optimizer, fixed, low_bit)
     fits = [r for r in priced if memory_per_rank is None or r.memory.total <= memory_per_rank]
     if not fits:
         small = min(priced, key=lambda r: r.memory.total)
@@ -297,11 +317,11 @@ def search(model: str, config: str, mesh, hw: Hardware | str, *, global_batch: i
 
 
 def candidates(model: str, config: str, mesh, hw: Hardware | str, *, global_batch: int | None = None,
-               optimizer: str = "adamw", fixed: dict | None = None) -> list[Ranked]:
+               optimizer: str = "adamw", fixed: dict | None = None, low_bit: bool = False) -> list[Ranked]:
     """Every candidate :func:`search` considers, priced (memory, compute floor) but not simulated."""
     mesh = mesh if isinstance(mesh, Mesh) else Mesh(dict(mesh))
     return _priced(model, config, mesh, sim.hardware(hw) if isinstance(hw, str) else hw,
-                   mesh.size if global_batch is None else global_batch, optimizer, fixed)[0]
+                   mesh.size if global_batch is None else global_batch, optimizer, fixed, low_bit)[0]
 
 
 def simulate(c: Candidate, model: str, config: str, mesh, hw: Hardware | str, global_batch: int) -> SimResult:
@@ -311,7 +331,7 @@ def simulate(c: Candidate, model: str, config: str, mesh, hw: Hardware | str, gl
 
 
 def _priced(model: str, config: str, mesh: Mesh, hw: Hardware, global_batch: int, optimizer: str,
-            fixed: dict | None) -> tuple[list[Ranked], int]:
+            fixed: dict | None, low_bit: bool = False) -> tuple[list[Ranked], int]:
     """(every candidate priced, how many distinct plans that took)."""
     module, cfg = model_config(model, config)
     if global_batch < 1 or global_batch % mesh.size:
@@ -322,12 +342,12 @@ def _priced(model: str, config: str, mesh: Mesh, hw: Hardware, global_batch: int
     if unknown:
         raise ValueError(f"fixed: {sorted(unknown)} are not search dimensions; use some of "
                          f"{[f.name for f in dataclasses.fields(Candidate)]}")
-    job = _Job(model, cfg, module, mesh, hw, global_batch // mesh.size, optimizer)
+    job = _Job(model, cfg, module, mesh, hw, global_batch // mesh.size, optimizer, low_bit)
     priced, seen = [], set()
     for c in _candidates(job, fixed):
         r = _price(job, config, c)
         plan = job.reports[_plan_key(c)][0]
-        same = (c.topology, c.mixed_precision, c.recompute, c.accumulate,  # what runs: HSDP on a MoE's
+        same = (c.topology, c.mixed_precision, c.recompute, c.accumulate, c.slow_precision,  # what runs: HSDP on a MoE's
                 tuple((b.shard_axes, b.replicate_axes, b.numel) for b in plan.buckets))  # explicit specs is a no-op
         if same not in seen:
             seen.add(same)
@@ -346,7 +366,7 @@ def _candidates(job: _Job, fixed: dict) -> list[Candidate]:
 
 
 def _plan_key(c: Candidate) -> tuple:
-    return c.topology, c.hsdp, c.ep_axis, c.bucket_bytes, c.mixed_precision
+    return c.topology, c.hsdp, c.ep_axis, c.bucket_bytes, c.mixed_precision, c.slow_precision
 
 
 def _price(job: _Job, config: str, c: Candidate) -> Ranked:
@@ -354,7 +374,7 @@ def _price(job: _Job, config: str, c: Candidate) -> Ranked:
     key = _plan_key(c)
     if key not in job.reports:
         plan = sim.plan_for(job.module, job.config, job.mesh, None, c.ep_axis, c.topology == "two-tier", c.hsdp,
-                            c.bucket_bytes if c.topology == "two-tier" else 0)
+                            c.bucket_bytes if c.topology == "two-tier" else 0, SlowPrecision.parse(c.slow_precision))
         job.reports[key] = (plan, memory.state_report(plan, c.mixed_precision, job.optimizer,
                                                       hierarchical=c.topology == "two-tier")[0])
     plan, report = job.reports[key]

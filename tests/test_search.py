@@ -200,6 +200,34 @@ def test_search_holds_fixed_options_and_refuses_bad_ones():
         search.search("gpt", "tiny", {"dp": 4}, "h100", fixed={"precision": "bf16"})
 
 
+def test_the_low_bit_slow_tier_is_searched_only_when_asked_and_held_when_given():
+    """Low-bit slow tiers round weights and grads, so a search tries them only with ``low_bit``;
+    where the slow link bounds the step (GPT small on 2 nodes of H100s) they win, and a held
+    precision is held (two-tier layouts only: the flat ring has no slow stage)."""
+    from hpf.types import SlowPrecision
+
+    mesh = {"node": 2, "local": 2}
+    plain = search.candidates("gpt", "small", mesh, "h100", global_batch=16)
+    asked = search.candidates("gpt", "small", mesh, "h100", global_batch=16, low_bit=True)
+    assert {r.candidate.slow_precision for r in plain} == {None}
+    assert {r.candidate.slow_precision for r in asked} == {None, "int8,int8", "int8,int4"}
+    assert all(r.candidate.topology == "two-tier" for r in asked if r.candidate.slow_precision)
+    assert len(asked) == len(plain) + 2 * sum(r.candidate.topology == "two-tier" for r in plain)
+    exact = search.search("gpt", "small", mesh, "h100", global_batch=16)
+    low = search.search("gpt", "small", mesh, "h100", global_batch=16, low_bit=True)
+    assert low.best.candidate.slow_precision and low.best.step_s < 0.9 * exact.best.step_s
+    assert "slow tier int8" in low.format().splitlines()[2]
+    topology = low.step_args()["topology"]
+    assert topology.slow_precision == SlowPrecision.parse(low.best.candidate.slow_precision)
+    ef = "int8,int4,ef"
+    held = search.search("gpt", "small", mesh, "h100", global_batch=16, fixed={"slow_precision": ef, "hsdp": False})
+    assert {(r.candidate.topology, r.candidate.slow_precision) for r in held.ranked} == {("two-tier", ef)}
+    # the residuals' memory: fp32, one per value this rank sends low-bit (its row for the one slow peer)
+    plan = sim.plan_for(gpt, gpt.CONFIGS["small"], hpf.Mesh(mesh), None, None, True, False,
+                        held.best.candidate.bucket_bytes, SlowPrecision.parse(ef))
+    assert held.best.memory.parts["error feedback"] == 4 * sum(b.shard_numel for b in plan.buckets) > 0
+
+
 def _run_searched(rank, result_json):
     result = search.SearchResult(**result_json)
     step = hpf.shard_step(result.loss_fn(), optimizer=hpf.optim.adamw(lr=1e-2), **result.step_args())
@@ -248,6 +276,14 @@ def test_cli_plan_search_prints_the_top_five_and_saves(tmp_path):
     assert search.Candidate(**saved["choice"]["options"]).label() in ranked[0]
 
 
+def test_cli_plan_search_tries_the_low_bit_slow_tier_when_asked():
+    args = ("plan", "--search", "--config", "small", "--mesh", "node=2,local=2", "--hardware", "h100",
+            "--batch-size", "16")
+    asked, plain = hpf_cmd(*args, "--slow-precision", "auto"), hpf_cmd(*args)
+    assert asked.returncode == 0 and plain.returncode == 0, asked.stderr + plain.stderr
+    assert "slow tier int8" in asked.stdout.splitlines()[2] and "slow tier" not in plain.stdout
+
+
 @pytest.mark.parametrize("argv, names", [
     (["plan", "--search", "--memory-per-rank", "lots"], "--memory-per-rank"),
     (["plan", "--search", "--memory-per-rank", "1KB", "--hardware", "h100"], "the smallest"),
@@ -256,6 +292,9 @@ def test_cli_plan_search_prints_the_top_five_and_saves(tmp_path):
     (["train", "--plan", "auto"], "--hardware"),
     (["train", "--plan", "auto", "--hardware", "h100", "--hsdp"], "--hsdp"),
     (["train", "--plan", "/no/such/plan.json"], "--plan"),
+    (["train", "--plan", "/no/such/plan.json", "--slow-precision", "auto"], "replays a search already made"),
+    (["simulate", "--slow-precision", "auto"], "--slow-precision auto lets the plan search choose"),
+    (["plan", "--slow-precision", "auto"], "--slow-precision auto lets the plan search choose"),
 ])
 def test_search_options_get_one_line_errors(argv, names, capsys):
     from hpf import cli

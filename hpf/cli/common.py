@@ -101,9 +101,12 @@ def sharding_of(model: str, config, mesh: hpf.Mesh, fsdp_axes, ep_axis: str | No
 
 
 def slow_precision(text: str) -> str:
-    """``--slow-precision W[,G[,ef]]``: "int8" (both sides), "int8,int4", "none,int8,ef" -> "W,G,ef" (checked)."""
+    """``--slow-precision W[,G[,ef]]``: "int8" (both sides), "int8,int4", "none,int8,ef" -> "W,G,ef" (checked);
+    "auto": the plan search chooses (see :func:`only_searched`)."""
     from hpf.types import SlowPrecision
 
+    if text == "auto":
+        return text
     try:
         slow = SlowPrecision.parse(text)
     except ValueError as e:
@@ -111,10 +114,18 @@ def slow_precision(text: str) -> str:
     return slow.text() if slow else "none,none"
 
 
+def only_searched(slow: str | None) -> None:
+    """``--slow-precision auto`` outside a plan search: a one-line error."""
+    if slow == "auto":
+        raise CliError("--slow-precision auto lets the plan search choose the slow tier's precision: use it with "
+                       "hpf plan --search or hpf train --plan auto, or give a precision (e.g. int8,int4)")
+
+
 def topology_of(name: str, bucket_bytes: int = 0, slow: str | None = None) -> hpf.Topology | None:
     """--topology, --bucket-bytes and --slow-precision as shard_step's ``topology``."""
     from hpf.types import SlowPrecision
 
+    only_searched(slow)
     low = SlowPrecision.parse(slow)
     if name != "two-tier":
         if low:
@@ -148,8 +159,9 @@ def job_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     job.add_argument("--slow-precision", type=slow_precision, metavar="W[,G[,ef]]",
                      help="a low-bit slow tier: the format weights are gathered in and grads exchanged in across the "
                           "slow tier (W: bf16, fp8, int8; G: also int4; none: full precision; W alone sets both), "
-                          "block-quantized with fp32 masters and fp32 sums; ef / no-ef: grad error feedback on or "
-                          "off (default: on for int4 only) (default: none)")
+                          "block-quantized with fp32 masters and fp32 sums; ef: grad error feedback (default: off); auto: "
+                          "with hpf plan --search or hpf train --plan auto, the search tries int8 and int8,int4 too "
+                          "(lossy: off unless asked) (default: none)")
     job.add_argument("--ep-axis", metavar="AXIS",
                      help="--model moe: the data axis experts are split over (expert parallelism); dense params "
                           "still shard over every FSDP axis, experts over the others (default: none)")

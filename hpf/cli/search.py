@@ -45,8 +45,9 @@ def add_options(parser, *, train: bool) -> None:
         parser.add_argument("--search", action="store_true",
                             help="search the plan instead: FSDP layout, experts' axis, bucket bytes, precision, "
                                  "recomputation and micro-batches, under --memory-per-rank, ranked by hpf.sim's "
-                                 "predicted step time on --hardware; --mixed-precision, --ep-axis and --hsdp, when "
-                                 "given, hold theirs (docs: search.md)")
+                                 "predicted step time on --hardware; --mixed-precision, --ep-axis, --hsdp and "
+                                 "--slow-precision, when given, hold theirs (--slow-precision auto: search the low-bit "
+                                 "slow tier too) (docs: search.md)")
     parser.add_argument("--memory-per-rank", type=memory_bytes, metavar="BYTES|auto",
                         help="the search's cap on predicted peak memory per rank, e.g. 64GiB; auto: this machine's "
                              "(an accelerator's free memory under torchrun, else the host's available memory over "
@@ -83,10 +84,13 @@ def run_search(args, mesh, *, batch_size: int, local_ranks: int, machine: bool =
     fixed = {k: getattr(args, k) for k in ("mixed_precision", "ep_axis") if getattr(args, k, None) is not None}
     if getattr(args, "hsdp", False):
         fixed["hsdp"] = True
+    slow = getattr(args, "slow_precision", None)
+    if slow not in (None, "auto"):  # held: a precision, or none ("none,none")
+        fixed["slow_precision"] = None if slow == "none,none" else slow
     try:
         return search.search(args.model, args.config, mesh, hw, global_batch=batch_size,
                              memory_per_rank=_cap(args, hw, local_ranks, machine), optimizer=args.optimizer,
-                             fixed=fixed)
+                             fixed=fixed, low_bit=slow == "auto")
     except ValueError as e:
         raise CliError(str(e)) from None
 
@@ -105,10 +109,13 @@ def cmd_search(args, mesh) -> int:
 def check_plan_flags(args) -> None:
     """Before the run folder fills defaults: --plan sets these options, so giving both is an error;
     --plan FILE also gives the job (model, config, mesh, batch) where the command line does not."""
-    given = [o for o in PLANNED if getattr(args, o) not in (None, False)]
+    given = [o for o in PLANNED if getattr(args, o) not in (None, False, "auto")]
     if given:
         raise CliError(f"--plan {args.plan} chooses {', '.join('--' + o.replace('_', '-') for o in given)}; "
                        "drop them, or drop --plan")
+    if args.slow_precision == "auto" and args.plan != "auto":
+        raise CliError(f"--slow-precision auto asks the search to try a low-bit slow tier, and --plan {args.plan} "
+                       "replays a search already made; search again with hpf plan --search --slow-precision auto")
     if args.plan == "auto":
         if args.hardware is None:
             raise CliError("--plan auto ranks plans by hpf.sim's predicted step time on --hardware: give a "
