@@ -28,8 +28,8 @@ from hpf.step import step_plan
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import report_ratio  # noqa: E402
 
-# (config, ranks, sequences per rank); each with recompute "none" and "all". Medium at 1 sequence
-# peaks when its reductions are held (the end of backward), at 2 while its activations are.
+# (config, ranks, sequences per rank); each with recompute "none" and "all". Medium with recompute at
+# 1 sequence peaks while its reductions are held (the end of backward), its other cases while activations are.
 CASES = [("tiny", 2, 8), ("tiny", 4, 8), ("small", 2, 4), ("small", 4, 4), ("medium", 2, 1), ("medium", 4, 1),
          ("medium", 2, 2)]
 QUICK = [("tiny", 2, 8), ("small", 2, 4)]

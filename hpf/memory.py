@@ -16,11 +16,11 @@ hook alone (no process, meta tensors), and takes the peak of these moments:
 - **init**, on CPU ranks: the state beside the full params each rank builds before sharding.
 
 Reductions: the engine frees each one's flat grad buffer (and gloo's receive buffer beside it on
-CPU ranks: ``reduce_copies`` 2) when it lands, polling in issue order during backward, so how
-many hold memory depends on the link. For the flat collectives (``hpf.comm.flat.BucketComm``)
-the model counts every one issued as still held: the bound for a slow link (measured peaks on
-CPU ranks fall up to ~20% below it when gloo keeps up); the two-tier ones pipeline about two
-units in flight; the shared-memory fast tier (CPU ranks of one host) keeps every bucket's full
+CPU ranks: ``reduce_copies`` 2) when it lands, and before it takes a unit's flat grads it waits
+for the oldest until fewer than ``IN_FLIGHT`` are in flight (hpf.engine.reduce). So whatever the
+link, at most ``IN_FLIGHT`` reductions hold memory at once, the unit summed next included, and
+the model counts the ``IN_FLIGHT`` largest of those issued, for the flat and the two-tier
+collectives alike. The shared-memory fast tier (CPU ranks of one host) keeps every bucket's full
 buffer in one segment per host and every rank's grad row for good. Gradient accumulation keeps
 every bucket's summed grads between micro-batches.
 """
@@ -32,6 +32,7 @@ import os
 from dataclasses import dataclass
 
 from .comm.cost import dtype_bytes
+from .engine.reduce import IN_FLIGHT
 from .models.recompute import Activations, recomputes
 from .planning import ROOT, Plan
 from .report import PlanReport
@@ -42,7 +43,6 @@ __all__ = ["StepMemory", "COMMS", "step_memory", "predict", "state_report", "mac
 #: how reductions hold memory: "flat" (BucketComm), "tiered" (TieredComm, process groups),
 #: "shm" (TieredComm with a shared-memory fast tier: CPU ranks on one host)
 COMMS = ("flat", "tiered", "shm")
-IN_FLIGHT = 2  # two-tier reductions holding memory at once: the pipeline's depth
 
 
 @dataclass(frozen=True)
@@ -96,9 +96,8 @@ def step_memory(report: PlanReport, plan: Plan, acts: Activations | None, *, com
         fast = plan.mesh.axis_size(plan.mesh.fast_axes)
         state["shared memory"] = sum(u["gathered"] for u in units.values()) // fast + flats
     gathered = (lambda *us: 0) if comm == "shm" else (lambda *us: sum(u["gathered"] for u in us))
-    held = (lambda done: 0) if comm == "shm" else (  # reductions still holding memory
-        (lambda done: reduce_copies * sum(u["flat"] for u in done)) if comm == "flat" else
-        (lambda done: reduce_copies * sum(sorted((u["flat"] for u in done), reverse=True)[:IN_FLIGHT])))
+    held = (lambda done: 0) if comm == "shm" else (  # reductions still holding memory: IN_FLIGHT of those issued
+        lambda done: reduce_copies * sum(sorted((u["flat"] for u in done), reverse=True)[:IN_FLIGHT]))
     if acts is None:
         acts = Activations(((0, 0, 0),) * len(blocks), 0, 0)
     saved = [s for s, _, _ in acts.blocks]

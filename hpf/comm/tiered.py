@@ -172,19 +172,20 @@ class _Worker:
             if job is None:
                 return
             stages, fut = job
+            if failed is None:
+                try:
+                    stages[0][1]()
+                except BaseException as e:  # handed to whoever waits on this or any later future
+                    failed = e
+            # the stages hold the collective's buffers: dropped here before it is done, so none outlives it
+            job, rest, stages = None, stages[1:], None
             if failed is not None:  # the ranks are out of step: every later collective would hang
                 fut.set_exception(failed)
-                continue
-            try:
-                stages[0][1]()
-            except BaseException as e:  # handed to whoever waits on this or any later future
-                failed = e
-                fut.set_exception(e)
-                continue
-            if len(stages) > 1:
-                stages[1][0].jobs.put((stages[1:], fut))
+            elif rest:
+                rest[0][0].jobs.put((rest, fut))
             else:
                 fut.set_result(None)
+            rest = None
 
     def close(self) -> None:
         self.jobs.put(None)

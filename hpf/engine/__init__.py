@@ -55,7 +55,7 @@ class UnitEngine:
         pinned = {u for u in self.units if u == ROOT or u not in self.buffers.freeable}
         self.residency = Residency(self.units, pinned, capacity)
         self.reducer = Reducer(plan, comm, self.buffers.shared, pipeline, list(compute_sums),
-                               before_issue=lambda: self.buffers.flush(force=True))
+                               before_issue=lambda: self.buffers.flush(force=True), on_wait=self.add_wait)
         slot_paths = {u: [s.path for b in plan.units[u].buckets for s in plan.buckets[b].slots] for u in self.units}
         self.view = ParamsView(plan, slot_paths, self._entry)
         self.stats: MemoryStats = self.buffers.stats

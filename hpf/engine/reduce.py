@@ -8,12 +8,22 @@ issues the same reductions in the same order whatever backward's timing, and a u
 entry never runs backward (a read the loss does not use) only delays the queue to the end.
 For loop-style code that order is backward's own, so reductions overlap the rest of backward.
 
+Reductions in flight are bounded, as FSDP2 recycles its reduce-scatter inputs: before a unit's
+flat grads are taken, and again before its reduction is issued, the engine waits for the oldest
+reductions until fewer than ``IN_FLIGHT`` are in flight. So for loop-style code at most
+``IN_FLIGHT`` units hold flat grads at once, the one summed next included (and on gloo a receive
+buffer beside each one issued). The wait is on this rank's own collectives, issued in the same
+order on every rank, so it is local; it uses the step's timeout and names a hang as the step's
+end does. Two let each reduction overlap the next unit's backward, and keep the two-tier
+pipeline full (one unit's slow stage beside the next one's fast stage).
+
 With gradient accumulation, every micro-batch but the last keeps its sums here (``hold``) and
 communicates nothing; the last adds them in and reduces once.
 """
 from __future__ import annotations
 
-from collections import Counter
+import time
+from collections import Counter, deque
 
 import torch
 
@@ -23,14 +33,17 @@ from ..comm.transport import DONE, StreamWork, is_done, wait_for
 from ..planning import Plan
 from ..trace import span
 
-__all__ = ["Reducer"]
+__all__ = ["Reducer", "IN_FLIGHT"]
+
+#: reductions holding memory at once, the unit summed next included (the module doc; hpf.memory counts it)
+IN_FLIGHT = 2
 
 
 class Reducer:
     """One step's grad sums and reductions (see the module doc)."""
 
     def __init__(self, plan: Plan, comm, shared: list[bool], pipeline: bool, compute_sums: list,
-                 before_issue=lambda: None):
+                 before_issue=lambda: None, on_wait=lambda seconds: None):
         self.plan, self.comm, self.shared, self.pipeline = plan, comm, shared, pipeline
         self.unit_buckets = {u: plan.units[u].buckets for u in plan.units}
         # the buckets each unit trains (frozen ones have no grads); units with none are never reduced
@@ -44,10 +57,11 @@ class Reducer:
         self._sums: dict[str, list[torch.Tensor]] = {}
         self._complete: set[str] = set()
         self._next = 0
-        self._handles: list = []
+        self._in_flight: deque[list] = deque()  # per unit reduced, oldest first: its buckets' handles not yet landed
         self._held: dict[int, torch.Tensor] = {}
         self.hold = False
         self._before_issue = before_issue  # the engine's deferred gathers go first: one schedule
+        self._on_wait = on_wait  # seconds blocked on a reduction in backward (the engine's comm wait)
 
     def start(self, grad_shards: list[torch.Tensor], order: list[str], hold: bool) -> None:
         """A micro-batch starts; ``hold``: keep its sums for the next one instead of reducing."""
@@ -69,7 +83,7 @@ class Reducer:
         flats = self._sums.get(unit)
         first = flats is None
         if first:
-            flats = self._sums[unit] = [self._grad_flat(b) for b in self.trained[unit]]
+            flats = self._sums[unit] = self._take(unit)
         i = 0
         flats_of = iter(flats)
         with span("hpf/copy grads", unit):
@@ -107,13 +121,14 @@ class Reducer:
 
     def wait(self) -> None:
         """Wait for every reduction of the step (then partial sums over non-FSDP axes)."""
+        handles = [h for unit in self._in_flight for h in unit]
+        self._in_flight.clear()
         with span("hpf/wait reduce-scatter"):
-            for h in self._handles:
+            for h in handles:
                 schedule.wait(h, "a gradient reduction")
-            on_device = [h for h in self._handles if isinstance(h, StreamWork)]
+            on_device = [h for h in handles if isinstance(h, StreamWork)]
             if on_device:  # (an accelerator: the waits above ordered streams; now the CPU, so a hang is named here)
                 schedule.wait(StreamWork.settled(on_device), "the step's gradient reductions")
-        self._handles = []
         for b, group in self.compute_sums:
             LOG.record("all-reduce", f"partial grads of bucket {b}")
             schedule.wait(world.all_reduce_async(self.grad_shards[b], group), "a partial-grad all-reduce")
@@ -127,6 +142,35 @@ class Reducer:
         self._held.clear()
 
     # -- internals ---------------------------------------------------------------------------------------
+    def _take(self, unit: str) -> list[torch.Tensor]:
+        """``unit``'s flat grad buffers, once fewer than IN_FLIGHT reductions hold theirs (module doc)."""
+        self._make_room()
+        return [self._grad_flat(b) for b in self.trained[unit]]
+
+    def _make_room(self) -> None:
+        """Wait for the oldest reductions in flight until fewer than IN_FLIGHT are."""
+        self._pop_landed()
+        if len(self._in_flight) >= IN_FLIGHT:
+            self._before_issue()  # (the gathers decided so far start first: they overlap this wait)
+            t = time.perf_counter()
+            with span("hpf/wait reduce-scatter"):
+                while len(self._in_flight) >= IN_FLIGHT:
+                    oldest = self._in_flight.popleft()
+                    while oldest:  # (popped as waited: no handle, nor its buffers, outlives its wait)
+                        schedule.wait(oldest.pop(0), "a gradient reduction")
+            self._on_wait(time.perf_counter() - t)
+
+    def _pop_landed(self) -> None:
+        """Forget the reductions that have landed, oldest first, which frees their buffers; in order
+        only: a poll may start an HSDP replica all-reduce, which every rank must start in one order."""
+        while self._in_flight:
+            oldest = self._in_flight[0]
+            while oldest and _landed(oldest[0]):
+                oldest.pop(0)
+            if oldest:
+                return
+            self._in_flight.popleft()
+
     def _grad_flat(self, b: int) -> torch.Tensor:
         bucket, shard = self.plan.buckets[b], self.grad_shards[b]
         unsharded = bucket.shard_size == 1 and not self.shared[b]
@@ -138,7 +182,7 @@ class Reducer:
     def _reduce(self, unit: str) -> None:
         flats = self._sums.pop(unit, None)
         if flats is None:  # never read this step (or its params never reached the loss): zero grads
-            flats = [self._grad_flat(b).zero_() for b in self.trained[unit]]
+            flats = [flat.zero_() for flat in self._take(unit)]
         buckets = self.trained[unit]
         self.landed_order.append(unit)
         if self.hold:  # an earlier micro-batch: keep the sums here, communicate nothing
@@ -149,8 +193,8 @@ class Reducer:
                     self._held[b] = flat.clone()  # (flat may be a comm buffer)
             return
         self._before_issue()
-        while self._handles and _landed(self._handles[0]):  # frees their buffers (peak: those in flight);
-            self._handles.pop(0)  # in order: a poll may start an HSDP replica all-reduce, in issue order only
+        self._make_room()  # (a unit read more than once took its flat grads earlier, at its first backward)
+        handles = []
         for b, flat in zip(buckets, flats):
             held = self._held.pop(b, None)
             if held is not None:
@@ -161,7 +205,8 @@ class Reducer:
             if not self.pipeline:
                 schedule.wait(handle, "a gradient reduction")
                 handle = DONE
-            self._handles.append(handle)
+            handles.append(handle)
+        self._in_flight.append(handles)
 
 
 def _landed(handle) -> bool:
