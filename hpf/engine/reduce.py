@@ -15,7 +15,9 @@ reductions until fewer than ``IN_FLIGHT`` are in flight. So for loop-style code 
 buffer beside each one issued). The wait is on this rank's own collectives, issued in the same
 order on every rank, so it is local; it uses the step's timeout and names a hang as the step's
 end does. Two let each reduction overlap the next unit's backward, and keep the two-tier
-pipeline full (one unit's slow stage beside the next one's fast stage).
+pipeline full (one unit's slow stage beside the next one's fast stage). Reductions out of a
+shared-memory grad buffer (CPU ranks of one host) do not count: that memory is mapped for good,
+so backward never waits on them, however slow the slow tier.
 
 With gradient accumulation, every micro-batch but the last keeps its sums here (``hold``) and
 communicates nothing; the last adds them in and reduces once.
@@ -58,6 +60,7 @@ class Reducer:
         self._complete: set[str] = set()
         self._next = 0
         self._in_flight: deque[list] = deque()  # per unit reduced, oldest first: its buckets' handles not yet landed
+        self._holds: deque[bool] = deque()  # beside each: its flat grads are its own memory (not shared memory's)
         self._held: dict[int, torch.Tensor] = {}
         self.hold = False
         self._before_issue = before_issue  # the engine's deferred gathers go first: one schedule
@@ -123,6 +126,7 @@ class Reducer:
         """Wait for every reduction of the step (then partial sums over non-FSDP axes)."""
         handles = [h for unit in self._in_flight for h in unit]
         self._in_flight.clear()
+        self._holds.clear()
         with span("hpf/wait reduce-scatter"):
             for h in handles:
                 schedule.wait(h, "a gradient reduction")
@@ -148,14 +152,16 @@ class Reducer:
         return [self._grad_flat(b) for b in self.trained[unit]]
 
     def _make_room(self) -> None:
-        """Wait for the oldest reductions in flight until fewer than IN_FLIGHT are."""
+        """Wait for the oldest reductions in flight until fewer than IN_FLIGHT hold memory (a
+        shared-memory grad buffer is mapped for good: waiting on it would free nothing)."""
         self._pop_landed()
-        if len(self._in_flight) >= IN_FLIGHT:
+        if sum(self._holds) >= IN_FLIGHT:
             self._before_issue()  # (the gathers decided so far start first: they overlap this wait)
             t = time.perf_counter()
             with span("hpf/wait reduce-scatter"):
-                while len(self._in_flight) >= IN_FLIGHT:
+                while sum(self._holds) >= IN_FLIGHT:
                     oldest = self._in_flight.popleft()
+                    self._holds.popleft()
                     while oldest:  # (popped as waited: no handle, nor its buffers, outlives its wait)
                         schedule.wait(oldest.pop(0), "a gradient reduction")
             self._on_wait(time.perf_counter() - t)
@@ -170,6 +176,7 @@ class Reducer:
             if oldest:
                 return
             self._in_flight.popleft()
+            self._holds.popleft()
 
     def _grad_flat(self, b: int) -> torch.Tensor:
         bucket, shard = self.plan.buckets[b], self.grad_shards[b]
@@ -207,6 +214,7 @@ class Reducer:
                 handle = DONE
             handles.append(handle)
         self._in_flight.append(handles)
+        self._holds.append(not all(self.shared[b] for b in buckets))
 
 
 def _landed(handle) -> bool:
