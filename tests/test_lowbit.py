@@ -295,7 +295,8 @@ def test_only_shards_that_cross_the_slow_tier_are_padded_to_whole_blocks():
 def _small_report(slow: str | None):
     """GPT small's plan report on 2x2, bf16 compute and fp32 grads, slow tier ``slow`` ("W,G")."""
     low = SlowPrecision.parse(slow)
-    topology = Topology(slow_weights=low and low.weights, slow_grads=low and low.grads)
+    topology = Topology(slow_weights=low and low.weights, slow_grads=low and low.grads,
+                        slow_error_feedback=bool(low and low.error_feedback))
     plan = step_plan(gpt.init(gpt.CONFIGS["small"], device="meta"), hpf.Mesh(MESH), topology=topology)
     return plan.report(compute_dtype=torch.bfloat16, reduce_dtype=torch.float32, hierarchical=True)
 
@@ -321,21 +322,22 @@ def test_the_simulator_counts_the_same_bytes_and_the_quantize_cost():
     from hpf import sim
 
     kw = dict(local_batch=1, mixed_precision="bf16")
+    ef = "int8,int4,ef"  # with error feedback: its residuals' memory and passes are counted too
     full = sim.simulate("small", MESH, "cloudmatrix384", **kw)
-    low = sim.simulate("small", MESH, "cloudmatrix384", slow_precision="int8,int4", **kw)
-    assert low.bytes["all_gather"]["slow"] == _slow_report("int8,int4")["all_gather"]["slow"]
-    assert low.bytes["reduce_scatter"]["slow"] == _slow_report("int8,int4")["reduce_scatter"]["slow"]
+    low = sim.simulate("small", MESH, "cloudmatrix384", slow_precision=ef, **kw)
+    assert low.bytes["all_gather"]["slow"] == _slow_report(ef)["all_gather"]["slow"]
+    assert low.bytes["reduce_scatter"]["slow"] == _slow_report(ef)["reduce_scatter"]["slow"]
     assert low.bytes["all_gather"]["fast"] == pytest.approx(full.bytes["all_gather"]["fast"], rel=1e-3)  # (padding)
     # the slow link is busy for fewer bytes; the quantize passes on its worker cost memory time
-    report = _small_report("int8,int4")
+    report = _small_report(ef)
     plan = step_plan(gpt.init(gpt.CONFIGS["small"], device="meta"), hpf.Mesh(MESH),
-                     topology=Topology(slow_weights="int8", slow_grads="int4"))
+                     topology=Topology(slow_weights="int8", slow_grads="int4", slow_error_feedback=True))
     # one fp32 residual row per slow peer (one here); this rank's own row never leaves it
     assert report.feedback_bytes == 4 * sum(b.shard_numel for b in plan.buckets) > 0
     assert report.codec_bytes > 0
     hw = sim.hardware("cloudmatrix384")
-    free = sim.simulate("small", MESH, dataclasses.replace(hw, mem_bw=1e30), slow_precision="int8,int4", **kw)
-    slower = sim.simulate("small", MESH, dataclasses.replace(hw, mem_bw=hw.mem_bw / 100), slow_precision="int8,int4",
+    free = sim.simulate("small", MESH, dataclasses.replace(hw, mem_bw=1e30), slow_precision=ef, **kw)
+    slower = sim.simulate("small", MESH, dataclasses.replace(hw, mem_bw=hw.mem_bw / 100), slow_precision=ef,
                           **kw)
     assert free.busy_s["slow"] < low.busy_s["slow"] < slower.busy_s["slow"]
     assert slower.busy_s["slow"] - free.busy_s["slow"] == pytest.approx(
