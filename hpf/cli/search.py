@@ -10,6 +10,7 @@ import re
 from hpf import memory, search, sim
 from hpf.cli.common import CliError, mesh_text, positive
 from hpf.search import Candidate
+from hpf.types import SlowPrecision
 
 # hpf train's options a plan sets: hpf.search.Candidate's fields
 PLANNED = tuple(f.name for f in dataclasses.fields(Candidate))
@@ -85,8 +86,9 @@ def run_search(args, mesh, *, batch_size: int, local_ranks: int, machine: bool =
     if getattr(args, "hsdp", False):
         fixed["hsdp"] = True
     slow = getattr(args, "slow_precision", None)
-    if slow not in (None, "auto"):  # held: a precision, or none ("none,none")
-        fixed["slow_precision"] = None if slow == "none,none" else slow
+    if slow not in (None, "auto"):  # held: a precision, or none
+        low = SlowPrecision.parse(slow)
+        fixed["slow_precision"] = low and low.text()
     try:
         return search.search(args.model, args.config, mesh, hw, global_batch=batch_size,
                              memory_per_rank=_cap(args, hw, local_ranks, machine), optimizer=args.optimizer,

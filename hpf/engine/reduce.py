@@ -59,8 +59,9 @@ class Reducer:
         self._sums: dict[str, list[torch.Tensor]] = {}
         self._complete: set[str] = set()
         self._next = 0
-        self._in_flight: deque[list] = deque()  # per unit reduced, oldest first: its buckets' handles not yet landed
-        self._holds: deque[bool] = deque()  # beside each: its flat grads are its own memory (not shared memory's)
+        # per unit reduced, oldest first: whether its flat grads are its own memory (not shared memory's),
+        # and its buckets' handles not yet landed
+        self._in_flight: deque[tuple[bool, list]] = deque()
         self._held: dict[int, torch.Tensor] = {}
         self.hold = False
         self._before_issue = before_issue  # the engine's deferred gathers go first: one schedule
@@ -124,9 +125,8 @@ class Reducer:
 
     def wait(self) -> None:
         """Wait for every reduction of the step (then partial sums over non-FSDP axes)."""
-        handles = [h for unit in self._in_flight for h in unit]
+        handles = [h for _, unit in self._in_flight for h in unit]
         self._in_flight.clear()
-        self._holds.clear()
         with span("hpf/wait reduce-scatter"):
             for h in handles:
                 schedule.wait(h, "a gradient reduction")
@@ -155,13 +155,12 @@ class Reducer:
         """Wait for the oldest reductions in flight until fewer than IN_FLIGHT hold memory (a
         shared-memory grad buffer is mapped for good: waiting on it would free nothing)."""
         self._pop_landed()
-        if sum(self._holds) >= IN_FLIGHT:
+        if self._holding() >= IN_FLIGHT:
             self._before_issue()  # (the gathers decided so far start first: they overlap this wait)
             t = time.perf_counter()
             with span("hpf/wait reduce-scatter"):
-                while sum(self._holds) >= IN_FLIGHT:
-                    oldest = self._in_flight.popleft()
-                    self._holds.popleft()
+                while self._holding() >= IN_FLIGHT:
+                    _, oldest = self._in_flight.popleft()
                     while oldest:  # (popped as waited: no handle, nor its buffers, outlives its wait)
                         schedule.wait(oldest.pop(0), "a gradient reduction")
             self._on_wait(time.perf_counter() - t)
@@ -170,13 +169,16 @@ class Reducer:
         """Forget the reductions that have landed, oldest first, which frees their buffers; in order
         only: a poll may start an HSDP replica all-reduce, which every rank must start in one order."""
         while self._in_flight:
-            oldest = self._in_flight[0]
+            _, oldest = self._in_flight[0]
             while oldest and _landed(oldest[0]):
                 oldest.pop(0)
             if oldest:
                 return
             self._in_flight.popleft()
-            self._holds.popleft()
+
+    def _holding(self) -> int:
+        """Reductions in flight whose flat grads hold memory of their own."""
+        return sum(holds for holds, _ in self._in_flight)
 
     def _grad_flat(self, b: int) -> torch.Tensor:
         bucket, shard = self.plan.buckets[b], self.grad_shards[b]
@@ -213,8 +215,7 @@ class Reducer:
                 schedule.wait(handle, "a gradient reduction")
                 handle = DONE
             handles.append(handle)
-        self._in_flight.append(handles)
-        self._holds.append(not all(self.shared[b] for b in buckets))
+        self._in_flight.append((not all(self.shared[b] for b in buckets), handles))
 
 
 def _landed(handle) -> bool:

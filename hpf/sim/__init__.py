@@ -21,7 +21,8 @@ from ..models.recompute import recomputes
 from ..planning import ROOT, plan as make_plan
 from ..mesh import Mesh
 from ..types import SlowPrecision
-from .hardware import PROFILES, Hardware, Link, compute_key, hardware, load_calibration, parse_compute_key
+from .hardware import (PROFILES, Hardware, Link, compute_key, hardware, load_calibration, model_prefix,
+                       parse_compute_key)
 from .model import (Options, SimResult, allreduce_time, compute_floor as model_floor, default_unit_flops, ring_time,
                     simulate_plan, two_tier_time)
 
@@ -31,6 +32,11 @@ __all__ = ["simulate", "compare", "sweep", "sweep_mesh", "Hardware", "Link", "Op
 
 STRATEGIES = ("hpf", "hsdp", "fsdp2", "ddp")
 _BYTES = {None: 4, "bf16": 2, "fp16": 2}
+
+
+def _model_name(model) -> str:
+    """``model``'s name in hpf.models (a name, or the module itself)."""
+    return _model(model).__name__.rsplit(".", 1)[-1]
 
 
 def _model(model):
@@ -153,7 +159,7 @@ def calibrated_compute(hw: Hardware, model, config: str, local_batch: int, ranks
                        mixed_precision: str | None = None) -> dict | None:
     """The calibrated seconds of ``model``'s blocks and root at this shape and compute precision;
     the fp32 ones where only those were measured (older calibrations: extrapolation() says so)."""
-    name = _model(model).__name__.rsplit(".", 1)[-1]
+    name = _model_name(model)
     return (hw.compute.get(compute_key(name, config, local_batch, ranks, mixed_precision))
             or hw.compute.get(compute_key(name, config, local_batch, ranks)))
 
@@ -168,9 +174,8 @@ def extrapolation(config: str, local_batch: int, ranks: int, hw: Hardware, model
     if not hw.compute:
         return []
     out = []
-    mod = _model(model)
-    name = mod.__name__.rsplit(".", 1)[-1]
-    prefix = "" if name == "gpt" else f"{name}:"
+    mod, name = _model(model), _model_name(model)
+    prefix = model_prefix(name)
     if mixed_precision and compute_key(name, config, local_batch, ranks) in hw.compute and \
             compute_key(name, config, local_batch, ranks, mixed_precision) not in hw.compute:
         out.append(f"compute of {prefix}{config}/{local_batch} on {ranks} ranks was calibrated in fp32 only, and "

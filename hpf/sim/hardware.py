@@ -12,7 +12,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["Link", "Hardware", "PROFILES", "hardware", "load_calibration", "compute_key", "parse_compute_key"]
+__all__ = ["Link", "Hardware", "PROFILES", "hardware", "load_calibration", "compute_key", "parse_compute_key",
+           "model_prefix"]
 
 GB = 1e9
 
@@ -131,7 +132,12 @@ def compute_key(model: str, config: str, local_batch: int, ranks: int, precision
     (a GPT and fp32 carry no prefix and no suffix). Each model and each compute precision is
     measured on its own: on a CPU, bf16 runs a GPT block 1.5x faster than fp32 and a tiny MoE's
     2x slower (casts and small matmuls), which no FLOP count predicts."""
-    return f"{'' if model == 'gpt' else model + ':'}{config}/{local_batch}/{ranks}" + (f"/{precision}" if precision else "")
+    return f"{model_prefix(model)}{config}/{local_batch}/{ranks}" + (f"/{precision}" if precision else "")
+
+
+def model_prefix(model: str) -> str:
+    """How a calibrated shape names its model: nothing for a GPT, else ``model:``."""
+    return "" if model == "gpt" else f"{model}:"
 
 
 def parse_compute_key(key: str) -> tuple[str, str, int, int, str | None]:
