@@ -24,6 +24,7 @@ from ..comm import schedule
 from ..comm.schedule import LOG
 from ..planning import ROOT, Plan
 from ..trace import Ranges
+from .compiled import hide_from_compiler
 from .gather import MemoryStats, Saved, UnitBuffers, entry
 from .reduce import Reducer
 from .residency import Actions, Residency
@@ -67,6 +68,7 @@ class UnitEngine:
         self._anchor = None
         self._reads = 0  # reads of this micro-batch (the schedule log numbers them)
         self._phase = Ranges()  # trace: each unit's forward and backward
+        self._hidden = False  # whether compiled code sees the entry points as graph breaks (hpf.engine.compiled)
 
     # -- phases of a step -------------------------------------------------------------------------------
     def begin(self, masters: list[torch.Tensor]) -> None:
@@ -104,6 +106,8 @@ class UnitEngine:
     def micro_batch(self, grad_shards: list[torch.Tensor], hold: bool) -> Iterator[None]:
         """One forward and backward (``params_tree``, ``start_backward``, autograd); on leaving,
         every unit not yet reduced is (``hold``: kept for the next micro-batch instead)."""
+        if not self._hidden:
+            self._hidden = hide_from_compiler(self)
         if self.reducer.holds_sums():  # a later micro-batch: prefetch its first units
             self.buffers.new_phase(set())
             self.buffers.apply(self.residency.resume(), "forward")

@@ -81,7 +81,10 @@ class UnitBuffers:
         #: units whose memory an eviction can free (their saved tensors need the hooks)
         self.freeable = {u for u, bs in self.unit_buckets.items() if any(
             not self.whole[b] and not self.shared[b] for b in bs)}
-        self._unit_of_buffer = {id(self.full[b]): u for u in self.freeable for b in self.unit_buckets[u]}
+        # A saved tensor is recognized by its memory, not by being a view of a buffer: a compiled
+        # region saves detached aliases of its param inputs (AOTAutograd detaches saved views).
+        self._unit_of_storage = {self.full[b].untyped_storage()._cdata: u for u in self.freeable
+                                 for b in self.unit_buckets[u] if not self.whole[b] and not self.shared[b]}
         # per unit: each param's (bucket, shape, stride, offset) in its buffer, slot order
         self.layout = {u: [(s.bucket, s.local_shape, _strides(s.local_shape), s.offset)
                            for b in self.unit_buckets[u] for s in bks[b].slots] for u in plan.units}
@@ -245,8 +248,10 @@ class UnitBuffers:
 
     # -- saved-tensor hooks -----------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
-        base = t._base  # params are views of a unit's buffer; most saved tensors are not views
-        unit = None if base is None else self._unit_of_buffer.get(id(base))
+        try:
+            unit = self._unit_of_storage.get(t.untyped_storage()._cdata)
+        except (RuntimeError, NotImplementedError):  # (a tensor with no storage of its own: never a param)
+            return t
         return t if unit is None else Saved(unit, t.detach())  # an alias that holds no param tensor
 
 

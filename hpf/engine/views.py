@@ -7,14 +7,14 @@ owner's unit, so its grads reach one parameter.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import optree
 
 from .. import tree as tree_util
 from ..planning import ROOT, Plan, unit_names
 
-__all__ = ["ParamsView", "UnitList"]
+__all__ = ["ParamsView", "UnitList", "Reads"]
 
 
 class UnitList(list):
@@ -32,12 +32,24 @@ class UnitList(list):
         return self._read(list.__getitem__(self, i))
 
     def __iter__(self):
-        for name in list.__iter__(self):
-            yield self._read(name)
+        return Reads(self._read, list.__iter__(self))
 
     def __reversed__(self):
-        for name in list.__reversed__(self):
-            yield self._read(name)
+        return Reads(self._read, list.__reversed__(self))
+
+
+class Reads:
+    """An iteration over a ``UnitList``: each step reads the next unit. An iterator object, not a
+    generator, so that under ``torch.compile`` each step is one graph break (hpf.engine.compiled)."""
+
+    def __init__(self, read: Callable[[str], Any], names: Iterator[str]):
+        self._read, self._names = read, names
+
+    def __iter__(self) -> "Reads":
+        return self
+
+    def __next__(self) -> Any:
+        return self._read(next(self._names))
 
 
 class ParamsView:

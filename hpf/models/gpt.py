@@ -140,9 +140,11 @@ def block(blk: dict, x: torch.Tensor, n_heads: int) -> torch.Tensor:
     return x + h @ blk["w_down"]
 
 
-def forward(params: dict, tokens: torch.Tensor, *, n_heads: int | None = None, recompute: str = "none") -> torch.Tensor:
+def forward(params: dict, tokens: torch.Tensor, *, n_heads: int | None = None, recompute: str = "none",
+            compile: bool = False) -> torch.Tensor:
     """Logits [B, T, V] for int64 tokens [B, T]; computes in the params' dtype. ``recompute``:
-    which blocks recompute their forward in backward (hpf.models.recompute)."""
+    which blocks recompute their forward in backward; ``compile``: each block runs
+    ``torch.compile``'d (hpf.models.recompute)."""
     if n_heads is None:
         raise TypeError(
             "gpt.forward/gpt.loss need n_heads= (the head count is not visible in the param shapes); "
@@ -155,27 +157,28 @@ def forward(params: dict, tokens: torch.Tensor, *, n_heads: int | None = None, r
     if t > max_t:
         raise ValueError(f"sequence length {t} exceeds params['pos'] length {max_t} (config.seq_len)")
     x = F.embedding(tokens, params["embed"]) + params["pos"][:t]
-    for _, run in recompute_.each_block(params["blocks"], recompute):
+    for _, run in recompute_.each_block(params["blocks"], recompute, compile):
         x = run(block, x, n_heads)
     return _rms_norm(x, params["norm_f"]) @ params["head"]
 
 
 def loss(params: dict, batch: torch.Tensor, *, n_heads: int | None = None, recompute: str = "none",
-         weighted: bool = False):
+         weighted: bool = False, compile: bool = False):
     """Next-token cross-entropy of ``batch`` [B, T+1] (targets of -100 are padding); the softmax
     runs in fp32 for any param dtype. The mean, or (``weighted``) ``hpf.weighted(sum, count)``:
     the step then divides by the global count of real targets (hpf.losses)."""
     if batch.dim() != 2 or batch.shape[1] < 2:
         raise ValueError(f"batch must be [batch, time+1] token ids with time+1 >= 2, got shape {list(batch.shape)}")
-    logits = forward(params, batch[:, :-1], n_heads=n_heads, recompute=recompute)
+    logits = forward(params, batch[:, :-1], n_heads=n_heads, recompute=recompute, compile=compile)
     return token_cross_entropy(logits, batch[:, 1:], weighted=weighted)
 
 
-def loss_for(config: GPTConfig, recompute: str = "none", weighted: bool = False):
+def loss_for(config: GPTConfig, recompute: str = "none", weighted: bool = False, compile: bool = False):
     """``loss_fn(params, batch)`` for ``config``: what ``hpf.shard_step`` takes. ``recompute``:
     "none", "all" or "every_other" block recomputes its forward in backward (less memory);
-    ``weighted``: return ``hpf.weighted(sum, count)``."""
-    return functools.partial(loss, n_heads=config.n_heads, recompute=recompute_.check(recompute), weighted=weighted)
+    ``weighted``: return ``hpf.weighted(sum, count)``; ``compile``: each block is ``torch.compile``'d."""
+    return functools.partial(loss, n_heads=config.n_heads, recompute=recompute_.check(recompute), weighted=weighted,
+                             compile=compile)
 
 
 # ---------------------------------------------------------------- synthetic data

@@ -139,9 +139,10 @@ def block(blk: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, c: L
 
 
 def forward(params: dict, tokens: torch.Tensor, *, config: LlamaConfig | None = None,
-            recompute: str = "none") -> torch.Tensor:
+            recompute: str = "none", compile: bool = False) -> torch.Tensor:
     """Logits [B, T, V] for int64 tokens [B, T]; computes in the params' dtype. ``recompute``:
-    which blocks recompute their forward in backward (hpf.models.recompute)."""
+    which blocks recompute their forward in backward; ``compile``: each block runs
+    ``torch.compile``'d (hpf.models.recompute)."""
     if config is None:
         raise TypeError("llama.forward/llama.loss need config= (head counts are not all visible in the shapes); "
                         "use llama.loss_for(config) as the loss_fn")
@@ -150,27 +151,28 @@ def forward(params: dict, tokens: torch.Tensor, *, config: LlamaConfig | None = 
     c = config
     x = F.embedding(tokens, params["embed"])
     cos, sin = rope_cos_sin(c, tokens.shape[1], x.device, x.dtype)
-    for _, run in recompute_.each_block(params["blocks"], recompute):
+    for _, run in recompute_.each_block(params["blocks"], recompute, compile):
         x = run(block, x, cos, sin, c)
     return F.linear(rms_norm(x, params["norm"], c.norm_eps), params["head"])
 
 
 def loss(params: dict, batch: torch.Tensor, *, config: LlamaConfig | None = None, recompute: str = "none",
-         weighted: bool = False):
+         weighted: bool = False, compile: bool = False):
     """Next-token cross-entropy of ``batch`` [B, T+1] over ``batch[:, 1:]`` (transformers'
     ``labels=batch``; -100 is padding); the softmax runs in fp32 for any param dtype. The mean,
     or (``weighted``) ``hpf.weighted(sum, count)`` for the step to divide by the global count."""
     if batch.dim() != 2 or batch.shape[1] < 2:
         raise ValueError(f"batch must be [batch, time+1] token ids with time+1 >= 2, got shape {list(batch.shape)}")
-    logits = forward(params, batch[:, :-1], config=config, recompute=recompute)
+    logits = forward(params, batch[:, :-1], config=config, recompute=recompute, compile=compile)
     return token_cross_entropy(logits, batch[:, 1:], weighted=weighted)
 
 
-def loss_for(config: LlamaConfig, recompute: str = "none", weighted: bool = False):
+def loss_for(config: LlamaConfig, recompute: str = "none", weighted: bool = False, compile: bool = False):
     """``loss_fn(params, batch)`` for ``config``: what ``hpf.shard_step`` takes. ``recompute``:
     "none", "all" or "every_other" block recomputes its forward in backward (less memory);
-    ``weighted``: return ``hpf.weighted(sum, count)``."""
-    return functools.partial(loss, config=config, recompute=recompute_.check(recompute), weighted=weighted)
+    ``weighted``: return ``hpf.weighted(sum, count)``; ``compile``: each block is ``torch.compile``'d."""
+    return functools.partial(loss, config=config, recompute=recompute_.check(recompute), weighted=weighted,
+                             compile=compile)
 
 
 def activations(config: LlamaConfig, local_batch: int, dtype_bytes: int = 4) -> recompute_.Activations:

@@ -255,18 +255,19 @@ def block(blk: dict, x: torch.Tensor, bias, c: MoEConfig, ep_axis: str | None = 
 
 
 def loss(params: dict, batch, *, config: MoEConfig, ep_axis: str | None = None, aux: bool = False,
-         recompute: str = "none", weighted: bool = False):
+         recompute: str = "none", weighted: bool = False, compile: bool = False):
     """Next-token cross-entropy (+ aux_loss_coeff * balance loss) of ``batch``: tokens
     [B, T+1], or {"tokens": ..., "expert_bias": [n_moe_layers, E]} (``BATCH_AXES``: the bias is
     not per-example). The mean, or (``weighted``) ``hpf.weighted(sum, count)``, the balance loss
     weighted by this micro-batch's count. ``aux=True`` returns
     ``(loss, {"expert_counts": [n_moe_layers, E] float})``. ``recompute``: which blocks recompute
-    their forward (and their all-to-alls) in backward (hpf.models.recompute)."""
+    their forward (and their all-to-alls) in backward; ``compile``: each block runs ``torch.compile``'d
+    (hpf.models.recompute)."""
     c = config
     tokens, bias = (batch["tokens"], batch.get("expert_bias")) if isinstance(batch, dict) else (batch, None)
     x = F.embedding(tokens[:, :-1], params["embed"])
     counts, balance = [], 0.0
-    for i, run in recompute_.each_block(params["blocks"], recompute):
+    for i, run in recompute_.each_block(params["blocks"], recompute, compile):
         moe_bias = None if bias is None or i < c.n_dense_layers else bias[i - c.n_dense_layers]
         x, cnt, bal = run(block, x, moe_bias, c, ep_axis)
         balance = balance + bal
@@ -290,12 +291,12 @@ BATCH_AXES = {"tokens": 0, "expert_bias": None}
 
 
 def loss_for(config: MoEConfig, ep_axis: str | None = None, aux: bool = False, recompute: str = "none",
-             weighted: bool = False):
+             weighted: bool = False, compile: bool = False):
     """``loss_fn(params, batch)`` for ``hpf.shard_step``; ``ep_axis``: the mesh axis experts are split
     over; ``recompute``: "none", "all" or "every_other" block recomputes its forward in backward;
-    ``weighted``: return ``hpf.weighted(sum, count)``."""
+    ``weighted``: return ``hpf.weighted(sum, count)``; ``compile``: each block is ``torch.compile``'d."""
     return functools.partial(loss, config=config, ep_axis=ep_axis, aux=aux, recompute=recompute_.check(recompute),
-                             weighted=weighted)
+                             weighted=weighted, compile=compile)
 
 
 # -- balancing --------------------------------------------------------------------------------------

@@ -7,12 +7,13 @@ a third of ``"all"``'s extra compute per saved byte.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["RECOMPUTE", "Activations", "check", "each_block", "recomputes"]
+__all__ = ["RECOMPUTE", "Activations", "check", "compiled", "each_block", "recomputes"]
 
 #: the ``recompute=`` values of the models' ``loss_for``
 RECOMPUTE = ("none", "all", "every_other")
@@ -29,14 +30,24 @@ def recomputes(i: int, recompute: str) -> bool:
     return recompute == "all" or (recompute == "every_other" and i % 2 == 1)
 
 
-def each_block(blocks, recompute: str):
+@functools.lru_cache(maxsize=None)
+def compiled(fn: Callable) -> Callable:
+    """``torch.compile(fn)``, once per process: a model's block compiled, torchtitan's habit (every
+    block has the same shapes, so one graph serves them all)."""
+    import torch
+    return torch.compile(fn)
+
+
+def each_block(blocks, recompute: str, compile: bool = False):
     """Yields ``(i, run)`` per block, where ``run(fn, *args)`` is ``fn(block_i, *args)``,
-    checkpointed where ``recompute`` says so. A list of blocks (hpf.shard_step passes one) is
+    checkpointed where ``recompute`` says so, and with ``fn`` compiled (``compiled``) if
+    ``compile``. A list of blocks (hpf.shard_step passes one) is
     indexed inside the checkpoint, so a recomputed block is gathered again for its backward
     instead of held by the checkpoint from forward to backward (hpf.shard_step frees it between).
     Any other iterable is iterated once, in order (a recomputed block is then held)."""
     def runner(i: int, read: Callable):
         def run(fn: Callable, *args):
+            fn = compiled(fn) if compile else fn
             if recomputes(i, recompute):
                 return checkpoint(lambda *a: fn(read(), *a), *args, use_reentrant=False)
             return fn(read(), *args)

@@ -12,6 +12,7 @@ from .. import losses
 from ..comm import world
 from .. import tree as tree_util
 from ..config import StepConfig
+from ..engine.compiled import eager_stance
 from ..step import ShardStep
 from ..types import TrainState
 from .errors import (BatchMismatchError, LossNotReplicatedError, NonFiniteError, ParamsTreeError, QuantizationError,
@@ -88,7 +89,7 @@ class ValidateStep(ShardStep):
         tracker = self._tracker = Tracker(self.mesh, self.plan.fsdp_axes, self.mp.compute_dtype if self.mp else None)
         params = tracker.track_params(params, self.plan)
         batch = tracker.track_batch(batch)
-        with tracker:
+        with tracker, eager_stance():  # (compiled parts run eagerly, so every op is tracked)
             out = self.loss_fn(params, batch)
         loss = losses.parse(out).value
         tracker.check_loss(loss)

@@ -1,0 +1,56 @@
+"""How ``torch.compile``'d code and the engine share a unit.
+
+A compiled region (a block, or a stretch of a compiled ``loss_fn`` between two unit reads)
+takes a unit's params as graph inputs: views of the unit's gathered buffer, handed out by an
+eager read. The engine itself stays eager and opaque to the compiler:
+
+- a unit read is a graph break: dynamo never traces the engine's Python, so every gather and
+  reduction stays a function of the reads, decided by the engine (the SPMD invariant), and the
+  compiler cannot hoist, merge or reorder them;
+- AOTAutograd saves what a compiled backward needs through ``ctx.save_for_backward`` with the
+  engine's saved-tensor hooks in force. A saved param, or a view of it (which AOTAutograd
+  detaches), is recognized by its memory (``UnitBuffers.pack``), so the unit is freed after
+  its forward use and gathered again before the compiled backward unpacks it, as in eager.
+
+Validation mode runs compiled regions eagerly (``eager_stance``), so its tracker sees every op.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+
+__all__ = ["hide_from_compiler", "eager_stance", "ENTRY_POINTS"]
+
+#: the engine methods that compiled code can reach: a read (from a UnitList), the saved-tensor
+#: hooks (from a compiled forward's save_for_backward and backward's unpack) and an entry's backward
+ENTRY_POINTS = ("_read", "_pack", "_unpack", "entry_done")
+
+
+#: the params tree's methods that read a unit (a graph break each: dynamo never inlines them)
+READS = (("UnitList", "__getitem__"), ("UnitList", "__iter__"), ("UnitList", "__reversed__"), ("Reads", "__next__"))
+
+
+def hide_from_compiler(engine) -> bool:
+    """Make the engine's entry points graph breaks that dynamo never traces, once dynamo is
+    loaded (``torch.compile`` loads it; a step that never meets compiled code never pays for the
+    import). Returns whether they are hidden."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:
+        return False
+    for name in ENTRY_POINTS:
+        setattr(engine, name, dynamo.disable(getattr(type(engine), name).__get__(engine)))
+    from . import views
+    for cls, name in READS:
+        fn = getattr(getattr(views, cls), name)
+        if not hasattr(fn, "_torchdynamo_disable"):  # (once per process)
+            setattr(getattr(views, cls), name, dynamo.disable(fn))
+    return True
+
+
+def eager_stance():
+    """Compiled functions run their Python eagerly inside this context (validation mode: every op
+    is tracked); a no-op when nothing was compiled."""
+    if "torch._dynamo" not in sys.modules:
+        return contextlib.nullcontext()
+    import torch
+    return torch.compiler.set_stance("force_eager")
