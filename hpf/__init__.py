@@ -20,7 +20,7 @@ _NAMES = {
     "P": "spec", "SpecError": "spec", "rules": "spec",
     "MixedPrecision": "types", "TrainState": "types",
     "DonatedStateError": "checks", "NonFiniteError": "checks", "ParamsMismatchError": "checks",
-    "UnevenBatchError": "checks",
+    "UnevenBatchError": "checks", "StaleParamError": "checks",
     "ScheduleMismatchError": "comm.schedule",
     "LossScale": "losses", "weighted": "losses",
     "StepConfig": "config",

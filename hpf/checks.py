@@ -17,7 +17,8 @@ import torch
 from . import tree as tree_util
 from .comm import world
 
-__all__ = ["NonFiniteError", "DonatedStateError", "ParamsMismatchError", "UnevenBatchError", "CATALOGUE",
+__all__ = ["NonFiniteError", "DonatedStateError", "ParamsMismatchError", "StaleParamError", "UnevenBatchError",
+           "CATALOGUE",
            "clean_params", "frozen_paths", "check_same_on_all_ranks", "check_rate", "finite_or_none"]
 
 
@@ -33,6 +34,10 @@ class ParamsMismatchError(ValueError):
     """Ranks were given different params (paths, shapes, dtypes or values) at ``init``."""
 
 
+class StaleParamError(RuntimeError):
+    """loss_fn used a param tensor kept from an earlier step or micro-batch: its grads would be wrong."""
+
+
 class UnevenBatchError(ValueError):
     """Local batches of different shapes on different ranks: a mean of per-rank means is not the global mean."""
 
@@ -43,6 +48,10 @@ CATALOGUE: tuple[tuple[str, str, str], ...] = (
      "give every rank the same full params (same seed); names the first differing path"),
     ("DonatedStateError", "a state already passed to `step` (donated) is passed to `step` or `full_params`",
      "keep the returned state: `state, m = step(state, batch)`"),
+    ("StaleParamError", "loss_fn uses a param tensor kept from an earlier step or micro-batch (a global, a "
+     "closure, a cache, a `torch.compile`d function that captured it as a constant)",
+     "read params only from the `params` argument of the current call; pass them to compiled functions as "
+     "arguments"),
     ("UnevenBatchError", "local batches differ in shape across ranks",
      "split the global batch evenly; or pad, mask and divide by a global count (`hpf.psum`)"),
     ("NonFiniteError", "the loss or the global grad norm is NaN/inf (checked before the update)",

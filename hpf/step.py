@@ -24,6 +24,7 @@ from .config import StepConfig
 from .decision import Decider, Decision
 from .device import default_device
 from .engine import UnitEngine, explain_freed, refuses_hooks
+from .engine.compiled import compile_seconds
 from .launcher import init_distributed, is_launched
 from .mesh import Mesh, MeshError, as_axes
 from .optim.base import ForPlan, PartialUpdate
@@ -121,7 +122,7 @@ class ShardStep(StateIO):
         A non-finite loss or grad norm (on any rank) is found before any update: it raises
         NonFiniteError with the state exactly as before the step, or, with ``on_nonfinite="skip"``
         (and under fp16 loss scaling), leaves it unchanged and reports ``metrics["skipped"]``."""
-        t0 = time.perf_counter()
+        t0, compiled_s = time.perf_counter(), compile_seconds()
         with span("hpf/step"):
             decision = self._compute(state, batch)
             t_opt = time.perf_counter()
@@ -141,7 +142,9 @@ class ShardStep(StateIO):
                                      "on_nonfinite='skip'")
         t1 = time.perf_counter()
         metrics = {"loss": decision.loss, "grad_norm": decision.grad_norm, "step_s": t1 - t0,
-                   "optimizer_s": t1 - t_opt, "comm_wait_s": self.engine.take_wait_s(), "skipped": not decision.finite}
+                   "optimizer_s": t1 - t_opt, "comm_wait_s": self.engine.take_wait_s(),
+                   "compile_s": compile_seconds() - compiled_s,
+                   "skipped": not decision.finite}
         if decision.aux is not None:
             metrics["aux"] = decision.aux
         if state.loss_scale is not None:

@@ -28,7 +28,7 @@ from hpf.progress import Progress
 # follow GPT-2/3 practice).
 TRAIN_DEFAULTS = {"tiny": (1e-2, 0.02, 0), "small": (3e-3, 0.02, 20), "medium": (6e-4, 0.02, 100),
                   "1b": (3e-4, 0.02, 200)}
-STEP_METRICS = ("loss", "grad_norm", "step_s", "comm_wait_s", "optimizer_s")  # from shard_step's metrics
+STEP_METRICS = ("loss", "grad_norm", "step_s", "comm_wait_s", "optimizer_s", "compile_s")  # from shard_step's metrics
 EVAL_BATCHES = 4  # held-out batches (of --batch-size sequences) per evaluation, the same ones each time
 
 
@@ -63,6 +63,7 @@ class TrainJob:
     ep_axis: str | None = None  # --ep-axis: the mesh axis experts are split over (moe)
     tensorboard: str | None = None  # --tensorboard: the event folder rank 0 writes the metrics to
     recompute: str = "none"  # --recompute: blocks that run their forward again in backward
+    compile: bool = False  # --compile: each block torch.compile'd
     bucket_bytes: int = 0  # --bucket-bytes: two-tier's cap on one fused collective
     slow_precision: str | None = None  # --slow-precision: "W,G" of the low-bit slow tier
 
@@ -99,8 +100,9 @@ def make_step(job: TrainJob, mesh: hpf.Mesh):
         optimizer = hpf.optim.adamw(lr=lr(job.lr), weight_decay_mask=hpf.optim.default_weight_decay_mask)
     # token-weighted: the step's loss is the global token mean, over micro-batches and ranks;
     # a model with a training-loop Balancer (moe) returns its aux counts and takes --ep-axis
-    loss_fn = (module.loss_for(config, job.ep_axis, aux=True, recompute=job.recompute, weighted=True)
-               if hasattr(module, "Balancer") else module.loss_for(config, recompute=job.recompute, weighted=True))
+    how = dict(recompute=job.recompute, weighted=True, compile=job.compile)
+    loss_fn = (module.loss_for(config, job.ep_axis, aux=True, **how) if hasattr(module, "Balancer")
+               else module.loss_for(config, **how))
     return hpf.shard_step(loss_fn, mesh=mesh, optimizer=optimizer, accumulate=job.accumulate,
                           batch_axes=getattr(module, "BATCH_AXES", None),
                           **sharding_of(job.model, config, mesh, job.fsdp_axes, job.ep_axis), mode=job.mode,
@@ -190,6 +192,8 @@ def train_rank(rank: int, job: TrainJob) -> None:
                     shown["eval"] = f"{record['eval_loss']:.4f}"
                 shown.update({"tokens/s": f"{record['tokens_per_s'] / 1e3:.1f}k",
                               "comm wait": f"{m['comm_wait_s'] / m['step_s']:.0%}"})
+                if m["compile_s"] >= 0.05:
+                    shown["compile"] = f"{m['compile_s']:.1f}s"
                 if "expert_imbalance" in record:
                     shown["experts max/mean"] = f"{record['expert_imbalance']:.2f}"
                 progress.update(i, shown)

@@ -18,7 +18,7 @@ RUN_FILE = "run.json"
 FIXED = ("model", "config", "optimizer", "lr", "warmup", "schedule", "steps", "batch_size", "seed", "data")
 # How it runs: a resumed run takes these from run.json unless they are given again.
 INHERITED = ("mesh", "fsdp_axes", "mixed_precision", "topology", "hsdp", "ep_axis", "accumulate", "mode",
-             "eval_every", "save_every", "keep_last", "recompute", "bucket_bytes", "slow_precision")
+             "eval_every", "save_every", "keep_last", "recompute", "compile", "bucket_bytes", "slow_precision")
 OPTIONS = FIXED + INHERITED
 
 

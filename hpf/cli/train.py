@@ -47,7 +47,8 @@ def _banner(job: TrainJob, n_units: int) -> str:
             f", {job.optimizer} lr {job.lr:g} ({job.schedule}{warmup}), "
             f"{job.mixed_precision or 'fp32'} compute, "
             + (f"{job.accumulate} micro-batches per step, " if job.accumulate > 1 else "")
-            + (f"recompute {job.recompute}, " if job.recompute != "none" else "") + f"{job.mode} mode")
+            + (f"recompute {job.recompute}, " if job.recompute != "none" else "")
+            + ("compiled blocks, " if job.compile else "") + f"{job.mode} mode")
 
 
 def _ranks(n: int) -> str:
@@ -144,7 +145,7 @@ def cmd_train(args) -> int:
                            "-e '.[tensorboard]'); metrics.jsonl has the same scalars without it") from None
     same = ("config", "fsdp_axes", "optimizer", "lr", "warmup", "steps", "batch_size", "mode", "seed",
             "mixed_precision", "topology", "hsdp", "model", "schedule", "keep_last", "accumulate", "ep_axis",
-            "recompute", "bucket_bytes", "slow_precision")
+            "recompute", "compile", "bucket_bytes", "slow_precision")
     job = TrainJob(**{k: getattr(args, k) for k in same}, axes=args.mesh, metrics_path=str(out / "metrics.jsonl"),
                    data=str(args.data) if args.data else None, vocab_size=vocab_size,
                    eval_every=args.eval_every or 0, save_every=args.save_every or 0, resume=resume,
@@ -244,8 +245,17 @@ def summary(records: list[dict], wall_s: float, files: list, resumed_at: int = 0
         f"exposed comm {comm * 1e3:.1f}, optimizer {opt * 1e3:.1f} ms",
         f"  throughput  {median['tokens_per_s']:,.0f} tokens/s median; waiting on communication "
         f"{sum(r['comm_wait_s'] for r in records) / total_step:.0%} of step time",
+        *_compile_summary(records),
         "  files       " + "\n              ".join(str(f) for f in files),
     ])
+
+
+def _compile_summary(records: list[dict]) -> list[str]:
+    compiled = [(r["step"], r["compile_s"]) for r in records if r.get("compile_s")]  # (older runs lack it)
+    if not compiled:
+        return []
+    return [f"  compile     {sum(s for _, s in compiled):.1f} s, in step" + ("s " if len(compiled) > 1 else " ")
+            + ", ".join(str(i) for i, _ in compiled)]
 
 
 def _eval_summary(records: list[dict]) -> list[str]:
@@ -296,6 +306,9 @@ def add_parser(sub, help_: str):
     train.add_argument("--recompute", choices=RECOMPUTE, default="none",
                        help="activation checkpointing: every_other or all blocks keep only their input and run "
                             "their forward again in backward (less activation memory, more compute; default: none)")
+    train.add_argument("--compile", action="store_true", default=False,
+                       help="torch.compile each block (compiled once, on the first step: its compile time is "
+                            "in the progress line and metrics.jsonl's compile_s)")
     add_search_options(train, train=True)
     train.add_argument("--mode", choices=tuple(STEPS), default="production",
                        help="validate runs the same plan with layout checks on every op (default: production)")

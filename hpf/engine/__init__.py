@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..comm import schedule
+from ..checks import StaleParamError
 from ..comm.schedule import LOG
 from ..planning import ROOT, Plan
 from ..trace import Ranges
@@ -68,6 +69,7 @@ class UnitEngine:
         self._anchor = None
         self._reads = 0  # reads of this micro-batch (the schedule log numbers them)
         self._phase = Ranges()  # trace: each unit's forward and backward
+        self.micro_batches = 0
         self._hidden = False  # whether compiled code sees the entry points as graph breaks (hpf.engine.compiled)
 
     # -- phases of a step -------------------------------------------------------------------------------
@@ -113,6 +115,7 @@ class UnitEngine:
             self.buffers.apply(self.residency.resume(), "forward")
         self.reducer.start(grad_shards, self._reduce_order, hold)
         self._anchor = torch.empty(0, device=self.device, requires_grad=True)
+        self.micro_batches += 1  # stamps this micro-batch's entries (``entry_done`` refuses older ones)
         self._root, self.in_backward = None, False
         self.buffers.new_phase(set(self.buffers.live))
         self._reads = 0
@@ -202,8 +205,17 @@ class UnitEngine:
             self.buffers.hand_out(unit, views)
         return views
 
-    def entry_done(self, unit: str, grads: tuple) -> None:
-        """Backward of one entry: its grads; a unit whose grads are complete is evicted."""
+    def entry_done(self, unit: str, grads: tuple, stamp: int) -> None:
+        """Backward of one entry: its grads; a unit whose grads are complete is evicted.
+
+        An entry of an earlier micro-batch (a param tensor kept across steps: in a global, a
+        closure, a compiled function's constants) would add grads of stale values to this one's."""
+        if stamp != self.micro_batches or self._anchor is None:
+            raise StaleParamError(
+                f"loss_fn used a param of unit {unit!r} that it kept from an earlier step or micro-batch (in a "
+                "global, a closure, a cache, or a torch.compile'd function that captured it as a constant); its "
+                "values are stale and its grads would be wrong. Read params only from the `params` argument of "
+                "the current call, and pass them to compiled functions as arguments")
         if self.reducer.add(unit, grads):
             for u in self.residency.done(unit):
                 self.buffers.release(u)
@@ -229,7 +241,7 @@ class UnitEngine:
         if acts.gather or acts.evict or acts.prefetch:
             self.buffers.apply(acts, "backward")
         self.buffers.wait(saved.unit)
-        return saved.tensor
+        return self.buffers.unpack(saved)
 
     def keep_gathered(self) -> None:
         """From now on keep every unit gathered from its read to the end of its backward, with no
@@ -298,9 +310,10 @@ def explain_freed(err: RuntimeError) -> Exception:
     if "data is not allocated" not in str(err) and "for storage of size 0" not in str(err):
         return err
     return RuntimeError(
-        "loss_fn read an FSDP unit's param through a view (a slice, .T, .chunk, ...) after dropping every "
-        "reference to the param tensors themselves, so hpf had freed the unit. Keep the param tensor (e.g. "
-        "blk['w']) alive while its views are in use, or take the views where they are used")
+        "loss_fn read an FSDP unit's param after hpf had freed the unit: either a param tensor kept from an "
+        "earlier step or micro-batch (a global, a closure, a cache, a torch.compile'd function's constant: "
+        "read params only from the current call's `params`), or a view (a slice, .T, .chunk, ...) used after "
+        "dropping every reference to the param tensor itself (keep blk['w'] alive while its views are in use)")
 
 
 def _untouched(snapshot: list[tuple], masters: list[torch.Tensor]) -> bool:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import sys
 
-__all__ = ["hide_from_compiler", "eager_stance", "ENTRY_POINTS"]
+__all__ = ["hide_from_compiler", "eager_stance", "compile_seconds", "ENTRY_POINTS"]
 
 #: the engine methods that compiled code can reach: a read (from a UnitList), the saved-tensor
 #: hooks (from a compiled forward's save_for_backward and backward's unpack) and an entry's backward
@@ -54,3 +54,12 @@ def eager_stance():
         return contextlib.nullcontext()
     import torch
     return torch.compiler.set_stance("force_eager")
+
+
+def compile_seconds() -> float:
+    """Seconds ``torch.compile`` has spent compiling in this process (forward frames and their
+    compiled backwards); 0 when nothing was compiled. From dynamo's own timers (private: 0 if
+    a torch release renames them)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    spent = getattr(utils, "cumulative_time_spent_ns", None) or {}
+    return (spent.get("entire_frame_compile", 0.0) + spent.get("entire_backward_compile", 0.0)) / 1e9

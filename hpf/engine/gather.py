@@ -7,13 +7,16 @@ One buffer per bucket lives as long as the engine:
 - a bucket held whole by every rank (no FSDP split, no dtype cast) is the master shard itself:
   nothing to gather;
 - any other bucket gets a plain buffer whose storage is allocated for a gather and resized to
-  zero when its unit is evicted, unless the loss function still holds one of the param
-  tensors handed out (a local fact that only keeps memory; the unit still counts as evicted,
-  so its next read gathers again: hpf.engine.residency decides every gather).
+  zero when its unit is evicted, unless anything outside the engine still references that
+  memory: a param tensor handed out, a view of one, a compiled region's input (a local fact
+  that only keeps memory; the unit still counts as evicted, so its next read gathers again:
+  hpf.engine.residency decides every gather). Nothing can read freed memory, which compiled
+  kernels would do without a check.
 
-Autograd saves param tensors by reference, so a freed unit's saved tensors are re-filled
-before backward uses them: the saved-tensor hooks report each one to the engine (``need``),
-which gathers per the residency policy. The hooks run only while some unit can be freed.
+Autograd's saved param tensors are held as descriptions (``Saved``: bucket, shape, strides,
+offset), not references, so they never keep a unit's memory: the saved-tensor hooks report
+each one to the engine (``need``), which gathers it again per the residency policy before
+backward uses it. The hooks run only while some unit can be freed.
 """
 from __future__ import annotations
 
@@ -47,10 +50,14 @@ class MemoryStats:
 
 @dataclass
 class Saved:
-    """A saved param tensor of a unit that may be freed: an alias of its buffer's storage."""
+    """A saved param tensor (or alias) of a unit that may be freed: where it lies in the unit's
+    buffer, so that it holds no reference to the memory."""
 
     unit: str
-    tensor: torch.Tensor
+    bucket: int
+    shape: tuple
+    stride: tuple
+    offset: int
 
 
 class UnitBuffers:
@@ -83,8 +90,11 @@ class UnitBuffers:
             not self.whole[b] and not self.shared[b] for b in bs)}
         # A saved tensor is recognized by its memory, not by being a view of a buffer: a compiled
         # region saves detached aliases of its param inputs (AOTAutograd detaches saved views).
-        self._unit_of_storage = {self.full[b].untyped_storage()._cdata: u for u in self.freeable
-                                 for b in self.unit_buckets[u] if not self.whole[b] and not self.shared[b]}
+        self._bucket_of_storage = {self.full[b].untyped_storage()._cdata: b for u in self.freeable
+                                   for b in self.unit_buckets[u] if not self.whole[b] and not self.shared[b]}
+        # references the engine itself holds to each plain buffer's memory (``full``, ``fill``):
+        # any more are the loss function's, and keep the memory
+        self._own_refs = {b: _use_count(self.full[b]) for b in self._bucket_of_storage.values()}
         # per unit: each param's (bucket, shape, stride, offset) in its buffer, slot order
         self.layout = {u: [(s.bucket, s.local_shape, _strides(s.local_shape), s.offset)
                            for b in self.unit_buckets[u] for s in bks[b].slots] for u in plan.units}
@@ -201,19 +211,26 @@ class UnitBuffers:
             self.free_lingering()
 
     def free_lingering(self, force: bool = False) -> None:
-        """Free the storage of evicted units that nothing holds any more (``force``: all of them).
-        A unit whose next gather is already decided (a deferred prefetch) keeps its memory."""
+        """Free the storage of evicted units that nothing holds any more (``force``: the step is
+        over, and param tensors kept past it become NaN, ``_poison``). A unit whose next gather
+        is already decided (a deferred prefetch) keeps its memory, and so does one whose memory
+        anything outside the engine still references (a view of a param, a kept tensor)."""
         deferred = {u for u, _ in self.deferred}
         for unit in list(self.lingering):
             if unit in deferred or (not force and any(ref() is not None for ref in self.handed.get(unit, ()))):
                 continue
-            del self.lingering[unit]
-            self.handed.pop(unit, None)
+            if force:
+                _poison([ref() for ref in self.handed.get(unit, ())])
             for h in self.pending.pop(unit, ()):  # a gather still writing into it (every rank issued it: it lands)
                 wait(h, f"the all-gather of {unit}")
-            for b in self.unit_buckets[unit]:
-                st = None if self.whole[b] or self.shared[b] else self.full[b].untyped_storage()
-                if st is not None and st.nbytes():
+            plain = [b for b in self.unit_buckets[unit] if not self.whole[b] and not self.shared[b]]
+            if any(_use_count(self.full[b]) > self._own_refs[b] for b in plain):
+                continue
+            del self.lingering[unit]
+            self.handed.pop(unit, None)
+            for b in plain:
+                st = self.full[b].untyped_storage()
+                if st.nbytes():
                     st.resize_(0)
                     self._account(unit, -self.nbytes[b])
             self.allocated.discard(unit)
@@ -249,10 +266,16 @@ class UnitBuffers:
     # -- saved-tensor hooks -----------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
         try:
-            unit = self._unit_of_storage.get(t.untyped_storage()._cdata)
+            b = self._bucket_of_storage.get(t.untyped_storage()._cdata)
         except (RuntimeError, NotImplementedError):  # (a tensor with no storage of its own: never a param)
             return t
-        return t if unit is None else Saved(unit, t.detach())  # an alias that holds no param tensor
+        if b is None or t.dtype != self.full[b].dtype:  # (not a unit's, or reinterpreted: held as it is)
+            return t
+        return Saved(self.plan.buckets[b].unit, b, tuple(t.shape), t.stride(), t.storage_offset())
+
+    def unpack(self, saved: Saved) -> torch.Tensor:
+        """A saved tensor again, over its unit's buffer (gathered: the engine waited for it)."""
+        return self.full[saved.bucket].as_strided(saved.shape, saved.stride, saved.offset)
 
 
 class _Entry(torch.autograd.Function):
@@ -261,7 +284,7 @@ class _Entry(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, anchor, engine, unit):  # noqa: ARG004 - anchor only makes backward run
-        ctx.engine, ctx.unit = engine, unit
+        ctx.engine, ctx.unit, ctx.stamp = engine, unit, engine.micro_batches
         views = tuple(engine.buffers.views(unit))
         frozen = engine.buffers.frozen_views[unit]
         if frozen:
@@ -270,7 +293,7 @@ class _Entry(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.engine.entry_done(ctx.unit, grads)
+        ctx.engine.entry_done(ctx.unit, grads, ctx.stamp)
         return None, None, None
 
 
@@ -287,13 +310,14 @@ class _FuncEntry(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.engine, ctx.unit = inputs[1], inputs[2]
+        ctx.stamp = ctx.engine.micro_batches
         frozen = ctx.engine.buffers.frozen_views[ctx.unit]
         if frozen:
             ctx.mark_non_differentiable(*(output[i] for i in frozen))
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.engine.entry_done(ctx.unit, grads)
+        ctx.engine.entry_done(ctx.unit, grads, ctx.stamp)
         return None, None, None
 
     @staticmethod
@@ -305,6 +329,21 @@ def entry(anchor: torch.Tensor, engine, unit: str) -> tuple:
     """A new autograd entry of ``unit``: its params as views."""
     fn = _FuncEntry if torch._C._are_functorch_transforms_active() else _Entry
     return fn.apply(anchor, engine, unit)
+
+
+def _use_count(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+def _poison(kept: list) -> None:
+    """Point param tensors that outlive their unit's memory (kept past the step: a global, a
+    cache, a compiled function's constant) at NaN instead of freed memory: a compiled kernel
+    would read freed memory (a crash), eager ops raise; NaN is loud everywhere, and their
+    backward raises StaleParamError (``UnitEngine.entry_done``). One element each."""
+    with torch.no_grad():
+        for t in kept:
+            if t is not None:
+                t.data = torch.full((), float("nan"), dtype=t.dtype, device=t.device).expand(t.shape)
 
 
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
