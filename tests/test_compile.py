@@ -95,7 +95,27 @@ def rank_checks(rank):
             x = gpt.block(blocks[i], x, n_heads=TINY.n_heads)
         return x.square().mean()
     out["mismatch"] = error_of(lambda: train(rank, torch.compile(one_rank_reads_backwards), steps=1))
+    out["compile_fails_on_rank_1"] = compile_fails_on_rank_1(rank)  # (last: the ranks are out of step after it)
     return out
+
+
+def compile_fails_on_rank_1(rank):
+    """Rank 1's block does not compile; it then waits in the next collective call, as a rank
+    that catches the error would: both ranks must name the cause."""
+    def no_compiler(gm, inputs):
+        raise RuntimeError("no compiler on this rank")
+    block = torch.compile(lambda blk, x: gpt.block(blk, x, n_heads=TINY.n_heads),
+                          backend=no_compiler if rank == 1 else "eager")
+
+    def loss(params, batch):
+        x = params["embed"][batch[:, :-1]]
+        for blk in params["blocks"]:
+            x = block(blk, x)
+        return x.square().mean()
+    step = hpf.shard_step(loss, mesh=hpf.Mesh({"dp": 2}), optimizer=hpf.optim.adamw(**ADAMW))
+    state = step.init(gpt.init(TINY, torch.Generator().manual_seed(SEED)))
+    failed = error_of(lambda: step(state, next(gpt.synthetic_batches(TINY, BATCH, SEED, rank=rank, world_size=2))))
+    return failed if failed[0] == "ScheduleMismatchError" else error_of(lambda: step.full_params(state))
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +172,10 @@ def test_compiled_loss_whose_ranks_read_differently_is_a_schedule_mismatch(runs)
     for r in runs:
         kind, message = r["mismatch"]
         assert kind == "ScheduleMismatchError", message
+
+
+def test_a_compile_failure_on_one_rank_is_named_on_every_rank(runs):
+    for r in runs:
+        kind, message = r["compile_fails_on_rank_1"]
+        assert kind == "ScheduleMismatchError", message
+        assert "rank 1 raised" in message and "no compiler on this rank" in message

@@ -56,6 +56,7 @@ class ScheduleLog:
         self.step = 0  # which step's schedule this is (advanced by each digest)
         self.events: deque = deque(maxlen=_KEEP)  # (seq, step, kind, subject, n)
         self.broken: str | None = None  # why the ranks' collectives stopped pairing (then none may follow)
+        self.failed: str | None = None  # the error this rank's last step raised (a waiting peer names it)
         self._hash = 0
         self._codes: dict[tuple, int] = {}
 
@@ -77,7 +78,7 @@ class ScheduleLog:
         return h
 
     def snapshot(self) -> dict:
-        return {"rank": world.rank(), "events": list(self.events)}
+        return {"rank": world.rank(), "events": list(self.events), "failed": self.failed}
 
 
 #: The process's one log: every engine, save and gather records here, so ranks compare one sequence.
@@ -149,8 +150,14 @@ def wait(handle: Any, what: Callable[[], str] | str = "a collective", timeout_s:
             store.add(_PREFIX + "waiting", 1)
             published = True
         while True:
-            if wait_for(handle, _POLL_S):
-                return
+            try:
+                if wait_for(handle, _POLL_S):
+                    return
+            except RuntimeError as err:  # a peer that raised the mismatch may have exited (gloo: connection closed)
+                report = _peer_report(store) if published else None
+                if report is None:
+                    raise
+                raise _broken(ScheduleMismatchError(report)) from err
             if published:
                 waiting = store.add(_PREFIX + "waiting", 0)
                 if waiting >= n and waiting != compared:
@@ -159,6 +166,7 @@ def wait(handle: Any, what: Callable[[], str] | str = "a collective", timeout_s:
                     report = _report(logs)
                     if report:
                         published = False  # (leave the count: the peers are raising too)
+                        store.set(_PREFIX + "report", report.encode())
                         raise _broken(ScheduleMismatchError(report))
             if time.monotonic() > deadline:
                 label = what() if callable(what) else what
@@ -168,6 +176,16 @@ def wait(handle: Any, what: Callable[[], str] | str = "a collective", timeout_s:
     finally:
         if published:
             store.add(_PREFIX + "waiting", -1)
+
+
+def _peer_report(store) -> str | None:
+    """The mismatch a peer found and raised, if any (it leaves its report in the store)."""
+    try:
+        if store.check([_PREFIX + "report"]):
+            return store.get(_PREFIX + "report").decode()
+    except RuntimeError:  # (the store went with the peer)
+        pass
+    return None
 
 
 def rendezvous(kind: str, subject: str = "", group=None) -> None:
@@ -196,12 +214,14 @@ def _report(logs: list[dict]) -> str | None:
     """The first collective on which two ranks' logs differ, in words; None if they agree
     wherever they overlap (a rank that is only behind is not a mismatch)."""
     by_rank = {log["rank"]: {e[0]: e for e in log["events"]} for log in logs}
+    failed = "".join(f"rank {log['rank']} raised {log['failed']} in its step, so it no longer issues the "
+                     "collectives the others wait for. " for log in logs if log.get("failed"))
     common = set.intersection(*(set(ev) for ev in by_rank.values())) if by_rank else set()
     for seq in sorted(common):
         events = {r: ev[seq][1:] for r, ev in by_rank.items()}
         if len(set(events.values())) > 1:
-            return _mismatch(seq, {r: ev[seq] for r, ev in by_rank.items()})
-    return None
+            return failed + _mismatch(seq, {r: ev[seq] for r, ev in by_rank.items()})
+    return failed or None
 
 
 def _mismatch(seq: int, events: dict[int, tuple | None]) -> str:

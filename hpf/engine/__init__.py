@@ -80,6 +80,7 @@ class UnitEngine:
             raise RuntimeError(f"this step cannot run again: an earlier call failed with {type(self.broken).__name__} "
                                f"({self.broken}), and the ranks may be out of step. End the job and restart it "
                                "(from a checkpoint)") from self.broken
+        LOG.failed = None
         snap = self._prefetched
         self._prefetched = None
         if snap is not None and _untouched(snap, masters):
@@ -167,6 +168,8 @@ class UnitEngine:
         self._prefetched = None
         self.buffers.deferred.clear()
         self.reducer.drop_held()
+        if err is not None and not isinstance(err, (schedule.ScheduleMismatchError, TimeoutError)):
+            LOG.failed = _one_line(err)  # (a waiting peer names it)
         if isinstance(err, schedule.ScheduleMismatchError):
             self.broken = err
             return
@@ -314,6 +317,15 @@ def explain_freed(err: RuntimeError) -> Exception:
         "earlier step or micro-batch (a global, a closure, a cache, a torch.compile'd function's constant: "
         "read params only from the current call's `params`), or a view (a slice, .T, .chunk, ...) used after "
         "dropping every reference to the param tensor itself (keep blk['w'] alive while its views are in use)")
+
+
+def _one_line(err: BaseException) -> str:
+    """``err`` in one line, through to its root cause (a compile failure wraps the backend's error)."""
+    root = err
+    while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None and inner is not root:
+        root = inner  # (dynamo's compile errors keep the backend's as ``inner_exception``)
+    text = lambda e: f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"  # noqa: E731
+    return text(err) + (f" (from {text(root)})" if root is not err else "")
 
 
 def _untouched(snapshot: list[tuple], masters: list[torch.Tensor]) -> bool:
