@@ -86,6 +86,7 @@ def rank_checks(rank):
            "recompute_accumulate": train(rank, gpt.loss_for(TINY, recompute="all", weighted=True, compile=True),
                                          accumulate=2)}
     out["kept_param"] = error_of(lambda: train(rank, kept_param_loss))
+    out["ragged"] = error_of(lambda: ragged_dynamic(rank))
 
     def one_rank_reads_backwards(params, batch):
         blocks = params["blocks"]
@@ -94,9 +95,20 @@ def rank_checks(rank):
         for i in order:
             x = gpt.block(blocks[i], x, n_heads=TINY.n_heads)
         return x.square().mean()
+    # (last: both leave the ranks out of step; the second still names its own cause)
     out["mismatch"] = error_of(lambda: train(rank, torch.compile(one_rank_reads_backwards), steps=1))
-    out["compile_fails_on_rank_1"] = compile_fails_on_rank_1(rank)  # (last: the ranks are out of step after it)
+    out["compile_fails_on_rank_1"] = compile_fails_on_rank_1(rank)
     return out
+
+
+def ragged_dynamic(rank):
+    """A loss compiled with dynamic=True traces any length, but ranks' batches of different
+    lengths make a mean of per-rank means: refused, as eager is."""
+    step = hpf.shard_step(torch.compile(gpt.loss_for(TINY), dynamic=True), mesh=hpf.Mesh({"dp": 2}),
+                          optimizer=hpf.optim.adamw(**ADAMW))
+    state = step.init(gpt.init(TINY, torch.Generator().manual_seed(SEED)))
+    batch = next(gpt.synthetic_batches(TINY, BATCH, SEED, rank=rank, world_size=2))
+    step(state, batch[:, : 10 + rank])
 
 
 def compile_fails_on_rank_1(rank):
@@ -179,3 +191,9 @@ def test_a_compile_failure_on_one_rank_is_named_on_every_rank(runs):
         kind, message = r["compile_fails_on_rank_1"]
         assert kind == "ScheduleMismatchError", message
         assert "rank 1 raised" in message and "no compiler on this rank" in message
+
+
+def test_ragged_batches_under_a_dynamic_compiled_loss_are_refused_on_every_rank(runs):
+    for r in runs:
+        kind, message = r["ragged"]
+        assert kind == "UnevenBatchError", message
