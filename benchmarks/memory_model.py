@@ -68,15 +68,24 @@ def _peak(prof, steps_range: str) -> int:
     return peak
 
 
-def measure(rank: int, config: str, ranks: int, local_batch: int, recompute: str, steps: int, out: str) -> None:
+def measure(rank: int, config: str, ranks: int, local_batch: int, recompute: str, steps: int, out: str,
+            compile: bool = False) -> None:
+    """Write this rank's measured peak during ``steps`` steps to ``out``/rank<r>.json (``compile``:
+    blocks torch.compile'd, compiled by an unprofiled step first)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     cfg = gpt.CONFIGS[config]
-    step = hpf.shard_step(gpt.loss_for(cfg, recompute), mesh=hpf.Mesh({"dp": ranks}),
+    step = hpf.shard_step(gpt.loss_for(cfg, recompute, compile=compile), mesh=hpf.Mesh({"dp": ranks}),
                           optimizer=hpf.optim.adamw(lr=1e-3))
     params = gpt.init(cfg)
     batches = [gpt.global_batch(cfg, local_batch * ranks, 0, i)[rank * local_batch:(rank + 1) * local_batch]
                for i in range(steps)]
+    if compile:  # (compiling allocates, and is not a step's memory)
+        state = step.init(params)
+        state, _ = step(state, batches[0])
+        params = step.full_params(state)
+        step = hpf.shard_step(gpt.loss_for(cfg, recompute, compile=True), mesh=hpf.Mesh({"dp": ranks}),
+                              optimizer=hpf.optim.adamw(lr=1e-3))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         state = step.init(params)  # (its transient: every unit's buffer made, then freed, before the steps)
         del params
