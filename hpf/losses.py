@@ -16,13 +16,15 @@ A loss function returns one of:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Weighted", "weighted", "token_cross_entropy", "LossOut", "parse", "LossScale", "LossScaleState"]
+__all__ = ["Weighted", "weighted", "token_cross_entropy", "LossOut", "parse", "LossScale", "LossScaleState",
+           "terms_divisor"]
 
 IGNORE = -100  # a target that is padding (torch's ignore_index)
 
@@ -118,7 +120,9 @@ class LossScale:
     """Dynamic loss scaling with ``torch.amp.GradScaler``'s semantics, for fp16 compute.
 
     Backward runs on ``loss * scale``; the grads are divided back before anything reads them.
-    A step whose grads overflow is skipped (no update, ``metrics["skipped"]``) and the scale
+    For ``hpf.weighted(sum, count)`` the scale is per term: the seed is divided by the terms of
+    a micro-batch (:func:`terms_divisor`), so a sum of thousands of token losses starts no nearer
+    to overflow than a mean does. A step whose grads overflow is skipped (no update, ``metrics["skipped"]``) and the scale
     shrinks by ``backoff_factor``; after ``growth_interval`` clean steps in a row it grows by
     ``growth_factor``. The state rides in ``TrainState.loss_scale`` (and in checkpoints).
 
@@ -156,3 +160,9 @@ class LossScale:
         if int(state.good_steps) >= self.growth_interval:
             state.scale.mul_(self.growth_factor)
             state.good_steps.zero_()
+
+
+def terms_divisor(terms: float) -> float:
+    """The power of two nearest a weighted loss's terms per micro-batch: what fp16's seed is
+    divided by. A power of two scales exactly, so the grads do not depend on which one."""
+    return 2.0 ** round(math.log2(max(terms, 1.0)))

@@ -61,6 +61,7 @@ class ShardStep(StateIO):
         self._live: list | None = None  # the params list of the state this step last returned
         self._unloaded = False  # init had meta params and no restore has filled them yet
         self._pending_save = None  # an async save in flight (hpf.checkpoint.SaveHandle)
+        self._terms = 1.0  # fp16: a weighted loss's terms per micro-batch, last seen (losses.terms_divisor)
 
     # -- set-up, once ---------------------------------------------------------------------------
     def init(self, full_params: Any) -> TrainState:
@@ -125,6 +126,8 @@ class ShardStep(StateIO):
         t0, compiled_s = time.perf_counter(), compile_seconds()
         with span("hpf/step"):
             decision = self._compute(state, batch)
+            if not decision.finite and self._retune(state, decision):  # a first step's overflow, not the grads'
+                decision = self._compute(state, batch)
             t_opt = time.perf_counter()
             if decision.finite:
                 try:
@@ -166,24 +169,35 @@ class ShardStep(StateIO):
         axes = batching.leaf_axes(batch, self.config.batch_axes)
         micro = batching.micro_batches(batch, self.config.accumulate, axes)
         eng = self.engine
+        # fp16: backward's seed is the loss scale, per term for hpf.weighted (whose sum has many)
+        scale = float(state.loss_scale.scale) / self._terms if state.loss_scale is not None else 1.0
         if state.error_feedback is not None:
-            eng.comm.lowbit.use_feedback(state.error_feedback, float(state.loss_scale.scale) if state.loss_scale else 1.0)
+            eng.comm.lowbit.use_feedback(state.error_feedback, scale)
         try:
             eng.begin(state.params)
-            outs = [self.forward_backward(state, mb, hold=i < len(micro) - 1, scale=state.loss_scale)
+            outs = [self.forward_backward(state, mb, hold=i < len(micro) - 1, scale=scale)
                     for i, mb in enumerate(micro)]
             eng.land()
             self.after_reductions()
             eng.end_step()
-            scale = float(state.loss_scale.scale) if state.loss_scale is not None else 1.0
             decision = self.decider.decide(outs, self.grad_shards, batch, scale, clip)
             eng.add_wait(decision.waited_s)
+            if decision.finite:
+                self._retune(state, decision)
             return decision
         except BaseException as err:
             eng.abort(err)
             raise
 
-    def forward_backward(self, state: TrainState, batch: Any, hold: bool = False, scale=None) -> losses.LossOut:
+    def _retune(self, state: TrainState, decision: Decision) -> bool:
+        """Whether fp16's per-term divisor changed with this step's count of terms (then a
+        step that overflowed ran with a stale one: on the first step, or after a resume)."""
+        if state.loss_scale is None or decision.terms is None:
+            return False
+        old, self._terms = self._terms, losses.terms_divisor(decision.terms)
+        return self._terms != old
+
+    def forward_backward(self, state: TrainState, batch: Any, hold: bool = False, scale: float = 1.0) -> losses.LossOut:
         """Forward and backward of ``loss_fn`` on one micro-batch: its grads are summed per unit
         and, unless ``hold`` (a later micro-batch follows), reduced. Returns the parsed loss.
         Updates nothing.
@@ -206,7 +220,7 @@ class ShardStep(StateIO):
         eng, cfg = self.engine, self.config
         if self.mp is not None:
             batch = batching.cast(batch, self.mp.compute_dtype, batching.leaf_axes(batch, cfg.batch_axes))
-        seed = (1.0 / self._n_compute) * (float(scale.scale) if scale is not None else 1.0)
+        seed = scale / self._n_compute
         with spmd(self._spmd), eng.micro_batch(self.grad_shards, hold):
             if cfg.grad == "torch.func":
                 return self._func_grads(batch, seed)

@@ -28,7 +28,7 @@ from hpf.progress import Progress
 # follow GPT-2/3 practice).
 TRAIN_DEFAULTS = {"tiny": (1e-2, 0.02, 0), "small": (3e-3, 0.02, 20), "medium": (6e-4, 0.02, 100),
                   "1b": (3e-4, 0.02, 200)}
-STEP_METRICS = ("loss", "grad_norm", "step_s", "comm_wait_s", "optimizer_s", "compile_s")  # from shard_step's metrics
+STEP_METRICS = ("loss", "grad_norm", "skipped", "step_s", "comm_wait_s", "optimizer_s", "compile_s")  # from shard_step's metrics
 EVAL_BATCHES = 4  # held-out batches (of --batch-size sequences) per evaluation, the same ones each time
 
 
@@ -165,6 +165,7 @@ def train_rank(rank: int, job: TrainJob) -> None:
     kept = []  # a resumed run keeps the metrics of the steps it does not redo
     if rank == 0 and job.resume and os.path.exists(job.metrics_path):
         kept = [r for r in read_metrics(job.metrics_path) if r["step"] <= done]
+    skipped = 0  # steps with non-finite grads (fp16 overflow): no update
     try:
         with (_Metrics(job, kept) if rank == 0 else contextlib.nullcontext()) as out, \
                 _traced(job, rank, mesh.size) as advance:
@@ -172,6 +173,9 @@ def train_rank(rank: int, job: TrainJob) -> None:
                 state, m = step(state, next(batches))
                 advance()
                 record = {"step": i, **{k: m[k] for k in STEP_METRICS}, "tokens_per_s": tokens_per_step / m["step_s"]}
+                if "loss_scale" in m:
+                    record["loss_scale"] = m["loss_scale"]
+                skipped += m["skipped"]
                 if evaluate and job.eval_due(i):
                     record["eval_loss"] = evaluate(step, state)
                 if balancer is not None:
@@ -192,6 +196,8 @@ def train_rank(rank: int, job: TrainJob) -> None:
                     shown["eval"] = f"{record['eval_loss']:.4f}"
                 shown.update({"tokens/s": f"{record['tokens_per_s'] / 1e3:.1f}k",
                               "comm wait": f"{m['comm_wait_s'] / m['step_s']:.0%}"})
+                if skipped:
+                    shown["skipped"] = str(skipped)
                 if m["compile_s"] >= 0.05:
                     shown["compile"] = f"{m['compile_s']:.1f}s"
                 if "expert_imbalance" in record:

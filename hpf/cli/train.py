@@ -19,6 +19,7 @@ import torch
 
 import hpf
 from hpf import checkpoint
+from hpf.checks import NonFiniteError
 from hpf import data as token_data
 from hpf.api import STEPS
 from hpf.cli import run_folder
@@ -34,7 +35,7 @@ from hpf.optim.schedules import NAMES as SCHEDULES
 from hpf.plots import breakdown, missing_matplotlib, save_plots
 from hpf.report import PlanReport
 
-__all__ = ["cmd_train", "add_parser", "summary", "read_metrics", "TRAIN_DEFAULTS", "EVAL_BATCHES"]
+__all__ = ["cmd_train", "add_parser", "summary", "check_trained", "read_metrics", "TRAIN_DEFAULTS", "EVAL_BATCHES"]
 
 
 def _banner(job: TrainJob, n_units: int) -> str:
@@ -189,6 +190,12 @@ def cmd_train(args) -> int:
         return 0
     wall = time.perf_counter() - started
     records = read_metrics(out / "metrics.jsonl")
+    resumed_at = run_folder.checkpoint_step(Path(resume)) or 0 if resume else 0
+    try:
+        check_trained([r for r in records if r["step"] > resumed_at])
+    except NonFiniteError:
+        run_folder.set_status(out, "failed: every step skipped")
+        raise
     run_folder.set_status(out, "done")
     files = [out / "metrics.jsonl", out / "run.json"]
     newest = checkpoint.latest(job.checkpoints)
@@ -201,8 +208,21 @@ def cmd_train(args) -> int:
     if plots and not plots.startswith("skipped"):
         files += save_plots(records, out, f"loss: {args.model} {args.config!r}, mesh {mesh_text(job.axes)}, "
                                           f"{args.optimizer}{', ' + args.mixed_precision if args.mixed_precision else ''}")
-    print(summary(records, wall, files, run_folder.checkpoint_step(Path(resume)) or 0 if resume else 0))
+    print(summary(records, wall, files, resumed_at))
     return 0
+
+
+def check_trained(records: list[dict]) -> None:
+    """A run whose every step was skipped trained nothing: an error that says why, not "done".
+
+    Raises:
+        NonFiniteError: every record has ``skipped`` true."""
+    if records and all(r.get("skipped") for r in records):
+        scale = records[-1].get("loss_scale")
+        raise NonFiniteError(
+            f"every one of the {len(records)} steps was skipped: the grads were non-finite at each"
+            + (f" (fp16 loss scale down to {scale:g})" if scale is not None else "") + ", so nothing was trained. "
+            "Try --mixed-precision bf16 (or none) or a lower --lr; --mode validate names the op that overflows")
 
 
 def _make_folder(folder: str | None, option: str) -> None:
@@ -240,6 +260,7 @@ def summary(records: list[dict], wall_s: float, files: list, resumed_at: int = 0
                                                             if resumed_at else ""),
         f"  loss        {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} (step {last['step']}), "
         f"mean of last {len(tail)}: {statistics.fmean(r['loss'] for r in tail):.4f}",
+        *_skipped_summary(records),
         *_eval_summary(records),
         f"  step time   {median['step_s'] * 1e3:.1f} ms median: compute {compute * 1e3:.1f}, "
         f"exposed comm {comm * 1e3:.1f}, optimizer {opt * 1e3:.1f} ms",
@@ -248,6 +269,15 @@ def summary(records: list[dict], wall_s: float, files: list, resumed_at: int = 0
         *_compile_summary(records),
         "  files       " + "\n              ".join(str(f) for f in files),
     ])
+
+
+def _skipped_summary(records: list[dict]) -> list[str]:
+    skipped = [r["step"] for r in records if r.get("skipped")]  # (older runs lack it)
+    if not skipped:
+        return []
+    shown = ", ".join(map(str, skipped[:10])) + (", ..." if len(skipped) > 10 else "")
+    return [f"  skipped     {len(skipped)} of {len(records)} steps (non-finite grads, no update): step"
+            + ("s " if len(skipped) > 1 else " ") + shown]
 
 
 def _compile_summary(records: list[dict]) -> list[str]:

@@ -126,17 +126,21 @@ def init(config: GPTConfig, generator: torch.Generator | None = None, *,
     }
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + NORM_EPS) * weight
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = NORM_EPS) -> torch.Tensor:
+    """RMSNorm as transformers' LlamaRMSNorm: normalize in fp32, cast back, then scale. In fp16
+    the rsqrt's backward (its cube) overflows to inf for any input of rms below 0.025, so a
+    norm computed in fp16 makes every step's grads non-finite at init (std 0.02)."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def block(blk: dict, x: torch.Tensor, n_heads: int) -> torch.Tensor:
     """One pre-norm transformer block on the residual stream x [B, T, D]."""
-    q, k, v = rearrange(_rms_norm(x, blk["norm1"]) @ blk["w_qkv"],
+    q, k, v = rearrange(rms_norm(x, blk["norm1"]) @ blk["w_qkv"],
                         "b t (three h e) -> three b h t e", three=3, h=n_heads)
     attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     x = x + rearrange(attn, "b h t e -> b t (h e)") @ blk["w_o"]
-    h = F.gelu(_rms_norm(x, blk["norm2"]) @ blk["w_up"], approximate="tanh")
+    h = F.gelu(rms_norm(x, blk["norm2"]) @ blk["w_up"], approximate="tanh")
     return x + h @ blk["w_down"]
 
 
@@ -159,7 +163,7 @@ def forward(params: dict, tokens: torch.Tensor, *, n_heads: int | None = None, r
     x = F.embedding(tokens, params["embed"]) + params["pos"][:t]
     for _, run in recompute_.each_block(params["blocks"], recompute, compile):
         x = run(block, x, n_heads)
-    return _rms_norm(x, params["norm_f"]) @ params["head"]
+    return rms_norm(x, params["norm_f"]) @ params["head"]
 
 
 def loss(params: dict, batch: torch.Tensor, *, n_heads: int | None = None, recompute: str = "none",
@@ -250,11 +254,12 @@ def unit_flops(config: GPTConfig, local_batch: int) -> dict[str, float]:
 
 def activations(config: GPTConfig, local_batch: int, dtype_bytes: int = 4) -> recompute_.Activations:
     """What ``loss`` keeps for backward on ``local_batch`` sequences (hpf.memory's hook), counted
-    op by op: per block, both norms' input, rsqrt, product and output (6d + 2), q/k/v (3d), the
+    op by op: per block, both norms' fp32 input and rsqrt and their output before and after the weight, q/k/v (3d), the
     attention output (d) and its fp32 logsumexp per head (flash attention: no T x T scores),
     the MLP's GELU input and output (2f); its backward holds about f + d more at once."""
     c = config
     n = local_batch * c.seq_len
-    saved = n * ((10 * c.d_model + 2 * c.d_ff + 2) * dtype_bytes + 4 * c.n_heads)
+    norm = recompute_.norm_bytes(c.d_model, dtype_bytes)
+    saved = n * (2 * norm + (4 * c.d_model + 2 * c.d_ff) * dtype_bytes + 4 * c.n_heads)
     return recompute_.Activations.of(n, c.d_model, c.vocab_size, dtype_bytes, [saved] * c.n_layers,
                                      [n * (c.d_ff + c.d_model) * dtype_bytes] * c.n_layers)

@@ -30,7 +30,7 @@ from einops import rearrange
 
 from ..losses import token_cross_entropy
 from . import recompute as recompute_
-from hpf.models.gpt import INIT_STD, param_makers, synthetic_batches
+from hpf.models.gpt import INIT_STD, param_makers, rms_norm, synthetic_batches
 
 __all__ = [
     "LlamaConfig", "CONFIGS", "num_params", "init", "forward", "loss", "loss_for",
@@ -105,12 +105,6 @@ def init(config: LlamaConfig, generator: torch.Generator | None = None, *,
             "head": embed if c.tie_embeddings else normal(c.vocab_size, d)}
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm: normalize in fp32, cast back, then scale."""
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 def rope_cos_sin(config: LlamaConfig, t: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [t, head_dim] for positions 0..t-1, computed in fp32 as transformers does."""
     hd = config.head_dim
@@ -183,10 +177,10 @@ def activations(config: LlamaConfig, local_batch: int, dtype_bytes: int = 4) -> 
     c, b = config, dtype_bytes
     n = local_batch * c.seq_len
     q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    norm = 4 * c.d_model + 4 + 2 * b * c.d_model
+    norm = recompute_.norm_bytes(c.d_model, b)
     saved = n * (2 * norm + (2 * q + 2 * kv + 4 * c.d_ff) * b + 4 * c.n_heads)
     return recompute_.Activations.of(n, c.d_model, c.vocab_size, b, [saved] * c.n_layers,
-                                     [n * (c.d_ff + c.d_model) * b] * c.n_layers, norm=norm)
+                                     [n * (c.d_ff + c.d_model) * b] * c.n_layers)
 
 
 # ---------------------------------------------------------------- transformers checkpoints

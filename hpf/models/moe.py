@@ -141,10 +141,6 @@ def param_specs(config: MoEConfig, ep_axis: str | None = None, data_axes=("dp",)
 
 
 # -- the model --------------------------------------------------------------------------------------
-def _rms(x, w):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + NORM_EPS) * w
-
-
 def _rope(x: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate-half RoPE on [B, T, H, hd]."""
     t, hd = x.shape[1], x.shape[-1]
@@ -237,8 +233,8 @@ def block(blk: dict, x: torch.Tensor, bias, c: MoEConfig, ep_axis: str | None = 
     """One block on x [B, T, D] -> (x, tokens per expert or None, balance loss). ``experts(h, idx,
     gates)`` overrides the routed-expert call (default: ``routed_experts`` on ``blk["experts"]``)."""
     b, t, _ = x.shape
-    x = x + _attention(_rms(x, blk["attn_norm"]), blk, c)
-    h = _rms(x, blk["ffn_norm"])
+    x = x + _attention(gpt.rms_norm(x, blk["attn_norm"], NORM_EPS), blk, c)
+    h = gpt.rms_norm(x, blk["ffn_norm"], NORM_EPS)
     if "router" not in blk:
         return x + _swiglu(h, blk["ffn"]), None, 0.0
     hf = h.reshape(b * t, -1)
@@ -282,7 +278,7 @@ def loss(params: dict, batch, *, config: MoEConfig, ep_axis: str | None = None, 
 
 
 def head_loss(params: dict, x: torch.Tensor, targets: torch.Tensor, weighted: bool = False):
-    return token_cross_entropy(F.linear(_rms(x, params["norm_f"]), params["head"]), targets, weighted=weighted)
+    return token_cross_entropy(F.linear(gpt.rms_norm(x, params["norm_f"], NORM_EPS), params["head"]), targets, weighted=weighted)
 
 
 #: batch_axes for hpf.shard_step: tokens are per-example, the expert bias is not (accumulation
@@ -386,7 +382,7 @@ def activations(config: MoEConfig, local_batch: int, dtype_bytes: int = 4) -> re
     c, b = config, dtype_bytes
     n = local_batch * c.seq_len
     d, k, de = c.d_model, c.top_k, c.d_expert
-    attn = (10 * d + 2) * b + 4 * c.n_heads
+    attn = 2 * recompute_.norm_bytes(d, b) + 4 * d * b + 4 * c.n_heads
     dense = n * (attn + 4 * c.d_ff * b)
     routed = n * (attn + (3 * k * d + 4 * (k + c.n_shared) * de) * b + 4 * (c.n_experts + 2 * k + 1)
                   + (4 * d if b != 4 else 0) + 8 * 3 * k)

@@ -76,14 +76,18 @@ class Activations:
 
     @classmethod
     def of(cls, tokens: int, d_model: int, vocab: int, dtype_bytes: int, blocks: list[int],
-           backward: list[int], norm: int | None = None) -> "Activations":
+           backward: list[int]) -> "Activations":
         """A decoder's: ``blocks`` saved and ``backward`` bytes per block, each fed a residual
-        stream of ``d_model``; the root is the embedding, a final RMSNorm (``norm`` bytes per token;
-        default its input, rsqrt, product and output in the compute dtype) and the fp32
+        stream of ``d_model``; the root is the embedding, a final RMSNorm (:func:`norm_bytes`) and the fp32
         cross-entropy (log-softmax output and int64 targets saved; the grads of the logits, fp32
         and, in a lower compute dtype, cast back, at its backward)."""
         b = dtype_bytes
-        norm = (3 * d_model + 1) * b if norm is None else norm
-        root_saved = tokens * (norm + 4 * vocab + 8)
+        root_saved = tokens * (norm_bytes(d_model, b) + 4 * vocab + 8)
         root_backward = tokens * vocab * (8 + (b if b != 4 else 0))
         return cls(tuple((s, tokens * d_model * b, g) for s, g in zip(blocks, backward)), root_saved, root_backward)
+
+
+def norm_bytes(d_model: int, dtype_bytes: int) -> int:
+    """What one RMSNorm (``gpt.rms_norm``, normalized in fp32) saves per token: its fp32 input
+    and rsqrt, and its output before and after the weight in the compute dtype."""
+    return 4 * d_model + 4 + 2 * dtype_bytes * d_model

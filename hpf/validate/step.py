@@ -69,7 +69,7 @@ class ValidateStep(ShardStep):
             metrics["quantization"] = self.quantization
         return state, metrics
 
-    def forward_backward(self, state: TrainState, batch: Any, hold: bool = False, scale=None) -> losses.LossOut:
+    def forward_backward(self, state: TrainState, batch: Any, hold: bool = False, scale: float = 1.0) -> losses.LossOut:
         """The production hook, with the micro-batch checked first."""
         self._check_batch(batch)
         return super().forward_backward(state, batch, hold, scale)
