@@ -20,7 +20,7 @@ _NAMES = {
     "P": "spec", "SpecError": "spec", "rules": "spec",
     "MixedPrecision": "types", "TrainState": "types",
     "DonatedStateError": "checks", "NonFiniteError": "checks", "ParamsMismatchError": "checks",
-    "UnevenBatchError": "checks", "StaleParamError": "checks",
+    "UnevenBatchError": "checks", "StaleParamError": "checks", "UnusedParamsError": "checks",
     "ScheduleMismatchError": "comm.schedule",
     "LossScale": "losses", "weighted": "losses",
     "StepConfig": "config",
@@ -31,6 +31,7 @@ _NAMES = {
     "psum": "comm.collectives",
     "check_plan": "validate",
     "launch": "launcher",
+    "from_module": "module", "to_module": "module",
 }
 _SUBMODULES = ("checkpoint", "data", "models", "optim", "sim", "tree")
 

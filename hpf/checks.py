@@ -18,6 +18,7 @@ from . import tree as tree_util
 from .comm import world
 
 __all__ = ["NonFiniteError", "DonatedStateError", "ParamsMismatchError", "StaleParamError", "UnevenBatchError",
+           "UnusedParamsError",
            "CATALOGUE",
            "clean_params", "frozen_paths", "check_same_on_all_ranks", "check_rate", "finite_or_none"]
 
@@ -42,6 +43,10 @@ class UnevenBatchError(ValueError):
     """Local batches of different shapes on different ranks: a mean of per-rank means is not the global mean."""
 
 
+class UnusedParamsError(ValueError):
+    """The loss reached none of the params it was given: nothing would train."""
+
+
 #: (error class, when, what the message tells you to do): the README's troubleshooting table.
 CATALOGUE: tuple[tuple[str, str, str], ...] = (
     ("ParamsMismatchError", "ranks pass `init` different params (paths, shapes, dtypes or values)",
@@ -52,6 +57,9 @@ CATALOGUE: tuple[tuple[str, str, str], ...] = (
      "closure, a cache, a `torch.compile`d function that captured it as a constant)",
      "read params only from the `params` argument of the current call; pass them to compiled functions as "
      "arguments"),
+    ("UnusedParamsError", "a step's loss reached none of the params it was given (every grad zero): an "
+     "`nn.Module` or closure computing with its own weights",
+     "compute with the `params` argument; for a Module, `params, loss_fn = hpf.from_module(model, loss)`"),
     ("UnevenBatchError", "local batches differ in shape across ranks",
      "split the global batch evenly; or pad, mask and divide by a global count (`hpf.psum`)"),
     ("NonFiniteError", "the loss or the global grad norm is NaN/inf (checked before the update)",

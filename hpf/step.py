@@ -15,7 +15,7 @@ import torch
 
 from . import batching, checks, losses
 from . import tree as tree_util
-from .checks import DonatedStateError, NonFiniteError
+from .checks import DonatedStateError, NonFiniteError, UnusedParamsError
 from .comm import world
 from .comm.collectives import SPMD, spmd
 from .comm.flat import BucketComm
@@ -173,6 +173,7 @@ class ShardStep(StateIO):
         scale = float(state.loss_scale.scale) / self._terms if state.loss_scale is not None else 1.0
         if state.error_feedback is not None:
             eng.comm.lowbit.use_feedback(state.error_feedback, scale)
+        added = eng.reducer.added
         try:
             eng.begin(state.params)
             outs = [self.forward_backward(state, mb, hold=i < len(micro) - 1, scale=scale)
@@ -182,6 +183,12 @@ class ShardStep(StateIO):
             eng.end_step()
             decision = self.decider.decide(outs, self.grad_shards, batch, scale, clip)
             eng.add_wait(decision.waited_s)
+            if decision.grad_norm == 0.0 and eng.reducer.added == added and eng.reducer.units:
+                raise UnusedParamsError(
+                    "the loss reached none of the params it was given: no grad flowed to any of them, so nothing "
+                    "would train. loss_fn must compute with its `params` argument; an nn.Module called inside it "
+                    "uses its own weights, which hpf neither shards nor trains: build the loss with "
+                    "`params, loss_fn = hpf.from_module(model, loss)` (or torch.func.functional_call)")
             if decision.finite:
                 self._retune(state, decision)
             return decision

@@ -64,6 +64,7 @@ class Reducer:
         self._in_flight: deque[tuple[bool, list]] = deque()
         self._held: dict[int, torch.Tensor] = {}
         self.hold = False
+        self.added = 0  # entries whose grads arrived, ever (the step checks that a loss reached some param)
         self._before_issue = before_issue  # the engine's deferred gathers go first: one schedule
         self._on_wait = on_wait  # seconds blocked on a reduction in backward (the engine's comm wait)
 
@@ -84,6 +85,7 @@ class Reducer:
 
     def add(self, unit: str, grads: tuple) -> bool:
         """One entry's grads (in slot order); True if that completed the unit."""
+        self.added += 1
         flats = self._sums.get(unit)
         first = flats is None
         if first:
