@@ -210,3 +210,13 @@ def test_from_module_reads_each_block_when_it_runs_and_refuses_a_block_weight_re
     _, bad = hpf.from_module(model, outside)
     with pytest.raises((RuntimeError, NotImplementedError), match="meta"):
         bad(params, tokens(0)).item()
+
+
+def test_the_module_page_example_runs(tmp_path):
+    import re
+    code = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "modules.md").read_text(), flags=re.S)[1]
+    (tmp_path / "ex.py").write_text(code)
+    proc = hpf_cmd(code=f"import runpy; runpy.run_path({str(tmp_path / 'ex.py')!r}, run_name='__main__')")
+    assert proc.returncode == 0, proc.stderr
+    first, second = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert first == second < 2.0  # trained from ln(32) = 3.47, the same on both ranks
