@@ -206,6 +206,23 @@ def _child(fn, rank_, world_size_, args, env, timeout, backend, conn) -> None:
         os._exit(1)  # skip teardown: peers may be blocked in a collective with us; the parent ends them
 
 
+def _in_place(fn, world_size_: int, args: tuple, timeout: float, backend: str | None) -> list[Any]:
+    """``launch`` under torchrun: this process is one of the ranks; the results of all come back."""
+    started = int(os.environ["WORLD_SIZE"])
+    if started != world_size_:
+        raise RuntimeError(
+            f"hpf.launch(fn, world_size={world_size_}) runs under torchrun, which started {started} rank(s): "
+            f"hpf.launch does not start a second job, it runs fn as torchrun's ranks. Start torchrun with "
+            f"{world_size_} ranks (torchrun --nproc-per-node {world_size_} ...), or run the script with plain "
+            "python so that hpf.launch forks the ranks itself")
+    init_distributed(timeout=timeout, backend=backend)
+    result = fn(rank(), *args)
+    results: list[Any] = [None] * world_size_
+    dist.all_gather_object(results, result)
+    shutdown()
+    return results
+
+
 def _exit_description(code: int | None) -> str:
     if code is not None and code < 0:
         try:
@@ -246,6 +263,10 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float |
     launches never race for a port; ``master_port`` makes them use a TCP store on that port.
     ``hpf.launch.init_distributed()`` and ``hpf.launch.RankError`` reach this module's names.
 
+    Under torchrun (its environment set), no process is forked: this process runs
+    ``fn(rank, *args)`` as the rank torchrun made it, and the results of every rank come back
+    on each (``timeout`` does not apply; torchrun owns the processes).
+
     Args:
         fn: called as ``fn(rank, *args)`` in each child; its result must pickle.
         world_size: the number of ranks (processes) to fork.
@@ -259,11 +280,14 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float |
 
     Raises:
         ValueError: ``world_size`` is not a positive int.
-        RuntimeError: this process already has a process group.
+        RuntimeError: this process already has a process group (outside torchrun); under
+            torchrun, a ``world_size`` other than the number of ranks torchrun started.
         RankError: a rank raised or died (its traceback is in the message), or the timeout passed.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"launch: world_size must be a positive int, got {world_size!r}")
+    if is_launched():  # torchrun started this process as one rank: be that rank, never fork a second job
+        return _in_place(fn, world_size, args, min(collective_timeout, timeout or math.inf), backend)
     if dist.is_initialized():
         raise RuntimeError("launch: this process already has a process group; forked ranks would "
                            "inherit it. Call hpf.launch from a driver process without one.")

@@ -234,7 +234,8 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
             :class:`~hpf.spec.SpecTreeError` (a spec tree of another structure) and
             :class:`~hpf.spec.IndivisibleSpecError` (a non-FSDP axis that does not divide its dim).
         TypeError: a params leaf that is not a tensor.
-        ValueError: a ``bucket_bytes`` that is not an int >= 0.
+        ValueError: a ``bucket_bytes`` that is not an int >= 0; a ``slow_precision`` that no
+            collective would use (no slow tier on ``mesh``: a 1-D mesh).
     """
     check_bucket_bytes(bucket_bytes)
     fsdp = tuple(mesh.axis_names) if fsdp_axes is None else as_axes(fsdp_axes)  # a str is one axis name
@@ -284,6 +285,12 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
         slots[path] = slot
     if not units[ROOT].buckets:
         del units[ROOT]
+    if slow_precision is not None and not any(any(low_bit(mesh, b, slow_precision).values()) for b in buckets):
+        raise ValueError(
+            f"a low-bit slow tier ({slow_precision.text()}) has nothing to act on: no collective of this plan crosses "
+            f"a slow tier of {mesh} (an axis outside the fast tier {list(mesh.fast_axes)}, of size > 1), so every "
+            "byte would stay full precision. A 1-D mesh is one fast tier: give it an outer axis for the slow one "
+            "(hpf.Mesh({'node': 2, 'local': 2}); hpf train --mesh node=2,local=2), or drop the slow precision")
     return Plan(mesh, fsdp, compute_axes, specs, slots, buckets, units, treedef, ties, list(paths), slow_precision)
 
 

@@ -321,9 +321,15 @@ def step_plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes=None, 
 
     Raises:
         SpecError: as :func:`hpf.plan`.
+        ValueError: ``hsdp`` on a mesh with no slow tier among the FSDP axes (nothing to replicate
+            across), and as :func:`hpf.plan`.
     """
     fsdp_axes = as_axes(fsdp_axes)
     fsdp = mesh.axis_names if fsdp_axes is None else fsdp_axes
+    if hsdp and not mesh.slow_axes_of([a for a in fsdp if a in mesh.axis_names]):
+        raise ValueError(f"hsdp=True replicates params across the slow tier, but no FSDP axis of {mesh} is outside "
+                         f"its fast tier {list(mesh.fast_axes)} (with size > 1): HSDP would be plain FSDP. Give the "
+                         "mesh an outer axis (hpf.Mesh({'node': 2, 'local': 2})), or drop hsdp")
     return make_plan(params, mesh, param_specs, fsdp_axes,
                      hierarchical=topology is not None and topology.hierarchical,
                      default_shard_axes=[a for a in fsdp if a in mesh.fast_axes] if hsdp else None,

@@ -284,8 +284,9 @@ def test_tolerance_needs_a_low_bit_tier_and_validation_mode():
 def test_only_shards_that_cross_the_slow_tier_are_padded_to_whole_blocks():
     params = gpt.init(CONFIG, device="meta")
     mesh = hpf.Mesh(MESH)
-    hsdp = step_plan(params, mesh, topology=Topology(slow_weights="int8", slow_block=BLOCK), hsdp=True)
-    assert all(b.align == 1 for b in hsdp.buckets)  # replicated across the slow tier, weights not exchanged there
+    # HSDP: replicated across the slow tier, weights never cross it, so low-bit weights alone are refused
+    with pytest.raises(ValueError, match="nothing to act on"):
+        step_plan(params, mesh, topology=Topology(slow_weights="int8", slow_block=BLOCK), hsdp=True)
     low = step_plan(params, mesh, topology=Topology(slow_weights="int8", slow_block=BLOCK))
     plain = step_plan(params, mesh, topology=Topology())
     for a, b in zip(low.buckets, plain.buckets):
@@ -522,7 +523,7 @@ def test_bad_slow_precision_is_a_one_line_error(argv, names, capsys):
 def test_train_records_slow_precision_in_the_run_folder(tmp_path, capsys):
     import json
 
-    code, out, err = run_main(["train", "--world-size", "1", "--steps", "1", "--slow-precision", "int8,int4",
+    code, out, err = run_main(["train", "--mesh", "node=2,local=1", "--steps", "1", "--slow-precision", "int8,int4",
                            "--out", str(tmp_path)], capsys)
     assert code == 0, err
     assert "(slow tier int8,int4)" in out.splitlines()[0]

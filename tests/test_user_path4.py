@@ -220,3 +220,70 @@ def test_the_module_page_example_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr
     first, second = json.loads(proc.stdout.strip().splitlines()[-1])
     assert first == second < 2.0  # trained from ln(32) = 3.47, the same on both ranks
+
+
+# 3 -- no silent no-op options: an option that cannot act on the mesh is refused ------------------
+@pytest.mark.parametrize("args, says", [
+    (["--world-size", 4, "--slow-precision", "int8"], "low-bit slow tier (int8,int8) has nothing to act on"),
+    (["--world-size", 2, "--hsdp"], "HSDP would be plain FSDP"),
+    (["--world-size", 2, "--topology", "flat", "--bucket-bytes", 1000], "--bucket-bytes 1000 needs --topology two-tier"),
+], ids=["slow-tier-1d", "hsdp-1d", "bucket-bytes-flat"])
+def test_an_option_that_cannot_act_on_the_mesh_is_refused(tmp_path, args, says):
+    proc = hpf_cmd("train", *args, "--steps", 1, "--out", tmp_path / "run")
+    assert proc.returncode == 2 and says in one_error_line(proc)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_the_library_refuses_a_slow_tier_on_a_mesh_without_one():
+    from hpf.step import step_plan  # the plan shard_step makes (and hpf plan prints)
+
+    params = gpt.init(gpt.CONFIGS["tiny"], device="meta")
+    with pytest.raises(ValueError, match="nothing to act on.*A 1-D mesh is one fast tier"):
+        step_plan(params, hpf.Mesh({"dp": 4}), topology=hpf.Topology(slow_weights="int8", slow_grads="int8"))
+    assert step_plan(params, hpf.Mesh({"node": 2, "local": 2}), topology=hpf.Topology(slow_grads="int8")).slow_precision
+
+
+# 4 -- hpf.launch under torchrun runs as torchrun's ranks, never a second job -------------------------
+_UNDER_TORCHRUN = """
+import os, sys, hpf
+try:
+    out = hpf.launch(lambda rank: (rank, os.getpid()), world_size=int(sys.argv[1]))
+    print("result", out, os.getpid(), flush=True)
+except RuntimeError as e:
+    print("refused", e, flush=True)
+"""
+
+
+def _as_torchrun(n_launch: int) -> list[str]:
+    """Two processes with torchrun's environment, each running a script that calls hpf.launch."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+           "LOCAL_WORLD_SIZE": "2", "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-c", _UNDER_TORCHRUN, str(n_launch)], text=True,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT) for r in range(2)]
+    return [p.communicate(timeout=120)[0] for p in procs]
+
+
+def test_launch_under_torchrun_runs_as_its_ranks_without_forking():
+    import ast
+    outs = _as_torchrun(2)
+    for r, out in enumerate(outs):
+        line = next(x for x in out.splitlines() if x.startswith("result"))
+        results, pid = line.removeprefix("result ").rsplit(" ", 1)
+        results = ast.literal_eval(results)
+        assert [rank for rank, _ in results] == [0, 1]
+        assert results[r][1] == int(pid), "fn ran in a forked child, not in torchrun's process"
+    assert len({pid for out in outs for line in out.splitlines() if line.startswith("result")
+                for pid in [line.rsplit(" ", 1)[1]]}) == 2
+
+
+def test_launch_under_torchrun_with_another_world_size_is_refused():
+    for out in _as_torchrun(4):
+        assert "refused" in out and "torchrun, which started 2 rank(s)" in out and "--nproc-per-node 4" in out, out

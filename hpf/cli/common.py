@@ -128,6 +128,9 @@ def topology_of(name: str, bucket_bytes: int = 0, slow: str | None = None) -> hp
     only_searched(slow)
     low = SlowPrecision.parse(slow)
     if name != "two-tier":
+        if bucket_bytes:
+            raise CliError(f"--bucket-bytes {bucket_bytes} needs --topology two-tier: the flat ring runs one "
+                           "collective per unit")
         if low:
             raise CliError(f"--slow-precision {slow} needs --topology two-tier: the flat ring has no slow stage of "
                            "its own (the fast tier stays at full precision)")
