@@ -149,12 +149,7 @@ def test_an_out_folder_that_cannot_be_written_is_one_line(where, tmp_path):
 
 
 # 7 -------------------------------------------------------------------------------------------
-@pytest.mark.slow
-def test_a_timeout_is_reported_once(tmp_path):
-    proc = hpf_cmd("train", "--world-size", 2, "--steps", 10**6, "--timeout", 3, "--out", tmp_path / "run")
-    assert proc.returncode == 1
-    line = one_error_line(proc)
-    assert "timed out after 3 s" in line and "rank None" not in line
+# --timeout is a clean stop that saves (issue 38): tests/test_user_path4.py
 
 
 # 8 -------------------------------------------------------------------------------------------

@@ -130,6 +130,13 @@ def test_resume_names_an_option_that_would_change_the_run(interrupted, flag, val
 
 
 @pytest.mark.slow
+def test_resuming_a_finished_run_with_a_changed_option_is_refused(finished):
+    """Issue 38 item 7: "complete; nothing to do" must not hide a changed --lr."""
+    proc = hpf_cmd("train", "--out", finished[0], "--resume", "--lr", "0.5")
+    assert proc.returncode == 2 and "--lr 0.5 differs from the run's 0.01" in one_error_line(proc)
+
+
+@pytest.mark.slow
 def test_resuming_a_finished_run_says_so_and_does_nothing(finished):
     before = (finished[0] / "metrics.jsonl").read_text()
     proc = hpf_cmd("train", "--out", finished[0], "--resume")

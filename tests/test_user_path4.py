@@ -287,3 +287,25 @@ def test_launch_under_torchrun_runs_as_its_ranks_without_forking():
 def test_launch_under_torchrun_with_another_world_size_is_refused():
     for out in _as_torchrun(4):
         assert "refused" in out and "torchrun, which started 2 rank(s)" in out and "--nproc-per-node 4" in out, out
+
+
+# 6 -- a run ends with a checkpoint; --timeout is a clean stop that saves ---------------------------
+def test_save_every_also_saves_the_last_step(tmp_path):
+    out = tmp_path / "run"
+    proc = hpf_cmd("train", "--world-size", 1, "--steps", 5, "--save-every", 3, "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000003", "step_000005"]
+    assert "step_000005 (the newest checkpoint)" in proc.stdout
+
+
+def test_timeout_stops_after_a_step_saves_it_and_resumes(tmp_path):
+    out = tmp_path / "run"
+    proc = hpf_cmd("train", "--world-size", 2, "--steps", 10**6, "--timeout", 4, "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    last = records(out)[-1]["step"]
+    assert json.loads((out / "run.json").read_text())["status"] == "stopped"
+    assert [p.name for p in (out / "checkpoints").iterdir()] == [f"step_{last:06d}"]
+    assert f"stopped: {last} steps" in proc.stdout and f"after step {last} of 1000000, which is saved" in proc.stdout
+    again = hpf_cmd("train", "--out", out, "--resume", "--steps", last + 2)
+    assert again.returncode == 0, again.stderr
+    assert [r["step"] for r in records(out)] == list(range(1, last + 3))

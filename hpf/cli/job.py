@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +67,7 @@ class TrainJob:
     compile: bool = False  # --compile: each block torch.compile'd
     bucket_bytes: int = 0  # --bucket-bytes: two-tier's cap on one fused collective
     slow_precision: str | None = None  # --slow-precision: "W,G" of the low-bit slow tier
+    stop_at: float | None = None  # --timeout: the wall-clock time (time.time()) after which the run stops cleanly
 
     def model_config(self):
         return model_config(self.model, self.config, self.vocab_size)
@@ -75,7 +77,17 @@ class TrainJob:
         return bool(self.eval_every) and (i % self.eval_every == 0 or i == self.steps)
 
     def save_due(self, i: int) -> bool:
-        return bool(self.save_every) and i % self.save_every == 0
+        """--save-every N: after every N-th step and after the last one (a run ends with a checkpoint)."""
+        return bool(self.save_every) and (i % self.save_every == 0 or i == self.steps)
+
+    def stop_due(self) -> bool:
+        """--timeout: whether its time is up, agreed by every rank (the latest clock decides), so
+        all stop after the same step. A collective, each step, only with --timeout."""
+        if self.stop_at is None:
+            return False
+        late = torch.tensor([float(time.time() >= self.stop_at)])
+        comm_world.all_reduce(late, op="max")
+        return bool(late.item())
 
     @property
     def checkpoints(self) -> Path:
@@ -125,8 +137,9 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def train_rank(rank: int, job: TrainJob) -> None:
-    """One rank of ``hpf train``; rank 0 also shows progress and writes the metrics."""
+def train_rank(rank: int, job: TrainJob) -> int | None:
+    """One rank of ``hpf train``; rank 0 also shows progress and writes the metrics. Returns the
+    step --timeout stopped the run after (its checkpoint saved), or None when it ran to the end."""
     module, config = job.model_config()
     mesh = hpf.Mesh(job.axes)
     progress = Progress(job.steps, label="train") if rank == 0 else None
@@ -166,6 +179,7 @@ def train_rank(rank: int, job: TrainJob) -> None:
     if rank == 0 and job.resume and os.path.exists(job.metrics_path):
         kept = [r for r in read_metrics(job.metrics_path) if r["step"] <= done]
     skipped = 0  # steps with non-finite grads (fp16 overflow): no update
+    stopped = None
     try:
         with (_Metrics(job, kept) if rank == 0 else contextlib.nullcontext()) as out, \
                 _traced(job, rank, mesh.size) as advance:
@@ -180,7 +194,8 @@ def train_rank(rank: int, job: TrainJob) -> None:
                     record["eval_loss"] = evaluate(step, state)
                 if balancer is not None:
                     record["expert_imbalance"] = balancer.update(m)
-                if job.save_due(i):  # async: the write overlaps the next steps
+                stop = job.stop_due()
+                if job.save_due(i) or stop:  # async: the write overlaps the next steps
                     extra = {"step": i, "rng": checkpoint.rng_state()}
                     if balancer is not None:
                         extra["expert_bias"] = balancer.bias.cpu()
@@ -188,25 +203,33 @@ def train_rank(rank: int, job: TrainJob) -> None:
                     step.save(state, path, extra=extra, keep_last=job.keep_last, async_save=True)
                     if progress:
                         progress.note(f"checkpoint  step {i} -> {path} (written in the background)")
-                if out is None:
-                    continue
-                out.write(record)
-                shown = {"loss": f"{m['loss']:.4f}"}
-                if "eval_loss" in record:
-                    shown["eval"] = f"{record['eval_loss']:.4f}"
-                shown.update({"tokens/s": f"{record['tokens_per_s'] / 1e3:.1f}k",
-                              "comm wait": f"{m['comm_wait_s'] / m['step_s']:.0%}"})
-                if skipped:
-                    shown["skipped"] = str(skipped)
-                if m["compile_s"] >= 0.05:
-                    shown["compile"] = f"{m['compile_s']:.1f}s"
-                if "expert_imbalance" in record:
-                    shown["experts max/mean"] = f"{record['expert_imbalance']:.2f}"
-                progress.update(i, shown)
+                if out is not None:
+                    out.write(record)
+                    progress.update(i, _shown(record, m, skipped))
+                if stop:
+                    stopped = i
+                    break
         step.wait_save()
     finally:
         if progress:
             progress.close()
+    return stopped
+
+
+def _shown(record: dict, m: dict, skipped: int) -> dict[str, str]:
+    """The progress line's fields for one step."""
+    shown = {"loss": f"{m['loss']:.4f}"}
+    if "eval_loss" in record:
+        shown["eval"] = f"{record['eval_loss']:.4f}"
+    shown.update({"tokens/s": f"{record['tokens_per_s'] / 1e3:.1f}k",
+                  "comm wait": f"{m['comm_wait_s'] / m['step_s']:.0%}"})
+    if skipped:
+        shown["skipped"] = str(skipped)
+    if m["compile_s"] >= 0.05:
+        shown["compile"] = f"{m['compile_s']:.1f}s"
+    if "expert_imbalance" in record:
+        shown["experts max/mean"] = f"{record['expert_imbalance']:.2f}"
+    return shown
 
 
 class _Metrics:

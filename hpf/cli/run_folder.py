@@ -36,7 +36,7 @@ def write_run(folder: Path, run: dict) -> None:
 
 
 def set_status(folder: Path, status: str, **fields) -> None:
-    """Record how the run ended ("done", "failed: ...", "interrupted") in its run.json."""
+    """Record how the run ended ("done", "stopped" (--timeout), "failed: ...", "interrupted") in its run.json."""
     run = read_run(folder)
     if run is not None:
         write_run(folder, {**run, "status": status, **fields})
@@ -109,6 +109,7 @@ def resolve(args, out: Path, fresh: dict, lead: bool = True) -> tuple[str | None
         if args.resume is None:
             raise CliError(f"--out {out} already holds a finished run ({done} steps); pick another folder, or "
                            "pass --resume --steps N to train it further")
+        _fill(args, (previous or {}).get("options") or {}, fresh, strict=True)  # a changed option: refused
         raise Complete(f"the run in {out} is complete ({done} steps); nothing to do")
     elif newest is not None:
         if args.resume is None:

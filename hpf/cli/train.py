@@ -151,7 +151,8 @@ def cmd_train(args) -> int:
                    data=str(args.data) if args.data else None, vocab_size=vocab_size,
                    eval_every=args.eval_every or 0, save_every=args.save_every or 0, resume=resume,
                    trace_dir=None if args.trace is None else str(args.trace or out / "trace"),
-                   tensorboard=None if args.tensorboard is None else str(args.tensorboard or out / "tensorboard"))
+                   tensorboard=None if args.tensorboard is None else str(args.tensorboard or out / "tensorboard"),
+                   stop_at=time.time() + args.timeout if args.timeout else None)
     make_step(job, mesh)  # checks optimizer, mode and precision here, before any rank starts
     plan = plan_of(args, mesh)  # checks the axes
     _check_memory(job, plan, report_of(args, plan)[0], local_ranks)
@@ -177,10 +178,10 @@ def cmd_train(args) -> int:
     try:
         if torchrun:
             init_distributed()
-            train_rank(rank(), job)
+            stopped = train_rank(rank(), job)
             shutdown()  # finishes async saves, meets the other ranks, destroys the process group
-        else:
-            launch(train_rank, mesh.size, job, timeout=args.timeout)
+        else:  # --timeout stops cleanly; only a run still going long after (a hung step) is ended
+            stopped = launch(train_rank, mesh.size, job, timeout=args.timeout and 2 * args.timeout + 60)[0]
     except BaseException as e:
         if lead:
             run_folder.set_status(out, "interrupted" if isinstance(e, KeyboardInterrupt) else
@@ -196,7 +197,7 @@ def cmd_train(args) -> int:
     except NonFiniteError:
         run_folder.set_status(out, "failed: every step skipped")
         raise
-    run_folder.set_status(out, "done")
+    run_folder.set_status(out, "done" if stopped is None else "stopped")
     files = [out / "metrics.jsonl", out / "run.json"]
     newest = checkpoint.latest(job.checkpoints)
     if newest is not None:
@@ -208,7 +209,10 @@ def cmd_train(args) -> int:
     if plots and not plots.startswith("skipped"):
         files += save_plots(records, out, f"loss: {args.model} {args.config!r}, mesh {mesh_text(job.axes)}, "
                                           f"{args.optimizer}{', ' + args.mixed_precision if args.mixed_precision else ''}")
-    print(summary(records, wall, files, resumed_at))
+    print(summary(records, wall, files, resumed_at, "done" if stopped is None else "stopped"))
+    if stopped is not None:
+        print(f"  --timeout   {args.timeout:g} s ran out after step {stopped} of {job.steps}, which is saved; "
+              f"go on with: hpf train --out {out} --resume")
     return 0
 
 
@@ -246,8 +250,9 @@ def _check_data_options(args) -> int | None:
         raise CliError(f"--data: {e}") from None
 
 
-def summary(records: list[dict], wall_s: float, files: list, resumed_at: int = 0) -> str:
-    """The closing lines; a resumed run's figures are of the steps it ran, its loss line of the whole run."""
+def summary(records: list[dict], wall_s: float, files: list, resumed_at: int = 0, ended: str = "done") -> str:
+    """The closing lines; a resumed run's figures are of the steps it ran, its loss line of the whole run.
+    ``ended``: "done", or "stopped" (--timeout)."""
     ran = [r for r in records if r["step"] > resumed_at] or records
     first, last = records[0], records[-1]
     records = ran
@@ -256,7 +261,7 @@ def summary(records: list[dict], wall_s: float, files: list, resumed_at: int = 0
     total_step = sum(r["step_s"] for r in records)
     tail = records[-min(10, len(records)):]
     return "\n".join([
-        f"done: {len(records)} steps in {wall_s:.1f} s" + (f" (steps {resumed_at + 1}-{last['step']}, resumed)"
+        f"{ended}: {len(records)} steps in {wall_s:.1f} s" + (f" (steps {resumed_at + 1}-{last['step']}, resumed)"
                                                             if resumed_at else ""),
         f"  loss        {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} (step {last['step']}), "
         f"mean of last {len(tail)}: {statistics.fmean(r['loss'] for r in tail):.4f}",
@@ -356,8 +361,10 @@ def add_parser(sub, help_: str):
                        help="also write metrics.jsonl's scalars as TensorBoard events into DIR (default: "
                             "<out>/tensorboard); needs the tensorboard package (the tensorboard extra)")
     train.add_argument("--timeout", type=positive(float), metavar="S",
-                       help="end the run after this many seconds (default: no limit; a collective that waits "
-                            "on a peer for hpf.launch's collective timeout raises on its own)")
+                       help="stop cleanly once this many seconds have passed: after the step in flight, save a "
+                            "checkpoint, exit 0 with status stopped (--resume goes on). A run still going at "
+                            "2 S + 60 s (a hung step) is ended (default: no limit; a collective that waits on a "
+                            "peer for hpf.launch's collective timeout raises on its own)")
     # Options a resumed run takes from its run.json: None until run_folder.resolve fills them.
     fresh = {k: train.get_default(k) for k in run_folder.OPTIONS}
     train.set_defaults(run=cmd_train, fresh=fresh, **{k: None for k in run_folder.OPTIONS})
