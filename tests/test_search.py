@@ -292,9 +292,8 @@ def test_cli_plan_search_tries_the_low_bit_slow_tier_when_asked():
 @pytest.mark.parametrize("argv, names", [
     (["plan", "--search", "--memory-per-rank", "lots"], "--memory-per-rank"),
     (["plan", "--search", "--memory-per-rank", "1KB", "--hardware", "h100"], "the smallest"),
-    (["plan", "--search", "--batch-size", "6"], "global batch 6"),
+    (["plan", "--search", "--batch-size", "6", "--hardware", "h100"], "global batch 6"),
     (["plan", "--search", "--hardware", "abacus"], "--hardware"),
-    (["train", "--plan", "auto"], "--hardware"),
     (["train", "--plan", "auto", "--hardware", "h100", "--hsdp"], "--hsdp"),
     (["train", "--plan", "/no/such/plan.json"], "--plan"),
     (["train", "--plan", "/no/such/plan.json", "--slow-precision", "auto"], "replays a search already made"),
@@ -322,7 +321,7 @@ def test_cli_train_replays_a_saved_plan_and_refuses_another_job(tmp_path):
     choice = json.loads(saved.read_text())["choice"]["options"]
     proc = hpf_cmd("train", "--plan", saved, "--steps", "2", "--out", tmp_path / "run")
     assert proc.returncode == 0, proc.stderr
-    assert f"plan: {search.Candidate(**choice).label()} (from {saved})" in proc.stdout
+    assert f"plan: {search.Candidate(**choice).label()} (from {saved}, searched on h100)" in proc.stdout
     options = json.loads((tmp_path / "run" / "run.json").read_text())["options"]
     assert {k: options[k] for k in choice} == choice
     assert options["batch_size"] == 8 and options["mesh"] == {"dp": 2}
@@ -351,7 +350,7 @@ def test_cli_train_plan_auto_searches_this_machine(tmp_path):
                    "--batch-size", "4", "--out", tmp_path / "run")
     assert proc.returncode == 0, proc.stderr
     line = next(x for x in proc.stdout.splitlines() if x.startswith("plan: "))
-    assert "searched" in line and "on h100" in line and "per rank" in line
+    assert "searched" in line and "on hardware h100 (--hardware)" in line and "per rank" in line
     options = json.loads((tmp_path / "run" / "run.json").read_text())["options"]
     fields = [f.name for f in dataclasses.fields(search.Candidate)]
     assert search.Candidate(**{k: options[k] for k in fields}).label() in line

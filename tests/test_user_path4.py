@@ -309,3 +309,61 @@ def test_timeout_stops_after_a_step_saves_it_and_resumes(tmp_path):
     again = hpf_cmd("train", "--out", out, "--resume", "--steps", last + 2)
     assert again.returncode == 0, again.stderr
     assert [r["step"] for r in records(out)] == list(range(1, last + 3))
+
+
+# 5 -- the plan search states its assumptions; one rule for the hardware ------------------------------
+CALIBRATION = ROOT / "docs" / "simulate" / "validation" / "calib_small_0.json"
+
+
+def _cached(tmp_path) -> dict:
+    """An environment whose user cache holds a calibration of this machine."""
+    import socket
+    cache = tmp_path / "cache" / "hpf" / f"calibration-{socket.gethostname()}.json"
+    cache.parent.mkdir(parents=True)
+    cache.write_text(CALIBRATION.read_text())
+    return {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+
+
+def test_plan_search_prices_on_this_machines_calibration_and_says_what_it_assumed(tmp_path):
+    proc = hpf_cmd("plan", "--search", "--config", "tiny", "--world-size", 2, env=_cached(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assumed = proc.stdout.splitlines()[-1]
+    assert "hardware local-cpu" in proc.stdout.splitlines()[0] and "cloudmatrix" not in proc.stdout
+    assert assumed.startswith("assumed: this machine's calibration (") and "global batch 2 sequences (one per rank" \
+        in assumed
+
+
+def test_the_hardware_rule_calibrates_once_quickly_and_then_reuses_the_cache(tmp_path, monkeypatch):
+    import argparse
+
+    from hpf.cli import search as cli_search
+    from hpf.sim import calibrate as cal
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+
+    def fake(world_sizes, shapes, **kw):
+        calls.append((world_sizes, shapes, kw["reps"], kw["launches"], kw["quick"]))
+        return json.loads(CALIBRATION.read_text())
+    monkeypatch.setattr(cal, "calibrate", fake)
+    args = argparse.Namespace(hardware=None, model="gpt", config="small")
+    for _ in range(2):
+        hw, where = cli_search.hardware_of(args, hpf.Mesh({"dp": 2}), batch_size=8)
+        assert hw.name == "local-cpu" and "this machine's calibration" in where
+    assert calls == [((2,), (("gpt", "small", 1),), cli_search.QUICK_REPS, 1, True)]
+    assert cli_search.calibration_cache().is_relative_to(tmp_path)
+    args.hardware = "h100"
+    assert cli_search.hardware_of(args, hpf.Mesh({"dp": 2}), 8)[0].name == "h100"
+
+
+def test_train_plan_file_says_the_batch_and_precision_it_sets(tmp_path):
+    saved = tmp_path / "plan.json"
+    proc = hpf_cmd("plan", "--search", "--config", "tiny", "--world-size", 2, "--hardware", "h100",
+                   "--mixed-precision", "bf16", "--save", saved)
+    assert proc.returncode == 0, proc.stderr
+    proc = hpf_cmd("train", "--plan", saved, "--steps", 1, "--out", tmp_path / "run")
+    assert proc.returncode == 0, proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("plan: "))
+    assert "searched on h100" in line and "--batch-size 2 (the plan's; hpf train's default is 32" in line
+    assert "--mixed-precision bf16 (on a CPU, bf16 is emulated" in line
+    refused = hpf_cmd("train", "--plan", saved, "--batch-size", 32, "--out", tmp_path / "other")
+    assert refused.returncode == 2 and "was searched for --batch-size 2, not 32" in one_error_line(refused)

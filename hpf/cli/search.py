@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
+import os
 import re
+import socket
+import time
+from pathlib import Path
 
 from hpf import memory, search, sim
 from hpf.cli.common import CliError, mesh_text, positive
@@ -54,10 +59,10 @@ def add_options(parser, *, train: bool) -> None:
                              "(an accelerator's free memory under torchrun, else the host's available memory over "
                              "its ranks). Default: " +
                              ("auto" if train else "the --hardware profile's memory per rank, else auto"))
-    parser.add_argument("--hardware", metavar="NAME|FILE", default=None if train else "cloudmatrix384",
+    parser.add_argument("--hardware", metavar="NAME|FILE",
                         help="what hpf.sim prices the candidates on: a profile (cloudmatrix384, ascend910c-roce, h100, "
-                             "h200) or a calibration from `hpf calibrate`" +
-                             (" (needed by --plan auto)" if train else " (default: cloudmatrix384)"))
+                             "h200) or a calibration from `hpf calibrate` (default: this machine's calibration, "
+                             "cached in ~/.cache/hpf; the first time, a quick one of about a minute)")
     if not train:
         parser.add_argument("--batch-size", type=positive(int), metavar="B",
                             help="with --search: the global batch in sequences, split evenly over the ranks "
@@ -76,12 +81,50 @@ def _cap(args, hw, local_ranks: int, machine: bool) -> int:
     return memory.machine_memory(local_ranks)[0]
 
 
-def run_search(args, mesh, *, batch_size: int, local_ranks: int, machine: bool = False):
-    """hpf.search.search for the command line's job; its errors as one line."""
+QUICK_REPS = 3  # a quick calibration: 3 reps, 1 launch, this job's world and shape (about a minute)
+
+
+def calibration_cache() -> Path:
+    """Where this machine's calibration is kept: the user's cache folder ($XDG_CACHE_HOME or ~/.cache)."""
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "hpf" / f"calibration-{socket.gethostname()}.json"
+
+
+def hardware_of(args, mesh, batch_size: int):
+    """The one rule of --plan auto and hpf plan --search: ``--hardware`` if given; else this
+    machine's cached calibration; else a quick calibration (about a minute, with progress),
+    cached for the next run. Returns (the Hardware, a line that says which and why)."""
+    if args.hardware is not None:
+        try:
+            return sim.hardware(args.hardware), f"hardware {args.hardware} (--hardware)"
+        except ValueError as e:
+            raise CliError(f"--hardware: {e}") from None
+    cache = calibration_cache()
+    if not cache.is_file():
+        from hpf.sim import calibrate as cal
+
+        world = max(2, min(mesh.size, os.cpu_count() or 2, 8))
+        shape = (args.model, args.config, 1)  # one sequence per rank: the search scales it by FLOPs
+        started = time.perf_counter()
+        print(f"calibrate  no calibration of this machine yet: a quick one on {world} ranks ({args.model} "
+              f"{args.config}, about a minute, once; cached at {cache}; --hardware NAME|FILE skips it)", flush=True)
+
+        def stage(what: str) -> None:
+            print(f"calibrate  {what}  ({time.perf_counter() - started:.0f} s so far)", flush=True)
+        result = cal.calibrate((world,), (shape,), reps=QUICK_REPS, launches=1, stage=stage, quick=True)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(result, indent=1) + "\n")
     try:
-        hw = sim.hardware(args.hardware)
+        hw = sim.load_calibration(cache)
     except ValueError as e:
-        raise CliError(f"--hardware: {e}") from None
+        raise CliError(f"the cached calibration {cache}: {e}; delete it (it is made again) or pass --hardware") from None
+    return hw, f"this machine's calibration ({cache}; --hardware NAME|FILE for other hardware)"
+
+
+def run_search(args, mesh, *, batch_size: int, local_ranks: int, machine: bool = False):
+    """hpf.search.search for the command line's job; its errors as one line. Returns (the result,
+    the line that says which hardware priced it)."""
+    hw, where = hardware_of(args, mesh, batch_size)
     fixed = {k: getattr(args, k) for k in ("mixed_precision", "ep_axis") if getattr(args, k, None) is not None}
     if getattr(args, "hsdp", False):
         fixed["hsdp"] = True
@@ -92,15 +135,17 @@ def run_search(args, mesh, *, batch_size: int, local_ranks: int, machine: bool =
     try:
         return search.search(args.model, args.config, mesh, hw, global_batch=batch_size,
                              memory_per_rank=_cap(args, hw, local_ranks, machine), optimizer=args.optimizer,
-                             fixed=fixed, low_bit=slow == "auto")
+                             fixed=fixed, low_bit=slow == "auto"), where
     except ValueError as e:
         raise CliError(str(e)) from None
 
 
 def cmd_search(args, mesh) -> int:
     """hpf plan --search: the ranking, and with --save the file hpf train --plan replays."""
-    result = run_search(args, mesh, batch_size=args.batch_size or mesh.size, local_ranks=mesh.size)
+    result, where = run_search(args, mesh, batch_size=args.batch_size or mesh.size, local_ranks=mesh.size)
     print(result.format())
+    print(f"assumed: {where}; global batch {result.global_batch} sequences"
+          + (" (--batch-size)" if args.batch_size else " (one per rank: pass --batch-size, e.g. hpf train's 32)"))
     if args.save:
         result.save(args.save)
         model = "" if args.model == "gpt" else f"--model {args.model} "
@@ -119,10 +164,6 @@ def check_plan_flags(args) -> None:
         raise CliError(f"--slow-precision auto asks the search to try a low-bit slow tier, and --plan {args.plan} "
                        "replays a search already made; search again with hpf plan --search --slow-precision auto")
     if args.plan == "auto":
-        if args.hardware is None:
-            raise CliError("--plan auto ranks plans by hpf.sim's predicted step time on --hardware: give a "
-                           "calibration of this machine (hpf calibrate --out calib.json, about 3 minutes) or a "
-                           "profile (h100, h200, cloudmatrix384)")
         return
     try:
         saved = search.load(args.plan)
@@ -132,23 +173,36 @@ def check_plan_flags(args) -> None:
         mine = getattr(args, key)
         if mine is None:
             setattr(args, key, saved[key])
+            if key == "batch_size" and saved[key] != args.fresh["batch_size"]:
+                args.plan_batch_note = (f"hpf train's default is {args.fresh['batch_size']}; pass --batch-size "
+                                        f"{saved[key]} to say so, or search again with another --batch-size")
         elif mine != saved[key]:
             shown = mesh_text(mine) if key == "mesh" else mine
             raise CliError(f"--plan {args.plan} was searched for --{key.replace('_', '-')} "
                            f"{mesh_text(saved[key]) if key == 'mesh' else saved[key]}, not {shown}; search again "
                            "for this job (hpf plan --search ... --save FILE) or drop the option")
     args.plan_choice = saved["choice"]["options"]
+    args.plan_hardware = saved.get("hardware", "unknown hardware")
 
 
 def apply_plan(args, mesh, local_ranks: int) -> str:
     """Set the run's options from the plan (searched now for --plan auto); returns the line that says so."""
     if args.plan == "auto":
-        result = run_search(args, mesh, batch_size=args.batch_size, local_ranks=local_ranks, machine=True)
+        result, hw = run_search(args, mesh, batch_size=args.batch_size, local_ranks=local_ranks, machine=True)
         choice, where = result.best.candidate, (f"searched {result.candidates} candidates in {result.seconds:.1f} s "
-                                                f"on {result.hardware}, predicted {result.best.step_s * 1e3:.3g} ms "
+                                                f"on {hw}, predicted {result.best.step_s * 1e3:.3g} ms "
                                                 f"per step, {memory.size(result.best.memory.total)} per rank")
     else:
-        choice, where = Candidate(**args.plan_choice), f"from {args.plan}"
+        choice, where = Candidate(**args.plan_choice), f"from {args.plan}, searched on {args.plan_hardware}"
     for key, value in dataclasses.asdict(choice).items():
         setattr(args, key, value)
-    return f"plan: {choice.label()} ({where})"
+    note = getattr(args, "plan_batch_note", None)
+    sets = [f"--batch-size {args.batch_size}" + (f" (the plan's; {note})" if note else "")]
+    if choice.mixed_precision is None:
+        sets.append("fp32 compute")
+    else:
+        import torch
+        cpu = choice.mixed_precision == "bf16" and not torch.accelerator.is_available()
+        sets.append(f"--mixed-precision {choice.mixed_precision}"
+                    + (" (on a CPU, bf16 is emulated and slower than fp32)" if cpu else ""))
+    return f"plan: {choice.label()} ({where}); it sets " + ", ".join(sets)

@@ -459,10 +459,12 @@ def add_sync_terms(calib: dict, reps: int = 7, nbytes: int = 256 << 10, launches
 
 
 def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)),
-              sizes_mib=None, reps: int = 7, launches: int = 3, stage=_quiet) -> dict:
+              sizes_mib=None, reps: int = 7, launches: int = 3, stage=_quiet, quick: bool = False) -> dict:
     """Measure and fit; returns the calibration dict (``json.dump`` it; hardware() loads the file).
     Every term is the median of ``launches`` launches; collectives at ``sizes_mib`` (default
-    ``sizes_for(shapes)``). ``stage(what)`` is called as each of ``stages(world_sizes)`` parts begins."""
+    ``sizes_for(shapes)``). ``stage(what)`` is called as each of ``stages(world_sizes)`` parts begins.
+    ``quick``: only the links, the compute and the per-unit overhead (what the plan search ranks
+    hpf's candidates by; not FSDP2's path, the issue costs or the sync terms: those stay 0)."""
     shapes = [as_shape(s) for s in shapes]
     sizes_mib = sizes_mib or sizes_for(shapes)
     sizes = [int(m * 2 ** 20) for m in sizes_mib]
@@ -502,5 +504,7 @@ def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)),
              "cores": len(os.sched_getaffinity(0)), "kernel_overhead_s": overhead,
              "torch": torch.__version__, "peak_flops": peak_flops, "efficiency": statistics.median(effs) if effs else 0.5,
              "mem_bw": statistics.median(mem_bw), "links": links, "compute": compute}
+    if quick:
+        return {**calib, "quick": True}
     calib = add_fsdp2_comm(add_issue_costs(calib, reps, launches, stage), reps, sizes_mib, launches, stage)
     return add_sync_terms(calib, reps, launches=launches, stage=stage)
