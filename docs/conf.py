@@ -17,6 +17,7 @@ exclude_patterns = ["_build", "jupyter_execute", "simulate", "results"]
 html_theme = "furo"
 html_title = "hpf"
 myst_heading_anchors = 3
+smartquotes = False  # option names stay as typed: --out, not an en dash
 autodoc_typehints = "description"
 autodoc_member_order = "bysource"
 napoleon_google_docstring = True

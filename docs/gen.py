@@ -46,8 +46,13 @@ def options(command: str) -> str:
             flag += " {" + ",".join(map(str, action.choices)) + "}"
         elif action.option_strings and action.nargs != 0:
             flag += f" {action.metavar or action.dest.upper()}"
-        rows.append([f"`{flag}`", " ".join((action.help or "").split())])
-    return f"`hpf {command}`: {sub.description}\n\n" + table(["option", "meaning"], rows)
+        rows.append([f"`{flag}`", _literal(action.help or "")])
+    return f"`hpf {command}`: {_literal(sub.description)}\n\n" + table(["option", "meaning"], rows)
+
+
+def _literal(text: str) -> str:
+    """--help text as Markdown that renders as typed: ``<out>`` is text, not an HTML tag."""
+    return " ".join(text.split()).replace("<", "\\<")
 
 
 def errors() -> str:

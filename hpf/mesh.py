@@ -67,6 +67,7 @@ class Mesh:
 
     # -- pure geometry -------------------------------------------------------------------
     def axis_size(self, axes: str | Sequence[str]) -> int:
+        """The number of ranks along ``axes`` (one name or several: the product of their sizes)."""
         return math.prod(self.shape[self._index(a)] for a in as_axes(axes))
 
     def slow_axes_of(self, axes: str | Sequence[str]) -> tuple[str, ...]:
@@ -74,6 +75,10 @@ class Mesh:
         return tuple(a for a in as_axes(axes) if a not in self.fast_axes and self.axis_size(a) > 1)
 
     def coords(self, rank: int) -> tuple[int, ...]:
+        """``rank``'s coordinate on each axis, outer to inner (row-major: the last axis varies fastest).
+
+        Raises:
+            MeshError: ``rank`` is outside the mesh."""
         if not 0 <= rank < self.size:
             raise MeshError(f"rank {rank} is outside a mesh of {self.size} ranks")
         out = []
@@ -83,6 +88,7 @@ class Mesh:
         return tuple(reversed(out))
 
     def rank_of(self, coords: Sequence[int]) -> int:
+        """The rank at ``coords`` (one per axis, outer to inner): the inverse of :meth:`coords`."""
         rank = 0
         for c, n in zip(coords, self.shape, strict=True):
             rank = rank * n + c

@@ -25,11 +25,32 @@ def test_the_docs_build_with_warnings_as_errors_and_run_the_notebooks(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "sphinx", "-W", "-q", "-b", "html", "docs", str(tmp_path / "html")],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    for page in ("contract", "topology", "validation", "muon", "moe", "checkpoints", "simulate", "search", "benchmarks",
+    for page in ("contract", "topology", "validation", "muon", "moe", "checkpoints", "simulate", "plan_search", "benchmarks",
                  "architecture", "cli", "api", "notebooks/quickstart", "notebooks/muon"):
         assert (tmp_path / "html" / f"{page}.html").is_file(), page
     quickstart = (tmp_path / "html" / "notebooks" / "quickstart.html").read_text()
     assert "plan check OK" in quickstart  # an executed cell's output, not just its source
+    check_built_site(tmp_path / "html")
+
+
+def check_built_site(html: Path) -> None:
+    """Every public name renders on the API page; option text renders as typed; the plan search's
+    page is its own (issue 38)."""
+    import hpf
+    import hpf.checkpoint
+    ids = set(re.findall(r'id="([^"]+)"', (html / "api.html").read_text()))
+    names = [f"hpf.{n}" for n in hpf.__all__] + [f"hpf.checkpoint.{n}" for n in hpf.checkpoint.__all__]
+    names += [f"hpf.Mesh.{m}" for m in ("axis_size", "coords", "rank_of")]
+    names += [f"hpf.ShardStep.{m}" for m in ("init", "__call__", "full_params", "save", "restore")]
+    assert [n for n in names if n not in ids and f"module-{n}" not in ids] == []
+    cli = (html / "cli.html").read_text()
+    assert "\u2013" not in cli and "--out" in cli and "&lt;out&gt;/metrics.jsonl" in cli
+    assert "Plan search" in (html / "plan_search.html").read_text()
+
+
+def test_no_page_is_shadowed_by_one_sphinx_makes():
+    pages = {p.stem for p in (ROOT / "docs").glob("*.md")}
+    assert not pages & {"search", "genindex", "py-modindex"}, "Sphinx writes its own page under that name"
 
 
 def test_the_readme_is_short_present_tense_and_dateless():

@@ -34,7 +34,7 @@ def add_parser(sub, help_: str):
     prepare.add_argument("--out", type=Path, required=True, metavar="DIR", help="the token folder to write")
     prepare.add_argument("--tokenizer", default="bytes", metavar="PATH",
                          help="'bytes' (vocab 257: bytes + end of document) or a local tokenizer.json "
-                              "(needs the tokenizers package, the 'tokenizers' extra) (default: bytes)")
+                              "(needs the tokenizers package: pip install -e '.[hf]') (default: bytes)")
     prepare.add_argument("--val-fraction", type=positive(float), default=0.05, metavar="F",
                          help="share of the tokens held out, taken from the end (default: 0.05)")
     prepare.add_argument("--glob", default="*", metavar="PATTERN",

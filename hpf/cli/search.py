@@ -53,7 +53,7 @@ def add_options(parser, *, train: bool) -> None:
                                  "recomputation and micro-batches, under --memory-per-rank, ranked by hpf.sim's "
                                  "predicted step time on --hardware; --mixed-precision, --ep-axis, --hsdp and "
                                  "--slow-precision, when given, hold theirs (--slow-precision auto: search the low-bit "
-                                 "slow tier too) (docs: search.md)")
+                                 "slow tier too) (docs: plan_search.md)")
     parser.add_argument("--memory-per-rank", type=memory_bytes, metavar="BYTES|auto",
                         help="the search's cap on predicted peak memory per rank, e.g. 64GiB; auto: this machine's "
                              "(an accelerator's free memory under torchrun, else the host's available memory over "

@@ -13,6 +13,7 @@ from hpf.models import gpt, llama, moe
 
 __all__ = ["gpt", "llama", "moe", "MODELS", "model_config"]
 
+#: The models by name: what `hpf train --model` picks.
 MODELS = {"gpt": gpt, "llama": llama, "moe": moe}
 
 
