@@ -45,12 +45,36 @@ COLLECTIVE_TIMEOUT_S = 300.0
 
 
 class RankError(RuntimeError):
-    """A rank raised, died, or a launch timed out; `rank` is the rank blamed (None on timeout)."""
+    """A rank raised, died, or a launch timed out; `rank` is the rank blamed (None on timeout).
 
-    def __init__(self, message: str, rank: int | None = None, child_traceback: str = ""):
+    When the rank raised, ``cause`` is its exception (None if it could not travel by pickle),
+    and the RankError is also an instance of that exception's class where Python can make one
+    class of both, so ``except hpf.ParamsMismatchError`` works across ``hpf.launch``."""
+
+    def __init__(self, message: str, rank: int | None = None, child_traceback: str = "",
+                 cause: BaseException | None = None):
         super().__init__(message)
         self.rank = rank
         self.child_traceback = child_traceback
+        self.cause = cause
+
+
+_TYPED: dict[type, type] = {}  # the rank's exception class -> RankError and it, made once
+
+
+def _rank_error(message: str, rank_: int, tb: str, cause: BaseException | None) -> RankError:
+    """The RankError of a rank that raised ``cause``: of its class too, where one can be made
+    (not for a class whose instances are laid out otherwise, e.g. OSError, or whose __init__
+    takes other arguments)."""
+    if isinstance(cause, Exception) and not isinstance(cause, RankError):
+        try:
+            cls = _TYPED.get(type(cause)) or _TYPED.setdefault(
+                type(cause), type(type(cause).__name__, (RankError, type(cause)), {"__module__": type(cause).__module__,
+                                                                                   "__qualname__": f"RankError[{type(cause).__qualname__}]"}))
+            return cls(message, rank_, tb, cause)
+        except TypeError:
+            pass
+    return RankError(message, rank_, tb, cause)
 
 
 def is_launched() -> bool:
@@ -187,9 +211,15 @@ def _child(fn, rank_, world_size_, args, env, timeout, backend, conn) -> None:
         init_distributed(timeout=timeout, backend=backend)
         message = ("ok", fn(rank_, *args))
         shutdown()  # an unfinished async save or a peer stuck in a skipped collective is this rank's error
-    except BaseException:  # noqa: BLE001 -- everything, incl. SystemExit, is reported to the parent
+    except BaseException as e:  # noqa: BLE001 -- everything, incl. SystemExit, is reported to the parent
         message = ("error", traceback.format_exc())
+        error = e
     message += (time.monotonic(),)  # system-wide clock: the parent blames the earliest error
+    if message[0] == "error":  # the exception itself too, where it pickles (the parent raises its type)
+        try:
+            message += (pickle.dumps(error),)
+        except Exception:  # noqa: BLE001 -- e.g. an attribute that does not pickle
+            pass
     # plain pickle: tensors travel by value (torch's ForkingPickler would send file
     # descriptors that the parent fetches from this process, which is about to exit)
     try:
@@ -353,7 +383,7 @@ def _collect(procs: list, conns: list, timeout: float | None) -> list[Any]:
                 procs[r].join(_TERMINATE_GRACE_S)  # pipe closed: the process is exiting
                 deaths.append(r)
             elif message[0] == "error":
-                errors.append((message[2], r, message[1]))
+                errors.append((message[2], r, message[1], message[3] if len(message) > 3 else None))
             else:
                 results[r] = message[1]
         if errors and not deaths:  # a peer's error may be the echo of a death not yet seen: look once more
@@ -368,12 +398,20 @@ def _collect(procs: list, conns: list, timeout: float | None) -> list[Any]:
             raise RankError(f"hpf.launch: rank {r} {_exit_description(procs[r].exitcode)} without "
                             "reporting a result or an exception; the other ranks were ended", rank=r)
         if errors:
-            _, r, tb = min(errors)
-            raise RankError(f"hpf.launch: rank {r} raised (the other ranks were ended):\n{tb}",
-                            rank=r, child_traceback=tb)
+            _, r, tb, pickled = min(errors, key=lambda e: e[:2])
+            raise _rank_error(f"hpf.launch: rank {r} raised (the other ranks were ended):\n{tb}", r, tb,
+                              _unpickled(pickled))
     for p in procs:  # ranks are past fn; give them a moment to tear the process group down
         p.join(min(10.0, max(0.0, deadline - time.monotonic())))
     return results
+
+
+def _unpickled(payload: bytes | None) -> BaseException | None:
+    """A rank's exception, if it travelled and its class imports here."""
+    try:
+        return None if payload is None else pickle.loads(payload)
+    except Exception:  # noqa: BLE001 -- e.g. a class defined in the rank only
+        return None
 
 
 def _remove_shm_leftovers(pids: list[int]) -> None:

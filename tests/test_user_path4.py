@@ -367,3 +367,43 @@ def test_train_plan_file_says_the_batch_and_precision_it_sets(tmp_path):
     assert "--mixed-precision bf16 (on a CPU, bf16 is emulated" in line
     refused = hpf_cmd("train", "--plan", saved, "--batch-size", 32, "--out", tmp_path / "other")
     assert refused.returncode == 2 and "was searched for --batch-size 2, not 32" in one_error_line(refused)
+
+
+# 9 -- a rank's error keeps its type across hpf.launch; Ctrl-C says how to go on ----------------------
+def _bad_params(rank):
+    if rank == 1:
+        raise hpf.ParamsMismatchError("rank 1 was given other params")
+    return rank
+
+
+def test_a_ranks_error_is_caught_by_its_own_type_across_launch():
+    from hpf.launcher import RankError, launch
+    with pytest.raises(hpf.ParamsMismatchError, match="rank 1 raised") as info:
+        launch(_bad_params, 2, timeout=120)
+    err = info.value
+    assert isinstance(err, RankError) and err.rank == 1
+    assert type(err.cause) is hpf.ParamsMismatchError and str(err.cause) == "rank 1 was given other params"
+
+
+def test_ctrl_c_ends_hpf_train_on_its_own_line_and_says_how_to_go_on(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "hpf", "train", "--world-size", "1", "--steps", "1000000",
+                             "--save-every", "5", "--out", str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.monotonic() + 120
+    while not (out / "checkpoints").is_dir() or not any(p.name.startswith("step_") and not p.name.endswith(".tmp")
+                                                         for p in (out / "checkpoints").iterdir()):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("hpf: interrupted; go on from step_") and f"with: hpf train --out {out} --resume" in line
+    assert json.loads((out / "run.json").read_text())["status"] == "interrupted"

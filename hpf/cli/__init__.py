@@ -69,19 +69,19 @@ def main(argv: list[str] | None = None) -> int:
     kept = False  # whether a traceback was kept for this error
     try:
         return args.run(args)
-    except KeyboardInterrupt:
-        print("hpf: interrupted", file=sys.stderr)
+    except KeyboardInterrupt:  # on its own line, not after a progress line redrawn in place
+        print(("\n" if sys.stdout.isatty() else "") + "hpf: interrupted" + _resume_hint(args.log_dir), file=sys.stderr)
         return 130
+    except RankError as e:  # the rank's traceback goes to the log, its last line to the user (first: a
+        code, line = 1, (f"rank {e.rank} failed: {_last_line(e.child_traceback or str(e))}" if e.rank is not None
+                         else str(e).removeprefix("hpf.launch: "))  # rank's ValueError is a RankError too)
+        kept = bool(e.child_traceback) and _keep(args, e.child_traceback)
     except (CliError, ValueError) as e:  # a wrong argument; hpf's SpecError and MeshError are ValueErrors
         if args.debug:
             raise
         code, line = 2, str(e)
     except NonFiniteError as e:  # a diverged run: the message says what to do
         code, line = 1, str(e)
-    except RankError as e:  # the rank's traceback goes to the log, its last line to the user
-        code, line = 1, (f"rank {e.rank} failed: {_last_line(e.child_traceback or str(e))}" if e.rank is not None
-                         else str(e).removeprefix("hpf.launch: "))
-        kept = bool(e.child_traceback) and _keep(args, e.child_traceback)
     except Exception as e:  # noqa: BLE001 -- anything else: one line, the traceback kept
         code, line = 1, f"{type(e).__name__}: {e}"
         kept = _keep(args, traceback.format_exc())
@@ -92,6 +92,18 @@ def main(argv: list[str] | None = None) -> int:
                      else " (--debug shows the traceback)")
         print(f"hpf: error: {' '.join(line.split())}{where}", file=sys.stderr)
     return code
+
+
+def _resume_hint(run: Path | None) -> str:
+    """How an interrupted hpf train goes on (``run``: its run folder, None for other commands)."""
+    if run is None:
+        return ""
+    from hpf import checkpoint
+
+    newest = checkpoint.latest(Path(run) / "checkpoints")
+    if newest is None:
+        return "; it saved no checkpoint (--save-every N saves them), so a rerun starts again"
+    return f"; go on from {newest.name} with: hpf train --out {run} --resume"
 
 
 def _keep(args, text: str) -> bool:
