@@ -407,3 +407,19 @@ def test_ctrl_c_ends_hpf_train_on_its_own_line_and_says_how_to_go_on(tmp_path):
     line = err.strip().splitlines()[-1]
     assert line.startswith("hpf: interrupted; go on from step_") and f"with: hpf train --out {out} --resume" in line
     assert json.loads((out / "run.json").read_text())["status"] == "interrupted"
+
+
+# 11 -- lr, peak memory and MFU against a stated peak, in metrics.jsonl ------------------------------
+def test_metrics_have_lr_peak_memory_and_mfu_against_a_stated_peak(tmp_path):
+    out = tmp_path / "run"
+    proc = hpf_cmd("train", "--world-size", 1, "--steps", 4, "--warmup", 2, "--schedule", "linear", "--out", out,
+                   env=_cached(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    rows = records(out)
+    assert [r["lr"] for r in rows] == pytest.approx([0.005, 0.01, 0.005, 0.0])  # warmup, then linear to 0
+    assert all(r["peak_memory_bytes"] > 10 * 2**20 for r in rows)
+    peak = json.loads(CALIBRATION.read_text())["peak_flops"]
+    flops = 3 * sum(gpt.unit_flops(gpt.CONFIGS["tiny"], 32).values())
+    assert [r["mfu"] for r in rows] == pytest.approx([flops / r["step_s"] / peak for r in rows])
+    assert f"MFU against {peak / 1e12:.3g} TFLOP/s per rank (this machine's calibration" in proc.stdout
+    assert "MFU" in proc.stdout.split("done:")[1] and "memory      peak" in proc.stdout

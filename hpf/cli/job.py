@@ -132,6 +132,41 @@ def _batches(job: TrainJob, config, split: str, rank: int, world: int, start: in
     return gpt.synthetic_batches(config, job.batch_size, job.seed, start=start, **where)
 
 
+def step_flops(module, config, batch_size: int) -> float:
+    """Model FLOPs of one step on the global batch: forward and backward, 3x the forward (the
+    model's ``unit_flops``, else 2 x params x tokens); recomputation is not counted, as in MFU."""
+    if hasattr(module, "unit_flops"):
+        return 3.0 * sum(module.unit_flops(config, batch_size).values())
+    return 3.0 * 2.0 * module.num_params(config) * batch_size * config.seq_len
+
+
+def peak_flops() -> tuple[float | None, str]:
+    """MFU's peak per rank and where it comes from: an accelerator's profile (hpf.sim's H100 and
+    H200: bf16 dense), else this machine's calibration (hpf plan --search caches it), else none."""
+    from hpf import sim
+    from hpf.cli.search import calibration_cache
+
+    if torch.accelerator.is_available():
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+        for key in ("h200", "h100"):
+            if key in name.lower():
+                return sim.hardware(key).peak_flops, f"the {key} profile's bf16 dense peak"
+        return None, f"no peak known for {name or 'this accelerator'}"
+    cache = calibration_cache()
+    try:
+        return sim.load_calibration(cache).peak_flops, f"this machine's calibration ({cache})"
+    except (OSError, ValueError):
+        return None, "no calibration of this machine (hpf plan --search makes one)"
+
+
+def peak_memory() -> int:
+    """This process's peak memory so far: an accelerator's allocated bytes, else the host RSS."""
+    if torch.accelerator.is_available():
+        return int(torch.accelerator.max_memory_allocated())
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
 def read_metrics(path: str | os.PathLike) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -175,6 +210,11 @@ def train_rank(rank: int, job: TrainJob) -> int | None:
         held_out = _batches(job, config, "val", rank, mesh.size, start=0)
         evaluate = token_data.HeldOut(module.loss_for(config), [next(held_out) for _ in range(EVAL_BATCHES)])
     tokens_per_step = job.batch_size * config.seq_len
+    flops, (peak, peak_source) = step_flops(module, config, job.batch_size), peak_flops()
+    lr = Schedule(job.schedule, job.lr, total_steps=job.steps, warmup=job.warmup)
+    if progress:
+        progress.note(f"metrics     lr, peak memory (rank 0), tokens/s, " + (
+            f"MFU against {peak / 1e12:.3g} TFLOP/s per rank ({peak_source})" if peak else f"no MFU: {peak_source}"))
     kept = []  # a resumed run keeps the metrics of the steps it does not redo
     if rank == 0 and job.resume and os.path.exists(job.metrics_path):
         kept = [r for r in read_metrics(job.metrics_path) if r["step"] <= done]
@@ -187,6 +227,9 @@ def train_rank(rank: int, job: TrainJob) -> int | None:
                 state, m = step(state, next(batches))
                 advance()
                 record = {"step": i, **{k: m[k] for k in STEP_METRICS}, "tokens_per_s": tokens_per_step / m["step_s"]}
+                record.update(lr=lr(i), peak_memory_bytes=peak_memory())
+                if peak:
+                    record["mfu"] = flops / m["step_s"] / (peak * mesh.size)
                 if "loss_scale" in m:
                     record["loss_scale"] = m["loss_scale"]
                 skipped += m["skipped"]

@@ -272,6 +272,7 @@ def summary(records: list[dict], wall_s: float, files: list, resumed_at: int = 0
         f"  throughput  {median['tokens_per_s']:,.0f} tokens/s median; waiting on communication "
         f"{sum(r['comm_wait_s'] for r in records) / total_step:.0%} of step time",
         *_compile_summary(records),
+        *_usage_summary(records),
         "  files       " + "\n              ".join(str(f) for f in files),
     ])
 
@@ -283,6 +284,14 @@ def _skipped_summary(records: list[dict]) -> list[str]:
     shown = ", ".join(map(str, skipped[:10])) + (", ..." if len(skipped) > 10 else "")
     return [f"  skipped     {len(skipped)} of {len(records)} steps (non-finite grads, no update): step"
             + ("s " if len(skipped) > 1 else " ") + shown]
+
+
+def _usage_summary(records: list[dict]) -> list[str]:
+    if "peak_memory_bytes" not in records[-1]:  # (older runs lack it)
+        return []
+    mfu = [r["mfu"] for r in records if r.get("mfu") is not None]
+    return [f"  memory      peak {size(max(r.get('peak_memory_bytes', 0) for r in records))} (rank 0)"
+            + (f"; MFU {statistics.median(mfu):.1%} median" if mfu else "")]
 
 
 def _compile_summary(records: list[dict]) -> list[str]:
