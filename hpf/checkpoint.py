@@ -60,7 +60,7 @@ from .launcher import at_shutdown
 from .optim.base import StateLayout
 
 
-__all__ = ["CheckpointError", "save", "restore", "load_params", "wait_pending", "boxes", "latest", "rng_state",
+__all__ = ["CheckpointError", "save", "restore", "load_params", "meta", "wait_pending", "boxes", "latest", "rng_state",
            "set_rng_state", "VERSION"]
 
 VERSION = 1
@@ -356,9 +356,13 @@ def _report_lost_saves() -> None:
 atexit.register(_report_lost_saves)
 
 
-def save(step, state, path, extra: Any = None, *, keep_last: int | None = None, async_save: bool = False) -> SaveHandle:
+def save(step, state, path, extra: Any = None, *, keep_last: int | None = None, async_save: bool = False,
+         meta: dict | None = None) -> SaveHandle:
     """Write ``state`` (and ``extra``, rank 0's) to the directory ``path``; every rank calls it,
     with the same path (checked: a CheckpointError on every rank otherwise).
+
+    ``meta``: a JSON-able dict kept in the checkpoint's header, readable without torch's
+    loader (:func:`meta`): ``hpf train`` stores the model and its config there.
 
     ``async_save``: copy the state to the CPU now (the only exposed time) and write in a
     background thread while training goes on; ``step.wait_save()`` (or the next save or
@@ -376,7 +380,7 @@ def save(step, state, path, extra: Any = None, *, keep_last: int | None = None, 
     if async_save:
         state = optree.tree_map(lambda t: t.detach().to("cpu", copy=True), state)
     sd = _state_dict(step, state)
-    header = _header(step, sd)
+    header = {**_header(step, sd), "meta": json.loads(json.dumps(meta or {}))}  # (JSON now: a bad value fails here)
     sd["extra"] = extra
     tmp = path.with_name(path.name + TMP_SUFFIX)
     rank = world.rank()
@@ -564,6 +568,14 @@ def restore(step, path, state=None, *, strict: bool = True) -> tuple[Any, Any]:
         warnings.warn(f"{path}: restore(strict=False) dropped {len(dropped)} checkpoint key(s) this model and "
                       f"optimizer do not have: {_some(dropped, 50)}", stacklevel=3)
     return state, sd["extra"]
+
+
+def meta(path) -> dict:
+    """The ``meta`` dict a checkpoint was saved with (``{}`` if none), in this process alone.
+
+    Raises:
+        CheckpointError: ``path`` is not an hpf checkpoint."""
+    return _read_header(Path(path))[0].get("meta", {})
 
 
 def load_params(path) -> Any:

@@ -38,13 +38,14 @@ class StateIO:
         return [torch.zeros(n, dtype=torch.float32, device=self.device) for n in numel]
 
     def save(self, state: TrainState, path, extra: Any = None, *, keep_last: int | None = None,
-             async_save: bool = False):
+             async_save: bool = False, meta: dict | None = None):
         """Collective: write a DCP checkpoint of ``state`` to ``path`` (see hpf.checkpoint.save)."""
         from . import checkpoint
 
         self._check_live(state, "step.save(state, path)")
         self.wait_save()
-        self._pending_save = checkpoint.save(self, state, path, extra, keep_last=keep_last, async_save=async_save)
+        self._pending_save = checkpoint.save(self, state, path, extra, keep_last=keep_last, async_save=async_save,
+                                             meta=meta)
         return self._pending_save
 
     def wait_save(self):

@@ -1,4 +1,5 @@
-"""The ``hpf`` command: ``hpf train`` (the main job), ``prepare``, ``plan``, ``simulate`` and ``calibrate``.
+"""The ``hpf`` command: ``hpf train`` (the main job), ``prepare``, ``plan``, ``simulate``, ``calibrate``, and
+``eval``, ``export`` and ``generate`` of a trained checkpoint.
 
 One module per subcommand, each with ``add_parser(sub, help)`` and its ``cmd_*``. Only the
 named subcommand's module is imported, so ``hpf --help`` answers without importing torch.
@@ -28,7 +29,11 @@ COMMANDS = {
     "plan": "print per-rank memory and communication for any config and mesh",
     "simulate": "predict step time and exposed communication at any scale (no processes)",
     "calibrate": "measure this machine for hpf simulate --hardware FILE (about 3 minutes)",
+    "eval": "the held-out loss of a checkpoint on a token folder",
+    "export": "write a checkpoint as a transformers model (llama)",
+    "generate": "greedy text from a checkpoint (gpt, llama)",
 }
+_MODULES = {"eval": "use", "export": "use", "generate": "use"}  # commands that share a module: add_<name>_parser
 
 
 class Parser(argparse.ArgumentParser):
@@ -49,7 +54,8 @@ def build_parser(command: str | None = None) -> Parser:
                                 parser_class=Parser)
     for name, help_ in COMMANDS.items():
         if name == command:
-            full = importlib.import_module(f"hpf.cli.{name}").add_parser(sub, help_)
+            module = importlib.import_module(f"hpf.cli.{_MODULES.get(name, name)}")
+            full = getattr(module, f"add_{name}_parser", getattr(module, "add_parser", None))(sub, help_)
             full.add_argument("--debug", action="store_true",
                               help="on an error, print its full traceback (hpf train also keeps it in <out>/error.log)")
         else:

@@ -5,6 +5,7 @@ The driver (``hpf.cli.train``) checks every option and builds a ``TrainJob``; th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import time
@@ -243,7 +244,8 @@ def train_rank(rank: int, job: TrainJob) -> int | None:
                     if balancer is not None:
                         extra["expert_bias"] = balancer.bias.cpu()
                     path = job.checkpoints / f"step_{i:06d}"
-                    step.save(state, path, extra=extra, keep_last=job.keep_last, async_save=True)
+                    step.save(state, path, extra=extra, keep_last=job.keep_last, async_save=True,
+                              meta={"model": job.model, "config": dataclasses.asdict(config), "step": i})
                     if progress:
                         progress.note(f"checkpoint  step {i} -> {path} (written in the background)")
                 if out is not None:
