@@ -3,7 +3,8 @@
 A benchmark is a script here that calls ``report_ratio`` (common.py), which prints a line
 ``RATIO <name> <value> [<target>]``. This runner starts each as a subprocess, echoes its
 output, and prints one table of the ratios, each marked ``ok`` or ``MISS`` against its
-target. ``--json FILE`` also writes them, with the settings of the run, for the docs site
+target; a script's ``--quick`` run is a smoke run (a step or two), so its ratios are shown but
+not judged ("smoke"). ``--json FILE`` also writes them, with the settings of the run, for the docs site
 (docs/benchmarks.md builds its table from docs/benchmarks/results.json).
 
 It is a tool of this repository, not of the installed package: the scripts compare hpf
@@ -54,10 +55,14 @@ def shown(value: float, target: str) -> str:
     return f"{value:.{len(m[2]) + 1}f}" if m else f"{value:.4g}"
 
 
+def verdict(row: dict) -> str:
+    """meets(), except for a --quick run's ratio: too few steps to hold a target ("smoke")."""
+    return "smoke" if row.get("quick") and row["target"] else meets(row["value"], row["target"])
+
+
 def ratio_table(rows: list[dict]) -> str:
     head = ("benchmark", "ratio", "value", "target", "")
-    body = [(r["script"], r["name"], shown(r["value"], r["target"]), r["target"] or "-", meets(r["value"], r["target"]))
-            for r in rows]
+    body = [(r["script"], r["name"], shown(r["value"], r["target"]), r["target"] or "-", verdict(r)) for r in rows]
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [head, *body]]
     lines.insert(1, "-" * max(map(len, lines)))
@@ -87,7 +92,7 @@ def run(script: Path, quick: bool, timeout: float) -> tuple[list[dict], int, flo
         print("   " + line, end="", flush=True)
         ratio = parse_ratio_line(line)
         if ratio:
-            rows.append(dict(zip(("name", "value", "target"), ratio), script=script.name))
+            rows.append(dict(zip(("name", "value", "target"), ratio), script=script.name, quick=quick))
     rc = proc.wait()
     timer.cancel()
     seconds = time.perf_counter() - started
@@ -124,7 +129,7 @@ def main(argv=None) -> int:
                     "processor": platform.processor() or platform.machine(), "torch": torch.__version__,
                     "seconds": seconds, "failed": failed}
         args.json.write_text(json.dumps({"settings": settings, "ratios": [
-            {**r, "verdict": meets(r["value"], r["target"])} for r in rows]}, indent=1) + "\n")
+            {**r, "verdict": verdict(r)} for r in rows]}, indent=1) + "\n")
         print(f"wrote {args.json}")
     if failed:
         print(f"run.py: error: {len(failed)} benchmark(s) failed: {', '.join(failed)}", file=sys.stderr)
