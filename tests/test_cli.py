@@ -19,7 +19,8 @@ from hpf.progress import Progress
 from references import functional_training
 
 REPO = Path(__file__).resolve().parent.parent
-FIELDS = {"step", "loss", "grad_norm", "step_s", "comm_wait_s", "optimizer_s", "tokens_per_s"}
+FIELDS = {"step", "loss", "grad_norm", "skipped", "step_s", "comm_wait_s", "optimizer_s", "compile_s", "tokens_per_s",
+          "lr", "peak_memory_bytes"}  # and "mfu" where this machine has a calibration
 
 
 def run_main(argv, capsys):
@@ -43,7 +44,7 @@ def test_train_writes_metrics_plots_and_the_loss_falls(tmp_path):
     assert proc.returncode == 0, proc.stderr
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, steps + 1))
-    assert all(set(r) == FIELDS for r in records)
+    assert all(set(r) - {"mfu"} == FIELDS for r in records)
 
     # Step 1's loss is the loss of the seeded init on step 0's global batch, computed here in one
     # process with plain torch: the CLI trains the model, data and seed it says, and reports the
@@ -205,15 +206,19 @@ def test_benchmark_runner_tabulates_ratio_lines_writes_results_and_reports_failu
     assert proc.returncode == 1 and "b_broken.py" in proc.stderr and "c_tool" not in proc.stdout
     table = proc.stdout[proc.stdout.index("benchmark  "):].splitlines()
     rows = {line.split()[1]: line.split()[2:] for line in table[2:] if len(line.split()) > 2}
-    assert rows == {"hpf/fsdp2": ["0.620", "<=0.70", "ok"], "pearson": ["0.9999997", ">=0.999999", "ok"],
-                    "ns_batched/loop": ["2.5", ">=3", "MISS"], "quick_flag_seen": ["1", "-"]}
+    # --quick is a smoke run: its ratios are shown, not judged against their targets
+    assert rows == {"hpf/fsdp2": ["0.620", "<=0.70", "smoke"], "pearson": ["0.9999997", ">=0.999999", "smoke"],
+                    "ns_batched/loop": ["2.5", ">=3", "smoke"], "quick_flag_seen": ["1", "-"]}
     results = json.loads((tmp_path / "r.json").read_text())
     assert results["settings"]["quick"] and results["settings"]["failed"] == ["b_broken.py"]
     assert [(r["name"], r["verdict"]) for r in results["ratios"]][:3] == [
-        ("hpf/fsdp2", "ok"), ("pearson", "ok"), ("ns_batched/loop", "MISS")]
+        ("hpf/fsdp2", "smoke"), ("pearson", "smoke"), ("ns_batched/loop", "smoke")]
 
     proc = subprocess.run(runner + ["--only", "fast"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "b_broken" not in proc.stdout and "quick_flag_seen  0" in proc.stdout
+    table = proc.stdout[proc.stdout.index("benchmark  "):].splitlines()
+    rows = {line.split()[1]: line.split()[2:] for line in table[2:] if len(line.split()) > 2}
+    assert rows["hpf/fsdp2"][-1] == "ok" and rows["pearson"][-1] == "ok" and rows["ns_batched/loop"][-1] == "MISS"
 
 
 def test_progress_prints_about_ten_plain_lines_when_not_a_terminal():

@@ -55,7 +55,7 @@ def fullgraph_loss(params, batch):
     x = params["embed"][batch[:, :-1]] + params["pos"][: batch.shape[1] - 1]
     for blk in params["blocks"]:
         x = fullgraph_block(blk, x)
-    return gpt.token_cross_entropy(gpt._rms_norm(x, params["norm_f"]) @ params["head"], batch[:, 1:])
+    return gpt.token_cross_entropy(gpt.rms_norm(x, params["norm_f"]) @ params["head"], batch[:, 1:])
 
 
 KEPT = {}
