@@ -16,10 +16,8 @@ measurement: the profiler's live total of tensor allocations), GPT small and med
 """
 from __future__ import annotations
 
-import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -172,13 +170,9 @@ def rank_main(rank, args):
 
 
 def memory(configs=("small", "medium")):
-    from memory_model import measure
+    from memory_model import measured_peak
     for config, local in zip(configs, (4, 1)):
-        peaks = {}
-        for compiled in (False, True):
-            with tempfile.TemporaryDirectory() as tmp:
-                hpf.launch(measure, WORLD, config, WORLD, local, "none", 2, tmp, compiled)
-                peaks[compiled] = max(json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(WORLD))
+        peaks = {compiled: measured_peak(config, WORLD, local, compile=compiled) for compiled in (False, True)}
         ratio = peaks[True] / peaks[False]
         print(f"GPT {config}, {WORLD} ranks, {local} sequences per rank: peak per rank eager {peaks[False] / 2**20:.1f} "
               f"MiB, compiled blocks {peaks[True] / 2**20:.1f} MiB, ratio {ratio:.3f} (target <= 1.10)", flush=True)

@@ -99,7 +99,7 @@ class ShardStep(StateIO):
                                  pipeline=cfg.topology is None or cfg.topology.pipeline, capacity=cfg.resident_units,
                                  compute_sums=[(b, self.mesh.group(axes)) for b, axes in partial
                                                if self.mesh.axis_size(axes) > 1],
-                                 on_extra_gather=self.on_extra_gather)
+                                 on_extra_gather=self.on_extra_gather, rematerialize=cfg.grad == "torch.func")
         self.dp_size = self.mesh.axis_size(self.plan.fsdp_axes)
         # Axes a param computes sharded over (experts on a borrowed data axis) allow collectives.
         self._spmd = SPMD(self.mesh, self.rank, tuple(a for a in self.plan.fsdp_axes if a not in self.plan.split_axes))
@@ -217,16 +217,20 @@ class ShardStep(StateIO):
         return out
 
     def _func_grads(self, batch: Any, seed: float) -> losses.LossOut:
-        """grad="torch.func": ``grad_and_value`` of loss_fn over every unit gathered at once."""
+        """grad="torch.func": ``grad_and_value`` of loss_fn with respect to the micro-batch's anchor,
+        which every unit entry hangs off: each entry's backward hands its unit's grads to the
+        reducer, as under autograd. Blocks run through ``UnitList.apply`` (hpf.models'
+        ``each_block``) are rematerialized, so a unit is gathered per block, as FSDP does."""
         parsed = []
+        eng = self.engine
 
-        def seeded(params):  # (torch.func returns only tensors as aux: the rest stays in ``parsed``)
-            out = losses.parse(self.call_loss(params, batch))
+        def seeded(anchor):  # (torch.func returns only tensors as aux: the rest stays in ``parsed``)
+            out = losses.parse(self.call_loss(eng.params_tree(anchor), batch))
             parsed.append(out)
+            eng.start_backward()
             aux = tuple(out.aux.values()) if out.aux else ()
             return (out.value if seed == 1.0 else out.value * seed), (out.value, *aux)
-        grads, (_, (value, *aux)) = torch.func.grad_and_value(seeded, has_aux=True)(self.engine.gathered_tree())
-        self.engine.reduce_tree(grads)
+        _, (_, (value, *aux)) = torch.func.grad_and_value(seeded, has_aux=True)(eng.anchor.detach())  # (no tape of its own)
         out = parsed[-1]
         return losses.LossOut(value, out.count, dict(zip(out.aux, aux)) if out.aux else None)
 
