@@ -123,6 +123,20 @@ def test_validate_mode_trains_the_same_model(tmp_path, capsys):
     assert first["loss"] == pytest.approx(reference.item(), rel=1e-6)  # same fp32 math, one process
 
 
+@pytest.mark.slow
+def test_compile_option_compiles_once_reports_it_and_trains_the_same_model(tmp_path, capsys):
+    code, out, err = run_main(["train", "--world-size", "2", "--steps", "3", "--compile", "--out", str(tmp_path)],
+                              capsys)
+    assert code == 0, err
+    assert "compiled blocks" in out and "  compile " in out
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["compile_s"] > 0 and [r["compile_s"] for r in rows[1:]] == [0.0, 0.0]
+    config = gpt.CONFIGS["tiny"]
+    reference = gpt.loss_for(config)(gpt.init(config, torch.Generator().manual_seed(0)),
+                                     gpt.global_batch(config, 32, 0, 0))
+    assert rows[0]["loss"] == pytest.approx(reference.item(), rel=1e-5)  # 2 ranks: the same terms, summed apart
+
+
 def test_model_option_trains_llama(tmp_path, capsys):
     code, out, err = run_main(["train", "--model", "llama", "--world-size", "1", "--steps", "1",
                                "--out", str(tmp_path)], capsys)
