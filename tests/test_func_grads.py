@@ -27,8 +27,11 @@ pytestmark = pytest.mark.slow
 def train(rank, model, grad, **kwargs):
     module, config = MODELS[model]
     compile = kwargs.pop("compile", False)
-    step = hpf.shard_step(module.loss_for(config, compile=compile), mesh=hpf.Mesh({"dp": 2}), grad=grad,
-                          optimizer=hpf.optim.adamw(**ADAMW), **kwargs)
+    mesh, loss_fn = hpf.Mesh({"dp": 2}), module.loss_for(config, compile=compile)
+    if kwargs.pop("ep", False):  # experts split over the ranks: all-to-alls inside the blocks
+        mesh, loss_fn = hpf.Mesh({"dp": 1, "ep": 2}), module.loss_for(config, "ep")
+        kwargs["param_specs"] = module.param_specs(config, "ep", ("dp", "ep"))
+    step = hpf.shard_step(loss_fn, mesh=mesh, grad=grad, optimizer=hpf.optim.adamw(**ADAMW), **kwargs)
     state = step.init(module.init(config, torch.Generator().manual_seed(SEED)))
     batches = module.synthetic_batches(config, BATCH, SEED, rank=rank, world_size=2)
     losses = []
@@ -46,6 +49,8 @@ def rank_checks(rank):
     out["gpt/torch.func/compiled"] = train(rank, "gpt", "torch.func", compile=True)
     out["gpt/torch.func/accumulate"] = train(rank, "gpt", "torch.func", accumulate=2)
     out["gpt/autograd/accumulate"] = train(rank, "gpt", "autograd", accumulate=2)
+    out["moe/torch.func/ep"] = train(rank, "moe", "torch.func", ep=True)
+    out["moe/autograd/ep"] = train(rank, "moe", "autograd", ep=True)
     return out
 
 
@@ -73,9 +78,10 @@ def test_torch_func_equals_autograd(runs, model):
     assert_same(runs[f"{model}/torch.func"], runs[f"{model}/autograd"], rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("variant", ["bf16", "accumulate"])
-def test_torch_func_equals_autograd_with(runs, variant):
-    assert_same(runs[f"gpt/torch.func/{variant}"], runs[f"gpt/autograd/{variant}"], rtol=1e-6, atol=1e-7)
+@pytest.mark.parametrize("case", ["gpt/bf16", "gpt/accumulate", "moe/ep"])
+def test_torch_func_equals_autograd_with(runs, case):
+    model, variant = case.split("/")
+    assert_same(runs[f"{model}/torch.func/{variant}"], runs[f"{model}/autograd/{variant}"], rtol=1e-6, atol=1e-7)
 
 
 def test_torch_func_with_compiled_blocks_equals_eager(runs):
