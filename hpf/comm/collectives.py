@@ -82,7 +82,11 @@ def current() -> SPMD | None:
 
 
 def validating() -> bool:
-    """Whether the running ``loss_fn`` is in a validation-mode step (checks cost time: only then)."""
+    """Whether the running ``loss_fn`` is in a validation-mode step (checks cost time: only then).
+    Never while torch.compile traces: validation mode runs compiled code eagerly (and a traced
+    ContextVar read would break the graph)."""
+    if torch.compiler.is_compiling():
+        return False
     ctx = _CURRENT.get()
     return ctx is not None and ctx.validate
 
