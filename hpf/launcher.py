@@ -142,6 +142,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _loopback_env() -> dict[str, str]:
+    """Environment that binds the backends' sockets to the loopback interface: gloo (and nccl's
+    bootstrap) otherwise listen on the address the hostname resolves to, which may be a LAN
+    address, for a job that is local by construction."""
+    names = [n for _, n in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
+    lo = next((n for n in ("lo", "lo0") if n in names), None) or next((n for n in names if n.startswith("lo")), None)
+    if lo is None:
+        raise RuntimeError(f"hpf.launch: no loopback network interface among {names}; the ranks' sockets must bind "
+                           "to loopback (set GLOO_SOCKET_IFNAME through env= to choose an interface)")
+    return {"GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": lo}
+
+
 def _die_with_parent() -> None:
     """Linux: have the kernel SIGKILL this child if the launching process dies (kernel restart)."""
     try:
@@ -243,7 +255,9 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float |
     There is no limit on the whole run unless ``timeout`` sets one.
     With an accelerator, the calling process must not have initialized it (as with any fork).
     The ranks rendezvous through a file store in a private temporary folder, so concurrent
-    launches never race for a port; ``master_port`` makes them use a TCP store on that port.
+    launches never race for a port; ``master_port`` makes them use a TCP store on that port
+    (torch's TCPStore listens on every interface; nothing hpf reads from it runs as code).
+    The ranks' gloo (and nccl bootstrap) sockets bind to the loopback interface only.
     ``hpf.launch.init_distributed()`` and ``hpf.launch.RankError`` reach this module's names.
 
     Args:
@@ -267,6 +281,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float |
     if dist.is_initialized():
         raise RuntimeError("launch: this process already has a process group; forked ranks would "
                            "inherit it. Call hpf.launch from a driver process without one.")
+    loopback = {} if env and "GLOO_SOCKET_IFNAME" in env else _loopback_env()
     ctx = mp.get_context("fork")
     _release_openmp_threads()
     port = str(master_port or _free_port())
@@ -282,7 +297,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float |
                 "ROLE_WORLD_SIZE": str(world_size), "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default",
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
                 "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-                "TORCHELASTIC_RUN_ID": f"hpf-{os.getpid()}-{port}", **rendezvous, **(env or {})}
+                "TORCHELASTIC_RUN_ID": f"hpf-{os.getpid()}-{port}", **loopback, **rendezvous, **(env or {})}
             recv, send = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_child, name=f"hpf-rank{r}",
                             args=(fn, r, world_size, args, child_env, min(collective_timeout, timeout or math.inf),

@@ -18,7 +18,7 @@ skips) into :class:`ScheduleMismatchError` on every rank, instead of a hang or a
 """
 from __future__ import annotations
 
-import pickle
+import json
 import time
 import zlib
 from collections import deque
@@ -146,7 +146,7 @@ def wait(handle: Any, what: Callable[[], str] | str = "a collective", timeout_s:
     compared = None
     try:
         if store is not None and n > 1:
-            store.set(f"{_PREFIX}{world.rank()}", pickle.dumps(LOG.snapshot()))
+            store.set(f"{_PREFIX}{world.rank()}", json.dumps(LOG.snapshot()).encode())
             store.add(_PREFIX + "waiting", 1)
             published = True
         while True:
@@ -162,7 +162,7 @@ def wait(handle: Any, what: Callable[[], str] | str = "a collective", timeout_s:
                 waiting = store.add(_PREFIX + "waiting", 0)
                 if waiting >= n and waiting != compared:
                     compared = waiting
-                    logs = [pickle.loads(v) for v in store.multi_get([f"{_PREFIX}{r}" for r in range(n)])]
+                    logs = _read_logs(store.multi_get([f"{_PREFIX}{r}" for r in range(n)]))
                     report = _report(logs)
                     if report:
                         published = False  # (leave the count: the peers are raising too)
@@ -176,6 +176,24 @@ def wait(handle: Any, what: Callable[[], str] | str = "a collective", timeout_s:
     finally:
         if published:
             store.add(_PREFIX + "waiting", -1)
+
+
+def _read_logs(values: list[bytes]) -> list[dict]:
+    """The ranks' published logs, read as JSON data: the store may be reachable by others (a
+    TCPStore listens on every interface), so nothing read from it is unpickled. A value that
+    is not a well-formed log is left out."""
+    logs = []
+    for value in values:
+        try:
+            log = json.loads(value)
+            events = [tuple(e) for e in log["events"]]
+            if not (isinstance(log["rank"], int) and (log["failed"] is None or isinstance(log["failed"], str))
+                    and all(len(e) == 5 and all(map(isinstance, e, (int, int, str, str, int))) for e in events)):
+                continue
+        except (ValueError, TypeError, KeyError):
+            continue
+        logs.append({"rank": log["rank"], "events": events, "failed": log["failed"]})
+    return logs
 
 
 def _peer_report(store) -> str | None:
