@@ -417,6 +417,8 @@ def save(step, state, path, extra: Any = None, *, keep_last: int | None = None, 
                 error = e
         if not _all_ok(error is None, group) or error is not None:
             box["error"] = save_failed(path, error)
+            if rank == 0:  # free the space a full disk needs back; the last complete checkpoint stays
+                shutil.rmtree(tmp, ignore_errors=True)
     if not async_save:
         write()
         handle = SaveHandle(None, box)

@@ -127,14 +127,21 @@ def not_data(extra: Any) -> CheckpointError | None:
 
 
 
+def _causes(error: BaseException) -> list[BaseException]:
+    """The exceptions behind DCP's CheckpointException (one per failed rank, each with its
+    frames), or ``[error]``."""
+    if not isinstance(error, CheckpointException):
+        return [error]
+    return [f[0] if isinstance(f, tuple) else f for f in error.failures.values()] or [error]
+
+
 def save_failed(path: Path, error: BaseException | None) -> CheckpointError:
     """The CheckpointError of a save that was not published (``error``: this rank's, if any)."""
     if isinstance(error, CheckpointError):
         return error
-    if isinstance(error, CheckpointException):  # one entry per failed rank; the first says enough
-        error = next(iter(error.failures.values()), error)
-    why = f"{type(error).__name__}: {error}" if error is not None else "another rank failed to write its part"
-    return CheckpointError(f"saving {path}: {why}; nothing was published ({path.name}{TMP_SUFFIX} is incomplete)")
+    cause = _causes(error)[0] if error is not None else None
+    why = f"{type(cause).__name__}: {cause}" if cause is not None else "another rank failed to write its part"
+    return CheckpointError(f"saving {path}: {why}; nothing was published")
 
 
 def seal(header: dict) -> dict:
@@ -146,8 +153,8 @@ def seal(header: dict) -> dict:
 def read_failed(path: Path, error: BaseException) -> CheckpointError:
     """A failed DCP read as a CheckpointError: hpf's own (a file that fails its checksum, named)
     when a rank raised one, else DCP's error."""
-    failures = list(error.failures.values()) if isinstance(error, CheckpointException) else [error]
-    ours = [f for f in failures if isinstance(f, CheckpointError)]
+    causes = _causes(error)
+    ours = [c for c in causes if isinstance(c, CheckpointError)]
     if ours:
         return CheckpointError(str(ours[0]))
-    return CheckpointError(f"{path}: reading failed ({type(failures[0]).__name__}: {failures[0]})")
+    return CheckpointError(f"{path}: reading failed ({type(causes[0]).__name__}: {causes[0]})")

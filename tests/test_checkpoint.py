@@ -2,9 +2,13 @@
 
 References are independent of the code under test: the full params (step.full_params or the
 init tensors), plain torch (dcp_to_torch_save, an FSDP2 module), and uninterrupted runs."""
+import contextlib
 import dataclasses
+import json
 import os
 import random
+import re
+import subprocess
 import time
 import types
 from typing import NamedTuple
@@ -516,3 +520,50 @@ def test_torchrun_script_finishes_or_reports_an_async_save(tmp_path, end):
         assert all(f"the async save to {tmp_path / 'ckpt'} failed" in o and "hpf.launch.shutdown()" in o
                    for o in outs), outs
         assert ck.latest(tmp_path) is None
+
+
+# -- a failed save is never reported as saved ----------------------------------------------------
+def _full_disk(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_save_that_fails_in_dcp_is_a_checkpoint_error_and_nothing_is_published(tmp_path, monkeypatch, async_save):
+    """DCP reports a writer's error as CheckpointException, a BaseException: it must still be a
+    CheckpointError (an ``except Exception`` sees it), never a returned path."""
+    step = make_step({"dp": 1})
+    state = step.init(gpt.init(CFG))
+    step.save(state, tmp_path / "step_1")
+    monkeypatch.setattr(torch.distributed.checkpoint.FileSystemWriter, "write_data", _full_disk)
+    with pytest.raises(ck.CheckpointError, match=r"saving .*step_2: OSError: \[Errno 28\] No space left"):
+        step.save(state, tmp_path / "step_2", async_save=async_save)
+        step.wait_save()
+    assert sorted(os.listdir(tmp_path)) == ["step_1"] and ck.latest(tmp_path) == tmp_path / "step_1"
+
+
+@contextlib.contextmanager
+def _tmpfs(path, size="64k"):
+    """A small filesystem at ``path`` (needs root, as CI runs); the test is skipped without it."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root); the fault-injecting writer test covers this")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def test_hpf_train_on_a_full_disk_fails_loudly(tmp_path, capsys):
+    """--save-every onto a filesystem too small for one checkpoint: rc 1, one line naming the save,
+    run.json "failed", and no checkpoint that looks complete."""
+    from hpf import cli
+
+    run = tmp_path / "run"
+    with _tmpfs(run / "checkpoints"):
+        code = cli.main(["train", "--mesh", "dp=2", "--batch-size", "8", "--steps", "4", "--save-every", "2",
+                         "--out", str(run)])
+        assert ck.latest(run / "checkpoints") is None and os.listdir(run / "checkpoints") == []
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and re.search(r"CheckpointError: saving .*step_000002: OSError: .*No space", err[0])
+    assert json.loads((run / "run.json").read_text())["status"].startswith("failed")
