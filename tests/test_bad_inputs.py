@@ -127,6 +127,8 @@ CASES = {
                  ["'blocks/0/b'", "floating", "batch"]),
     "bool leaf": (lambda: init(with_leaf("head", torch.ones(8, 1, dtype=torch.bool))), TypeError,
                   ["'head'", "floating"]),
+    "complex leaf": (lambda: init(with_leaf("head", torch.randn(8, 1, dtype=torch.complex64))), TypeError,
+                     ["'head'", "complex64", "torch.view_as_real"]),  # AdamW's g*g was 1 lr off per step
     "python float leaf": (lambda: init(with_leaf("w_in", 3.0)), TypeError, ["'w_in'", "torch.as_tensor"]),
     "None leaf": (lambda: init(with_leaf("blocks/1/b", None)), TypeError, ["'blocks/1/b'", "tensor"]),
     "a step on meta params": (lambda: _step_on_meta(), RuntimeError, ["meta params", "step.restore"]),
