@@ -237,6 +237,12 @@ class ShardStep(StateIO):
         if not isinstance(shards, (list, tuple)) or len(shards) != len(self.plan.buckets):
             raise ValueError(f"step(state, batch): the state does not match this step's plan ({len(self.plan.buckets)} "
                              "flat shards); pass the state returned by this step's init, or by its previous call")
+        for b, shard in zip(self.plan.buckets, shards):  # before any collective: a foreign state's sizes
+            if not isinstance(shard, torch.Tensor) or tuple(shard.shape) != (b.shard_numel,):
+                said = tuple(shard.shape) if isinstance(shard, torch.Tensor) else type(shard).__name__
+                raise ValueError(f"step(state, batch): state shard {b.index} (unit {b.unit!r}, first param "
+                                 f"{b.slots[0].path!r}) is {said}, but this step's plan has ({b.shard_numel},) there: "
+                                 "the state belongs to another step or plan; pass the state this step's init returned")
 
     def call_loss(self, params: Any, batch: Any) -> Any:
         """The one call of ``loss_fn`` inside :meth:`forward_backward`.

@@ -92,6 +92,18 @@ def donated_reuse():
     step(s0, batch(1))
 
 
+def foreign_state():
+    """Step B given step A's state: the same number of shards, other sizes (it failed deep in
+    gloo with 'invalid tensor size' on 2 ranks)."""
+    a = make().init(params())
+    wide = {**params(), "blocks": [{"w": torch.zeros(8, 8), "b": torch.zeros(8)}, {"w": torch.zeros(8, 8),
+                                                                                 "b": torch.zeros(8)}],
+            "head": torch.zeros(8, 2)}
+    b = make(loss=lambda p, bt: loss_fn({**p, "head": p["head"][:, :1]}, bt))
+    b.init(wide)
+    b(a, batch(0))
+
+
 def donated_full_params():
     step = make()
     s0 = step.init(params())
@@ -202,6 +214,7 @@ CASES = {
                                                              "init_distributed()"]),
     # the train state
     "step before init": (lambda: make()(None, batch(0)), RuntimeError, ["step.init"]),
+    "a foreign state": (foreign_state, ValueError, ["state shard 2", "'head'", "(48,)", "another step or plan"]),
     "donated state reused": (donated_reuse, hpf.DonatedStateError, ["already passed to step",
                                                                      "state, metrics = step(state, batch)"]),
     "full_params of a donated state": (donated_full_params, hpf.DonatedStateError, ["full_params",
