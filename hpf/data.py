@@ -178,6 +178,12 @@ class TokenData:
         # copy-on-write: torch.from_numpy wants a writable array; reads stay zero-copy, and no
         # write ever reaches the file
         self.tokens = np.memmap(path, dtype=dtype, mode="c")
+        top = int(self.tokens.max()) if len(self.tokens) else -1  # one pass (GB/s): an id past the vocab
+        if top >= self.vocab_size:  # would be an IndexError inside some rank's embedding lookup
+            at = int(np.argmax(self.tokens >= self.vocab_size))
+            raise ValueError(f"{path}: token id {top} (first bad id at position {at}) is outside the vocab of "
+                             f"{self.vocab_size} that {Path(data_dir) / 'meta.json'} states; the folder is mixed or "
+                             "was changed after hpf prepare wrote it: prepare it again")
 
     def __len__(self) -> int:
         return len(self.tokens)

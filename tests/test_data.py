@@ -148,3 +148,14 @@ def test_missing_tokenizers_is_a_clear_error(tmp_path, corpus, monkeypatch):
     monkeypatch.setitem(sys.modules, "tokenizers", None)
     with pytest.raises(ModuleNotFoundError, match="pip install tokenizers"):
         data.prepare(corpus, tmp_path / "tok", tokenizer=str(tmp_path / "tokenizer.json"))
+
+
+def test_token_ids_past_the_vocab_are_refused_when_the_folder_is_opened(prepared):
+    """meta.json's vocab smaller than the largest id: an error naming the file and the id at open,
+    not an IndexError in some rank's embedding."""
+    meta = json.loads((prepared / "meta.json").read_text())
+    top = int(np.fromfile(prepared / "train.bin", dtype=meta["dtype"]).max())
+    data.TokenData(prepared)  # as prepared: fine
+    (prepared / "meta.json").write_text(json.dumps({**meta, "vocab_size": top}))
+    with pytest.raises(ValueError, match=rf"train\.bin: token id {top} .* outside the vocab of {top}"):
+        data.TokenData(prepared)
