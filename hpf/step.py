@@ -135,6 +135,10 @@ class ShardStep(StateIO):
                     raise
             elif state.loss_scale is not None:
                 self.config.loss_scale.update(state.loss_scale, finite=False)
+            elif self.config.on_nonfinite == "raise" and decision.count == 0:
+                raise NonFiniteError("hpf.weighted(sum, count): the global count is 0 (every rank's batch is all "
+                                     "padding), so there is no loss to average; nothing was updated, on any rank. "
+                                     "Leave such batches out, or pass on_nonfinite='skip' to skip them")
             elif self.config.on_nonfinite == "raise":
                 raise NonFiniteError(f"the loss ({decision.loss}) or the global grad norm ({decision.grad_norm}) is "
                                      "non-finite; nothing was updated, on any rank. Run the step with "

@@ -155,6 +155,8 @@ CASES = {
                             ["does not depend on the params"]),
     "int loss": (lambda: run(1, loss=lambda p, b: (loss_fn(p, b) * 100).long()), TypeError,
                  ["torch.int64", "real floating-point"]),
+    "zero count": (lambda: run(1, loss=lambda p, b: hpf.weighted(loss_fn(p, b) * 0, 0)), hpf.NonFiniteError,
+                   ["global count is 0", "all padding", "on_nonfinite='skip'"]),  # not "lower the learning rate"
     "NaN loss": (lambda: run(1, loss=nan_loss), hpf.NonFiniteError, ["loss", "non-finite", "nothing was updated",
                                                                        "on_nonfinite"]),
     "inf grad, finite loss": (lambda: run(1, loss=sqrt_at_zero), hpf.NonFiniteError, ["grad norm", "validate"]),
