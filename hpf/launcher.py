@@ -25,6 +25,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -34,7 +35,7 @@ import torch.distributed as dist
 
 from .comm import schedule
 
-__all__ = ["RankError", "launch", "init_distributed", "shutdown", "at_shutdown", "is_launched", "rank", "world_size",
+__all__ = ["RankError", "Terminated", "launch", "init_distributed", "shutdown", "at_shutdown", "is_launched", "rank", "world_size",
            "COLLECTIVE_TIMEOUT_S"]
 
 _TERMINATE_GRACE_S = 2.0  # SIGTERM first, SIGKILL after this
@@ -42,6 +43,18 @@ _DEATH_ECHO_S = 1.0  # after a rank's error, how long to watch for a peer's deat
 # A collective that waits this long for a peer raises: how a hung or dead rank is found. It
 # bounds a wait, never a healthy run, which may take as long as it needs.
 COLLECTIVE_TIMEOUT_S = 300.0
+
+
+class Terminated(SystemExit):
+    """SIGTERM reached the process running :func:`launch` (a scheduler's stop): the ranks were
+    stopped and their files removed; exits with 143 (128 + SIGTERM) unless caught."""
+
+    def __init__(self):
+        super().__init__(128 + signal.SIGTERM)
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
 
 
 class RankError(RuntimeError):
@@ -188,6 +201,7 @@ def _release_openmp_threads() -> None:
 
 
 def _child(fn, rank_, world_size_, args, env, timeout, backend, conn) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (forked with launch's handler) a stop ends a rank at once
     _die_with_parent()
     os.environ.update(env)
     try:
@@ -289,6 +303,12 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float |
     rendezvous_dir = None if master_port else tempfile.mkdtemp(prefix="hpf-rendezvous-")
     rendezvous = {"HPF_RENDEZVOUS_FILE": os.path.join(rendezvous_dir, "store")} if rendezvous_dir else {}
     procs, conns = [], []
+    # SIGTERM (what schedulers send) unwinds through the finally below, which stops the ranks and
+    # removes the rendezvous folder and shared memory; a handler the program set stays in charge.
+    sigterm = threading.current_thread() is threading.main_thread() and \
+        signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    if sigterm:
+        signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         for r in range(world_size):
             child_env = {
@@ -308,6 +328,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float |
             conns.append(recv)
         return _collect(procs, conns, timeout)
     finally:
+        if sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
         _stop(procs)
         for c in conns:
             c.close()
