@@ -213,9 +213,10 @@ def _child(fn, rank_, world_size_, args, env, timeout, backend, conn) -> None:
         init_distributed(timeout=timeout, backend=backend)
         message = ("ok", fn(rank_, *args))
         shutdown()  # an unfinished async save or a peer stuck in a skipped collective is this rank's error
-    except BaseException:  # noqa: BLE001 -- everything, incl. SystemExit, is reported to the parent
-        message = ("error", traceback.format_exc())
-    message += (time.monotonic(),)  # system-wide clock: the parent blames the earliest error
+    except BaseException as e:  # noqa: BLE001 -- everything, incl. SystemExit, is reported to the parent
+        message = ("error", traceback.format_exc(), time.monotonic(), _missing_ranks(e))
+    if message[0] == "ok":
+        message += (time.monotonic(),)  # system-wide clock: the parent blames the earliest error
     # plain pickle: tensors travel by value (torch's ForkingPickler would send file
     # descriptors that the parent fetches from this process, which is about to exit)
     try:
@@ -230,6 +231,14 @@ def _child(fn, rank_, world_size_, args, env, timeout, backend, conn) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)  # skip teardown: peers may be blocked in a collective with us; the parent ends them
+
+
+def _missing_ranks(error: BaseException) -> tuple[int, ...]:
+    """The ranks a timed-out wait found absent (hpf.comm.schedule.PeerTimeoutError, maybe as the
+    cause of another error): the parent blames them, not the rank that waited."""
+    while error is not None and not hasattr(error, "missing"):
+        error = error.__cause__ or error.__context__
+    return tuple(getattr(error, "missing", ()))
 
 
 def _exit_description(code: int | None) -> str:
@@ -366,7 +375,7 @@ def _collect(procs: list, conns: list, timeout: float | None) -> list[Any]:
                 procs[r].join(_TERMINATE_GRACE_S)  # pipe closed: the process is exiting
                 deaths.append(r)
             elif message[0] == "error":
-                errors.append((message[2], r, message[1]))
+                errors.append((message[2], r, message[1], message[3] if len(message) > 3 else ()))
             else:
                 results[r] = message[1]
         if errors and not deaths:  # a peer's error may be the echo of a death not yet seen: look once more
@@ -381,7 +390,11 @@ def _collect(procs: list, conns: list, timeout: float | None) -> list[Any]:
             raise RankError(f"hpf.launch: rank {r} {_exit_description(procs[r].exitcode)} without "
                             "reporting a result or an exception; the other ranks were ended", rank=r)
         if errors:
-            _, r, tb = min(errors)
+            _, r, tb, _ = min(errors)
+            hung = sorted(set.intersection(*(set(e[3]) for e in errors)) - {e[1] for e in errors})
+            if hung:  # every error is a wait that timed out for these ranks, alive and silent
+                raise RankError(f"hpf.launch: rank {hung[0]} hung (it neither finished nor raised); rank {r} timed out "
+                                f"waiting for it (the other ranks were ended):\n{tb}", rank=hung[0], child_traceback=tb)
             raise RankError(f"hpf.launch: rank {r} raised (the other ranks were ended):\n{tb}",
                             rank=r, child_traceback=tb)
     for p in procs:  # ranks are past fn; give them a moment to tear the process group down

@@ -100,3 +100,21 @@ def test_device_collectives_order_streams_and_settle_on_the_cpu():
     assert settled.wait(0.05) is False and time.monotonic() - start < 1.0
     work.completed = True
     assert settled.wait(0.05) is True
+
+
+def _one_rank_hangs(rank):
+    schedule.rendezvous("warm-up")
+    if rank == 2:
+        time.sleep(60)  # hung outside any collective
+    schedule.rendezvous("after", "the hang")
+
+
+def test_a_timeout_names_the_rank_that_hung_and_launch_blames_it():
+    """The waiting ranks' TimeoutError names the rank that never waited alongside, and RankError
+    blames that rank (it blamed the first rank that waited)."""
+    from hpf.launcher import RankError
+
+    with pytest.raises(RankError) as info:
+        launch(_one_rank_hangs, 3, collective_timeout=8, timeout=50)
+    assert info.value.rank == 2
+    assert "rank 2 hung" in str(info.value) and "rank 2 never waited alongside" in str(info.value)

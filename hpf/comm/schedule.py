@@ -31,7 +31,7 @@ from ..device import default_device
 from . import world
 from .transport import wait_for
 
-__all__ = ["ScheduleMismatchError", "LOG", "ScheduleLog", "wait", "wait_all", "check_digests",
+__all__ = ["ScheduleMismatchError", "PeerTimeoutError", "LOG", "ScheduleLog", "wait", "wait_all", "check_digests",
            "digest_parts", "rendezvous", "SUSPECT_S"]
 
 #: Seconds a wait lasts before this rank asks whether the ranks disagree.
@@ -147,6 +147,7 @@ def wait(handle: Any, what: Callable[[], str] | str = "a collective", timeout_s:
     try:
         if store is not None and n > 1:
             store.set(f"{_PREFIX}{world.rank()}", json.dumps(LOG.snapshot()).encode())
+            store.set(f"{_PREFIX}here/{world.rank()}", b"1")  # (a timeout names the ranks without one)
             store.add(_PREFIX + "waiting", 1)
             published = True
         while True:
@@ -155,9 +156,11 @@ def wait(handle: Any, what: Callable[[], str] | str = "a collective", timeout_s:
                     return
             except RuntimeError as err:  # a peer that raised the mismatch may have exited (gloo: connection closed)
                 report = _peer_report(store) if published else None
-                if report is None:
-                    raise
-                raise _broken(ScheduleMismatchError(report)) from err
+                if report is not None:
+                    raise _broken(ScheduleMismatchError(report)) from err
+                if published and "timed out" in str(err).lower():  # the backend's own timeout came first
+                    raise _timed_out(what, timeout_s, _absent(store, n)) from err
+                raise
             if published:
                 waiting = store.add(_PREFIX + "waiting", 0)
                 if waiting >= n and waiting != compared:
@@ -169,13 +172,36 @@ def wait(handle: Any, what: Callable[[], str] | str = "a collective", timeout_s:
                         store.set(_PREFIX + "report", report.encode())
                         raise _broken(ScheduleMismatchError(report))
             if time.monotonic() > deadline:
-                label = what() if callable(what) else what
-                raise _broken(TimeoutError(
-                    f"hpf: {label} did not finish within {timeout_s:g} s. The ranks that waited agree on every "
-                    "collective so far; a peer rank died, hangs, or is stuck outside hpf's collectives"))
+                raise _timed_out(what, timeout_s, _absent(store, n) if published else [])
     finally:
         if published:
             store.add(_PREFIX + "waiting", -1)
+            store.delete_key(f"{_PREFIX}here/{world.rank()}")
+
+
+class PeerTimeoutError(TimeoutError):
+    """A wait outlasted the timeout; ``missing``: the ranks that were not waiting alongside (the
+    ones to blame: hpf.launch names them)."""
+
+    def __init__(self, message: str, missing: list[int]):
+        super().__init__(message)
+        self.missing = missing
+
+
+def _timed_out(what: Callable[[], str] | str, timeout_s: float, missing: list[int]) -> PeerTimeoutError:
+    label = what() if callable(what) else what
+    who = (f"rank{'s' if len(missing) > 1 else ''} {_ranks(missing)} never waited alongside (dead, hung, or stuck "
+           "outside hpf's collectives)" if missing else "a peer rank died, hangs, or is stuck outside hpf's collectives")
+    return _broken(PeerTimeoutError(f"hpf: {label} did not finish within {timeout_s:g} s: {who}. The ranks that "
+                                    "waited agree on every collective so far", missing))
+
+
+def _absent(store, n: int) -> list[int]:
+    """The ranks not waiting in ``wait`` now (each waiting rank holds its ``here`` key)."""
+    try:
+        return [r for r in range(n) if not store.check([f"{_PREFIX}here/{r}"])]
+    except RuntimeError:  # (the store went with a peer)
+        return []
 
 
 def _read_logs(values: list[bytes]) -> list[dict]:
