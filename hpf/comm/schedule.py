@@ -144,10 +144,11 @@ def wait(handle: Any, what: Callable[[], str] | str = "a collective", timeout_s:
     deadline = time.monotonic() + max(timeout_s - SUSPECT_S, 0.0)
     published = False
     compared = None
+    here = f"{_PREFIX}here/{world.rank()}"
     try:
         if store is not None and n > 1:
             store.set(f"{_PREFIX}{world.rank()}", json.dumps(LOG.snapshot()).encode())
-            store.set(f"{_PREFIX}here/{world.rank()}", b"1")  # (a timeout names the ranks without one)
+            store.set(here, b"1")  # (a timeout names the ranks without one)
             store.add(_PREFIX + "waiting", 1)
             published = True
         while True:
@@ -173,10 +174,14 @@ def wait(handle: Any, what: Callable[[], str] | str = "a collective", timeout_s:
                         raise _broken(ScheduleMismatchError(report))
             if time.monotonic() > deadline:
                 raise _timed_out(what, timeout_s, _absent(store, n) if published else [])
+    except PeerTimeoutError:
+        here = None  # a rank that timed out was here: its key stays, so its slower peers never blame it
+        raise
     finally:
         if published:
             store.add(_PREFIX + "waiting", -1)
-            store.delete_key(f"{_PREFIX}here/{world.rank()}")
+            if here:
+                store.delete_key(here)
 
 
 class PeerTimeoutError(TimeoutError):
