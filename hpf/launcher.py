@@ -138,7 +138,10 @@ def shutdown() -> None:
     is a recorded rendezvous, so a peer still inside a collective call this rank skipped (rank
     0 alone in ``step.save``) ends in ScheduleMismatchError on both, within seconds. After
     such an error it does nothing: collectives no longer pair up, and the exit frees all."""
-    if not dist.is_initialized() or schedule.LOG.broken is not None:
+    if not dist.is_initialized():
+        return
+    if schedule.LOG.broken is not None:  # collectives no longer pair up: only let the peers read the report
+        schedule.linger()
         return
     for fn in _AT_SHUTDOWN:
         fn()

@@ -118,3 +118,23 @@ def test_a_timeout_names_the_rank_that_hung_and_launch_blames_it():
         launch(_one_rank_hangs, 3, collective_timeout=8, timeout=50)
     assert info.value.rank == 2
     assert "rank 2 hung" in str(info.value) and "rank 2 never waited alongside" in str(info.value)
+
+
+def _catch_the_mismatch(rank):
+    schedule.SUSPECT_S = 0.3
+    if rank == 1:
+        schedule._POLL_S = 2.0  # rank 0 (holding the TCPStore) finds the mismatch first, and returns
+    got = _mismatched_ops(rank)[0]
+    return got is not None and "ranks disagree" in got
+
+
+def test_a_caught_mismatch_is_the_named_error_on_the_slower_rank_too():
+    """Ranks that catch ScheduleMismatchError and return: rank 0, whose process holds the store
+    (torchrun's, or master_port's TCPStore), used to exit before the slower rank read the report,
+    which then got gloo's 'connection closed'. shutdown() now lingers until every rank raised it."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert launch(_catch_the_mismatch, 2, master_port=port, timeout=60) == [True, True]
