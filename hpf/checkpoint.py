@@ -9,8 +9,8 @@ global shape:
 - an optimizer moment is ``optimizer.state.<dotted path>.<field>`` (``exp_avg``,
   ``exp_avg_sq``; Muon's momentum is its ``exp_avg``), a scalar is ``optimizer.<field>``
   (the step ``count``);
-- ``extra`` is rank 0's object (data position, RNG state, ...): tensors, numbers, strings,
-  lists, tuples and dicts, read back with ``torch.load(weights_only=True)``;
+- ``extra`` is rank 0's object (data position, RNG state, ...): tensors, numpy arrays, numbers,
+  strings, lists, tuples and dicts, read back with ``torch.load(weights_only=True)``;
 - error-feedback residuals of a low-bit slow tier are ``error_feedback.bucket<b>``, one row
   per rank (they belong to the mesh that made them: restored on the same mesh and plan, and
   left at zero, with a warning, where the checkpoint has none that fit).
@@ -62,8 +62,8 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from .checkpoint_files import (HEADER, TMP_SUFFIX, CheckpointError, Reader, not_data, read_failed, save_failed,
-                               seal, sums)
+from .checkpoint_files import (HEADER, TMP_SUFFIX, CheckpointError, Reader, load_data, not_data, read_failed,
+                               save_failed, seal, sums)
 from .comm import schedule, world
 from .launcher import at_shutdown
 from .optim.base import StateLayout
@@ -166,7 +166,7 @@ class _LoadPlanner(DefaultLoadPlanner):
         whatever a crafted checkpoint holds."""
         name = self.metadata.storage_data[read_item.storage_index].relative_path
         try:
-            self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+            self.state_dict[read_item.dest_index.fqn] = load_data(value)
         except Exception as e:  # noqa: BLE001 -- an unpickling error: never runs, always named
             raise CheckpointError(f"{name}: key {read_item.dest_index.fqn!r} is not plain data ({e}); a checkpoint "
                                   "is data, never code: hpf loads extra with torch.load(weights_only=True)") from e
@@ -637,9 +637,7 @@ def load_params(path) -> Any:
 # -- exact resume helpers ----------------------------------------------------------------------
 def rng_state() -> dict:
     """Python, numpy, torch CPU (and accelerator) RNG states, for ``extra``."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()  # keys as a tensor: extra is data (no arrays)
-    out = {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
-           "torch": torch.get_rng_state()}
+    out = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.accelerator.is_available():
         out["accelerator"] = torch.get_device_module(torch.accelerator.current_accelerator()).get_rng_state()
     return out
@@ -647,8 +645,7 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    kind, keys, *rest = state["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
+    np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "accelerator" in state and torch.accelerator.is_available():
         torch.get_device_module(torch.accelerator.current_accelerator()).set_rng_state(state["accelerator"])

@@ -2,7 +2,8 @@
 
 - ``.metadata`` (DCP's pickle) goes through an unpickler that builds DCP's metadata classes,
   torch dtypes and sizes, and paths only; any other global in it is refused, never called.
-- ``extra`` is saved only if it loads back with ``torch.load(weights_only=True)``, and loaded so.
+- ``extra`` is saved only if it loads back with ``torch.load(weights_only=True)`` (numpy arrays
+  allowed), and loaded so.
 - hpf.json lists every file with its size and CRC-32 (and seals itself with its own CRC-32);
   a file that does not match is a CheckpointError naming it, before its bytes are used.
   CRC-32 (zlib, ~4 GB/s) catches every flipped bit and burst and costs little beside the disk.
@@ -16,12 +17,13 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 
-__all__ = ["CheckpointError", "Reader", "sums", "seal", "not_data", "save_failed", "read_failed", "HEADER",
+__all__ = ["CheckpointError", "Reader", "sums", "seal", "load_data", "not_data", "save_failed", "read_failed", "HEADER",
            "TMP_SUFFIX"]
 
 HEADER = "hpf.json"
@@ -110,19 +112,29 @@ class Reader(dcp.FileSystemReader):
         return super().read_data(plan, planner)
 
 
+_NUMPY = (np.ndarray, np.dtype, getattr(np, "_core", getattr(np, "core", None)).multiarray._reconstruct,
+          getattr(np, "_core", getattr(np, "core", None)).multiarray.scalar)
+
+
+def load_data(buffer) -> Any:
+    """``extra`` read back as data: ``torch.load(weights_only=True)`` with numpy arrays and scalars
+    allowed too (older hpf train checkpoints hold numpy's RNG state)."""
+    with torch.serialization.safe_globals(list(_NUMPY)):
+        return torch.load(buffer, weights_only=True)
+
+
 def not_data(extra: Any) -> CheckpointError | None:
-    """Why ``extra`` would not load back as data (``weights_only=True``), or None: found at the
+    """Why ``extra`` would not load back as data (:func:`load_data`), or None: found at the
     save, not at the restore that needs it."""
     buffer = io.BytesIO()
     try:
         torch.save(extra, buffer)
         buffer.seek(0)
-        torch.load(buffer, weights_only=True)
+        load_data(buffer)
     except Exception as e:  # noqa: BLE001 -- which object, in torch's words
-        return CheckpointError(f"extra: {type(e).__name__}: {str(e).splitlines()[0]}. extra holds tensors, numbers, "
-                               "strings, lists, tuples and dicts (a checkpoint is data, never code: it loads with "
-                               "torch.load(weights_only=True)); convert other objects, e.g. arrays with "
-                               "torch.from_numpy")
+        return CheckpointError(f"extra: {type(e).__name__}: {str(e).splitlines()[0]}. extra holds tensors, numpy "
+                               "arrays, numbers, strings, lists, tuples and dicts (a checkpoint is data, never code: "
+                               "it loads with torch.load(weights_only=True)); convert other objects to those")
     return None
 
 
