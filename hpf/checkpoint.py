@@ -404,10 +404,10 @@ def save(step, state, path, extra: Any = None, *, keep_last: int | None = None, 
         error: BaseException | None = None
         try:
             with _quiet():
-                dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), planner=_SavePlanner(),
-                         process_group=group, no_dist=not on)
+                metadata = dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), planner=_SavePlanner(),
+                                    process_group=group, no_dist=not on)
             mine = sorted(p.name for p in tmp.glob(f"__{rank}_*.distcp"))
-            (tmp / f"__{rank}{_SUMS}").write_text(json.dumps(sums(tmp, mine)))
+            (tmp / f"__{rank}{_SUMS}").write_text(json.dumps(sums(tmp, mine, metadata)))
         except (Exception, CheckpointException) as e:  # noqa: BLE001 -- DCP's is a BaseException (a full disk)
             error = e
         if _all_ok(error is None, group) and rank == 0:
@@ -433,7 +433,7 @@ def save(step, state, path, extra: Any = None, *, keep_last: int | None = None, 
     return handle
 
 
-_SUMS = ".crc.json"  # each rank's {file: [size, crc32]}, merged into the manifest by rank 0
+_SUMS = ".crc.json"  # each rank's {file: [size, {offset: crc32}]}, merged into the manifest by rank 0
 
 
 def _all_ok(ok: bool, group) -> bool:

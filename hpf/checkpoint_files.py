@@ -4,14 +4,17 @@
   torch dtypes and sizes, and paths only; any other global in it is refused, never called.
 - ``extra`` is saved only if it loads back with ``torch.load(weights_only=True)`` (numpy arrays
   allowed), and loaded so.
-- hpf.json lists every file with its size and CRC-32 (and seals itself with its own CRC-32);
-  a file that does not match is a CheckpointError naming it, before its bytes are used.
+- hpf.json lists every file with its size and a CRC-32 per item DCP stored in it (and seals
+  itself with its own CRC-32); bytes that do not match are a CheckpointError naming the file,
+  before they are used. A load verifies exactly the bytes it reads, as it reads them.
   CRC-32 (zlib, ~4 GB/s) catches every flipped bit and burst and costs little beside the disk.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import mmap
 import pickle
 import zlib
 from pathlib import Path
@@ -52,75 +55,92 @@ class _MetadataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def _crc(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def sums(root: Path, names) -> dict[str, list[int]]:
-    """``{name: [size, crc32]}`` of files in ``root``: what the manifest records."""
-    return {n: [(root / n).stat().st_size, _crc(root / n)] for n in names}
-
-
-def _verify(path: Path, name: str, files: dict | None) -> None:
-    """The file ``name`` of checkpoint ``path`` is the one its manifest lists (size and CRC-32)."""
-    if files is None:  # a checkpoint of an hpf without checksums: read_header warned
-        return
-    if name not in files:
-        raise CheckpointError(f"{path / name}: not in the checkpoint's manifest ({HEADER}); the checkpoint was "
-                              "changed after it was saved")
-    size, crc = files[name]
-    f = path / name
-    have = f.stat().st_size if f.is_file() else -1
-    if have != size:
-        raise CheckpointError(f"{f}: {'missing' if have < 0 else f'{have} bytes'}, but {size} bytes were saved "
-                              "(truncated or replaced); restore another checkpoint")
-    if _crc(f) != crc:
-        raise CheckpointError(f"{f}: its CRC-32 does not match the one saved in {HEADER}: the file is corrupt "
-                              "(a flipped byte); restore another checkpoint")
+def sums(root: Path, names, metadata=None) -> dict[str, list]:
+    """What the manifest records of files in ``root``: ``{name: [size, {offset: crc32}]}``, a
+    CRC-32 per item DCP stored (``metadata``: the Metadata dcp.save returned), or of the whole
+    file (offset 0) for a file without items (``.metadata``)."""
+    items: dict[str, list] = {n: [] for n in names}
+    for info in (metadata.storage_data.values() if metadata is not None else ()):
+        if info.relative_path in items:
+            items[info.relative_path].append((info.offset, info.length))
+    out = {}
+    for n in names:
+        size = (root / n).stat().st_size
+        with open(root / n, "rb") as f, (mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else
+                                        contextlib.nullcontext(b"")) as view:  # no copy of what was just written
+            out[n] = [size, {str(o): zlib.crc32(memoryview(view)[o:o + n_]) for o, n_ in sorted(set(items[n])) or
+                             [(0, size)]}]
+    return out
 
 
 class Reader(dcp.FileSystemReader):
     """DCP's file reader that reads ``.metadata`` through :class:`_MetadataUnpickler` and checks
-    every file against the manifest before reading from it."""
+    what it reads against the manifest: each file's size, and each item's bytes against their
+    CRC-32 as they are read (no second pass over the files)."""
 
     def __init__(self, path: Path, files: dict | None):
         super().__init__(path)
         self.root, self.files = Path(path), files
 
+    def _read(self, f, name: str, offset: int, length: int) -> bytes:
+        """Bytes ``[offset, offset+length)`` of the open file ``name``, verified."""
+        f.seek(offset)
+        data = f.read(length)
+        if self.files is None:  # a checkpoint of an hpf without checksums: read_header warned
+            return data
+        if name not in self.files:
+            raise CheckpointError(f"{self.root / name}: not in the checkpoint's manifest ({HEADER}); the "
+                                  "checkpoint was changed after it was saved")
+        size, crcs = self.files[name]
+        have = (self.root / name).stat().st_size
+        if have != size:
+            raise CheckpointError(f"{self.root / name}: {have} bytes, but {size} bytes were saved (truncated or "
+                                  "replaced); restore another checkpoint")
+        if zlib.crc32(data) != crcs.get(str(offset)) or len(data) != length:
+            raise CheckpointError(f"{self.root / name}: bytes {offset}-{offset + length} do not match the CRC-32 "
+                                  f"saved in {HEADER}: the file is corrupt (a flipped byte); restore another "
+                                  "checkpoint")
+        return data
+
     def read_metadata(self, *args, **kwargs):
-        _verify(self.root, ".metadata", self.files)
+        md = self.root / ".metadata"
         try:
-            with open(self.root / ".metadata", "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
+            with open(md, "rb") as f:
+                raw = self._read(f, ".metadata", 0, md.stat().st_size)
+            metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
+        except CheckpointError:
+            raise
         except Exception as e:  # noqa: BLE001 -- refused or corrupt: the file is named either way
-            raise CheckpointError(f"{self.root / '.metadata'}: not DCP metadata ({type(e).__name__}: {e}); "
-                                  "a checkpoint is data, never code") from e
+            raise CheckpointError(f"{md}: not DCP metadata ({type(e).__name__}: {e}); a checkpoint is data, "
+                                  "never code") from e
         if not isinstance(metadata, dcp_metadata.Metadata):
-            raise CheckpointError(f"{self.root / '.metadata'}: holds a {type(metadata).__name__}, not DCP metadata")
+            raise CheckpointError(f"{md}: holds a {type(metadata).__name__}, not DCP metadata")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
-    def read_data(self, plan, planner):
-        for name in sorted({self.storage_data[item.storage_index].relative_path for item in plan.items}):
-            _verify(self.root, name, self.files)
-        return super().read_data(plan, planner)
+    def _slice_file(self, file, sinfo):
+        if self.files is None:
+            return super()._slice_file(file, sinfo)
+        return io.BytesIO(self._read(file, sinfo.relative_path, sinfo.offset, sinfo.length))
 
 
-_NUMPY = (np.ndarray, np.dtype, getattr(np, "_core", getattr(np, "core", None)).multiarray._reconstruct,
-          getattr(np, "_core", getattr(np, "core", None)).multiarray.scalar)
+_NP_CORE = getattr(np, "_core", None) or np.core
+_NUMPY = [np.ndarray, np.dtype, _NP_CORE.multiarray._reconstruct, _NP_CORE.multiarray.scalar,
+          *(getattr(np.dtypes, n) for n in getattr(np.dtypes, "__all__", ()) if n != "ObjectDType")]
 
 
 def load_data(buffer) -> Any:
     """``extra`` read back as data: ``torch.load(weights_only=True)`` with numpy arrays and scalars
-    allowed too (older hpf train checkpoints hold numpy's RNG state)."""
-    with torch.serialization.safe_globals(list(_NUMPY)):
-        return torch.load(buffer, weights_only=True)
+    allowed too (hpf.checkpoint.rng_state holds numpy's RNG state). Raises ValueError saying
+    which object is not data."""
+    try:
+        with torch.serialization.safe_globals(_NUMPY):
+            return torch.load(buffer, weights_only=True)
+    except pickle.UnpicklingError as e:  # torch's message: the refused global, amid advice to trust the file
+        said = str(e).split("WeightsUnpickler error:")[-1].split("Check the documentation")[0].strip()
+        raise ValueError((said.splitlines()[-1] if said else str(e)).split(" Please use")[0]) from None
 
 
 def not_data(extra: Any) -> CheckpointError | None:
@@ -132,7 +152,7 @@ def not_data(extra: Any) -> CheckpointError | None:
         buffer.seek(0)
         load_data(buffer)
     except Exception as e:  # noqa: BLE001 -- which object, in torch's words
-        return CheckpointError(f"extra: {type(e).__name__}: {str(e).splitlines()[0]}. extra holds tensors, numpy "
+        return CheckpointError(f"extra: {e}. extra holds tensors, numpy "
                                "arrays, numbers, strings, lists, tuples and dicts (a checkpoint is data, never code: "
                                "it loads with torch.load(weights_only=True)); convert other objects to those")
     return None
