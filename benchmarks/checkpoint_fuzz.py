@@ -7,7 +7,8 @@ random length. Then ``hpf.checkpoint.load_params`` and ``step.restore`` (1 rank)
 raise ``CheckpointError`` naming the corrupted file, or return exactly the uncorrupted values
 (a load verifies the bytes it reads: load_params reads no optimizer state, so a flip there is
 found by restore, not by it); the file is put back after the trial.
-Printed: counts per outcome and the RATIO of silent loads (target 0).
+Printed: counts per outcome and load, and RATIOs of silent loads, of errors that do not name the
+file, and of restores that were not refused (each target 0: restore reads every byte).
 Outcomes: named (CheckpointError naming the file), unnamed (a CheckpointError that does not
 name it), other (another exception), unaffected (no error, every value exactly as saved: the
 corrupt bytes are ones this load does not read), silent (no error, some value changed).
@@ -90,7 +91,7 @@ def fuzz(path: Path, config, trials: int, seed: int) -> collections.Counter:
         try:
             for name, load in loads.items():
                 result = outcome(load, target, pristine[name])
-                counts[result] += 1
+                counts[name, result] += 1
                 if result not in ("named", "unaffected"):
                     print(f"trial {i}: {target.name} {what}: {name} -> {result}")
         finally:
@@ -111,14 +112,16 @@ def main():
         counts = fuzz(path, gpt.CONFIGS[args.config], args.trials, args.seed)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    loads = sum(counts.values())
-    print(f"GPT {args.config!r} checkpoint from 2 ranks, {args.trials} corruptions, {loads} loads "
-          "(load_params and restore each)")
-    print_table(("outcome", "loads"), [(k, counts.get(k, 0)) for k in ("named", "unnamed", "other", "unaffected",
-                                                                        "silent")])
-    report_ratio("checkpoint_fuzz_silent_loads", float(counts.get("silent", 0)), "<=0")
-    report_ratio("checkpoint_fuzz_errors_not_named", float(counts.get("unnamed", 0) + counts.get("other", 0)), "<=0")
-
+    kinds = ("named", "unnamed", "other", "unaffected", "silent")
+    print(f"GPT {args.config!r} checkpoint from 2 ranks, {args.trials} corruptions, each followed by load_params "
+          "and restore")
+    print_table(("outcome", "load_params", "restore"),
+                [(k, counts.get(("load_params", k), 0), counts.get(("restore", k), 0)) for k in kinds])
+    report_ratio("checkpoint_fuzz_silent_loads", float(sum(n for (_, k), n in counts.items() if k == "silent")), "<=0")
+    report_ratio("checkpoint_fuzz_errors_not_named",
+                 float(sum(n for (_, k), n in counts.items() if k in ("unnamed", "other"))), "<=0")
+    report_ratio("checkpoint_fuzz_restores_not_refused",
+                 float(args.trials - counts.get(("restore", "named"), 0)), "<=0")
 
 if __name__ == "__main__":
     main()
