@@ -12,7 +12,7 @@ file, and of restores that were not refused (each target 0: restore reads every 
 Outcomes: named (CheckpointError naming the file), unnamed (a CheckpointError that does not
 name it), other (another exception), unaffected (no error, every value exactly as saved: the
 corrupt bytes are ones this load does not read), silent (no error, some value changed).
-Usage: python benchmarks/checkpoint_fuzz.py [--config small] [--trials 200] [--seed 0]
+Usage: python benchmarks/checkpoint_fuzz.py [--config small] [--trials 200] [--seed 0] [--quick]
 """
 from __future__ import annotations
 
@@ -104,7 +104,10 @@ def main():
     ap.add_argument("--config", default="small", choices=sorted(gpt.CONFIGS))
     ap.add_argument("--trials", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="the tiny config, 20 corruptions")
     args = ap.parse_args()
+    if args.quick:
+        args.config, args.trials = "tiny", 20
     root = Path(tempfile.mkdtemp(prefix="hpf-ckpt-fuzz-"))
     try:
         path = root / "step_1"
