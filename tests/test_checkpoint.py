@@ -607,3 +607,15 @@ def test_checkpoint_fuzz_a_few_corruptions(tmp_path):
     launch(save, 2)
     counts = fuzz(tmp_path / "c", CFG, trials=8, seed=1)  # (load, outcome) -> how many
     assert counts[("restore", "named")] == 8 and {k for _, k in counts} <= {"named", "unaffected"}, counts
+
+
+def test_a_checkpoint_of_an_older_hpf_without_checksums_still_restores_and_says_so(tmp_path):
+    step = make_step({"dp": 1})
+    state = step.init(gpt.init(CFG))
+    path = tmp_path / "step_1"
+    step.save(state, path, extra={"step": 1, "rng": ck.rng_state()})  # numpy's RNG state: arrays are data
+    header = json.loads((path / "hpf.json").read_text())
+    (path / "hpf.json").write_text(json.dumps({k: v for k, v in header.items() if k not in ("files", "crc32")}))
+    with pytest.warns(UserWarning, match="saved without checksums"):
+        restored, extra = step.restore(path)
+    assert leaves_equal(step.full_params(restored), step.full_params(state)) and extra["step"] == 1
