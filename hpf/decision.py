@@ -35,6 +35,7 @@ class Decision:
     finite: bool
     aux: dict | None
     waited_s: float = 0.0  # blocked in the all-reduce
+    count: float | None = None  # hpf.weighted's global count (None: a plain mean); 0 makes the loss nan
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,8 @@ class Decider:
             flat = torch.tensor(tv[16:], dtype=torch.float64)
             out_aux = {k: x.view(v.shape).to(v.dtype) for (k, v), x in
                        zip(aux.items(), torch.split(flat, [v.numel() for v in aux.values()]))}
-        return Decision(loss, grad_norm, coef / (normalizer * scale) if normalizer else 0.0, finite, out_aux, waited)
+        return Decision(loss, grad_norm, coef / (normalizer * scale) if normalizer else 0.0, finite, out_aux, waited,
+                        tv[1] if weighted else None)
 
 
 def _sum_aux(outs: list[losses.LossOut]) -> dict | None:

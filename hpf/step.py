@@ -135,6 +135,10 @@ class ShardStep(StateIO):
                     raise
             elif state.loss_scale is not None:
                 self.config.loss_scale.update(state.loss_scale, finite=False)
+            elif self.config.on_nonfinite == "raise" and decision.count == 0:
+                raise NonFiniteError("hpf.weighted(sum, count): the global count is 0 (every rank's batch is all "
+                                     "padding), so there is no loss to average; nothing was updated, on any rank. "
+                                     "Leave such batches out, or pass on_nonfinite='skip' to skip them")
             elif self.config.on_nonfinite == "raise":
                 raise NonFiniteError(f"the loss ({decision.loss}) or the global grad norm ({decision.grad_norm}) is "
                                      "non-finite; nothing was updated, on any rank. Run the step with "
@@ -241,6 +245,12 @@ class ShardStep(StateIO):
         if not isinstance(shards, (list, tuple)) or len(shards) != len(self.plan.buckets):
             raise ValueError(f"step(state, batch): the state does not match this step's plan ({len(self.plan.buckets)} "
                              "flat shards); pass the state returned by this step's init, or by its previous call")
+        for b, shard in zip(self.plan.buckets, shards):  # before any collective: a foreign state's sizes
+            if not isinstance(shard, torch.Tensor) or tuple(shard.shape) != (b.shard_numel,):
+                said = tuple(shard.shape) if isinstance(shard, torch.Tensor) else type(shard).__name__
+                raise ValueError(f"step(state, batch): state shard {b.index} (unit {b.unit!r}, first param "
+                                 f"{b.slots[0].path!r}) is {said}, but this step's plan has ({b.shard_numel},) there: "
+                                 "the state belongs to another step or plan; pass the state this step's init returned")
 
     def call_loss(self, params: Any, batch: Any) -> Any:
         """The one call of ``loss_fn`` inside :meth:`forward_backward`.

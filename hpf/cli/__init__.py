@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(command if command in COMMANDS else None).parse_args(argv)
     from hpf.checks import NonFiniteError
     from hpf.cli.common import CliError
-    from hpf.launcher import RankError, rank
+    from hpf.launcher import RankError, Terminated, rank
 
     args.log_dir = None  # a command that has a run folder sets it: tracebacks go to <log_dir>/error.log
     kept = False  # whether a traceback was kept for this error
@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("hpf: interrupted", file=sys.stderr)
         return 130
+    except Terminated:  # SIGTERM to hpf.launch's process: the ranks were stopped and cleaned up
+        print("hpf: terminated (SIGTERM): the ranks were stopped", file=sys.stderr)
+        return 143
     except (CliError, ValueError) as e:  # a wrong argument; hpf's SpecError and MeshError are ValueErrors
         if args.debug:
             raise
