@@ -5,9 +5,12 @@ torch.distributed.checkpoint to a fresh directory on the same disk, interleaved 
   hpf    step.save(state, path) / step.restore(path) (flat shards cut into per-param chunks)
   fsdp2  dcp.save/dcp.load of get_state_dict(model, optimizer) (DTensors), model built by
          benchmarks/step_vs_fsdp2.fsdp2_gpt
+  nocrc  hpf's save and restore without the manifest's CRC-32s (none computed at the save, DCP's
+         own file reads at the restore): what the checksums cost
 Printed: medians of save and restore seconds and GB/s (state bytes / time), RATIO rows
-(hpf time / FSDP2 time, target <= 1.0), and the async save's exposed time (the part of
-step.save(..., async_save=True) the caller waits for: the CPU copy).
+(hpf time / FSDP2 time, target <= 1.0; hpf time / hpf without checksums, target <= 1.10),
+and the async save's exposed time (the part of step.save(..., async_save=True) the caller
+waits for: the CPU copy).
 Usage: python benchmarks/checkpoint_io.py [--config medium] [--rounds 5] [--dir /tmp] [--quick]
 """
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import hpf
+from hpf import checkpoint, checkpoint_files
 from hpf.launcher import launch
 from hpf.models import gpt
 
@@ -57,7 +61,12 @@ def rank_main(rank: int, config_name: str, rounds: int, root: str):
     def fsdp2_sd():
         m, o = get_state_dict(model, optim)
         return {"model": m, "optim": o}
-    times = {k: [] for k in ("hpf save", "fsdp2 save", "hpf restore", "fsdp2 restore", "hpf async exposed")}
+    times = {k: [] for k in ("hpf save", "fsdp2 save", "hpf restore", "fsdp2 restore", "hpf async exposed",
+                             "hpf save, no checksums", "hpf restore, no checksums")}
+    plain = {"sums": lambda root, names, metadata=None: {},  # no CRC-32s at the save ...
+             "Reader": lambda path, files: checkpoint_files.Reader(path, None)}  # ... and DCP's own reads
+    checked = {k: getattr(checkpoint, k) for k in plain}
+
     # one untimed save and restore of each first: the process's first DCP save pays one-off costs
     # (thread pools, planner caches, first writes) that would land on whichever contender goes first
     step.save(state, f"{root}/warm_hpf")
@@ -69,9 +78,16 @@ def rank_main(rank: int, config_name: str, rounds: int, root: str):
         for p in ("warm_hpf", "warm_fsdp2"):
             shutil.rmtree(f"{root}/{p}", ignore_errors=True)
     for r in range(rounds):
-        for name in (("hpf", "fsdp2") if r % 2 == 0 else ("fsdp2", "hpf")):
+        for name in ("hpf", "nocrc", "fsdp2")[r % 3:] + ("hpf", "nocrc", "fsdp2")[:r % 3]:
             path = f"{root}/{name}_{r}"
-            if name == "hpf":
+            if name == "nocrc":  # the same save and restore without checksums: DCP's plain file reads
+                vars(checkpoint).update(plain)
+                try:
+                    times["hpf save, no checksums"].append(_timed(lambda: step.save(state, path)))
+                    times["hpf restore, no checksums"].append(_timed(lambda: step.restore(path, state)))
+                finally:
+                    vars(checkpoint).update(checked)
+            elif name == "hpf":
                 times["hpf save"].append(_timed(lambda: step.save(state, path)))
                 times["hpf restore"].append(_timed(lambda: step.restore(path, state)))
                 t = time.perf_counter()
@@ -113,6 +129,9 @@ def main():
     print_table(("what", "seconds", "GB/s"), rows)
     report_ratio("checkpoint_save_hpf_vs_fsdp2", med["hpf save"] / med["fsdp2 save"], "<=1.0")
     report_ratio("checkpoint_restore_hpf_vs_fsdp2", med["hpf restore"] / med["fsdp2 restore"], "<=1.0")
+    report_ratio("checkpoint_save_checksums_vs_none", med["hpf save"] / med["hpf save, no checksums"], "<=1.10")
+    report_ratio("checkpoint_restore_checksums_vs_none", med["hpf restore"] / med["hpf restore, no checksums"],
+                 "<=1.10")
     print(f"async save: exposed {med['hpf async exposed'] * 1e3:.1f} ms per save "
           f"({med['hpf async exposed'] / med['hpf save']:.0%} of a blocking save)")
 

@@ -2,11 +2,15 @@
 
   autograd    plain torch.autograd through the unit engine (units freed after use, re-gathered
               in backward, each unit's reduction overlapping the rest of backward)
-  torch.func  torch.func.grad_and_value of loss_fn over every unit gathered at once, then the
-              reductions
+  torch.func  torch.func.grad_and_value of loss_fn with respect to the micro-batch's anchor; each
+              block (hpf.models' each_block -> UnitList.apply) rematerialized: only its input is
+              kept, its unit gathered again and its forward recomputed under torch.func.vjp in
+              backward
 
 Prints median step times and ``RATIO torch.func/autograd <config> ...``: the faster mode is
-shard_step's default (grad="autograd"). Run: python benchmarks/grad_modes.py [--rounds N]
+shard_step's default (grad="autograd"). ``--memory``: peak per rank of each mode (GPT small and
+medium, 2 and 4 ranks; benchmarks/memory_model.py's measurement) and their ratio.
+Run: python benchmarks/grad_modes.py [--rounds N] [--memory]
 """
 from __future__ import annotations
 
@@ -46,9 +50,24 @@ def rank_main(rank, args, config_name):
     return {m: median_ms(t) for m, t in times.items()}
 
 
+def memory():
+    from memory_model import measured_peak
+    for config, local in (("small", 4), ("medium", 1)):
+        for ranks in (2, 4):
+            peaks = {mode: measured_peak(config, ranks, local, grad=mode) for mode in MODES}
+            ratio = peaks["torch.func"] / peaks["autograd"]
+            print(f"GPT {config}, {ranks} ranks, {local} sequences per rank: peak per rank autograd "
+                  f"{peaks['autograd'] / 2**20:.1f} MiB, torch.func {peaks['torch.func'] / 2**20:.1f} MiB, "
+                  f"ratio {ratio:.3f} (target <= 1.15)", flush=True)
+            report_ratio(f"grad_memory/{config}-{ranks}r", ratio, "<=1.15")
+
+
 def main():
     ap = step_bench_parser(__doc__, warmup=2, rounds=5, calls=3)
+    ap.add_argument("--memory", action="store_true", help="only the peak memory of each mode")
     args = parse_step_args(ap)
+    if args.memory:
+        return memory()
     rows = []
     for name in ("tiny", "small"):
         med = launch(rank_main, WORLD, args, name, timeout=1800)[0]

@@ -69,14 +69,14 @@ def _peak(prof, steps_range: str) -> int:
 
 
 def measure(rank: int, config: str, ranks: int, local_batch: int, recompute: str, steps: int, out: str,
-            compile: bool = False) -> None:
+            compile: bool = False, grad: str = "autograd") -> None:
     """Write this rank's measured peak during ``steps`` steps to ``out``/rank<r>.json (``compile``:
-    blocks torch.compile'd, compiled by an unprofiled step first)."""
+    blocks torch.compile'd, compiled by an unprofiled step first; ``grad``: shard_step's)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     cfg = gpt.CONFIGS[config]
     step = hpf.shard_step(gpt.loss_for(cfg, recompute, compile=compile), mesh=hpf.Mesh({"dp": ranks}),
-                          optimizer=hpf.optim.adamw(lr=1e-3))
+                          optimizer=hpf.optim.adamw(lr=1e-3), grad=grad)
     params = gpt.init(cfg)
     batches = [gpt.global_batch(cfg, local_batch * ranks, 0, i)[rank * local_batch:(rank + 1) * local_batch]
                for i in range(steps)]
@@ -85,7 +85,7 @@ def measure(rank: int, config: str, ranks: int, local_batch: int, recompute: str
         state, _ = step(state, batches[0])
         params = step.full_params(state)
         step = hpf.shard_step(gpt.loss_for(cfg, recompute, compile=True), mesh=hpf.Mesh({"dp": ranks}),
-                              optimizer=hpf.optim.adamw(lr=1e-3))
+                              optimizer=hpf.optim.adamw(lr=1e-3), grad=grad)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         state = step.init(params)  # (its transient: every unit's buffer made, then freed, before the steps)
         del params
@@ -95,19 +95,25 @@ def measure(rank: int, config: str, ranks: int, local_batch: int, recompute: str
     Path(out, f"rank{rank}.json").write_text(json.dumps(_peak(prof, "memory_model/steps")))
 
 
+def measured_peak(config: str, ranks: int, local_batch: int, recompute: str = "none", steps: int = 2, *,
+                  compile: bool = False, grad: str = "autograd") -> int:
+    """The largest of the ranks' measured peaks (``measure``'s options)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hpf.launch(measure, ranks, config, ranks, local_batch, recompute, steps, tmp, compile, grad)
+        return max(json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(ranks))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny and small on 2 ranks only")
     ap.add_argument("--json", type=Path, help="write the results here (docs/results/memory_model.json)")
     args = ap.parse_args()
-    import tempfile
-
     rows = []
     for config, ranks, local in (QUICK if args.quick else CASES):
         for recompute in ("none", "all"):
-            with tempfile.TemporaryDirectory() as tmp:
-                hpf.launch(measure, ranks, config, ranks, local, recompute, 3, tmp)
-                meas = max(json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(ranks))
+            meas = measured_peak(config, ranks, local, recompute, steps=3)
             pred = predicted(config, ranks, local, recompute)
             landed = predicted(config, ranks, local, recompute, reduce_copies=0).total
             case = f"{config}/{ranks}r/b{local}/{recompute}"

@@ -9,7 +9,8 @@ global shape:
 - an optimizer moment is ``optimizer.state.<dotted path>.<field>`` (``exp_avg``,
   ``exp_avg_sq``; Muon's momentum is its ``exp_avg``), a scalar is ``optimizer.<field>``
   (the step ``count``);
-- ``extra`` is rank 0's object (data position, RNG state, ...), pickled by DCP;
+- ``extra`` is rank 0's object (data position, RNG state, ...): tensors, numpy arrays, numbers,
+  strings, lists, tuples and dicts, read back with ``torch.load(weights_only=True)``;
 - error-feedback residuals of a low-bit slow tier are ``error_feedback.bucket<b>``, one row
   per rank (they belong to the mesh that made them: restored on the same mesh and plan, and
   left at zero, with a warning, where the checkpoint has none that fit).
@@ -26,12 +27,17 @@ has written; an older checkpoint of the same series is removed only after that (
 Every save and restore starts with a recorded rendezvous (hpf.comm.schedule) and a check that
 all ranks passed the same path, so a rank that skips the call, or a path that differs by rank,
 is a named error on every rank before any file is touched. Async saves still running when the
-program ends are finished by ``hpf.launch.shutdown()``, or reported at exit (status 1).
+program ends are finished by ``hpf.launch.shutdown()``, or reported at exit (status 1). A save
+that fails (a full disk: DCP's CheckpointException) is a CheckpointError, never a path.
+
+A checkpoint is data, never code, and every file is checked against the CRC-32 in hpf.json
+before its bytes are used (hpf.checkpoint_files).
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
+import io
 import json
 import os
 import random
@@ -50,11 +56,14 @@ import optree
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex,
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from .checkpoint_files import (HEADER, TMP_SUFFIX, CheckpointError, Reader, load_data, not_data, read_failed,
+                               save_failed, seal, sums)
 from .comm import schedule, world
 from .launcher import at_shutdown
 from .optim.base import StateLayout
@@ -64,13 +73,7 @@ __all__ = ["CheckpointError", "save", "restore", "load_params", "meta", "wait_pe
            "set_rng_state", "VERSION"]
 
 VERSION = 1
-HEADER = "hpf.json"
 FEEDBACK = "error_feedback.bucket"  # + bucket index: a low-bit slow tier's residuals
-TMP_SUFFIX = ".tmp"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be saved or restored; the message names the path and the key."""
 
 
 # -- boxes: a flat interval of a row-major tensor as N-D chunks ---------------------------------
@@ -157,6 +160,16 @@ class _LoadPlanner(DefaultLoadPlanner):
     def lookup_tensor(self, index):
         return _lookup(self.state_dict, index) if isinstance(self.state_dict.get(index.fqn), _Chunks) \
             else super().lookup_tensor(index)
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        """``extra``, as data: DCP's own planner loads it with ``weights_only=False``, which runs
+        whatever a crafted checkpoint holds."""
+        name = self.metadata.storage_data[read_item.storage_index].relative_path
+        try:
+            self.state_dict[read_item.dest_index.fqn] = load_data(value)
+        except Exception as e:  # noqa: BLE001 -- an unpickling error: never runs, always named
+            raise CheckpointError(f"{name}: key {read_item.dest_index.fqn!r} is not plain data ({e}); a checkpoint "
+                                  "is data, never code: hpf loads extra with torch.load(weights_only=True)") from e
 
 
 # -- the state dict of a ShardStep's state -----------------------------------------------------
@@ -375,6 +388,7 @@ def save(step, state, path, extra: Any = None, *, keep_last: int | None = None, 
     if keep_last is not None:
         _series(path, keep_last)  # checks keep_last and the name before any collective
     _start("step.save", path)
+    _agree(not_data(extra))
     on = world.is_distributed()
     group = _group() if on else None
     if async_save:
@@ -391,16 +405,24 @@ def save(step, state, path, extra: Any = None, *, keep_last: int | None = None, 
     box: dict[str, Any] = {"path": path}
 
     def write():  # no schedule records here: a background thread's would interleave with the step's
+        error: BaseException | None = None
         try:
             with _quiet():
-                dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), planner=_SavePlanner(),
-                         process_group=group, no_dist=not on)
-            if rank == 0:
+                metadata = dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), planner=_SavePlanner(),
+                                    process_group=group, no_dist=not on)
+            mine = sorted(p.name for p in tmp.glob(f"__{rank}_*.distcp"))
+            (tmp / f"__{rank}{_SUMS}").write_text(json.dumps(sums(tmp, mine, metadata)))
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 -- DCP's is a BaseException (a full disk)
+            error = e
+        if _all_ok(error is None, group) and rank == 0:
+            try:
                 _publish(tmp, path, header, keep_last)
-            if on:
-                dist.barrier(group=group)
-        except Exception as e:  # noqa: BLE001 -- re-raised by wait(), on the caller's thread
-            box["error"] = e if isinstance(e, CheckpointError) else CheckpointError(f"saving {path}: {e}")
+            except Exception as e:  # noqa: BLE001 -- reported below, on every rank
+                error = e
+        if not _all_ok(error is None, group) or error is not None:
+            box["error"] = save_failed(path, error)
+            if rank == 0:  # free the space a full disk needs back; the last complete checkpoint stays
+                shutil.rmtree(tmp, ignore_errors=True)
     if not async_save:
         write()
         handle = SaveHandle(None, box)
@@ -415,8 +437,26 @@ def save(step, state, path, extra: Any = None, *, keep_last: int | None = None, 
     return handle
 
 
+_SUMS = ".crc.json"  # each rank's {file: [size, {offset: crc32}]}, merged into the manifest by rank 0
+
+
+def _all_ok(ok: bool, group) -> bool:
+    """Whether every rank of the save's group got this far without an error (a flag all-reduce:
+    a rank that failed must not leave the others waiting in a barrier)."""
+    if not world.is_distributed():
+        return ok
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return int(flag) == 0
+
+
 def _publish(tmp: Path, path: Path, header: dict, keep_last: int | None) -> None:
-    (tmp / HEADER).write_text(json.dumps(header))
+    files = {}
+    for part in sorted(tmp.glob(f"__*{_SUMS}")):
+        files.update(json.loads(part.read_text()))
+        part.unlink()
+    files.update(sums(tmp, [".metadata"]))
+    (tmp / HEADER).write_text(json.dumps(seal({**header, "files": files})))
     if path.exists():  # same name again: the old one stays until the new one is in place
         old = path.with_name(path.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
@@ -473,13 +513,18 @@ def _read_header(path: Path) -> tuple[dict, Any]:
                               "it is incomplete or another kind of directory")
     try:
         header = json.loads((path / HEADER).read_text())
-        metadata = dcp.FileSystemReader(path).read_metadata()
     except Exception as e:  # noqa: BLE001 -- any unreadable header means a corrupt checkpoint
-        raise CheckpointError(f"{path}: corrupt checkpoint header ({type(e).__name__}: {e})") from e
-    if header.get("format") != "hpf-dcp" or header.get("version") != VERSION:
-        raise CheckpointError(f"{path}/{HEADER}: format {header.get('format')!r} version "
-                              f"{header.get('version')!r}; this hpf reads hpf-dcp version {VERSION}")
-    return header, metadata
+        raise CheckpointError(f"{path / HEADER}: corrupt checkpoint header ({type(e).__name__}: {e})") from e
+    if not isinstance(header, dict) or header.get("format") != "hpf-dcp" or header.get("version") != VERSION:
+        said = (header.get("format"), header.get("version")) if isinstance(header, dict) else (None, None)
+        raise CheckpointError(f"{path / HEADER}: format {said[0]!r} version {said[1]!r}; this hpf reads hpf-dcp "
+                              f"version {VERSION}")
+    if "crc32" in header and seal(header) != header:
+        raise CheckpointError(f"{path / HEADER}: its CRC-32 does not match its contents: the file is corrupt (a "
+                              "flipped byte); restore another checkpoint")
+    if "files" not in header:
+        warnings.warn(f"{path}: saved without checksums (an older hpf): its files are not verified", stacklevel=3)
+    return header, Reader(path, header.get("files")).read_metadata()
 
 
 def _check(path: Path, metadata, want: dict[str, Any]) -> None:
@@ -560,10 +605,10 @@ def restore(step, path, state=None, *, strict: bool = True) -> tuple[Any, Any]:
     _agree(error)
     try:
         with _quiet():
-            dcp.load(sd, storage_reader=dcp.FileSystemReader(path), planner=_LoadPlanner(),
+            dcp.load(sd, storage_reader=Reader(path, header.get("files")), planner=_LoadPlanner(),
                      no_dist=not world.is_distributed())
-    except Exception as e:  # noqa: BLE001 -- DCP raises the same CheckpointException on every rank
-        raise CheckpointError(f"{path}: reading failed ({type(e).__name__}: {e})") from e
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 -- DCP's: the same on every rank
+        raise read_failed(path, e) from e
     if dropped and world.rank() == 0:
         warnings.warn(f"{path}: restore(strict=False) dropped {len(dropped)} checkpoint key(s) this model and "
                       f"optimizer do not have: {_some(dropped, 50)}", stacklevel=3)
@@ -593,8 +638,11 @@ def load_params(path) -> Any:
         shape, dtype = header["tensors"][key_of(p)]
         want[key_of(p)] = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")))
     _check(path, metadata, want)
-    with _quiet():
-        dcp.load(want, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    try:
+        with _quiet():
+            dcp.load(want, storage_reader=Reader(path, header.get("files")), planner=_LoadPlanner(), no_dist=True)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 -- DCP's is a BaseException
+        raise read_failed(path, e) from e
     return _unskeleton(header["tree"], {p: want[key_of(p)] for p in paths})
 
 

@@ -94,7 +94,11 @@ def clean_params(params: Any, *, allow_meta: bool = False) -> Any:
     tree_util.check_leaves(params)
     paths, leaves, treedef = tree_util.flatten(params)
     for path, x in zip(paths, leaves):
-        if not (x.is_floating_point() or x.is_complex()):
+        if x.is_complex():  # AdamW's g*g is not |g|^2 for complex g: refused, not trained wrong
+            raise TypeError(f"params leaf {path!r} is a {x.dtype} tensor; hpf's optimizers update real tensors. "
+                            "Pass torch.view_as_real(leaf) (a trailing dim of 2: torch's AdamW trains complex "
+                            "params exactly so) and torch.view_as_complex it back in the loss function")
+        if not x.is_floating_point():
             raise TypeError(f"params leaf {path!r} is a {x.dtype} tensor; params must be floating tensors "
                             "(the optimizer updates them). Move int/bool buffers into the batch, or cast the "
                             "leaf with .float()")

@@ -44,7 +44,8 @@ class StepConfig:
             reads first, start their gathers, then update the rest (bitwise the same result);
             False updates everything, then gathers.
         grad: "autograd" (the default, and the faster) or "torch.func" (``grad_and_value`` of
-            loss_fn over every unit gathered at once).
+            loss_fn; blocks run through ``UnitList.apply``, as hpf.models' ``each_block`` does, are
+            rematerialized: FSDP memory, one more forward per block).
         on_nonfinite: "raise" (:class:`hpf.NonFiniteError`, the state exactly as before the step) or
             "skip" (no update; ``metrics["skipped"]``).
         accumulate: micro-batches per step: every per-example batch leaf is split into this many

@@ -47,7 +47,11 @@ def _hf_encoder(path: Path):
                                   "pip install tokenizers (or use tokenizer='bytes')") from None
     if not path.is_file():
         raise FileNotFoundError(f"tokenizer {path} is not a file; give a local tokenizer.json or 'bytes'")
-    tok = Tokenizer.from_file(str(path))
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 -- the tokenizers package raises a bare Exception
+        raise ValueError(f"tokenizer {path} is not a tokenizer.json the tokenizers package can read ({e}); give a "
+                         "Hugging Face tokenizer.json, or 'bytes'") from None
     eot = next((i for i in map(tok.token_to_id, EOT_NAMES) if i is not None), None)
 
     def encode(data: bytes) -> np.ndarray:
@@ -102,6 +106,8 @@ def prepare(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike, tok
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file, not a folder; give the folder to write the token files to (a new path)")
     held = [p.name for p in (out / n for n in ("meta.json", "train.bin", "val.bin")) if p.exists()]
     if held and not overwrite:
         raise ValueError(f"{out} already holds token files ({', '.join(held)}); pick another folder, or overwrite "
@@ -178,6 +184,12 @@ class TokenData:
         # copy-on-write: torch.from_numpy wants a writable array; reads stay zero-copy, and no
         # write ever reaches the file
         self.tokens = np.memmap(path, dtype=dtype, mode="c")
+        top = int(self.tokens.max()) if len(self.tokens) else -1  # one pass (GB/s): an id past the vocab
+        if top >= self.vocab_size:  # would be an IndexError inside some rank's embedding lookup
+            at = int(np.argmax(self.tokens >= self.vocab_size))
+            raise ValueError(f"{path}: token id {top} (first bad id at position {at}) is outside the vocab of "
+                             f"{self.vocab_size} that {Path(data_dir) / 'meta.json'} states; the folder is mixed or "
+                             "was changed after hpf prepare wrote it: prepare it again")
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -35,7 +35,7 @@ class Decision:
     finite: bool
     aux: dict | None
     waited_s: float = 0.0  # blocked in the all-reduce
-    terms: float | None = None  # hpf.weighted: the terms per micro-batch per rank, on average (None: a mean)
+    count: float | None = None  # hpf.weighted's global count (None: a plain mean); 0 makes the loss nan
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class Decider:
             out_aux = {k: x.view(v.shape).to(v.dtype) for (k, v), x in
                        zip(aux.items(), torch.split(flat, [v.numel() for v in aux.values()]))}
         return Decision(loss, grad_norm, coef / (normalizer * scale) if normalizer else 0.0, finite, out_aux, waited,
-                        tv[1] / (self.world * len(outs)) if weighted else None)
+                        tv[1] if weighted else None)
 
 
 def _sum_aux(outs: list[losses.LossOut]) -> dict | None:

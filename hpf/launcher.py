@@ -25,6 +25,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -34,7 +35,7 @@ import torch.distributed as dist
 
 from .comm import schedule
 
-__all__ = ["RankError", "launch", "init_distributed", "shutdown", "at_shutdown", "is_launched", "rank", "world_size",
+__all__ = ["RankError", "Terminated", "launch", "init_distributed", "shutdown", "at_shutdown", "is_launched", "rank", "world_size",
            "COLLECTIVE_TIMEOUT_S"]
 
 _TERMINATE_GRACE_S = 2.0  # SIGTERM first, SIGKILL after this
@@ -42,6 +43,18 @@ _DEATH_ECHO_S = 1.0  # after a rank's error, how long to watch for a peer's deat
 # A collective that waits this long for a peer raises: how a hung or dead rank is found. It
 # bounds a wait, never a healthy run, which may take as long as it needs.
 COLLECTIVE_TIMEOUT_S = 300.0
+
+
+class Terminated(SystemExit):
+    """SIGTERM reached the process running :func:`launch` (a scheduler's stop): the ranks were
+    stopped and their files removed; exits with 143 (128 + SIGTERM) unless caught."""
+
+    def __init__(self):
+        super().__init__(128 + signal.SIGTERM)
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
 
 
 class RankError(RuntimeError):
@@ -149,7 +162,10 @@ def shutdown() -> None:
     is a recorded rendezvous, so a peer still inside a collective call this rank skipped (rank
     0 alone in ``step.save``) ends in ScheduleMismatchError on both, within seconds. After
     such an error it does nothing: collectives no longer pair up, and the exit frees all."""
-    if not dist.is_initialized() or schedule.LOG.broken is not None:
+    if not dist.is_initialized():
+        return
+    if schedule.LOG.broken is not None:  # collectives no longer pair up: only let the peers read the report
+        schedule.linger()
         return
     for fn in _AT_SHUTDOWN:
         fn()
@@ -164,6 +180,18 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _loopback_env() -> dict[str, str]:
+    """Environment that binds the backends' sockets to the loopback interface: gloo (and nccl's
+    bootstrap) otherwise listen on the address the hostname resolves to, which may be a LAN
+    address, for a job that is local by construction."""
+    names = [n for _, n in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
+    lo = next((n for n in ("lo", "lo0") if n in names), None) or next((n for n in names if n.startswith("lo")), None)
+    if lo is None:
+        raise RuntimeError(f"hpf.launch: no loopback network interface among {names}; the ranks' sockets must bind "
+                           "to loopback (set GLOO_SOCKET_IFNAME through env= to choose an interface)")
+    return {"GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": lo}
 
 
 def _die_with_parent() -> None:
@@ -200,6 +228,7 @@ def _release_openmp_threads() -> None:
 
 
 def _child(fn, rank_, world_size_, args, env, timeout, backend, conn) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (forked with launch's handler) a stop ends a rank at once
     _die_with_parent()
     os.environ.update(env)
     try:
@@ -212,14 +241,9 @@ def _child(fn, rank_, world_size_, args, env, timeout, backend, conn) -> None:
         message = ("ok", fn(rank_, *args))
         shutdown()  # an unfinished async save or a peer stuck in a skipped collective is this rank's error
     except BaseException as e:  # noqa: BLE001 -- everything, incl. SystemExit, is reported to the parent
-        message = ("error", traceback.format_exc())
-        error = e
-    message += (time.monotonic(),)  # system-wide clock: the parent blames the earliest error
-    if message[0] == "error":  # the exception itself too, where it pickles (the parent raises its type)
-        try:
-            message += (pickle.dumps(error),)
-        except Exception:  # noqa: BLE001 -- e.g. an attribute that does not pickle
-            pass
+        message = ("error", traceback.format_exc(), time.monotonic(), _missing_ranks(e), _pickled(e))
+    if message[0] == "ok":
+        message += (time.monotonic(),)  # system-wide clock: the parent blames the earliest error
     # plain pickle: tensors travel by value (torch's ForkingPickler would send file
     # descriptors that the parent fetches from this process, which is about to exit)
     try:
@@ -251,6 +275,14 @@ def _in_place(fn, world_size_: int, args: tuple, timeout: float, backend: str | 
     dist.all_gather_object(results, result)
     shutdown()
     return results
+
+
+def _missing_ranks(error: BaseException) -> tuple[int, ...]:
+    """The ranks a timed-out wait found absent (hpf.comm.schedule.PeerTimeoutError, maybe as the
+    cause of another error): the parent blames them, not the rank that waited."""
+    while error is not None and not hasattr(error, "missing"):
+        error = error.__cause__ or error.__context__
+    return tuple(getattr(error, "missing", ()))
 
 
 def _exit_description(code: int | None) -> str:
@@ -290,7 +322,9 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float |
     There is no limit on the whole run unless ``timeout`` sets one.
     With an accelerator, the calling process must not have initialized it (as with any fork).
     The ranks rendezvous through a file store in a private temporary folder, so concurrent
-    launches never race for a port; ``master_port`` makes them use a TCP store on that port.
+    launches never race for a port; ``master_port`` makes them use a TCP store on that port
+    (torch's TCPStore listens on every interface; nothing hpf reads from it runs as code).
+    The ranks' gloo (and nccl bootstrap) sockets bind to the loopback interface only.
     ``hpf.launch.init_distributed()`` and ``hpf.launch.RankError`` reach this module's names.
 
     Under torchrun (its environment set), no process is forked: this process runs
@@ -321,6 +355,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float |
     if dist.is_initialized():
         raise RuntimeError("launch: this process already has a process group; forked ranks would "
                            "inherit it. Call hpf.launch from a driver process without one.")
+    loopback = {} if env and "GLOO_SOCKET_IFNAME" in env else _loopback_env()
     ctx = mp.get_context("fork")
     _release_openmp_threads()
     port = str(master_port or _free_port())
@@ -328,6 +363,12 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float |
     rendezvous_dir = None if master_port else tempfile.mkdtemp(prefix="hpf-rendezvous-")
     rendezvous = {"HPF_RENDEZVOUS_FILE": os.path.join(rendezvous_dir, "store")} if rendezvous_dir else {}
     procs, conns = [], []
+    # SIGTERM (what schedulers send) unwinds through the finally below, which stops the ranks and
+    # removes the rendezvous folder and shared memory; a handler the program set stays in charge.
+    sigterm = threading.current_thread() is threading.main_thread() and \
+        signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    if sigterm:
+        signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         for r in range(world_size):
             child_env = {
@@ -336,7 +377,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float |
                 "ROLE_WORLD_SIZE": str(world_size), "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default",
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
                 "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-                "TORCHELASTIC_RUN_ID": f"hpf-{os.getpid()}-{port}", **rendezvous, **(env or {})}
+                "TORCHELASTIC_RUN_ID": f"hpf-{os.getpid()}-{port}", **loopback, **rendezvous, **(env or {})}
             recv, send = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_child, name=f"hpf-rank{r}",
                             args=(fn, r, world_size, args, child_env, min(collective_timeout, timeout or math.inf),
@@ -347,6 +388,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float |
             conns.append(recv)
         return _collect(procs, conns, timeout)
     finally:
+        if sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
         _stop(procs)
         for c in conns:
             c.close()
@@ -383,7 +426,8 @@ def _collect(procs: list, conns: list, timeout: float | None) -> list[Any]:
                 procs[r].join(_TERMINATE_GRACE_S)  # pipe closed: the process is exiting
                 deaths.append(r)
             elif message[0] == "error":
-                errors.append((message[2], r, message[1], message[3] if len(message) > 3 else None))
+                errors.append((message[2], r, message[1], message[3] if len(message) > 3 else (),
+                               message[4] if len(message) > 4 else None))
             else:
                 results[r] = message[1]
         if errors and not deaths:  # a peer's error may be the echo of a death not yet seen: look once more
@@ -398,12 +442,24 @@ def _collect(procs: list, conns: list, timeout: float | None) -> list[Any]:
             raise RankError(f"hpf.launch: rank {r} {_exit_description(procs[r].exitcode)} without "
                             "reporting a result or an exception; the other ranks were ended", rank=r)
         if errors:
-            _, r, tb, pickled = min(errors, key=lambda e: e[:2])
+            _, r, tb, _, pickled = min(errors, key=lambda e: e[:2])
+            hung = sorted(set.intersection(*(set(e[3]) for e in errors)) - {e[1] for e in errors})
+            if hung:  # every error is a wait that timed out for these ranks, alive and silent
+                raise RankError(f"hpf.launch: rank {hung[0]} hung (it neither finished nor raised); rank {r} timed out "
+                                f"waiting for it (the other ranks were ended):\n{tb}", rank=hung[0], child_traceback=tb)
             raise _rank_error(f"hpf.launch: rank {r} raised (the other ranks were ended):\n{tb}", r, tb,
                               _unpickled(pickled))
     for p in procs:  # ranks are past fn; give them a moment to tear the process group down
         p.join(min(10.0, max(0.0, deadline - time.monotonic())))
     return results
+
+
+def _pickled(error: BaseException) -> bytes | None:
+    """A rank's exception for the parent, where it pickles (the parent raises its type)."""
+    try:
+        return pickle.dumps(error)
+    except Exception:  # noqa: BLE001 -- e.g. an attribute that does not pickle
+        return None
 
 
 def _unpickled(payload: bytes | None) -> BaseException | None:

@@ -249,6 +249,7 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
     paths, leaves, treedef = tree_util.flatten(params)
     units_of = unit_names(params)
     ties = _ties(paths, leaves, units_of)
+    frozen = set(frozen) | {ties[p] for p in frozen if p in ties}  # a frozen alias freezes its tie
 
     buckets: list[Bucket] = []
     units: dict[str, Unit] = {ROOT: Unit(ROOT, [])}
@@ -318,18 +319,30 @@ def _ties(paths: list[str], leaves: list, units_of: list[str]) -> dict[str, str]
         if k[0] != "object":
             x = leaves[owner]
             end = x.storage_offset() + sum((n - 1) * st for n, st in zip(x.shape, x.stride())) + 1
-            spans.append((k[0], x.storage_offset() * x.element_size(), end * x.element_size(), paths[owner]))
-    spans.sort()
-    reach = (None, 0, "")  # the span reaching furthest so far: (storage, end, path)
-    for ptr, start, end, b in spans:
-        if ptr == reach[0] and start < reach[1]:
-            a = reach[2]
-            raise SpecError(f"parameters {a!r} and {b!r} overlap in memory but are not the same tensor (a view "
-                            "such as a transpose or slice of another param). Tie weights by passing the same "
-                            "tensor at both paths, and transpose or slice it inside loss_fn")
-        if ptr != reach[0] or end > reach[1]:
-            reach = (ptr, end, b)
+            spans.append((k[0], x.storage_offset() * x.element_size(), end * x.element_size(), paths[owner], x))
+    spans.sort(key=lambda s: s[:3])
+    active: list[tuple] = []  # earlier spans of the same storage that reach past this one's start
+    for ptr, start, end, b, y in spans:
+        active = [s for s in active if s[0] == ptr and s[2] > start]
+        for _, _, _, a, x in active:
+            if _share_bytes(x, y):
+                raise SpecError(f"parameters {a!r} and {b!r} overlap in memory but are not the same tensor (a view "
+                                "such as a transpose or slice of another param). Tie weights by passing the same "
+                                "tensor at both paths, and transpose or slice it inside loss_fn")
+        active.append((ptr, start, end, b, y))
     return ties
+
+
+def _share_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether two views of one storage whose address spans overlap share any byte: element by
+    element, so interleaved views (two column halves of one matrix) are disjoint."""
+    def byte_set(t):
+        offsets = torch.zeros((), dtype=torch.int64)
+        for n, st in zip(t.shape, t.stride()):
+            offsets = (offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * st)
+        starts = (offsets.reshape(-1) + t.storage_offset()) * t.element_size()
+        return (starts.unsqueeze(-1) + torch.arange(t.element_size())).reshape(-1)
+    return bool(torch.isin(byte_set(x), byte_set(y)).any())
 
 
 def _param_axes(path: str, spec: P, mesh: Mesh, fsdp: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:

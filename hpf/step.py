@@ -100,7 +100,7 @@ class ShardStep(StateIO):
                                  pipeline=cfg.topology is None or cfg.topology.pipeline, capacity=cfg.resident_units,
                                  compute_sums=[(b, self.mesh.group(axes)) for b, axes in partial
                                                if self.mesh.axis_size(axes) > 1],
-                                 on_extra_gather=self.on_extra_gather)
+                                 on_extra_gather=self.on_extra_gather, rematerialize=cfg.grad == "torch.func")
         self.dp_size = self.mesh.axis_size(self.plan.fsdp_axes)
         # Axes a param computes sharded over (experts on a borrowed data axis) allow collectives.
         self._spmd = SPMD(self.mesh, self.rank, tuple(a for a in self.plan.fsdp_axes if a not in self.plan.split_axes))
@@ -138,6 +138,10 @@ class ShardStep(StateIO):
                     raise
             elif state.loss_scale is not None:
                 self.config.loss_scale.update(state.loss_scale, finite=False)
+            elif self.config.on_nonfinite == "raise" and decision.count == 0:
+                raise NonFiniteError("hpf.weighted(sum, count): the global count is 0 (every rank's batch is all "
+                                     "padding), so there is no loss to average; nothing was updated, on any rank. "
+                                     "Leave such batches out, or pass on_nonfinite='skip' to skip them")
             elif self.config.on_nonfinite == "raise":
                 raise NonFiniteError(f"the loss ({decision.loss}) or the global grad norm ({decision.grad_norm}) is "
                                      "non-finite; nothing was updated, on any rank. Run the step with "
@@ -199,9 +203,10 @@ class ShardStep(StateIO):
     def _retune(self, state: TrainState, decision: Decision) -> bool:
         """Whether fp16's per-term divisor changed with this step's count of terms (then a
         step that overflowed ran with a stale one: on the first step, or after a resume)."""
-        if state.loss_scale is None or decision.terms is None:
+        if state.loss_scale is None or decision.count is None:
             return False
-        old, self._terms = self._terms, losses.terms_divisor(decision.terms)
+        per_micro_batch = decision.count / (self.mesh.size * self.config.accumulate)
+        old, self._terms = self._terms, losses.terms_divisor(per_micro_batch)
         return self._terms != old
 
     def forward_backward(self, state: TrainState, batch: Any, hold: bool = False, scale: float = 1.0) -> losses.LossOut:
@@ -238,16 +243,20 @@ class ShardStep(StateIO):
         return out
 
     def _func_grads(self, batch: Any, seed: float) -> losses.LossOut:
-        """grad="torch.func": ``grad_and_value`` of loss_fn over every unit gathered at once."""
+        """grad="torch.func": ``grad_and_value`` of loss_fn with respect to the micro-batch's anchor,
+        which every unit entry hangs off: each entry's backward hands its unit's grads to the
+        reducer, as under autograd. Blocks run through ``UnitList.apply`` (hpf.models'
+        ``each_block``) are rematerialized, so a unit is gathered per block, as FSDP does."""
         parsed = []
+        eng = self.engine
 
-        def seeded(params):  # (torch.func returns only tensors as aux: the rest stays in ``parsed``)
-            out = losses.parse(self.call_loss(params, batch))
+        def seeded(anchor):  # (torch.func returns only tensors as aux: the rest stays in ``parsed``)
+            out = losses.parse(self.call_loss(eng.params_tree(anchor), batch))
             parsed.append(out)
+            eng.start_backward()
             aux = tuple(out.aux.values()) if out.aux else ()
             return (out.value if seed == 1.0 else out.value * seed), (out.value, *aux)
-        grads, (_, (value, *aux)) = torch.func.grad_and_value(seeded, has_aux=True)(self.engine.gathered_tree())
-        self.engine.reduce_tree(grads)
+        _, (_, (value, *aux)) = torch.func.grad_and_value(seeded, has_aux=True)(eng.anchor.detach())  # (no tape of its own)
         out = parsed[-1]
         return losses.LossOut(value, out.count, dict(zip(out.aux, aux)) if out.aux else None)
 
@@ -258,6 +267,12 @@ class ShardStep(StateIO):
         if not isinstance(shards, (list, tuple)) or len(shards) != len(self.plan.buckets):
             raise ValueError(f"step(state, batch): the state does not match this step's plan ({len(self.plan.buckets)} "
                              "flat shards); pass the state returned by this step's init, or by its previous call")
+        for b, shard in zip(self.plan.buckets, shards):  # before any collective: a foreign state's sizes
+            if not isinstance(shard, torch.Tensor) or tuple(shard.shape) != (b.shard_numel,):
+                said = tuple(shard.shape) if isinstance(shard, torch.Tensor) else type(shard).__name__
+                raise ValueError(f"step(state, batch): state shard {b.index} (unit {b.unit!r}, first param "
+                                 f"{b.slots[0].path!r}) is {said}, but this step's plan has ({b.shard_numel},) there: "
+                                 "the state belongs to another step or plan; pass the state this step's init returned")
 
     def call_loss(self, params: Any, batch: Any) -> Any:
         """The one call of ``loss_fn`` inside :meth:`forward_backward`.

@@ -11,8 +11,12 @@ so a receiver needs nothing else (no extra collective for the scales):
 - ``int4``: ``round(x / s)`` in [-7, 7], ``s = amax / 7``, two codes per byte (low nibble
   first, stored + 8).
 
+A block's scale is floored at 2**-126 (float32's smallest normal), so ``s = max(amax / qmax,
+2**-126)``: its reciprocal stays finite for every finite block (1e-38 included), and values
+below about 6e-39 (subnormals) come back as 0.
+
 Error bounds per element (``s``: its block's scale), each tested against the reference in
-tests/test_quant.py:
+tests/test_quant.py, for every finite block:
 
 - int8, int4: ``|x - x'| <= s / 2 * (1 + 2**-12)`` (round to nearest; the fp32 products);
 - fp8: ``|x - x'| <= max(2**-4 * |x|, 2**-10 * s) * (1 + 2**-12)`` (3 mantissa bits; the

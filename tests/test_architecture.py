@@ -147,3 +147,49 @@ def test_the_module_map_lists_every_module_and_only_modules_that_exist():
                 if str(p.relative_to(ROOT)) not in listed and not str(p.relative_to(ROOT)).startswith(folders)
                 and not (p.name == "__init__.py" and str(p.parent.relative_to(ROOT)) in packages)]
     assert not unlisted, f"modules missing from docs/architecture.md's module map: {unlisted}"
+
+
+# Calls that run code from the bytes they read. Allowed only where the bytes cannot come from
+# disk or the network, each with its reason.
+CODE_FROM_DATA_ALLOWED = {
+    ("hpf/launcher.py", "pickle.loads"): "a rank's result, through the pipe to the child hpf.launch forked",
+}
+
+
+def code_from_data_calls(source: str) -> list[tuple[int, str]]:
+    """``(line, call)`` for each call in ``source`` that may run code from data: pickle/marshal/dill
+    loads, a pickle.Unpickler used as is (not subclassed with a find_class), ``torch.load``
+    without ``weights_only=True``, and ``eval``/``exec``."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        name = ast.unparse(node.func)
+        if name in ("eval", "exec", "builtins.eval", "builtins.exec", "compile"):
+            out.append((node.lineno, name))
+        elif re.fullmatch(r"(pickle|cPickle|_pickle|marshal|dill|cloudpickle|shelve)\.(load|loads|Unpickler|open)",
+                          name):
+            out.append((node.lineno, name))
+        elif name.split(".")[-1] == "load" and name.startswith("torch"):
+            safe = any(k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True
+                       for k in node.keywords)
+            if not safe:
+                out.append((node.lineno, name))
+    return out
+
+
+def test_nothing_in_the_library_runs_code_from_data():
+    """A checkpoint, a store value, a plan file is data: hpf never unpickles what it reads from
+    disk or the network, never torch.loads without weights_only=True, never evals."""
+    found = [(str(p.relative_to(ROOT)), line, call) for p in library_files()
+             for line, call in code_from_data_calls(p.read_text())
+             if (str(p.relative_to(ROOT)), call) not in CODE_FROM_DATA_ALLOWED]
+    assert not found, f"calls that run code from data (use JSON, or torch.load(weights_only=True)): {found}"
+
+
+def test_the_code_from_data_scan_finds_each_forbidden_call():
+    source = ("import pickle, torch\npickle.load(f)\npickle.loads(b)\ntorch.load(p)\n"
+              "torch.load(p, weights_only=False)\ntorch.load(p, weights_only=True)\neval('1')\nexec('x=1')\n"
+              "pickle.Unpickler(f).load()\n")
+    assert [c for _, c in code_from_data_calls(source)] == ["pickle.load", "pickle.loads", "torch.load", "torch.load",
+                                                            "eval", "exec", "pickle.Unpickler"]

@@ -92,6 +92,18 @@ def donated_reuse():
     step(s0, batch(1))
 
 
+def foreign_state():
+    """Step B given step A's state: the same number of shards, other sizes (it failed deep in
+    gloo with 'invalid tensor size' on 2 ranks)."""
+    a = make().init(params())
+    wide = {**params(), "blocks": [{"w": torch.zeros(8, 8), "b": torch.zeros(8)}, {"w": torch.zeros(8, 8),
+                                                                                 "b": torch.zeros(8)}],
+            "head": torch.zeros(8, 2)}
+    b = make(loss=lambda p, bt: loss_fn({**p, "head": p["head"][:, :1]}, bt))
+    b.init(wide)
+    b(a, batch(0))
+
+
 def donated_full_params():
     step = make()
     s0 = step.init(params())
@@ -127,6 +139,8 @@ CASES = {
                  ["'blocks/0/b'", "floating", "batch"]),
     "bool leaf": (lambda: init(with_leaf("head", torch.ones(8, 1, dtype=torch.bool))), TypeError,
                   ["'head'", "floating"]),
+    "complex leaf": (lambda: init(with_leaf("head", torch.randn(8, 1, dtype=torch.complex64))), TypeError,
+                     ["'head'", "complex64", "torch.view_as_real"]),  # AdamW's g*g was 1 lr off per step
     "python float leaf": (lambda: init(with_leaf("w_in", 3.0)), TypeError, ["'w_in'", "torch.as_tensor"]),
     "None leaf": (lambda: init(with_leaf("blocks/1/b", None)), TypeError, ["'blocks/1/b'", "tensor"]),
     "a step on meta params": (lambda: _step_on_meta(), RuntimeError, ["meta params", "step.restore"]),
@@ -141,6 +155,8 @@ CASES = {
                             ["does not depend on the params"]),
     "int loss": (lambda: run(1, loss=lambda p, b: (loss_fn(p, b) * 100).long()), TypeError,
                  ["torch.int64", "real floating-point"]),
+    "zero count": (lambda: run(1, loss=lambda p, b: hpf.weighted(loss_fn(p, b) * 0, 0)), hpf.NonFiniteError,
+                   ["global count is 0", "all padding", "on_nonfinite='skip'"]),  # not "lower the learning rate"
     "NaN loss": (lambda: run(1, loss=nan_loss), hpf.NonFiniteError, ["loss", "non-finite", "nothing was updated",
                                                                        "on_nonfinite"]),
     "inf grad, finite loss": (lambda: run(1, loss=sqrt_at_zero), hpf.NonFiniteError, ["grad norm", "validate"]),
@@ -200,6 +216,7 @@ CASES = {
                                                              "init_distributed()"]),
     # the train state
     "step before init": (lambda: make()(None, batch(0)), RuntimeError, ["step.init"]),
+    "a foreign state": (foreign_state, ValueError, ["state shard 2", "'head'", "(48,)", "another step or plan"]),
     "donated state reused": (donated_reuse, hpf.DonatedStateError, ["already passed to step",
                                                                      "state, metrics = step(state, batch)"]),
     "full_params of a donated state": (donated_full_params, hpf.DonatedStateError, ["full_params",

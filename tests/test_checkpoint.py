@@ -2,11 +2,17 @@
 
 References are independent of the code under test: the full params (step.full_params or the
 init tensors), plain torch (dcp_to_torch_save, an FSDP2 module), and uninterrupted runs."""
+import contextlib
 import dataclasses
+import json
 import os
 import random
+import re
+import subprocess
+import sys
 import time
 import types
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -482,7 +488,7 @@ import sys, time, torch, hpf
 from hpf import checkpoint
 from hpf.models import gpt
 save = checkpoint.dcp.save
-checkpoint.dcp.save = lambda *a, **k: (time.sleep(1), save(*a, **k))  # a save that outlasts the script
+checkpoint.dcp.save = lambda *a, **k: (time.sleep(1), save(*a, **k))[1]  # a save that outlasts the script
 hpf.launch.init_distributed()
 cfg = gpt.CONFIGS["tiny"]
 step = hpf.shard_step(gpt.loss_for(cfg), mesh=hpf.Mesh({"dp": 2}), optimizer=hpf.optim.adamw())
@@ -516,3 +522,100 @@ def test_torchrun_script_finishes_or_reports_an_async_save(tmp_path, end):
         assert all(f"the async save to {tmp_path / 'ckpt'} failed" in o and "hpf.launch.shutdown()" in o
                    for o in outs), outs
         assert ck.latest(tmp_path) is None
+
+
+# -- a failed save is never reported as saved ----------------------------------------------------
+def _full_disk(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_save_that_fails_in_dcp_is_a_checkpoint_error_and_nothing_is_published(tmp_path, monkeypatch, async_save):
+    """DCP reports a writer's error as CheckpointException, a BaseException: it must still be a
+    CheckpointError (an ``except Exception`` sees it), never a returned path."""
+    step = make_step({"dp": 1})
+    state = step.init(gpt.init(CFG))
+    step.save(state, tmp_path / "step_1")
+    monkeypatch.setattr(torch.distributed.checkpoint.FileSystemWriter, "write_data", _full_disk)
+    with pytest.raises(ck.CheckpointError, match=r"saving .*step_2: OSError: \[Errno 28\] No space left"):
+        step.save(state, tmp_path / "step_2", async_save=async_save)
+        step.wait_save()
+    assert sorted(os.listdir(tmp_path)) == ["step_1"] and ck.latest(tmp_path) == tmp_path / "step_1"
+
+
+@contextlib.contextmanager
+def _tmpfs(path, size="64k"):
+    """A small filesystem at ``path`` (needs root, as CI runs); the test is skipped without it."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root); the fault-injecting writer test covers this")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def test_hpf_train_on_a_full_disk_fails_loudly(tmp_path, capsys):
+    """--save-every onto a filesystem too small for one checkpoint: rc 1, one line naming the save,
+    run.json "failed", and no checkpoint that looks complete."""
+    from hpf import cli
+
+    run = tmp_path / "run"
+    with _tmpfs(run / "checkpoints"):
+        code = cli.main(["train", "--mesh", "dp=2", "--batch-size", "8", "--steps", "4", "--save-every", "2",
+                         "--out", str(run)])
+        assert ck.latest(run / "checkpoints") is None and os.listdir(run / "checkpoints") == []
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and re.search(r"CheckpointError: saving .*step_000002: OSError: .*No space", err[0])
+    assert json.loads((run / "run.json").read_text())["status"].startswith("failed")
+
+
+# -- integrity: every file is checked against the manifest's CRC-32 -------------------------------
+def test_a_flipped_byte_or_a_truncated_file_is_a_checkpoint_error_naming_the_file(tmp_path):
+    """Same-size corruption used to load silently (values off by up to 21)."""
+    step = make_step({"dp": 1})
+    state = step.init(gpt.init(CFG))
+    path = tmp_path / "step_1"
+    step.save(state, path, extra={"step": 1})
+    full = step.full_params(state)
+    for name in ["__0_0.distcp", ".metadata", "hpf.json"]:
+        f = path / name
+        data = f.read_bytes()
+        for bad in (data[:len(data) // 2] + bytes([data[len(data) // 2] ^ 4]) + data[len(data) // 2 + 1:],
+                    data[:-1]):
+            f.write_bytes(bad)
+            with pytest.raises(ck.CheckpointError, match=re.escape(name)):  # restore reads every byte
+                step.restore(path)
+            try:  # load_params reads the params alone: an error naming the file, or the values as saved
+                assert leaves_equal(ck.load_params(path), full)
+            except ck.CheckpointError as e:
+                assert name in str(e)
+        f.write_bytes(data)
+    assert leaves_equal(ck.load_params(path), full)
+
+
+def test_checkpoint_fuzz_a_few_corruptions(tmp_path):
+    """benchmarks/checkpoint_fuzz.py's trials in small: every corruption a CheckpointError naming the file
+    (the closing figure runs 200 over GPT small)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from checkpoint_fuzz import fuzz
+
+    def save(rank):
+        step = make_step({"dp": 2})
+        step.save(step.init(gpt.init(CFG)), tmp_path / "c")
+    launch(save, 2)
+    counts = fuzz(tmp_path / "c", CFG, trials=8, seed=1)  # (load, outcome) -> how many
+    assert counts[("restore", "named")] == 8 and {k for _, k in counts} <= {"named", "unaffected"}, counts
+
+
+def test_a_checkpoint_of_an_older_hpf_without_checksums_still_restores_and_says_so(tmp_path):
+    step = make_step({"dp": 1})
+    state = step.init(gpt.init(CFG))
+    path = tmp_path / "step_1"
+    step.save(state, path, extra={"step": 1, "rng": ck.rng_state()})  # numpy's RNG state: arrays are data
+    header = json.loads((path / "hpf.json").read_text())
+    (path / "hpf.json").write_text(json.dumps({k: v for k, v in header.items() if k not in ("files", "crc32")}))
+    with pytest.warns(UserWarning, match="saved without checksums"):
+        restored, extra = step.restore(path)
+    assert leaves_equal(step.full_params(restored), step.full_params(state)) and extra["step"] == 1

@@ -124,6 +124,20 @@ def test_validate_mode_trains_the_same_model(tmp_path, capsys):
     assert first["loss"] == pytest.approx(reference.item(), rel=1e-6)  # same fp32 math, one process
 
 
+@pytest.mark.slow
+def test_compile_option_compiles_once_reports_it_and_trains_the_same_model(tmp_path, capsys):
+    code, out, err = run_main(["train", "--world-size", "2", "--steps", "3", "--compile", "--out", str(tmp_path)],
+                              capsys)
+    assert code == 0, err
+    assert "compiled blocks" in out and "  compile " in out
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["compile_s"] > 0 and [r["compile_s"] for r in rows[1:]] == [0.0, 0.0]
+    config = gpt.CONFIGS["tiny"]
+    reference = gpt.loss_for(config)(gpt.init(config, torch.Generator().manual_seed(0)),
+                                     gpt.global_batch(config, 32, 0, 0))
+    assert rows[0]["loss"] == pytest.approx(reference.item(), rel=1e-5)  # 2 ranks: the same terms, summed apart
+
+
 def test_model_option_trains_llama(tmp_path, capsys):
     code, out, err = run_main(["train", "--model", "llama", "--world-size", "1", "--steps", "1",
                                "--out", str(tmp_path)], capsys)
@@ -273,3 +287,34 @@ def test_train_trace_writes_one_trace_per_rank_and_a_merged_one_with_hpf_ranges(
     # one clock: each rank's step 3 starts within a step of the other's
     s0, s1 = (min(e["ts"] for e in steps if e["pid"] == r) for r in (0, 1))
     assert abs(s0 - s1) < max(e["dur"] for e in steps)
+
+
+def test_sigterm_to_hpf_train_stops_the_ranks_and_leaves_nothing_behind(tmp_path):
+    """What a scheduler sends: rc 143, one line, run.json "terminated", and no rendezvous folder or
+    shared memory left (the ranks died silently, rc was -15 and run.json said "running")."""
+    import os
+    import signal
+    import time
+
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    proc = subprocess.Popen([sys.executable, "-m", "hpf", "train", "--mesh", "dp=2", "--steps", "100000",
+                             "--batch-size", "8", "--out", str(tmp_path / "run")], env={**os.environ, "TMPDIR": str(temp)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "run" / "metrics.jsonl").is_file() or not (tmp_path / "run" / "metrics.jsonl").read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    assert os.listdir(temp)  # the ranks' rendezvous folder, while they run
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and err.strip().splitlines()[-1] == "hpf: terminated (SIGTERM): the ranks were stopped"
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "terminated"
+    assert os.listdir(temp) == []
+
+    def dead_hpf_segment(name):  # hpf_<pid>_...: a segment of a process that is gone
+        parts = name.split("_")
+        return parts[0] == "hpf" and len(parts) > 2 and parts[1].isdigit() and not os.path.exists(f"/proc/{parts[1]}")
+    assert not [n for n in (set(os.listdir("/dev/shm")) if shm or os.path.isdir("/dev/shm") else set()) - shm
+                if dead_hpf_segment(n)]

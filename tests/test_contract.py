@@ -307,3 +307,26 @@ def test_params_that_overlap_without_being_one_tensor_are_an_error():
     params["head"] = params["embed"][1:]  # a slice, not the same tensor: would train untied
     with pytest.raises(hpf.SpecError, match="'embed' and 'head' overlap in memory"):
         hpf.plan(params, hpf.Mesh({"dp": 2}))
+
+
+def test_element_disjoint_views_of_one_tensor_are_two_params_and_train_as_two():
+    """Two column halves of one matrix interleave in memory but share no element: accepted (their
+    address spans overlap, which used to be refused), and trained as two separate tensors."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(4, 6, generator=g)
+    halves = {"a": base[:, :3], "b": base[:, 3:]}
+    copies = {k: v.clone() for k, v in halves.items()}
+
+    def loss(p, x):
+        return ((x @ p["a"]) * (x @ p["b"])).square().mean()
+    x = torch.randn(5, 4, generator=g)
+    runs = []
+    for params in (halves, copies):
+        step = hpf.shard_step(loss, mesh=hpf.Mesh({"dp": 1}), optimizer=hpf.optim.adamw(**ADAMW))
+        state = step.init(params)
+        for _ in range(2):
+            state, m = step(state, x)
+        runs.append((m["loss"], step.full_params(state)))
+    assert runs[0][0] == runs[1][0] and all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in "ab")
+    with pytest.raises(hpf.SpecError, match="'a' and 'b' overlap in memory"):  # sharing column 2: still refused
+        hpf.plan({"a": base[:, ::2], "b": base[:, 1:3]}, hpf.Mesh({"dp": 1}))

@@ -148,3 +148,28 @@ def test_missing_tokenizers_is_a_clear_error(tmp_path, corpus, monkeypatch):
     monkeypatch.setitem(sys.modules, "tokenizers", None)
     with pytest.raises(ModuleNotFoundError, match="pip install tokenizers"):
         data.prepare(corpus, tmp_path / "tok", tokenizer=str(tmp_path / "tokenizer.json"))
+
+
+def test_token_ids_past_the_vocab_are_refused_when_the_folder_is_opened(prepared):
+    """meta.json's vocab smaller than the largest id: an error naming the file and the id at open,
+    not an IndexError in some rank's embedding."""
+    meta = json.loads((prepared / "meta.json").read_text())
+    top = int(np.fromfile(prepared / "train.bin", dtype=meta["dtype"]).max())
+    data.TokenData(prepared)  # as prepared: fine
+    (prepared / "meta.json").write_text(json.dumps({**meta, "vocab_size": top}))
+    with pytest.raises(ValueError, match=rf"train\.bin: token id {top} .* outside the vocab of {top}"):
+        data.TokenData(prepared)
+
+
+def test_hpf_prepare_says_what_is_wrong_with_a_tokenizer_or_an_out_file(tmp_path, corpus, capsys):
+    """A text file as --tokenizer and an existing file as --out: one line each that names the path
+    and the fix (they were "Exception: expected value at line 1 column 1" and "[Errno 17] File exists")."""
+    from hpf import cli
+
+    pytest.importorskip("tokenizers", reason="the tokenizer case needs the tokenizers package (an extra)")
+    cases = [(["--tokenizer", str(corpus[0]), "--out", str(tmp_path / "a")], [str(corpus[0]), "tokenizer.json"]),
+             (["--out", str(corpus[1])], [str(corpus[1]), "is a file, not a folder"])]
+    for argv, words in cases:
+        assert cli.main(["prepare", str(corpus[2]), *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and all(w in err for w in words), err

@@ -27,7 +27,7 @@ def test_the_docs_build_with_warnings_as_errors_and_run_the_notebooks(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     for page in ("contract", "topology", "validation", "muon", "moe", "checkpoints", "simulate", "plan_search", "benchmarks",
                  "architecture", "cli", "api", "modules", "notebooks/quickstart", "notebooks/muon",
-                 "notebooks/tensor_parallel"):
+                 "notebooks/tensor_parallel", "notebooks/hessian"):
         assert (tmp_path / "html" / f"{page}.html").is_file(), page
     quickstart = (tmp_path / "html" / "notebooks" / "quickstart.html").read_text()
     assert "plan check OK" in quickstart  # an executed cell's output, not just its source

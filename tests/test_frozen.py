@@ -87,3 +87,20 @@ def test_frozen_option_is_checked():
     with pytest.raises(TypeError, match="frozen=3"):
         step = hpf.shard_step(loss_fn, mesh=hpf.Mesh({"dp": 1}), optimizer=hpf.optim.adamw(), frozen=3)
         step.init(init(freeze_by_flag=False))
+
+
+def test_a_frozen_pattern_naming_only_the_alias_of_a_tie_freezes_the_tie():
+    """``head`` is the same tensor as ``embed`` (tied): freezing it by its alias path freezes
+    the one tensor (it used to train, without a word)."""
+    g = torch.Generator().manual_seed(0)
+    embed = torch.randn(6, 4, generator=g)
+    params = {"embed": embed, "w": torch.randn(4, 4, generator=g), "head": embed}
+
+    def loss(p, b):
+        return ((b @ p["embed"] @ p["w"] @ p["head"].T) ** 2).mean()
+    step = hpf.shard_step(loss, mesh=hpf.Mesh({"dp": 1}), optimizer=hpf.optim.adamw(lr=0.1), frozen="head")
+    state = step.init(params)
+    state, _ = step(state, torch.randn(3, 6, generator=g))
+    full = step.full_params(state)
+    assert torch.equal(full["embed"], embed) and torch.equal(full["head"], embed)
+    assert not torch.equal(full["w"], params["w"])

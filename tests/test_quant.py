@@ -36,8 +36,25 @@ def roundtrip(x, fmt, block=BLOCK, **kw):
 
 
 def block_scales(x, fmt, block=BLOCK):
+    """Each element's block scale, as formats.py defines it: max(amax / qmax, 2**-126)."""
     amax = x.float().reshape(x.shape[0], -1, block).abs().amax(-1, keepdim=True)
-    return (amax / FORMATS[fmt].qmax).expand(-1, -1, block).reshape(x.shape)
+    return (amax / FORMATS[fmt].qmax).clamp(min=2**-126).expand(-1, -1, block).reshape(x.shape)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
+def test_the_bound_holds_for_tiny_blocks(fmt):
+    """Blocks whose largest value is 1e-30 down to float32's least subnormal: a finite scale
+    reciprocal, so no +-amax codes and no nan for the zeros (both seen below ~1e-36)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(7, BLOCK, generator=g) * torch.tensor([1e-30, 1e-36, 1e-37, 1e-38, 6e-39, 1e-40, 1e-44]).view(7, 1)
+    x[:, 7] = 0.0
+    x = x.reshape(1, -1)
+    back = roundtrip(x, fmt)
+    err, s = (back - x).abs(), block_scales(x, fmt)
+    assert torch.isfinite(back).all() and (back.view(7, BLOCK)[:, 7] == 0).all()
+    bound = torch.maximum(2**-4 * x.abs(), 2**-10 * s) if fmt == "fp8" else s / 2
+    assert (err <= bound * (1 + 2**-12)).all(), (err / s).max()
+    assert (err[:, :2 * BLOCK] <= 2**-3 * x[:, :2 * BLOCK].abs().amax()).all()  # normal blocks keep their precision
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

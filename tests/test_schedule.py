@@ -100,3 +100,41 @@ def test_device_collectives_order_streams_and_settle_on_the_cpu():
     assert settled.wait(0.05) is False and time.monotonic() - start < 1.0
     work.completed = True
     assert settled.wait(0.05) is True
+
+
+def _one_rank_hangs(rank):
+    schedule.rendezvous("warm-up")
+    if rank == 2:
+        time.sleep(60)  # hung outside any collective
+    schedule.rendezvous("after", "the hang")
+
+
+def test_a_timeout_names_the_rank_that_hung_and_launch_blames_it():
+    """The waiting ranks' TimeoutError names the rank that never waited alongside, and RankError
+    blames that rank (it blamed the first rank that waited)."""
+    from hpf.launcher import RankError
+
+    with pytest.raises(RankError) as info:
+        launch(_one_rank_hangs, 3, collective_timeout=8, timeout=50)
+    assert info.value.rank == 2
+    assert "rank 2 hung" in str(info.value) and "rank 2 never waited alongside" in str(info.value)
+
+
+def _catch_the_mismatch(rank):
+    schedule.SUSPECT_S = 0.3
+    if rank == 1:
+        schedule._POLL_S = 2.0  # rank 0 (holding the TCPStore) finds the mismatch first, and returns
+    got = _mismatched_ops(rank)[0]
+    return got is not None and "ranks disagree" in got
+
+
+def test_a_caught_mismatch_is_the_named_error_on_the_slower_rank_too():
+    """Ranks that catch ScheduleMismatchError and return: rank 0, whose process holds the store
+    (torchrun's, or master_port's TCPStore), used to exit before the slower rank read the report,
+    which then got gloo's 'connection closed'. shutdown() now lingers until every rank raised it."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert launch(_catch_the_mismatch, 2, master_port=port, timeout=60) == [True, True]

@@ -354,3 +354,22 @@ def test_cli_train_plan_auto_searches_this_machine(tmp_path):
     options = json.loads((tmp_path / "run" / "run.json").read_text())["options"]
     fields = [f.name for f in dataclasses.fields(search.Candidate)]
     assert search.Candidate(**{k: options[k] for k in fields}).label() in line
+
+
+@pytest.mark.parametrize("key, value, said", [("accumulate", 0, "must be positive"), ("accumulate", "2", "a str"),
+                                              ("topology", "bogus", "not one of"), ("hsdp", "yes", "does not take"),
+                                              ("batch_size", -8, "must be positive")])
+def test_cli_train_checks_a_plan_file_as_it_checks_options(tmp_path, capsys, key, value, said):
+    """A tampered --plan FILE is one line naming the value (it was a ZeroDivisionError, a TypeError,
+    or a flat run that recorded topology "bogus" in run.json)."""
+    from hpf import cli
+
+    options = dataclasses.asdict(search.Candidate())
+    saved = {"model": "gpt", "config": "tiny", "mesh": {"dp": 1}, "batch_size": 4, "choice": {"options": options}}
+    (saved if key == "batch_size" else options)[key] = value
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(saved))
+    assert cli.main(["train", "--plan", str(path), "--steps", "1", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{key} is {value!r}" in err and said in err, err
+    assert not (tmp_path / "run" / "run.json").exists()

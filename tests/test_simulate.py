@@ -1,5 +1,6 @@
 """hpf.sim: the alpha-beta formulas by hand, bytes equal to the plan report's, schedule
 properties that must hold for any inputs, and the CLI. No calibration runs here."""
+import json
 import dataclasses
 import math
 
@@ -351,3 +352,20 @@ def test_calibrate_refuses_bad_arguments_before_measuring(argv, names, capsys, m
     with pytest.raises(SystemExit):
         main(["calibrate", "--out", "unused.json", *argv])
     assert names in capsys.readouterr().err
+
+
+def test_calibrate_interrupted_leaves_no_file_and_a_finished_one_is_whole(tmp_path, monkeypatch, capsys):
+    """Ctrl-C during hpf calibrate --out NEW left an empty NEW; the file now appears only whole."""
+    from hpf.cli import main
+    from hpf.sim import calibrate
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    out = tmp_path / "calib.json"
+    monkeypatch.setattr(calibrate, "calibrate", interrupted)
+    assert main(["calibrate", "--out", str(out)]) == 130
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nor a temporary file beside it
+    result = {"links": {"gloo": {"2": {}}}, "compute": {"gpt/tiny/1/2": 1.0}, "peak_flops": 1e9, "efficiency": 0.5}
+    monkeypatch.setattr(calibrate, "calibrate", lambda *a, **k: result)
+    assert main(["calibrate", "--out", str(out)]) == 0
+    assert json.loads(out.read_text()) == result and sorted(p.name for p in tmp_path.iterdir()) == ["calib.json"]

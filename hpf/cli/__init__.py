@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(command if command in COMMANDS else None).parse_args(argv)
     from hpf.checks import NonFiniteError
     from hpf.cli.common import CliError
-    from hpf.launcher import RankError, rank
+    from hpf.launcher import RankError, Terminated, rank
 
     args.log_dir = None  # a command that has a run folder sets it: tracebacks go to <log_dir>/error.log
     kept = False  # whether a traceback was kept for this error
@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # on its own line, not after a progress line redrawn in place
         print(("\n" if sys.stdout.isatty() else "") + "hpf: interrupted" + _resume_hint(args.log_dir), file=sys.stderr)
         return 130
+    except Terminated:  # SIGTERM to hpf.launch's process: the ranks were stopped and cleaned up
+        print("hpf: terminated (SIGTERM): the ranks were stopped", file=sys.stderr)
+        return 143
     except RankError as e:  # the rank's traceback goes to the log, its last line to the user (first: a
         code, line = 1, (f"rank {e.rank} failed: {_last_line(e.child_traceback or str(e))}" if e.rank is not None
                          else str(e).removeprefix("hpf.launch: "))  # rank's ValueError is a RankError too)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 from pathlib import Path
 
-from hpf.cli.common import CliError, positive
+from hpf.cli.common import CliError, positive, write_atomic
 
 
 def _shape(text: str) -> tuple[str, str, int]:
@@ -40,9 +41,11 @@ def cmd_calibrate(args) -> int:
             raise CliError(f"--update {args.update} is not a calibration file ({type(e).__name__}: {e}); "
                            "make one with hpf calibrate --out FILE") from None
     out = args.out or args.update
-    try:
+    try:  # can the file be written? (checked beside it: --out appears only when the calibration is whole)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.touch()
+        tempfile.TemporaryFile(dir=out.parent).close()
+        if out.is_dir():
+            raise IsADirectoryError(21, "it is a folder")
     except OSError as e:
         raise CliError(f"--out {out} cannot be written ({e.strerror}); pick a file you can write") from None
     total, done, started = cal.stages(args.world_sizes, update), [0], time.perf_counter()
@@ -61,7 +64,7 @@ def cmd_calibrate(args) -> int:
             cal.add_fsdp2_comm(result, args.reps, launches=args.launches, stage=stage)
         if "sync_when" not in result:
             cal.add_sync_terms(result, args.reps, launches=args.launches, stage=stage)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    write_atomic(out, json.dumps(result, indent=1) + "\n")
     worlds = ", ".join(map(str, result["links"]["gloo"]))
     print(f"wrote {out} in {time.perf_counter() - started:.0f} s: links on {worlds} ranks (gloo, shared memory), "
           f"compute of {', '.join(sorted(result['compute']))} ([model:]config/local batch/ranks[/precision]), peak "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from pathlib import Path
 
 import hpf
 from hpf.cli import Parser
@@ -42,6 +43,17 @@ def axes_list(text: str) -> tuple[str, ...]:
     if not axes:
         raise argparse.ArgumentTypeError("give mesh axis names separated by commas, e.g. node,local")
     return axes
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all: a temporary file beside it, then a rename, so an
+    interrupted write (Ctrl-C, a kill) never leaves an empty or partial file at ``path``."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def positive(kind, least=None):

@@ -10,7 +10,7 @@ import socket
 from pathlib import Path
 
 from hpf import checkpoint
-from hpf.cli.common import CliError
+from hpf.cli.common import CliError, write_atomic
 
 RUN_FILE = "run.json"
 # What the run computes: a resumed run keeps these, and a different value is refused, except
@@ -32,7 +32,7 @@ def read_run(folder: Path) -> dict | None:
 
 
 def write_run(folder: Path, run: dict) -> None:
-    (folder / RUN_FILE).write_text(json.dumps(run, indent=1) + "\n")
+    write_atomic(folder / RUN_FILE, json.dumps(run, indent=1) + "\n")
 
 
 def set_status(folder: Path, status: str, **fields) -> None:

@@ -27,7 +27,7 @@ from hpf.cli.common import CliError, job_parsers, mesh_of, mesh_text, positive
 from hpf.cli.job import EVAL_BATCHES, TRAIN_DEFAULTS, TrainJob, defaults, make_step, read_metrics, train_rank
 from hpf.cli.plan import plan_of, report_of
 from hpf.cli.search import add_options as add_search_options, apply_plan, check_plan_flags
-from hpf.launcher import init_distributed, is_launched, launch, rank, shutdown, world_size
+from hpf.launcher import Terminated, init_distributed, is_launched, launch, rank, shutdown, world_size
 from hpf.memory import machine_memory, predict, size
 from hpf.models import model_config
 from hpf.models.recompute import RECOMPUTE
@@ -184,8 +184,8 @@ def cmd_train(args) -> int:
             stopped = launch(train_rank, mesh.size, job, timeout=args.timeout and 2 * args.timeout + 60)[0]
     except BaseException as e:
         if lead:
-            run_folder.set_status(out, "interrupted" if isinstance(e, KeyboardInterrupt) else
-                                  f"failed: {type(e).__name__}")
+            run_folder.set_status(out, "interrupted" if isinstance(e, KeyboardInterrupt) else "terminated"
+                                  if isinstance(e, Terminated) else f"failed: {type(e).__name__}")
         raise
     if not lead:
         return 0

@@ -82,7 +82,11 @@ def current() -> SPMD | None:
 
 
 def validating() -> bool:
-    """Whether the running ``loss_fn`` is in a validation-mode step (checks cost time: only then)."""
+    """Whether the running ``loss_fn`` is in a validation-mode step (checks cost time: only then).
+    Never while torch.compile traces: validation mode runs compiled code eagerly (and a traced
+    ContextVar read would break the graph)."""
+    if torch.compiler.is_compiling():
+        return False
     ctx = _CURRENT.get()
     return ctx is not None and ctx.validate
 
@@ -135,11 +139,14 @@ def _setup(axis, op: str):
 # -- psum ------------------------------------------------------------------------------------------
 class _AllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(x, group):
         out = x.contiguous().clone()
         dist.all_reduce(out, group=group)
         return out
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # (setup_context: torch.func transforms can run it)
+        ctx.group = inputs[1]
 
     @staticmethod
     def backward(ctx, grad):
@@ -187,9 +194,12 @@ def _reduce_scatter0(x: torch.Tensor, group, n: int) -> torch.Tensor:
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, n, dim):
-        ctx.group, ctx.n, ctx.dim = group, n, dim
+    def forward(x, group, n, dim):
         return gather_dim0(x.movedim(dim, 0), group, n).movedim(0, dim)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.group, ctx.n, ctx.dim = inputs
 
     @staticmethod
     def backward(ctx, grad):
@@ -233,9 +243,12 @@ class _Exchange(torch.autograd.Function):
     """An all-to-all ``fn(x, *args)`` whose backward is the same exchange with ``inverse`` args."""
 
     @staticmethod
-    def forward(ctx, x, fn, args, inverse):
-        ctx.fn, ctx.inverse = fn, inverse
+    def forward(x, fn, args, inverse):
         return fn(x, *args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.fn, _, ctx.inverse = inputs
 
     @staticmethod
     def backward(ctx, grad):

@@ -18,7 +18,7 @@ skips) into :class:`ScheduleMismatchError` on every rank, instead of a hang or a
 """
 from __future__ import annotations
 
-import pickle
+import json
 import time
 import zlib
 from collections import deque
@@ -31,7 +31,7 @@ from ..device import default_device
 from . import world
 from .transport import wait_for
 
-__all__ = ["ScheduleMismatchError", "LOG", "ScheduleLog", "wait", "wait_all", "check_digests",
+__all__ = ["ScheduleMismatchError", "PeerTimeoutError", "LOG", "ScheduleLog", "wait", "wait_all", "check_digests",
            "digest_parts", "rendezvous", "SUSPECT_S"]
 
 #: Seconds a wait lasts before this rank asks whether the ranks disagree.
@@ -57,6 +57,7 @@ class ScheduleLog:
         self.events: deque = deque(maxlen=_KEEP)  # (seq, step, kind, subject, n)
         self.broken: str | None = None  # why the ranks' collectives stopped pairing (then none may follow)
         self.failed: str | None = None  # the error this rank's last step raised (a waiting peer names it)
+        self.mismatched = False  # this rank raised ScheduleMismatchError (then ``linger`` before exit)
         self._hash = 0
         self._codes: dict[tuple, int] = {}
 
@@ -124,9 +125,32 @@ def check_digests(agreed: bool, what: str = "collectives", group=None) -> None:
 
 def _broken(error: Exception) -> Exception:
     """Note that collectives no longer pair up (``LOG.broken``: teardown then skips its own), and
-    return ``error`` to raise."""
+    return ``error`` to raise. A mismatch is counted in the store, for :func:`linger`."""
     LOG.broken = str(error)
+    store = world.store()
+    if isinstance(error, ScheduleMismatchError) and store is not None:
+        LOG.mismatched = True
+        try:
+            store.add(_PREFIX + "raised", 1)
+        except RuntimeError:  # (the store went with a peer)
+            pass
     return error
+
+
+def linger(timeout_s: float = 5.0) -> None:
+    """After a mismatch, before this process exits: wait (at most ``timeout_s``) until every rank
+    has raised it. The store may live in this process (torchrun's, or ``master_port``'s TCPStore
+    on rank 0): leaving first would take the report with it, and a slower peer would see gloo's
+    'connection closed' instead of the named error (seen in 3 of 30 runs)."""
+    store, n = world.store(), world.world_size()
+    if not LOG.mismatched:
+        return
+    deadline = time.monotonic() + timeout_s
+    try:
+        while store is not None and store.add(_PREFIX + "raised", 0) < n and time.monotonic() < deadline:
+            time.sleep(0.02)
+    except RuntimeError:  # the store is gone: nobody is left to wait for
+        pass
 
 
 # -- waiting, with a diagnosis when a wait lasts --------------------------------------------------------------
@@ -144,9 +168,11 @@ def wait(handle: Any, what: Callable[[], str] | str = "a collective", timeout_s:
     deadline = time.monotonic() + max(timeout_s - SUSPECT_S, 0.0)
     published = False
     compared = None
+    here = f"{_PREFIX}here/{world.rank()}"
     try:
         if store is not None and n > 1:
-            store.set(f"{_PREFIX}{world.rank()}", pickle.dumps(LOG.snapshot()))
+            store.set(f"{_PREFIX}{world.rank()}", json.dumps(LOG.snapshot()).encode())
+            store.set(here, b"1")  # (a timeout names the ranks without one)
             store.add(_PREFIX + "waiting", 1)
             published = True
         while True:
@@ -155,27 +181,74 @@ def wait(handle: Any, what: Callable[[], str] | str = "a collective", timeout_s:
                     return
             except RuntimeError as err:  # a peer that raised the mismatch may have exited (gloo: connection closed)
                 report = _peer_report(store) if published else None
-                if report is None:
-                    raise
-                raise _broken(ScheduleMismatchError(report)) from err
+                if report is not None:
+                    raise _broken(ScheduleMismatchError(report)) from err
+                if published and "timed out" in str(err).lower():  # the backend's own timeout came first
+                    raise _timed_out(what, timeout_s, _absent(store, n)) from err
+                raise
             if published:
                 waiting = store.add(_PREFIX + "waiting", 0)
                 if waiting >= n and waiting != compared:
                     compared = waiting
-                    logs = [pickle.loads(v) for v in store.multi_get([f"{_PREFIX}{r}" for r in range(n)])]
+                    logs = _read_logs(store.multi_get([f"{_PREFIX}{r}" for r in range(n)]))
                     report = _report(logs)
                     if report:
                         published = False  # (leave the count: the peers are raising too)
                         store.set(_PREFIX + "report", report.encode())
                         raise _broken(ScheduleMismatchError(report))
             if time.monotonic() > deadline:
-                label = what() if callable(what) else what
-                raise _broken(TimeoutError(
-                    f"hpf: {label} did not finish within {timeout_s:g} s. The ranks that waited agree on every "
-                    "collective so far; a peer rank died, hangs, or is stuck outside hpf's collectives"))
+                raise _timed_out(what, timeout_s, _absent(store, n) if published else [])
+    except PeerTimeoutError:
+        here = None  # a rank that timed out was here: its key stays, so its slower peers never blame it
+        raise
     finally:
         if published:
             store.add(_PREFIX + "waiting", -1)
+            if here:
+                store.delete_key(here)
+
+
+class PeerTimeoutError(TimeoutError):
+    """A wait outlasted the timeout; ``missing``: the ranks that were not waiting alongside (the
+    ones to blame: hpf.launch names them)."""
+
+    def __init__(self, message: str, missing: list[int]):
+        super().__init__(message)
+        self.missing = missing
+
+
+def _timed_out(what: Callable[[], str] | str, timeout_s: float, missing: list[int]) -> PeerTimeoutError:
+    label = what() if callable(what) else what
+    who = (f"rank{'s' if len(missing) > 1 else ''} {_ranks(missing)} never waited alongside (dead, hung, or stuck "
+           "outside hpf's collectives)" if missing else "a peer rank died, hangs, or is stuck outside hpf's collectives")
+    return _broken(PeerTimeoutError(f"hpf: {label} did not finish within {timeout_s:g} s: {who}. The ranks that "
+                                    "waited agree on every collective so far", missing))
+
+
+def _absent(store, n: int) -> list[int]:
+    """The ranks not waiting in ``wait`` now (each waiting rank holds its ``here`` key)."""
+    try:
+        return [r for r in range(n) if not store.check([f"{_PREFIX}here/{r}"])]
+    except RuntimeError:  # (the store went with a peer)
+        return []
+
+
+def _read_logs(values: list[bytes]) -> list[dict]:
+    """The ranks' published logs, read as JSON data: the store may be reachable by others (a
+    TCPStore listens on every interface), so nothing read from it is unpickled. A value that
+    is not a well-formed log is left out."""
+    logs = []
+    for value in values:
+        try:
+            log = json.loads(value)
+            events = [tuple(e) for e in log["events"]]
+            if not (isinstance(log["rank"], int) and (log["failed"] is None or isinstance(log["failed"], str))
+                    and all(len(e) == 5 and all(map(isinstance, e, (int, int, str, str, int))) for e in events)):
+                continue
+        except (ValueError, TypeError, KeyError):
+            continue
+        logs.append({"rank": log["rank"], "events": events, "failed": log["failed"]})
+    return logs
 
 
 def _peer_report(store) -> str | None:

@@ -15,6 +15,7 @@ holds) -> per micro-batch ``micro_batch`` (read, backward) -> ``land`` -> ``end_
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from typing import Any, Callable, Iterator
 
@@ -26,12 +27,22 @@ from ..comm.schedule import LOG
 from ..planning import ROOT, Plan
 from ..trace import Ranges
 from .compiled import hide_from_compiler
-from .gather import MemoryStats, Saved, UnitBuffers, entry
+from .gather import MemoryStats, Saved, UnitBuffers, entry, rematerialized
 from .reduce import Reducer
 from .residency import Actions, Residency
 from .views import ParamsView
 
 __all__ = ["UnitEngine", "MemoryStats", "explain_freed"]
+
+
+def _outside_transforms(method: Callable) -> Callable:
+    """The engine's own buffers are not the loss function's: gathers and grad copies write them in
+    place, which torch.func transforms would refuse as mutating captured tensors."""
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        with torch._C._DisableFuncTorch():
+            return method(*args, **kwargs)
+    return run
 
 
 class UnitEngine:
@@ -50,7 +61,7 @@ class UnitEngine:
 
     def __init__(self, plan: Plan, comm, compute_dtype: torch.dtype | None, device: torch.device, *,
                  pipeline: bool = True, capacity: int = 2, compute_sums=(),
-                 on_extra_gather: Callable[[str, str], None] | None = None):
+                 on_extra_gather: Callable[[str, str], None] | None = None, rematerialize: bool = False):
         self.plan, self.comm, self.device = plan, comm, device
         self.units = list(plan.units)
         self.buffers = UnitBuffers(plan, comm, compute_dtype, device, capacity, on_extra_gather)
@@ -70,6 +81,7 @@ class UnitEngine:
         self._reads = 0  # reads of this micro-batch (the schedule log numbers them)
         self._phase = Ranges()  # trace: each unit's forward and backward
         self.micro_batches = 0
+        self.rematerialize = rematerialize  # UnitList.apply keeps only a block's inputs (grad="torch.func")
         self._hidden = False  # whether compiled code sees the entry points as graph breaks (hpf.engine.compiled)
 
     # -- phases of a step -------------------------------------------------------------------------------
@@ -128,10 +140,13 @@ class UnitEngine:
         self.reducer.finish()
         self.in_backward = False
 
-    def params_tree(self) -> Any:
-        """The loss function's params: root params as views, unit lists read when reached."""
+    def params_tree(self, anchor: torch.Tensor | None = None) -> Any:
+        """The loss function's params: root params as views, unit lists read when reached.
+        ``anchor``: the tensor this call's entries hang off (a torch.func transform's input)."""
+        if anchor is not None:
+            self._anchor = anchor
         self._phase.switch("hpf/forward", ROOT)
-        return self.view.tree(self._read)
+        return self.view.tree(self._read, self._apply if self.rematerialize else None)
 
     def start_backward(self) -> None:
         """The loss is computed: from here a read is a checkpoint recomputing."""
@@ -181,6 +196,30 @@ class UnitEngine:
     # -- reads ----------------------------------------------------------------------------------------------
     def _read(self, unit: str) -> Any:
         """The loss function reads list element ``unit``."""
+        self._reach(unit)
+        return self.view.subtree(unit)
+
+    def _apply(self, unit: str, fn: Callable, args: tuple) -> Any:
+        """``UnitList.apply`` with ``rematerialize``: ``fn`` on the unit, keeping only ``args`` for
+        backward (``rematerialized``). A unit with tied leaves of another unit's is read plainly."""
+        if self.in_backward or self.view.needs(unit) != [unit]:
+            return fn(self._read(unit), *args)
+        self._reach(unit)
+        self.reducer.entry(unit)
+        return rematerialized(self, unit, fn, args)
+
+    @_outside_transforms
+    def regather(self, unit: str) -> tuple:
+        """``unit``'s param views for a backward that needs them (gathered again if evicted)."""
+        acts = self.residency.need([unit])
+        if acts.gather or acts.evict or acts.prefetch:
+            self.buffers.apply(acts, "backward")
+        self.buffers.wait(unit)
+        return tuple(self.buffers.views(unit))
+
+    @_outside_transforms
+    def _reach(self, unit: str) -> None:
+        """The residency policy's actions for one read of ``unit``, recorded in forward."""
         needs = self.view.needs(unit)
         if not self.in_backward:
             self._reads += 1
@@ -189,7 +228,6 @@ class UnitEngine:
         self.buffers.apply(acts, "backward" if self.in_backward else "forward")
         if not self.in_backward:
             self._phase.switch("hpf/forward", unit)
-        return self.view.subtree(unit)
 
     def _entry(self, unit: str) -> tuple:
         """The param views of one read of ``unit`` (an autograd entry, except while recomputing)."""
@@ -208,6 +246,7 @@ class UnitEngine:
             self.buffers.hand_out(unit, views)
         return views
 
+    @_outside_transforms
     def entry_done(self, unit: str, grads: tuple, stamp: int) -> None:
         """Backward of one entry: its grads; a unit whose grads are complete is evicted.
 
@@ -219,7 +258,7 @@ class UnitEngine:
                 "global, a closure, a cache, or a torch.compile'd function that captured it as a constant); its "
                 "values are stale and its grads would be wrong. Read params only from the `params` argument of "
                 "the current call, and pass them to compiled functions as arguments")
-        if self.reducer.add(unit, grads):
+        if self.reducer.add(unit, tuple(g.detach() for g in grads)):  # (a torch.func transform's grads track)
             for u in self.residency.done(unit):
                 self.buffers.release(u)
             self.buffers.flush(force=False)
@@ -240,10 +279,7 @@ class UnitEngine:
     def _unpack(self, saved: Any) -> Any:
         if type(saved) is not Saved:
             return saved
-        acts = self.residency.need([saved.unit])
-        if acts.gather or acts.evict or acts.prefetch:
-            self.buffers.apply(acts, "backward")
-        self.buffers.wait(saved.unit)
+        self.regather(saved.unit)
         return self.buffers.unpack(saved)
 
     def keep_gathered(self) -> None:
@@ -253,29 +289,11 @@ class UnitEngine:
         self.buffers.capacity = len(self.units)
         self.residency = Residency(self.units, self.residency.pinned, len(self.units))
 
-    # -- torch.func ---------------------------------------------------------------------------------------
-    def gathered_tree(self) -> Any:
-        """Every unit gathered at once, as one params tree of plain views (grad="torch.func")."""
-        for u in self.units:
-            if u not in self.buffers.live:
-                self.buffers.apply(Actions(gather=[u]), "forward")
-        by_path = {}
-        for u in self.units:
-            self.buffers.wait(u)
-            self.reducer.entry(u)
-            by_path.update(zip((s.path for b in self.plan.units[u].buckets for s in self.plan.buckets[b].slots),
-                               self.buffers.views(u)))
-        return self.plan.tree(by_path)
-
-    def reduce_tree(self, grads: Any) -> None:
-        """Hand the grads of ``gathered_tree``'s params to the reducer (tied ones summed first)."""
-        import optree
-        sums: dict[str, torch.Tensor] = {}
-        for p, g in zip(self.plan.leaf_paths or list(self.plan.slots), optree.tree_leaves(grads, none_is_leaf=True)):
-            o = self.plan.ties.get(p, p)
-            sums[o] = g if o not in sums else sums[o] + g
-        for u in reversed(self.reducer.units):
-            self.reducer.add(u, tuple(sums[s.path] for b in self.plan.units[u].buckets for s in self.plan.buckets[b].slots))
+    @property
+    def anchor(self) -> torch.Tensor:
+        """The micro-batch's anchor: every entry of a unit hangs off it (grad="torch.func"
+        differentiates with respect to it)."""
+        return self._anchor
 
     def _settle(self) -> None:
         """Wait for every gather in flight and free every buffer: the engine holds nothing."""

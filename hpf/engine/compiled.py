@@ -31,7 +31,8 @@ ENTRY_POINTS = ("_read", "_pack", "_unpack", "entry_done")
 
 
 #: the params tree's methods that read a unit (a graph break each: dynamo never inlines them)
-READS = (("UnitList", "__getitem__"), ("UnitList", "__iter__"), ("UnitList", "__reversed__"), ("Reads", "__next__"))
+READS = (("UnitList", "__getitem__"), ("UnitList", "__iter__"), ("UnitList", "__reversed__"), ("UnitList", "apply"),
+         ("Reads", "__next__"))
 
 
 def hide_from_compiler(engine) -> bool:

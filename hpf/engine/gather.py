@@ -25,6 +25,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import optree
 import torch
 
 from ..comm.schedule import LOG, wait
@@ -323,6 +324,69 @@ class _FuncEntry(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, *tangents):  # noqa: ARG004 - the params do not depend on the anchor
         return tuple(torch.zeros_like(v) for v in ctx.engine.buffers.views(ctx.unit))
+
+
+class _Rematerialized(torch.autograd.Function):
+    """A block ``fn(unit's params, *args)`` that keeps only ``args`` for backward, which gathers
+    the unit again and recomputes ``fn`` under ``torch.func.vjp`` (saved-tensor hooks cannot
+    free params under torch.func transforms, so nothing of the unit may be saved). The block's
+    float tensor outputs are the Function's; its other outputs ride in ``box``."""
+
+    @staticmethod
+    def forward(anchor, engine, unit, fn, box, *args):  # noqa: ARG004 - anchor only makes backward run
+        engine.buffers.wait(unit)
+        leaves, box.treedef = optree.tree_flatten(fn(engine.view.subtree(unit, tuple(engine.buffers.views(unit))),
+                                                      *args), none_is_leaf=True)
+        box.is_output = [_is_float(x) for x in leaves]
+        box.others = [x for x in leaves if not _is_float(x)]
+        return tuple(x for x in leaves if _is_float(x))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, engine, unit, fn, _, *args = inputs
+        ctx.engine, ctx.unit, ctx.fn, ctx.stamp = engine, unit, fn, engine.micro_batches
+        ctx.float_args = [i for i, a in enumerate(args) if _is_float(a)]
+        ctx.args = [None if i in ctx.float_args else a for i, a in enumerate(args)]
+        ctx.save_for_backward(*(args[i] for i in ctx.float_args))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        args = list(ctx.args)
+
+        def block(views, float_args):
+            for i, a in zip(ctx.float_args, float_args):
+                args[i] = a
+            out = ctx.fn(ctx.engine.view.subtree(ctx.unit, views), *args)
+            return tuple(x for x in optree.tree_leaves(out, none_is_leaf=True) if _is_float(x))
+        with torch.no_grad():  # (first-order: no tape around the vjp, which would hold the params)
+            _, vjp = torch.func.vjp(block, ctx.engine.regather(ctx.unit), tuple(ctx.saved_tensors))
+            param_grads, arg_grads = vjp(grads)
+            del vjp
+        ctx.engine.entry_done(ctx.unit, param_grads, ctx.stamp)
+        out = [None] * (5 + len(ctx.args))
+        for i, g in zip(ctx.float_args, arg_grads):
+            out[5 + i] = g
+        return tuple(out)
+
+
+def _is_float(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+
+def rematerialized(engine, unit: str, fn, args: tuple):
+    """``fn(unit's params, *args)`` as a ``_Rematerialized`` block (the engine recorded the read)."""
+    box = _Box()  # (not a dict: torch.func flattens a Function's pytree inputs into copies)
+    outs = iter(_Rematerialized.apply(engine._anchor, engine, unit, fn, box, *args))
+    others = iter(box.others)
+    return optree.tree_unflatten(box.treedef, [next(outs) if t else next(others) for t in box.is_output])
+
+
+class _Box:
+    """What a ``_Rematerialized`` block returned besides its float tensors."""
+
+    treedef: Any
+    is_output: list
+    others: list
 
 
 def entry(anchor: torch.Tensor, engine, unit: str) -> tuple:

@@ -22,14 +22,26 @@ class UnitList(list):
     function reaches it: by index, negative index, iteration (any number of times), reversed;
     a slice is another such list."""
 
-    def __init__(self, read: Callable[[str], Any], names: list[str]):
+    def __init__(self, read: Callable[[str], Any], names: list[str], apply: Callable | None = None):
         super().__init__(names)
-        self._read = read
+        self._read, self._apply = read, apply
 
     def __getitem__(self, i):
         if isinstance(i, slice):
-            return UnitList(self._read, list.__getitem__(self, i))
+            return UnitList(self._read, list.__getitem__(self, i), self._apply)
         return self._read(list.__getitem__(self, i))
+
+    @property
+    def rematerializes(self) -> bool:
+        """Whether ``apply`` keeps only a block's inputs for backward (grad="torch.func")."""
+        return self._apply is not None
+
+    def apply(self, i: int, fn: Callable, *args) -> Any:
+        """``fn(self[i], *args)``. Under ``grad="torch.func"`` the block is rematerialized: only
+        ``args`` are kept for backward, which gathers the unit again and recomputes ``fn``
+        (hpf.models' ``each_block`` calls this: FSDP memory under torch.func)."""
+        name = list.__getitem__(self, i)
+        return self._apply(name, fn, args) if self._apply is not None else fn(self._read(name), *args)
 
     def __iter__(self):
         return Reads(self._read, list.__iter__(self))
@@ -76,16 +88,18 @@ class ParamsView:
         self._needs: dict[str, list[str]] = {}
         self._subtree = {name: self._builder(name) for kind, v in self._leaves if kind == "units" for name in v}
 
-    def tree(self, read: Callable[[str], Any]) -> Any:
-        """The params tree; ``read(unit)`` is called at each read of a unit (returns its subtree)."""
+    def tree(self, read: Callable[[str], Any], apply: Callable | None = None) -> Any:
+        """The params tree; ``read(unit)`` is called at each read of a unit (returns its subtree),
+        ``apply(unit, fn, args)`` at each ``UnitList.apply`` (None: a read, then ``fn``)."""
         root = self.entry(ROOT) if ROOT in self.plan.units else ()
-        leaves = [root[self._slot_at[self.plan.ties.get(v, v)][1]] if kind == "root" else UnitList(read, v)
+        leaves = [root[self._slot_at[self.plan.ties.get(v, v)][1]] if kind == "root" else UnitList(read, v, apply)
                   for kind, v in self._leaves]
         return optree.tree_unflatten(self._skeleton, leaves)
 
-    def subtree(self, unit: str) -> Any:
-        """One read of list element ``unit``: its subtree of param views."""
-        return self._subtree[unit]()
+    def subtree(self, unit: str, views: tuple | None = None) -> Any:
+        """One read of list element ``unit``: its subtree of param views (``views``: these, in slot
+        order, instead of an entry; only for a unit with no tied leaf of another unit's)."""
+        return self._subtree[unit](views)
 
     def needs(self, unit: str) -> list[str]:
         """The units one read of ``unit`` reads: owners of its tied leaves first, itself last."""
@@ -101,7 +115,7 @@ class ParamsView:
         self._needs[unit] = [u for u in need if u != ROOT]
         where = [(need.index(u), i) for u, i in owners]
 
-        def build():
-            views = [self.entry(u) for u in need]
+        def build(own=None):
+            views = [self.entry(u) for u in need] if own is None else [own]
             return optree.tree_unflatten(treedef, [views[k][i] for k, i in where])
         return build

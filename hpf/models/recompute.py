@@ -48,6 +48,8 @@ def each_block(blocks, recompute: str, compile: bool = False):
     def runner(i: int, read: Callable):
         def run(fn: Callable, *args):
             fn = compiled(fn) if compile else fn
+            if getattr(blocks, "rematerializes", False):  # hpf under grad="torch.func": keeps only args
+                return blocks.apply(i, fn, *args)
             if recomputes(i, recompute):
                 return checkpoint(lambda *a: fn(read(), *a), *args, use_reentrant=False)
             return fn(read(), *args)

@@ -152,9 +152,11 @@ def quant_kernels():
         m = j < block
         x = tl.load(X + row * n + b * block + j, mask=m, other=0.0).to(tl.float32)
         # + nan when the block holds inf or nan (tl.max drops nan; the scale must carry it)
-        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0) + tl.sum(tl.sum(x * 0.0, axis=1), axis=0)
+        # (floored as the reference's: a normal scale, a finite qmax / amax)
+        amax = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), qmax * 1.1754943508222875e-38) + \
+            tl.sum(tl.sum(x * 0.0, axis=1), axis=0)
         scale = amax / qmax
-        t = x * tl.where(amax > 0, qmax / amax, 0.0)
+        t = x * (qmax / amax)
         if FP8:
             c = tl.minimum(tl.maximum(t, -qmax), qmax).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         else:

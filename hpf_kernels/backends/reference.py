@@ -65,16 +65,20 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, sizes: Sequence[int]) -> torch.
 
 
 # -- block quantization (hpf_kernels.formats: the payload layout and the error bounds) -----------
+MIN_SCALE = 2.0 ** -126  # float32's smallest normal: the least block scale (hpf_kernels.formats)
+
+
 def quantize(x: torch.Tensor, fmt, block: int) -> torch.Tensor:
     """[rows, n] floats -> [rows, payload] uint8: each row's codes, then its block scales."""
     rows, n = x.shape
     if not fmt.scaled:  # bf16: the values themselves
         return x.to(torch.bfloat16).contiguous().view(torch.uint8)
     xb = x.reshape(rows, n // block, block).float()
-    amax = xb.abs().amax(-1, keepdim=True)  # nan propagates into the scale
+    # nan propagates into the scale; the floor keeps the scale a normal float and qmax / amax finite
+    # (a block below ~1e-36 made it inf: every nonzero code was +-qmax and fp8's zeros nan)
+    amax = xb.abs().amax(-1, keepdim=True).clamp(min=fmt.qmax * MIN_SCALE)
     scale = amax / fmt.qmax
-    inv = torch.where(amax > 0, fmt.qmax / amax, torch.zeros_like(amax))  # an all-zero block: codes 0
-    t = xb * inv
+    t = xb * (fmt.qmax / amax)
     if fmt.name == "fp8":
         codes = t.clamp(-fmt.qmax, fmt.qmax).to(torch.float8_e4m3fn).view(torch.uint8)
     else:
