@@ -88,7 +88,7 @@ def model_of(name: str, config, params) -> Model:
     if name == "gpt":
         return Model(params, lambda p, x: (gpt.block(p, x, config.n_heads), 0.0),
                      lambda r, t: F.embedding(t, r["embed"]) + r["pos"][:t.shape[1]],
-                     lambda r, x, y: F.cross_entropy((gpt._rms_norm(x, r["norm_f"]) @ r["head"]).flatten(0, 1),
+                     lambda r, x, y: F.cross_entropy((gpt.rms_norm(x, r["norm_f"]) @ r["head"]).flatten(0, 1),
                                                      y.flatten()))
 
     def block(p, x):
