@@ -36,6 +36,8 @@ TMP_SUFFIX = ".tmp"
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be saved or restored; the message names the path and the key."""
 
+    __module__ = "hpf.checkpoint"  # its public home, as error messages and tracebacks name it
+
 
 _METADATA_CLASSES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
                      ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),

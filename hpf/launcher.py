@@ -229,6 +229,7 @@ def _release_openmp_threads() -> None:
 
 def _child(fn, rank_, world_size_, args, env, timeout, backend, conn) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (forked with launch's handler) a stop ends a rank at once
+    schedule.LOG.__init__()  # a fresh rank: not the launching process's collectives, or the error it caught
     _die_with_parent()
     os.environ.update(env)
     try:

@@ -219,3 +219,18 @@ def test_init_distributed_without_env_says_what_to_do(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     with pytest.raises(RuntimeError, match="torchrun, or run the function through hpf.launch"):
         init_distributed()
+
+
+def _log_state(rank):
+    from hpf.comm import schedule
+    return schedule.LOG.failed, schedule.LOG.broken, schedule.LOG.seq
+
+
+def test_ranks_start_with_a_fresh_schedule_log_not_the_launching_process_s(monkeypatch):
+    """A rank is forked: it must not inherit the launcher's log (an error a notebook caught, its
+    collectives), or its peers would report that error as the rank's (seen in the full suite)."""
+    from hpf.comm import schedule
+
+    monkeypatch.setattr(schedule.LOG, "failed", "TypeError: caught in the launching process")
+    monkeypatch.setattr(schedule.LOG, "broken", "earlier")
+    assert launch(_log_state, 2, timeout=60) == [(None, None, 0)] * 2
