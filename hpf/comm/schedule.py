@@ -179,10 +179,7 @@ def wait(handle: Any, what: Callable[[], str] | str = "a collective", timeout_s:
             try:
                 if wait_for(handle, _POLL_S):
                     return
-            except RuntimeError as err:  # a peer that raised the mismatch may have exited (gloo: connection closed)
-                report = _peer_report(store) if published else None
-                if report is not None:
-                    raise _broken(ScheduleMismatchError(report)) from err
+            except RuntimeError as err:
                 if published and "timed out" in str(err).lower():  # the backend's own timeout came first
                     raise _timed_out(what, timeout_s, _absent(store, n)) from err
                 raise
@@ -194,7 +191,6 @@ def wait(handle: Any, what: Callable[[], str] | str = "a collective", timeout_s:
                     report = _report(logs)
                     if report:
                         published = False  # (leave the count: the peers are raising too)
-                        store.set(_PREFIX + "report", report.encode())
                         raise _broken(ScheduleMismatchError(report))
             if time.monotonic() > deadline:
                 raise _timed_out(what, timeout_s, _absent(store, n) if published else [])
@@ -249,16 +245,6 @@ def _read_logs(values: list[bytes]) -> list[dict]:
             continue
         logs.append({"rank": log["rank"], "events": events, "failed": log["failed"]})
     return logs
-
-
-def _peer_report(store) -> str | None:
-    """The mismatch a peer found and raised, if any (it leaves its report in the store)."""
-    try:
-        if store.check([_PREFIX + "report"]):
-            return store.get(_PREFIX + "report").decode()
-    except RuntimeError:  # (the store went with the peer)
-        pass
-    return None
 
 
 def rendezvous(kind: str, subject: str = "", group=None) -> None:
