@@ -57,7 +57,7 @@ class ScheduleLog:
         self.events: deque = deque(maxlen=_KEEP)  # (seq, step, kind, subject, n)
         self.broken: str | None = None  # why the ranks' collectives stopped pairing (then none may follow)
         self.failed: str | None = None  # the error this rank's last step raised (a waiting peer names it)
-        self.mismatched = False  # this rank raised ScheduleMismatchError (then ``linger`` before exit)
+        self.mismatches = 0  # how many ScheduleMismatchErrors this rank raised (``linger`` before exit)
         self._hash = 0
         self._codes: dict[tuple, int] = {}
 
@@ -129,7 +129,7 @@ def _broken(error: Exception) -> Exception:
     LOG.broken = str(error)
     store = world.store()
     if isinstance(error, ScheduleMismatchError) and store is not None:
-        LOG.mismatched = True
+        LOG.mismatches += 1
         try:
             store.add(_PREFIX + "raised", 1)
         except RuntimeError:  # (the store went with a peer)
@@ -141,13 +141,16 @@ def linger(timeout_s: float = 5.0) -> None:
     """After a mismatch, before this process exits: wait (at most ``timeout_s``) until every rank
     has raised it. The store may live in this process (torchrun's, or ``master_port``'s TCPStore
     on rank 0): leaving first would take the report with it, and a slower peer would see gloo's
-    'connection closed' instead of the named error (seen in 3 of 30 runs)."""
+    'connection closed' instead of the named error (seen in 3 of 30 runs). The store counts every
+    rank's raises over the process's life: a program that caught an earlier mismatch and went on
+    waits for this one's count too."""
     store, n = world.store(), world.world_size()
-    if not LOG.mismatched:
+    if not LOG.mismatches:
         return
     deadline = time.monotonic() + timeout_s
     try:
-        while store is not None and store.add(_PREFIX + "raised", 0) < n and time.monotonic() < deadline:
+        while store is not None and store.add(_PREFIX + "raised", 0) < n * LOG.mismatches \
+                and time.monotonic() < deadline:
             time.sleep(0.02)
     except RuntimeError:  # the store is gone: nobody is left to wait for
         pass

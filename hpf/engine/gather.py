@@ -225,7 +225,7 @@ class UnitBuffers:
             for h in self.pending.pop(unit, ()):  # a gather still writing into it (every rank issued it: it lands)
                 wait(h, f"the all-gather of {unit}")
             plain = [b for b in self.unit_buckets[unit] if not self.whole[b] and not self.shared[b]]
-            if any(_use_count(self.full[b]) > self._own_refs[b] for b in plain):
+            if not self._unreferenced(plain):
                 continue
             del self.lingering[unit]
             self.handed.pop(unit, None)
@@ -237,6 +237,19 @@ class UnitBuffers:
             self.allocated.discard(unit)
             self._held.discard(unit)
             self.stats.live_blocks = len(self._held - {ROOT})
+
+    def _unreferenced(self, buckets: list[int]) -> bool:
+        """Whether nothing outside the engine references these buffers' memory. A collective
+        that has landed may still be referenced by its backend's worker thread for a moment
+        (gloo's, measured: up to 0.5 ms at load 5), so a surplus gets ``_SETTLE_S`` to go."""
+        deadline = None
+        while any(_use_count(self.full[b]) > self._own_refs[b] for b in buckets):
+            now = time.perf_counter()
+            deadline = deadline or now + _SETTLE_S
+            if now > deadline:
+                return False
+            time.sleep(1e-4)
+        return True
 
     def free_all(self) -> None:
         """Free every plain buffer, held or not (the step is over)."""
@@ -393,6 +406,9 @@ def entry(anchor: torch.Tensor, engine, unit: str) -> tuple:
     """A new autograd entry of ``unit``: its params as views."""
     fn = _FuncEntry if torch._C._are_functorch_transforms_active() else _Entry
     return fn.apply(anchor, engine, unit)
+
+
+_SETTLE_S = 0.005  # how long a landed collective's backend may hold a buffer (``_unreferenced``)
 
 
 def _use_count(t: torch.Tensor) -> int:
