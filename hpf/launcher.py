@@ -14,6 +14,7 @@ end (`launch` calls it when `fn` returns).
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import gc
 import math
 import multiprocessing as mp
@@ -232,6 +233,9 @@ def _child(fn, rank_, world_size_, args, env, timeout, backend, conn) -> None:
     schedule.LOG.__init__()  # a fresh rank: not the launching process's collectives, or the error it caught
     _die_with_parent()
     os.environ.update(env)
+    if env.get("HPF_STACKS_DIR"):  # a launch that times out asks for every thread's stack (``_stacks``)
+        stacks = open(os.path.join(env["HPF_STACKS_DIR"], f"rank{rank_}"), "w")  # noqa: SIM115 -- lives with the rank
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -361,8 +365,10 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float |
     _release_openmp_threads()
     port = str(master_port or _free_port())
     # The ranks meet in a file store in a private folder: no port to race other launches for.
-    rendezvous_dir = None if master_port else tempfile.mkdtemp(prefix="hpf-rendezvous-")
-    rendezvous = {"HPF_RENDEZVOUS_FILE": os.path.join(rendezvous_dir, "store")} if rendezvous_dir else {}
+    workdir = tempfile.mkdtemp(prefix="hpf-launch-")  # (private: the file store, the ranks' stacks)
+    rendezvous = {} if master_port else {"HPF_RENDEZVOUS_FILE": os.path.join(workdir, "store")}
+    if timeout is not None:
+        rendezvous["HPF_STACKS_DIR"] = workdir
     procs, conns = [], []
     # SIGTERM (what schedulers send) unwinds through the finally below, which stops the ranks and
     # removes the rendezvous folder and shared memory; a handler the program set stays in charge.
@@ -387,7 +393,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float |
             send.close()
             procs.append(p)
             conns.append(recv)
-        return _collect(procs, conns, timeout)
+        return _collect(procs, conns, timeout, workdir)
     finally:
         if sigterm:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -395,11 +401,10 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float |
         for c in conns:
             c.close()
         _remove_shm_leftovers([p.pid for p in procs if p.pid is not None])
-        if rendezvous_dir:
-            shutil.rmtree(rendezvous_dir, ignore_errors=True)
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _collect(procs: list, conns: list, timeout: float | None) -> list[Any]:
+def _collect(procs: list, conns: list, timeout: float | None, workdir: str) -> list[Any]:
     missing = object()
     results = [missing] * len(procs)
     deadline = time.monotonic() + (math.inf if timeout is None else timeout)
@@ -410,7 +415,7 @@ def _collect(procs: list, conns: list, timeout: float | None) -> list[Any]:
                                        timeout=remaining))
         if not ready:
             raise RankError(f"hpf.launch: timed out after {timeout:g} s; ranks {pending} had not "
-                            "finished and were ended")
+                            f"finished and were ended. Where they were:\n{_stacks(procs, pending, workdir)}")
         errors, deaths = [], []
         for r in pending:
             if conns[r] not in ready and procs[r].sentinel not in ready:
@@ -453,6 +458,25 @@ def _collect(procs: list, conns: list, timeout: float | None) -> list[Any]:
     for p in procs:  # ranks are past fn; give them a moment to tear the process group down
         p.join(min(10.0, max(0.0, deadline - time.monotonic())))
     return results
+
+
+def _stacks(procs: list, ranks: list[int], workdir: str, lines: int = 80) -> str:
+    """Each rank's threads' stacks (at most ``lines``), asked for by SIGUSR1: a hang names itself."""
+    for r in ranks:
+        try:
+            os.kill(procs[r].pid, signal.SIGUSR1)
+        except (OSError, TypeError):
+            pass
+    time.sleep(_TERMINATE_GRACE_S / 4)
+    said = []
+    for r in ranks:
+        try:
+            with open(os.path.join(workdir, f"rank{r}")) as f:
+                text = f.read().strip().splitlines()
+        except OSError:
+            text = ["(no stacks: the rank did not answer)"]
+        said.append(f"rank {r}:\n" + "\n".join(text[:lines] or ["(no stacks: the rank did not answer)"]))
+    return "\n".join(said)
 
 
 def _pickled(error: BaseException) -> bytes | None:

@@ -1,4 +1,10 @@
-"""Test-wide settings."""
+"""Test-wide settings: one compute thread, no hpf thread left behind, and the fast tier
+(``pytest -m "not slow"``) starts no process."""
+import contextlib
+import multiprocessing.process
+import subprocess
+import threading
+
 import pytest
 import torch
 
@@ -11,3 +17,59 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def _hpf_threads() -> set:
+    return {t for t in threading.enumerate() if t.name.startswith("hpf-")}
+
+
+@pytest.fixture(autouse=True)
+def no_threads_left_behind():
+    """A test must close what it opens: hpf threads left running in the test process outlive it,
+    and every later ``launch`` forks a process that holds them (a two-tier step's workers once
+    stayed for the rest of the suite)."""
+    before = _hpf_threads()
+    yield
+    left = _hpf_threads() - before
+    for t in left:
+        t.join(timeout=2.0)  # (a closed comm's workers finish their last job and return)
+    left = sorted(t.name for t in left if t.is_alive())
+    assert not left, f"the test left hpf threads running: {left}; close the step (step.engine.comm.close())"
+
+
+# -- the fast tier starts no process -------------------------------------------------------------------
+_STARTS = [(multiprocessing.process.BaseProcess, "start"), (subprocess.Popen, "__init__")]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    with _refused_unless_slow(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    with _refused_unless_slow(item):
+        yield
+
+
+@contextlib.contextmanager
+def _refused_unless_slow(item):
+    """A test that starts a process (``hpf.launch``'s ranks, ``hpf`` as a command) must be marked
+    ``slow``: ``pytest -m "not slow"`` is the newcomer's minutes-long run, and this keeps the
+    marks true. The same test fails here, before it starts anything, when its mark is missing."""
+    if item.get_closest_marker("slow"):
+        yield
+        return
+    saved = [getattr(owner, name) for owner, name in _STARTS]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{item.nodeid} starts a process, so it must be marked @pytest.mark.slow "
+                             "(the fast tier, pytest -m 'not slow', starts none)")
+    for owner, name in _STARTS:
+        setattr(owner, name, refuse)
+    try:
+        yield
+    finally:
+        for (owner, name), original in zip(_STARTS, saved):
+            setattr(owner, name, original)

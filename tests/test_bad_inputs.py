@@ -300,7 +300,9 @@ def hpf_losses(steps=3, p=None, loss=loss_fn, batches=batch, **kw):
     for s in range(steps):
         state, m = step(state, batches(s))
         out.append(m["loss"])
-    return out, step.full_params(state)
+    full = step.full_params(state)
+    step.engine.comm.close()
+    return out, full
 
 
 def check_against_reference(losses, full, ref_losses, ref_params, rtol=1e-5, atol=2e-5):
@@ -398,6 +400,7 @@ def test_metrics_records_are_valid_json():
                                                               "step_s": 0.1}
 
 
+@pytest.mark.slow
 def test_hpf_train_exits_nonzero_on_nonfinite_loss(tmp_path, monkeypatch, capsys):
     """The launched ranks are forked, so a patched loss reaches them."""
     from hpf import cli

@@ -255,10 +255,10 @@ def _resume_dp3(rank, root):
 
 @pytest.mark.slow
 def test_resume_is_exact_on_the_same_mesh_and_close_on_others(tmp_path):
-    tail, resumed, full6 = launch(_first_run, 4, str(tmp_path), timeout=300)[0]
+    tail, resumed, full6 = launch(_first_run, 4, str(tmp_path), timeout=280)[0]
     assert resumed == tail  # bitwise, same mesh
     assert leaves_equal(ck.load_params(tmp_path / "step_6"), full6)
-    on3 = launch(_resume_dp3, 3, str(tmp_path), timeout=300)[0]
+    on3 = launch(_resume_dp3, 3, str(tmp_path), timeout=280)[0]
     torch.testing.assert_close(torch.tensor(on3), torch.tensor(tail), rtol=1e-5, atol=0)
     assert not dist.is_initialized()
     one = make_step({"dp": 1})
@@ -305,7 +305,7 @@ def _muon_then_fsdp2(rank, root):
 
 @pytest.mark.slow
 def test_muon_state_reshards_and_fsdp2_loads_the_params(tmp_path):
-    ok, tail = launch(_muon_then_fsdp2, 2, str(tmp_path), timeout=300)[0]
+    ok, tail = launch(_muon_then_fsdp2, 2, str(tmp_path), timeout=280)[0]
     assert ok
     one = make_step({"dp": 1}, optimizer=hpf.optim.muon(lr=0.02))
     one.init(gpt.init(CFG, device="meta"))
@@ -556,6 +556,7 @@ def _tmpfs(path, size="64k"):
         subprocess.run(["umount", str(path)], check=True)
 
 
+@pytest.mark.slow
 def test_hpf_train_on_a_full_disk_fails_loudly(tmp_path, capsys):
     """--save-every onto a filesystem too small for one checkpoint: rc 1, one line naming the save,
     run.json "failed", and no checkpoint that looks complete."""
@@ -595,6 +596,7 @@ def test_a_flipped_byte_or_a_truncated_file_is_a_checkpoint_error_naming_the_fil
     assert leaves_equal(ck.load_params(path), full)
 
 
+@pytest.mark.slow
 def test_checkpoint_fuzz_a_few_corruptions(tmp_path):
     """benchmarks/checkpoint_fuzz.py's trials in small: every corruption a CheckpointError naming the file
     (the closing figure runs 200 over GPT small)."""

@@ -112,6 +112,7 @@ def test_plan_check_validates_the_whole_step_at_768_ranks(capsys):
     assert re.search(rf"plan check OK on .*'node': 96, 'local': 8.*: {n_tensors} params, [1-9]\d* ops checked", out)
 
 
+@pytest.mark.slow
 def test_validate_mode_trains_the_same_model(tmp_path, capsys):
     code, out, err = run_main(["train", "--world-size", "1", "--steps", "2", "--mode", "validate",
                                "--out", str(tmp_path)], capsys)
@@ -138,6 +139,7 @@ def test_compile_option_compiles_once_reports_it_and_trains_the_same_model(tmp_p
     assert rows[0]["loss"] == pytest.approx(reference.item(), rel=1e-5)  # 2 ranks: the same terms, summed apart
 
 
+@pytest.mark.slow
 def test_model_option_trains_llama(tmp_path, capsys):
     code, out, err = run_main(["train", "--model", "llama", "--world-size", "1", "--steps", "1",
                                "--out", str(tmp_path)], capsys)
@@ -150,6 +152,7 @@ def test_model_option_trains_llama(tmp_path, capsys):
     assert first["loss"] == pytest.approx(reference.item(), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_muon_option_trains_with_muon(tmp_path, capsys):
     code, _, err = run_main(["train", "--world-size", "1", "--steps", "2", "--optimizer", "muon",
                              "--out", str(tmp_path)], capsys)
@@ -198,6 +201,7 @@ def test_mesh_argument_parses_outer_to_inner():
     assert list(cli.parse_mesh("node=96, local=8").items()) == [("node", 96), ("local", 8)]
 
 
+@pytest.mark.slow
 def test_benchmark_runner_tabulates_ratio_lines_writes_results_and_reports_failures(tmp_path):
     # report_ratio from the repository's benchmarks/common.py prints the lines run.py parses.
     bench = tmp_path / "bench"
@@ -289,6 +293,7 @@ def test_train_trace_writes_one_trace_per_rank_and_a_merged_one_with_hpf_ranges(
     assert abs(s0 - s1) < max(e["dur"] for e in steps)
 
 
+@pytest.mark.slow
 def test_sigterm_to_hpf_train_stops_the_ranks_and_leaves_nothing_behind(tmp_path):
     """What a scheduler sends: rc 143, one line, run.json "terminated", and no rendezvous folder or
     shared memory left (the ranks died silently, rc was -15 and run.json said "running")."""

@@ -35,6 +35,7 @@ def test_prepare_takes_files_and_folders_by_glob(token_dir):
     assert [p.rsplit("/", 1)[-1] for p in meta["sources"]] == ["a.py", "b.txt"]
 
 
+@pytest.mark.slow
 def test_train_llama_on_data_reports_held_out_loss(tmp_path, token_dir, capsys):
     steps, batch, seed = 4, 8, 2
     # lr 1e-30: the params stay the seeded init to fp32 precision, so both losses have a
@@ -59,6 +60,7 @@ def test_train_llama_on_data_reports_held_out_loss(tmp_path, token_dir, capsys):
     assert json.loads((tmp_path / "run" / "run.json").read_text())["vocab_size"] == 257
 
 
+@pytest.mark.slow
 def test_accumulate_gives_the_losses_of_the_whole_batch(tmp_path, capsys):
     common = ["train", "--mesh", "dp=2", "--batch-size", "8", "--steps", "3", "--seed", "1"]
     runs = {}

@@ -51,10 +51,12 @@ def collectives_run():
     return launch(_collectives_run, 2, timeout=120)
 
 
+@pytest.mark.slow
 def test_axis_index_is_the_rank_position(collectives_run):
     assert [r["axis_index"] for r in collectives_run] == [0, 1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(OPS))
 def test_values_and_grads_are_the_exact_adjoint(collectives_run, name):
     """Rank r's output is the function ``receives(xs, r)`` of all inputs; the backward of
@@ -114,6 +116,7 @@ def reference_grads():
     return {p: g.numpy() for p, g in autograd_grads(tp_mlp_loss, tp_mlp_params(), tp_mlp_batch()).items()}
 
 
+@pytest.mark.slow
 def test_tensor_parallel_grads_match_plain_autograd(tp_grads):
     paths, got, _ = hpf.tree.flatten(tp_grads[False])
     want = reference_grads()
@@ -123,6 +126,7 @@ def test_tensor_parallel_grads_match_plain_autograd(tp_grads):
         np.testing.assert_allclose(g, want[path], rtol=1e-5, atol=1e-6, err_msg=path)
 
 
+@pytest.mark.slow
 def test_identity_psum_backward_would_lose_the_other_ranks_contributions(tp_grads):
     """Why psum's backward all-reduces: with an identity transpose the embedding (replicated,
     feeding sharded blocks) and the sharded weights get wrong grads."""

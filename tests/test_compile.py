@@ -136,7 +136,7 @@ def compile_fails_on_rank_1(rank):
 
 @pytest.fixture(scope="module")
 def runs():
-    results = launch(rank_checks, 2, timeout=900)
+    results = launch(rank_checks, 2, timeout=280)
     assert results[0]["block"]["losses"] == results[1]["block"]["losses"]
     return results
 

@@ -221,12 +221,12 @@ def run_all(rank, mesh_axes, topology_cases=()):
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return launch(run_all, 2, {"dp": 2}, timeout=400)[0]
+    return launch(run_all, 2, {"dp": 2}, timeout=280)[0]
 
 
 @pytest.fixture(scope="module")
 def two_by_two():
-    return launch(run_all, 4, {"node": 2, "local": 2}, ("read_all_first", "tied_across_units"), timeout=500)[0]
+    return launch(run_all, 4, {"node": 2, "local": 2}, ("read_all_first", "tied_across_units"), timeout=280)[0]
 
 
 def check(result, name):
@@ -256,6 +256,7 @@ def test_2x2_mesh_matches_plain_torch(two_by_two, name):
     check(two_by_two[name], name)
 
 
+@pytest.mark.slow
 def test_loop_style_costs_no_extra_gathers_and_patterns_say_what_they_cost(two_ranks):
     assert two_ranks["loop"]["extra_gathers"] == 0 and two_ranks["loop"]["peak_blocks"] <= 2
     assert two_ranks["reversed"]["peak_blocks"] <= 2

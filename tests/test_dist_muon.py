@@ -278,6 +278,7 @@ def split_matrix_numel(plan):
     return total, biggest, smallest
 
 
+@pytest.mark.slow
 def test_two_ranks_match_single_process_muon(two_ranks):
     plan = assert_matches([r["fp32"] for r in two_ranks], hpf.Mesh({"dp": 2}), reference_muon(moe_init()))
     assert_each_matrix_orthogonalized_once([r["fp32"] for r in two_ranks], plan)
@@ -285,6 +286,7 @@ def test_two_ranks_match_single_process_muon(two_ranks):
     assert two_ranks[0]["fp32"]["state"] == two_ranks[1]["fp32"]["state"], "state structure differs across ranks"
 
 
+@pytest.mark.slow
 def test_two_ranks_match_torch_muon_and_adamw(two_ranks):
     # NS in bf16, as torch.optim.Muon runs it. torch does each expert as a 2-D mm, hpf a batched
     # bmm; their bf16 intermediates can round one element differently: one bf16 ulp of an NS
@@ -295,6 +297,7 @@ def test_two_ranks_match_torch_muon_and_adamw(two_ranks):
                    tol=dict(rtol=0, atol=1e-4))
 
 
+@pytest.mark.slow
 def test_only_split_matrices_send_and_only_their_pieces(two_ranks):
     plan = hpf.plan(moe_init(), hpf.Mesh({"dp": 2}))
     total, biggest, smallest = split_matrix_numel(plan)
@@ -306,6 +309,7 @@ def test_only_split_matrices_send_and_only_their_pieces(two_ranks):
     assert {d for r in two_ranks for *_, d in r["fp32"]["sends"]} == {"torch.float32"}
 
 
+@pytest.mark.slow
 def test_matrices_wholly_on_one_rank_need_no_messages(two_ranks):
     runs = [r["local_only"] for r in two_ranks]
     assert [r["sends"] for r in runs] == [[], []]
@@ -313,6 +317,7 @@ def test_matrices_wholly_on_one_rank_need_no_messages(two_ranks):
     assert [sorted(shape for _, shape in r["ns"]) for r in runs] == [[(1, 3, 6)] * STEPS, [(1, 6, 3)] * STEPS]
 
 
+@pytest.mark.slow
 def test_bf16_transport_halves_bytes_and_stays_close(two_ranks):
     runs = [r["bf16_comm"] for r in two_ranks]
     assert {d for r in runs for *_, d in r["sends"]} == {"torch.bfloat16"}
@@ -352,11 +357,13 @@ def assert_training_matches(run, loss_name):
         torch.testing.assert_close(got, want, **TRAIN_TOL)
 
 
+@pytest.mark.slow
 def test_gpt_tiny_with_muon_matches_single_process_training(two_ranks):
     assert two_ranks[0]["gpt"]["losses"] == two_ranks[1]["gpt"]["losses"]
     assert_training_matches(two_ranks[0]["gpt"], "gpt")
 
 
+@pytest.mark.slow
 def test_four_ranks_and_2x2_match_single_process_muon(four_ranks):
     dp4 = [r["dp4"] for r in four_ranks]
     plan = assert_matches(dp4, hpf.Mesh({"dp": 4}), reference_muon(moe_init(), scale="moonlight", nesterov=False))
@@ -367,6 +374,7 @@ def test_four_ranks_and_2x2_match_single_process_muon(four_ranks):
     assert_each_matrix_orthogonalized_once(runs, plan)
 
 
+@pytest.mark.slow
 def test_hsdp_replicas_each_orthogonalize_and_talk_only_within_their_shard_group(four_ranks):
     mesh = hpf.Mesh({"node": 2, "local": 2})
     runs = [r["hsdp"] for r in four_ranks]
@@ -377,6 +385,7 @@ def test_hsdp_replicas_each_orthogonalize_and_talk_only_within_their_shard_group
         assert {peer for _, peer, _, _ in r["sends"]} <= set(mesh.group_ranks("local", rank)) - {rank}
 
 
+@pytest.mark.slow
 def test_experts_split_over_a_non_fsdp_axis(four_ranks):
     runs = [r["ep"] for r in four_ranks]
     plan = assert_matches(runs, hpf.Mesh({"ep": 2, "dp": 2}), reference_muon(moe_init()), specs=EP_RULES,
@@ -384,6 +393,7 @@ def test_experts_split_over_a_non_fsdp_axis(four_ranks):
     assert_each_matrix_orthogonalized_once(runs, plan)
 
 
+@pytest.mark.slow
 def test_moe_training_at_4_ranks_and_gpt_on_2x2_hsdp_match_single_process(four_ranks):
     assert_training_matches(four_ranks[0]["moe_train"], "moe")
     assert_training_matches(four_ranks[0]["gpt_hsdp"], "gpt")

@@ -56,7 +56,7 @@ def rank_checks(rank):
 
 @pytest.fixture(scope="module")
 def runs():
-    return launch(rank_checks, 2, timeout=900)[0]
+    return launch(rank_checks, 2, timeout=280)[0]
 
 
 def assert_same(a, b, **tol):

@@ -37,7 +37,7 @@ def rank_run(rank, weighted):
 
 @pytest.fixture(scope="module")
 def runs():
-    return {w: launch(rank_run, 2, w, timeout=300) for w in (False, True)}
+    return {w: launch(rank_run, 2, w, timeout=280) for w in (False, True)}
 
 def reference_hvp(weighted):
     params = gpt.init(CONFIG, torch.Generator().manual_seed(SEED))

@@ -39,6 +39,7 @@ def _report(rank):
     return rank, dist.get_rank(), dist.get_world_size(), summed.item(), env, torch.get_num_threads()
 
 
+@pytest.mark.slow
 def test_results_come_back_in_rank_order_with_torchrun_env():
     n = 3
     results = launch(_report, n)
@@ -56,6 +57,7 @@ def _rendezvous_file(rank):
     return path, os.path.exists(path)
 
 
+@pytest.mark.slow
 def test_ranks_rendezvous_in_a_private_file_that_is_removed_afterwards():
     """No free-port race between concurrent launches: the store is a file in a fresh folder."""
     results = launch(_rendezvous_file, 2)
@@ -68,6 +70,7 @@ def _args_and_env(rank, scale, offset):
     return rank * scale + offset, os.environ["HPF_TEST_VAR"]
 
 
+@pytest.mark.slow
 def test_args_and_extra_env_reach_every_rank():
     assert launch(_args_and_env, 2, 10, 1, env={"HPF_TEST_VAR": "x"}) == [(1, "x"), (11, "x")]
 
@@ -79,6 +82,7 @@ def _raise_on_rank_1(rank):
     return rank
 
 
+@pytest.mark.slow
 def test_exception_in_one_rank_raises_rank_error_with_traceback_quickly():
     start = time.monotonic()
     with pytest.raises(RankError) as info:
@@ -100,6 +104,7 @@ def _die_on_rank_1(rank, how):
     return rank
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how, says", [("exit", "exited with code 7"), ("kill", "was killed by SIGKILL")])
 def test_a_rank_dying_silently_ends_the_others(how, says):
     start = time.monotonic()
@@ -114,11 +119,15 @@ def _sleep(rank):
     time.sleep(60)
 
 
-def test_overall_timeout_ends_everything():
+@pytest.mark.slow
+def test_overall_timeout_ends_everything_and_says_where_each_rank_was():
+    """A hang in CI is diagnosable from the error alone: each rank's stack is in it."""
     start = time.monotonic()
-    with pytest.raises(RankError, match=r"timed out after 1 s; ranks \[0, 1\]"):
+    with pytest.raises(RankError, match=r"timed out after 1 s; ranks \[0, 1\]") as caught:
         launch(_sleep, 2, timeout=1.0)
-    assert time.monotonic() - start < 6  # 1 s timeout + SIGTERM grace
+    assert time.monotonic() - start < 6  # 1 s timeout + stacks + SIGTERM grace
+    said = str(caught.value)
+    assert said.count("in _sleep") == 2 and "rank 0:" in said and "rank 1:" in said, said
     assert _zombie_children() == []
 
 
@@ -126,6 +135,7 @@ def _unpicklable(rank):
     return lambda: rank
 
 
+@pytest.mark.slow
 def test_unpicklable_result_is_a_clear_error():
     with pytest.raises(RankError, match=r"could not pickle the result of rank \d"):
         launch(_unpicklable, 2)
@@ -135,6 +145,7 @@ def _tensor_result(rank):
     return torch.full((3,), float(rank)), {"view": torch.arange(10.0)[2:4]}
 
 
+@pytest.mark.slow
 def test_tensors_come_back_after_the_children_exit():
     results = launch(_tensor_result, 2)
     for r, (full, nested) in enumerate(results):
@@ -198,6 +209,7 @@ def _torchrun_style_rank(rank, port, queue):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_init_distributed_under_torchrun_style_env():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -226,6 +238,7 @@ def _log_state(rank):
     return schedule.LOG.failed, schedule.LOG.broken, schedule.LOG.seq
 
 
+@pytest.mark.slow
 def test_ranks_start_with_a_fresh_schedule_log_not_the_launching_process_s(monkeypatch):
     """A rank is forked: it must not inherit the launcher's log (an error a notebook caught, its
     collectives), or its peers would report that error as the rank's (seen in the full suite)."""

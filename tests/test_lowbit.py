@@ -206,7 +206,7 @@ def _all(rank: int, ckpt: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Every variant in one launch (process start-up dominates these tiny steps)."""
-    return launch(_all, WORLD, str(tmp_path_factory.mktemp("ckpt") / "step1_"), timeout=600)
+    return launch(_all, WORLD, str(tmp_path_factory.mktemp("ckpt") / "step1_"), timeout=280)
 
 
 def _plan(name: str):
@@ -520,6 +520,7 @@ def test_bad_slow_precision_is_a_one_line_error(argv, names, capsys):
     assert code == 2 and len(err.strip().splitlines()) == 1 and names in err and "Traceback" not in err, err
 
 
+@pytest.mark.slow
 def test_train_records_slow_precision_in_the_run_folder(tmp_path, capsys):
     import json
 

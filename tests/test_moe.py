@@ -220,7 +220,7 @@ def _four(rank):
 
 @pytest.fixture(scope="module")
 def four():
-    return launch(_four, 4, timeout=600)
+    return launch(_four, 4, timeout=280)
 
 
 def _reference_run(rank, bias=None):
@@ -235,7 +235,7 @@ def _reference_run(rank, bias=None):
 def ref():
     # In a child process: a pytest process that has run multi-threaded torch ops and then forks
     # hpf.launch ranks was seen to hang them (test_cli_train_... after this reference ran in-process).
-    return launch(_reference_run, 1, timeout=600)[0]
+    return launch(_reference_run, 1, timeout=280)[0]
 
 
 def assert_matches_reference(four, ref, run):
@@ -268,7 +268,7 @@ def test_an_ep_rank_that_receives_no_tokens_still_matches(four):
     """All tokens routed to rank 0's experts: rank 1's experts compute nothing, yet its half of
     every exchange (forward and backward) must run, and its experts get exact zero grads (this
     once aborted in gloo: an empty grouped matmul fell out of autograd's graph)."""
-    ref = launch(_reference_run, 1, starving_bias(), timeout=600)[0]
+    ref = launch(_reference_run, 1, starving_bias(), timeout=280)[0]
     assert ref[1][:, C.n_experts // 2:].sum() == 0
     assert_matches_reference(four, ref, "starved")
     paths, before = hpf.tree.flatten(params0())[0], ref[3]
@@ -288,7 +288,7 @@ def test_muon_on_ep_experts_matches_single_device_muon(four):
     """dp=2 x ep=2: 3-D experts split over ep, FSDP over dp. Muon on the shards matches Muon on
     the full params of the dense reference, and every matrix (each expert's, each dense one) is
     orthogonalized exactly once across the 4 ranks."""
-    losses, want = launch(_muon_reference_run, 1, timeout=600)[0]
+    losses, want = launch(_muon_reference_run, 1, timeout=280)[0]
     paths, want, _ = hpf.tree.flatten(want)
     n_muon = sum(math.prod(x.shape[:-2]) for p, x in zip(paths, want) if hpf.optim.muon().on_muon(p, x))
     assert sum(out["muon"]["orthogonalized"] for out in four) == n_muon

@@ -67,6 +67,7 @@ def _most_held(rank, world, tiered):
     return most[0], len(set(unit_of.values())), dict(zip(paths, (x.numpy() for x in leaves)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, tiered", [(2, False), (4, True)], ids=["flat", "two-tier"])
 def test_at_most_in_flight_reductions_hold_memory_and_the_step_is_plain_torchs(world, tiered):
     _, _, want = adamw_training(lambda p, b: gpt.loss(p, b, n_heads=CONFIG.n_heads), gpt.init(CONFIG),

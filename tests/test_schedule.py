@@ -109,6 +109,7 @@ def _one_rank_hangs(rank):
     schedule.rendezvous("after", "the hang")
 
 
+@pytest.mark.slow
 def test_a_timeout_names_the_rank_that_hung_and_launch_blames_it():
     """The waiting ranks' TimeoutError names the rank that never waited alongside, and RankError
     blames that rank (it blamed the first rank that waited)."""
@@ -128,6 +129,7 @@ def _catch_the_mismatch(rank):
     return got is not None and "ranks disagree" in got
 
 
+@pytest.mark.slow
 def test_a_caught_mismatch_is_the_named_error_on_the_slower_rank_too():
     """Ranks that catch ScheduleMismatchError and return: rank 0, whose process holds the store
     (torchrun's, or master_port's TCPStore), used to exit before the slower rank read the report,

@@ -129,7 +129,7 @@ def test_predicted_peak_is_within_15_percent_of_the_measured(config, local_batch
     """The peak each rank's thread allocates in 2 steps (torch.profiler), as benchmarks/memory_model.py."""
     from memory_model import measure, predicted
 
-    hpf.launch(measure, 2, config, 2, local_batch, recompute, 2, str(tmp_path), timeout=300)
+    hpf.launch(measure, 2, config, 2, local_batch, recompute, 2, str(tmp_path), timeout=280)
     measured = max(json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     bound = predicted(config, 2, local_batch, recompute)  # IN_FLIGHT reductions still held
     landed = predicted(config, 2, local_batch, recompute, reduce_copies=0)  # each one landed at once
@@ -254,7 +254,7 @@ def test_the_api_choice_runs_and_trains_like_the_reference():
     assert set(result.step_args()) == {"mesh", "param_specs", "fsdp_axes", "hsdp", "topology", "mixed_precision",
                                        "accumulate", "batch_axes"}
     fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
-    losses = hpf.launch(_run_searched, 2, fields, timeout=300)[0]
+    losses = hpf.launch(_run_searched, 2, fields, timeout=280)[0]
     config = gpt.CONFIGS["tiny"]
     want, _, _ = adamw_training(gpt.loss_for(config), gpt.init(config), lambda s: gpt.global_batch(config, 8, 0, s),
                                 2, lr=1e-2, weight_decay=0.0)
@@ -267,6 +267,7 @@ def hpf_cmd(*args, timeout=300):
                           timeout=timeout, cwd=REPO)
 
 
+@pytest.mark.slow
 def test_cli_plan_search_prints_the_top_five_and_saves(tmp_path):
     proc = hpf_cmd("plan", "--search", "--model", "moe", "--config", "tiny", "--mesh", "node=2,local=2",
                    "--hardware", "h100", "--batch-size", "8", "--save", tmp_path / "plan.json")
@@ -281,6 +282,7 @@ def test_cli_plan_search_prints_the_top_five_and_saves(tmp_path):
     assert search.Candidate(**saved["choice"]["options"]).label() in ranked[0]
 
 
+@pytest.mark.slow
 def test_cli_plan_search_tries_the_low_bit_slow_tier_when_asked():
     args = ("plan", "--search", "--config", "small", "--mesh", "node=2,local=2", "--hardware", "h100",
             "--batch-size", "16")

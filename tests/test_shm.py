@@ -74,6 +74,7 @@ def _check_against_gloo_and_reference(rank, transport_kind):
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("transport_kind", ["shm", "pg"])
 def test_collectives_match_gloo_and_reference(world_size, transport_kind):
@@ -89,6 +90,7 @@ def _sum_accumulates_in_fp32(rank):
     return out.item()
 
 
+@pytest.mark.slow
 def test_bf16_reduce_scatter_accumulates_in_fp32():
     exact = torch.tensor(256.0 + 3.0, dtype=torch.float64).to(torch.bfloat16).item()  # round once
     assert launch(_sum_accumulates_in_fp32, 4) == [exact] * 4
@@ -126,6 +128,7 @@ def _zero_copy_steps(rank):
     return seen, "copy_" in zero_copy.names, "copy_" in copy.names, dict(g.bytes_sent)
 
 
+@pytest.mark.slow
 def test_zero_copy_all_gather_costs_only_the_barrier():
     n, k = 2, 5
     for seen, copied_in_place, copied_otherwise, bytes_sent in launch(_zero_copy_steps, n):
@@ -150,6 +153,7 @@ def _late_peer(rank):
     return "no error", 0.0
 
 
+@pytest.mark.slow
 def test_barrier_timeout_names_the_missing_rank():
     message, waited = launch(_late_peer, 2)[0]
     assert "group ranks [1] (global [1]) did not arrive within 0.5 s" in message
@@ -170,6 +174,7 @@ def _killed_mid_run(rank, how):
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["exit", "kill"])
 def test_killed_rank_ends_the_others_and_leaks_no_segment(how):
     before = _segments()
@@ -187,6 +192,7 @@ def _killed_while_owning_a_name(rank):
     dist.barrier()
 
 
+@pytest.mark.slow
 def test_launch_sweeps_segments_of_a_rank_killed_during_setup():
     before = _segments()
     with pytest.raises(RankError, match="rank 0 was killed by SIGKILL"):
@@ -226,12 +232,14 @@ def _segment_too_large(rank):
         return str(e)
 
 
+@pytest.mark.slow
 def test_segment_larger_than_dev_shm_is_a_clear_error_on_every_rank():
     for message in launch(_segment_too_large, 2):
         assert re.search(r"rank 0 could not create a \d+-byte segment in /dev/shm", message)
         assert "--shm-size" in message
 
 
+@pytest.mark.slow
 def test_bad_inputs_say_what_to_pass():
     errors = launch(_bad_inputs, 2)[0]
     expected = ["full must be a slice of this group's ShmGroup.buffer(..., per_rank=False)",

@@ -296,6 +296,7 @@ def _slowest_rank(rank):
     return _median_slowest_each([lambda: time.sleep(0.002 + 0.01 * rank), lambda: None], reps=3, min_s=0.1)
 
 
+@pytest.mark.slow
 def test_calibration_times_the_slowest_rank_and_its_ranks_agree_on_the_rep_count():
     """Both ranks pick the rep count from the slowest probe (a mismatch would hang their barriers),
     and every rank reports rank 1's sleep, not its own; the skew is rank 0's lead on rank 1 over
@@ -323,6 +324,7 @@ def test_calibration_sizes_cover_the_models_largest_bucket():
     assert medium[:len(SIZES_MIB)] == SIZES_MIB and medium[-2] < 190 <= medium[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run,cases", [("", 17), ("tiny_runs/1", 7)])
 def test_the_committed_validation_is_of_the_committed_model(run, cases):
     """``--repredict`` replays docs/simulate/validation (no processes): every case's predicted step

@@ -5,10 +5,12 @@ function's reads, never its references, gc or timing.
   equals plain single-process torch.
 - Reads that differ across ranks raise ScheduleMismatchError on every rank, naming the read,
   within seconds (equal-size units, which pair up, and different-size ones, which would hang).
-- 200+ generated loss programs (random read orders, re-reads, slices, ties, references kept on
+- 64 generated loss programs (random read orders, re-reads, slices, ties, references kept on
   random ranks, gc.collect() at random points on one rank), each equal to plain torch.
+  ``HPF_SPMD_PROGRAMS=N`` runs N of them (64 keep the suite short; raise it for a deeper search).
 """
 import gc
+import os
 import random
 import time
 
@@ -201,13 +203,13 @@ def _generated(rank, seeds):
     return out
 
 
-N_PROGRAMS = 210
+N_PROGRAMS = int(os.environ.get("HPF_SPMD_PROGRAMS", 64))
 
 
 @pytest.mark.slow
 def test_generated_programs_equal_plain_torch():
     start = time.monotonic()
-    runs = launch(_generated, 2, range(N_PROGRAMS), timeout=900)
+    runs = launch(_generated, 2, range(N_PROGRAMS), timeout=280)
     elapsed = time.monotonic() - start
     for seed in range(N_PROGRAMS):
         tie, ops = program(seed)

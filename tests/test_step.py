@@ -185,16 +185,19 @@ def update_mismatch(params, ref_params) -> float:
     return float(np.sqrt(off / moved))
 
 
+@pytest.mark.slow
 def test_two_ranks_match_reference_every_step(two_ranks):
     assert_matches(two_ranks["plain"], reference())
 
 
+@pytest.mark.slow
 def test_two_runs_are_bitwise_identical(two_ranks):
     assert two_ranks["again"]["losses"] == two_ranks["plain"]["losses"]
     for a, b in zip(two_ranks["again"]["params"], two_ranks["plain"]["params"]):
         assert np.array_equal(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", ["plain", "bf16"])
 def test_optimizer_overlap_is_bitwise_the_update_after_backward(two_ranks, run):
     """Updating the units the next step reads first, starting their gathers, then updating
@@ -206,6 +209,7 @@ def test_optimizer_overlap_is_bitwise_the_update_after_backward(two_ranks, run):
         assert np.array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_max_grad_norm_clips_like_clip_grad_norm_(two_ranks):
     ref = reference(max_grad_norm=CLIP)
     assert min(ref[1]) > CLIP, "the reference must clip on every step for this test to mean anything"
@@ -213,6 +217,7 @@ def test_max_grad_norm_clips_like_clip_grad_norm_(two_ranks):
     assert_matches(two_ranks["clipped"], ref)
 
 
+@pytest.mark.slow
 def test_bf16_computes_in_bf16_and_stays_close_with_fp32_master_shards(two_ranks):
     run = two_ranks["bf16"]
     assert run["compute_dtypes"] == {"torch.bfloat16"}
@@ -233,6 +238,7 @@ def test_bf16_computes_in_bf16_and_stays_close_with_fp32_master_shards(two_ranks
     assert run["losses"] != two_ranks["plain"]["losses"], "bf16 gave the fp32 losses: it did not compute in bf16"
 
 
+@pytest.mark.slow
 def test_at_most_two_blocks_gathered_in_forward_and_backward(two_ranks):
     mem = two_ranks["memory"]
     assert mem["blocks_seen"] == DEEP.n_layers
@@ -243,6 +249,7 @@ def test_at_most_two_blocks_gathered_in_forward_and_backward(two_ranks):
     assert mem["engine_peak"] <= 2
 
 
+@pytest.mark.slow
 def test_mesh_that_does_not_fit_the_world_is_an_error(two_ranks):
     kind, message = two_ranks["bad_mesh"]
     assert kind == "MeshError"
@@ -276,6 +283,7 @@ def test_accumulate_splits_every_batch_leaf_or_names_the_one_that_cannot():
         hpf.shard_step(gpt.loss_for(TINY), mesh=hpf.Mesh({"dp": 1}), optimizer=hpf.optim.adamw(), accumulate=0)
 
 
+@pytest.mark.slow
 def test_2x2_hsdp_rules_match_reference_every_step(four_ranks):
     assert_matches(four_ranks["hsdp"], reference())
 

@@ -112,6 +112,7 @@ def runs():
     return launch(_run_variants, WORLD, timeout=240)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_variant_matches_single_process_adamw(runs, reference, variant):
     ref_losses, ref_norms, ref_params = reference
@@ -151,6 +152,7 @@ SLOW_SHARDS = {"flat_tiered": 2, "hier_pg": 1}
 FAST_SHARDS = {"flat_tiered": 1, "hier_pg": 2}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", list(SLOW_SHARDS))
 def test_byte_counters_and_plan_report_follow_the_tier_model(runs, variant):
     shard = _shard_bytes()
@@ -173,6 +175,7 @@ def test_byte_counters_and_plan_report_follow_the_tier_model(runs, variant):
         assert result["report"]["all_reduce"][tier] == 0  # full shard: no replicas
 
 
+@pytest.mark.slow
 def test_update_during_backward_is_bitwise_the_update_after_it(runs):
     overlapped, after = runs[0]["hier_shm"], runs[0]["hier_shm_update_after_backward"]
     assert overlapped["losses"] == after["losses"] and overlapped["grad_norms"] == after["grad_norms"]
@@ -180,17 +183,20 @@ def test_update_during_backward_is_bitwise_the_update_after_it(runs):
         assert np.array_equal(overlapped["params"][path], value), path
 
 
+@pytest.mark.slow
 def test_small_buckets_split_units(runs):
     units = runs[0]["hier_shm_small_buckets"]["bucket_units"]  # it matches the reference above
     assert len(units) > len(set(units))
 
 
+@pytest.mark.slow
 def test_shared_memory_units_are_gathered_once_per_step(runs):
     # units refilled during backward (optimizer overlap) are not gathered again by the next step
     for variant in ("hier_shm", "hier_shm_update_after_backward"):
         assert runs[0][variant]["gathers"] == [1] * len(runs[0][variant]["bucket_units"]), variant
 
 
+@pytest.mark.slow
 def test_two_tier_slow_bytes_are_one_over_local_of_flat(runs):
     hier, flat = runs[0]["hier_pg"], runs[0]["flat_tiered"]
     assert hier["gathers"] == flat["gathers"]  # same schedule, so bytes compare per call
@@ -241,6 +247,7 @@ def _launch_failing(how, tmp_path, timeout, timeout_s):
     return info.value, elapsed, leaked
 
 
+@pytest.mark.slow
 def test_killed_rank_ends_the_run_promptly_and_leaks_no_shared_memory(tmp_path):
     timeout = 120
     # timeout_s is long, so only the launcher's view of the death can end the run quickly
@@ -348,6 +355,7 @@ def _overlap_schedule(rank, overlap):
     return [(e[0], tuple(unit_of[b] for b in e[1])) if len(e) > 1 else e for e in events]
 
 
+@pytest.mark.slow
 def test_nothing_is_updated_before_the_decision_and_the_next_steps_first_units_gather_during_the_rest():
     """The step's one global decision comes before any update (ranks never part in the state);
     with the overlap, the units the next step reads first (the root, and the first two blocks:
@@ -369,6 +377,7 @@ def _pipeline_cases(rank):
             _stalls_in_backward(rank, pipeline=False, patience=0.2))
 
 
+@pytest.mark.slow
 def test_pipeline_never_makes_backward_wait_on_a_slow_reduction():
     """Shared memory holds every grad buffer for good, so the engine's bound on reductions in
     flight (hpf.engine.reduce.IN_FLIGHT) frees nothing there and never waits: every slow-tier
@@ -393,6 +402,7 @@ def _os_threads_over_closed_steps(rank):
     return counts
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux's /proc")
 def test_a_closed_two_tier_comm_leaves_no_threads_behind():
     """A closed TieredComm destroys the process groups it made: steps built one after another on

@@ -1,6 +1,7 @@
 """hpf.trace: spans from every thread land in torch's Chrome trace; off, they record nothing."""
 import json
 import threading
+import pytest
 
 import torch
 
@@ -92,6 +93,7 @@ def _profiled_steps(rank):
     return float(metrics["loss"])
 
 
+@pytest.mark.slow
 def test_profiled_steps_do_not_deadlock_on_polled_collectives():
     """Under torch's profiler, gloo finishes a Work holding the lock Work.is_completed() takes
     and then needs the GIL: polling a collective issued inside saved-tensor hooks that way hung

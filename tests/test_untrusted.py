@@ -86,6 +86,7 @@ def _store_payload(rank, marker):
     return x.tolist()
 
 
+@pytest.mark.slow
 def test_a_crafted_store_value_never_runs(tmp_path):
     marker = tmp_path / "ran"
     assert launch(_store_payload, 2, str(marker), timeout=60) == [[2.0, 2.0]] * 2
@@ -106,6 +107,7 @@ def _sockets(rank):
     return os.environ.get("GLOO_SOCKET_IFNAME"), found
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's /proc socket tables")
 def test_launch_binds_the_ranks_sockets_to_loopback():
     for ifname, addresses in launch(_sockets, 2, timeout=60):

@@ -40,6 +40,7 @@ def one_error_line(proc) -> str:
 
 
 # 1 -------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_plot_without_matplotlib_trains_and_the_run_folder_says_so(tmp_path):
     out = tmp_path / "run"
     proc = hpf_cmd("train", "--world-size", 1, "--steps", 2, "--plot", "--out", out, code=NO_MATPLOTLIB)
@@ -52,6 +53,7 @@ def test_plot_without_matplotlib_trains_and_the_run_folder_says_so(tmp_path):
 
 
 # 2 -------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_the_first_step_is_announced_before_it_ends(tmp_path):
     proc = hpf_cmd("train", "--world-size", 1, "--steps", 2, "--out", tmp_path / "run")
     assert proc.returncode == 0, proc.stderr
@@ -80,6 +82,7 @@ def test_a_long_step_is_reported_while_it_runs():
 
 
 # 3 -------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_config_too_big_for_this_machine_is_refused_before_allocating(tmp_path):
     # 256 ranks of the 1B GPT each build the full fp32 params once (4.2 GB): over 1 TB, which
     # no machine running these tests has, before any shard, grad or activation is counted.
@@ -137,6 +140,7 @@ def test_the_breakdown_plot_labels_the_steps_its_axis_cuts_off():
 
 
 # 6 -------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["a file", "under a file", "under /proc"])
 def test_an_out_folder_that_cannot_be_written_is_one_line(where, tmp_path):
     (tmp_path / "f").write_text("not a folder")
@@ -153,6 +157,7 @@ def test_an_out_folder_that_cannot_be_written_is_one_line(where, tmp_path):
 
 
 # 8 -------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_mesh_axis_of_size_zero_says_sizes_must_be_positive():
     proc = hpf_cmd("train", "--mesh", "node=0,local=4")
     assert proc.returncode == 2
@@ -180,6 +185,7 @@ def _mib(text: str, label: str) -> float:
     return float(re.search(rf"{label}\s+([\d.]+) MiB", text)[1])
 
 
+@pytest.mark.slow
 def test_plan_counts_muon_state_and_reports_owner_balance():
     c = gpt.CONFIGS["small"]
     d, f, v, t, n = c.d_model, c.d_ff, c.vocab_size, c.seq_len, c.n_layers

@@ -25,6 +25,7 @@ def losses(folder: Path) -> list[float]:
 
 
 # 1 -- `hpf: command not found` -------------------------------------------------------------------
+@pytest.mark.slow
 def test_the_hpf_command_is_installed_beside_the_environments_python():
     """The README's set-up puts `hpf` in .venv/bin and says to activate it (test_docs checks the text)."""
     proc = subprocess.run([str(Path(sys.executable).parent / "hpf"), "--help"], capture_output=True, text=True)
@@ -32,6 +33,7 @@ def test_the_hpf_command_is_installed_beside_the_environments_python():
 
 
 # 2 -- submodules after `import hpf`; a fast `hpf --help` -----------------------------------------
+@pytest.mark.slow
 def test_import_hpf_reaches_every_submodule_without_importing_torch_up_front():
     code = ("import sys, hpf; assert 'torch' not in sys.modules, 'import hpf imported torch'; "
             "print(hpf.checkpoint.load_params.__name__, hpf.data.TokenData.__name__, sorted(hpf.models.MODELS), "
@@ -41,6 +43,7 @@ def test_import_hpf_reaches_every_submodule_without_importing_torch_up_front():
     assert proc.stdout.split() == ["load_params", "TokenData", "['gpt',", "'llama',", "'moe']", "True"]
 
 
+@pytest.mark.slow
 def test_hpf_help_imports_no_torch_and_answers_fast():
     code = ("import sys, time; t = time.perf_counter(); from hpf.cli import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
@@ -76,6 +79,7 @@ def test_a_collective_that_waits_too_long_for_a_peer_ends_the_run():
 
 
 # 4 -- a failed run no longer locks its --out folder ------------------------------------------------
+@pytest.mark.slow
 def test_a_run_that_stopped_before_its_first_checkpoint_starts_again_in_the_same_folder(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
@@ -164,6 +168,7 @@ def test_each_checkpoint_is_announced_and_the_summary_lists_the_newest(finished)
 
 
 # 6 -- an error inside a rank is one line; the traceback goes to the run folder ------------------------
+@pytest.mark.slow
 def test_an_error_inside_a_rank_is_one_line_and_its_traceback_is_kept(tmp_path):
     (tmp_path / "not-a-checkpoint").mkdir()
     out = tmp_path / "run"
@@ -178,6 +183,7 @@ def test_an_error_inside_a_rank_is_one_line_and_its_traceback_is_kept(tmp_path):
     assert debug.returncode == 1 and "Traceback" in debug.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, names", [(["--lr", "nan"], "--lr: 'nan' is not a finite number"),
                                          (["--trace", "/proc/hpf-cannot/trace"], "--trace /proc/hpf-cannot/trace cannot be made")])
 def test_arguments_that_would_fail_inside_a_rank_are_one_line_before_it_starts(argv, names, tmp_path):
@@ -187,6 +193,7 @@ def test_arguments_that_would_fail_inside_a_rank_are_one_line_before_it_starts(a
 
 
 # 7 -- hpf simulate warns when it extrapolates, and says how far --------------------------------------
+@pytest.mark.slow
 def test_simulate_warns_when_a_shape_was_not_calibrated_and_by_how_far():
     far = hpf_cmd("simulate", "--hardware", CALIBRATION, "--config", "small", "--local-batch", 8, "--world-size", 2)
     assert far.returncode == 0, far.stderr
@@ -227,6 +234,7 @@ def test_extrapolation_names_uncalibrated_rank_counts():
 
 
 # 8 -- what the docs say is what the output shows ------------------------------------------------------
+@pytest.mark.slow
 def test_simulates_hpf_vs_column_is_hpfs_step_against_that_rows():
     proc = hpf_cmd("simulate", "--config", "1b", "--mesh", "node=48,local=16", "--hardware", "cloudmatrix384",
                    "--mixed-precision", "bf16", "--local-batch", 1)
@@ -237,6 +245,7 @@ def test_simulates_hpf_vs_column_is_hpfs_step_against_that_rows():
         assert float(rows[name][6].rstrip("%")) / 100 == pytest.approx(want, abs=6e-4) and want < 0
 
 
+@pytest.mark.slow
 def test_simulate_plot_without_matplotlib_warns_and_goes_on(tmp_path):
     proc = hpf_cmd("simulate", "--config", "tiny", "--sweep", "16,32", "--hardware", "h100", "--plot", tmp_path / "p",
                    code=NO_MATPLOTLIB)
@@ -246,6 +255,7 @@ def test_simulate_plot_without_matplotlib_warns_and_goes_on(tmp_path):
     assert "hpf vs" in proc.stdout and not (tmp_path / "p").exists()
 
 
+@pytest.mark.slow
 def test_attribution_reads_a_trace_that_train_wrote(tmp_path):
     """hpf train --trace writes rank<r>.json; attribution.py --read splits its steps by category."""
     step = {"ph": "X", "cat": "hpf", "name": "hpf/step", "pid": 0, "tid": 1, "ts": 0.0, "dur": 1000.0}
@@ -280,6 +290,7 @@ def test_the_banner_names_gradient_accumulation():
 
 
 # 9 -- hpf prepare refuses what it used to accept silently ---------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("case, names", [("binary", "is not a text file (a NUL byte at byte"),
                                          ("empty", "hold no text (0 bytes)"),
                                          ("tiny", "are too few: holding out 0.05 of them for validation needs at least 40")])
@@ -292,6 +303,7 @@ def test_prepare_refuses_binary_empty_and_too_little_text(case, names, tmp_path)
     assert not (tmp_path / "data").exists()
 
 
+@pytest.mark.slow
 def test_prepare_does_not_overwrite_a_token_folder_unless_asked(tmp_path):
     text = tmp_path / "a.txt"
     text.write_text("some text to tokenize, long enough for both splits. " * 20)
@@ -302,6 +314,7 @@ def test_prepare_does_not_overwrite_a_token_folder_unless_asked(tmp_path):
 
 
 # 11 -- a warmup longer than the run is refused ---------------------------------------------------------
+@pytest.mark.slow
 def test_a_warmup_that_outlasts_the_run_is_refused():
     proc = hpf_cmd("train", "--warmup", 500, "--steps", 5)
     assert proc.returncode == 2
@@ -325,6 +338,7 @@ def test_tensorboard_gets_the_same_scalars_as_metrics_jsonl(tmp_path):
         assert logged == [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in records], key
 
 
+@pytest.mark.slow
 def test_tensorboard_without_its_package_is_one_line_before_the_run(tmp_path):
     code = ("import sys; sys.modules['tensorboard'] = None; from hpf.cli import main; "
             "raise SystemExit(main())")
@@ -350,6 +364,7 @@ def test_calibrate_is_a_command_that_says_each_stage(tmp_path):
                                                             "moe:tiny/1/2/bf16"}
 
 
+@pytest.mark.slow
 def test_bench_is_a_repository_tool_not_an_hpf_command():
     assert hpf_cmd("bench").returncode == 2
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--help"], capture_output=True,

@@ -51,6 +51,7 @@ def test_fp16_loss_scale_is_per_term_for_a_weighted_loss_so_no_step_is_skipped()
     torch.testing.assert_close(got, want, rtol=2e-3, atol=0)
 
 
+@pytest.mark.slow
 def test_hpf_train_fp16_trains_as_fp32_does_and_records_skipped_steps(tmp_path):
     runs = {}
     for mp in ("fp16", None):
@@ -172,6 +173,7 @@ def _train_module(rank, tied):
     return losses, len(step.plan.units), {n: p for n, p in model.state_dict().items()}, before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_from_module_trains_a_module_as_plain_torch_does(tied):
     from hpf.launcher import launch
@@ -212,6 +214,7 @@ def test_from_module_reads_each_block_when_it_runs_and_refuses_a_block_weight_re
         bad(params, tokens(0)).item()
 
 
+@pytest.mark.slow
 def test_the_module_page_example_runs(tmp_path):
     import re
     code = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "modules.md").read_text(), flags=re.S)[1]
@@ -223,6 +226,7 @@ def test_the_module_page_example_runs(tmp_path):
 
 
 # 3 -- no silent no-op options: an option that cannot act on the mesh is refused ------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("args, says", [
     (["--world-size", 4, "--slow-precision", "int8"], "low-bit slow tier (int8,int8) has nothing to act on"),
     (["--world-size", 2, "--hsdp"], "HSDP would be plain FSDP"),
@@ -271,6 +275,7 @@ def _as_torchrun(n_launch: int) -> list[str]:
     return [p.communicate(timeout=120)[0] for p in procs]
 
 
+@pytest.mark.slow
 def test_launch_under_torchrun_runs_as_its_ranks_without_forking():
     import ast
     outs = _as_torchrun(2)
@@ -284,12 +289,14 @@ def test_launch_under_torchrun_runs_as_its_ranks_without_forking():
                 for pid in [line.rsplit(" ", 1)[1]]}) == 2
 
 
+@pytest.mark.slow
 def test_launch_under_torchrun_with_another_world_size_is_refused():
     for out in _as_torchrun(4):
         assert "refused" in out and "torchrun, which started 2 rank(s)" in out and "--nproc-per-node 4" in out, out
 
 
 # 6 -- a run ends with a checkpoint; --timeout is a clean stop that saves ---------------------------
+@pytest.mark.slow
 def test_save_every_also_saves_the_last_step(tmp_path):
     out = tmp_path / "run"
     proc = hpf_cmd("train", "--world-size", 1, "--steps", 5, "--save-every", 3, "--out", out)
@@ -298,6 +305,7 @@ def test_save_every_also_saves_the_last_step(tmp_path):
     assert "step_000005 (the newest checkpoint)" in proc.stdout
 
 
+@pytest.mark.slow
 def test_timeout_stops_after_a_step_saves_it_and_resumes(tmp_path):
     out = tmp_path / "run"
     proc = hpf_cmd("train", "--world-size", 2, "--steps", 10**6, "--timeout", 4, "--out", out)
@@ -324,6 +332,7 @@ def _cached(tmp_path) -> dict:
     return {"XDG_CACHE_HOME": str(tmp_path / "cache")}
 
 
+@pytest.mark.slow
 def test_plan_search_prices_on_this_machines_calibration_and_says_what_it_assumed(tmp_path):
     proc = hpf_cmd("plan", "--search", "--config", "tiny", "--world-size", 2, env=_cached(tmp_path))
     assert proc.returncode == 0, proc.stderr
@@ -355,6 +364,7 @@ def test_the_hardware_rule_calibrates_once_quickly_and_then_reuses_the_cache(tmp
     assert cli_search.hardware_of(args, hpf.Mesh({"dp": 2}), 8)[0].name == "h100"
 
 
+@pytest.mark.slow
 def test_train_plan_file_says_the_batch_and_precision_it_sets(tmp_path):
     saved = tmp_path / "plan.json"
     proc = hpf_cmd("plan", "--search", "--config", "tiny", "--world-size", 2, "--hardware", "h100",
@@ -376,6 +386,7 @@ def _bad_params(rank):
     return rank
 
 
+@pytest.mark.slow
 def test_a_ranks_error_is_caught_by_its_own_type_across_launch():
     from hpf.launcher import RankError, launch
     with pytest.raises(hpf.ParamsMismatchError, match="rank 1 raised") as info:
@@ -385,6 +396,7 @@ def test_a_ranks_error_is_caught_by_its_own_type_across_launch():
     assert type(err.cause) is hpf.ParamsMismatchError and str(err.cause) == "rank 1 was given other params"
 
 
+@pytest.mark.slow
 def test_ctrl_c_ends_hpf_train_on_its_own_line_and_says_how_to_go_on(tmp_path):
     import os
     import signal
@@ -410,6 +422,7 @@ def test_ctrl_c_ends_hpf_train_on_its_own_line_and_says_how_to_go_on(tmp_path):
 
 
 # 11 -- lr, peak memory and MFU against a stated peak, in metrics.jsonl ------------------------------
+@pytest.mark.slow
 def test_metrics_have_lr_peak_memory_and_mfu_against_a_stated_peak(tmp_path):
     out = tmp_path / "run"
     proc = hpf_cmd("train", "--world-size", 1, "--steps", 4, "--warmup", 2, "--schedule", "linear", "--out", out,
@@ -439,6 +452,7 @@ def llama_run(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_a_checkpoint_holds_its_model_and_config(llama_run):
     from hpf import checkpoint
     from hpf.models import llama
@@ -448,6 +462,7 @@ def test_a_checkpoint_holds_its_model_and_config(llama_run):
         **{**vars(llama.CONFIGS["tiny"]), "vocab_size": 257})
 
 
+@pytest.mark.slow
 def test_hpf_eval_gives_the_held_out_loss_of_the_checkpoint(llama_run):
     from hpf import checkpoint, data
     from hpf.models import llama
@@ -464,6 +479,7 @@ def test_hpf_eval_gives_the_held_out_loss_of_the_checkpoint(llama_run):
     assert got == pytest.approx(want, abs=1e-4)
 
 
+@pytest.mark.slow
 def test_hpf_export_writes_a_transformers_llama_that_reads_back(llama_run, tmp_path):
     from hpf import checkpoint
     from hpf.models import llama
@@ -476,6 +492,7 @@ def test_hpf_export_writes_a_transformers_llama_that_reads_back(llama_run, tmp_p
         assert torch.equal(got, want), path
 
 
+@pytest.mark.slow
 def test_hpf_generate_is_greedy_decoding_of_the_checkpoint(llama_run):
     from hpf import checkpoint
     from hpf.models import llama
@@ -489,6 +506,7 @@ def test_hpf_generate_is_greedy_decoding_of_the_checkpoint(llama_run):
     assert proc.stdout.strip() == ",".join(map(str, tokens[0, 2:].tolist()))
 
 
+@pytest.mark.slow
 def test_hpf_export_of_a_model_without_a_transformers_twin_is_refused(tmp_path):
     proc = hpf_cmd("train", "--world-size", 1, "--steps", 1, "--save-every", 1, "--out", tmp_path / "run")
     assert proc.returncode == 0, proc.stderr

@@ -211,6 +211,7 @@ def equivalence(request):
                                  WRONG_BACKWARD.get(request.param), timeout=240)
 
 
+@pytest.mark.slow
 def test_validate_and_production_are_identical(equivalence):
     _, runs = equivalence
     for out in runs:
@@ -220,6 +221,7 @@ def test_validate_and_production_are_identical(equivalence):
             assert np.array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_check_grads_matches_plain_autograd(equivalence):
     name, runs = equivalence
     _, _, _, loss_fn, params, batches = RUNS[name]
@@ -231,6 +233,7 @@ def test_check_grads_matches_plain_autograd(equivalence):
         assert errors[path][0] <= 1e-5 * np.abs(want[path]).max() + 1e-9  # the report saw the same
 
 
+@pytest.mark.slow
 def test_check_grads_catches_a_wrong_collective_backward(equivalence):
     name, runs = equivalence
     if name == "gpt_dp2":  # no psum in that model: the wrong backward never runs
@@ -273,16 +276,19 @@ def rank_errors():
     return launch(_rank_errors, 2, timeout=240)[0]
 
 
+@pytest.mark.slow
 def test_batch_mismatch_error_for_shapes_across_ranks(rank_errors):
     kind, msg = rank_errors["batch_shape"]
     assert kind == BatchMismatchError.__name__ and "rank 1" in msg and "(2, 7)" in msg and "(3, 7)" in msg
 
 
+@pytest.mark.slow
 def test_batch_mismatch_error_for_values_across_tensor_parallel_ranks(rank_errors):
     kind, msg = rank_errors["batch_values"]
     assert kind == BatchMismatchError.__name__ and "differ only along the non-FSDP axes ('tp',)" in msg
 
 
+@pytest.mark.slow
 def test_loss_not_replicated_error_for_values_across_tensor_parallel_ranks(rank_errors):
     kind, msg = rank_errors["loss_values"]
     assert kind == LossNotReplicatedError.__name__ and "ranks [0, 1]" in msg and "dropout" in msg
@@ -292,7 +298,7 @@ def test_loss_not_replicated_error_for_values_across_tensor_parallel_ranks(rank_
 def test_validate_equals_production_on_dp_x_tp():
     mesh = hpf.Mesh({"dp": 2, "tp": 2})
     batches = [megatron_tokens(4, seed=s) for s in range(2)]
-    runs = launch(_equivalence, 4, mesh, ("dp",), MEGATRON_SPECS, megatron_loss, megatron_params(), batches, timeout=300)
+    runs = launch(_equivalence, 4, mesh, ("dp",), MEGATRON_SPECS, megatron_loss, megatron_params(), batches, timeout=280)
     want = reference_grads(megatron_loss, megatron_params(), batches[0])
     for out in runs:
         assert out["production"][0] == out["validate"][0]

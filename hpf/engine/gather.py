@@ -103,6 +103,7 @@ class UnitBuffers:
         self.frozen_views = {u: [i for i, (b, *_) in enumerate(lay) if bks[b].frozen] for u, lay in self.layout.items()}
         self.shards: list[torch.Tensor] = []
         self.pending: dict[str, list] = {}  # unit -> gathers in flight
+        self._landed: dict[str, float] = {}  # unit -> when its last gather landed (``_unreferenced``)
         self.live: set[str] = set()  # units whose buffers hold this step's values
         self.allocated: set[str] = set()  # freeable units whose plain storage is allocated
         self.lingering: dict[str, None] = {}  # evicted units whose storage waits for their views to die
@@ -197,6 +198,7 @@ class UnitBuffers:
             with span("hpf/wait all-gather"):
                 for h in handles:
                     wait(h, f"the all-gather of {unit}")
+            self._landed[unit] = time.perf_counter()
             self.wait_s += time.perf_counter() - t
 
     def wait_all(self) -> None:
@@ -222,10 +224,10 @@ class UnitBuffers:
                 continue
             if force:
                 _poison([ref() for ref in self.handed.get(unit, ())])
-            for h in self.pending.pop(unit, ()):  # a gather still writing into it (every rank issued it: it lands)
-                wait(h, f"the all-gather of {unit}")
+            if unit in self.pending:  # a gather still writing into it (every rank issued it: it lands)
+                self.wait(unit)
             plain = [b for b in self.unit_buckets[unit] if not self.whole[b] and not self.shared[b]]
-            if not self._unreferenced(plain):
+            if not self._unreferenced(unit, plain):
                 continue
             del self.lingering[unit]
             self.handed.pop(unit, None)
@@ -238,15 +240,14 @@ class UnitBuffers:
             self._held.discard(unit)
             self.stats.live_blocks = len(self._held - {ROOT})
 
-    def _unreferenced(self, buckets: list[int]) -> bool:
-        """Whether nothing outside the engine references these buffers' memory. A collective
-        that has landed may still be referenced by its backend's worker thread for a moment
-        (gloo's, measured: up to 0.5 ms at load 5), so a surplus gets ``_SETTLE_S`` to go."""
-        deadline = None
+    def _unreferenced(self, unit: str, buckets: list[int]) -> bool:
+        """Whether nothing outside the engine references these buffers' memory. A gather that has
+        landed may still be referenced by its backend's worker thread for a moment (gloo's,
+        measured: up to 0.5 ms at load 5), so a surplus gets until ``_SETTLE_S`` after the landing
+        to go; one that lasts longer is the loss function's (a kept view), and keeps the memory."""
+        deadline = self._landed.get(unit, 0.0) + _SETTLE_S
         while any(_use_count(self.full[b]) > self._own_refs[b] for b in buckets):
-            now = time.perf_counter()
-            deadline = deadline or now + _SETTLE_S
-            if now > deadline:
+            if time.perf_counter() > deadline:
                 return False
             time.sleep(1e-4)
         return True
