@@ -29,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-from hpf_kernels import dequantize, payload_bytes, quantize
+from hpf_kernels import dequantize, newton_schulz_flops, payload_bytes, quantize
 
 from ..comm import world
 from ..planning import Bucket, ParamSlot, Plan
@@ -39,10 +39,9 @@ from .muon_math import MuonState, apply_muon_updates_, muon_momentum_, orthogona
 __all__ = ["DistMuon", "assign_owners", "ns_flops", "muon_paths", "muon_plan_state"]
 
 
-def ns_flops(shape: Sequence[int], steps: int) -> int:
-    """Newton-Schulz FLOPs of a [..., m, n] batch: per step X Xᵀ, A², B X on the short side r."""
-    r, s = sorted(shape[-2:])
-    return math.prod(shape[:-2]) * steps * (4 * r * r * s + 2 * r ** 3)
+def ns_flops(shape: Sequence[int], steps: int, variant: str = "standard") -> int:
+    """Newton-Schulz FLOPs of a [..., m, n] batch with ``variant`` (hpf_kernels.newton_schulz_flops)."""
+    return newton_schulz_flops(shape, steps, variant)
 
 
 def muon_paths(muon, plan: Plan) -> set[str]:
@@ -70,7 +69,7 @@ def muon_plan_state(muon, plan: Plan) -> tuple[int, Counter, int]:
                                  for s in b.slots if s.path not in paths)
             n += b.shard_numel + adamw[key]
         most = max(most, n)
-    return most, assign_owners(plan, paths, muon.ns_steps)[1], len(paths)
+    return most, assign_owners(plan, paths, muon.ns_steps, muon.ns_variant)[1], len(paths)
 
 
 def _shard_groups(plan: Plan, bucket: Bucket) -> list[tuple[int, ...]]:
@@ -83,7 +82,7 @@ def _shard_groups(plan: Plan, bucket: Bucket) -> list[tuple[int, ...]]:
     return groups
 
 
-def assign_owners(plan: Plan, muon_paths: set[str], steps: int
+def assign_owners(plan: Plan, muon_paths: set[str], steps: int, variant: str = "standard"
                   ) -> tuple[dict[tuple[int, tuple[int, ...], str], int], Counter]:
     """Owner of every matrix split across ranks, and NS FLOPs per global rank.
 
@@ -103,7 +102,7 @@ def assign_owners(plan: Plan, muon_paths: set[str], steps: int
                 if slot.path not in muon_paths or slot.numel == 0:
                     continue
                 holders = [ranks[i] for i in b.holders(slot)]
-                cost = ns_flops(slot.local_shape, steps)
+                cost = ns_flops(slot.local_shape, steps, variant)
                 if len(holders) == 1:
                     load[holders[0]] += cost
                 else:
@@ -169,7 +168,7 @@ class DistMuon:
         self.adamw_paths = frozenset(plan.slots) - on_muon
         for path in sorted(on_muon):
             _check_whole_matrices(plan, plan.slots[path])
-        self.owners, self.ns_load = assign_owners(plan, on_muon, muon.ns_steps)
+        self.owners, self.ns_load = assign_owners(plan, on_muon, muon.ns_steps, muon.ns_variant)
         self.adamw: list[tuple[int, slice, slice]] = []  # (bucket, in shard, in exp_avg_sq)
         self.local: list[_Matrix] = []  # wholly in this rank's shard
         self.owned: list[_Matrix] = []  # split; this rank orthogonalizes them
@@ -254,7 +253,8 @@ class DistMuon:
         matrices = [u.view(x.shape) for x, u in zip(self.local, local_ups)]
         matrices += [buf.view(x.shape).to(u.dtype) for x, buf, u in zip(self.owned, whole, owned_ups)]
         directions = [d.reshape(-1) for d in orthogonalize(
-            matrices, ns_steps=m.ns_steps, coefficients=m.coefficients, compute_dtype=m.ns_compute_dtype)]
+            matrices, ns_steps=m.ns_steps, coefficients=m.coefficients, compute_dtype=m.ns_compute_dtype,
+            variant=m.ns_variant)]
 
         # 3. owner -> holders: their pieces of the result; this rank's own pieces update meanwhile.
         held_dirs = [torch.empty(x.mine.stop - x.mine.start, dtype=dtype, device=u.device)

@@ -50,7 +50,7 @@ def muon_momentum_(grads: Sequence[torch.Tensor], bufs: Sequence[torch.Tensor], 
 
 
 def orthogonalize(matrices: Sequence[torch.Tensor], *, ns_steps: int = 5, coefficients="keller",
-                  compute_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+                  compute_dtype: torch.dtype | None = None, variant: str = "standard") -> list[torch.Tensor]:
     """Newton-Schulz of each matrix; same-shape matrices (any leading batch dims) go in one batched call."""
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, m in enumerate(matrices):
@@ -59,7 +59,7 @@ def orthogonalize(matrices: Sequence[torch.Tensor], *, ns_steps: int = 5, coeffi
     for (shape, _, _), members in groups.items():
         parts = [matrices[i].reshape(-1, *shape) for i in members]
         stacked = parts[0] if len(parts) == 1 else torch.cat(parts)
-        ortho = newton_schulz(stacked, coefficients, ns_steps, compute_dtype=compute_dtype)
+        ortho = newton_schulz(stacked, coefficients, ns_steps, compute_dtype=compute_dtype, variant=variant)
         for i, piece in zip(members, ortho.split([p.shape[0] for p in parts])):
             out[i] = piece.view(matrices[i].shape)
     return out
@@ -67,11 +67,11 @@ def orthogonalize(matrices: Sequence[torch.Tensor], *, ns_steps: int = 5, coeffi
 
 def muon_direction(grads: Sequence[torch.Tensor], bufs: Sequence[torch.Tensor], *, momentum: float,
                    nesterov: bool = True, ns_steps: int = 5, coefficients="keller",
-                   compute_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+                   compute_dtype: torch.dtype | None = None, variant: str = "standard") -> list[torch.Tensor]:
     """Momentum (bufs updated in place), then orthogonalization: Muon's unscaled step directions."""
     updates = muon_momentum_(grads, bufs, momentum, nesterov)
     return orthogonalize(updates, ns_steps=ns_steps, coefficients=coefficients,
-                         compute_dtype=compute_dtype)
+                         compute_dtype=compute_dtype, variant=variant)
 
 
 def apply_muon_updates_(params: Sequence[torch.Tensor], directions: Sequence[torch.Tensor], *,

@@ -15,7 +15,7 @@ from typing import Any, Callable, Union
 import optree
 import torch
 
-from hpf_kernels import resolve_coefficients
+from hpf_kernels import pick_variant, resolve_coefficients
 
 from ..checks import check_rate
 from .adamw_optimizer import AdamW, adamw, schedule_value
@@ -52,6 +52,7 @@ class Muon:
         use_adamw: ``(path, tensor) -> bool``, True routes a matrix to AdamW.
         ns_compute_dtype: Newton-Schulz dtype (None: the kernel's choice for the device).
         comm_dtype: the dtype split matrices travel in under hpf.shard_step (None: the grads').
+        ns_variant: "standard", "gram" or "auto" (hpf_kernels.newton_schulz's variant).
 
     Raises:
         TypeError: ``init``/``update`` get a leaf that is not a floating-point tensor.
@@ -69,6 +70,7 @@ class Muon:
     use_adamw: Callable[[str, torch.Tensor], bool] = default_use_adamw
     ns_compute_dtype: torch.dtype | None = None
     comm_dtype: torch.dtype | None = None  # what matrix pieces travel in under shard_step (None: grads' dtype)
+    ns_variant: str = "standard"  # hpf_kernels.newton_schulz's variant: "standard", "gram", "auto"
 
     def for_plan(self, plan, rank: int) -> DistMuon:
         """This optimizer on the flat shards of ``plan`` (hpf.shard_step calls it): distributed Muon."""
@@ -105,7 +107,8 @@ class Muon:
 
         directions = muon_direction(pick(grad_leaves, True), pick(avg, True), momentum=self.momentum,
                                     nesterov=self.nesterov, ns_steps=self.ns_steps,
-                                    coefficients=self.coefficients, compute_dtype=self.ns_compute_dtype)
+                                    coefficients=self.coefficients, compute_dtype=self.ns_compute_dtype,
+                                    variant=self.ns_variant)
         apply_muon_updates_(pick(leaves, True), directions, lr=schedule_value(self.lr, step),
                             weight_decay=self.weight_decay, scale=self.scale)
         self.adamw.apply(pick(leaves, False), pick(grad_leaves, False), pick(avg, False),
@@ -118,7 +121,8 @@ def muon(lr: Schedule = 0.02, momentum: float = 0.95, nesterov: bool = True, ns_
          adamw_lr: Schedule = 3e-4, adamw_betas: tuple[float, float] = (0.9, 0.95),
          adamw_eps: float = 1e-8, adamw_weight_decay: float = 0.0,
          use_adamw: Callable[[str, torch.Tensor], bool] | None = None,
-         ns_compute_dtype: torch.dtype | None = None, comm_dtype: torch.dtype | None = None) -> Muon:
+         ns_compute_dtype: torch.dtype | None = None, comm_dtype: torch.dtype | None = None,
+         ns_variant: str = "standard") -> Muon:
     """hpf.optim.muon: an optax-style Muon (see Muon) with an AdamW fallback for non-matrices.
 
     Args:
@@ -133,12 +137,16 @@ def muon(lr: Schedule = 0.02, momentum: float = 0.95, nesterov: bool = True, ns_
         ns_compute_dtype: None = the kernel's choice for the device (fp32 on CPU, bf16 on accelerators).
         comm_dtype: the dtype split matrices travel in under hpf.shard_step, e.g. torch.bfloat16
             (None: the grads').
+        ns_variant: "standard" (torch.optim.Muon's iteration, the default), "gram" (Gram
+            Newton-Schulz: fewer FLOPs on rectangular matrices, not bitwise torch's) or "auto"
+            (per shape, whichever has fewer FLOPs). docs/muon.md has its costs and errors.
 
     Raises:
         ValueError: unknown or malformed coefficients, an unknown scale, momentum outside
             [0, 1), a negative lr or weight_decay, or invalid AdamW hyper-parameters.
     """
     resolve_coefficients(coefficients, ns_steps)  # bad coefficients fail here, not at step 1
+    pick_variant((1, 1), ns_steps, ns_variant)
     update_scale(1, 1, scale)
     if not 0.0 <= momentum < 1.0:
         raise ValueError(f"muon: momentum must be in [0, 1), got {momentum!r}")
@@ -149,7 +157,7 @@ def muon(lr: Schedule = 0.02, momentum: float = 0.95, nesterov: bool = True, ns_
         raise ValueError(f"muon: weight_decay must be >= 0, got {weight_decay}")
     fallback = adamw(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
     return Muon(lr, momentum, nesterov, ns_steps, coefficients, scale, weight_decay, fallback,
-                use_adamw or default_use_adamw, ns_compute_dtype, comm_dtype)
+                use_adamw or default_use_adamw, ns_compute_dtype, comm_dtype, ns_variant)
 
 
 def _flatten(tree, what: str):
