@@ -34,7 +34,8 @@ from hpf_kernels import dequantize, newton_schulz_flops, payload_bytes, quantize
 from ..comm import world
 from ..planning import Bucket, ParamSlot, Plan
 from .adamw_optimizer import schedule_value
-from .muon_math import MuonState, apply_muon_updates_, muon_momentum_, orthogonalize, update_scale
+from .muon_math import (MuonState, apply_muon_updates_, check_qk_heads, muon_momentum_, orthogonalize, qk_clip_,
+                        update_scale)
 
 __all__ = ["DistMuon", "assign_owners", "ns_flops", "muon_paths", "muon_plan_state"]
 
@@ -213,6 +214,21 @@ class DistMuon:
                     self.held.append(m)
             self.adamw_numel.append(n_adamw)
         self._momentum_order = self.local + self.owned + self.held
+        self.qk: list[tuple[int, slice, tuple, int, tuple]] = []  # QK-Clip: (bucket, in shard, shape, first, heads)
+        if muon.qk_clip is not None:
+            check_qk_heads(muon.qk_heads, {path: s.global_shape for path, s in plan.slots.items()})
+            for b in plan.buckets:
+                lo, hi = b.shard_range(plan.shard_index(b, rank))
+                for slot in b.slots:
+                    if slot.path not in muon.qk_heads:
+                        continue
+                    if tuple(slot.local_shape) != tuple(slot.global_shape):
+                        raise ValueError(f"muon(qk_clip=...): {slot.path!r} is split over the non-FSDP axes "
+                                         f"{tuple(plan.compute_axes)}; QK-Clip needs whole q/k weights per shard group")
+                    start, stop = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
+                    if start < stop:
+                        self.qk.append((b.index, slice(start - lo, stop - lo), tuple(slot.global_shape),
+                                        start - slot.offset, muon.qk_heads[slot.path]))
 
     # -- optax-style interface ----------------------------------------------------------------
     def init(self, shards: Sequence[torch.Tensor]) -> MuonState:
@@ -221,14 +237,19 @@ class DistMuon:
                          [s.new_zeros(0) if b.frozen else torch.zeros_like(s) for b, s in zip(self.plan.buckets, shards)],
                          [s.new_zeros(n) for s, n in zip(shards, self.adamw_numel)])
 
-    def update(self, grads: Sequence[torch.Tensor], state: MuonState, params: Sequence[torch.Tensor]
-               ) -> tuple[list[torch.Tensor], MuonState]:
-        """One step, in place on ``params`` and ``state`` (donated); returns them."""
+    def aux_names(self) -> tuple[str, ...]:
+        return self.muon.aux_names()
+
+    def update(self, grads: Sequence[torch.Tensor], state: MuonState, params: Sequence[torch.Tensor],
+               aux: dict | None = None) -> tuple[list[torch.Tensor], MuonState]:
+        """One step, in place on ``params`` and ``state`` (donated); returns them. ``aux``: the
+        step's aux, which hpf.shard_step passes (read only under QK-Clip)."""
         self._check(params, "params")
         self._check(grads, "grads", trained=True)
         self._check(state.exp_avg, "state.exp_avg", trained=True)
         m = self.muon
         m.check_rates(int(state.count) + 1)
+        gamma = m.qk_gamma(aux)
         state.count.add_(1)
         step = int(state.count)
         order = self._momentum_order
@@ -269,6 +290,8 @@ class DistMuon:
         self._apply(params, here, [d[x.in_matrix] for x, d in zip(here, directions)], lr)
         self._land(pending)
         self._apply(params, self.held, held_dirs, lr)
+        if gamma is not None:  # each rank its own pieces: no communication
+            qk_clip_([(params[b][mine], shape, first, heads) for b, mine, shape, first, heads in self.qk], gamma)
         return params, state
 
     def state_layout(self) -> dict[str, frozenset[str]]:
