@@ -37,7 +37,7 @@ from .adamw_optimizer import schedule_value
 from .muon_math import (MuonState, apply_muon_updates_, check_qk_heads, muon_momentum_, orthogonalize, qk_clip_,
                         update_scale)
 
-__all__ = ["DistMuon", "assign_owners", "ns_flops", "muon_paths", "muon_plan_state"]
+__all__ = ["DistMuon", "assign_owners", "ns_flops", "muon_paths", "muon_plan_state", "muon_traffic"]
 
 
 def ns_flops(shape: Sequence[int], steps: int, variant: str = "standard") -> int:
@@ -73,6 +73,24 @@ def muon_plan_state(muon, plan: Plan) -> tuple[int, Counter, int]:
     return most, assign_owners(plan, paths, muon.ns_steps, muon.ns_variant)[1], len(paths)
 
 
+def muon_traffic(muon, plan: Plan) -> tuple[int, int]:
+    """(bytes, of which over the slow tier) that DistMuon's point-to-point pieces move per step,
+    all ranks together, in fp32: each split matrix's non-owner pieces go to the owner and back."""
+    paths = muon_paths(muon, plan)
+    owners, _ = assign_owners(plan, paths, muon.ns_steps, muon.ns_variant)
+    total = slow = 0
+    for b in plan.buckets:
+        for ranks in _shard_groups(plan, b):
+            for slot in b.slots:
+                owner = owners.get((b.index, ranks, slot.path))
+                for i in b.holders(slot) if owner is not None else ():
+                    piece = _piece(b, slot, i)
+                    moved = 0 if ranks[i] == owner else 2 * 4 * (piece.stop - piece.start)
+                    total += moved
+                    slow += moved if _node(plan.mesh, ranks[i]) != _node(plan.mesh, owner) else 0
+    return total, slow
+
+
 def _shard_groups(plan: Plan, bucket: Bucket) -> list[tuple[int, ...]]:
     """Every shard group of ``bucket`` (global ranks by shard position), in a fixed order."""
     groups, seen = [], set()
@@ -83,17 +101,39 @@ def _shard_groups(plan: Plan, bucket: Bucket) -> list[tuple[int, ...]]:
     return groups
 
 
+def _node(mesh, rank: int) -> tuple[int, ...]:
+    """``rank``'s coordinates on the slow axes: ranks with the same ones talk over the fast tier."""
+    return tuple(c for a, c in zip(mesh.axis_names, mesh.coords(rank)) if a in mesh.slow_axes)
+
+
+def _near_ranks(plan: Plan, b: Bucket, slot: ParamSlot, ranks: tuple[int, ...]) -> list[int]:
+    """The ranks of shard group ``ranks`` that may own ``slot``'s matrix: those on the fast-tier
+    groups (nodes) that hold most of its elements (one node, or several that tie). Only the other
+    nodes' pieces cross the slow tier, the least any owner allows. When its holders span nodes,
+    a rank there that holds no piece may own it too (its node's pieces reach it over the fast
+    tier), which keeps the balance; on one node owners stay among holders (fewest bytes)."""
+    holders = [ranks[i] for i in b.holders(slot)]
+    held: Counter = Counter()
+    for i, r in zip(b.holders(slot), holders):
+        piece = _piece(b, slot, i)
+        held[_node(plan.mesh, r)] += piece.stop - piece.start
+    most = max(held.values())
+    return sorted(r for r in (ranks if len(held) > 1 else holders) if held.get(_node(plan.mesh, r), -1) == most)
+
+
 def assign_owners(plan: Plan, muon_paths: set[str], steps: int, variant: str = "standard"
                   ) -> tuple[dict[tuple[int, tuple[int, ...], str], int], Counter]:
     """Owner of every matrix split across ranks, and NS FLOPs per global rank.
 
     Keys are (bucket index, shard group ranks, path); one entry per shard group, so HSDP and
-    non-FSDP replicas each orthogonalize their own copy. Matrices wholly on one rank load it
-    first; split ones then go, largest first, to their least-loaded holder (ties: lowest rank).
-    Owners are restricted to holders, where plain LPT can strand work (GPT "small" at 4 ranks:
-    busiest rank 1.25x the mean), so a matrix then moves to a less-loaded holder while that
-    lowers the pair's maximum (there: 1.07x, the optimum). A pure function of the plan: every
-    rank computes the same answer with no communication.
+    non-FSDP replicas each orthogonalize their own copy. An owner is a rank of the node (the
+    ranks that share the fast tier) holding most of the matrix (_near_ranks), so most pieces
+    stay off the slow tier; on a one-tier mesh that is any rank of the shard group. Matrices
+    wholly on one rank load it first; split ones then go, largest first, to their least-loaded
+    candidate (ties: lowest rank). Plain LPT can strand work when owners are restricted (GPT
+    "small" at 4 ranks, owners among holders: busiest rank 1.25x the mean), so a matrix then
+    moves to a less-loaded candidate while that lowers the pair's maximum. A pure function of
+    the plan: every rank computes the same answer with no communication.
     """
     load: Counter = Counter()
     split = []
@@ -107,7 +147,7 @@ def assign_owners(plan: Plan, muon_paths: set[str], steps: int, variant: str = "
                 if len(holders) == 1:
                     load[holders[0]] += cost
                 else:
-                    split.append((cost, (b.index, ranks, slot.path), holders))
+                    split.append((cost, (b.index, ranks, slot.path), _near_ranks(plan, b, slot, ranks)))
     split.sort(key=lambda s: -s[0])  # stable: plan order among equals
     owners = {}
     for cost, key, holders in split:
@@ -176,6 +216,7 @@ class DistMuon:
         self.held: list[_Matrix] = []  # split; this rank holds a piece, another owns them
         self.adamw_numel: list[int] = []
         self.bytes_sent = 0  # point-to-point payload this rank sent, over all updates
+        self.slow_bytes_sent = 0  # the part of it sent across the slow tier
         self.slow = plan.slow_precision
         self._landing: list = []  # low-bit pieces received: (payload, format, destination), unpacked once they land
         tag = 0
@@ -309,8 +350,7 @@ class DistMuon:
         """The low-bit format of a piece to or from ``peer`` (None: across the fast tier, or no low-bit tier)."""
         fmt = getattr(self.slow, side) if self.slow is not None else None
         mesh = self.plan.mesh
-        return fmt if fmt and any(a not in mesh.fast_axes and p != q for a, p, q in
-                                  zip(mesh.axis_names, mesh.coords(peer), mesh.coords(self.rank))) else None
+        return fmt if fmt and _node(mesh, peer) != _node(mesh, self.rank) else None
 
     def _wire(self, peer: int, side: str, piece: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``piece`` as it travels to ``peer``: in ``dtype``, or as a payload padded to whole blocks."""
@@ -342,6 +382,9 @@ class DistMuon:
     def _exchange(self, sends, recvs) -> list:
         """Post point-to-point sends and receives, each (peer global rank, tensor, tag), as one batch."""
         self.bytes_sent += sum(t.numel() * t.element_size() for _, t, _ in sends)
+        here = _node(self.plan.mesh, self.rank)
+        self.slow_bytes_sent += sum(t.numel() * t.element_size() for peer, t, _ in sends
+                                    if _node(self.plan.mesh, peer) != here)
         return world.exchange(sends, recvs)
 
     def _apply(self, params, matrices: list[_Matrix], directions: list[torch.Tensor], lr: float) -> None:
