@@ -37,7 +37,7 @@ from .adamw_optimizer import schedule_value
 from .muon_math import (MuonState, apply_muon_updates_, check_qk_heads, muon_momentum_, orthogonalize, qk_clip_,
                         update_scale)
 
-__all__ = ["DistMuon", "assign_owners", "ns_flops", "muon_paths", "muon_plan_state", "muon_traffic"]
+__all__ = ["DistMuon", "assign_owners", "ns_flops", "muon_paths", "muon_plan_state", "muon_sends", "muon_traffic"]
 
 
 def ns_flops(shape: Sequence[int], steps: int, variant: str = "standard") -> int:
@@ -73,22 +73,29 @@ def muon_plan_state(muon, plan: Plan) -> tuple[int, Counter, int]:
     return most, assign_owners(plan, paths, muon.ns_steps, muon.ns_variant)[1], len(paths)
 
 
-def muon_traffic(muon, plan: Plan) -> tuple[int, int]:
-    """(bytes, of which over the slow tier) that DistMuon's point-to-point pieces move per step,
-    all ranks together, in fp32: each split matrix's non-owner pieces go to the owner and back."""
+def muon_sends(muon, plan: Plan) -> dict[int, Counter]:
+    """Bytes each rank sends per step in DistMuon's point-to-point exchange (fp32), by tier
+    ("fast", "slow"): each split matrix's non-owner pieces go to its owner and come back."""
     paths = muon_paths(muon, plan)
     owners, _ = assign_owners(plan, paths, muon.ns_steps, muon.ns_variant)
-    total = slow = 0
+    sends: dict[int, Counter] = defaultdict(Counter)
     for b in plan.buckets:
         for ranks in _shard_groups(plan, b):
             for slot in b.slots:
                 owner = owners.get((b.index, ranks, slot.path))
                 for i in b.holders(slot) if owner is not None else ():
-                    piece = _piece(b, slot, i)
-                    moved = 0 if ranks[i] == owner else 2 * 4 * (piece.stop - piece.start)
-                    total += moved
-                    slow += moved if _node(plan.mesh, ranks[i]) != _node(plan.mesh, owner) else 0
-    return total, slow
+                    piece, holder = _piece(b, slot, i), ranks[i]
+                    if holder != owner:
+                        tier = "slow" if _node(plan.mesh, holder) != _node(plan.mesh, owner) else "fast"
+                        sends[holder][tier] += 4 * (piece.stop - piece.start)
+                        sends[owner][tier] += 4 * (piece.stop - piece.start)
+    return sends
+
+
+def muon_traffic(muon, plan: Plan) -> tuple[int, int]:
+    """(bytes, of which over the slow tier) that DistMuon's pieces move per step, all ranks together."""
+    sends = muon_sends(muon, plan).values()
+    return sum(c["fast"] + c["slow"] for c in sends), sum(c["slow"] for c in sends)
 
 
 def _shard_groups(plan: Plan, bucket: Bucket) -> list[tuple[int, ...]]:

@@ -28,7 +28,7 @@ from .model import (Options, SimResult, allreduce_time, compute_floor as model_f
 
 __all__ = ["simulate", "compare", "sweep", "sweep_mesh", "Hardware", "Link", "Options", "SimResult", "PROFILES",
            "hardware", "load_calibration", "ring_time", "allreduce_time", "two_tier_time", "STRATEGIES",
-           "extrapolation", "calibrated_compute", "plan_for", "compute_floor"]
+           "extrapolation", "calibrated_compute", "plan_for", "compute_floor", "muon_tax"]
 
 STRATEGIES = ("hpf", "hsdp", "fsdp2", "ddp")
 _BYTES = {None: 4, "bf16": 2, "fp16": 2}
@@ -61,7 +61,9 @@ def simulate(config, mesh, hw: Hardware | str, strategy: str = "hpf", **kw) -> S
     (two-tier: the low-bit slow tier, "W[,G]" as ``hpf simulate --slow-precision`` or an
     hpf.types.SlowPrecision: fewer slow-tier bytes plus the quantize cost), ``accumulate``
     micro-batches of ``local_batch / accumulate`` sequences, ``recompute`` ("none", "all",
-    "every_other": the blocks whose forward runs again in backward)."""
+    "every_other": the blocks whose forward runs again in backward), ``optimizer`` ("adamw"; "muon":
+    hpf's distributed Muon, whose tax ``muon_tax`` runs after the decision; the baselines are
+    modelled with AdamW)."""
     plan, hw, opts, flops, extra = _inputs(config, mesh, hw, strategy, **kw)
     return simulate_plan(plan, hw, opts, flops, **extra)
 
@@ -73,12 +75,32 @@ def compute_floor(config, mesh, hw: Hardware | str, strategy: str = "hpf", **kw)
     return model_floor(plan, hw, opts, flops, **extra)
 
 
+def muon_tax(plan, hw: Hardware, muon=None) -> float:
+    """Seconds distributed Muon adds to a step of ``plan`` after the decision: the busiest rank's
+    Newton-Schulz FLOPs at ``hw``'s matmul rate (peak x efficiency) plus the time its pieces take
+    to send over each tier's link (hpf.optim.dist_muon.muon_sends). ``muon``: an
+    hpf.optim.muon(...) (default: its defaults)."""
+    from ..optim import muon as make_muon
+    from ..optim.dist_muon import muon_plan_state, muon_sends
+
+    muon = muon or make_muon()
+    _, load, _ = muon_plan_state(muon, plan)
+    sends, mesh = muon_sends(muon, plan), plan.mesh
+    links = {"fast": hw.link("fast", mesh.axis_size(mesh.fast_axes), mesh.size),
+             "slow": hw.link("slow", mesh.size, mesh.size)}
+    rate = hw.peak_flops * hw.efficiency
+    return max((load[r] / rate + sum(n / links[t].beta + (links[t].latency if n else 0.0) for t, n in sends[r].items())
+                for r in range(mesh.size)), default=0.0)
+
+
 def _inputs(config, mesh, hw, strategy, *, local_batch=1, model="gpt", mixed_precision=None, topology="two-tier",
             fsdp_axes=None, pipeline=True, overlap_optimizer=True, emulated_slow=None, shm=None, steps=3,
-            ep_axis=None, bucket_bytes=0, slow_precision=None, accumulate=1, recompute="none"):
+            ep_axis=None, bucket_bytes=0, slow_precision=None, accumulate=1, recompute="none", optimizer="adamw"):
     """simulate_plan's arguments for simulate's (see there)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy {strategy!r}: use one of {STRATEGIES}")
+    if optimizer not in ("adamw", "muon"):
+        raise ValueError(f"optimizer {optimizer!r}: use 'adamw' or 'muon'")
     if mixed_precision not in _BYTES:
         raise ValueError(f"mixed_precision {mixed_precision!r}: use None, 'bf16' or 'fp16'")
     if local_batch % accumulate:
@@ -108,7 +130,8 @@ def _inputs(config, mesh, hw, strategy, *, local_batch=1, model="gpt", mixed_pre
                    shm=(hw.shared_links and tiered) if shm is None else shm,
                    compute_bytes=_BYTES[mixed_precision], reduce_bytes=4, emulated_slow=emulated_slow, steps=steps,
                    accumulate=accumulate if is_hpf else 1,
-                   recompute=frozenset(u for i, u in enumerate(blocks) if is_hpf and recomputes(i, recompute)))
+                   recompute=frozenset(u for i, u in enumerate(blocks) if is_hpf and recomputes(i, recompute)),
+                   muon_s=muon_tax(plan, hw) if is_hpf and optimizer == "muon" else 0.0)
     measured = calibrated_compute(hw, mod, cfg_name, micro, mesh.size, mixed_precision) if cfg_name else None
     tokens = local_batch * getattr(cfg, "seq_len", 1) * mesh.size
     return plan, hw, opts, flops, dict(tokens=tokens, measured=measured, a2a=a2a)
