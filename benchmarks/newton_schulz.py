@@ -79,7 +79,8 @@ def main():
             drift = {v: (out[v].double() - exact[v]).abs().max().item() for v in out}
             flops = newton_schulz_flops((m, n), steps, "gram") / newton_schulz_flops((m, n), steps, "standard")
             rows.append([f"{m}x{n}", f"{coefficients}/{steps}", t["standard"], t["gram"], t["gram"] / t["standard"],
-                         wall["gram"] / wall["standard"], flops, f"{orth['standard']:.3e}", f"{orth['gram']:.3e}", orth["gram"] / orth["standard"],
+                         wall["gram"] / wall["standard"], flops, f"{orth['standard']:.3e}", f"{orth['gram']:.3e}",
+                         orth["gram"] / orth["standard"],
                          f"{drift['standard']:.1e}", f"{drift['gram']:.1e}"])
             if coefficients == "keller":
                 report_ratio(f"ns-gram/standard-time/{m}x{n}", t["gram"] / t["standard"], "<=0.6")

@@ -123,4 +123,5 @@ def _max_aux(aux: dict, n_ranks: int) -> dict:
     if world.is_distributed() and n_ranks > 1:
         LOG.record("all-reduce", "the step's max aux")
         world.all_reduce(flat, op="max")
-    return {k: x.view(v.shape).to(v.dtype) for (k, v), x in zip(aux.items(), torch.split(flat, [v.numel() for v in aux.values()]))}
+    return {k: x.view(v.shape).to(v.dtype)
+            for (k, v), x in zip(aux.items(), torch.split(flat, [v.numel() for v in aux.values()]))}

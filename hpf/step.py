@@ -300,7 +300,8 @@ class ShardStep(StateIO):
             params, opt_state = state.params, state.opt_state
         else:
             reads_aux = isinstance(opt, ReadsAux) and opt.aux_names()
-            params, opt_state = opt.update(grads, state.opt_state, state.params, **({"aux": d.aux} if reads_aux else {}))
+            params, opt_state = opt.update(grads, state.opt_state, state.params,
+                                           **({"aux": d.aux} if reads_aux else {}))
             eng.prefetch(params)
         if state.loss_scale is not None:
             self.config.loss_scale.update(state.loss_scale, finite=True)

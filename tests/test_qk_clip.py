@@ -196,7 +196,8 @@ def test_sharded_qk_clip_equals_single_process():
     clipped_some = False
     for s in range(STEPS):
         leaves = [p.detach().requires_grad_() for p in hpf.tree.flatten(params)[1]]
-        loss, aux = gpt.loss_for(TINY, max_logits=True)(hpf.tree.unflatten(treedef, leaves), gpt.global_batch(TINY, 8, 0, s))
+        loss, aux = gpt.loss_for(TINY, max_logits=True)(hpf.tree.unflatten(treedef, leaves),
+                                                        gpt.global_batch(TINY, 8, 0, s))
         grads = torch.autograd.grad(loss, leaves)
         for run in runs:  # the step's max over 2 ranks x 2 micro-batches is the whole batch's max
             assert run["steps"][s][0] == pytest.approx(loss.item(), rel=1e-5)
