@@ -73,12 +73,14 @@ def muon_plan_state(muon, plan: Plan) -> tuple[int, Counter, int]:
     return most, assign_owners(plan, paths, muon.ns_steps, muon.ns_variant)[1], len(paths)
 
 
-def muon_sends(muon, plan: Plan) -> dict[int, Counter]:
+def muon_sends(muon, plan: Plan, owners: dict | None = None) -> dict[int, Counter]:
     """Bytes each rank sends per step in DistMuon's point-to-point exchange (fp32), by tier
-    ("fast", "slow"): each split matrix's non-owner pieces go to its owner and come back."""
-    paths = muon_paths(muon, plan)
-    owners, _ = assign_owners(plan, paths, muon.ns_steps, muon.ns_variant)
+    ("fast", "slow"): each split matrix's non-owner pieces go to its owner and come back.
+    ``owners``: assign_owners' answer for ``muon`` on ``plan``, if already at hand."""
+    if owners is None:
+        owners, _ = assign_owners(plan, muon_paths(muon, plan), muon.ns_steps, muon.ns_variant)
     sends: dict[int, Counter] = defaultdict(Counter)
+    nodes = {r: _node(plan.mesh, r) for r in range(plan.mesh.size)}
     for b in plan.buckets:
         for ranks in _shard_groups(plan, b):
             for slot in b.slots:
@@ -86,7 +88,7 @@ def muon_sends(muon, plan: Plan) -> dict[int, Counter]:
                 for i in b.holders(slot) if owner is not None else ():
                     piece, holder = _piece(b, slot, i), ranks[i]
                     if holder != owner:
-                        tier = "slow" if _node(plan.mesh, holder) != _node(plan.mesh, owner) else "fast"
+                        tier = "slow" if nodes[holder] != nodes[owner] else "fast"
                         sends[holder][tier] += 4 * (piece.stop - piece.start)
                         sends[owner][tier] += 4 * (piece.stop - piece.start)
     return sends
@@ -113,19 +115,19 @@ def _node(mesh, rank: int) -> tuple[int, ...]:
     return tuple(c for a, c in zip(mesh.axis_names, mesh.coords(rank)) if a in mesh.slow_axes)
 
 
-def _near_ranks(plan: Plan, b: Bucket, slot: ParamSlot, ranks: tuple[int, ...]) -> list[int]:
+def _near_ranks(b: Bucket, slot: ParamSlot, ranks: tuple[int, ...], nodes: dict[int, tuple]) -> list[int]:
     """The ranks of shard group ``ranks`` that may own ``slot``'s matrix: those on the fast-tier
-    groups (nodes) that hold most of its elements (one node, or several that tie). Only the other
-    nodes' pieces cross the slow tier, the least any owner allows. When its holders span nodes,
-    a rank there that holds no piece may own it too (its node's pieces reach it over the fast
-    tier), which keeps the balance; on one node owners stay among holders (fewest bytes)."""
+    groups (nodes: rank -> its node) that hold most of its elements (one node, or several that
+    tie). Only the other nodes' pieces cross the slow tier, the least any owner allows. When its
+    holders span nodes, a rank there that holds no piece may own it too (its node's pieces reach
+    it over the fast tier), which keeps the balance; on one node owners stay among holders."""
     holders = [ranks[i] for i in b.holders(slot)]
     held: Counter = Counter()
     for i, r in zip(b.holders(slot), holders):
         piece = _piece(b, slot, i)
-        held[_node(plan.mesh, r)] += piece.stop - piece.start
+        held[nodes[r]] += piece.stop - piece.start
     most = max(held.values())
-    return sorted(r for r in (ranks if len(held) > 1 else holders) if held.get(_node(plan.mesh, r), -1) == most)
+    return sorted(r for r in (ranks if len(held) > 1 else holders) if held.get(nodes[r], -1) == most)
 
 
 def assign_owners(plan: Plan, muon_paths: set[str], steps: int, variant: str = "standard"
@@ -144,6 +146,7 @@ def assign_owners(plan: Plan, muon_paths: set[str], steps: int, variant: str = "
     """
     load: Counter = Counter()
     split = []
+    nodes = {r: _node(plan.mesh, r) for r in range(plan.mesh.size)}
     for b in plan.buckets:
         for ranks in _shard_groups(plan, b):
             for slot in b.slots:
@@ -154,7 +157,7 @@ def assign_owners(plan: Plan, muon_paths: set[str], steps: int, variant: str = "
                 if len(holders) == 1:
                     load[holders[0]] += cost
                 else:
-                    split.append((cost, (b.index, ranks, slot.path), _near_ranks(plan, b, slot, ranks)))
+                    split.append((cost, (b.index, ranks, slot.path), _near_ranks(b, slot, ranks, nodes)))
     split.sort(key=lambda s: -s[0])  # stable: plan order among equals
     owners = {}
     for cost, key, holders in split:

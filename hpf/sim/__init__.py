@@ -80,17 +80,36 @@ def muon_tax(plan, hw: Hardware, muon=None) -> float:
     Newton-Schulz FLOPs at ``hw``'s matmul rate (peak x efficiency) plus the time its pieces take
     to send over each tier's link (hpf.optim.dist_muon.muon_sends). ``muon``: an
     hpf.optim.muon(...) (default: its defaults)."""
-    from ..optim import muon as make_muon
-    from ..optim.dist_muon import muon_plan_state, muon_sends
-
-    muon = muon or make_muon()
-    _, load, _ = muon_plan_state(muon, plan)
-    sends, mesh = muon_sends(muon, plan), plan.mesh
+    load, sends = _muon_work(plan) if muon is None else _muon_work_of(plan, muon)
+    mesh = plan.mesh
     links = {"fast": hw.link("fast", mesh.axis_size(mesh.fast_axes), mesh.size),
              "slow": hw.link("slow", mesh.size, mesh.size)}
     rate = hw.peak_flops * hw.efficiency
     return max((load[r] / rate + sum(n / links[t].beta + (links[t].latency if n else 0.0) for t, n in sends[r].items())
                 for r in range(mesh.size)), default=0.0)
+
+
+_WORK: dict[int, tuple] = {}  # id(plan) -> (plan, its default Muon's work): a search prices a plan many times
+
+
+def _muon_work(plan) -> tuple:
+    """``_muon_work_of`` the default Muon, kept for the last 64 plans (each entry holds its plan,
+    so an id is never reused while it is kept)."""
+    hit = _WORK.get(id(plan))
+    if hit is None or hit[0] is not plan:
+        if len(_WORK) >= 64:
+            _WORK.pop(next(iter(_WORK)))
+        from ..optim import muon
+        _WORK[id(plan)] = hit = (plan, *_muon_work_of(plan, muon()))
+    return hit[1:]
+
+
+def _muon_work_of(plan, muon) -> tuple:
+    """(NS FLOPs per rank, bytes each rank sends per tier) of ``muon`` distributed on ``plan``."""
+    from ..optim.dist_muon import assign_owners, muon_paths, muon_sends
+
+    owners, load = assign_owners(plan, muon_paths(muon, plan), muon.ns_steps, muon.ns_variant)
+    return load, muon_sends(muon, plan, owners)
 
 
 def _inputs(config, mesh, hw, strategy, *, local_batch=1, model="gpt", mixed_precision=None, topology="two-tier",
