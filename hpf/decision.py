@@ -65,12 +65,13 @@ class Decider:
         values = torch.stack([o.value.detach().to(torch.float64).cpu() for o in outs])
         count = sum(float(o.count) for o in outs) if weighted else float(len(outs))
         sq = float((torch.stack(torch._foreach_norm(grads)).to(torch.float64).cpu().square() / self.replicas).sum())
-        aux = _sum_aux(outs)
+        aux = _local_aux(outs)
         shape = 0 if weighted else batching.shape_signature(batch)
         local = [float(values.sum()), count, float(not bool(torch.isfinite(values).all())), sq,
                  *schedule.digest_parts(LOG.digest()), *schedule.digest_parts(shape)]
+        summed = {k: v for k, v in (aux or {}).items() if not k.startswith(losses.MAX_AUX)}
         totals = torch.cat([torch.tensor(local, dtype=torch.float64)]
-                           + [v.detach().to(torch.float64).cpu().reshape(-1) for v in (aux or {}).values()])
+                           + [v.detach().to(torch.float64).cpu().reshape(-1) for v in summed.values()])
         waited = 0.0
         if world.is_distributed() and self.world > 1:
             with span("hpf/all-reduce the step's totals"):
@@ -98,13 +99,29 @@ class Decider:
         if aux is not None:
             flat = torch.tensor(tv[16:], dtype=torch.float64)
             out_aux = {k: x.view(v.shape).to(v.dtype) for (k, v), x in
-                       zip(aux.items(), torch.split(flat, [v.numel() for v in aux.values()]))}
+                       zip(summed.items(), torch.split(flat, [v.numel() for v in summed.values()]))}
+            out_aux.update(_max_aux({k: v for k, v in aux.items() if k not in summed}, self.world))
         return Decision(loss, grad_norm, coef / (normalizer * scale) if normalizer else 0.0, finite, out_aux, waited,
                         tv[1] if weighted else None)
 
 
-def _sum_aux(outs: list[losses.LossOut]) -> dict | None:
-    """The micro-batches' aux dicts, summed key by key (e.g. tokens per expert)."""
+def _local_aux(outs: list[losses.LossOut]) -> dict | None:
+    """The micro-batches' aux dicts, key by key: summed (e.g. tokens per expert), or for names
+    starting with ``max_`` their maximum (e.g. attention logits)."""
     if outs[0].aux is None:
         return None
-    return {k: sum((o.aux[k] for o in outs[1:]), outs[0].aux[k]) for k in outs[0].aux}
+    return {k: (torch.stack([o.aux[k] for o in outs]).amax(0) if k.startswith(losses.MAX_AUX)
+                else sum((o.aux[k] for o in outs[1:]), outs[0].aux[k])) for k in outs[0].aux}
+
+
+def _max_aux(aux: dict, n_ranks: int) -> dict:
+    """The ``max_`` aux over every rank: one all-reduce of their maxima, only when there are any
+    (after the step's totals, whose digests say every rank issued the same collectives)."""
+    if not aux:
+        return {}
+    flat = torch.cat([v.detach().to(torch.float64).cpu().reshape(-1) for v in aux.values()])
+    if world.is_distributed() and n_ranks > 1:
+        LOG.record("all-reduce", "the step's max aux")
+        world.all_reduce(flat, op="max")
+    return {k: x.view(v.shape).to(v.dtype)
+            for (k, v), x in zip(aux.items(), torch.split(flat, [v.numel() for v in aux.values()]))}

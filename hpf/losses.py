@@ -12,7 +12,8 @@ A loss function returns one of:
   micro-batch and rank: exactly the whole global batch's mean, whatever the masks, as fixed
   gradient accumulation for causal language models does.
 - either one with a dict of aux tensors, ``(loss, {"name": tensor})``: ``metrics["aux"]`` holds
-  each summed over micro-batches and ranks.
+  each summed over micro-batches and ranks, or, for a name that starts with ``max_`` (e.g. the
+  models' ``max_attn_logit``), its elementwise maximum over them.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ __all__ = ["Weighted", "weighted", "token_cross_entropy", "LossOut", "parse", "L
            "terms_divisor"]
 
 IGNORE = -100  # a target that is padding (torch's ignore_index)
+MAX_AUX = "max_"  # an aux whose name starts so is reduced by maximum, not sum
 
 
 class Weighted(NamedTuple):

@@ -153,15 +153,18 @@ def state_report(plan: Plan, mixed_precision=None, optimizer: str = "adamw",
     if optimizer == "adamw":
         return report, "optimizer state: AdamW, two fp32 moments per element"
     from .optim import muon
-    from .optim.dist_muon import muon_plan_state
+    from .optim.dist_muon import muon_plan_state, muon_traffic
 
     most, load, n_muon = muon_plan_state(muon(), plan)
     busiest = max(range(plan.mesh.size), key=lambda r: (load[r], -r))
     balance = (f"Newton-Schulz FLOPs per rank max/mean {load[busiest] / (sum(load.values()) / plan.mesh.size):.2f} "
                f"(busiest rank {busiest}: {load[busiest] / 1e9:,.2f} GFLOP per step)" if load else "no matrices")
+    moved, slow = muon_traffic(muon(), plan)
     return (dataclasses.replace(report, optimizer_bytes=most * 4),
             f"optimizer state: Muon, one fp32 momentum per element of its {n_muon} matrices, AdamW's two "
-            f"moments for the other {len(plan.slots) - n_muon} tensors (the busiest rank's count); {balance}")
+            f"moments for the other {len(plan.slots) - n_muon} tensors (the busiest rank's count); {balance}; "
+            f"its split matrices move {moved / 2**20:,.2f} MiB per step, all ranks, {slow / 2**20:,.2f} MiB of it "
+            f"over the slow tier")
 
 
 def machine_memory(local_ranks: int) -> tuple[int, str]:

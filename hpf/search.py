@@ -309,7 +309,7 @@ def search(model: str, config: str, mesh, hw: Hardware | str, *, global_batch: i
         if len(ranked) >= top and r.floor_s >= ranked[top - 1].step_s:
             pruned += 1
             continue
-        r.sim = simulate(r.candidate, model, config, mesh, hw, global_batch)
+        r.sim = simulate(r.candidate, model, config, mesh, hw, global_batch, optimizer)
         ranked.append(r)
         ranked.sort(key=lambda x: (x.step_s, x.memory.total))
     return SearchResult(model, config, dict(zip(mesh.axis_names, mesh.shape)), global_batch, hw.name, memory_per_rank,
@@ -324,10 +324,12 @@ def candidates(model: str, config: str, mesh, hw: Hardware | str, *, global_batc
                    mesh.size if global_batch is None else global_batch, optimizer, fixed, low_bit)[0]
 
 
-def simulate(c: Candidate, model: str, config: str, mesh, hw: Hardware | str, global_batch: int) -> SimResult:
-    """hpf.sim's prediction of one candidate's step."""
+def simulate(c: Candidate, model: str, config: str, mesh, hw: Hardware | str, global_batch: int,
+             optimizer: str = "adamw") -> SimResult:
+    """hpf.sim's prediction of one candidate's step (with ``optimizer``'s cost: Muon's tax)."""
     mesh = mesh if isinstance(mesh, Mesh) else Mesh(dict(mesh))
-    return sim.simulate(config, mesh, hw, local_batch=global_batch // mesh.size, model=model, **c.sim_args())
+    return sim.simulate(config, mesh, hw, local_batch=global_batch // mesh.size, model=model, optimizer=optimizer,
+                        **c.sim_args())
 
 
 def _priced(model: str, config: str, mesh: Mesh, hw: Hardware, global_batch: int, optimizer: str,
@@ -382,5 +384,5 @@ def _price(job: _Job, config: str, c: Candidate) -> Ranked:
                          mixed_precision=c.mixed_precision, recompute=c.recompute, accumulate=c.accumulate,
                          topology=c.topology, cpu=job.hw.shared_links)
     floor = sim.compute_floor(config, job.mesh, job.hw, local_batch=job.local_batch, model=job.model,
-                              **c.sim_args())
+                              optimizer=job.optimizer, **c.sim_args())
     return Ranked(c, mem, floor)

@@ -27,7 +27,7 @@ from .engine import UnitEngine, explain_freed, refuses_hooks
 from .engine.compiled import compile_seconds
 from .launcher import init_distributed, is_launched
 from .mesh import Mesh, MeshError, as_axes
-from .optim.base import ForPlan, PartialUpdate
+from .optim.base import ForPlan, PartialUpdate, ReadsAux
 from .planning import Plan, plan as make_plan
 from .state_io import StateIO
 from .trace import span
@@ -299,7 +299,9 @@ class ShardStep(StateIO):
             apply(rest, grads)
             params, opt_state = state.params, state.opt_state
         else:
-            params, opt_state = opt.update(grads, state.opt_state, state.params)
+            reads_aux = isinstance(opt, ReadsAux) and opt.aux_names()
+            params, opt_state = opt.update(grads, state.opt_state, state.params,
+                                           **({"aux": d.aux} if reads_aux else {}))
             eng.prefetch(params)
         if state.loss_scale is not None:
             self.config.loss_scale.update(state.loss_scale, finite=True)

@@ -1,6 +1,7 @@
 """Device kernels for hpf behind one dispatch by device type.
 
-newton_schulz orthogonalizes a batch of matrices (Muon's direction); grouped_mm runs MoE experts
+newton_schulz orthogonalizes a batch of matrices (Muon's direction; standard or Gram iteration,
+newton_schulz_flops says what each costs); grouped_mm runs MoE experts
 over their token groups (torch._grouped_mm on CUDA sm90+ bf16, a loop of matmuls elsewhere);
 quantize/dequantize pack rows into the slow tier's block-scaled wire formats (hpf_kernels.formats).
 Backends: "reference" (plain torch, any device), "cuda" (optional Triton kernels), "npu"
@@ -12,10 +13,11 @@ import torch
 
 from .backends import cuda, npu, reference
 from .coefficients import NAMED_COEFFICIENTS, CoefficientSpec, resolve_coefficients
+from .flops import VARIANTS, gram_restarts, newton_schulz_flops, pick_variant
 from .formats import FORMATS, check_block, check_format, payload_bytes
 
 __all__ = ["newton_schulz", "grouped_mm", "quantize", "dequantize", "payload_bytes", "FORMATS", "resolve_coefficients",
-           "NAMED_COEFFICIENTS", "BACKENDS"]
+           "NAMED_COEFFICIENTS", "BACKENDS", "VARIANTS", "gram_restarts", "newton_schulz_flops", "pick_variant"]
 
 # backend name -> module; a tensor on device type T uses BACKENDS[T] when present, else "reference".
 BACKENDS = {"reference": reference, "cuda": cuda, "npu": npu}
@@ -29,13 +31,17 @@ def newton_schulz(
     backend: str | None = None,
     compute_dtype: torch.dtype | None = None,
     eps: float = 1e-7,
+    variant: str = "standard",
 ) -> torch.Tensor:
     """Approximate the orthogonal polar factor U Vᵀ of each matrix in X [..., m, n].
 
     Every leading dim is a batch dim; each matrix is normalized by its own Frobenius norm.
     coefficients: "keller", "polar_express", one (a, b, c) tuple for every step, or a list of
     `steps` tuples. compute_dtype defaults to the backend's choice (fp32 on CPU, bf16 on
-    accelerators). Returns a tensor of X's shape and dtype.
+    accelerators). variant: "standard" (torch.optim.Muon's iteration), "gram" (the same
+    polynomials iterated on the r x r Gram matrix, fewer FLOPs on rectangular matrices, with
+    its own rounding: docs/muon.md) or "auto" (the one with fewer FLOPs for X's shape,
+    hpf_kernels.pick_variant). Returns a tensor of X's shape and dtype.
     """
     if not isinstance(X, torch.Tensor) or X.ndim < 2:
         shape = tuple(X.shape) if isinstance(X, torch.Tensor) else type(X).__name__
@@ -43,8 +49,9 @@ def newton_schulz(
     if X.numel() == 0:
         raise ValueError(f"newton_schulz got an empty tensor of shape {tuple(X.shape)}")
     per_step, norm_scale = resolve_coefficients(coefficients, steps)
+    gram = pick_variant(X.shape, steps, variant) == "gram"
     return _backend(X, backend).newton_schulz(
-        X, per_step, norm_scale=norm_scale, eps=eps, compute_dtype=compute_dtype
+        X, per_step, norm_scale=norm_scale, eps=eps, compute_dtype=compute_dtype, gram=gram
     )
 
 

@@ -152,7 +152,7 @@ def topology_of(name: str, bucket_bytes: int = 0, slow: str | None = None) -> hp
 
 
 def job_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
-    """The parent parsers: the job (train, plan, simulate) and the optimizer (train, plan)."""
+    """The parent parsers: the job (train, plan, simulate) and the optimizer (train, plan, simulate)."""
     job = Parser(add_help=False)
     job.add_argument("--model", choices=sorted(MODELS), default="gpt",
                      help="the pure-function model from hpf.models (default: gpt)")
@@ -185,7 +185,7 @@ def job_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     job.add_argument("--bucket-bytes", type=positive(int, least=0), default=0, metavar="BYTES",
                      help="two-tier: split each unit into fused collectives of at most this many bytes, so one's slow "
                           "stage overlaps the next one's fast stage (default: 0, one per unit)")
-    optimizer = Parser(add_help=False)  # train and plan (its state and owners), not simulate
+    optimizer = Parser(add_help=False)  # train, plan (its state and owners), simulate (Muon's tax)
     optimizer.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
                            help="muon: Muon for weight matrices (one momentum each; owners balanced by "
                                 "Newton-Schulz FLOPs), AdamW for embeddings, head and vectors (default: adamw)")

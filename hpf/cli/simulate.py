@@ -12,7 +12,7 @@ from hpf.plots import missing_matplotlib
 
 def add_parser(sub, help_: str):
     simulate = sub.add_parser(
-        "simulate", parents=job_parsers()[:1], help=help_,
+        "simulate", parents=job_parsers(), help=help_,
         description="Predict step time, exposed communication and tokens/s of hpf, FSDP2 and Megatron DDP from "
                     "the plan alone (hpf.sim: alpha-beta links per tier, the step's schedule as an event "
                     "simulation). Example: hpf simulate --config 1b --mesh node=48,local=16 --hardware "
@@ -44,7 +44,8 @@ def cmd_simulate(args) -> int:
     hw = sim.hardware(args.hardware)
     kw = dict(local_batch=args.local_batch, mixed_precision=args.mixed_precision, topology=args.topology,
               bucket_bytes=args.bucket_bytes, slow_precision=args.slow_precision,
-              fsdp_axes=args.fsdp_axes, pipeline=not args.no_pipeline, model=args.model, ep_axis=args.ep_axis)
+              fsdp_axes=args.fsdp_axes, pipeline=not args.no_pipeline, model=args.model, ep_axis=args.ep_axis,
+              optimizer=args.optimizer)
     # Megatron DDP keeps full replicas: no baseline for a model whose experts only fit split
     strategies = ("hsdp" if args.hsdp else "hpf", "fsdp2") + (() if args.ep_axis else ("ddp",))
     if args.plot and not args.sweep:
@@ -61,7 +62,8 @@ def cmd_simulate(args) -> int:
     print(f"hpf simulate: {args.model} {args.config!r}, {args.local_batch} x {config.seq_len} tokens per "
           f"rank, {args.mixed_precision or 'fp32'}, hardware {hw.name}, hpf {args.topology}"
           f"{' HSDP' if args.hsdp else ''}{f' (slow tier {args.slow_precision})' if args.slow_precision else ''}"
-          f"{f', experts over {args.ep_axis}' if args.ep_axis else ''}; "
+          f"{f', experts over {args.ep_axis}' if args.ep_axis else ''}"
+          f"{', Muon (its tax in hpf rows only; the baselines with AdamW)' if args.optimizer == 'muon' else ''}; "
           "the baselines as modelled in hpf.sim")
     print(f"{'ranks':>6} {'strategy':<8} {'step ms':>9} {'exposed':>8} {'tokens/s':>12} {'tok/s/rank':>11} "
           f"{'hpf vs':>7} {'fast busy ms':>12} {'slow busy ms':>12}")

@@ -27,7 +27,7 @@ from . import recompute as recompute_
 
 __all__ = [
     "GPTConfig", "CONFIGS", "num_params", "init", "forward", "loss", "loss_for",
-    "global_batch", "synthetic_batches", "unit_flops", "activations", "block",
+    "global_batch", "synthetic_batches", "unit_flops", "activations", "block", "max_attention_logit", "qk_heads",
 ]
 
 NORM_EPS = 1e-5
@@ -134,21 +134,46 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = NORM_EPS) -> to
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def block(blk: dict, x: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """One pre-norm transformer block on the residual stream x [B, T, D]."""
+def block(blk: dict, x: torch.Tensor, n_heads: int, max_logits: bool = False):
+    """One pre-norm transformer block on the residual stream x [B, T, D]; with ``max_logits``,
+    (x, its heads' max attention logits [H])."""
     q, k, v = rearrange(rms_norm(x, blk["norm1"]) @ blk["w_qkv"],
                         "b t (three h e) -> three b h t e", three=3, h=n_heads)
     attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     x = x + rearrange(attn, "b h t e -> b t (h e)") @ blk["w_o"]
     h = F.gelu(rms_norm(x, blk["norm2"]) @ blk["w_up"], approximate="tanh")
-    return x + h @ blk["w_down"]
+    x = x + h @ blk["w_down"]
+    return (x, max_attention_logit(q, k)) if max_logits else x
+
+
+def max_attention_logit(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Per head, the largest pre-softmax logit q_i·k_j / sqrt(e) (j <= i, causal) over the batch:
+    QK-Clip's S_max (hpf.optim.muon(qk_clip=...)), in fp32, with no grad. q [B, H, T, e] and
+    k [B, H or fewer, T, e] (grouped heads are repeated). Costs one more QKᵀ per block."""
+    with torch.no_grad():
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        s = (q.float() @ k.float().mT) * q.shape[-1] ** -0.5
+        causal = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        return s.masked_fill(~causal, -math.inf).amax(dim=(0, 2, 3))
+
+
+def qk_heads(config: GPTConfig) -> dict:
+    """QK-Clip's map: path -> (dim, head of each index along dim (-1: none), power). In
+    ``w_qkv`` [D, 3D] the q and k columns of head h of block l carry head l * H + h, each scaled
+    by sqrt(gamma) (power 0.5), as Kimi K2 does for multi-head attention; v's columns are -1."""
+    c = config
+    e = c.d_model // c.n_heads
+    heads = torch.arange(c.n_heads).repeat_interleave(e)
+    return {f"blocks/{i}/w_qkv": (1, torch.cat([heads + i * c.n_heads] * 2 + [torch.full_like(heads, -1)]), 0.5)
+            for i in range(c.n_layers)}
 
 
 def forward(params: dict, tokens: torch.Tensor, *, n_heads: int | None = None, recompute: str = "none",
-            compile: bool = False) -> torch.Tensor:
+            compile: bool = False, max_logits: bool = False):
     """Logits [B, T, V] for int64 tokens [B, T]; computes in the params' dtype. ``recompute``:
     which blocks recompute their forward in backward; ``compile``: each block runs
-    ``torch.compile``'d (hpf.models.recompute)."""
+    ``torch.compile``'d (hpf.models.recompute); ``max_logits``: (logits, every head's max
+    attention logit [n_layers, n_heads])."""
     if n_heads is None:
         raise TypeError(
             "gpt.forward/gpt.loss need n_heads= (the head count is not visible in the param shapes); "
@@ -161,28 +186,39 @@ def forward(params: dict, tokens: torch.Tensor, *, n_heads: int | None = None, r
     if t > max_t:
         raise ValueError(f"sequence length {t} exceeds params['pos'] length {max_t} (config.seq_len)")
     x = F.embedding(tokens, params["embed"]) + params["pos"][:t]
+    logits = []
     for _, run in recompute_.each_block(params["blocks"], recompute, compile):
-        x = run(block, x, n_heads)
-    return rms_norm(x, params["norm_f"]) @ params["head"]
+        if max_logits:
+            x, s = run(block, x, n_heads, True)
+            logits.append(s)
+        else:
+            x = run(block, x, n_heads)
+    out = rms_norm(x, params["norm_f"]) @ params["head"]
+    return (out, torch.stack(logits)) if max_logits else out
 
 
 def loss(params: dict, batch: torch.Tensor, *, n_heads: int | None = None, recompute: str = "none",
-         weighted: bool = False, compile: bool = False):
+         weighted: bool = False, compile: bool = False, max_logits: bool = False):
     """Next-token cross-entropy of ``batch`` [B, T+1] (targets of -100 are padding); the softmax
     runs in fp32 for any param dtype. The mean, or (``weighted``) ``hpf.weighted(sum, count)``:
-    the step then divides by the global count of real targets (hpf.losses)."""
+    the step then divides by the global count of real targets (hpf.losses). ``max_logits``: with
+    the aux {"max_attn_logit": [n_layers, n_heads]}, which the step reduces by max (QK-Clip's input)."""
     if batch.dim() != 2 or batch.shape[1] < 2:
         raise ValueError(f"batch must be [batch, time+1] token ids with time+1 >= 2, got shape {list(batch.shape)}")
-    logits = forward(params, batch[:, :-1], n_heads=n_heads, recompute=recompute, compile=compile)
-    return token_cross_entropy(logits, batch[:, 1:], weighted=weighted)
+    out = forward(params, batch[:, :-1], n_heads=n_heads, recompute=recompute, compile=compile, max_logits=max_logits)
+    if max_logits:
+        return token_cross_entropy(out[0], batch[:, 1:], weighted=weighted), {"max_attn_logit": out[1]}
+    return token_cross_entropy(out, batch[:, 1:], weighted=weighted)
 
 
-def loss_for(config: GPTConfig, recompute: str = "none", weighted: bool = False, compile: bool = False):
+def loss_for(config: GPTConfig, recompute: str = "none", weighted: bool = False, compile: bool = False,
+             max_logits: bool = False):
     """``loss_fn(params, batch)`` for ``config``: what ``hpf.shard_step`` takes. ``recompute``:
     "none", "all" or "every_other" block recomputes its forward in backward (less memory);
-    ``weighted``: return ``hpf.weighted(sum, count)``; ``compile``: each block is ``torch.compile``'d."""
+    ``weighted``: return ``hpf.weighted(sum, count)``; ``compile``: each block is ``torch.compile``'d;
+    ``max_logits``: also return the heads' max attention logits as an aux (for QK-Clip)."""
     return functools.partial(loss, n_heads=config.n_heads, recompute=recompute_.check(recompute), weighted=weighted,
-                             compile=compile)
+                             compile=compile, max_logits=max_logits)
 
 
 # ---------------------------------------------------------------- synthetic data

@@ -30,11 +30,11 @@ from einops import rearrange
 
 from ..losses import token_cross_entropy
 from . import recompute as recompute_
-from hpf.models.gpt import INIT_STD, param_makers, rms_norm, synthetic_batches
+from hpf.models.gpt import INIT_STD, max_attention_logit, param_makers, rms_norm, synthetic_batches
 
 __all__ = [
     "LlamaConfig", "CONFIGS", "num_params", "init", "forward", "loss", "loss_for",
-    "from_hf", "to_hf", "synthetic_batches", "activations", "block",
+    "from_hf", "to_hf", "synthetic_batches", "activations", "block", "qk_heads",
 ]
 
 
@@ -119,8 +119,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def block(blk: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, c: LlamaConfig) -> torch.Tensor:
-    """One block on the residual stream x [B, T, D]: RoPE grouped-query attention, then SwiGLU."""
+def block(blk: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, c: LlamaConfig, max_logits: bool = False):
+    """One block on the residual stream x [B, T, D]: RoPE grouped-query attention, then SwiGLU;
+    with ``max_logits``, (x, its heads' max attention logits [H])."""
     h = rms_norm(x, blk["attn_norm"], c.norm_eps)
     q = rearrange(F.linear(h, blk["wq"]), "b t (h e) -> b h t e", e=c.head_dim)
     k = rearrange(F.linear(h, blk["wk"]), "b t (h e) -> b h t e", e=c.head_dim)
@@ -129,14 +130,32 @@ def block(blk: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, c: L
     attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.n_kv_heads != c.n_heads)
     x = x + F.linear(rearrange(attn, "b h t e -> b t (h e)"), blk["wo"])
     h = rms_norm(x, blk["mlp_norm"], c.norm_eps)
-    return x + F.linear(F.silu(F.linear(h, blk["w_gate"])) * F.linear(h, blk["w_up"]), blk["w_down"])
+    x = x + F.linear(F.silu(F.linear(h, blk["w_gate"])) * F.linear(h, blk["w_up"]), blk["w_down"])
+    return (x, max_attention_logit(q, k)) if max_logits else x
+
+
+def qk_heads(config: LlamaConfig) -> dict:
+    """QK-Clip's map (as gpt.qk_heads): the rows of head h of block l in ``wq`` [H*hd, D] and
+    ``wk`` carry head l * H + h. With n_kv_heads == n_heads both are scaled by sqrt(gamma); a key
+    head that grouped-query attention shares is left alone and the query takes all of gamma,
+    Kimi K2's rule for MLA's shared rotary key."""
+    c = config
+    rows = torch.arange(c.n_heads).repeat_interleave(c.head_dim)
+    out = {}
+    for i in range(c.n_layers):
+        if c.n_kv_heads == c.n_heads:
+            out[f"blocks/{i}/wq"] = out[f"blocks/{i}/wk"] = (0, rows + i * c.n_heads, 0.5)
+        else:
+            out[f"blocks/{i}/wq"] = (0, rows + i * c.n_heads, 1.0)
+    return out
 
 
 def forward(params: dict, tokens: torch.Tensor, *, config: LlamaConfig | None = None,
-            recompute: str = "none", compile: bool = False) -> torch.Tensor:
+            recompute: str = "none", compile: bool = False, max_logits: bool = False):
     """Logits [B, T, V] for int64 tokens [B, T]; computes in the params' dtype. ``recompute``:
     which blocks recompute their forward in backward; ``compile``: each block runs
-    ``torch.compile``'d (hpf.models.recompute)."""
+    ``torch.compile``'d (hpf.models.recompute); ``max_logits``: (logits, every head's max
+    attention logit [n_layers, n_heads])."""
     if config is None:
         raise TypeError("llama.forward/llama.loss need config= (head counts are not all visible in the shapes); "
                         "use llama.loss_for(config) as the loss_fn")
@@ -145,28 +164,38 @@ def forward(params: dict, tokens: torch.Tensor, *, config: LlamaConfig | None = 
     c = config
     x = F.embedding(tokens, params["embed"])
     cos, sin = rope_cos_sin(c, tokens.shape[1], x.device, x.dtype)
+    logits = []
     for _, run in recompute_.each_block(params["blocks"], recompute, compile):
-        x = run(block, x, cos, sin, c)
-    return F.linear(rms_norm(x, params["norm"], c.norm_eps), params["head"])
+        if max_logits:
+            x, s = run(block, x, cos, sin, c, True)
+            logits.append(s)
+        else:
+            x = run(block, x, cos, sin, c)
+    out = F.linear(rms_norm(x, params["norm"], c.norm_eps), params["head"])
+    return (out, torch.stack(logits)) if max_logits else out
 
 
 def loss(params: dict, batch: torch.Tensor, *, config: LlamaConfig | None = None, recompute: str = "none",
-         weighted: bool = False, compile: bool = False):
+         weighted: bool = False, compile: bool = False, max_logits: bool = False):
     """Next-token cross-entropy of ``batch`` [B, T+1] over ``batch[:, 1:]`` (transformers'
     ``labels=batch``; -100 is padding); the softmax runs in fp32 for any param dtype. The mean,
     or (``weighted``) ``hpf.weighted(sum, count)`` for the step to divide by the global count."""
     if batch.dim() != 2 or batch.shape[1] < 2:
         raise ValueError(f"batch must be [batch, time+1] token ids with time+1 >= 2, got shape {list(batch.shape)}")
-    logits = forward(params, batch[:, :-1], config=config, recompute=recompute, compile=compile)
-    return token_cross_entropy(logits, batch[:, 1:], weighted=weighted)
+    out = forward(params, batch[:, :-1], config=config, recompute=recompute, compile=compile, max_logits=max_logits)
+    if max_logits:  # the aux of gpt.loss(max_logits=True)
+        return token_cross_entropy(out[0], batch[:, 1:], weighted=weighted), {"max_attn_logit": out[1]}
+    return token_cross_entropy(out, batch[:, 1:], weighted=weighted)
 
 
-def loss_for(config: LlamaConfig, recompute: str = "none", weighted: bool = False, compile: bool = False):
+def loss_for(config: LlamaConfig, recompute: str = "none", weighted: bool = False, compile: bool = False,
+             max_logits: bool = False):
     """``loss_fn(params, batch)`` for ``config``: what ``hpf.shard_step`` takes. ``recompute``:
     "none", "all" or "every_other" block recomputes its forward in backward (less memory);
-    ``weighted``: return ``hpf.weighted(sum, count)``; ``compile``: each block is ``torch.compile``'d."""
+    ``weighted``: return ``hpf.weighted(sum, count)``; ``compile``: each block is ``torch.compile``'d;
+    ``max_logits``: also return the heads' max attention logits as an aux (for QK-Clip)."""
     return functools.partial(loss, config=config, recompute=recompute_.check(recompute), weighted=weighted,
-                             compile=compile)
+                             compile=compile, max_logits=max_logits)
 
 
 def activations(config: LlamaConfig, local_batch: int, dtype_bytes: int = 4) -> recompute_.Activations:

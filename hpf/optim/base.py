@@ -11,12 +11,14 @@ return them. Two optional capabilities, each its own protocol that the step chec
   that runs on the step's flat shards.
 - `StateLayout`: an optimizer on flat shards whose state has a per-bucket field that is not
   laid out as the param shard says which params it covers, so checkpoints can place it.
+- `ReadsAux`: an optimizer whose update reads the step's aux (Muon's QK-Clip reads the max
+  attention logits); the step passes ``update(..., aux=metrics["aux"])``.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Protocol, runtime_checkable
 
-__all__ = ["Optimizer", "PartialUpdate", "ForPlan", "StateLayout"]
+__all__ = ["Optimizer", "PartialUpdate", "ForPlan", "StateLayout", "ReadsAux"]
 
 
 @runtime_checkable
@@ -55,4 +57,12 @@ class StateLayout(Protocol):
         back to back in the bucket's param order. Every per-bucket field not named here is laid
         out as the param shard (AdamW's moments: no method needed). hpf.checkpoint reads this
         to save and restore the state on any mesh."""
+        ...
+
+
+@runtime_checkable
+class ReadsAux(Protocol):
+    def aux_names(self) -> tuple[str, ...]:
+        """The aux names (hpf.losses) ``update(grads, state, params, aux=...)`` reads; () when none,
+        and then the step calls ``update`` without aux."""
         ...

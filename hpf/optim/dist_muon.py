@@ -29,20 +29,20 @@ from typing import Sequence
 
 import torch
 
-from hpf_kernels import dequantize, payload_bytes, quantize
+from hpf_kernels import dequantize, newton_schulz_flops, payload_bytes, quantize
 
 from ..comm import world
 from ..planning import Bucket, ParamSlot, Plan
 from .adamw_optimizer import schedule_value
-from .muon_math import MuonState, apply_muon_updates_, muon_momentum_, orthogonalize, update_scale
+from .muon_math import (MuonState, apply_muon_updates_, check_qk_heads, muon_momentum_, orthogonalize, qk_clip_,
+                        update_scale)
 
-__all__ = ["DistMuon", "assign_owners", "ns_flops", "muon_paths", "muon_plan_state"]
+__all__ = ["DistMuon", "assign_owners", "ns_flops", "muon_paths", "muon_plan_state", "muon_sends", "muon_traffic"]
 
 
-def ns_flops(shape: Sequence[int], steps: int) -> int:
-    """Newton-Schulz FLOPs of a [..., m, n] batch: per step X Xᵀ, A², B X on the short side r."""
-    r, s = sorted(shape[-2:])
-    return math.prod(shape[:-2]) * steps * (4 * r * r * s + 2 * r ** 3)
+def ns_flops(shape: Sequence[int], steps: int, variant: str = "standard") -> int:
+    """Newton-Schulz FLOPs of a [..., m, n] batch with ``variant`` (hpf_kernels.newton_schulz_flops)."""
+    return newton_schulz_flops(shape, steps, variant)
 
 
 def muon_paths(muon, plan: Plan) -> set[str]:
@@ -70,7 +70,34 @@ def muon_plan_state(muon, plan: Plan) -> tuple[int, Counter, int]:
                                  for s in b.slots if s.path not in paths)
             n += b.shard_numel + adamw[key]
         most = max(most, n)
-    return most, assign_owners(plan, paths, muon.ns_steps)[1], len(paths)
+    return most, assign_owners(plan, paths, muon.ns_steps, muon.ns_variant)[1], len(paths)
+
+
+def muon_sends(muon, plan: Plan, owners: dict | None = None) -> dict[int, Counter]:
+    """Bytes each rank sends per step in DistMuon's point-to-point exchange (fp32), by tier
+    ("fast", "slow"): each split matrix's non-owner pieces go to its owner and come back.
+    ``owners``: assign_owners' answer for ``muon`` on ``plan``, if already at hand."""
+    if owners is None:
+        owners, _ = assign_owners(plan, muon_paths(muon, plan), muon.ns_steps, muon.ns_variant)
+    sends: dict[int, Counter] = defaultdict(Counter)
+    nodes = {r: _node(plan.mesh, r) for r in range(plan.mesh.size)}
+    for b in plan.buckets:
+        for ranks in _shard_groups(plan, b):
+            for slot in b.slots:
+                owner = owners.get((b.index, ranks, slot.path))
+                for i in b.holders(slot) if owner is not None else ():
+                    piece, holder = _piece(b, slot, i), ranks[i]
+                    if holder != owner:
+                        tier = "slow" if nodes[holder] != nodes[owner] else "fast"
+                        sends[holder][tier] += 4 * (piece.stop - piece.start)
+                        sends[owner][tier] += 4 * (piece.stop - piece.start)
+    return sends
+
+
+def muon_traffic(muon, plan: Plan) -> tuple[int, int]:
+    """(bytes, of which over the slow tier) that DistMuon's pieces move per step, all ranks together."""
+    sends = muon_sends(muon, plan).values()
+    return sum(c["fast"] + c["slow"] for c in sends), sum(c["slow"] for c in sends)
 
 
 def _shard_groups(plan: Plan, bucket: Bucket) -> list[tuple[int, ...]]:
@@ -83,31 +110,54 @@ def _shard_groups(plan: Plan, bucket: Bucket) -> list[tuple[int, ...]]:
     return groups
 
 
-def assign_owners(plan: Plan, muon_paths: set[str], steps: int
+def _node(mesh, rank: int) -> tuple[int, ...]:
+    """``rank``'s coordinates on the slow axes: ranks with the same ones talk over the fast tier."""
+    return tuple(c for a, c in zip(mesh.axis_names, mesh.coords(rank)) if a in mesh.slow_axes)
+
+
+def _near_ranks(b: Bucket, slot: ParamSlot, ranks: tuple[int, ...], nodes: dict[int, tuple]) -> list[int]:
+    """The ranks of shard group ``ranks`` that may own ``slot``'s matrix: those on the fast-tier
+    groups (nodes: rank -> its node) that hold most of its elements (one node, or several that
+    tie). Only the other nodes' pieces cross the slow tier, the least any owner allows. When its
+    holders span nodes, a rank there that holds no piece may own it too (its node's pieces reach
+    it over the fast tier), which keeps the balance; on one node owners stay among holders."""
+    holders = [ranks[i] for i in b.holders(slot)]
+    held: Counter = Counter()
+    for i, r in zip(b.holders(slot), holders):
+        piece = _piece(b, slot, i)
+        held[nodes[r]] += piece.stop - piece.start
+    most = max(held.values())
+    return sorted(r for r in (ranks if len(held) > 1 else holders) if held.get(nodes[r], -1) == most)
+
+
+def assign_owners(plan: Plan, muon_paths: set[str], steps: int, variant: str = "standard"
                   ) -> tuple[dict[tuple[int, tuple[int, ...], str], int], Counter]:
     """Owner of every matrix split across ranks, and NS FLOPs per global rank.
 
     Keys are (bucket index, shard group ranks, path); one entry per shard group, so HSDP and
-    non-FSDP replicas each orthogonalize their own copy. Matrices wholly on one rank load it
-    first; split ones then go, largest first, to their least-loaded holder (ties: lowest rank).
-    Owners are restricted to holders, where plain LPT can strand work (GPT "small" at 4 ranks:
-    busiest rank 1.25x the mean), so a matrix then moves to a less-loaded holder while that
-    lowers the pair's maximum (there: 1.07x, the optimum). A pure function of the plan: every
-    rank computes the same answer with no communication.
+    non-FSDP replicas each orthogonalize their own copy. An owner is a rank of the node (the
+    ranks that share the fast tier) holding most of the matrix (_near_ranks), so most pieces
+    stay off the slow tier; on a one-tier mesh that is any rank of the shard group. Matrices
+    wholly on one rank load it first; split ones then go, largest first, to their least-loaded
+    candidate (ties: lowest rank). Plain LPT can strand work when owners are restricted (GPT
+    "small" at 4 ranks, owners among holders: busiest rank 1.25x the mean), so a matrix then
+    moves to a less-loaded candidate while that lowers the pair's maximum. A pure function of
+    the plan: every rank computes the same answer with no communication.
     """
     load: Counter = Counter()
     split = []
+    nodes = {r: _node(plan.mesh, r) for r in range(plan.mesh.size)}
     for b in plan.buckets:
         for ranks in _shard_groups(plan, b):
             for slot in b.slots:
                 if slot.path not in muon_paths or slot.numel == 0:
                     continue
                 holders = [ranks[i] for i in b.holders(slot)]
-                cost = ns_flops(slot.local_shape, steps)
+                cost = ns_flops(slot.local_shape, steps, variant)
                 if len(holders) == 1:
                     load[holders[0]] += cost
                 else:
-                    split.append((cost, (b.index, ranks, slot.path), holders))
+                    split.append((cost, (b.index, ranks, slot.path), _near_ranks(b, slot, ranks, nodes)))
     split.sort(key=lambda s: -s[0])  # stable: plan order among equals
     owners = {}
     for cost, key, holders in split:
@@ -169,13 +219,14 @@ class DistMuon:
         self.adamw_paths = frozenset(plan.slots) - on_muon
         for path in sorted(on_muon):
             _check_whole_matrices(plan, plan.slots[path])
-        self.owners, self.ns_load = assign_owners(plan, on_muon, muon.ns_steps)
+        self.owners, self.ns_load = assign_owners(plan, on_muon, muon.ns_steps, muon.ns_variant)
         self.adamw: list[tuple[int, slice, slice]] = []  # (bucket, in shard, in exp_avg_sq)
         self.local: list[_Matrix] = []  # wholly in this rank's shard
         self.owned: list[_Matrix] = []  # split; this rank orthogonalizes them
         self.held: list[_Matrix] = []  # split; this rank holds a piece, another owns them
         self.adamw_numel: list[int] = []
         self.bytes_sent = 0  # point-to-point payload this rank sent, over all updates
+        self.slow_bytes_sent = 0  # the part of it sent across the slow tier
         self.slow = plan.slow_precision
         self._landing: list = []  # low-bit pieces received: (payload, format, destination), unpacked once they land
         tag = 0
@@ -214,6 +265,21 @@ class DistMuon:
                     self.held.append(m)
             self.adamw_numel.append(n_adamw)
         self._momentum_order = self.local + self.owned + self.held
+        self.qk: list[tuple[int, slice, tuple, int, tuple]] = []  # QK-Clip: (bucket, in shard, shape, first, heads)
+        if muon.qk_clip is not None:
+            check_qk_heads(muon.qk_heads, {path: s.global_shape for path, s in plan.slots.items()})
+            for b in plan.buckets:
+                lo, hi = b.shard_range(plan.shard_index(b, rank))
+                for slot in b.slots:
+                    if slot.path not in muon.qk_heads:
+                        continue
+                    if tuple(slot.local_shape) != tuple(slot.global_shape):
+                        raise ValueError(f"muon(qk_clip=...): {slot.path!r} is split over the non-FSDP axes "
+                                         f"{tuple(plan.compute_axes)}; QK-Clip needs whole q/k weights per shard group")
+                    start, stop = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
+                    if start < stop:
+                        self.qk.append((b.index, slice(start - lo, stop - lo), tuple(slot.global_shape),
+                                        start - slot.offset, muon.qk_heads[slot.path]))
 
     # -- optax-style interface ----------------------------------------------------------------
     def init(self, shards: Sequence[torch.Tensor]) -> MuonState:
@@ -222,14 +288,19 @@ class DistMuon:
                          [s.new_zeros(0) if b.frozen else torch.zeros_like(s) for b, s in zip(self.plan.buckets, shards)],
                          [s.new_zeros(n) for s, n in zip(shards, self.adamw_numel)])
 
-    def update(self, grads: Sequence[torch.Tensor], state: MuonState, params: Sequence[torch.Tensor]
-               ) -> tuple[list[torch.Tensor], MuonState]:
-        """One step, in place on ``params`` and ``state`` (donated); returns them."""
+    def aux_names(self) -> tuple[str, ...]:
+        return self.muon.aux_names()
+
+    def update(self, grads: Sequence[torch.Tensor], state: MuonState, params: Sequence[torch.Tensor],
+               aux: dict | None = None) -> tuple[list[torch.Tensor], MuonState]:
+        """One step, in place on ``params`` and ``state`` (donated); returns them. ``aux``: the
+        step's aux, which hpf.shard_step passes (read only under QK-Clip)."""
         self._check(params, "params")
         self._check(grads, "grads", trained=True)
         self._check(state.exp_avg, "state.exp_avg", trained=True)
         m = self.muon
         m.check_rates(int(state.count) + 1)
+        gamma = m.qk_gamma(aux)
         state.count.add_(1)
         step = int(state.count)
         order = self._momentum_order
@@ -254,7 +325,8 @@ class DistMuon:
         matrices = [u.view(x.shape) for x, u in zip(self.local, local_ups)]
         matrices += [buf.view(x.shape).to(u.dtype) for x, buf, u in zip(self.owned, whole, owned_ups)]
         directions = [d.reshape(-1) for d in orthogonalize(
-            matrices, ns_steps=m.ns_steps, coefficients=m.coefficients, compute_dtype=m.ns_compute_dtype)]
+            matrices, ns_steps=m.ns_steps, coefficients=m.coefficients, compute_dtype=m.ns_compute_dtype,
+            variant=m.ns_variant)]
 
         # 3. owner -> holders: their pieces of the result; this rank's own pieces update meanwhile.
         held_dirs = [torch.empty(x.mine.stop - x.mine.start, dtype=dtype, device=u.device)
@@ -269,6 +341,8 @@ class DistMuon:
         self._apply(params, here, [d[x.in_matrix] for x, d in zip(here, directions)], lr)
         self._land(pending)
         self._apply(params, self.held, held_dirs, lr)
+        if gamma is not None:  # each rank its own pieces: no communication
+            qk_clip_([(params[b][mine], shape, first, heads) for b, mine, shape, first, heads in self.qk], gamma)
         return params, state
 
     def state_layout(self) -> dict[str, frozenset[str]]:
@@ -286,8 +360,7 @@ class DistMuon:
         """The low-bit format of a piece to or from ``peer`` (None: across the fast tier, or no low-bit tier)."""
         fmt = getattr(self.slow, side) if self.slow is not None else None
         mesh = self.plan.mesh
-        return fmt if fmt and any(a not in mesh.fast_axes and p != q for a, p, q in
-                                  zip(mesh.axis_names, mesh.coords(peer), mesh.coords(self.rank))) else None
+        return fmt if fmt and _node(mesh, peer) != _node(mesh, self.rank) else None
 
     def _wire(self, peer: int, side: str, piece: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``piece`` as it travels to ``peer``: in ``dtype``, or as a payload padded to whole blocks."""
@@ -319,6 +392,9 @@ class DistMuon:
     def _exchange(self, sends, recvs) -> list:
         """Post point-to-point sends and receives, each (peer global rank, tensor, tag), as one batch."""
         self.bytes_sent += sum(t.numel() * t.element_size() for _, t, _ in sends)
+        here = _node(self.plan.mesh, self.rank)
+        self.slow_bytes_sent += sum(t.numel() * t.element_size() for peer, t, _ in sends
+                                    if _node(self.plan.mesh, peer) != here)
         return world.exchange(sends, recvs)
 
     def _apply(self, params, matrices: list[_Matrix], directions: list[torch.Tensor], lr: float) -> None:

@@ -14,8 +14,8 @@ import torch
 
 from hpf_kernels import newton_schulz
 
-__all__ = ["MuonState", "SCALES", "apply_muon_updates_", "muon_direction", "muon_momentum_", "orthogonalize",
-           "update_scale"]
+__all__ = ["MuonState", "SCALES", "apply_muon_updates_", "check_qk_heads", "max_attn_logits", "muon_direction",
+           "muon_momentum_", "orthogonalize", "qk_clip_", "qk_clip_factors", "update_scale"]
 
 SCALES = ("keller", "original", "moonlight", "match_rms_adamw")
 
@@ -50,7 +50,7 @@ def muon_momentum_(grads: Sequence[torch.Tensor], bufs: Sequence[torch.Tensor], 
 
 
 def orthogonalize(matrices: Sequence[torch.Tensor], *, ns_steps: int = 5, coefficients="keller",
-                  compute_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+                  compute_dtype: torch.dtype | None = None, variant: str = "standard") -> list[torch.Tensor]:
     """Newton-Schulz of each matrix; same-shape matrices (any leading batch dims) go in one batched call."""
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, m in enumerate(matrices):
@@ -59,7 +59,7 @@ def orthogonalize(matrices: Sequence[torch.Tensor], *, ns_steps: int = 5, coeffi
     for (shape, _, _), members in groups.items():
         parts = [matrices[i].reshape(-1, *shape) for i in members]
         stacked = parts[0] if len(parts) == 1 else torch.cat(parts)
-        ortho = newton_schulz(stacked, coefficients, ns_steps, compute_dtype=compute_dtype)
+        ortho = newton_schulz(stacked, coefficients, ns_steps, compute_dtype=compute_dtype, variant=variant)
         for i, piece in zip(members, ortho.split([p.shape[0] for p in parts])):
             out[i] = piece.view(matrices[i].shape)
     return out
@@ -67,11 +67,11 @@ def orthogonalize(matrices: Sequence[torch.Tensor], *, ns_steps: int = 5, coeffi
 
 def muon_direction(grads: Sequence[torch.Tensor], bufs: Sequence[torch.Tensor], *, momentum: float,
                    nesterov: bool = True, ns_steps: int = 5, coefficients="keller",
-                   compute_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+                   compute_dtype: torch.dtype | None = None, variant: str = "standard") -> list[torch.Tensor]:
     """Momentum (bufs updated in place), then orthogonalization: Muon's unscaled step directions."""
     updates = muon_momentum_(grads, bufs, momentum, nesterov)
     return orthogonalize(updates, ns_steps=ns_steps, coefficients=coefficients,
-                         compute_dtype=compute_dtype)
+                         compute_dtype=compute_dtype, variant=variant)
 
 
 def apply_muon_updates_(params: Sequence[torch.Tensor], directions: Sequence[torch.Tensor], *,
@@ -86,6 +86,52 @@ def apply_muon_updates_(params: Sequence[torch.Tensor], directions: Sequence[tor
         by_step[step][1].append(d)
     for step, (ps, ds) in by_step.items():
         torch._foreach_add_(ps, ds, alpha=-step)
+
+
+def qk_clip_factors(max_logits: torch.Tensor, tau: float) -> torch.Tensor:
+    """QK-Clip's gamma per head (flattened, fp64): tau / S_max for heads whose max logit S_max
+    exceeded tau this step, 1 for the rest (Kimi K2, arXiv 2507.20534, MuonClip)."""
+    s = max_logits.detach().reshape(-1).to(torch.float64).cpu()
+    return torch.where(s > tau, tau / s, torch.ones_like(s))
+
+
+def qk_clip_(pieces, gamma: torch.Tensor) -> None:
+    """Scale q/k weights in place by gamma ** power of their head. ``pieces``: (flat piece of a
+    param, the param's full shape, the piece's first index in the param's flat, (dim, head of each
+    index along dim or -1, power)), so a shard's piece of a matrix scales as the whole would."""
+    if bool((gamma == 1).all()):
+        return
+    for piece, shape, start, (dim, heads, power) in pieces:
+        if piece.numel() == 0:
+            continue
+        index = torch.arange(start, start + piece.numel())
+        head = heads[(index // math.prod(shape[dim + 1:])) % shape[dim]]
+        factor = torch.where(head >= 0, gamma[head.clamp(min=0)] ** power, torch.ones((), dtype=torch.float64))
+        piece.mul_(factor.to(device=piece.device, dtype=piece.dtype).view(piece.shape))
+
+
+def check_qk_heads(qk_heads: dict, shapes: dict, heads: int | None = None) -> None:
+    """Each QK-Clip entry names a param (path -> shape in ``shapes``) and one head per index of its dim."""
+    for path, (dim, along, _) in qk_heads.items():
+        if path not in shapes:
+            raise ValueError(f"muon(qk_clip=...): qk_heads names {path!r}, which is not a param; pass the model's "
+                             f"qk_heads(config) (e.g. hpf.models.gpt.qk_heads) for the params being trained")
+        shape = shapes[path]
+        if not -len(shape) <= dim < len(shape) or len(along) != shape[dim]:
+            raise ValueError(f"muon(qk_clip=...): qk_heads[{path!r}] gives {len(along)} heads along dim {dim}, "
+                             f"but the param has shape {tuple(shape)}")
+        if heads is not None and int(along.max()) >= heads:
+            raise ValueError(f"muon(qk_clip=...): qk_heads[{path!r}] names head {int(along.max())}, but the aux "
+                             f"'max_attn_logit' has {heads} heads")
+
+
+def max_attn_logits(aux: dict | None) -> torch.Tensor:
+    """The step's 'max_attn_logit' aux, or an error that says how to get one."""
+    if not aux or "max_attn_logit" not in aux:
+        raise ValueError("muon(qk_clip=...) needs each step's max attention logits: make the loss return the aux "
+                         "'max_attn_logit' (e.g. hpf.models.gpt.loss_for(config, max_logits=True)) and, outside "
+                         "hpf.shard_step, pass update(..., aux=metrics_aux)")
+    return aux["max_attn_logit"]
 
 
 class MuonState(NamedTuple):

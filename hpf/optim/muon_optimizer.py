@@ -15,12 +15,13 @@ from typing import Any, Callable, Union
 import optree
 import torch
 
-from hpf_kernels import resolve_coefficients
+from hpf_kernels import pick_variant, resolve_coefficients
 
 from ..checks import check_rate
 from .adamw_optimizer import AdamW, adamw, schedule_value
 from .dist_muon import DistMuon
-from .muon_math import MuonState, apply_muon_updates_, muon_direction, update_scale
+from .muon_math import (MuonState, apply_muon_updates_, check_qk_heads, max_attn_logits, muon_direction, qk_clip_,
+                        qk_clip_factors, update_scale)
 
 __all__ = ["muon", "Muon", "MuonState", "default_use_adamw"]
 
@@ -52,6 +53,8 @@ class Muon:
         use_adamw: ``(path, tensor) -> bool``, True routes a matrix to AdamW.
         ns_compute_dtype: Newton-Schulz dtype (None: the kernel's choice for the device).
         comm_dtype: the dtype split matrices travel in under hpf.shard_step (None: the grads').
+        ns_variant: "standard", "gram" or "auto" (hpf_kernels.newton_schulz's variant).
+        qk_clip, qk_heads: QK-Clip's threshold and the model's map of q/k weights to heads (see muon).
 
     Raises:
         TypeError: ``init``/``update`` get a leaf that is not a floating-point tensor.
@@ -69,6 +72,9 @@ class Muon:
     use_adamw: Callable[[str, torch.Tensor], bool] = default_use_adamw
     ns_compute_dtype: torch.dtype | None = None
     comm_dtype: torch.dtype | None = None  # what matrix pieces travel in under shard_step (None: grads' dtype)
+    ns_variant: str = "standard"  # hpf_kernels.newton_schulz's variant: "standard", "gram", "auto"
+    qk_clip: float | None = None  # QK-Clip's tau (None: off)
+    qk_heads: Any = None  # path -> (dim, head per index, power): the model's qk_heads(config)
 
     def for_plan(self, plan, rank: int) -> DistMuon:
         """This optimizer on the flat shards of ``plan`` (hpf.shard_step calls it): distributed Muon."""
@@ -76,6 +82,21 @@ class Muon:
 
     def on_muon(self, path: str, p: torch.Tensor) -> bool:
         return p.ndim >= 2 and not self.use_adamw(path, p)
+
+    def aux_names(self) -> tuple[str, ...]:
+        """The aux ``update`` reads (hpf.optim.ReadsAux): the max attention logits under QK-Clip."""
+        return ("max_attn_logit",) if self.qk_clip is not None else ()
+
+    def qk_gamma(self, aux: dict | None) -> torch.Tensor | None:
+        """QK-Clip's per-head factors for this step (None when QK-Clip is off); raises before any update."""
+        if self.qk_clip is None:
+            return None
+        gamma = qk_clip_factors(max_attn_logits(aux), self.qk_clip)
+        for path, (_, along, _) in self.qk_heads.items():
+            if int(along.max()) >= gamma.numel():
+                raise ValueError(f"muon(qk_clip=...): qk_heads[{path!r}] names head {int(along.max())}, but the "
+                                 f"aux 'max_attn_logit' has {gamma.numel()} heads; pass the same model's qk_heads")
+        return gamma
 
     def check_rates(self, step: int) -> None:
         """Raise before a step changes anything if its lr or AdamW lr is not finite and >= 0."""
@@ -90,12 +111,16 @@ class Muon:
         return MuonState(torch.zeros((), dtype=torch.int64), treedef.unflatten(exp_avg),
                          treedef.unflatten(exp_avg_sq))
 
-    def update(self, grads: Any, state: MuonState, params: Any) -> tuple[Any, MuonState]:
+    def update(self, grads: Any, state: MuonState, params: Any, aux: dict | None = None) -> tuple[Any, MuonState]:
+        """One step in place; ``aux``: the step's aux (hpf.losses), read only under QK-Clip."""
         paths, leaves, treedef = _flatten(params, "params")
         grad_leaves = _leaves_like(grads, treedef, paths, leaves, "grads")
         avg = _leaves_like(state.exp_avg, treedef, paths, leaves, "state.exp_avg")
         avg_sq = optree.tree_leaves(state.exp_avg_sq)
         self.check_rates(int(state.count) + 1)
+        gamma = self.qk_gamma(aux)
+        if gamma is not None:
+            check_qk_heads(self.qk_heads, dict(zip(paths, (p.shape for p in leaves))))
         state.count.add_(1)
         step = int(state.count)
         is_muon = [self.on_muon(path, p) for path, p in zip(paths, leaves)]
@@ -105,11 +130,16 @@ class Muon:
 
         directions = muon_direction(pick(grad_leaves, True), pick(avg, True), momentum=self.momentum,
                                     nesterov=self.nesterov, ns_steps=self.ns_steps,
-                                    coefficients=self.coefficients, compute_dtype=self.ns_compute_dtype)
+                                    coefficients=self.coefficients, compute_dtype=self.ns_compute_dtype,
+                                    variant=self.ns_variant)
         apply_muon_updates_(pick(leaves, True), directions, lr=schedule_value(self.lr, step),
                             weight_decay=self.weight_decay, scale=self.scale)
         self.adamw.apply(pick(leaves, False), pick(grad_leaves, False), pick(avg, False),
                          pick(avg_sq, False), step)
+        if gamma is not None:  # after the update, as MuonClip
+            by_path = dict(zip(paths, leaves))
+            qk_clip_([(by_path[path].view(-1), by_path[path].shape, 0, heads) for path, heads in self.qk_heads.items()],
+                     gamma)
         return params, state
 
 
@@ -118,7 +148,8 @@ def muon(lr: Schedule = 0.02, momentum: float = 0.95, nesterov: bool = True, ns_
          adamw_lr: Schedule = 3e-4, adamw_betas: tuple[float, float] = (0.9, 0.95),
          adamw_eps: float = 1e-8, adamw_weight_decay: float = 0.0,
          use_adamw: Callable[[str, torch.Tensor], bool] | None = None,
-         ns_compute_dtype: torch.dtype | None = None, comm_dtype: torch.dtype | None = None) -> Muon:
+         ns_compute_dtype: torch.dtype | None = None, comm_dtype: torch.dtype | None = None,
+         ns_variant: str = "standard", qk_clip: float | None = None, qk_heads: dict | None = None) -> Muon:
     """hpf.optim.muon: an optax-style Muon (see Muon) with an AdamW fallback for non-matrices.
 
     Args:
@@ -133,12 +164,23 @@ def muon(lr: Schedule = 0.02, momentum: float = 0.95, nesterov: bool = True, ns_
         ns_compute_dtype: None = the kernel's choice for the device (fp32 on CPU, bf16 on accelerators).
         comm_dtype: the dtype split matrices travel in under hpf.shard_step, e.g. torch.bfloat16
             (None: the grads').
+        ns_variant: "standard" (torch.optim.Muon's iteration, the default), "gram" (Gram
+            Newton-Schulz: fewer FLOPs on rectangular matrices, not bitwise torch's) or "auto"
+            (per shape, whichever has fewer FLOPs). docs/muon.md has its costs and errors.
+        qk_clip: QK-Clip's tau (Kimi K2's MuonClip, arXiv 2507.20534; None, the default: off).
+            After each update, every head whose max attention logit this step exceeded tau has
+            its query and key weights scaled by sqrt(tau / max logit), so its logits shrink to
+            tau. The loss must return the aux "max_attn_logit" (the models' ``loss_for(config,
+            max_logits=True)``), which hpf.shard_step reduces by max and passes to the update.
+        qk_heads: which elements of which params are whose q or k: the model's
+            ``qk_heads(config)`` (hpf.models.gpt.qk_heads, hpf.models.llama.qk_heads).
 
     Raises:
         ValueError: unknown or malformed coefficients, an unknown scale, momentum outside
             [0, 1), a negative lr or weight_decay, or invalid AdamW hyper-parameters.
     """
     resolve_coefficients(coefficients, ns_steps)  # bad coefficients fail here, not at step 1
+    pick_variant((1, 1), ns_steps, ns_variant)
     update_scale(1, 1, scale)
     if not 0.0 <= momentum < 1.0:
         raise ValueError(f"muon: momentum must be in [0, 1), got {momentum!r}")
@@ -147,9 +189,15 @@ def muon(lr: Schedule = 0.02, momentum: float = 0.95, nesterov: bool = True, ns_
             check_rate(rate, f"muon: {name}")
     if not weight_decay >= 0:
         raise ValueError(f"muon: weight_decay must be >= 0, got {weight_decay}")
+    if qk_clip is not None and not (isinstance(qk_clip, (int, float)) and 0 < qk_clip < float("inf")):
+        raise ValueError(f"muon: qk_clip must be a positive finite threshold (e.g. 100.0) or None, got {qk_clip!r}")
+    if (qk_clip is None) != (qk_heads is None) or (qk_heads is not None and not isinstance(qk_heads, dict)):
+        raise ValueError("muon: qk_clip and qk_heads go together: pass qk_clip=tau with qk_heads=the model's "
+                         "qk_heads(config) (e.g. hpf.models.gpt.qk_heads(config)), or neither")
     fallback = adamw(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
     return Muon(lr, momentum, nesterov, ns_steps, coefficients, scale, weight_decay, fallback,
-                use_adamw or default_use_adamw, ns_compute_dtype, comm_dtype)
+                use_adamw or default_use_adamw, ns_compute_dtype, comm_dtype, ns_variant,
+                None if qk_clip is None else float(qk_clip), qk_heads)
 
 
 def _flatten(tree, what: str):

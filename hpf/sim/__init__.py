@@ -28,7 +28,7 @@ from .model import (Options, SimResult, allreduce_time, compute_floor as model_f
 
 __all__ = ["simulate", "compare", "sweep", "sweep_mesh", "Hardware", "Link", "Options", "SimResult", "PROFILES",
            "hardware", "load_calibration", "ring_time", "allreduce_time", "two_tier_time", "STRATEGIES",
-           "extrapolation", "calibrated_compute", "plan_for", "compute_floor"]
+           "extrapolation", "calibrated_compute", "plan_for", "compute_floor", "muon_tax"]
 
 STRATEGIES = ("hpf", "hsdp", "fsdp2", "ddp")
 _BYTES = {None: 4, "bf16": 2, "fp16": 2}
@@ -61,7 +61,9 @@ def simulate(config, mesh, hw: Hardware | str, strategy: str = "hpf", **kw) -> S
     (two-tier: the low-bit slow tier, "W[,G]" as ``hpf simulate --slow-precision`` or an
     hpf.types.SlowPrecision: fewer slow-tier bytes plus the quantize cost), ``accumulate``
     micro-batches of ``local_batch / accumulate`` sequences, ``recompute`` ("none", "all",
-    "every_other": the blocks whose forward runs again in backward)."""
+    "every_other": the blocks whose forward runs again in backward), ``optimizer`` ("adamw"; "muon":
+    hpf's distributed Muon, whose tax ``muon_tax`` runs after the decision; the baselines are
+    modelled with AdamW)."""
     plan, hw, opts, flops, extra = _inputs(config, mesh, hw, strategy, **kw)
     return simulate_plan(plan, hw, opts, flops, **extra)
 
@@ -73,12 +75,51 @@ def compute_floor(config, mesh, hw: Hardware | str, strategy: str = "hpf", **kw)
     return model_floor(plan, hw, opts, flops, **extra)
 
 
+def muon_tax(plan, hw: Hardware, muon=None) -> float:
+    """Seconds distributed Muon adds to a step of ``plan`` after the decision: the busiest rank's
+    Newton-Schulz FLOPs at ``hw``'s matmul rate (peak x efficiency) plus the time its pieces take
+    to send over each tier's link (hpf.optim.dist_muon.muon_sends). ``muon``: an
+    hpf.optim.muon(...) (default: its defaults)."""
+    load, sends = _muon_work(plan) if muon is None else _muon_work_of(plan, muon)
+    mesh = plan.mesh
+    links = {"fast": hw.link("fast", mesh.axis_size(mesh.fast_axes), mesh.size),
+             "slow": hw.link("slow", mesh.size, mesh.size)}
+    rate = hw.peak_flops * hw.efficiency
+    return max((load[r] / rate + sum(n / links[t].beta + (links[t].latency if n else 0.0) for t, n in sends[r].items())
+                for r in range(mesh.size)), default=0.0)
+
+
+_WORK: dict[int, tuple] = {}  # id(plan) -> (plan, its default Muon's work): a search prices a plan many times
+
+
+def _muon_work(plan) -> tuple:
+    """``_muon_work_of`` the default Muon, kept for the last 64 plans (each entry holds its plan,
+    so an id is never reused while it is kept)."""
+    hit = _WORK.get(id(plan))
+    if hit is None or hit[0] is not plan:
+        if len(_WORK) >= 64:
+            _WORK.pop(next(iter(_WORK)))
+        from ..optim import muon
+        _WORK[id(plan)] = hit = (plan, *_muon_work_of(plan, muon()))
+    return hit[1:]
+
+
+def _muon_work_of(plan, muon) -> tuple:
+    """(NS FLOPs per rank, bytes each rank sends per tier) of ``muon`` distributed on ``plan``."""
+    from ..optim.dist_muon import assign_owners, muon_paths, muon_sends
+
+    owners, load = assign_owners(plan, muon_paths(muon, plan), muon.ns_steps, muon.ns_variant)
+    return load, muon_sends(muon, plan, owners)
+
+
 def _inputs(config, mesh, hw, strategy, *, local_batch=1, model="gpt", mixed_precision=None, topology="two-tier",
             fsdp_axes=None, pipeline=True, overlap_optimizer=True, emulated_slow=None, shm=None, steps=3,
-            ep_axis=None, bucket_bytes=0, slow_precision=None, accumulate=1, recompute="none"):
+            ep_axis=None, bucket_bytes=0, slow_precision=None, accumulate=1, recompute="none", optimizer="adamw"):
     """simulate_plan's arguments for simulate's (see there)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy {strategy!r}: use one of {STRATEGIES}")
+    if optimizer not in ("adamw", "muon"):
+        raise ValueError(f"optimizer {optimizer!r}: use 'adamw' or 'muon'")
     if mixed_precision not in _BYTES:
         raise ValueError(f"mixed_precision {mixed_precision!r}: use None, 'bf16' or 'fp16'")
     if local_batch % accumulate:
@@ -108,7 +149,8 @@ def _inputs(config, mesh, hw, strategy, *, local_batch=1, model="gpt", mixed_pre
                    shm=(hw.shared_links and tiered) if shm is None else shm,
                    compute_bytes=_BYTES[mixed_precision], reduce_bytes=4, emulated_slow=emulated_slow, steps=steps,
                    accumulate=accumulate if is_hpf else 1,
-                   recompute=frozenset(u for i, u in enumerate(blocks) if is_hpf and recomputes(i, recompute)))
+                   recompute=frozenset(u for i, u in enumerate(blocks) if is_hpf and recomputes(i, recompute)),
+                   muon_s=muon_tax(plan, hw) if is_hpf and optimizer == "muon" else 0.0)
     measured = calibrated_compute(hw, mod, cfg_name, micro, mesh.size, mixed_precision) if cfg_name else None
     tokens = local_batch * getattr(cfg, "seq_len", 1) * mesh.size
     return plan, hw, opts, flops, dict(tokens=tokens, measured=measured, a2a=a2a)

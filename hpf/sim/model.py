@@ -82,6 +82,7 @@ class Options:
     steps: int = 3  # simulated; the last is reported (steady state)
     accumulate: int = 1  # hpf: micro-batches per step (each gathers again; one reduction, after the last)
     recompute: frozenset = frozenset()  # hpf: units that recompute their forward in backward (checkpointed)
+    muon_s: float = 0.0  # hpf: distributed Muon's tax after the decision (hpf.sim.muon_tax); 0: AdamW
 
 
 @dataclass
@@ -450,6 +451,7 @@ def _hpf_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float) 
             tl.wait_until(end)
             tl.wait_until(tl.t + land)
         tl.sync(norm_s)  # the decision: one all-reduce
+        tl.run(opts.muon_s, optimizer=True)  # Muon: pieces to owners, Newton-Schulz, pieces back
         for name in list(live):
             if not opts.shm:
                 live.pop(name)
@@ -586,7 +588,7 @@ def compute_floor(plan: Plan, hw: Hardware, opts: Options, unit_flops: dict[str,
     none of which a schedule overlaps or contention shortens."""
     units = _unit_costs(plan, hw, opts, unit_flops, measured, a2a)
     passes = sum(u.fwd_s * (1 + u.recompute) + u.bwd_s + u.a2a_s * (2 + u.recompute) for u in units)
-    return opts.accumulate * passes + sum(u.update_s for u in units)
+    return opts.accumulate * passes + sum(u.update_s for u in units) + opts.muon_s
 
 
 def simulate_plan(plan: Plan, hw: Hardware, opts: Options, unit_flops: dict[str, float], *, tokens: int = 0,

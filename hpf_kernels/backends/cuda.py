@@ -90,11 +90,12 @@ def newton_schulz(
     norm_scale: float,
     eps: float,
     compute_dtype: torch.dtype | None,
+    gram: bool = False,
 ) -> torch.Tensor:
     global _triton_broken
     compute_dtype = compute_dtype or torch.bfloat16
     on_triton_device = X.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    use_triton = (on_triton_device and not _triton_broken
+    use_triton = (not gram and on_triton_device and not _triton_broken
                   and compute_dtype in (torch.bfloat16, torch.float16) and symmetric_kernel() is not None)
     if use_triton:
         try:
@@ -102,8 +103,8 @@ def newton_schulz(
         except Exception as err:  # a compile failure must not stop training: warn once, use torch
             _triton_broken = True
             warnings.warn(f"hpf_kernels: Triton Newton-Schulz failed ({err!r}); using torch matmuls")
-    return reference.newton_schulz(
-        X, coefficients, norm_scale=norm_scale, eps=eps, compute_dtype=compute_dtype
+    return reference.newton_schulz(  # Gram: plain torch matmuls (its products are not all Y Yᵀ)
+        X, coefficients, norm_scale=norm_scale, eps=eps, compute_dtype=compute_dtype, gram=gram
     )
 
 

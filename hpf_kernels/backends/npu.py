@@ -29,6 +29,7 @@ def newton_schulz(
     norm_scale: float,
     eps: float,
     compute_dtype: torch.dtype | None,
+    gram: bool = False,
 ) -> torch.Tensor:
     require_torch_npu()
     if X.device.type != "npu":
@@ -37,7 +38,8 @@ def newton_schulz(
             f"(X.to('npu')) or use backend='reference'"
         )
     return reference.newton_schulz(
-        X, coefficients, norm_scale=norm_scale, eps=eps, compute_dtype=compute_dtype or torch.bfloat16
+        X, coefficients, norm_scale=norm_scale, eps=eps, compute_dtype=compute_dtype or torch.bfloat16,
+        gram=gram,
     )
 
 

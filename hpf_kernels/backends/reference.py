@@ -12,6 +12,8 @@ from typing import Sequence
 
 import torch
 
+from ..flops import gram_restarts
+
 
 def default_compute_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -45,13 +47,44 @@ def newton_schulz(
     norm_scale: float,
     eps: float,
     compute_dtype: torch.dtype | None,
+    gram: bool = False,
 ) -> torch.Tensor:
     Y, tall = normalized_wide(X, norm_scale, eps, compute_dtype or default_compute_dtype(X.device))
+    if gram:
+        return restore(gram_iteration(Y, coefficients), tall, X)
     for a, b, c in coefficients:
         A = torch.bmm(Y, Y.mT)
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A²
         Y = torch.baddbmm(Y, B, Y, beta=a)  # a Y + (b A + c A²) Y
     return restore(Y, tall, X)
+
+
+def gram_iteration(Y: torch.Tensor, coefficients: Sequence[tuple[float, float, float]]) -> torch.Tensor:
+    """Gram Newton-Schulz on wide normalized [B, r, s]: the same polynomials, iterated on r x r.
+
+    Every step maps Y to q(R) Y with R = Y Yᵀ and q(R) = a I + b R + c R², a polynomial in R, so
+    after k steps Y_k = Q_k Y_0 and R_k = q(R_{k-1}) R_{k-1} q(R_{k-1}): only Q and R are iterated,
+    and the long side s is touched by Y_0 Y_0ᵀ and the final Q Y_0 alone (Dao, Zhang, Amsel, Chen,
+    "Gram Newton-Schulz", dao-lab.ai/blog/2026/gram-newton-schulz, 2026). R squares Y's condition
+    number, so rounding drifts R and Q; as published (their code and DeepSpeed's Muon), the
+    iteration restarts at the steps of hpf_kernels.gram_restarts: Y <- Q Y, R <- Y Yᵀ afresh.
+    """
+    restarts = gram_restarts(len(coefficients))
+    R, Q = torch.bmm(Y, Y.mT), None
+    for i, (a, b, c) in enumerate(coefficients):
+        if i in restarts:
+            Y = torch.bmm(Q, Y)
+            R, Q = torch.bmm(Y, Y.mT), None
+        Z = torch.baddbmm(R, R, R, beta=b, alpha=c)  # b R + c R²; q(R) = a I + Z
+        if Q is None:
+            Q = Z.clone()
+            Q.diagonal(dim1=-2, dim2=-1).add_(a)
+        else:
+            Q = torch.baddbmm(Q, Q, Z, beta=a)  # Q q(R)  (all polynomials in R commute)
+        if i + 1 < len(coefficients) and i + 1 not in restarts:
+            RZ = torch.baddbmm(R, R, Z, beta=a)  # R q(R)
+            R = torch.baddbmm(RZ, Z, RZ, beta=a)  # q(R) R q(R)
+    return torch.bmm(Q, Y)
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
