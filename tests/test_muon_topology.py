@@ -75,6 +75,7 @@ def run_two_tier(rank):
             "owns_without_a_piece": sum(x.mine.start == x.mine.stop for x in opt.owned)}
 
 
+@pytest.mark.slow
 def test_two_tier_owners_that_hold_no_piece_match_single_device_muon():
     from hpf.launcher import launch
     from test_dist_muon import MUON, gpt_params, reference_muon

@@ -186,6 +186,7 @@ def sharded(rank):
     return {"steps": out, "params": [p.clone() for p in hpf.tree.flatten(step.full_params(state))[1]]}
 
 
+@pytest.mark.slow
 def test_sharded_qk_clip_equals_single_process():
     runs = launch(sharded, 2, timeout=240)
     params = scaled_params()
