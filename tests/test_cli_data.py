@@ -87,3 +87,12 @@ def test_bad_data_arguments_get_one_line_errors(argv, names, capsys):
     code, _, err = run_main(argv, capsys)
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and names in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("command", [["eval", "--data", "nowhere"], ["generate", "--prompt", "ab"]])
+def test_a_missing_checkpoint_is_one_line_that_names_it_once(command, capsys):
+    """In-process (no ranks): the commands that read a trained run name the folder that is not there."""
+    from hpf.cli import main
+    assert main([command[0], "/no/such/run", *command[1:]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("/no/such/run") == 1 and "no such checkpoint directory" in err and "\n" not in err, err

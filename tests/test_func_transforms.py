@@ -17,8 +17,6 @@ from hpf.models import gpt
 CONFIG = gpt.CONFIGS["tiny"]
 BATCH, SEED = 8, 0
 
-pytestmark = pytest.mark.slow
-
 def direction(params):
     g = torch.Generator().manual_seed(1)
     return hpf.tree.unflatten(hpf.tree.flatten(params)[2],
@@ -49,6 +47,7 @@ def reference_hvp(weighted):
         v = hpf.tree.flatten(direction(params))[1]
         return torch.autograd.grad(sum((g * d).sum() for g, d in zip(grads, v)), leaves)
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weighted", [False, True])
 def test_hvp_of_the_sharded_step_matches_double_backward(runs, weighted):
     want = reference_hvp(weighted)
@@ -58,15 +57,32 @@ def test_hvp_of_the_sharded_step_matches_double_backward(runs, weighted):
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
 
-def test_per_example_grads_match_one_backward_per_example(runs):
+def check_per_example(per_rank):
+    """``per_rank[r]``: rank r's per-example grads of its BATCH // len(per_rank) examples."""
     params = gpt.init(CONFIG, torch.Generator().manual_seed(SEED))
     leaves = [p.requires_grad_() for p in hpf.tree.flatten(params)[1]]
     batch = gpt.global_batch(CONFIG, BATCH, SEED, 0)
+    n = BATCH // len(per_rank)
     for i in range(BATCH):
         want = torch.autograd.grad(gpt.loss_for(CONFIG)(params, batch[i:i + 1]), leaves)
-        got = runs[False][i // (BATCH // 2)]["per_example"]
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g[i % (BATCH // 2)], w, rtol=1e-5, atol=1e-7)
+        for g, w in zip(per_rank[i // n], want):
+            torch.testing.assert_close(g[i % n], w, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_per_example_grads_match_one_backward_per_example(runs):
+    check_per_example([runs[False][r]["per_example"] for r in range(2)])
+
+
+def test_one_process_transforms_match_plain_torch():
+    """The same transforms without a process group (a notebook's first try): the whole batch on one rank."""
+    step = hpf.shard_step(gpt.loss_for(CONFIG), mesh=hpf.Mesh({"dp": 1}), optimizer=hpf.optim.adamw(lr=1e-2))
+    params = gpt.init(CONFIG, torch.Generator().manual_seed(SEED))
+    state = step.init(params)
+    batch = gpt.global_batch(CONFIG, BATCH, SEED, 0)
+    for g, w in zip(hpf.tree.flatten(hpf.hvp(step, state, batch, direction(params)))[1], reference_hvp(False)):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    check_per_example([hpf.tree.flatten(hpf.per_example_grads(step, state, batch))[1]])
 
 def test_transforms_refuse_a_step_before_init():
     step = hpf.shard_step(gpt.loss_for(CONFIG), mesh=hpf.Mesh({"dp": 1}), optimizer=hpf.optim.adamw(lr=1e-2))

@@ -28,7 +28,7 @@ def load(source: Path):
     try:
         meta = checkpoint.meta(ckpt)
     except checkpoint.CheckpointError as e:
-        raise CliError(f"{source}: {e}") from None
+        raise CliError(str(e) if str(ckpt) in str(e) else f"{source}: {e}") from None  # (named once)
     if "model" in meta and "config" in meta:
         module = MODELS[meta["model"]]
         config = type(next(iter(module.CONFIGS.values())))(**meta["config"])
