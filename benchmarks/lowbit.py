@@ -62,11 +62,10 @@ def rank_main(rank, args):
                               mixed_precision="bf16", topology=topology(slow))
         run = step_runner(step, params)
         run(batches[0])
-        before = dict(step.engine.comm.bytes)
+        before = step.stats()
         run(batches[1])
-        out["counted"][name] = {op: n - before.get((op, tier), 0) for (op, tier), n in step.engine.comm.bytes.items()
-                                if tier == "slow"}
-        step.engine.comm.close()
+        out["counted"][name] = (step.stats() - before).slow_bytes()
+        step.close()
     steps = {}
     for speed, mbs in (("", args.bandwidth_mbs), ("/10", args.bandwidth_mbs / 10)):
         link = SlowLink(latency_s=args.latency_ms * 1e-3, bandwidth=mbs * 1e6)
@@ -76,7 +75,7 @@ def rank_main(rank, args):
     impls = {name: step_runner(step, params) for name, step in steps.items()}
     out["times"], out["losses"], _ = time_steps(impls, batches, args)  # (2)
     for step in steps.values():
-        step.engine.comm.close()
+        step.close()
     return out
 
 

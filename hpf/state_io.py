@@ -31,7 +31,7 @@ class StateIO:
     def fresh_feedback(self) -> list[torch.Tensor] | None:
         """Zero error-feedback residuals, one per bucket (empty where none crosses the slow tier);
         None when the step's slow tier keeps none."""
-        lowbit = getattr(self.engine.comm, "lowbit", None) if self.engine else None
+        lowbit = self.engine.comm.lowbit if self.engine else None
         numel = lowbit.feedback_numel if lowbit else None
         if not numel or not any(numel):
             return None
@@ -58,6 +58,7 @@ class StateIO:
         (``strict``: see hpf.checkpoint.restore)."""
         from . import checkpoint
 
+        self._check_open("step.restore(path)")
         self.wait_save()
         state, extra = checkpoint.restore(self, path, state, strict=strict)
         self._unloaded, self._live = False, state.params

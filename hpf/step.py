@@ -8,7 +8,10 @@ same collectives) -> the update -> the next step's first gathers.
 """
 from __future__ import annotations
 
+import dataclasses
+import gc
 import time
+from collections import Counter
 from typing import Any, Callable
 
 import torch
@@ -31,9 +34,11 @@ from .optim.base import ForPlan, PartialUpdate
 from .planning import Plan, plan as make_plan
 from .state_io import StateIO
 from .trace import span
-from .types import TrainState
+from .types import StepStats, TrainState
 
 __all__ = ["ShardStep", "step_plan"]
+
+_TIMED = ("step_s", "optimizer_s", "comm_wait_s", "compile_s")  # metrics StepStats sums over the steps
 
 
 class ShardStep(StateIO):
@@ -62,6 +67,8 @@ class ShardStep(StateIO):
         self._unloaded = False  # init had meta params and no restore has filled them yet
         self._pending_save = None  # an async save in flight (hpf.checkpoint.SaveHandle)
         self._terms = 1.0  # fp16: a weighted loss's terms per micro-batch, last seen (losses.terms_divisor)
+        self._timed = StepStats()  # the steps' summed timings (stats() adds bytes and gathers)
+        self._closed: StepStats | None = None  # the stats at close(); set once the step is closed
 
     # -- set-up, once ---------------------------------------------------------------------------
     def init(self, full_params: Any) -> TrainState:
@@ -69,6 +76,7 @@ class ShardStep(StateIO):
 
         Under torchrun (its environment set) with no process group yet, this starts one
         (``hpf.launch.init_distributed()``). ``nn.Parameter`` leaves are detached."""
+        self._check_open("step.init(params)")
         cfg = self.config
         if not world.is_distributed() and self.mesh.size > 1:
             if not is_launched():
@@ -152,6 +160,8 @@ class ShardStep(StateIO):
                    "optimizer_s": t1 - t_opt, "comm_wait_s": self.engine.take_wait_s(),
                    "compile_s": compile_seconds() - compiled_s,
                    "skipped": not decision.finite}
+        t = self._timed
+        self._timed = dataclasses.replace(t, steps=t.steps + 1, **{k: getattr(t, k) + metrics[k] for k in _TIMED})
         if decision.aux is not None:
             metrics["aux"] = decision.aux
         if state.loss_scale is not None:
@@ -166,9 +176,9 @@ class ShardStep(StateIO):
 
     def _compute(self, state: TrainState, batch: Any, clip: bool = True) -> Decision:
         """Every phase but the update: micro-batches, forward and backward, reductions, decision."""
+        self._check_live(state, "step(state, batch)")
         if self.engine is None:
             raise RuntimeError("call step.init(full_params) first, and pass the state it returns")
-        self._check_live(state, "step(state, batch)")
         self.check_state(state)
         axes = batching.leaf_axes(batch, self.config.batch_axes)
         micro = batching.micro_batches(batch, self.config.accumulate, axes)
@@ -305,6 +315,53 @@ class ShardStep(StateIO):
             self.config.loss_scale.update(state.loss_scale, finite=True)
         return state._replace(params=params, opt_state=opt_state)
 
+    # -- the step's boundary ----------------------------------------------------------------------------------
+    def stats(self) -> StepStats:
+        """Bytes sent, waits, timings and gathers since ``init``, as a :class:`hpf.StepStats`
+        (subtract an earlier snapshot for what happened in between). Local: no collective."""
+        if self._closed is not None:
+            return self._closed
+        if self.engine is None:
+            return self._timed
+        mem = self.engine.stats
+        return dataclasses.replace(self._timed, bytes=Counter(self.engine.comm.bytes), gathers=mem.gathers,
+                                   extra_gathers=mem.extra_gathers, peak_blocks=mem.peak_blocks,
+                                   peak_bytes=mem.peak_bytes)
+
+    def close(self) -> None:
+        """Release what the step holds: its comm's worker threads, process groups and shared
+        memory, and its gathered buffers. Every rank closes its own step (after the same calls,
+        so the next step's gathers already in flight land first). Closing twice is a no-op; any
+        other use of a closed step raises. ``with hpf.shard_step(...) as step:`` closes on leaving.
+        A pending async save is waited for (its error raised, after the release)."""
+        if self._closed is not None:
+            return
+        self._closed = self.stats()
+        try:
+            self.wait_save()
+        finally:
+            engine, self.engine, self._live = self.engine, None, None
+            if engine is not None:
+                try:
+                    if engine.broken is None:  # (a broken one's collectives may never land)
+                        engine.abort()  # waits for the next step's first gathers, frees every buffer
+                finally:
+                    engine.comm.close()
+                    del engine
+                    gc.collect()  # the engine's callbacks make cycles: free its shared memory now, not at some later gc
+
+    def __enter__(self) -> "ShardStep":
+        self._check_open("with step")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self, op: str) -> None:
+        if self._closed is not None:
+            raise RuntimeError(f"{op}: this step was closed (step.close(), or the end of its `with` block), which "
+                               "released its threads, process groups and memory; make a new one with hpf.shard_step")
+
     # -- donation ----------------------------------------------------------------------------------------------
     def _donate(self, state: TrainState) -> TrainState:
         """Make ``state`` the live one: a fresh params list over the same buffers, so the state
@@ -314,6 +371,7 @@ class ShardStep(StateIO):
         return state
 
     def _check_live(self, state: Any, op: str) -> None:
+        self._check_open(op)
         if self._unloaded:
             raise RuntimeError(f"{op}: step.init was given meta params (shapes only), so the state holds no values "
                                "yet; call state, extra = step.restore(path) first")

@@ -67,10 +67,6 @@ def _recording_loss(seen: dict):
     return recording
 
 
-def _slow_bytes(counter) -> dict:
-    return {op: n for (op, tier), n in counter.items() if tier == "slow"}
-
-
 def _reduce_moved(comm) -> int:
     """Bytes the slow tier's reduction transports really sent (their own counters)."""
     transports = {id(t): t for (d, _, tier), t in comm._route.items() if d == "reduce" and tier == "slow"}
@@ -88,11 +84,11 @@ def _variant(rank: int, name: str, kw: dict, ckpt: str) -> dict:
     losses = []
     for s in range(STEPS):
         if s == 1:
-            before, moved = dict(comm.bytes), _reduce_moved(comm)
+            before, moved = step.stats(), _reduce_moved(comm)
         state, m = step(state, _batch(s, rank))
         losses.append(m["loss"])
         if s == 1:
-            out["bytes"] = _slow_bytes({k: n - before.get(k, 0) for k, n in comm.bytes.items()})
+            out["bytes"] = (step.stats() - before).slow_bytes()
             out["moved_reduce"] = _reduce_moved(comm) - moved
         if s == 0 and state.error_feedback is not None:  # checkpoint after step 1, resumed below
             step.save(state, ckpt)
@@ -107,8 +103,8 @@ def _variant(rank: int, name: str, kw: dict, ckpt: str) -> dict:
         for s in range(1, STEPS):
             resumed, _ = again(resumed, _batch(s, rank))
         out["resumed"] = ([p.clone() for p in resumed.params], [r.clone() for r in resumed.error_feedback])
-        again.engine.comm.close()
-    comm.close()
+        again.close()
+    step.close()
     return out
 
 
@@ -125,7 +121,7 @@ def _skipped_step(rank: int) -> dict:
     state, m = step(state, _batch(1, rank))
     same = all(torch.equal(a, b) for a, b in zip(kept[0], state.error_feedback)) and all(
         torch.equal(a, b) for a, b in zip(kept[1], state.params))
-    step.engine.comm.close()
+    step.close()
     return {"skipped": m["skipped"], "unchanged": same, "residual": max(float(r.abs().max()) for r in kept[0])}
 
 
@@ -141,7 +137,7 @@ def _muon(rank: int) -> dict:
             state, m = step(state, _batch(s, rank))
             losses.append(m["loss"])
         out[name] = (losses, step.plan_optimizer.bytes_sent)
-        step.engine.comm.close()
+        step.close()
     return out
 
 
@@ -156,7 +152,7 @@ def _validate(rank: int) -> dict:
             out[tol] = m["quantization"]
         except QuantizationError as e:
             out[tol] = (str(e), all(torch.equal(a, b) for a, b in zip(before, state.params)))
-        step.engine.comm.close()
+        step.close()
     return out
 
 
@@ -190,7 +186,7 @@ def _constant_grads(rank: int) -> dict:
             state, _ = step(state, torch.zeros(WORLD, 1))
             if t in FEEDBACK_STEPS:
                 out[ef, t] = step.full_params(state)
-        step.engine.comm.close()
+        step.close()
     return out
 
 

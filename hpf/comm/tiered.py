@@ -190,6 +190,10 @@ class _Worker:
     def close(self) -> None:
         self.jobs.put(None)
 
+    def join(self, timeout: float) -> None:
+        """Wait for the thread to end (one stuck in a collective that never lands stays, a daemon)."""
+        self.thread.join(timeout)
+
 
 _INSTANCES = itertools.count()
 
@@ -403,6 +407,8 @@ class TieredComm:
     def close(self) -> None:
         for worker in self._workers.values():
             worker.close()
+        for worker in self._workers.values():
+            worker.join(self.timeout)
         for t in self._transports.values():
             if isinstance(t, ShmGroup):
                 t.close()

@@ -408,7 +408,7 @@ def _issue_rank(rank, two_tier: bool, reps: int) -> float:
         dist.barrier()
         if i >= 2:
             costs.append(with_comm - loop(False))
-    comm.close()
+    step.close()
     per_rank = [None] * w
     dist.all_gather_object(per_rank, statistics.median(costs))
     return max(0.0, max(per_rank))

@@ -59,7 +59,7 @@ class ValidateStep(ShardStep):
         self._state_sig = [(tuple(s.shape), s.dtype) for s in state.params]
         self._spmd = dataclasses.replace(self._spmd, validate=True)  # models' own checks (MoE dispatch) on
         self.quantization: dict[str, dict[str, float]] = {}
-        if getattr(self.engine.comm, "slow", None) is not None:
+        if self.engine.comm.slow is not None:
             self.engine.comm.lowbit.capture = {}  # the slow tier keeps what it sent and what arrived
         return state
 
@@ -204,7 +204,7 @@ class ValidateStep(ShardStep):
         every peer dequantized it, against the shard) and grads (each row as its peer received
         it, against what was sent), and that over the param's max abs value; the max over
         ranks, in one all-reduce. QuantizationError past the tolerance, before any update."""
-        lowbit = getattr(self.engine.comm, "lowbit", None)
+        lowbit = self.engine.comm.lowbit
         capture = lowbit and lowbit.capture
         if capture is None:
             return
