@@ -27,6 +27,7 @@ from hpf.models import gpt
 from hpf.step import step_plan
 
 from common import median_ms, mib, parse_step_args, print_table, report_ratio, step_bench_parser, step_runner, time_steps
+from hpf.report import PlanReport
 
 MESH = {"node": 2, "local": 2}
 WORLD = 4
@@ -45,7 +46,8 @@ def report_bytes(config) -> dict[str, dict[str, int]]:
     out = {}
     for name, slow in BYTES.items():
         plan = step_plan(gpt.init(config, device="meta"), hpf.Mesh(MESH), topology=topology(slow))
-        rep = plan.report(compute_dtype=torch.bfloat16, reduce_dtype=torch.float32, hierarchical=True, regather=False)
+        rep = PlanReport.of(plan, compute_dtype=torch.bfloat16, reduce_dtype=torch.float32, hierarchical=True,
+                            regather=False)
         out[name] = {op: t["slow"] for op, t in rep.comm.items()}
     return out
 

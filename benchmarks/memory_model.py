@@ -27,6 +27,7 @@ from hpf.step import step_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import report_ratio  # noqa: E402
+from hpf.report import PlanReport
 
 # (config, ranks, sequences per rank); each with recompute "none" and "all". Medium with recompute at
 # 1 sequence peaks while its reductions are held (the end of backward), its other cases while activations are.
@@ -40,7 +41,7 @@ def predicted(config: str, ranks: int, local_batch: int, recompute: str, reduce_
     """The model's peak; ``reduce_copies=0``: as if each reduction landed the moment it was issued."""
     cfg = gpt.CONFIGS[config]
     plan = step_plan(gpt.init(cfg, device="meta"), hpf.Mesh({"dp": ranks}))
-    return step_memory(plan.report(), plan, gpt.activations(cfg, local_batch), recompute=recompute,
+    return step_memory(PlanReport.of(plan), plan, gpt.activations(cfg, local_batch), recompute=recompute,
                        comm="flat", reduce_copies=reduce_copies)
 
 

@@ -36,6 +36,7 @@ from hpf.comm.transport import reduce_scatter_async
 from hpf.planning import ROOT
 
 from common import config_of, interleaved, median_ms, mib, parse_step_args, print_table, report_ratio, step_bench_parser, time_steps
+from hpf.report import PlanReport
 
 WORLD = 2
 LOCAL_LOSS = ("limit", "limit+gloo")  # contenders whose loss is this rank's own (no all-reduce), not the global mean
@@ -332,7 +333,7 @@ def rank_main(rank, args):
     per_step = Counter()
     for (op, _tier), n in (hpf_step.stats() - warm[0]).bytes.items():
         per_step[op] += n / (args.rounds * args.calls)
-    report = impls["hpf"].step.plan.report()
+    report = PlanReport.of(impls["hpf"].step.plan)
     return {"times": times, "cpu": cpu, "losses": losses, "sent": dict(per_step), "min_bytes": fsdp_min_bytes(params),
             "report_bytes": sum(report.comm_total.values())}
 

@@ -35,6 +35,7 @@ from common import (config_of, median_ms, mib, parse_step_args, print_table, rep
                     time_steps)
 from shm_vs_gloo import _bench as shm_vs_gloo_bench
 from step_vs_fsdp2 import LOCAL_LOSS, adamw_step, fsdp2_gpt, make_limit
+from hpf.report import PlanReport
 
 MESH = {"node": 2, "local": 2}
 WORLD = 4
@@ -94,8 +95,8 @@ def rank_main(rank, args):
     out["times"], out["losses"] = times, losses
     out["slow_bytes"] = {n: {op: b / steps for op, b in (impls[n].step.stats() - impls[n].warm).slow_bytes().items()}
                          for n in VARIANTS}
-    out["report"] = {n: impls[n].step.plan.report(
-        hierarchical=bool(kw.get("topology") and kw["topology"].hierarchical)).comm for n, kw in VARIANTS.items()}
+    out["report"] = {n: PlanReport.of(
+        impls[n].step.plan, hierarchical=bool(kw.get("topology") and kw["topology"].hierarchical)).comm for n, kw in VARIANTS.items()}
     for run in impls.values():
         if hasattr(run, "step"):
             run.step.close()

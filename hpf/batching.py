@@ -14,6 +14,7 @@ import optree
 import torch
 
 from . import tree as tree_util
+from .comm.schedule import DIGEST_MASK
 
 __all__ = ["leaf_axes", "micro_batches", "cast", "shape_signature"]
 
@@ -88,4 +89,4 @@ def cast(batch: Any, dtype: torch.dtype, axes: list[int | None]) -> Any:
 def shape_signature(batch: Any) -> int:
     """A 51-bit hash of every tensor leaf's shape (tuples of ints hash the same in every process)."""
     leaves = tree_util.flatten(batch)[1]
-    return hash(tuple(tuple(x.shape) for x in leaves if isinstance(x, torch.Tensor))) & ((1 << 51) - 1)
+    return hash(tuple(tuple(x.shape) for x in leaves if isinstance(x, torch.Tensor))) & DIGEST_MASK

@@ -47,14 +47,12 @@ import sys
 import threading
 import warnings
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import optree
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -185,22 +183,22 @@ def _add_chunks(sd: dict, plan, bucket, rank: int, flat: torch.Tensor, key: str,
     """Add the chunks of every param ``flat`` (this rank's state tensor of ``bucket``) holds.
     ``only=None``: flat is laid out as the param shard; else it packs just the params in
     ``only``, back to back (hpf.optim.StateLayout; DistMuon's AdamW second moment)."""
-    lo, hi = bucket.shard_range(plan.shard_index(bucket, rank))
+    position = plan.shard_index(bucket, rank)
     at = 0
     for s in bucket.slots:
-        start, stop = max(s.offset, lo), min(s.offset + s.numel, hi)
         if only is not None and s.path not in only:
             continue
         entry = sd.setdefault(key.format(key_of(s.path)), _Chunks(torch.Size(s.global_shape), flat.dtype, {}))
-        if start >= stop:
+        piece = bucket.local_range(s, position)
+        if not piece.numel:
             continue
-        first = start - lo if only is None else at
+        first = piece.held.start if only is None else at
         block = plan.block_offsets(s.path, rank)
-        for f, off, size in boxes(s.local_shape, start - s.offset, stop - s.offset):
+        for f, off, size in boxes(s.local_shape, piece.param.start, piece.param.stop):
             n = int(np.prod(size, dtype=np.int64))
-            at_box = first + f - (start - s.offset)
+            at_box = first + f - piece.param.start
             entry.views[tuple(a + b for a, b in zip(off, block))] = flat[at_box:at_box + n].view(size)
-        at += stop - start
+        at += piece.numel
 
 
 def _state_dict(step, state) -> dict[str, Any]:
@@ -298,7 +296,7 @@ _GROUP: dict[str, Any] = {}
 def _group():
     """A gloo group of its own, so an async save's collectives never interleave with the step's."""
     if "g" not in _GROUP:
-        _GROUP["g"] = dist.new_group(backend="gloo", timeout=timedelta(minutes=10))
+        _GROUP["g"] = world.new_group(backend="gloo", timeout_s=600)
     return _GROUP["g"]
 
 
@@ -446,7 +444,7 @@ def _all_ok(ok: bool, group) -> bool:
     if not world.is_distributed():
         return ok
     flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    world.all_reduce(flag, group, op="max")
     return int(flag) == 0
 
 

@@ -9,20 +9,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Collection, Sequence
+from typing import Any, Collection, NamedTuple, Sequence
 
 import optree
 import torch
 
 from . import tree as tree_util
 from .mesh import Mesh, as_axes
-from .comm.cost import low_bit
-from .report import PlanReport
 from .spec import IndivisibleSpecError, P, SpecError, resolve_specs
 from .tree import ROOT
 from .types import SlowPrecision
 
-__all__ = ["Plan", "Bucket", "ParamSlot", "Unit", "plan", "unit_names", "ROOT"]
+__all__ = ["Plan", "Bucket", "ParamSlot", "Piece", "Unit", "plan", "unit_names", "low_bit", "OPS", "ROOT"]
+
+# A bucket's collectives in one step: gather params and reduce-scatter grads over its shard
+# axes, all-reduce its grad shard over its replicate axes (HSDP).
+OPS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,24 @@ class ParamSlot:
     @property
     def numel(self) -> int:
         return math.prod(self.local_shape)
+
+    def piece(self, lo: int, hi: int) -> "Piece":
+        """The part of this param that the bucket's elements ``[lo, hi)`` hold."""
+        start, stop = max(self.offset, lo), min(self.offset + self.numel, hi)
+        stop = max(start, stop)
+        return Piece(slice(start - lo, stop - lo), slice(start - self.offset, stop - self.offset))
+
+
+class Piece(NamedTuple):
+    """The part of one param that a range of its bucket holds (a shard, usually): ``held``
+    indexes the range, ``param`` the param's flat (local) elements; both empty when none."""
+
+    held: slice
+    param: slice
+
+    @property
+    def numel(self) -> int:
+        return self.held.stop - self.held.start
 
 
 @dataclass
@@ -76,6 +96,10 @@ class Bucket:
 
     def shard_range(self, shard_index: int) -> tuple[int, int]:
         return shard_index * self.shard_numel, (shard_index + 1) * self.shard_numel
+
+    def local_range(self, slot: ParamSlot, shard_index: int) -> Piece:
+        """The part of ``slot`` that shard ``shard_index`` holds (``Plan.shard_index`` of a rank)."""
+        return slot.piece(*self.shard_range(shard_index))
 
     def holders(self, slot: ParamSlot) -> list[int]:
         """Shard-group positions whose shard holds part of ``slot`` (the Muon comm group)."""
@@ -125,6 +149,22 @@ class Plan:
     ties: dict[str, str] = field(default_factory=dict)
     leaf_paths: list[str] = field(default_factory=list)
     slow_precision: SlowPrecision | None = None  # what crosses the slow tier in fewer bytes (hpf.Topology's)
+
+    # -- derived sizes (as torchtitan's ParallelDims names them) -----------------------------
+    @property
+    def dp_size(self) -> int:
+        """Ranks along the FSDP axes: they split the data, and grads are averaged over them."""
+        return self.mesh.axis_size(self.fsdp_axes)
+
+    @property
+    def compute_size(self) -> int:
+        """Ranks along the non-FSDP axes: they compute one replica's loss together (tensor and
+        expert parallelism)."""
+        return self.mesh.axis_size(self.compute_axes)
+
+    def slot_paths(self, unit: str) -> list[str]:
+        """The param paths of ``unit``, in its buckets' order (the order of its flat buffers)."""
+        return [s.path for b in self.units[unit].buckets for s in self.buckets[b].slots]
 
     # -- parameter <-> shard conversions (used at init, checkpointing and in tests) --------
     def block_offsets(self, path: str, rank: int) -> tuple[int, ...]:
@@ -194,30 +234,28 @@ class Plan:
         """Rebuild the params pytree from ``{path: value}``."""
         return tree_util.unflatten(self.treedef, [by_path[self.ties.get(p, p)] for p in self.leaf_paths or self.slots])
 
-    def report(self, **kwargs) -> PlanReport:
-        return PlanReport.of(self, **kwargs)
-
     def __repr__(self) -> str:
         return (f"Plan({self.mesh}, fsdp_axes={self.fsdp_axes}, {len(self.slots)} params, "
                 f"{len(self.units)} units, {len(self.buckets)} buckets)")
 
 
 def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[str] | None = None, *,
-         hierarchical: bool = False, default_shard_axes: Sequence[str] | None = None, bucket_bytes: int = 0,
-         frozen: Collection[str] = (), slow_precision: SlowPrecision | None = None) -> Plan:
-    """Resolve the sharding of ``params`` on ``mesh`` once.
+         hsdp: bool = False, hierarchical: bool = False, bucket_bytes: int = 0, frozen: Collection[str] = (),
+         slow_precision: SlowPrecision | None = None) -> Plan:
+    """Resolve the sharding of ``params`` on ``mesh`` once: the plan :func:`hpf.shard_step` makes
+    (it passes its ``topology``'s ``hierarchical``, ``bucket_bytes`` and ``slow_precision``).
 
     ``params`` may be meta tensors; ``mesh`` may be virtual. Axes of a spec that are in
     ``fsdp_axes`` (default: all mesh axes) mean "stored sharded, gathered for compute";
     other axes mean "stored and computed sharded". With no ``param_specs`` every parameter
-    is sharded over ``default_shard_axes`` (default: all FSDP axes; the fast-tier axes give
-    HSDP). ``hierarchical`` numbers shards fast-axes-first for two-tier collectives.
+    is sharded over all FSDP axes, or with ``hsdp`` over those in the fast tier and replicated
+    across the slow tier. ``hierarchical`` numbers shards fast-axes-first for two-tier collectives.
     ``bucket_bytes`` caps a bucket (one flat buffer, one fused collective): a unit's params
     of one layout and dtype fill buckets in tree order, a new one starting where the next
     param would pass the cap (0: one bucket each; a param bigger than the cap gets its own).
     ``frozen`` params (paths) go to buckets of their own, which are gathered but never reduced.
     ``slow_precision`` (:class:`hpf.types.SlowPrecision`) pads the shards of buckets with a
-    low-bit collective (``hpf.comm.cost.low_bit``) to whole quantization blocks, and rides with
+    low-bit collective (``low_bit``) to whole quantization blocks, and rides with
     the plan.
 
     Args:
@@ -226,7 +264,7 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
         param_specs: None, a ``P`` for every param, ``hpf.rules([...])`` / any ``path -> P``
             callable, or a pytree of ``P`` (None leaves mean ``P()``) with the params' structure.
         fsdp_axes: the axes params are stored sharded over and gathered for compute.
-        hierarchical, default_shard_axes, bucket_bytes, frozen, slow_precision: as above.
+        hsdp, hierarchical, bucket_bytes, frozen, slow_precision: as above.
 
     Raises:
         SpecError: a spec naming a non-axis or an axis twice, more entries than dims, no
@@ -235,7 +273,8 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
             :class:`~hpf.spec.IndivisibleSpecError` (a non-FSDP axis that does not divide its dim).
         TypeError: a params leaf that is not a tensor.
         ValueError: a ``bucket_bytes`` that is not an int >= 0; a ``slow_precision`` that no
-            collective would use (no slow tier on ``mesh``: a 1-D mesh).
+            collective would use (no slow tier on ``mesh``: a 1-D mesh); ``hsdp`` with no slow
+            tier among the FSDP axes (nothing to replicate across).
     """
     check_bucket_bytes(bucket_bytes)
     fsdp = tuple(mesh.axis_names) if fsdp_axes is None else as_axes(fsdp_axes)  # a str is one axis name
@@ -243,7 +282,11 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
         if a not in mesh.axis_names:
             raise SpecError(f"fsdp_axes names {a!r}, which is not an axis of {mesh}")
     compute_axes = tuple(a for a in mesh.axis_names if a not in fsdp)
-    shard_default = fsdp if default_shard_axes is None else tuple(default_shard_axes)
+    if hsdp and not mesh.slow_axes_of(fsdp):
+        raise ValueError(f"hsdp=True replicates params across the slow tier, but no FSDP axis of {mesh} is outside "
+                         f"its fast tier {list(mesh.fast_axes)} (with size > 1): HSDP would be plain FSDP. Give the "
+                         "mesh an outer axis (hpf.Mesh({'node': 2, 'local': 2})), or drop hsdp")
+    shard_default = tuple(a for a in fsdp if a in mesh.fast_axes) if hsdp else fsdp
     default = (lambda x: P(shard_default) if x.dim() >= 1 and shard_default else P())
     specs = resolve_specs(params, param_specs, mesh.axis_names, default)
     paths, leaves, treedef = tree_util.flatten(params)
@@ -293,6 +336,23 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
             "byte would stay full precision. A 1-D mesh is one fast tier: give it an outer axis for the slow one "
             "(hpf.Mesh({'node': 2, 'local': 2}); hpf train --mesh node=2,local=2), or drop the slow precision")
     return Plan(mesh, fsdp, compute_axes, specs, slots, buckets, units, treedef, ties, list(paths), slow_precision)
+
+
+def low_bit(mesh: Mesh, bucket: "Bucket", slow: SlowPrecision | None) -> dict[str, str | None]:
+    """The format each of ``bucket``'s collectives sends across the slow tier in (None: its own dtype).
+
+    The gather and the reduce-scatter are low-bit when their shard group has a slow stage; the
+    HSDP all-reduce when every replica axis is a slow one (a fast one would carry it too)."""
+    out = dict.fromkeys(OPS)
+    if slow is None:
+        return out
+    crosses = bool(mesh.slow_axes_of(bucket.shard_axes))
+    out["all_gather"] = slow.weights if crosses else None
+    if not bucket.frozen:
+        out["reduce_scatter"] = slow.grads if crosses else None
+        replicas = [a for a in bucket.replicate_axes if mesh.axis_size(a) > 1]
+        out["all_reduce"] = slow.grads if replicas and set(mesh.slow_axes_of(replicas)) == set(replicas) else None
+    return out
 
 
 def check_bucket_bytes(bucket_bytes: int) -> None:

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .comm.cost import OPS, TIERS, bucket_comm_bytes, codec_bytes, dtype_bytes, feedback_numel
+from .comm.cost import TIERS, bucket_comm_bytes, codec_bytes, dtype_bytes, feedback_numel
+from .planning import OPS
 from .tree import ROOT
 
 __all__ = ["PlanReport"]

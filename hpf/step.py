@@ -20,16 +20,16 @@ from . import batching, checks, losses
 from . import tree as tree_util
 from .checks import DonatedStateError, NonFiniteError, UnusedParamsError
 from .comm import world
+from .comm.world import default_device
 from .comm.collectives import SPMD, spmd
 from .comm.flat import BucketComm
 from .comm.tiered import TieredComm, Topology
 from .config import StepConfig
 from .decision import Decider, Decision
-from .device import default_device
 from .engine import UnitEngine, explain_freed, refuses_hooks
 from .engine.compiled import compile_seconds
 from .launcher import init_distributed, is_launched
-from .mesh import Mesh, MeshError, as_axes
+from .mesh import Mesh, MeshError
 from .optim.base import ForPlan, PartialUpdate
 from .planning import Plan, plan as make_plan
 from .state_io import StateIO
@@ -109,11 +109,9 @@ class ShardStep(StateIO):
                                  compute_sums=[(b, self.mesh.group(axes)) for b, axes in partial
                                                if self.mesh.axis_size(axes) > 1],
                                  on_extra_gather=self.on_extra_gather, rematerialize=cfg.grad == "torch.func")
-        self.dp_size = self.mesh.axis_size(self.plan.fsdp_axes)
         # Axes a param computes sharded over (experts on a borrowed data axis) allow collectives.
         self._spmd = SPMD(self.mesh, self.rank, tuple(a for a in self.plan.fsdp_axes if a not in self.plan.split_axes))
-        self._n_compute = self.mesh.axis_size(self.plan.compute_axes)  # ranks computing one replica's loss
-        self.decider = Decider(self.mesh.size, self.dp_size, self._n_compute,
+        self.decider = Decider(self.mesh.size, self.plan.dp_size, self.plan.compute_size,
                                torch.tensor([float(self.plan.replicas(b)) for b in self.plan.buckets],
                                             dtype=torch.float64), cfg.max_grad_norm)
         opt = self.optimizer
@@ -242,7 +240,7 @@ class ShardStep(StateIO):
         eng, cfg = self.engine, self.config
         if self.mp is not None:
             batch = batching.cast(batch, self.mp.compute_dtype, batching.leaf_axes(batch, cfg.batch_axes))
-        seed = scale / self._n_compute
+        seed = scale / self.plan.compute_size
         with spmd(self._spmd), eng.micro_batch(self.grad_shards, hold):
             if cfg.grad == "torch.func":
                 return self._func_grads(batch, seed)
@@ -385,26 +383,7 @@ class ShardStep(StateIO):
 
 def step_plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes=None, *,
               topology: Topology | None = None, hsdp: bool = False, frozen=()) -> Plan:
-    """The plan :func:`hpf.shard_step` makes for these arguments (the CLI's ``hpf plan`` prints it).
-
-    Args:
-        params: the full params (meta tensors are enough).
-        mesh, param_specs, fsdp_axes, topology, hsdp: as for :func:`hpf.shard_step`.
-        frozen: the paths of params that are not trained.
-
-    Raises:
-        SpecError: as :func:`hpf.plan`.
-        ValueError: ``hsdp`` on a mesh with no slow tier among the FSDP axes (nothing to replicate
-            across), and as :func:`hpf.plan`.
-    """
-    fsdp_axes = as_axes(fsdp_axes)
-    fsdp = mesh.axis_names if fsdp_axes is None else fsdp_axes
-    if hsdp and not mesh.slow_axes_of([a for a in fsdp if a in mesh.axis_names]):
-        raise ValueError(f"hsdp=True replicates params across the slow tier, but no FSDP axis of {mesh} is outside "
-                         f"its fast tier {list(mesh.fast_axes)} (with size > 1): HSDP would be plain FSDP. Give the "
-                         "mesh an outer axis (hpf.Mesh({'node': 2, 'local': 2})), or drop hsdp")
-    return make_plan(params, mesh, param_specs, fsdp_axes,
-                     hierarchical=topology is not None and topology.hierarchical,
-                     default_shard_axes=[a for a in fsdp if a in mesh.fast_axes] if hsdp else None,
-                     bucket_bytes=topology.bucket_bytes if topology else 0, frozen=frozen,
-                     slow_precision=topology.slow_precision if topology else None)
+    """The plan :func:`hpf.shard_step` makes for these arguments (the CLI's ``hpf plan`` prints it):
+    :func:`hpf.plan` with ``topology``'s layout options. Raises as :func:`hpf.plan`."""
+    return make_plan(params, mesh, param_specs, fsdp_axes, hsdp=hsdp, frozen=frozen,
+                     **(topology.plan_options() if topology else {}))

@@ -78,8 +78,7 @@ def test_chunks_of_every_rank_tile_the_full_params(axes, kw):
     full = gpt.init(gpt.GPTConfig(67, 16, 24, 3, 4, 38))  # dims the tp axis divides
     mesh = hpf.Mesh(axes)
     fsdp = kw.get("fsdp_axes")
-    plan = hpf.plan(full, mesh, kw.get("param_specs"), fsdp,
-                    default_shard_axes=["local"] if kw.get("hsdp") else None)
+    plan = hpf.plan(full, mesh, kw.get("param_specs"), fsdp, hsdp=kw.get("hsdp", False))
     paths, leaves, _ = hpf.tree.flatten(full)
     rebuilt = {ck.key_of(p): torch.full_like(x, float("nan")) for p, x in zip(paths, leaves)}
     seen = {}

@@ -30,6 +30,7 @@ from hpf_kernels import dequantize, quantize
 from hpf_kernels.formats import FORMATS
 from references import autograd_grads
 from test_cli import run_main
+from hpf.report import PlanReport
 
 CONFIG = gpt.CONFIGS["tiny"]
 MESH = {"node": 2, "local": 2}
@@ -95,7 +96,7 @@ def _variant(rank: int, name: str, kw: dict, ckpt: str) -> dict:
     out["losses"] = losses
     out["masters"] = [p.clone() for p in state.params]
     out["feedback"] = None if state.error_feedback is None else [r.clone() for r in state.error_feedback]
-    out["report"] = step.plan.report(hierarchical=True, regather=not all(step.engine.buffers.shared))
+    out["report"] = PlanReport.of(step.plan, hierarchical=True, regather=not all(step.engine.buffers.shared))
     if state.error_feedback is not None:  # resume from step 1 on a new step: bitwise the same run
         again = _make(**kw)
         again.init(gpt.init(CONFIG, device="meta"))
@@ -295,7 +296,7 @@ def _small_report(slow: str | None):
     topology = Topology(slow_weights=low and low.weights, slow_grads=low and low.grads,
                         slow_error_feedback=bool(low and low.error_feedback))
     plan = step_plan(gpt.init(gpt.CONFIGS["small"], device="meta"), hpf.Mesh(MESH), topology=topology)
-    return plan.report(compute_dtype=torch.bfloat16, reduce_dtype=torch.float32, hierarchical=True)
+    return PlanReport.of(plan, compute_dtype=torch.bfloat16, reduce_dtype=torch.float32, hierarchical=True)
 
 
 def _slow_report(slow: str | None) -> dict:

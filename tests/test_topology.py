@@ -23,6 +23,7 @@ from hpf.launcher import RankError, launch
 from hpf.models import gpt
 from references import adamw_training
 from hpf.tree import flatten
+from hpf.report import PlanReport
 
 CONFIG = gpt.CONFIGS["tiny"]
 MESH = {"node": 2, "local": 2}
@@ -92,7 +93,7 @@ def _run_variants(rank):
             "bytes": comm_bytes,
             "gathers": gathers_step,
             "bucket_units": [b.unit for b in step.plan.buckets],
-            "report": step.plan.report(hierarchical=hier).comm,
+            "report": PlanReport.of(step.plan, hierarchical=hier).comm,
         }
     return out
 

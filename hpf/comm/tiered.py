@@ -46,7 +46,7 @@ from ..types import SlowPrecision
 from . import world
 from .cost import bucket_comm_bytes, count_bytes, dtype_bytes
 from .lowbit import LowBitTier
-from .shm import ShmGroup
+from .shm import ALIGN, ShmGroup
 from .transport import DONE, Handle, ProcessGroupTransport, Transport
 
 __all__ = ["Topology", "SlowLink", "TieredComm"]
@@ -106,7 +106,7 @@ class Topology:
     fast_transport: str = "auto"
     slow_link: SlowLink | None = None
     shm_bytes: int = 0  # shared-memory capacity; 0 sizes it from the plan
-    timeout_s: float = 300.0
+    timeout_s: float = world.COLLECTIVE_TIMEOUT_S
     bucket_bytes: int = 0  # cap on one fused collective (hpf.plan's bucket_bytes); 0: one per unit
     slow_weights: str | None = None
     slow_grads: str | None = None
@@ -122,6 +122,19 @@ class Topology:
             raise ValueError(f"slow_weights={self.slow_weights!r}, slow_grads={self.slow_grads!r} with "
                              "hierarchical=False: a flat collective has no slow stage of its own to quantize (the "
                              "fast tier stays at full precision); use hierarchical=True")
+
+    @classmethod
+    def with_slow(cls, slow: SlowPrecision | None, **options) -> "Topology":
+        """A topology whose slow tier is ``slow`` (None: full precision), with these other options."""
+        if slow is None:
+            return cls(**options)
+        return cls(**options, slow_weights=slow.weights, slow_grads=slow.grads, slow_block=slow.block,
+                   slow_error_feedback=slow.error_feedback)
+
+    def plan_options(self) -> dict:
+        """What of this topology shapes the plan (``hpf.plan``'s keyword arguments)."""
+        return {"hierarchical": self.hierarchical, "bucket_bytes": self.bucket_bytes,
+                "slow_precision": self.slow_precision}
 
     @property
     def slow_precision(self) -> SlowPrecision | None:
@@ -226,7 +239,7 @@ class TieredComm:
             c, r = compute_dtypes[b.index], reduce_dtypes[b.index]
             # a shared full buffer and one grad row per local rank, each row cache-line aligned
             rows = 0 if b.frozen else mesh.axis_size(fast)  # (frozen: no grads)
-            shm_need += b.padded_numel * (dtype_bytes(c) + rows * dtype_bytes(r)) + 64 * (mesh.size + 1)
+            shm_need += b.padded_numel * (dtype_bytes(c) + rows * dtype_bytes(r)) + ALIGN * (mesh.size + 1)
         # Process groups of its own: its worker threads may still be gathering the next
         # step's first units while another step (another engine on the same mesh) runs.
         # Every rank builds its comms in the same order, so the instance numbers agree.
