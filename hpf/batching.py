@@ -81,7 +81,7 @@ def micro_batches(batch: Any, k: int, axes: list[int | None]) -> list[Any]:
 
 def cast(batch: Any, dtype: torch.dtype, axes: list[int | None]) -> Any:
     """Per-example floating leaves in ``dtype`` (as FSDP2's MixedPrecisionPolicy casts inputs)."""
-    paths, leaves, treedef = tree_util.flatten(batch)
+    _, leaves, treedef = tree_util.flatten(batch)
     return tree_util.unflatten(treedef, [x.to(dtype) if a is not None and x.is_floating_point() else x
                                          for x, a in zip(leaves, axes)])
 

@@ -277,15 +277,8 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
             tier among the FSDP axes (nothing to replicate across).
     """
     check_bucket_bytes(bucket_bytes)
-    fsdp = tuple(mesh.axis_names) if fsdp_axes is None else as_axes(fsdp_axes)  # a str is one axis name
-    for a in fsdp:
-        if a not in mesh.axis_names:
-            raise SpecError(f"fsdp_axes names {a!r}, which is not an axis of {mesh}")
+    fsdp = _fsdp_axes(mesh, fsdp_axes, hsdp)
     compute_axes = tuple(a for a in mesh.axis_names if a not in fsdp)
-    if hsdp and not mesh.slow_axes_of(fsdp):
-        raise ValueError(f"hsdp=True replicates params across the slow tier, but no FSDP axis of {mesh} is outside "
-                         f"its fast tier {list(mesh.fast_axes)} (with size > 1): HSDP would be plain FSDP. Give the "
-                         "mesh an outer axis (hpf.Mesh({'node': 2, 'local': 2})), or drop hsdp")
     shard_default = tuple(a for a in fsdp if a in mesh.fast_axes) if hsdp else fsdp
     default = (lambda x: P(shard_default) if x.dim() >= 1 and shard_default else P())
     specs = resolve_specs(params, param_specs, mesh.axis_names, default)
@@ -294,11 +287,22 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
     ties = _ties(paths, leaves, units_of)
     frozen = set(frozen) | {ties[p] for p in frozen if p in ties}  # a frozen alias freezes its tie
 
+    buckets, units, slots = _place(zip(paths, leaves, units_of), specs, ties, frozen, mesh, fsdp, bucket_bytes,
+                                   hierarchical, slow_precision)
+    if not units[ROOT].buckets:
+        del units[ROOT]
+    _check_slow_used(mesh, buckets, slow_precision)
+    return Plan(mesh, fsdp, compute_axes, specs, slots, buckets, units, treedef, ties, list(paths), slow_precision)
+
+
+def _place(params, specs: dict, ties: dict, frozen: set, mesh: Mesh, fsdp: tuple[str, ...], bucket_bytes: int,
+           hierarchical: bool, slow_precision: SlowPrecision | None):
+    """Each (path, leaf, unit) into a bucket and offset: (buckets, units, slots)."""
     buckets: list[Bucket] = []
     units: dict[str, Unit] = {ROOT: Unit(ROOT, [])}
     by_key: dict[tuple, Bucket] = {}
     slots: dict[str, ParamSlot] = {}
-    for path, leaf, unit in zip(paths, leaves, units_of):
+    for path, leaf, unit in params:
         spec = specs[path]
         if path in ties:
             if spec != specs[ties[path]]:
@@ -311,31 +315,48 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
         b = by_key.get(key)
         if b is None or (bucket_bytes and b.numel and
                          (b.numel + math.prod(local_shape)) * leaf.element_size() > bucket_bytes):
-            order = shard_axes
-            if hierarchical:
-                order = tuple(sorted(shard_axes, key=lambda a: a not in mesh.fast_axes))
-            replicate = tuple(a for a in fsdp if a not in shard_axes + split_axes)
-            b = Bucket(index=len(buckets), unit=unit, shard_axes=shard_axes, replicate_axes=replicate,
-                       dtype=leaf.dtype, shard_size=mesh.axis_size(shard_axes), split_axes=split_axes,
-                       shard_order=order, frozen=path in frozen)
-            if any(low_bit(mesh, b, slow_precision).values()):  # its slow-tier messages are whole blocks
-                b.align = slow_precision.block
-            by_key[key] = b
+            b = by_key[key] = _new_bucket(len(buckets), key, mesh, fsdp, hierarchical, slow_precision)
             buckets.append(b)
             units.setdefault(unit, Unit(unit, [])).buckets.append(b.index)
         slot = ParamSlot(path, spec, tuple(leaf.shape), local_shape, leaf.dtype, unit, b.index, b.numel)
         b.slots.append(slot)
         b.numel += slot.numel
         slots[path] = slot
-    if not units[ROOT].buckets:
-        del units[ROOT]
+    return buckets, units, slots
+
+
+def _fsdp_axes(mesh: Mesh, fsdp_axes, hsdp: bool) -> tuple[str, ...]:
+    fsdp = tuple(mesh.axis_names) if fsdp_axes is None else as_axes(fsdp_axes)  # a str is one axis name
+    for a in fsdp:
+        if a not in mesh.axis_names:
+            raise SpecError(f"fsdp_axes names {a!r}, which is not an axis of {mesh}")
+    if hsdp and not mesh.slow_axes_of(fsdp):
+        raise ValueError(f"hsdp=True replicates params across the slow tier, but no FSDP axis of {mesh} is outside "
+                         f"its fast tier {list(mesh.fast_axes)} (with size > 1): HSDP would be plain FSDP. Give the "
+                         "mesh an outer axis (hpf.Mesh({'node': 2, 'local': 2})), or drop hsdp")
+    return fsdp
+
+
+def _new_bucket(index: int, key: tuple, mesh: Mesh, fsdp: tuple[str, ...], hierarchical: bool,
+                slow_precision: SlowPrecision | None) -> Bucket:
+    """An empty bucket for ``key`` = (unit, shard axes, split axes, dtype, frozen)."""
+    unit, shard_axes, split_axes, dtype, frozen = key
+    order = tuple(sorted(shard_axes, key=lambda a: a not in mesh.fast_axes)) if hierarchical else shard_axes
+    replicate = tuple(a for a in fsdp if a not in shard_axes + split_axes)
+    b = Bucket(index=index, unit=unit, shard_axes=shard_axes, replicate_axes=replicate, dtype=dtype,
+               shard_size=mesh.axis_size(shard_axes), split_axes=split_axes, shard_order=order, frozen=frozen)
+    if any(low_bit(mesh, b, slow_precision).values()):  # its slow-tier messages are whole blocks
+        b.align = slow_precision.block
+    return b
+
+
+def _check_slow_used(mesh: Mesh, buckets: list[Bucket], slow_precision: SlowPrecision | None) -> None:
     if slow_precision is not None and not any(any(low_bit(mesh, b, slow_precision).values()) for b in buckets):
         raise ValueError(
             f"a low-bit slow tier ({slow_precision.text()}) has nothing to act on: no collective of this plan crosses "
             f"a slow tier of {mesh} (an axis outside the fast tier {list(mesh.fast_axes)}, of size > 1), so every "
             "byte would stay full precision. A 1-D mesh is one fast tier: give it an outer axis for the slow one "
             "(hpf.Mesh({'node': 2, 'local': 2}); hpf train --mesh node=2,local=2), or drop the slow precision")
-    return Plan(mesh, fsdp, compute_axes, specs, slots, buckets, units, treedef, ties, list(paths), slow_precision)
 
 
 def low_bit(mesh: Mesh, bucket: "Bucket", slow: SlowPrecision | None) -> dict[str, str | None]:

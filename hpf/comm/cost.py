@@ -36,7 +36,7 @@ TIERS = ("fast", "slow")
 
 
 class BucketLayout(Protocol):
-    """What the model reads of a bucket (``hpf.plan.Bucket`` has it)."""
+    """What the model reads of a bucket (``hpf.planning.Bucket`` has it)."""
 
     shard_axes: tuple[str, ...]  # the FSDP axes it is split over
     replicate_axes: tuple[str, ...]  # the FSDP axes it is replicated over

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from . import world
 from .transport import wait_for
 
-__all__ = ["ScheduleMismatchError", "PeerTimeoutError", "LOG", "ScheduleLog", "wait", "wait_all", "check_digests",
+__all__ = ["ScheduleMismatchError", "PeerTimeoutError", "LOG", "ScheduleLog", "wait", "check_digests",
            "digest_parts", "rendezvous", "SUSPECT_S", "DIGEST_MASK", "DIGEST_LEN"]
 
 #: Seconds a wait lasts before this rank asks whether the ranks disagree.
@@ -263,11 +263,6 @@ def rendezvous(kind: str, subject: str = "", group=None) -> None:
         parts = torch.tensor(digest_parts(code), dtype=torch.float64, device=world.default_device())  # nccl needs its device
         wait(dist.all_reduce(parts, group=group, async_op=True), f"{kind} {subject}".strip())
         check_digests(parts_agree(parts.tolist(), n), "calls", group)
-
-
-def wait_all(handles, what: Callable[[], str] | str = "collectives") -> None:
-    for h in handles:
-        wait(h, what)
 
 
 def _report(logs: list[dict]) -> str | None:

@@ -151,7 +151,7 @@ class DistMuon:
 
     Args:
         muon: the hpf.optim.Muon whose hyper-parameters and AdamW fallback to run.
-        plan: the step's plan (hpf.plan.Plan): which rank holds which piece of each matrix.
+        plan: the step's plan (hpf.Plan): which rank holds which piece of each matrix.
         rank: this process's global rank.
         comm_dtype: the dtype matrix pieces travel in (None: the grads').
 
