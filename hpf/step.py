@@ -8,7 +8,6 @@ same collectives) -> the update -> the next step's first gathers.
 """
 from __future__ import annotations
 
-import dataclasses
 import gc
 import time
 from collections import Counter
@@ -67,7 +66,7 @@ class ShardStep(StateIO):
         self._unloaded = False  # init had meta params and no restore has filled them yet
         self._pending_save = None  # an async save in flight (hpf.checkpoint.SaveHandle)
         self._terms = 1.0  # fp16: a weighted loss's terms per micro-batch, last seen (losses.terms_divisor)
-        self._timed = StepStats()  # the steps' summed timings (stats() adds bytes and gathers)
+        self._timed = dict.fromkeys(("steps",) + _TIMED, 0)  # the steps' count and summed timings (for stats())
         self._closed: StepStats | None = None  # the stats at close(); set once the step is closed
 
     # -- set-up, once ---------------------------------------------------------------------------
@@ -158,8 +157,10 @@ class ShardStep(StateIO):
                    "optimizer_s": t1 - t_opt, "comm_wait_s": self.engine.take_wait_s(),
                    "compile_s": compile_seconds() - compiled_s,
                    "skipped": not decision.finite}
-        t = self._timed
-        self._timed = dataclasses.replace(t, steps=t.steps + 1, **{k: getattr(t, k) + metrics[k] for k in _TIMED})
+        timed = self._timed
+        timed["steps"] += 1
+        for k in _TIMED:
+            timed[k] += metrics[k]
         if decision.aux is not None:
             metrics["aux"] = decision.aux
         if state.loss_scale is not None:
@@ -320,11 +321,10 @@ class ShardStep(StateIO):
         if self._closed is not None:
             return self._closed
         if self.engine is None:
-            return self._timed
+            return StepStats(**self._timed)
         mem = self.engine.stats
-        return dataclasses.replace(self._timed, bytes=Counter(self.engine.comm.bytes), gathers=mem.gathers,
-                                   extra_gathers=mem.extra_gathers, peak_blocks=mem.peak_blocks,
-                                   peak_bytes=mem.peak_bytes)
+        return StepStats(**self._timed, bytes=Counter(self.engine.comm.bytes), gathers=mem.gathers,
+                         extra_gathers=mem.extra_gathers, peak_blocks=mem.peak_blocks, peak_bytes=mem.peak_bytes)
 
     def close(self) -> None:
         """Release what the step holds: its comm's worker threads, process groups and shared
