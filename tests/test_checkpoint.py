@@ -11,7 +11,6 @@ import re
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 from typing import NamedTuple
 
@@ -85,8 +84,7 @@ def test_chunks_of_every_rank_tile_the_full_params(axes, kw):
     opt = hpf.optim.adamw()
     for r in range(mesh.size):
         shards = plan.shards(full, r)
-        fake = types.SimpleNamespace(plan=plan, rank=r, plan_optimizer=opt)
-        sd = ck._state_dict(fake, TrainState(shards, opt.init(shards)))
+        sd = ck._state_dict(ck.Layout(plan, r, opt), TrainState(shards, opt.init(shards)))
         for key, obj in sd.items():
             if key not in rebuilt:
                 continue
