@@ -24,10 +24,10 @@ import hpf
 from hpf.memory import step_memory
 from hpf.models import gpt
 from hpf.step import step_plan
+from hpf.report import PlanReport
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import report_ratio  # noqa: E402
-from hpf.report import PlanReport
 
 # (config, ranks, sequences per rank); each with recompute "none" and "all". Medium with recompute at
 # 1 sequence peaks while its reductions are held (the end of backward), its other cases while activations are.

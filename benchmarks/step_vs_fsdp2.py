@@ -34,9 +34,9 @@ from hpf.models import gpt
 from hpf import Topology
 from hpf.comm.transport import reduce_scatter_async
 from hpf.planning import ROOT
+from hpf.report import PlanReport
 
 from common import config_of, interleaved, median_ms, mib, parse_step_args, print_table, report_ratio, step_bench_parser, time_steps
-from hpf.report import PlanReport
 
 WORLD = 2
 LOCAL_LOSS = ("limit", "limit+gloo")  # contenders whose loss is this rank's own (no all-reduce), not the global mean

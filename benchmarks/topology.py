@@ -30,12 +30,12 @@ import hpf
 from hpf import SlowLink, Topology
 from hpf.launcher import launch
 from hpf.models import gpt
+from hpf.report import PlanReport
 
 from common import (config_of, median_ms, mib, parse_step_args, print_table, report_ratio, step_bench_parser,
                     time_steps)
 from shm_vs_gloo import _bench as shm_vs_gloo_bench
 from step_vs_fsdp2 import LOCAL_LOSS, adamw_step, fsdp2_gpt, make_limit
-from hpf.report import PlanReport
 
 MESH = {"node": 2, "local": 2}
 WORLD = 4
@@ -93,8 +93,8 @@ def rank_main(rank, args):
     times, losses = _time(impls, batches, args)
     steps = args.rounds * args.calls
     out["times"], out["losses"] = times, losses
-    out["slow_bytes"] = {n: {op: b / steps for op, b in (impls[n].step.stats() - impls[n].warm).slow_bytes().items()}
-                         for n in VARIANTS}
+    sent = {n: (impls[n].step.stats() - impls[n].warm).slow_bytes() for n in VARIANTS}
+    out["slow_bytes"] = {n: {op: b / steps for op, b in by_op.items()} for n, by_op in sent.items()}
     out["report"] = {n: PlanReport.of(
         impls[n].step.plan, hierarchical=bool(kw.get("topology") and kw["topology"].hierarchical)).comm for n, kw in VARIANTS.items()}
     for run in impls.values():

@@ -8,9 +8,9 @@ import torch
 import hpf
 from hpf.launcher import launch
 from hpf.models import gpt
+from hpf.report import PlanReport
 from references import adamw_training
 from toy_models import lm_batch, lm_loss, lm_params
-from hpf.report import PlanReport
 
 STEPS = 3
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

@@ -28,9 +28,9 @@ from hpf.types import SlowPrecision
 from hpf.validate import QuantizationError
 from hpf_kernels import dequantize, quantize
 from hpf_kernels.formats import FORMATS
+from hpf.report import PlanReport
 from references import autograd_grads
 from test_cli import run_main
-from hpf.report import PlanReport
 
 CONFIG = gpt.CONFIGS["tiny"]
 MESH = {"node": 2, "local": 2}
