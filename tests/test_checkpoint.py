@@ -375,8 +375,8 @@ class _HeadMomentum:
     def init(self, shards):
         sizes = []
         for b in self.plan.buckets:
-            lo, hi = b.shard_range(self.plan.shard_index(b, self.rank))
-            sizes.append(sum(max(0, min(s.offset + s.numel, hi) - max(s.offset, lo)) for s in b.slots if s.path == "head"))
+            position = self.plan.shard_index(b, self.rank)
+            sizes.append(sum(b.local_range(s, position).numel for s in b.slots if s.path == "head"))
         return _HeadState(torch.zeros((), dtype=torch.int64), [s.new_zeros(n) for s, n in zip(shards, sizes)])
 
     def update(self, grads, state, params):
