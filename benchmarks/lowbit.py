@@ -25,6 +25,7 @@ from hpf import SlowLink, Topology
 from hpf.launcher import launch
 from hpf.models import gpt
 from hpf.step import step_plan
+from hpf.report import PlanReport
 
 from common import median_ms, mib, parse_step_args, print_table, report_ratio, step_bench_parser, step_runner, time_steps
 
@@ -45,7 +46,8 @@ def report_bytes(config) -> dict[str, dict[str, int]]:
     out = {}
     for name, slow in BYTES.items():
         plan = step_plan(gpt.init(config, device="meta"), hpf.Mesh(MESH), topology=topology(slow))
-        rep = plan.report(compute_dtype=torch.bfloat16, reduce_dtype=torch.float32, hierarchical=True, regather=False)
+        rep = PlanReport.of(plan, compute_dtype=torch.bfloat16, reduce_dtype=torch.float32, hierarchical=True,
+                            regather=False)
         out[name] = {op: t["slow"] for op, t in rep.comm.items()}
     return out
 
@@ -62,11 +64,10 @@ def rank_main(rank, args):
                               mixed_precision="bf16", topology=topology(slow))
         run = step_runner(step, params)
         run(batches[0])
-        before = dict(step.engine.comm.bytes)
+        before = step.stats()
         run(batches[1])
-        out["counted"][name] = {op: n - before.get((op, tier), 0) for (op, tier), n in step.engine.comm.bytes.items()
-                                if tier == "slow"}
-        step.engine.comm.close()
+        out["counted"][name] = (step.stats() - before).slow_bytes()
+        step.close()
     steps = {}
     for speed, mbs in (("", args.bandwidth_mbs), ("/10", args.bandwidth_mbs / 10)):
         link = SlowLink(latency_s=args.latency_ms * 1e-3, bandwidth=mbs * 1e6)
@@ -76,7 +77,7 @@ def rank_main(rank, args):
     impls = {name: step_runner(step, params) for name, step in steps.items()}
     out["times"], out["losses"], _ = time_steps(impls, batches, args)  # (2)
     for step in steps.values():
-        step.engine.comm.close()
+        step.close()
     return out
 
 

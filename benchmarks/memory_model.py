@@ -24,6 +24,7 @@ import hpf
 from hpf.memory import step_memory
 from hpf.models import gpt
 from hpf.step import step_plan
+from hpf.report import PlanReport
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import report_ratio  # noqa: E402
@@ -40,7 +41,7 @@ def predicted(config: str, ranks: int, local_batch: int, recompute: str, reduce_
     """The model's peak; ``reduce_copies=0``: as if each reduction landed the moment it was issued."""
     cfg = gpt.CONFIGS[config]
     plan = step_plan(gpt.init(cfg, device="meta"), hpf.Mesh({"dp": ranks}))
-    return step_memory(plan.report(), plan, gpt.activations(cfg, local_batch), recompute=recompute,
+    return step_memory(PlanReport.of(plan), plan, gpt.activations(cfg, local_batch), recompute=recompute,
                        comm="flat", reduce_copies=reduce_copies)
 
 

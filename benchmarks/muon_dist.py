@@ -38,18 +38,17 @@ class GatherAllMuon:
         self.adamw, self.pieces, self.buckets = [], [], []  # pieces: (bucket, in shard, slot, in matrix)
         self.bytes_sent = 0
         for b in plan.buckets:
-            lo, hi = b.shard_range(plan.shard_index(b, rank))
+            position = plan.shard_index(b, rank)
             matrices = []
             for s in b.slots:
-                start, stop = max(s.offset, lo), min(s.offset + s.numel, hi)
+                piece = b.local_range(s, position)
                 is_muon = muon.on_muon(s.path, torch.empty(s.global_shape, device="meta"))
                 matrices += [s] if is_muon else []
-                if start < stop:
-                    mine = slice(start - lo, stop - lo)
+                if piece.numel:
                     if is_muon:
-                        self.pieces.append((b.index, mine, s, slice(start - s.offset, stop - s.offset)))
+                        self.pieces.append((b.index, piece.held, s, piece.param))
                     else:
-                        self.adamw.append((b.index, mine))
+                        self.adamw.append((b.index, piece.held))
             if matrices:
                 self.buckets.append((b, matrices, plan.mesh.group(b.shard_axes) if b.shard_size > 1 else None))
 

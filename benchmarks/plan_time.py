@@ -9,6 +9,7 @@ import time
 
 import hpf
 from hpf.models import gpt
+from hpf.report import PlanReport
 
 
 def main() -> None:
@@ -26,7 +27,7 @@ def main() -> None:
         params = gpt.init(config, device="meta")
         plan = hpf.plan(params, mesh)
         t1 = time.perf_counter()
-        text = plan.report().format()
+        text = PlanReport.of(plan).format()
         t2 = time.perf_counter()
         plan_s.append(t1 - t0)
         report_s.append(t2 - t1)

@@ -5,12 +5,12 @@ A benchmark is a script here that calls ``report_ratio`` (common.py), which prin
 output, and prints one table of the ratios, each marked ``ok`` or ``MISS`` against its
 target; a script's ``--quick`` run is a smoke run (a step or two), so its ratios are shown but
 not judged ("smoke"). ``--json FILE`` also writes them, with the settings of the run, for the docs site
-(docs/benchmarks.md builds its table from docs/benchmarks/results.json).
+(docs/benchmarks.md builds its table from docs/results/benchmarks.json).
 
 It is a tool of this repository, not of the installed package: the scripts compare hpf
 with FSDP2 and hand-written loops, and live next to this file.
 
-    python benchmarks/run.py [--quick] [--only NAME ...] [--json docs/benchmarks/results.json]
+    python benchmarks/run.py [--quick] [--only NAME ...] [--json docs/results/benchmarks.json]
 """
 from __future__ import annotations
 

@@ -66,7 +66,7 @@ def _measure(rank: int, model: str, config_name: str, batch: int, candidates: li
             torch.distributed.barrier()
             state, m = step(state, _batch(model, config, rank, mesh.size, batch, s))
             times.append(m["step_s"])
-        step.engine.comm.close()
+        step.close()
         return times[warmup:]
 
     run(search.Candidate(**candidates[0]), 1)

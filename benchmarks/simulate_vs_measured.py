@@ -89,7 +89,7 @@ def _measure_rank(rank, c, steps, warmup):
             if i >= warmup:
                 times.append(m["step_s"])
                 waits.append(m["comm_wait_s"])
-        step.engine.comm.close()
+        step.close()
     everyone = [None] * mesh.size
     torch.distributed.all_gather_object(everyone, (times, waits))
     if rank:

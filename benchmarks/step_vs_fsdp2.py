@@ -34,6 +34,7 @@ from hpf.models import gpt
 from hpf import Topology
 from hpf.comm.transport import reduce_scatter_async
 from hpf.planning import ROOT
+from hpf.report import PlanReport
 
 from common import config_of, interleaved, median_ms, mib, parse_step_args, print_table, report_ratio, step_bench_parser, time_steps
 
@@ -321,18 +322,18 @@ def rank_main(rank, args):
     impls["limit+gloo"] = make_limit_gloo(params, config, adamw, impls["hpf"].step.plan)
     if args.shm:  # hpf's own fast tier for ranks of one host: shared memory instead of gloo
         impls["hpf-shm"] = make_hpf(params, config, adamw, Topology(fast_transport="shm"))
-    sent = impls["hpf"].step.engine.comm.bytes  # (op, tier) -> bytes, counted by the engine
+    hpf_step, warm = impls["hpf"].step, []  # its stats after the warm-up: bytes counted by the engine
 
     def check_and_reset(losses):
         first = [l[0] for n, l in losses.items() if n not in LOCAL_LOSS]
         if max(first) - min(first) > 1e-5:
             raise RuntimeError(f"step-0 losses differ, so the implementations do not compute the same thing: {losses}")
-        sent.clear()
+        warm.append(hpf_step.stats())
     times, losses, cpu = time_steps(impls, batches, args, after_warmup=check_and_reset)
     per_step = Counter()
-    for (op, _tier), n in sent.items():
+    for (op, _tier), n in (hpf_step.stats() - warm[0]).bytes.items():
         per_step[op] += n / (args.rounds * args.calls)
-    report = impls["hpf"].step.plan.report()
+    report = PlanReport.of(impls["hpf"].step.plan)
     return {"times": times, "cpu": cpu, "losses": losses, "sent": dict(per_step), "min_bytes": fsdp_min_bytes(params),
             "report_bytes": sum(report.comm_total.values())}
 

@@ -30,6 +30,7 @@ import hpf
 from hpf import SlowLink, Topology
 from hpf.launcher import launch
 from hpf.models import gpt
+from hpf.report import PlanReport
 
 from common import (config_of, median_ms, mib, parse_step_args, print_table, report_ratio, step_bench_parser,
                     time_steps)
@@ -71,7 +72,7 @@ def _time(impls, batches, args):
     def reset_counters(_losses):
         for run in impls.values():
             if hasattr(run, "metrics"):
-                run.step.engine.comm.bytes.clear()
+                run.warm = run.step.stats()
                 run.metrics.clear()
     times, losses, _cpu = time_steps(impls, batches, args, after_warmup=reset_counters)
     return times, losses
@@ -92,13 +93,13 @@ def rank_main(rank, args):
     times, losses = _time(impls, batches, args)
     steps = args.rounds * args.calls
     out["times"], out["losses"] = times, losses
-    out["slow_bytes"] = {n: {op: b / steps for (op, tier), b in impls[n].step.engine.comm.bytes.items()
-                             if tier == "slow"} for n in VARIANTS}
-    out["report"] = {n: impls[n].step.plan.report(
-        hierarchical=bool(kw.get("topology") and kw["topology"].hierarchical)).comm for n, kw in VARIANTS.items()}
+    sent = {n: (impls[n].step.stats() - impls[n].warm).slow_bytes() for n in VARIANTS}
+    out["slow_bytes"] = {n: {op: b / steps for op, b in by_op.items()} for n, by_op in sent.items()}
+    out["report"] = {n: PlanReport.of(
+        impls[n].step.plan, hierarchical=bool(kw.get("topology") and kw["topology"].hierarchical)).comm for n, kw in VARIANTS.items()}
     for run in impls.values():
         if hasattr(run, "step"):
-            run.step.engine.comm.close()
+            run.step.close()
     del impls
 
     # (4): the emulated slow link, backward pipeline on vs off; and no link, as the floor
@@ -111,7 +112,7 @@ def rank_main(rank, args):
     out["slow_times"], out["slow_losses"] = _time(slow, batches, args)
     out["waits"] = {n: [(m["comm_wait_s"], m["step_s"]) for m in run.metrics] for n, run in slow.items()}
     for run in slow.values():
-        run.step.engine.comm.close()
+        run.step.close()
     return out
 
 

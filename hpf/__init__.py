@@ -18,7 +18,7 @@ _NAMES = {
     "Mesh": "mesh", "MeshError": "mesh",
     "Plan": "planning", "plan": "planning",
     "P": "spec", "SpecError": "spec", "rules": "spec",
-    "MixedPrecision": "types", "TrainState": "types",
+    "MixedPrecision": "types", "StepStats": "types", "TrainState": "types",
     "DonatedStateError": "checks", "NonFiniteError": "checks", "ParamsMismatchError": "checks",
     "UnevenBatchError": "checks", "StaleParamError": "checks", "UnusedParamsError": "checks",
     "hvp": "func", "per_example_grads": "func",

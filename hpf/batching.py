@@ -14,6 +14,7 @@ import optree
 import torch
 
 from . import tree as tree_util
+from .comm.schedule import DIGEST_MASK
 
 __all__ = ["leaf_axes", "micro_batches", "cast", "shape_signature"]
 
@@ -80,7 +81,7 @@ def micro_batches(batch: Any, k: int, axes: list[int | None]) -> list[Any]:
 
 def cast(batch: Any, dtype: torch.dtype, axes: list[int | None]) -> Any:
     """Per-example floating leaves in ``dtype`` (as FSDP2's MixedPrecisionPolicy casts inputs)."""
-    paths, leaves, treedef = tree_util.flatten(batch)
+    _, leaves, treedef = tree_util.flatten(batch)
     return tree_util.unflatten(treedef, [x.to(dtype) if a is not None and x.is_floating_point() else x
                                          for x, a in zip(leaves, axes)])
 
@@ -88,4 +89,4 @@ def cast(batch: Any, dtype: torch.dtype, axes: list[int | None]) -> Any:
 def shape_signature(batch: Any) -> int:
     """A 51-bit hash of every tensor leaf's shape (tuples of ints hash the same in every process)."""
     leaves = tree_util.flatten(batch)[1]
-    return hash(tuple(tuple(x.shape) for x in leaves if isinstance(x, torch.Tensor))) & ((1 << 51) - 1)
+    return hash(tuple(tuple(x.shape) for x in leaves if isinstance(x, torch.Tensor))) & DIGEST_MASK

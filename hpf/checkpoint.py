@@ -47,14 +47,12 @@ import sys
 import threading
 import warnings
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import optree
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -69,7 +67,7 @@ from .launcher import at_shutdown
 from .optim.base import StateLayout
 
 
-__all__ = ["CheckpointError", "save", "restore", "load_params", "meta", "wait_pending", "boxes", "latest", "rng_state",
+__all__ = ["CheckpointError", "Layout", "save", "restore", "load_params", "meta", "wait_pending", "boxes", "latest", "rng_state",
            "set_rng_state", "VERSION"]
 
 VERSION = 1
@@ -185,30 +183,39 @@ def _add_chunks(sd: dict, plan, bucket, rank: int, flat: torch.Tensor, key: str,
     """Add the chunks of every param ``flat`` (this rank's state tensor of ``bucket``) holds.
     ``only=None``: flat is laid out as the param shard; else it packs just the params in
     ``only``, back to back (hpf.optim.StateLayout; DistMuon's AdamW second moment)."""
-    lo, hi = bucket.shard_range(plan.shard_index(bucket, rank))
+    position = plan.shard_index(bucket, rank)
     at = 0
     for s in bucket.slots:
-        start, stop = max(s.offset, lo), min(s.offset + s.numel, hi)
         if only is not None and s.path not in only:
             continue
         entry = sd.setdefault(key.format(key_of(s.path)), _Chunks(torch.Size(s.global_shape), flat.dtype, {}))
-        if start >= stop:
+        piece = bucket.local_range(s, position)
+        if not piece.numel:
             continue
-        first = start - lo if only is None else at
+        first = piece.held.start if only is None else at
         block = plan.block_offsets(s.path, rank)
-        for f, off, size in boxes(s.local_shape, start - s.offset, stop - s.offset):
+        for f, off, size in boxes(s.local_shape, piece.param.start, piece.param.stop):
             n = int(np.prod(size, dtype=np.int64))
-            at_box = first + f - (start - s.offset)
+            at_box = first + f - piece.param.start
             entry.views[tuple(a + b for a, b in zip(off, block))] = flat[at_box:at_box + n].view(size)
-        at += stop - start
+        at += piece.numel
 
 
-def _state_dict(step, state) -> dict[str, Any]:
-    plan, rank = step.plan, step.rank
+class Layout(NamedTuple):
+    """What a checkpoint reads of a step: its plan, this rank, and the optimizer on the plan
+    (``ShardStep.layout()``)."""
+
+    plan: Any  # hpf.Plan
+    rank: int
+    optimizer: Any
+
+
+def _state_dict(layout: Layout, state) -> dict[str, Any]:
+    plan, rank = layout.plan, layout.rank
     sd: dict[str, Any] = {}
     for b, shard in zip(plan.buckets, state.params):
         _add_chunks(sd, plan, b, rank, shard, "{}", None)
-    opt_state, optimizer = state.opt_state, step.plan_optimizer
+    opt_state, optimizer = state.opt_state, layout.optimizer
     if not hasattr(opt_state, "_asdict"):
         raise CheckpointError(f"optimizer state {type(opt_state).__name__} is not a NamedTuple of fields; "
                               "hpf.checkpoint saves AdamWState and MuonState")
@@ -275,9 +282,9 @@ def _unskeleton(node: Any, leaves: dict[str, torch.Tensor]) -> Any:
     return {k: _unskeleton(v, leaves) for k, v in node.items()}
 
 
-def _header(step, sd: dict) -> dict:
-    plan = step.plan
-    return {"format": "hpf-dcp", "version": VERSION, "optimizer": type(step.plan_optimizer).__name__,
+def _header(layout: Layout, sd: dict) -> dict:
+    plan = layout.plan
+    return {"format": "hpf-dcp", "version": VERSION, "optimizer": type(layout.optimizer).__name__,
             "tree": _skeleton(plan),
             "tensors": {k: [list(v.shape if isinstance(v, _Chunks) else v.shape), str(v.dtype)]
                         for k, v in sd.items() if isinstance(v, (_Chunks, torch.Tensor))}}
@@ -298,7 +305,7 @@ _GROUP: dict[str, Any] = {}
 def _group():
     """A gloo group of its own, so an async save's collectives never interleave with the step's."""
     if "g" not in _GROUP:
-        _GROUP["g"] = dist.new_group(backend="gloo", timeout=timedelta(minutes=10))
+        _GROUP["g"] = world.new_group(backend="gloo", timeout_s=600)
     return _GROUP["g"]
 
 
@@ -369,7 +376,7 @@ def _report_lost_saves() -> None:
 atexit.register(_report_lost_saves)
 
 
-def save(step, state, path, extra: Any = None, *, keep_last: int | None = None, async_save: bool = False,
+def save(layout: Layout, state, path, extra: Any = None, *, keep_last: int | None = None, async_save: bool = False,
          meta: dict | None = None) -> SaveHandle:
     """Write ``state`` (and ``extra``, rank 0's) to the directory ``path``; every rank calls it,
     with the same path (checked: a CheckpointError on every rank otherwise).
@@ -393,8 +400,8 @@ def save(step, state, path, extra: Any = None, *, keep_last: int | None = None, 
     group = _group() if on else None
     if async_save:
         state = optree.tree_map(lambda t: t.detach().to("cpu", copy=True), state)
-    sd = _state_dict(step, state)
-    header = {**_header(step, sd), "meta": json.loads(json.dumps(meta or {}))}  # (JSON now: a bad value fails here)
+    sd = _state_dict(layout, state)
+    header = {**_header(layout, sd), "meta": json.loads(json.dumps(meta or {}))}  # (JSON now: a bad value fails here)
     sd["extra"] = extra
     tmp = path.with_name(path.name + TMP_SUFFIX)
     rank = world.rank()
@@ -446,7 +453,7 @@ def _all_ok(ok: bool, group) -> bool:
     if not world.is_distributed():
         return ok
     flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    world.all_reduce(flag, group, op="max")
     return int(flag) == 0
 
 
@@ -570,29 +577,25 @@ def _some(keys: list[str], n: int = 8) -> str:
     return ", ".join(map(repr, keys[:n])) + (f" and {len(keys) - n} more" if len(keys) > n else "")
 
 
-def restore(step, path, state=None, *, strict: bool = True) -> tuple[Any, Any]:
-    """Load this rank's shards of params and optimizer state from ``path``, whatever mesh saved
-    them; returns ``(state, extra)``. ``state``: load into it in place (default: a fresh one).
-    Every rank calls it, with the same path (checked).
+def restore(layout: Layout, path, state, *, strict: bool = True) -> tuple[Any, Any]:
+    """Load this rank's shards of params and optimizer state from ``path`` into ``state`` (in
+    place), whatever mesh saved them; returns ``(state, extra)``. Every rank calls it, with the
+    same path (checked).
 
     ``strict`` (as ``load_state_dict``'s): a checkpoint key this model and optimizer lack (a
     deeper model's layer) is a CheckpointError; ``strict=False`` drops such keys and warns,
     listing them. A key this model needs and the checkpoint lacks is always an error: the
     state would keep zeros or stale values."""
     path = Path(path)
-    if step.plan is None:
-        raise RuntimeError("call step.init(params) first (meta params are fine), then step.restore(path)")
     _start("step.restore", path)
-    if state is None:
-        state = step.fresh_state()
-    sd = _state_dict(step, state)
+    sd = _state_dict(layout, state)
     sd["extra"] = None
     error, dropped = None, []
     try:
         header, metadata = _read_header(path)
-        if header["optimizer"] != type(step.plan_optimizer).__name__:
+        if header["optimizer"] != type(layout.optimizer).__name__:
             raise CheckpointError(f"{path}: saved with optimizer {header['optimizer']}, restoring into "
-                                  f"{type(step.plan_optimizer).__name__}; use the same optimizer")
+                                  f"{type(layout.optimizer).__name__}; use the same optimizer")
         _fitting_feedback(path, metadata, sd)
         _check(path, metadata, sd)
         dropped = sorted(k for k in set(metadata.state_dict_metadata) - set(sd) if not k.startswith(FEEDBACK))

@@ -20,7 +20,7 @@ from .comm import world
 __all__ = ["NonFiniteError", "DonatedStateError", "ParamsMismatchError", "StaleParamError", "UnevenBatchError",
            "UnusedParamsError",
            "CATALOGUE",
-           "clean_params", "frozen_paths", "check_same_on_all_ranks", "check_rate", "finite_or_none"]
+           "clean_params", "frozen_paths", "check_same_on_all_ranks", "finite_or_none"]
 
 
 class NonFiniteError(FloatingPointError):
@@ -179,15 +179,6 @@ def _bit_hash(x: torch.Tensor, chunk: int = 1 << 22) -> torch.Tensor:
 
 
 # -- arguments ------------------------------------------------------------------------------------------------
-def check_rate(value: float, what: str, step: int | None = None) -> float:
-    """A learning rate (or a schedule's value at ``step``): finite and >= 0, else ValueError."""
-    value = float(value)
-    if not math.isfinite(value) or value < 0:
-        at = f" returned {value} at step {step}" if step is not None else f"={value}"
-        raise ValueError(f"{what}{at}: learning rates must be finite and >= 0; fix the value or the schedule")
-    return value
-
-
 def finite_or_none(record: dict) -> dict:
     """A metrics record that is valid JSON: NaN and inf become None (null)."""
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}

@@ -24,6 +24,11 @@ from .trace import span
 
 __all__ = ["Decision", "Decider"]
 
+# The all-reduced vector: the 4 sums [loss, count, non-finite, squared grad norm], the digest of the
+# schedule log, the digest of the batch shapes (schedule.digest_parts each), then the aux tensors.
+_LOG = slice(4, 4 + schedule.DIGEST_LEN)
+_SHAPES = slice(_LOG.stop, _LOG.stop + schedule.DIGEST_LEN)
+
 
 @dataclass
 class Decision:
@@ -80,8 +85,8 @@ class Decider:
                 schedule.wait(world.all_reduce_async(totals), "the step's all-reduce")
                 waited = time.perf_counter() - t
         tv = totals.tolist()
-        schedule.check_digests(schedule.parts_agree(tv[4:10], self.world))
-        if not weighted and not schedule.parts_agree(tv[10:16], self.world):
+        schedule.check_digests(schedule.parts_agree(tv[_LOG], self.world))
+        if not weighted and not schedule.parts_agree(tv[_SHAPES], self.world):
             raise UnevenBatchError(
                 "local batches differ in shape across ranks, and the loss is a plain mean: the step's loss is the "
                 "mean of the ranks' means, which is the global mean only for equal local batches. Split the global "
@@ -97,7 +102,7 @@ class Decider:
             coef = min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
         out_aux = None
         if aux is not None:
-            flat = torch.tensor(tv[16:], dtype=torch.float64)
+            flat = torch.tensor(tv[_SHAPES.stop:], dtype=torch.float64)
             out_aux = {k: x.view(v.shape).to(v.dtype) for (k, v), x in
                        zip(summed.items(), torch.split(flat, [v.numel() for v in summed.values()]))}
             out_aux.update(_max_aux({k: v for k, v in aux.items() if k not in summed}, self.world))

@@ -64,7 +64,7 @@ def per_example_grads(step, state, batch: Any) -> Any:
 def _full_params(step, state, what: str) -> Any:
     if step.plan is None:
         raise RuntimeError(f"hpf.{what}: call step.init(full_params) first, and pass the state it returns")
-    if step.mesh.axis_size(step.plan.compute_axes) > 1:
+    if step.plan.compute_size > 1:
         raise NotImplementedError(f"hpf.{what}: the loss is computed across ranks (model-parallel axes "
                                   f"{step.plan.compute_axes}); only data-parallel steps are supported")
     return step.full_params(state)

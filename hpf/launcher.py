@@ -35,15 +35,13 @@ import torch
 import torch.distributed as dist
 
 from .comm import schedule
+from .comm.world import COLLECTIVE_TIMEOUT_S
 
 __all__ = ["RankError", "Terminated", "launch", "init_distributed", "shutdown", "at_shutdown", "is_launched", "rank", "world_size",
            "COLLECTIVE_TIMEOUT_S"]
 
 _TERMINATE_GRACE_S = 2.0  # SIGTERM first, SIGKILL after this
 _DEATH_ECHO_S = 1.0  # after a rank's error, how long to watch for a peer's death that caused it
-# A collective that waits this long for a peer raises: how a hung or dead rank is found. It
-# bounds a wait, never a healthy run, which may take as long as it needs.
-COLLECTIVE_TIMEOUT_S = 300.0
 
 
 class Terminated(SystemExit):

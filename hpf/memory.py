@@ -148,8 +148,9 @@ def state_report(plan: Plan, mixed_precision=None, optimizer: str = "adamw",
     """The plan report with ``optimizer``'s state counted ("adamw" or "muon": the busiest rank's),
     and a line that says what that state is."""
     mp = MixedPrecision.parse(mixed_precision)
-    report = plan.report(compute_dtype=mp.compute_dtype if mp else None, master_dtype=mp.master_dtype if mp else None,
-                         reduce_dtype=mp.reduce_dtype if mp else None, hierarchical=hierarchical)
+    report = PlanReport.of(plan, compute_dtype=mp.compute_dtype if mp else None,
+                           master_dtype=mp.master_dtype if mp else None, reduce_dtype=mp.reduce_dtype if mp else None,
+                           hierarchical=hierarchical)
     if optimizer == "adamw":
         return report, "optimizer state: AdamW, two fp32 moments per element"
     from .optim import muon

@@ -9,20 +9,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Collection, Sequence
+from typing import Any, Collection, NamedTuple, Sequence
 
 import optree
 import torch
 
 from . import tree as tree_util
 from .mesh import Mesh, as_axes
-from .comm.cost import low_bit
-from .report import PlanReport
 from .spec import IndivisibleSpecError, P, SpecError, resolve_specs
 from .tree import ROOT
 from .types import SlowPrecision
 
-__all__ = ["Plan", "Bucket", "ParamSlot", "Unit", "plan", "unit_names", "ROOT"]
+__all__ = ["Plan", "Bucket", "ParamSlot", "Piece", "Unit", "plan", "unit_names", "low_bit", "OPS", "ROOT"]
+
+# A bucket's collectives in one step: gather params and reduce-scatter grads over its shard
+# axes, all-reduce its grad shard over its replicate axes (HSDP).
+OPS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,24 @@ class ParamSlot:
     @property
     def numel(self) -> int:
         return math.prod(self.local_shape)
+
+    def piece(self, lo: int, hi: int) -> "Piece":
+        """The part of this param that the bucket's elements ``[lo, hi)`` hold."""
+        start, stop = max(self.offset, lo), min(self.offset + self.numel, hi)
+        stop = max(start, stop)
+        return Piece(slice(start - lo, stop - lo), slice(start - self.offset, stop - self.offset))
+
+
+class Piece(NamedTuple):
+    """The part of one param that a range of its bucket holds (a shard, usually): ``held``
+    indexes the range, ``param`` the param's flat (local) elements; both empty when none."""
+
+    held: slice
+    param: slice
+
+    @property
+    def numel(self) -> int:
+        return self.held.stop - self.held.start
 
 
 @dataclass
@@ -76,6 +96,10 @@ class Bucket:
 
     def shard_range(self, shard_index: int) -> tuple[int, int]:
         return shard_index * self.shard_numel, (shard_index + 1) * self.shard_numel
+
+    def local_range(self, slot: ParamSlot, shard_index: int) -> Piece:
+        """The part of ``slot`` that shard ``shard_index`` holds (``Plan.shard_index`` of a rank)."""
+        return slot.piece(*self.shard_range(shard_index))
 
     def holders(self, slot: ParamSlot) -> list[int]:
         """Shard-group positions whose shard holds part of ``slot`` (the Muon comm group)."""
@@ -125,6 +149,22 @@ class Plan:
     ties: dict[str, str] = field(default_factory=dict)
     leaf_paths: list[str] = field(default_factory=list)
     slow_precision: SlowPrecision | None = None  # what crosses the slow tier in fewer bytes (hpf.Topology's)
+
+    # -- derived sizes (as torchtitan's ParallelDims names them) -----------------------------
+    @property
+    def dp_size(self) -> int:
+        """Ranks along the FSDP axes: they split the data, and grads are averaged over them."""
+        return self.mesh.axis_size(self.fsdp_axes)
+
+    @property
+    def compute_size(self) -> int:
+        """Ranks along the non-FSDP axes: they compute one replica's loss together (tensor and
+        expert parallelism)."""
+        return self.mesh.axis_size(self.compute_axes)
+
+    def slot_paths(self, unit: str) -> list[str]:
+        """The param paths of ``unit``, in its buckets' order (the order of its flat buffers)."""
+        return [s.path for b in self.units[unit].buckets for s in self.buckets[b].slots]
 
     # -- parameter <-> shard conversions (used at init, checkpointing and in tests) --------
     def block_offsets(self, path: str, rank: int) -> tuple[int, ...]:
@@ -194,30 +234,28 @@ class Plan:
         """Rebuild the params pytree from ``{path: value}``."""
         return tree_util.unflatten(self.treedef, [by_path[self.ties.get(p, p)] for p in self.leaf_paths or self.slots])
 
-    def report(self, **kwargs) -> PlanReport:
-        return PlanReport.of(self, **kwargs)
-
     def __repr__(self) -> str:
         return (f"Plan({self.mesh}, fsdp_axes={self.fsdp_axes}, {len(self.slots)} params, "
                 f"{len(self.units)} units, {len(self.buckets)} buckets)")
 
 
 def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[str] | None = None, *,
-         hierarchical: bool = False, default_shard_axes: Sequence[str] | None = None, bucket_bytes: int = 0,
-         frozen: Collection[str] = (), slow_precision: SlowPrecision | None = None) -> Plan:
-    """Resolve the sharding of ``params`` on ``mesh`` once.
+         hsdp: bool = False, hierarchical: bool = False, bucket_bytes: int = 0, frozen: Collection[str] = (),
+         slow_precision: SlowPrecision | None = None) -> Plan:
+    """Resolve the sharding of ``params`` on ``mesh`` once: the plan :func:`hpf.shard_step` makes
+    (it passes its ``topology``'s ``hierarchical``, ``bucket_bytes`` and ``slow_precision``).
 
     ``params`` may be meta tensors; ``mesh`` may be virtual. Axes of a spec that are in
     ``fsdp_axes`` (default: all mesh axes) mean "stored sharded, gathered for compute";
     other axes mean "stored and computed sharded". With no ``param_specs`` every parameter
-    is sharded over ``default_shard_axes`` (default: all FSDP axes; the fast-tier axes give
-    HSDP). ``hierarchical`` numbers shards fast-axes-first for two-tier collectives.
+    is sharded over all FSDP axes, or with ``hsdp`` over those in the fast tier and replicated
+    across the slow tier. ``hierarchical`` numbers shards fast-axes-first for two-tier collectives.
     ``bucket_bytes`` caps a bucket (one flat buffer, one fused collective): a unit's params
     of one layout and dtype fill buckets in tree order, a new one starting where the next
     param would pass the cap (0: one bucket each; a param bigger than the cap gets its own).
     ``frozen`` params (paths) go to buckets of their own, which are gathered but never reduced.
     ``slow_precision`` (:class:`hpf.types.SlowPrecision`) pads the shards of buckets with a
-    low-bit collective (``hpf.comm.cost.low_bit``) to whole quantization blocks, and rides with
+    low-bit collective (``low_bit``) to whole quantization blocks, and rides with
     the plan.
 
     Args:
@@ -226,7 +264,7 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
         param_specs: None, a ``P`` for every param, ``hpf.rules([...])`` / any ``path -> P``
             callable, or a pytree of ``P`` (None leaves mean ``P()``) with the params' structure.
         fsdp_axes: the axes params are stored sharded over and gathered for compute.
-        hierarchical, default_shard_axes, bucket_bytes, frozen, slow_precision: as above.
+        hsdp, hierarchical, bucket_bytes, frozen, slow_precision: as above.
 
     Raises:
         SpecError: a spec naming a non-axis or an axis twice, more entries than dims, no
@@ -235,15 +273,13 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
             :class:`~hpf.spec.IndivisibleSpecError` (a non-FSDP axis that does not divide its dim).
         TypeError: a params leaf that is not a tensor.
         ValueError: a ``bucket_bytes`` that is not an int >= 0; a ``slow_precision`` that no
-            collective would use (no slow tier on ``mesh``: a 1-D mesh).
+            collective would use (no slow tier on ``mesh``: a 1-D mesh); ``hsdp`` with no slow
+            tier among the FSDP axes (nothing to replicate across).
     """
     check_bucket_bytes(bucket_bytes)
-    fsdp = tuple(mesh.axis_names) if fsdp_axes is None else as_axes(fsdp_axes)  # a str is one axis name
-    for a in fsdp:
-        if a not in mesh.axis_names:
-            raise SpecError(f"fsdp_axes names {a!r}, which is not an axis of {mesh}")
+    fsdp = _fsdp_axes(mesh, fsdp_axes, hsdp)
     compute_axes = tuple(a for a in mesh.axis_names if a not in fsdp)
-    shard_default = fsdp if default_shard_axes is None else tuple(default_shard_axes)
+    shard_default = tuple(a for a in fsdp if a in mesh.fast_axes) if hsdp else fsdp
     default = (lambda x: P(shard_default) if x.dim() >= 1 and shard_default else P())
     specs = resolve_specs(params, param_specs, mesh.axis_names, default)
     paths, leaves, treedef = tree_util.flatten(params)
@@ -251,11 +287,22 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
     ties = _ties(paths, leaves, units_of)
     frozen = set(frozen) | {ties[p] for p in frozen if p in ties}  # a frozen alias freezes its tie
 
+    buckets, units, slots = _place(zip(paths, leaves, units_of), specs, ties, frozen, mesh, fsdp, bucket_bytes,
+                                   hierarchical, slow_precision)
+    if not units[ROOT].buckets:
+        del units[ROOT]
+    _check_slow_used(mesh, buckets, slow_precision)
+    return Plan(mesh, fsdp, compute_axes, specs, slots, buckets, units, treedef, ties, list(paths), slow_precision)
+
+
+def _place(params, specs: dict, ties: dict, frozen: set, mesh: Mesh, fsdp: tuple[str, ...], bucket_bytes: int,
+           hierarchical: bool, slow_precision: SlowPrecision | None):
+    """Each (path, leaf, unit) into a bucket and offset: (buckets, units, slots)."""
     buckets: list[Bucket] = []
     units: dict[str, Unit] = {ROOT: Unit(ROOT, [])}
     by_key: dict[tuple, Bucket] = {}
     slots: dict[str, ParamSlot] = {}
-    for path, leaf, unit in zip(paths, leaves, units_of):
+    for path, leaf, unit in params:
         spec = specs[path]
         if path in ties:
             if spec != specs[ties[path]]:
@@ -268,31 +315,65 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
         b = by_key.get(key)
         if b is None or (bucket_bytes and b.numel and
                          (b.numel + math.prod(local_shape)) * leaf.element_size() > bucket_bytes):
-            order = shard_axes
-            if hierarchical:
-                order = tuple(sorted(shard_axes, key=lambda a: a not in mesh.fast_axes))
-            replicate = tuple(a for a in fsdp if a not in shard_axes + split_axes)
-            b = Bucket(index=len(buckets), unit=unit, shard_axes=shard_axes, replicate_axes=replicate,
-                       dtype=leaf.dtype, shard_size=mesh.axis_size(shard_axes), split_axes=split_axes,
-                       shard_order=order, frozen=path in frozen)
-            if any(low_bit(mesh, b, slow_precision).values()):  # its slow-tier messages are whole blocks
-                b.align = slow_precision.block
-            by_key[key] = b
+            b = by_key[key] = _new_bucket(len(buckets), key, mesh, fsdp, hierarchical, slow_precision)
             buckets.append(b)
             units.setdefault(unit, Unit(unit, [])).buckets.append(b.index)
         slot = ParamSlot(path, spec, tuple(leaf.shape), local_shape, leaf.dtype, unit, b.index, b.numel)
         b.slots.append(slot)
         b.numel += slot.numel
         slots[path] = slot
-    if not units[ROOT].buckets:
-        del units[ROOT]
+    return buckets, units, slots
+
+
+def _fsdp_axes(mesh: Mesh, fsdp_axes, hsdp: bool) -> tuple[str, ...]:
+    fsdp = tuple(mesh.axis_names) if fsdp_axes is None else as_axes(fsdp_axes)  # a str is one axis name
+    for a in fsdp:
+        if a not in mesh.axis_names:
+            raise SpecError(f"fsdp_axes names {a!r}, which is not an axis of {mesh}")
+    if hsdp and not mesh.slow_axes_of(fsdp):
+        raise ValueError(f"hsdp=True replicates params across the slow tier, but no FSDP axis of {mesh} is outside "
+                         f"its fast tier {list(mesh.fast_axes)} (with size > 1): HSDP would be plain FSDP. Give the "
+                         "mesh an outer axis (hpf.Mesh({'node': 2, 'local': 2})), or drop hsdp")
+    return fsdp
+
+
+def _new_bucket(index: int, key: tuple, mesh: Mesh, fsdp: tuple[str, ...], hierarchical: bool,
+                slow_precision: SlowPrecision | None) -> Bucket:
+    """An empty bucket for ``key`` = (unit, shard axes, split axes, dtype, frozen)."""
+    unit, shard_axes, split_axes, dtype, frozen = key
+    order = tuple(sorted(shard_axes, key=lambda a: a not in mesh.fast_axes)) if hierarchical else shard_axes
+    replicate = tuple(a for a in fsdp if a not in shard_axes + split_axes)
+    b = Bucket(index=index, unit=unit, shard_axes=shard_axes, replicate_axes=replicate, dtype=dtype,
+               shard_size=mesh.axis_size(shard_axes), split_axes=split_axes, shard_order=order, frozen=frozen)
+    if any(low_bit(mesh, b, slow_precision).values()):  # its slow-tier messages are whole blocks
+        b.align = slow_precision.block
+    return b
+
+
+def _check_slow_used(mesh: Mesh, buckets: list[Bucket], slow_precision: SlowPrecision | None) -> None:
     if slow_precision is not None and not any(any(low_bit(mesh, b, slow_precision).values()) for b in buckets):
         raise ValueError(
             f"a low-bit slow tier ({slow_precision.text()}) has nothing to act on: no collective of this plan crosses "
             f"a slow tier of {mesh} (an axis outside the fast tier {list(mesh.fast_axes)}, of size > 1), so every "
             "byte would stay full precision. A 1-D mesh is one fast tier: give it an outer axis for the slow one "
             "(hpf.Mesh({'node': 2, 'local': 2}); hpf train --mesh node=2,local=2), or drop the slow precision")
-    return Plan(mesh, fsdp, compute_axes, specs, slots, buckets, units, treedef, ties, list(paths), slow_precision)
+
+
+def low_bit(mesh: Mesh, bucket: "Bucket", slow: SlowPrecision | None) -> dict[str, str | None]:
+    """The format each of ``bucket``'s collectives sends across the slow tier in (None: its own dtype).
+
+    The gather and the reduce-scatter are low-bit when their shard group has a slow stage; the
+    HSDP all-reduce when every replica axis is a slow one (a fast one would carry it too)."""
+    out = dict.fromkeys(OPS)
+    if slow is None:
+        return out
+    crosses = bool(mesh.slow_axes_of(bucket.shard_axes))
+    out["all_gather"] = slow.weights if crosses else None
+    if not bucket.frozen:
+        out["reduce_scatter"] = slow.grads if crosses else None
+        replicas = [a for a in bucket.replicate_axes if mesh.axis_size(a) > 1]
+        out["all_reduce"] = slow.grads if replicas and set(mesh.slow_axes_of(replicas)) == set(replicas) else None
+    return out
 
 
 def check_bucket_bytes(bucket_bytes: int) -> None:

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .comm.cost import OPS, TIERS, bucket_comm_bytes, codec_bytes, dtype_bytes, feedback_numel
+from .comm.cost import TIERS, bucket_comm_bytes, codec_bytes, dtype_bytes, feedback_numel
+from .planning import OPS
 from .tree import ROOT
 
 __all__ = ["PlanReport"]
@@ -33,7 +34,7 @@ class PlanReport:
     def of(cls, plan, *, compute_dtype: torch.dtype | None = None, master_dtype: torch.dtype | None = None,
            reduce_dtype: torch.dtype | None = None, optimizer_states: int = 2,
            hierarchical: bool = False, regather: bool = True, resident_units: int = 2) -> "PlanReport":
-        """``plan``: an hpf.plan.Plan. A loop-style loss function is assumed: backward re-gathers
+        """``plan``: an hpf.Plan. A loop-style loss function is assumed: backward re-gathers
         every block but the last ``resident_units``, which are still gathered when it starts
         (hpf.engine.residency); ``regather=False``: blocks stay gathered through backward (a
         shared-memory fast tier)."""

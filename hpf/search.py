@@ -29,7 +29,7 @@ from typing import Any
 
 from . import memory, sim
 from .mesh import Mesh
-from .models import MODELS, model_config
+from .models import MODELS, has_experts, model_config, specs_for
 from .models.recompute import RECOMPUTE
 from .sim import Hardware, SimResult
 from .types import SlowPrecision
@@ -77,19 +77,17 @@ class Candidate:
         from .comm.tiered import Topology
 
         module = MODELS[model]
-        low = SlowPrecision.parse(self.slow_precision)
         data = tuple(mesh.axis_names)
-        specs = module.param_specs(config, self.ep_axis, data) if hasattr(module, "param_specs") else None
-        return {"mesh": mesh, "param_specs": specs, "fsdp_axes": data, "hsdp": self.hsdp,
-                "topology": Topology(bucket_bytes=self.bucket_bytes, slow_weights=low and low.weights,
-                                     slow_grads=low and low.grads, slow_error_feedback=low and low.error_feedback)
+        return {"mesh": mesh, "param_specs": specs_for(module, config, self.ep_axis, data), "fsdp_axes": data,
+                "hsdp": self.hsdp,
+                "topology": Topology.with_slow(SlowPrecision.parse(self.slow_precision), bucket_bytes=self.bucket_bytes)
                 if self.topology == "two-tier" else None,
                 "mixed_precision": self.mixed_precision, "accumulate": self.accumulate,
                 "batch_axes": getattr(module, "BATCH_AXES", None)}
 
     def loss_args(self, model: str) -> dict[str, Any]:
         """The keyword arguments of the model's ``loss_for`` beside the config."""
-        return {"recompute": self.recompute, **({"ep_axis": self.ep_axis} if hasattr(MODELS[model], "param_specs") else {})}
+        return {"recompute": self.recompute, **({"ep_axis": self.ep_axis} if has_experts(MODELS[model]) else {})}
 
     def sim_args(self) -> dict[str, Any]:
         """The keyword arguments of ``hpf.sim.simulate``."""

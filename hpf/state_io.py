@@ -31,11 +31,17 @@ class StateIO:
     def fresh_feedback(self) -> list[torch.Tensor] | None:
         """Zero error-feedback residuals, one per bucket (empty where none crosses the slow tier);
         None when the step's slow tier keeps none."""
-        lowbit = getattr(self.engine.comm, "lowbit", None) if self.engine else None
+        lowbit = self.engine.comm.lowbit if self.engine else None
         numel = lowbit.feedback_numel if lowbit else None
         if not numel or not any(numel):
             return None
         return [torch.zeros(n, dtype=torch.float32, device=self.device) for n in numel]
+
+    def layout(self):
+        """What a checkpoint reads of this step (:class:`hpf.checkpoint.Layout`)."""
+        from .checkpoint import Layout
+
+        return Layout(self.plan, self.rank, self.plan_optimizer)
 
     def save(self, state: TrainState, path, extra: Any = None, *, keep_last: int | None = None,
              async_save: bool = False, meta: dict | None = None):
@@ -44,8 +50,8 @@ class StateIO:
 
         self._check_live(state, "step.save(state, path)")
         self.wait_save()
-        self._pending_save = checkpoint.save(self, state, path, extra, keep_last=keep_last, async_save=async_save,
-                                             meta=meta)
+        self._pending_save = checkpoint.save(self.layout(), state, path, extra, keep_last=keep_last,
+                                             async_save=async_save, meta=meta)
         return self._pending_save
 
     def wait_save(self):
@@ -58,8 +64,12 @@ class StateIO:
         (``strict``: see hpf.checkpoint.restore)."""
         from . import checkpoint
 
+        self._check_open("step.restore(path)")
+        if self.plan is None:
+            raise RuntimeError("call step.init(params) first (meta params are fine), then step.restore(path)")
         self.wait_save()
-        state, extra = checkpoint.restore(self, path, state, strict=strict)
+        state, extra = checkpoint.restore(self.layout(), path, self.fresh_state() if state is None else state,
+                                          strict=strict)
         self._unloaded, self._live = False, state.params
         return state, extra
 

@@ -8,7 +8,9 @@ same collectives) -> the update -> the next step's first gathers.
 """
 from __future__ import annotations
 
+import gc
 import time
+from collections import Counter
 from typing import Any, Callable
 
 import torch
@@ -17,23 +19,25 @@ from . import batching, checks, losses
 from . import tree as tree_util
 from .checks import DonatedStateError, NonFiniteError, UnusedParamsError
 from .comm import world
+from .comm.world import default_device
 from .comm.collectives import SPMD, spmd
 from .comm.flat import BucketComm
 from .comm.tiered import TieredComm, Topology
 from .config import StepConfig
 from .decision import Decider, Decision
-from .device import default_device
 from .engine import UnitEngine, explain_freed, refuses_hooks
 from .engine.compiled import compile_seconds
 from .launcher import init_distributed, is_launched
-from .mesh import Mesh, MeshError, as_axes
+from .mesh import Mesh, MeshError
 from .optim.base import ForPlan, PartialUpdate, ReadsAux
 from .planning import Plan, plan as make_plan
 from .state_io import StateIO
 from .trace import span
-from .types import TrainState
+from .types import StepStats, TrainState
 
 __all__ = ["ShardStep", "step_plan"]
+
+_TIMED = ("step_s", "optimizer_s", "comm_wait_s", "compile_s")  # metrics StepStats sums over the steps
 
 
 class ShardStep(StateIO):
@@ -62,6 +66,8 @@ class ShardStep(StateIO):
         self._unloaded = False  # init had meta params and no restore has filled them yet
         self._pending_save = None  # an async save in flight (hpf.checkpoint.SaveHandle)
         self._terms = 1.0  # fp16: a weighted loss's terms per micro-batch, last seen (losses.terms_divisor)
+        self._timed = dict.fromkeys(("steps",) + _TIMED, 0)  # the steps' count and summed timings (for stats())
+        self._closed: StepStats | None = None  # the stats at close(); set once the step is closed
 
     # -- set-up, once ---------------------------------------------------------------------------
     def init(self, full_params: Any) -> TrainState:
@@ -69,6 +75,7 @@ class ShardStep(StateIO):
 
         Under torchrun (its environment set) with no process group yet, this starts one
         (``hpf.launch.init_distributed()``). ``nn.Parameter`` leaves are detached."""
+        self._check_open("step.init(params)")
         cfg = self.config
         if not world.is_distributed() and self.mesh.size > 1:
             if not is_launched():
@@ -101,11 +108,9 @@ class ShardStep(StateIO):
                                  compute_sums=[(b, self.mesh.group(axes)) for b, axes in partial
                                                if self.mesh.axis_size(axes) > 1],
                                  on_extra_gather=self.on_extra_gather, rematerialize=cfg.grad == "torch.func")
-        self.dp_size = self.mesh.axis_size(self.plan.fsdp_axes)
         # Axes a param computes sharded over (experts on a borrowed data axis) allow collectives.
         self._spmd = SPMD(self.mesh, self.rank, tuple(a for a in self.plan.fsdp_axes if a not in self.plan.split_axes))
-        self._n_compute = self.mesh.axis_size(self.plan.compute_axes)  # ranks computing one replica's loss
-        self.decider = Decider(self.mesh.size, self.dp_size, self._n_compute,
+        self.decider = Decider(self.mesh.size, self.plan.dp_size, self.plan.compute_size,
                                torch.tensor([float(self.plan.replicas(b)) for b in self.plan.buckets],
                                             dtype=torch.float64), cfg.max_grad_norm)
         opt = self.optimizer
@@ -152,6 +157,10 @@ class ShardStep(StateIO):
                    "optimizer_s": t1 - t_opt, "comm_wait_s": self.engine.take_wait_s(),
                    "compile_s": compile_seconds() - compiled_s,
                    "skipped": not decision.finite}
+        timed = self._timed
+        timed["steps"] += 1
+        for k in _TIMED:
+            timed[k] += metrics[k]
         if decision.aux is not None:
             metrics["aux"] = decision.aux
         if state.loss_scale is not None:
@@ -166,9 +175,9 @@ class ShardStep(StateIO):
 
     def _compute(self, state: TrainState, batch: Any, clip: bool = True) -> Decision:
         """Every phase but the update: micro-batches, forward and backward, reductions, decision."""
+        self._check_live(state, "step(state, batch)")
         if self.engine is None:
             raise RuntimeError("call step.init(full_params) first, and pass the state it returns")
-        self._check_live(state, "step(state, batch)")
         self.check_state(state)
         axes = batching.leaf_axes(batch, self.config.batch_axes)
         micro = batching.micro_batches(batch, self.config.accumulate, axes)
@@ -232,7 +241,7 @@ class ShardStep(StateIO):
         eng, cfg = self.engine, self.config
         if self.mp is not None:
             batch = batching.cast(batch, self.mp.compute_dtype, batching.leaf_axes(batch, cfg.batch_axes))
-        seed = scale / self._n_compute
+        seed = scale / self.plan.compute_size
         with spmd(self._spmd), eng.micro_batch(self.grad_shards, hold):
             if cfg.grad == "torch.func":
                 return self._func_grads(batch, seed)
@@ -307,6 +316,52 @@ class ShardStep(StateIO):
             self.config.loss_scale.update(state.loss_scale, finite=True)
         return state._replace(params=params, opt_state=opt_state)
 
+    # -- the step's boundary ----------------------------------------------------------------------------------
+    def stats(self) -> StepStats:
+        """Bytes sent, waits, timings and gathers since ``init``, as a :class:`hpf.StepStats`
+        (subtract an earlier snapshot for what happened in between). Local: no collective."""
+        if self._closed is not None:
+            return self._closed
+        if self.engine is None:
+            return StepStats(**self._timed)
+        mem = self.engine.stats
+        return StepStats(**self._timed, bytes=Counter(self.engine.comm.bytes), gathers=mem.gathers,
+                         extra_gathers=mem.extra_gathers, peak_blocks=mem.peak_blocks, peak_bytes=mem.peak_bytes)
+
+    def close(self) -> None:
+        """Release what the step holds: its comm's worker threads, process groups and shared
+        memory, and its gathered buffers. Every rank closes its own step (after the same calls,
+        so the next step's gathers already in flight land first). Closing twice is a no-op; any
+        other use of a closed step raises. ``with hpf.shard_step(...) as step:`` closes on leaving.
+        A pending async save is waited for (its error raised, after the release)."""
+        if self._closed is not None:
+            return
+        self._closed = self.stats()
+        try:
+            self.wait_save()
+        finally:
+            engine, self.engine, self._live = self.engine, None, None
+            if engine is not None:
+                try:
+                    if engine.broken is None:  # (a broken one's collectives may never land)
+                        engine.abort()  # waits for the next step's first gathers, frees every buffer
+                finally:
+                    engine.comm.close()
+                    del engine
+                    gc.collect()  # the engine's callbacks make cycles: free its shared memory now, not at some later gc
+
+    def __enter__(self) -> "ShardStep":
+        self._check_open("with step")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self, op: str) -> None:
+        if self._closed is not None:
+            raise RuntimeError(f"{op}: this step was closed (step.close(), or the end of its `with` block), which "
+                               "released its threads, process groups and memory; make a new one with hpf.shard_step")
+
     # -- donation ----------------------------------------------------------------------------------------------
     def _donate(self, state: TrainState) -> TrainState:
         """Make ``state`` the live one: a fresh params list over the same buffers, so the state
@@ -316,6 +371,7 @@ class ShardStep(StateIO):
         return state
 
     def _check_live(self, state: Any, op: str) -> None:
+        self._check_open(op)
         if self._unloaded:
             raise RuntimeError(f"{op}: step.init was given meta params (shapes only), so the state holds no values "
                                "yet; call state, extra = step.restore(path) first")
@@ -329,26 +385,7 @@ class ShardStep(StateIO):
 
 def step_plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes=None, *,
               topology: Topology | None = None, hsdp: bool = False, frozen=()) -> Plan:
-    """The plan :func:`hpf.shard_step` makes for these arguments (the CLI's ``hpf plan`` prints it).
-
-    Args:
-        params: the full params (meta tensors are enough).
-        mesh, param_specs, fsdp_axes, topology, hsdp: as for :func:`hpf.shard_step`.
-        frozen: the paths of params that are not trained.
-
-    Raises:
-        SpecError: as :func:`hpf.plan`.
-        ValueError: ``hsdp`` on a mesh with no slow tier among the FSDP axes (nothing to replicate
-            across), and as :func:`hpf.plan`.
-    """
-    fsdp_axes = as_axes(fsdp_axes)
-    fsdp = mesh.axis_names if fsdp_axes is None else fsdp_axes
-    if hsdp and not mesh.slow_axes_of([a for a in fsdp if a in mesh.axis_names]):
-        raise ValueError(f"hsdp=True replicates params across the slow tier, but no FSDP axis of {mesh} is outside "
-                         f"its fast tier {list(mesh.fast_axes)} (with size > 1): HSDP would be plain FSDP. Give the "
-                         "mesh an outer axis (hpf.Mesh({'node': 2, 'local': 2})), or drop hsdp")
-    return make_plan(params, mesh, param_specs, fsdp_axes,
-                     hierarchical=topology is not None and topology.hierarchical,
-                     default_shard_axes=[a for a in fsdp if a in mesh.fast_axes] if hsdp else None,
-                     bucket_bytes=topology.bucket_bytes if topology else 0, frozen=frozen,
-                     slow_precision=topology.slow_precision if topology else None)
+    """The plan :func:`hpf.shard_step` makes for these arguments (the CLI's ``hpf plan`` prints it):
+    :func:`hpf.plan` with ``topology``'s layout options. Raises as :func:`hpf.plan`."""
+    return make_plan(params, mesh, param_specs, fsdp_axes, hsdp=hsdp, frozen=frozen,
+                     **(topology.plan_options() if topology else {}))

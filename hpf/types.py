@@ -6,12 +6,13 @@ of those modules has to import another to name them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["MixedPrecision", "SlowPrecision", "TrainState"]
+__all__ = ["MixedPrecision", "SlowPrecision", "StepStats", "TrainState"]
 
 
 @dataclass(frozen=True)
@@ -143,3 +144,48 @@ class TrainState(NamedTuple):
     opt_state: Any
     loss_scale: Any = None
     error_feedback: list[torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What a step moved, waited for and gathered since its ``init`` (``step.stats()``).
+
+    ``later - earlier`` of two snapshots is what happened between them (the peaks and the
+    memory held are the later snapshot's).
+
+    Args:
+        steps: calls of the step.
+        bytes: ``(op, tier) -> bytes`` this rank sent, by hpf.comm.cost's ring model
+            (``op``: all_gather, reduce_scatter, all_reduce; ``tier``: fast or slow).
+        step_s, optimizer_s, comm_wait_s, compile_s: seconds summed over the steps, as each
+            step's metrics report them (``comm_wait_s``: compute blocked on a collective).
+        gathers: unit gathers; ``extra_gathers`` those beyond loop-style use (each unit once in
+            forward and at most once in backward).
+        peak_blocks, peak_bytes: the most block units gathered at once, and their bytes.
+
+    Raises:
+        Nothing.
+    """
+
+    steps: int = 0
+    bytes: Counter = field(default_factory=Counter)
+    step_s: float = 0.0
+    optimizer_s: float = 0.0
+    comm_wait_s: float = 0.0
+    compile_s: float = 0.0
+    gathers: int = 0
+    extra_gathers: int = 0
+    peak_blocks: int = 0
+    peak_bytes: int = 0
+
+    def __sub__(self, earlier: "StepStats") -> "StepStats":
+        delta = {f: getattr(self, f) - getattr(earlier, f) for f in _SUMMED}
+        return StepStats(bytes=Counter({k: n - earlier.bytes.get(k, 0) for k, n in self.bytes.items()}), **delta,
+                         peak_blocks=self.peak_blocks, peak_bytes=self.peak_bytes)
+
+    def slow_bytes(self) -> dict[str, int]:
+        """op -> bytes this rank sent across the slow tier."""
+        return {op: n for (op, tier), n in self.bytes.items() if tier == "slow"}
+
+
+_SUMMED = ("steps", "step_s", "optimizer_s", "comm_wait_s", "compile_s", "gathers", "extra_gathers")

@@ -102,7 +102,7 @@ def run(rank, world, cases):
             norms.append(metrics["grad_norm"])
         out[seed, k, topology, kind] = losses, norms, hpf.tree.flatten(step.full_params(state))[1]
         if topology:
-            step.engine.comm.close()
+            step.close()
     return out
 
 

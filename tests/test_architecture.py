@@ -121,6 +121,118 @@ def test_checkpoint_never_imports_an_optimizer_implementation():
     assert not {i for i in imports if i.startswith("hpf.optim.") and i != "hpf.optim.base"}, imports
 
 
+# The layers, lowest first: a module may import from its own layer and the layers below, never
+# from one above (docs/architecture.md, "Layers"). A module is in the layer of its longest prefix.
+LAYERS = [
+    ("foundation", ("hpf_kernels", "hpf.tree", "hpf.types", "hpf.mesh", "hpf.spec", "hpf.trace", "hpf.progress",
+                    "hpf.plots", "hpf.losses", "hpf.checkpoint_files", "hpf.models.recompute", "hpf.engine.residency",
+                    "hpf.validate.layout", "hpf.sim.hardware", "hpf.optim.base", "hpf.optim.schedules")),
+    ("planning", ("hpf.planning",)),
+    ("comm", ("hpf.comm", "hpf.launcher")),
+    ("optimizers and models", ("hpf.optim", "hpf.models")),
+    ("the step's parts", ("hpf.engine", "hpf.checks", "hpf.batching", "hpf.decision", "hpf.report", "hpf.data",
+                          "hpf.config")),
+    ("the step", ("hpf.step", "hpf.state_io", "hpf.checkpoint", "hpf.func", "hpf.memory", "hpf.validate", "hpf.api",
+                  "hpf.module")),
+    ("tools", ("hpf.sim", "hpf.search", "hpf.cli", "hpf.__main__")),
+]
+
+
+def layer_of(module: str) -> int:
+    found = [(len(prefix), i) for i, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
+             if module == prefix or module.startswith(prefix + ".")]
+    assert found, f"{module} is in no layer: add it to LAYERS (and to docs/architecture.md)"
+    return max(found)[1]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """``a -> b`` for each import of a module in a higher layer (the package root ``hpf`` loads
+    names lazily, so importing it is free)."""
+    return [f"{a} ({LAYERS[layer_of(a)][0]}) -> {b} ({LAYERS[layer_of(b)][0]})" for a, bs in sorted(graph.items())
+            for b in sorted(bs) if b != "hpf" and a != "hpf" and layer_of(b) > layer_of(a)]
+
+
+def test_no_module_imports_from_a_higher_layer():
+    wrong = upward_imports(import_graph())
+    assert not wrong, "imports from a higher layer (imports inside functions count):\n" + "\n".join(wrong)
+
+
+def test_the_layer_check_finds_an_upward_import():
+    graph = {"hpf.planning": {"hpf.report", "hpf.mesh"}, "hpf.comm.schedule": {"hpf.comm.world"}}
+    assert upward_imports(graph) == ["hpf.planning (planning) -> hpf.report (the step's parts)"]
+
+
+# torch.distributed is called under hpf/comm/ only, and where a process group is made: each
+# exception with its reason.
+DIST_ALLOWED = {
+    "hpf/launcher.py": "starts and ends the process group",
+    "hpf/mesh.py": "makes the mesh's process groups (it lies below hpf/comm/, which uses them)",
+}
+
+
+def dist_calls(source: str) -> list[tuple[int, str]]:
+    """``(line, call)`` for each ``dist.*`` / ``torch.distributed.*`` call (torch.distributed.checkpoint
+    is DCP, hpf.checkpoint's storage, not a collective)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            name = ast.unparse(node.func)
+            if (name.startswith(("dist.", "torch.distributed.")) and not name.startswith("torch.distributed.checkpoint")
+                    and not name.startswith(("torch.distributed.fsdp", "torch.distributed.device_mesh"))):
+                out.append((node.lineno, name))
+    return out
+
+
+def test_torch_distributed_is_called_only_under_comm():
+    found = [(str(p.relative_to(ROOT)), line, call) for p in library_files()
+             for line, call in dist_calls(p.read_text())
+             if not str(p.relative_to(ROOT)).startswith("hpf/comm/") and str(p.relative_to(ROOT)) not in DIST_ALLOWED]
+    assert not found, f"torch.distributed calls outside hpf/comm/ (add a helper to hpf.comm.world): {found}"
+
+
+def test_the_dist_scan_finds_calls():
+    source = "import torch.distributed as dist\ndist.barrier()\ntorch.distributed.all_reduce(x)\ndcp.save(x)\n"
+    assert dist_calls(source) == [(2, "dist.barrier"), (3, "torch.distributed.all_reduce")]
+
+
+def private_uses(path: Path, modules: set[str], name: str | None = None) -> list[str]:
+    """Uses of another hpf module's private names: ``from m import _x``, or ``m._x`` where ``m``
+    names a module (``name``: the module ``path`` is, if not under the repository)."""
+    name = name or module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text())
+    aliases, out = {}, []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for a in node.names:
+                if f"{base}.{a.name}" in modules:
+                    aliases[a.asname or a.name] = f"{base}.{a.name}"
+                elif base in modules and a.name.startswith("_") and not a.name.startswith("__"):
+                    out.append(f"from {base} import {a.name}")
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                and node.attr.startswith("_") and not node.attr.startswith("__")):
+            out.append(f"{aliases[node.value.id]}.{node.attr} (line {node.lineno})")
+    return out
+
+
+def test_no_module_uses_another_modules_private_names():
+    modules = {module_name(p) for p in library_files()}
+    found = {str(p.relative_to(ROOT)): uses for p in library_files() if (uses := private_uses(p, modules))}
+    assert not found, f"private names used across modules (make them public where they are defined): {found}"
+
+
+def test_the_private_name_scan_finds_both_forms(tmp_path):
+    user = tmp_path / "tracker.py"
+    user.write_text("from ..comm import collectives\nfrom ..comm.collectives import _helper\ncollectives._dim(x)\n")
+    found = private_uses(user, {"hpf.comm", "hpf.comm.collectives", "hpf.validate.tracker"}, "hpf.validate.tracker")
+    assert found == ["from hpf.comm.collectives import _helper", "hpf.comm.collectives._dim (line 3)"]
+
+
 def module_map() -> list[str]:
     """The paths docs/architecture.md's module map names: the backticked .py paths and folders of
     each row's first cell, relative to hpf/ unless they start with hpf/ or hpf_kernels/."""

@@ -11,7 +11,6 @@ import re
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 from typing import NamedTuple
 
@@ -78,16 +77,14 @@ def test_chunks_of_every_rank_tile_the_full_params(axes, kw):
     full = gpt.init(gpt.GPTConfig(67, 16, 24, 3, 4, 38))  # dims the tp axis divides
     mesh = hpf.Mesh(axes)
     fsdp = kw.get("fsdp_axes")
-    plan = hpf.plan(full, mesh, kw.get("param_specs"), fsdp,
-                    default_shard_axes=["local"] if kw.get("hsdp") else None)
+    plan = hpf.plan(full, mesh, kw.get("param_specs"), fsdp, hsdp=kw.get("hsdp", False))
     paths, leaves, _ = hpf.tree.flatten(full)
     rebuilt = {ck.key_of(p): torch.full_like(x, float("nan")) for p, x in zip(paths, leaves)}
     seen = {}
     opt = hpf.optim.adamw()
     for r in range(mesh.size):
         shards = plan.shards(full, r)
-        fake = types.SimpleNamespace(plan=plan, rank=r, plan_optimizer=opt)
-        sd = ck._state_dict(fake, TrainState(shards, opt.init(shards)))
+        sd = ck._state_dict(ck.Layout(plan, r, opt), TrainState(shards, opt.init(shards)))
         for key, obj in sd.items():
             if key not in rebuilt:
                 continue
@@ -378,8 +375,8 @@ class _HeadMomentum:
     def init(self, shards):
         sizes = []
         for b in self.plan.buckets:
-            lo, hi = b.shard_range(self.plan.shard_index(b, self.rank))
-            sizes.append(sum(max(0, min(s.offset + s.numel, hi) - max(s.offset, lo)) for s in b.slots if s.path == "head"))
+            position = self.plan.shard_index(b, self.rank)
+            sizes.append(sum(b.local_range(s, position).numel for s in b.slots if s.path == "head"))
         return _HeadState(torch.zeros((), dtype=torch.int64), [s.new_zeros(n) for s, n in zip(shards, sizes)])
 
     def update(self, grads, state, params):

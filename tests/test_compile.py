@@ -34,7 +34,7 @@ def train(rank, loss_fn, steps=STEPS, optimizer=None, **kwargs):
         losses.append(m["loss"])
         compile_s.append(m["compile_s"])
         graphs.append(counters["stats"]["unique_graphs"])
-    return {"losses": losses, "compile_s": compile_s, "graphs": graphs, "peak_blocks": step.engine.stats.peak_blocks,
+    return {"losses": losses, "compile_s": compile_s, "graphs": graphs, "peak_blocks": step.stats().peak_blocks,
             "params": [p.numpy() for p in hpf.tree.flatten(step.full_params(state))[1]]}
 
 

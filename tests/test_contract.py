@@ -208,7 +208,7 @@ def train(rank, mesh, name, **extra):
     paths, leaves, _ = hpf.tree.flatten(full)
     tied = [p for p, x in zip(paths, leaves) if any(x is y for q, y in zip(paths, leaves) if q != p)]
     return {"losses": losses, "params": {p: x.numpy() for p, x in zip(paths, leaves)}, "tied": tied,
-            "extra_gathers": step.engine.stats.extra_gathers, "peak_blocks": step.engine.stats.peak_blocks}
+            "extra_gathers": step.stats().extra_gathers, "peak_blocks": step.stats().peak_blocks}
 
 
 def run_all(rank, mesh_axes, topology_cases=()):

@@ -8,6 +8,7 @@ import torch
 import hpf
 from hpf.launcher import launch
 from hpf.models import gpt
+from hpf.report import PlanReport
 from references import adamw_training
 from toy_models import lm_batch, lm_loss, lm_params
 
@@ -74,8 +75,8 @@ def test_frozen_buckets_send_no_reduction_bytes_in_the_plan_report():
     config = gpt.CONFIGS["small"]
     params = gpt.init(config, device="meta")
     mesh = hpf.Mesh({"node": 2, "local": 2})
-    none = hpf.plan(params, mesh).report()
-    frozen = hpf.plan(params, mesh, frozen={"embed"}).report()
+    none = PlanReport.of(hpf.plan(params, mesh))
+    frozen = PlanReport.of(hpf.plan(params, mesh, frozen={"embed"}))
     embed_bytes = config.vocab_size * config.d_model * 4
     assert none.comm["all_gather"] == frozen.comm["all_gather"]  # still gathered for compute
     saved = sum(none.comm["reduce_scatter"].values()) - sum(frozen.comm["reduce_scatter"].values())

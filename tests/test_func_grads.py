@@ -39,7 +39,7 @@ def train(rank, model, grad, **kwargs):
         state, m = step(state, next(batches))
         losses.append(m["loss"])
     return {"losses": losses, "params": [p.numpy() for p in hpf.tree.flatten(step.full_params(state))[1]],
-            "peak_blocks": step.engine.stats.peak_blocks}
+            "peak_blocks": step.stats().peak_blocks}
 
 
 def rank_checks(rank):

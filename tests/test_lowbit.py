@@ -28,6 +28,7 @@ from hpf.types import SlowPrecision
 from hpf.validate import QuantizationError
 from hpf_kernels import dequantize, quantize
 from hpf_kernels.formats import FORMATS
+from hpf.report import PlanReport
 from references import autograd_grads
 from test_cli import run_main
 
@@ -67,10 +68,6 @@ def _recording_loss(seen: dict):
     return recording
 
 
-def _slow_bytes(counter) -> dict:
-    return {op: n for (op, tier), n in counter.items() if tier == "slow"}
-
-
 def _reduce_moved(comm) -> int:
     """Bytes the slow tier's reduction transports really sent (their own counters)."""
     transports = {id(t): t for (d, _, tier), t in comm._route.items() if d == "reduce" and tier == "slow"}
@@ -88,18 +85,18 @@ def _variant(rank: int, name: str, kw: dict, ckpt: str) -> dict:
     losses = []
     for s in range(STEPS):
         if s == 1:
-            before, moved = dict(comm.bytes), _reduce_moved(comm)
+            before, moved = step.stats(), _reduce_moved(comm)
         state, m = step(state, _batch(s, rank))
         losses.append(m["loss"])
         if s == 1:
-            out["bytes"] = _slow_bytes({k: n - before.get(k, 0) for k, n in comm.bytes.items()})
+            out["bytes"] = (step.stats() - before).slow_bytes()
             out["moved_reduce"] = _reduce_moved(comm) - moved
         if s == 0 and state.error_feedback is not None:  # checkpoint after step 1, resumed below
             step.save(state, ckpt)
     out["losses"] = losses
     out["masters"] = [p.clone() for p in state.params]
     out["feedback"] = None if state.error_feedback is None else [r.clone() for r in state.error_feedback]
-    out["report"] = step.plan.report(hierarchical=True, regather=not all(step.engine.buffers.shared))
+    out["report"] = PlanReport.of(step.plan, hierarchical=True, regather=not all(step.engine.buffers.shared))
     if state.error_feedback is not None:  # resume from step 1 on a new step: bitwise the same run
         again = _make(**kw)
         again.init(gpt.init(CONFIG, device="meta"))
@@ -107,8 +104,8 @@ def _variant(rank: int, name: str, kw: dict, ckpt: str) -> dict:
         for s in range(1, STEPS):
             resumed, _ = again(resumed, _batch(s, rank))
         out["resumed"] = ([p.clone() for p in resumed.params], [r.clone() for r in resumed.error_feedback])
-        again.engine.comm.close()
-    comm.close()
+        again.close()
+    step.close()
     return out
 
 
@@ -125,7 +122,7 @@ def _skipped_step(rank: int) -> dict:
     state, m = step(state, _batch(1, rank))
     same = all(torch.equal(a, b) for a, b in zip(kept[0], state.error_feedback)) and all(
         torch.equal(a, b) for a, b in zip(kept[1], state.params))
-    step.engine.comm.close()
+    step.close()
     return {"skipped": m["skipped"], "unchanged": same, "residual": max(float(r.abs().max()) for r in kept[0])}
 
 
@@ -141,7 +138,7 @@ def _muon(rank: int) -> dict:
             state, m = step(state, _batch(s, rank))
             losses.append(m["loss"])
         out[name] = (losses, step.plan_optimizer.bytes_sent)
-        step.engine.comm.close()
+        step.close()
     return out
 
 
@@ -156,7 +153,7 @@ def _validate(rank: int) -> dict:
             out[tol] = m["quantization"]
         except QuantizationError as e:
             out[tol] = (str(e), all(torch.equal(a, b) for a, b in zip(before, state.params)))
-        step.engine.comm.close()
+        step.close()
     return out
 
 
@@ -190,7 +187,7 @@ def _constant_grads(rank: int) -> dict:
             state, _ = step(state, torch.zeros(WORLD, 1))
             if t in FEEDBACK_STEPS:
                 out[ef, t] = step.full_params(state)
-        step.engine.comm.close()
+        step.close()
     return out
 
 
@@ -299,7 +296,7 @@ def _small_report(slow: str | None):
     topology = Topology(slow_weights=low and low.weights, slow_grads=low and low.grads,
                         slow_error_feedback=bool(low and low.error_feedback))
     plan = step_plan(gpt.init(gpt.CONFIGS["small"], device="meta"), hpf.Mesh(MESH), topology=topology)
-    return plan.report(compute_dtype=torch.bfloat16, reduce_dtype=torch.float32, hierarchical=True)
+    return PlanReport.of(plan, compute_dtype=torch.bfloat16, reduce_dtype=torch.float32, hierarchical=True)
 
 
 def _slow_report(slow: str | None) -> dict:

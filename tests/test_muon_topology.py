@@ -29,8 +29,7 @@ def split_matrices(plan, paths):
                 if slot.path in paths and len(holders) > 1:
                     held = Counter()
                     for i in holders:
-                        piece = dist_muon._piece(b, slot, i)
-                        held[node(ranks[i])] += piece.stop - piece.start
+                        held[node(ranks[i])] += b.local_range(slot, i).numel
                     yield b, ranks, slot, held
 
 

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 import hpf
 from hpf import P
 from hpf.models import gpt
+from hpf.report import PlanReport
 
 AXES = ("a", "b", "c")
 
@@ -113,7 +114,7 @@ def test_768_rank_plan_of_1b_gpt_adds_up():
     params = gpt.init(config, device="meta")
     mesh = hpf.Mesh({"node": 96, "local": 8})
     plan = hpf.plan(params, mesh)
-    report = plan.report()
+    report = PlanReport.of(plan)
     n_params = sum(x.numel() for x in hpf.tree.flatten(params)[1])
     assert n_params == gpt.num_params(config)
     # every rank stores one shard of every bucket; summed, that is the padded total
@@ -143,8 +144,8 @@ def test_hsdp_rules_split_buckets_and_report_all_reduce():
     b0 = [plan.buckets[i] for i in plan.units["blocks/0"].buckets]
     assert sorted(b.shard_axes for b in b0) == [(), ("local",)]
     assert all(b.replicate_axes == ("node",) for b in b0 if b.shard_axes)
-    report = plan.report()
+    report = PlanReport.of(plan)
     assert report.comm["all_reduce"]["slow"] > 0
-    hier = plan.report(hierarchical=True)
+    hier = PlanReport.of(plan, hierarchical=True)
     assert hier.comm["all_gather"] == report.comm["all_gather"]  # local-only gathers don't change
     assert math.isclose(report.params_bytes, sum(b.shard_numel for b in plan.buckets) * 4)

@@ -11,6 +11,7 @@ import hpf
 from hpf import cli, sim
 from hpf.models import gpt
 from hpf.sim.model import stage_time
+from hpf.report import PlanReport
 
 CM = sim.PROFILES["cloudmatrix384"]
 IDEAL = sim.Link(alpha=0.0, beta=math.inf)
@@ -35,11 +36,10 @@ def test_ring_allreduce_and_two_tier_by_hand():
                                                ({"dp": 6}, "flat", False)])
 def test_predicted_bytes_equal_the_plan_reports(axes, topology, hsdp):
     mesh = hpf.Mesh(axes)
-    fsdp = mesh.axis_names
     plan = hpf.plan(gpt.init(gpt.CONFIGS["small"], device="meta"), mesh, hierarchical=topology == "two-tier",
-                    default_shard_axes=[a for a in fsdp if a in mesh.fast_axes] if hsdp else None)
-    report = plan.report(compute_dtype=torch.bfloat16, reduce_dtype=torch.float32, master_dtype=torch.float32,
-                         hierarchical=topology == "two-tier")
+                    hsdp=hsdp)
+    report = PlanReport.of(plan, compute_dtype=torch.bfloat16, reduce_dtype=torch.float32, master_dtype=torch.float32,
+                           hierarchical=topology == "two-tier")
     r = sim.simulate("small", mesh, CM, "hsdp" if hsdp else "hpf", mixed_precision="bf16", topology=topology)
     assert r.bytes == report.comm
 
@@ -48,7 +48,7 @@ def test_shared_memory_skips_the_backward_regathers_as_the_report_says():
     mesh = hpf.Mesh({"dp": 2})
     plan = hpf.plan(gpt.init(gpt.CONFIGS["small"], device="meta"), mesh, hierarchical=True)
     r = sim.simulate("small", mesh, CM, shm=True)
-    assert r.bytes == plan.report(hierarchical=True, regather=False).comm
+    assert r.bytes == PlanReport.of(plan, hierarchical=True, regather=False).comm
 
 
 @pytest.mark.parametrize("hw_name", ["cloudmatrix384", "ascend910c-roce", "h100"])

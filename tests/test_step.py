@@ -69,7 +69,7 @@ def train(rank, mesh, config=TINY, steps=STEPS, loss_fn=None, on_init=None, **kw
         norms.append(metrics["grad_norm"])
     full = [p.numpy() for p in hpf.tree.flatten(step.full_params(state))[1]]
     return {"losses": losses, "norms": norms, "params": full,
-            "master_dtypes": {str(s.dtype) for s in state.params}, "peak_blocks": step.engine.stats.peak_blocks,
+            "master_dtypes": {str(s.dtype) for s in state.params}, "peak_blocks": step.stats().peak_blocks,
             "overlap": step.config.overlap_optimizer}
 
 
@@ -107,7 +107,7 @@ def gathered_peaks(rank, mesh):
     mode.storages, mode.phase = storages, "forward"
     with mode:
         step(state, next(batches))
-    return {"observed": dict(mode.peak), "blocks_seen": len(storages), "engine_peak": step.engine.stats.peak_blocks}
+    return {"observed": dict(mode.peak), "blocks_seen": len(storages), "engine_peak": step.stats().peak_blocks}
 
 
 def accumulated(rank, mesh, k=2, **kwargs):

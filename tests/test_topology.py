@@ -23,6 +23,7 @@ from hpf.launcher import RankError, launch
 from hpf.models import gpt
 from references import adamw_training
 from hpf.tree import flatten
+from hpf.report import PlanReport
 
 CONFIG = gpt.CONFIGS["tiny"]
 MESH = {"node": 2, "local": 2}
@@ -77,13 +78,13 @@ def _run_variants(rank):
             losses.append(metrics["loss"])
             norms.append(metrics["grad_norm"])
             if s == 0:
-                bytes_before, gathers_before = dict(step.engine.comm.bytes), list(gathers)
+                bytes_before, gathers_before = step.stats(), list(gathers)
             if s == 1:
-                comm_bytes = {k: n - bytes_before.get(k, 0) for k, n in step.engine.comm.bytes.items()}
+                comm_bytes = dict((step.stats() - bytes_before).bytes)
                 gathers_step = [n - m for n, m in zip(gathers, gathers_before)]
         hier = kwargs.get("topology") is not None and kwargs["topology"].hierarchical
         full = step.full_params(state)
-        step.engine.comm.close()
+        step.close()
         paths, leaves, _ = flatten(full)
         out[name] = {
             "losses": losses,
@@ -92,7 +93,7 @@ def _run_variants(rank):
             "bytes": comm_bytes,
             "gathers": gathers_step,
             "bucket_units": [b.unit for b in step.plan.buckets],
-            "report": step.plan.report(hierarchical=hier).comm,
+            "report": PlanReport.of(step.plan, hierarchical=hier).comm,
         }
     return out
 
@@ -312,7 +313,7 @@ def _stalls_in_backward(rank, pipeline, patience):
     engine.begin, engine.land = shut_then_begin, open_then_land
     for s in range(2):
         state, _ = step(state, _local_batch(s, rank))
-    engine.comm.close()
+    step.close()
     return len(link.stalled)
 
 
@@ -350,7 +351,7 @@ def _overlap_schedule(rank, overlap):
     state, _ = step(state, _local_batch(0, rank))
     events.clear()
     step(state, _local_batch(1, rank))
-    engine.comm.close()
+    step.close()
     unit_of = {b.index: b.unit for b in step.plan.buckets}
     return [(e[0], tuple(unit_of[b] for b in e[1])) if len(e) > 1 else e for e in events]
 
@@ -396,7 +397,7 @@ def _os_threads_over_closed_steps(rank):
     for _ in range(4):
         step = hpf.shard_step(gpt.loss_for(cfg), mesh=mesh, optimizer=hpf.optim.adamw(lr=1e-3), topology=Topology())
         state, _ = step(step.init(gpt.init(cfg)), gpt.global_batch(cfg, 8, 0, 0)[rank * 2:rank * 2 + 2])
-        step.engine.comm.close()
+        step.close()
         del step, state
         counts.append(len(os.listdir(f"/proc/{os.getpid()}/task")))
     return counts

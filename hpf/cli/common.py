@@ -10,7 +10,7 @@ from pathlib import Path
 import hpf
 from hpf.cli import Parser
 from hpf.launcher import is_launched, world_size
-from hpf.models import MODELS
+from hpf.models import MODELS, has_experts, specs_for
 from hpf.types import PRECISIONS
 
 DEFAULT_MESH = {"node": 2, "local": 2}  # 2 "hosts" x 2 local ranks: exercises both tiers
@@ -101,15 +101,20 @@ def sharding_of(model: str, config, mesh: hpf.Mesh, fsdp_axes, ep_axis: str | No
     """shard_step's ``param_specs`` and ``fsdp_axes`` for --model: a model with ``param_specs``
     (moe) places its experts on --ep-axis; the others shard every param over the FSDP axes."""
     module = MODELS[model]
-    if ep_axis is None and not hasattr(module, "param_specs"):
+    check_ep_axis(model, ep_axis)
+    if not has_experts(module):
         return {"param_specs": None, "fsdp_axes": fsdp_axes}
     data = tuple(fsdp_axes or mesh.axis_names)
-    if ep_axis is not None and not hasattr(module, "param_specs"):
-        raise CliError(f"--ep-axis {ep_axis}: --model {model} has no experts; use --model moe")
     if ep_axis is not None and ep_axis not in data:
         raise CliError(f"--ep-axis {ep_axis} is not one of the FSDP axes ({', '.join(data)}) of --mesh "
                        f"{mesh_text(dict(zip(mesh.axis_names, mesh.shape)))}: expert parallelism borrows a data axis")
-    return {"param_specs": module.param_specs(config, ep_axis, data), "fsdp_axes": data}
+    return {"param_specs": specs_for(module, config, ep_axis, data), "fsdp_axes": data}
+
+
+def check_ep_axis(model: str, ep_axis: str | None) -> None:
+    """--ep-axis names a model with experts."""
+    if ep_axis is not None and not has_experts(MODELS[model]):
+        raise CliError(f"--ep-axis {ep_axis}: --model {model} has no experts; use --model moe")
 
 
 def slow_precision(text: str) -> str:
@@ -147,8 +152,7 @@ def topology_of(name: str, bucket_bytes: int = 0, slow: str | None = None) -> hp
             raise CliError(f"--slow-precision {slow} needs --topology two-tier: the flat ring has no slow stage of "
                            "its own (the fast tier stays at full precision)")
         return None
-    return hpf.Topology(bucket_bytes=bucket_bytes, slow_weights=low and low.weights, slow_grads=low and low.grads,
-                        slow_error_feedback=low and low.error_feedback)
+    return hpf.Topology.with_slow(low, bucket_bytes=bucket_bytes)
 
 
 def job_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:

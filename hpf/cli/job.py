@@ -20,7 +20,7 @@ from hpf import data as token_data
 from hpf.checks import finite_or_none
 from hpf.comm import world as comm_world
 from hpf.cli.common import sharding_of, topology_of
-from hpf.device import default_device
+from hpf.comm.world import default_device
 from hpf.models import gpt, model_config
 from hpf.optim.schedules import Schedule
 from hpf.progress import Progress

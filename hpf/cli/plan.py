@@ -6,7 +6,7 @@ import torch
 import hpf
 from hpf.cli.common import CliError, job_parsers, mesh_of, mesh_text, sharding_of, topology_of
 from hpf.cli.search import add_options as add_search_options, cmd_search
-from hpf.models import model_config
+from hpf.models import has_experts, model_config
 from hpf.memory import state_report
 from hpf.report import PlanReport
 from hpf.step import step_plan
@@ -58,7 +58,7 @@ def cmd_plan(args) -> int:
     print(f"predicted step time, exposed communication and tokens/s, hpf vs FSDP2 vs Megatron DDP: "
           f"hpf simulate {model}--config {args.config} --mesh {mesh_text(dict(zip(mesh.axis_names, mesh.shape)))}"
           f"{ep} --hardware cloudmatrix384 (or h100, or a calibration file)")
-    if args.check and hasattr(module, "param_specs"):  # a model with experts routes on values
+    if args.check and has_experts(module):  # a model with experts routes on values
         raise CliError(f"--check runs on meta tensors, which cannot route --model {args.model}'s tokens (routing "
                        "depends on values); validate it with hpf train --mode validate on a small mesh instead")
     if args.check:

@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 from hpf import sim
-from hpf.cli.common import CliError, only_searched, job_parsers, mesh_of, positive
+from hpf.cli.common import CliError, check_ep_axis, only_searched, job_parsers, mesh_of, positive
 from hpf.models import model_config
 from hpf.plots import missing_matplotlib
 
@@ -38,8 +38,7 @@ def cmd_simulate(args) -> int:
         module, config = model_config(args.model, args.config)
     except ValueError as e:
         raise CliError(str(e)) from None
-    if args.ep_axis is not None and not hasattr(module, "param_specs"):
-        raise CliError(f"--ep-axis {args.ep_axis}: --model {args.model} has no experts; use --model moe")
+    check_ep_axis(args.model, args.ep_axis)
     only_searched(args.slow_precision)
     hw = sim.hardware(args.hardware)
     kw = dict(local_batch=args.local_batch, mixed_precision=args.mixed_precision, topology=args.topology,

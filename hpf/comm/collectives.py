@@ -223,7 +223,7 @@ def all_gather(x: torch.Tensor, axis: str | Sequence[str], dim: int = 0) -> torc
     if has_torch_function((x,)):
         return handle_torch_function(all_gather, (x,), x, axis, dim=dim)
     group, n, virtual = _setup(axis, "all_gather")
-    dim = _dim(x, dim, "all_gather", "dim")
+    dim = normalize_dim(x, dim, "all_gather", "dim")
     if n == 1:
         return x.view_as(x)
     if virtual:
@@ -283,8 +283,8 @@ def all_to_all(x: torch.Tensor, axis: str | Sequence[str], split_dim: int, conca
         kw = {} if send_sizes is None else {"send_sizes": send_sizes, "recv_sizes": recv_sizes}
         return handle_torch_function(all_to_all, (x,), x, axis, split_dim, concat_dim, **kw)
     group, n, virtual = _setup(axis, "all_to_all")
-    split_dim = _dim(x, split_dim, "all_to_all", "split_dim")
-    concat_dim = _dim(x, concat_dim, "all_to_all", "concat_dim")
+    split_dim = normalize_dim(x, split_dim, "all_to_all", "split_dim")
+    concat_dim = normalize_dim(x, concat_dim, "all_to_all", "concat_dim")
     uneven = send_sizes is not None
     if uneven:
         send = _sizes(send_sizes, n, axis, "send_sizes", x.shape[split_dim])
@@ -346,7 +346,8 @@ def axis_index(axis: str | Sequence[str]) -> torch.Tensor:
     return torch.tensor(ctx.mesh.group_index(ctx.axes(axis, "axis_index"), ctx.rank))
 
 
-def _dim(x: torch.Tensor, dim: int, op: str, name: str) -> int:
+def normalize_dim(x: torch.Tensor, dim: int, op: str, name: str) -> int:
+    """``dim`` of ``x`` as a non-negative index, or IndexError naming ``op``'s argument ``name``."""
     if not -x.dim() <= dim < max(x.dim(), 1):
         raise IndexError(f"hpf.{op}: {name}={dim} is out of range for a tensor of shape {tuple(x.shape)}")
     return dim % max(x.dim(), 1)

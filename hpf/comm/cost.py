@@ -12,7 +12,7 @@ data that the fast tier has already gathered or reduced. An all-reduce is a redu
 plus an all-gather: twice the bytes.
 
 A low-bit slow tier (``hpf.types.SlowPrecision``, the plan's ``slow_precision``) sends the slow
-stage's data as payloads (hpf_kernels.formats: codes and block scales): ``low_bit`` says which
+stage's data as payloads (hpf_kernels.formats: codes and block scales): ``hpf.planning.low_bit`` says which
 collectives of a bucket do, ``codec_bytes`` what their quantize and dequantize passes move
 through memory. An HSDP replica all-reduce across the slow tier, low-bit, is an all-gather of
 the payloads (each replica then sums the same rows: the replicas stay bitwise equal).
@@ -26,19 +26,17 @@ import torch
 from hpf_kernels.formats import payload_bytes
 
 from ..mesh import Mesh
+from ..planning import OPS, low_bit  # (a layout fact: which of a bucket's collectives cross the slow tier low-bit)
 from ..types import SlowPrecision
 
-__all__ = ["OPS", "TIERS", "BucketLayout", "bucket_comm_bytes", "codec_bytes", "collective_bytes", "count_bytes",
-           "dtype_bytes", "feedback_numel", "low_bit", "ring_bytes"]
+__all__ = ["TIERS", "BucketLayout", "bucket_comm_bytes", "codec_bytes", "collective_bytes", "count_bytes",
+           "dtype_bytes", "feedback_numel", "ring_bytes"]
 
 TIERS = ("fast", "slow")
-# A bucket's collectives in one step: gather params and reduce-scatter grads over its shard
-# axes, all-reduce its grad shard over its replicate axes (HSDP).
-OPS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
 class BucketLayout(Protocol):
-    """What the model reads of a bucket (``hpf.plan.Bucket`` has it)."""
+    """What the model reads of a bucket (``hpf.planning.Bucket`` has it)."""
 
     shard_axes: tuple[str, ...]  # the FSDP axes it is split over
     replicate_axes: tuple[str, ...]  # the FSDP axes it is replicated over
@@ -70,23 +68,6 @@ def collective_bytes(mesh: Mesh, axes: tuple[str, ...], contribution: int,
     if hierarchical and n_fast > 1 and n_slow > 1:
         return {"fast": contribution * n_slow * (n_fast - 1), "slow": contribution * (n_slow - 1)}
     return {"fast": contribution * (n_fast - 1), "slow": contribution * (n - n_fast)}
-
-
-def low_bit(mesh: Mesh, bucket: BucketLayout, slow: SlowPrecision | None) -> dict[str, str | None]:
-    """The format each of ``bucket``'s collectives sends across the slow tier in (None: its own dtype).
-
-    The gather and the reduce-scatter are low-bit when their shard group has a slow stage; the
-    HSDP all-reduce when every replica axis is a slow one (a fast one would carry it too)."""
-    out = dict.fromkeys(OPS)
-    if slow is None:
-        return out
-    crosses = bool(mesh.slow_axes_of(bucket.shard_axes))
-    out["all_gather"] = slow.weights if crosses else None
-    if not bucket.frozen:
-        out["reduce_scatter"] = slow.grads if crosses else None
-        replicas = [a for a in bucket.replicate_axes if mesh.axis_size(a) > 1]
-        out["all_reduce"] = slow.grads if replicas and set(mesh.slow_axes_of(replicas)) == set(replicas) else None
-    return out
 
 
 def bucket_comm_bytes(mesh: Mesh, bucket: BucketLayout, compute_dtype: torch.dtype, reduce_dtype: torch.dtype,

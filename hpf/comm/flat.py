@@ -50,6 +50,9 @@ class BucketComm:
     size, after every sum has landed, so the mean is exact in the reduce dtype.
     """
 
+    slow = None  # no slow tier of its own: every collective runs at full precision
+    lowbit = None
+
     def is_shared(self, b: int) -> bool:
         """Whether bucket b's full buffer is transport-owned shared memory (never freed)."""
         return False

@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from hpf_kernels import dequantize, quantize
 
-from ..planning import Plan
-from .cost import feedback_numel, low_bit
+from ..planning import Plan, low_bit
+from .cost import feedback_numel
 from .transport import Transport
 
 __all__ = ["FEEDBACK_BETA", "LowBitTier"]

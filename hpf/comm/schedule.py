@@ -27,18 +27,19 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..device import default_device
 from . import world
 from .transport import wait_for
 
-__all__ = ["ScheduleMismatchError", "PeerTimeoutError", "LOG", "ScheduleLog", "wait", "wait_all", "check_digests",
-           "digest_parts", "rendezvous", "SUSPECT_S"]
+__all__ = ["ScheduleMismatchError", "PeerTimeoutError", "LOG", "ScheduleLog", "wait", "check_digests",
+           "digest_parts", "rendezvous", "SUSPECT_S", "DIGEST_MASK", "DIGEST_LEN"]
 
 #: Seconds a wait lasts before this rank asks whether the ranks disagree.
 SUSPECT_S = 5.0
 _POLL_S = 0.2
 _KEEP = 2048  # events kept for the report (the digest covers all of them)
-_MASK = (1 << 51) - 1  # 3 x 17 bits: see digest_parts
+DIGEST_MASK = (1 << 51) - 1  # a digest's bits: 3 x 17, see digest_parts
+_SHIFTS = (0, 17, 34)
+DIGEST_LEN = 2 * len(_SHIFTS)  # floats in digest_parts: (part, part^2) per 17 bits
 _PREFIX = "hpf/schedule/"
 
 
@@ -69,7 +70,7 @@ class ScheduleLog:
         if code is None:
             code = self._codes[key] = zlib.crc32(repr(key).encode())
         self.seq += 1
-        self._hash = ((self._hash ^ code) * 0x100000001B3 + self.seq) & _MASK
+        self._hash = ((self._hash ^ code) * 0x100000001B3 + self.seq) & DIGEST_MASK
         self.events.append((self.seq, self.step, kind, subject, n))
 
     def digest(self) -> int:
@@ -102,7 +103,7 @@ def digest_parts(h: int) -> list[float]:
     """A 51-bit digest as (part, part^2) x 3 in float64, for a SUM all-reduce: the parts sum
     exactly (17 bits, up to 2^19 ranks), and n * sum(x^2) == sum(x)^2 iff every rank sent the
     same x (Cauchy-Schwarz), so one all-reduce checks agreement beside the step's sums."""
-    parts = [(h >> s) & 0x1FFFF for s in (0, 17, 34)]
+    parts = [(h >> s) & 0x1FFFF for s in _SHIFTS]
     return [float(v) for p in parts for v in (p, p * p)]
 
 
@@ -262,14 +263,9 @@ def rendezvous(kind: str, subject: str = "", group=None) -> None:
     n = world.world_size() if group is None else dist.get_world_size(group)
     if n > 1:
         code = zlib.crc32(repr((LOG.seq, kind, subject)).encode())
-        parts = torch.tensor(digest_parts(code), dtype=torch.float64, device=default_device())  # nccl needs its device
+        parts = torch.tensor(digest_parts(code), dtype=torch.float64, device=world.default_device())  # nccl needs its device
         wait(dist.all_reduce(parts, group=group, async_op=True), f"{kind} {subject}".strip())
         check_digests(parts_agree(parts.tolist(), n), "calls", group)
-
-
-def wait_all(handles, what: Callable[[], str] | str = "collectives") -> None:
-    for h in handles:
-        wait(h, what)
 
 
 def _report(logs: list[dict]) -> str | None:

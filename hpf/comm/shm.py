@@ -36,11 +36,12 @@ import torch.distributed as dist
 from .. import trace
 from .cost import ring_bytes
 from .transport import BufferCache, CallCounters, check_op, check_shards
+from .world import COLLECTIVE_TIMEOUT_S
 
 __all__ = ["ShmGroup", "ShmTimeout", "remove_leftovers"]
 
 SHM_DIR = "/dev/shm"
-_ALIGN = 64  # one cache line: each barrier counter gets its own, buffers start on one
+ALIGN = 64  # one cache line: each barrier counter gets its own, buffers start on one
 # Waiting: sched_yield between checks first (about 1 us when the core is free, and it hands
 # the core to a late peer when ranks share cores), then sleeps doubling up to 1 ms. Measured
 # on 2 loaded cores: pure spinning took 130-470 us per barrier, yielding 11 us (2 ranks) and
@@ -138,7 +139,7 @@ class ShmGroup(CallCounters):
     """
 
     def __init__(self, group: dist.ProcessGroup | None, nbytes: int, *, name_prefix: str = "hpf",
-                 timeout: float = 300.0):
+                 timeout: float = COLLECTIVE_TIMEOUT_S):
         if nbytes <= 0:
             raise ValueError(f"ShmGroup: nbytes must be positive, got {nbytes}")
         super().__init__()
@@ -147,13 +148,13 @@ class ShmGroup(CallCounters):
         self.global_ranks = dist.get_process_group_ranks(group) if group is not None else list(
             range(self.world_size))
         self.timeout = timeout
-        header = _round_up(self.world_size * _ALIGN, _ALIGN)
-        self.capacity = header + _round_up(nbytes, _ALIGN)
+        header = _round_up(self.world_size * ALIGN, ALIGN)
+        self.capacity = header + _round_up(nbytes, ALIGN)
         self._segment = _map_segment(group, self.rank, self.capacity, name_prefix)
         # barrier counters: rank r's int64 sits at word r * 8 (its own cache line); a
         # memoryview reads/writes one word in ~50 ns, far cheaper than a torch op
         self._slots = memoryview(self._segment[:header].numpy()).cast("q")
-        self._stride = _ALIGN // 8
+        self._stride = ALIGN // 8
         self._generation = 0
         self._next = header
         self._regions = BufferCache()  # key -> _Region
@@ -176,7 +177,7 @@ class ShmGroup(CallCounters):
         return self._segment[start:start + region.nbytes].view(dtype)
 
     def _allocate(self, key, nbytes: int, per_rank: bool) -> _Region:
-        row_bytes = _round_up(max(nbytes, 1), _ALIGN)
+        row_bytes = _round_up(max(nbytes, 1), ALIGN)
         size = row_bytes * (self.world_size if per_rank else 1)
         if self._next + size > self.capacity:
             raise ValueError(f"ShmGroup: buffer {key!r} needs {size} bytes but only {self.capacity - self._next} "

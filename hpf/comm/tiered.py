@@ -46,7 +46,7 @@ from ..types import SlowPrecision
 from . import world
 from .cost import bucket_comm_bytes, count_bytes, dtype_bytes
 from .lowbit import LowBitTier
-from .shm import ShmGroup
+from .shm import ALIGN, ShmGroup
 from .transport import DONE, Handle, ProcessGroupTransport, Transport
 
 __all__ = ["Topology", "SlowLink", "TieredComm"]
@@ -106,7 +106,7 @@ class Topology:
     fast_transport: str = "auto"
     slow_link: SlowLink | None = None
     shm_bytes: int = 0  # shared-memory capacity; 0 sizes it from the plan
-    timeout_s: float = 300.0
+    timeout_s: float = world.COLLECTIVE_TIMEOUT_S
     bucket_bytes: int = 0  # cap on one fused collective (hpf.plan's bucket_bytes); 0: one per unit
     slow_weights: str | None = None
     slow_grads: str | None = None
@@ -122,6 +122,19 @@ class Topology:
             raise ValueError(f"slow_weights={self.slow_weights!r}, slow_grads={self.slow_grads!r} with "
                              "hierarchical=False: a flat collective has no slow stage of its own to quantize (the "
                              "fast tier stays at full precision); use hierarchical=True")
+
+    @classmethod
+    def with_slow(cls, slow: SlowPrecision | None, **options) -> "Topology":
+        """A topology whose slow tier is ``slow`` (None: full precision), with these other options."""
+        if slow is None:
+            return cls(**options)
+        return cls(**options, slow_weights=slow.weights, slow_grads=slow.grads, slow_block=slow.block,
+                   slow_error_feedback=slow.error_feedback)
+
+    def plan_options(self) -> dict:
+        """What of this topology shapes the plan (``hpf.plan``'s keyword arguments)."""
+        return {"hierarchical": self.hierarchical, "bucket_bytes": self.bucket_bytes,
+                "slow_precision": self.slow_precision}
 
     @property
     def slow_precision(self) -> SlowPrecision | None:
@@ -190,8 +203,31 @@ class _Worker:
     def close(self) -> None:
         self.jobs.put(None)
 
+    def join(self, timeout: float) -> None:
+        """Wait for the thread to end (one stuck in a collective that never lands stays, a daemon)."""
+        self.thread.join(timeout)
+
 
 _INSTANCES = itertools.count()
+
+
+def _tier_axes(mesh, b, hierarchical: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(fast axes, slow axes) of bucket ``b``'s collectives, each stage's shard order."""
+    order = tuple(a for a in b.shard_order if mesh.axis_size(a) > 1)  # a size-1 axis has no one to talk to
+    if not hierarchical:
+        return (), order  # one flat collective, counted by tier
+    return tuple(a for a in order if a in mesh.fast_axes), tuple(a for a in order if a not in mesh.fast_axes)
+
+
+def _shm_bytes(plan: Plan, stages: list, compute_dtypes, reduce_dtypes) -> int:
+    """Shared memory for every bucket: a full buffer and one grad row per local rank, each row
+    cache-line aligned."""
+    mesh, need = plan.mesh, 0
+    for b, (fast, _) in zip(plan.buckets, stages):
+        rows = 0 if b.frozen else mesh.axis_size(fast)  # (frozen: no grads)
+        need += (b.padded_numel * (dtype_bytes(compute_dtypes[b.index]) + rows * dtype_bytes(reduce_dtypes[b.index]))
+                 + ALIGN * (mesh.size + 1))
+    return need
 
 
 class TieredComm:
@@ -208,21 +244,8 @@ class TieredComm:
         self._workers = {(d, t): _Worker(f"hpf-{d}-{t}") for d in ("gather", "reduce") for t in ("slow", "fast")}
         use_shm = self._use_shm(topology, device)
         self._use_shm_fast = use_shm
-        fast_axes = set(mesh.fast_axes)
-        self._stages = []
-        shm_need = 0
-        for b in plan.buckets:
-            # A size-1 axis has no one to talk to (and, in a 1-process run, no process group).
-            order = tuple(a for a in b.shard_order if mesh.axis_size(a) > 1)
-            fast = tuple(a for a in order if a in fast_axes)
-            slow = tuple(a for a in order if a not in fast_axes)
-            if not topology.hierarchical:
-                fast, slow = (), order  # one flat collective, counted by tier
-            self._stages.append((fast, slow))
-            c, r = compute_dtypes[b.index], reduce_dtypes[b.index]
-            # a shared full buffer and one grad row per local rank, each row cache-line aligned
-            rows = 0 if b.frozen else mesh.axis_size(fast)  # (frozen: no grads)
-            shm_need += b.padded_numel * (dtype_bytes(c) + rows * dtype_bytes(r)) + 64 * (mesh.size + 1)
+        self._stages = [_tier_axes(mesh, b, topology.hierarchical) for b in plan.buckets]
+        shm_need = _shm_bytes(plan, self._stages, compute_dtypes, reduce_dtypes)
         # Process groups of its own: its worker threads may still be gathering the next
         # step's first units while another step (another engine on the same mesh) runs.
         # Every rank builds its comms in the same order, so the instance numbers agree.
@@ -288,14 +311,12 @@ class TieredComm:
     def full_buffer(self, b: int, dtype: torch.dtype) -> torch.Tensor:
         bucket = self.plan.buckets[b]
         if self.is_shared(b):
-            fast, _ = self._stages[b]
             return self._route["gather", b, "fast"].buffer(("full", b), bucket.padded_numel, dtype)
         return torch.empty(bucket.padded_numel, dtype=dtype, device=self._device)
 
     def grad_buffer(self, b: int, dtype: torch.dtype) -> torch.Tensor:
         bucket = self.plan.buckets[b]
         if self.is_shared(b):
-            fast, _ = self._stages[b]
             return self._route["reduce", b, "fast"].buffer(("grad", b), bucket.padded_numel, dtype, per_rank=True)
         return torch.empty(bucket.padded_numel, dtype=dtype, device=self._device)
 
@@ -403,6 +424,8 @@ class TieredComm:
     def close(self) -> None:
         for worker in self._workers.values():
             worker.close()
+        for worker in self._workers.values():
+            worker.join(self.timeout)
         for t in self._transports.values():
             if isinstance(t, ShmGroup):
                 t.close()

@@ -20,11 +20,12 @@ from __future__ import annotations
 import datetime
 import time
 from collections import Counter
-from typing import Protocol, Union, runtime_checkable
+from typing import Any, Protocol, Union, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
+from ..types import SlowPrecision
 from .cost import ring_bytes
 
 __all__ = ["Transport", "ProcessGroupTransport", "UnitComm", "Handle", "DONE", "is_done", "wait_for", "StreamWork", "on_device",
@@ -232,6 +233,10 @@ class UnitComm(Protocol):
     """
 
     bytes: Counter  # (op, tier) -> bytes this rank sent, by hpf.comm.cost's model
+    #: the low-bit slow tier's format choice (None: full precision, or no slow tier)
+    slow: SlowPrecision | None
+    #: the slow tier's hpf.comm.lowbit.LowBitTier: quantized stages, error-feedback residuals (None: no slow tier)
+    lowbit: Any
 
     def is_shared(self, b: int) -> bool:
         """Whether bucket b's full buffer is transport-owned shared memory (never freed)."""

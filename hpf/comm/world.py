@@ -1,6 +1,6 @@
 """The process-group facts and the one-off collectives outside the per-bucket comms.
 
-hpf talks to torch.distributed only under hpf/comm/, in hpf/launch.py (which starts the
+hpf talks to torch.distributed only under hpf/comm/, in hpf/launcher.py (which starts the
 process group) and in hpf/mesh.py (which makes the groups, and lies below hpf/comm/): the
 step, validation and distributed Muon call these helpers.
 Ranks are global ranks; ``group=None`` is the whole world. The collectives inherit the
@@ -8,20 +8,35 @@ process group's timeout (hpf.launch sets one), so a dead peer ends in an error, 
 """
 from __future__ import annotations
 
+import datetime
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["is_distributed", "rank", "world_size", "backend", "store", "timeout_s", "all_reduce", "barrier", "all_reduce_async", "all_gather_list",
-           "all_gather_object", "exchange", "wait_all"]
+__all__ = ["COLLECTIVE_TIMEOUT_S", "default_device", "is_distributed", "rank", "world_size", "backend", "store", "timeout_s", "all_reduce", "barrier", "all_reduce_async", "all_gather_list",
+           "all_gather_object", "exchange", "wait_all", "new_group", "all_gather_into", "reduce_scatter_into",
+           "all_to_all_into"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+# A collective that waits this long for a peer raises: how a hung or dead rank is found. It
+# bounds a wait, never a healthy run, which may take as long as it needs. (hpf.launch's process
+# groups, the two-tier workers and shared memory all default to it.)
+COLLECTIVE_TIMEOUT_S = 300.0
 
 
 def is_distributed() -> bool:
     """Whether a torch.distributed process group is running."""
     return dist.is_available() and dist.is_initialized()
+
+
+def default_device() -> torch.device:
+    """The device this rank computes on (the step, the CLI, user scripts): the accelerator the
+    process group drives, else the CPU (gloo)."""
+    if backend() not in (None, "gloo") and torch.accelerator.is_available():
+        return torch.device(torch.accelerator.current_accelerator().type, torch.accelerator.current_device_index())
+    return torch.device("cpu")
 
 
 def rank() -> int:
@@ -102,6 +117,29 @@ def exchange(sends: Sequence[tuple[int, torch.Tensor, int]], recvs: Sequence[tup
     ops = [dist.P2POp(dist.isend, t, peer, tag=tag) for peer, t, tag in sends]
     ops += [dist.P2POp(dist.irecv, t, peer, tag=tag) for peer, t, tag in recvs]
     return dist.batch_isend_irecv(ops) if ops else []
+
+
+def new_group(backend: str | None = None, timeout_s: float | None = None):
+    """A new process group over every rank (collective: every rank makes it, in the same order)."""
+    kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    return dist.new_group(backend=backend, **kwargs)
+
+
+# -- the raw torch.distributed collectives, for measuring them (hpf.sim.calibrate) -----------------------
+def all_gather_into(full: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False):
+    """full <- every rank's shard, in rank order: torch's own all-gather, nothing around it."""
+    return dist.all_gather_single(full, shard, group=group, async_op=async_op)
+
+
+def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group=None, async_op: bool = False):
+    """out <- this rank's slice of the sum of every rank's full: torch's own reduce-scatter (on gloo
+    an all-reduce; hpf's comms use hpf.comm.transport.reduce_scatter_async)."""
+    return dist.reduce_scatter_single(out, full, group=group, async_op=async_op)
+
+
+def all_to_all_into(out: torch.Tensor, rows: torch.Tensor, group=None, async_op: bool = False):
+    """out[j] <- rank j's rows[this rank]: torch's own all-to-all."""
+    return dist.all_to_all_single(out, rows, group=group, async_op=async_op)
 
 
 def wait_all(requests: list) -> None:

@@ -69,8 +69,7 @@ class UnitEngine:
         self.residency = Residency(self.units, pinned, capacity)
         self.reducer = Reducer(plan, comm, self.buffers.shared, pipeline, list(compute_sums),
                                before_issue=lambda: self.buffers.flush(force=True), on_wait=self.add_wait)
-        slot_paths = {u: [s.path for b in plan.units[u].buckets for s in plan.buckets[b].slots] for u in self.units}
-        self.view = ParamsView(plan, slot_paths, self._entry)
+        self.view = ParamsView(plan, {u: plan.slot_paths(u) for u in self.units}, self._entry)
         self.stats: MemoryStats = self.buffers.stats
         self.in_backward = False
         self._reduce_order = list(reversed(self.reducer.units))  # the first step's guess: backward of tree order

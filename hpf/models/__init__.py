@@ -11,7 +11,7 @@ import dataclasses
 
 from hpf.models import gpt, llama, moe
 
-__all__ = ["gpt", "llama", "moe", "MODELS", "model_config"]
+__all__ = ["gpt", "llama", "moe", "MODELS", "model_config", "has_experts", "specs_for"]
 
 #: The models by name: what `hpf train --model` picks.
 MODELS = {"gpt": gpt, "llama": llama, "moe": moe}
@@ -27,3 +27,22 @@ def model_config(model: str, config: str, vocab_size: int | None = None):
         raise ValueError(f"config {config!r} is not a {model} config; pick one of {', '.join(module.CONFIGS)}")
     found = module.CONFIGS[config]
     return module, (dataclasses.replace(found, vocab_size=vocab_size) if vocab_size else found)
+
+
+def has_experts(module) -> bool:
+    """Whether a model module places experts on an expert-parallel axis (it has ``param_specs``)."""
+    return hasattr(module, "param_specs")
+
+
+def specs_for(module, config, ep_axis: str | None, data_axes) -> object:
+    """shard_step's ``param_specs`` for a model: its experts on ``ep_axis``, or None (a model
+    without experts: every param sharded over the FSDP axes ``data_axes``).
+
+    Raises:
+        ValueError: ``ep_axis`` for a model that has no experts."""
+    if not has_experts(module):
+        if ep_axis is not None:
+            name = getattr(module, "__name__", str(module)).rpartition(".")[2]
+            raise ValueError(f"ep_axis={ep_axis!r}: model {name} has no experts; use the moe model")
+        return None
+    return module.param_specs(config, ep_axis, tuple(data_axes))

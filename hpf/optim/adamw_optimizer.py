@@ -20,7 +20,7 @@ from typing import Any, Callable, NamedTuple
 import optree
 import torch
 
-from ..checks import check_rate
+from .schedules import check_rate
 
 from hpf import tree as tree_util
 
@@ -89,9 +89,8 @@ class AdamW:
                                                for p, s in plan.slots.items()}))
         shards = []
         for b in plan.buckets:
-            lo, hi = b.shard_range(plan.shard_index(b, rank))
-            ranges = [(max(s.offset, lo) - lo, min(s.offset + s.numel, hi) - lo) for s in b.slots if decays[s.path]]
-            shards.append(tuple(slice(a, z) for a, z in ranges if a < z))
+            pieces = [b.local_range(s, plan.shard_index(b, rank)) for s in b.slots if decays[s.path]]
+            shards.append(tuple(p.held for p in pieces if p.numel))
         return replace(self, _shard_decay=tuple(shards))
 
     def _mask_by_path(self, params: Any) -> dict[str, bool]:

@@ -44,7 +44,7 @@ class PartialUpdate(Protocol):
 @runtime_checkable
 class ForPlan(Protocol):
     def for_plan(self, plan: Any, rank: int) -> Optimizer:
-        """This optimizer on the flat shards of ``plan`` (an hpf.plan.Plan) as ``rank`` holds them."""
+        """This optimizer on the flat shards of ``plan`` (an hpf.Plan) as ``rank`` holds them."""
         ...
 
 

@@ -65,9 +65,7 @@ def muon_plan_state(muon, plan: Plan) -> tuple[int, Counter, int]:
         for b in plan.buckets:
             key = (b.index, plan.shard_index(b, r))
             if key not in adamw:
-                lo, hi = b.shard_range(key[1])
-                adamw[key] = sum(max(0, min(s.offset + s.numel, hi) - max(s.offset, lo))
-                                 for s in b.slots if s.path not in paths)
+                adamw[key] = sum(b.local_range(s, key[1]).numel for s in b.slots if s.path not in paths)
             n += b.shard_numel + adamw[key]
         most = max(most, n)
     return most, assign_owners(plan, paths, muon.ns_steps, muon.ns_variant)[1], len(paths)
@@ -86,11 +84,11 @@ def muon_sends(muon, plan: Plan, owners: dict | None = None) -> dict[int, Counte
             for slot in b.slots:
                 owner = owners.get((b.index, ranks, slot.path))
                 for i in b.holders(slot) if owner is not None else ():
-                    piece, holder = _piece(b, slot, i), ranks[i]
+                    n, holder = b.local_range(slot, i).numel, ranks[i]
                     if holder != owner:
                         tier = "slow" if nodes[holder] != nodes[owner] else "fast"
-                        sends[holder][tier] += 4 * (piece.stop - piece.start)
-                        sends[owner][tier] += 4 * (piece.stop - piece.start)
+                        sends[holder][tier] += 4 * n
+                        sends[owner][tier] += 4 * n
     return sends
 
 
@@ -124,8 +122,7 @@ def _near_ranks(b: Bucket, slot: ParamSlot, ranks: tuple[int, ...], nodes: dict[
     holders = [ranks[i] for i in b.holders(slot)]
     held: Counter = Counter()
     for i, r in zip(b.holders(slot), holders):
-        piece = _piece(b, slot, i)
-        held[nodes[r]] += piece.stop - piece.start
+        held[nodes[r]] += b.local_range(slot, i).numel
     most = max(held.values())
     return sorted(r for r in (ranks if len(held) > 1 else holders) if held.get(nodes[r], -1) == most)
 
@@ -203,7 +200,7 @@ class DistMuon:
 
     Args:
         muon: the hpf.optim.Muon whose hyper-parameters and AdamW fallback to run.
-        plan: the step's plan (hpf.plan.Plan): which rank holds which piece of each matrix.
+        plan: the step's plan (hpf.Plan): which rank holds which piece of each matrix.
         rank: this process's global rank.
         comm_dtype: the dtype matrix pieces travel in (None: the grads').
 
@@ -234,34 +231,34 @@ class DistMuon:
             if b.frozen:  # not trained: no state, no update
                 self.adamw_numel.append(0)
                 continue
-            lo, hi = b.shard_range(plan.shard_index(b, rank))
+            position = plan.shard_index(b, rank)
             ranks = tuple(plan.shard_ranks(b, rank))
             n_adamw = 0
             for slot in b.slots:
-                start, stop = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
-                mine = slice(start - lo, max(start, stop) - lo)
+                piece = b.local_range(slot, position)
+                mine, held = piece.held, piece.numel > 0
                 if slot.path not in on_muon:
-                    if start < stop:
-                        self.adamw.append((b.index, mine, slice(n_adamw, n_adamw + stop - start)))
-                        n_adamw += stop - start
+                    if held:
+                        self.adamw.append((b.index, mine, slice(n_adamw, n_adamw + piece.numel)))
+                        n_adamw += piece.numel
                     continue
                 if slot.numel == 0:
                     continue
                 shape = slot.local_shape
                 common = dict(bucket=b.index, shape=shape, scale=update_scale(shape[-2], shape[-1], muon.scale),
-                              mine=mine, in_matrix=slice(start - slot.offset, max(start, stop) - slot.offset))
+                              mine=mine, in_matrix=piece.param)
                 tag += 1
                 key = (b.index, ranks, slot.path)
                 if key not in self.owners:
-                    if start < stop:
+                    if held:
                         self.local.append(_Matrix(**common))
                     continue
                 owner = self.owners[key]
-                others = tuple((ranks[i], _piece(b, slot, i)) for i in b.holders(slot) if ranks[i] != owner)
+                others = tuple((ranks[i], b.local_range(slot, i).param) for i in b.holders(slot) if ranks[i] != owner)
                 m = _Matrix(**common, owner=owner, tag=tag, others=others)
                 if owner == rank:
                     self.owned.append(m)
-                elif start < stop:
+                elif held:
                     self.held.append(m)
             self.adamw_numel.append(n_adamw)
         self._momentum_order = self.local + self.owned + self.held
@@ -426,10 +423,6 @@ def _meta(slot: ParamSlot) -> torch.Tensor:
     return torch.empty(slot.global_shape, dtype=slot.dtype, device="meta")
 
 
-def _piece(b: Bucket, slot: ParamSlot, position: int) -> slice:
-    """The elements of ``slot``'s flat that shard ``position`` holds."""
-    lo, hi = b.shard_range(position)
-    return slice(max(lo, slot.offset) - slot.offset, min(hi, slot.offset + slot.numel) - slot.offset)
 
 
 def _check_whole_matrices(plan: Plan, slot: ParamSlot) -> None:

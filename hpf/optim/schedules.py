@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["Schedule", "constant", "cosine", "linear", "NAMES"]
+__all__ = ["Schedule", "constant", "cosine", "linear", "check_rate", "NAMES"]
 
 NAMES = ("cosine", "linear", "constant")
 
@@ -58,3 +58,11 @@ def cosine(lr: float, total_steps: int, warmup: int = 0, min_lr: float = 0.0) ->
 def linear(lr: float, total_steps: int, warmup: int = 0, min_lr: float = 0.0) -> Schedule:
     return Schedule("linear", lr, total_steps, warmup, min_lr)
 
+
+def check_rate(value: float, what: str, step: int | None = None) -> float:
+    """A learning rate (or a schedule's value at ``step``): finite and >= 0, else ValueError."""
+    value = float(value)
+    if not math.isfinite(value) or value < 0:
+        at = f" returned {value} at step {step}" if step is not None else f"={value}"
+        raise ValueError(f"{what}{at}: learning rates must be finite and >= 0; fix the value or the schedule")
+    return value

@@ -17,6 +17,7 @@ import functools
 import math
 from types import ModuleType
 
+from ..models import specs_for
 from ..models.recompute import recomputes
 from ..planning import ROOT, plan as make_plan
 from ..mesh import Mesh
@@ -131,8 +132,6 @@ def _inputs(config, mesh, hw, strategy, *, local_batch=1, model="gpt", mixed_pre
     hw = hardware(hw) if isinstance(hw, str) else hw
     is_hpf = strategy in ("hpf", "hsdp")
     tiered = is_hpf and topology == "two-tier"
-    if ep_axis is not None and not hasattr(mod, "param_specs"):
-        raise ValueError(f"ep_axis={ep_axis!r}: model {getattr(mod, '__name__', mod)} has no experts; use the moe model")
     slow = SlowPrecision.parse(slow_precision) if is_hpf else None  # the baselines have no low-bit tier
     if slow is not None and not tiered:
         raise ValueError(f"slow_precision={slow_precision!r} with topology={topology!r}: a low-bit slow tier is a "
@@ -160,10 +159,8 @@ def _inputs(config, mesh, hw, strategy, *, local_batch=1, model="gpt", mixed_pre
 def _plan(mod: ModuleType, cfg, axes: tuple, fsdp_axes, ep_axis, tiered: bool, hsdp: bool, bucket_bytes: int,
           slow: SlowPrecision | None):
     mesh = Mesh(dict(axes))
-    fsdp = tuple(fsdp_axes or mesh.axis_names)
-    specs = mod.param_specs(cfg, ep_axis, fsdp) if hasattr(mod, "param_specs") else None
-    return make_plan(mod.init(cfg, device="meta"), mesh, specs, fsdp_axes=fsdp_axes, hierarchical=tiered,
-                     default_shard_axes=[a for a in fsdp if a in mesh.fast_axes] if hsdp else None,
+    specs = specs_for(mod, cfg, ep_axis, fsdp_axes or mesh.axis_names)
+    return make_plan(mod.init(cfg, device="meta"), mesh, specs, fsdp_axes=fsdp_axes, hsdp=hsdp, hierarchical=tiered,
                      bucket_bytes=bucket_bytes, slow_precision=slow)
 
 

@@ -24,8 +24,8 @@ import time
 import numpy as np
 import optree
 import torch
-import torch.distributed as dist
 
+from ..comm import world
 from ..comm.transport import reduce_scatter_async
 from ..launcher import launch
 from ..mesh import Mesh
@@ -59,15 +59,14 @@ def _median_slowest_each(fns, reps: int, pick=statistics.median,
     skew: the median over reps of the mean rank's lead on the slowest, as a fraction of the
     slowest's time (ranks sharing cores finish the same work 4-30% apart here)."""
     probe = torch.tensor([_timed(lambda: [fn() for fn in fns])], dtype=torch.float64)
-    dist.all_reduce(probe, op=dist.ReduceOp.MAX)
+    world.all_reduce(probe, op="max")
     reps = max(reps, min(8 * reps, int(min_s / max(float(probe), 1e-6))))
     times = [[] for _ in fns]
     for _ in range(reps):
         for fn, ts in zip(fns, times):
-            dist.barrier()
+            world.barrier()
             ts.append(_timed(fn))
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, times)
+    every = world.all_gather_object(times)
     per_rep = [list(zip(*(r[i] for r in every))) for i in range(len(fns))]  # per fn: reps x ranks
     return ([pick([max(ts) for ts in reps_]) for reps_ in per_rep],
             [statistics.median((max(ts) - statistics.mean(ts)) / max(ts) for ts in reps_) for reps_ in per_rep])
@@ -93,7 +92,7 @@ def _contention(comm_of, small: int, large: int, reps: int, stretch_at: int = 0)
             a @ a
 
     def alone(fn, n=1):
-        dist.barrier()
+        world.barrier()
         return _timed(lambda: [fn() for _ in range(n)])
 
     jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -110,7 +109,7 @@ def _contention(comm_of, small: int, large: int, reps: int, stretch_at: int = 0)
         box = []
         for _ in range(calls):
             done = threading.Event()
-            dist.barrier()
+            world.barrier()
             jobs.put((fn, box, done))
             while not done.is_set():
                 work(1)
@@ -119,7 +118,7 @@ def _contention(comm_of, small: int, large: int, reps: int, stretch_at: int = 0)
     def loop_beside_compute(fn, n_comm, n_mm):
         """The seconds of n_mm matmuls while a loop of n_comm collectives runs on the worker."""
         done, box = threading.Event(), []
-        dist.barrier()
+        world.barrier()
         jobs.put((lambda: [fn() for _ in range(n_comm)], box, done))
         t_mm = _timed(lambda: work(n_mm))
         while not done.is_set():
@@ -161,7 +160,7 @@ def _median_of_launches(fn, world: int, *args, launches: int = 3):
 def _comm_rank(rank, sizes, reps):
     from ..comm import ShmGroup
 
-    n = dist.get_world_size()
+    n = world.world_size()
     largest = max(sizes) // 4 // n * n
     group = ShmGroup(None, nbytes=(n + 1) * largest * 4 + (1 << 20))
     full_all = group.buffer("full", largest, torch.float32)
@@ -172,16 +171,16 @@ def _comm_rank(rank, sizes, reps):
         k = numel // n
         full, shard, res = torch.randn(numel), torch.randn(k), torch.empty(k)
         out[nbytes] = {
-            ("gloo", "all_gather"): _median_slowest(lambda: dist.all_gather_single(full, shard), reps),
+            ("gloo", "all_gather"): _median_slowest(lambda: world.all_gather_into(full, shard), reps),
             ("gloo", "reduce_scatter"): _median_slowest(lambda: reduce_scatter_async(res, full).wait(), reps),
-            ("gloo", "native_reduce_scatter"): _median_slowest(lambda: dist.reduce_scatter_single(res, full), reps),
+            ("gloo", "native_reduce_scatter"): _median_slowest(lambda: world.reduce_scatter_into(res, full), reps),
             ("shm", "all_gather"): _median_slowest(lambda: group.all_gather_into(full_all[:numel], shard), reps),
             ("shm", "reduce_scatter"): _median_slowest(lambda: group.reduce_scatter(res, grad_all[:numel]), reps),
         }
     def gloo_of(nbytes):
         numel = nbytes // 4 // n * n
         full, shard = torch.randn(numel), torch.randn(numel // n)
-        return lambda: dist.all_gather_single(full, shard)
+        return lambda: world.all_gather_into(full, shard)
 
     def shm_of(nbytes):
         numel = nbytes // 4 // n * n
@@ -218,7 +217,7 @@ def _compute_rank(rank, shapes, reps):
             slowest, skew = _median_slowest_each(fns, reps, min_s=1.0)
             times = dict(zip((1, depth), slowest))
             block = max((times[depth] - times[1]) / (depth - 1), 1e-6)
-            out[compute_key(model, name, batch, dist.get_world_size(), precision)] = {
+            out[compute_key(model, name, batch, world.world_size(), precision)] = {
                 "block_s": block, "root_s": max(times[1] - block, 0.0), "skew": skew[1]}
     # AdamW's memory rate (the optimizer and copy model) and a big matmul's peak, also under load
     n = 1 << 22
@@ -316,7 +315,7 @@ def _fsdp2_comm_rank(rank, sizes, reps) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    w = dist.get_world_size()
+    w = world.world_size()
     mesh = init_device_mesh("cpu", (w,))
     out = {"all_gather": [], "reduce_scatter": []}
     x = torch.zeros(())
@@ -372,7 +371,7 @@ def _issue_rank(rank, two_tier: bool, reps: int) -> float:
     comm threads take from compute (GIL, cores). Comm vs no comm, interleaved; the slowest rank's median."""
     import hpf
 
-    w = dist.get_world_size()
+    w = world.world_size()
     cfg = gpt.CONFIGS["tiny"]
     mesh = hpf.Mesh({"dp": w} if w <= 2 else {"node": w // 2, "local": 2})
     step = hpf.shard_step(gpt.loss_for(cfg), mesh=mesh, optimizer=hpf.optim.adamw(lr=1e-3),
@@ -403,14 +402,13 @@ def _issue_rank(rank, two_tier: bool, reps: int) -> float:
 
     costs = []
     for i in range(3 * reps + 2):  # noisy on shared cores: more reps than the long benchmarks
-        dist.barrier()
+        world.barrier()
         with_comm = loop(True)
-        dist.barrier()
+        world.barrier()
         if i >= 2:
             costs.append(with_comm - loop(False))
-    comm.close()
-    per_rank = [None] * w
-    dist.all_gather_object(per_rank, statistics.median(costs))
+    step.close()
+    per_rank = world.all_gather_object(statistics.median(costs))
     return max(0.0, max(per_rank))
 
 
@@ -430,21 +428,20 @@ def _concurrency_rank(rank, nbytes: int, reps: int) -> float:
     as hpf's flat comm overlaps them: an all-gather of ``nbytes`` issued with an all-to-all of 4x that
     (a gather beside a reduction), each alone and both together, interleaved. ``overlap`` =
     (together - longer) / shorter: 0 when they run side by side, 1 when they take the sum. Median of reps."""
-    w = dist.get_world_size()
+    w = world.world_size()
     numel = nbytes // 4 // w * w
     full, shard, big, recv = torch.randn(numel), torch.randn(numel // w), torch.randn(4 * numel), torch.empty(4 * numel)
-    ag = lambda: dist.all_gather_single(full, shard, async_op=True)  # noqa: E731
-    a2a = lambda: dist.all_to_all_single(recv, big, async_op=True)  # noqa: E731
+    ag = lambda: world.all_gather_into(full, shard, async_op=True)  # noqa: E731
+    a2a = lambda: world.all_to_all_into(recv, big, async_op=True)  # noqa: E731
     ratios = []
     for i in range(reps + 1):
         ts = []
         for fn in (lambda: ag().wait(), lambda: a2a().wait(), lambda: [h.wait() for h in (a2a(), ag())]):
-            dist.barrier()
+            world.barrier()
             ts.append(_timed(fn))
         if i:
             ratios.append((ts[2] - max(ts[:2])) / min(ts[:2]))
-    every = [None] * w
-    dist.all_gather_object(every, ratios)
+    every = world.all_gather_object(ratios)
     return min(max(statistics.median(statistics.mean(r) for r in zip(*every)), 0.0), 1.0)
 
 

@@ -59,7 +59,7 @@ class ValidateStep(ShardStep):
         self._state_sig = [(tuple(s.shape), s.dtype) for s in state.params]
         self._spmd = dataclasses.replace(self._spmd, validate=True)  # models' own checks (MoE dispatch) on
         self.quantization: dict[str, dict[str, float]] = {}
-        if getattr(self.engine.comm, "slow", None) is not None:
+        if self.engine.comm.slow is not None:
             self.engine.comm.lowbit.capture = {}  # the slow tier keeps what it sent and what arrived
         return state
 
@@ -181,11 +181,11 @@ class ValidateStep(ShardStep):
         """NonFiniteError naming the parameters whose grads are non-finite, decided together by all ranks."""
         plan, flags, paths = self.plan, [], []
         for bucket, shard in zip(plan.buckets, self.grad_shards):
-            start, _ = bucket.shard_range(plan.shard_index(bucket, self.rank))
+            position = plan.shard_index(bucket, self.rank)
             bad = ~torch.isfinite(shard)
             for slot in bucket.slots:
-                lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, start + shard.numel())
-                flags.append(bad[lo - start:hi - start].any() if lo < hi else bad.new_zeros(()))
+                piece = bucket.local_range(slot, position)
+                flags.append(bad[piece.held].any() if piece.numel else bad.new_zeros(()))
                 paths.append(slot.path)
         if not flags:
             return
@@ -204,7 +204,7 @@ class ValidateStep(ShardStep):
         every peer dequantized it, against the shard) and grads (each row as its peer received
         it, against what was sent), and that over the param's max abs value; the max over
         ranks, in one all-reduce. QuantizationError past the tolerance, before any update."""
-        lowbit = getattr(self.engine.comm, "lowbit", None)
+        lowbit = self.engine.comm.lowbit
         capture = lowbit and lowbit.capture
         if capture is None:
             return
@@ -216,9 +216,9 @@ class ValidateStep(ShardStep):
                     continue
                 at, exact, got = capture.get((kind, b.index), (0, torch.zeros(0), torch.zeros(0)))
                 for slot in b.slots:
-                    lo, hi = max(slot.offset - at, 0), min(slot.offset + slot.numel - at, exact.numel())
-                    stat = (torch.stack([(exact[lo:hi] - got[lo:hi]).abs().amax(), exact[lo:hi].abs().amax()])
-                            if hi > lo else torch.zeros(2))
+                    held = slot.piece(at, at + exact.numel()).held
+                    stat = (torch.stack([(exact[held] - got[held]).abs().amax(), exact[held].abs().amax()])
+                            if held.stop > held.start else torch.zeros(2))
                     rows.append(((kind, slot.path), stat.cpu()))
         if not rows:
             return

@@ -441,8 +441,8 @@ class Tracker(TorchFunctionMode):
                                      "every rank holds the same copy. Drop it, or shard the tensor first"))
             layout[a], why[a] = self._collective_entry(call, x, e, a, axis)
         if call.op == "all_to_all":  # other axes that split the moved dims lose their block structure
-            moved = {collectives._dim(x, call.args[2], "all_to_all", "split_dim"),
-                     collectives._dim(x, call.args[3], "all_to_all", "concat_dim")}
+            moved = {collectives.normalize_dim(x, call.args[2], "all_to_all", "split_dim"),
+                     collectives.normalize_dim(x, call.args[3], "all_to_all", "concat_dim")}
             for a, e in enumerate(layout):
                 if self.axes[a] not in axes and isinstance(e, tuple) and e[0] in moved:
                     layout[a], why[a] = VARYING, f"hpf.all_to_all resized dim {e[0]}"
@@ -455,13 +455,13 @@ class Tracker(TorchFunctionMode):
         if call.op == "psum":
             return None, None
         if call.op == "all_gather":
-            dim = collectives._dim(x, call.kwargs.get("dim", call.args[2] if len(call.args) > 2 else 0),
-                                   "all_gather", "dim")
+            dim = collectives.normalize_dim(x, call.kwargs.get("dim", call.args[2] if len(call.args) > 2 else 0),
+                                            "all_gather", "dim")
             if e == VARYING or (isinstance(e, tuple) and e[0] == dim):
                 return None, None
             return VARYING, f"hpf.all_gather over {axis!r} along dim {dim}, but the tensor is sharded on dim {e[0]}"
-        split = collectives._dim(x, call.args[2], "all_to_all", "split_dim")
-        concat = collectives._dim(x, call.args[3], "all_to_all", "concat_dim")
+        split = collectives.normalize_dim(x, call.args[2], "all_to_all", "split_dim")
+        concat = collectives.normalize_dim(x, call.args[3], "all_to_all", "concat_dim")
         if isinstance(e, tuple) and e[0] == concat:
             return (split, 0), f"hpf.all_to_all moved the split over {axis!r} from dim {concat} to dim {split}"
         return VARYING, f"hpf.all_to_all over {axis!r}"
