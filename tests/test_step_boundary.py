@@ -39,6 +39,19 @@ def test_closing_two_tier_steps_stops_their_threads():
     assert threading.active_count() == before
 
 
+def test_a_two_tier_comm_whose_set_up_fails_leaves_no_thread(monkeypatch):
+    """Its workers start last: an error while it builds its groups and tiers leaves none behind."""
+    from hpf.comm import tiered
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no low-bit tier today")
+    monkeypatch.setattr(tiered, "LowBitTier", broken)
+    step = _two_tier()
+    with pytest.raises(RuntimeError, match="no low-bit tier today"):
+        step(step.init(lm_params()), lm_batch(0))
+    assert _hpf_threads() == []
+
+
 def test_a_closed_step_refuses_use_and_closes_once():
     with _two_tier() as step:
         state = step.init(lm_params())

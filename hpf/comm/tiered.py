@@ -240,8 +240,6 @@ class TieredComm:
         self.timeout = topology.timeout_s
         self.bytes = Counter()  # (op, tier) -> bytes this rank sent
         self._link = topology.slow_link
-        # One worker per tier and direction: a bucket's slow stage overlaps the next one's fast stage.
-        self._workers = {(d, t): _Worker(f"hpf-{d}-{t}") for d in ("gather", "reduce") for t in ("slow", "fast")}
         use_shm = self._use_shm(topology, device)
         self._use_shm_fast = use_shm
         self._stages = [_tier_axes(mesh, b, topology.hierarchical) for b in plan.buckets]
@@ -289,6 +287,9 @@ class TieredComm:
         # bytes each rank sends per call, by op and tier, from the same model as the plan report
         self._op_bytes = [bucket_comm_bytes(mesh, b, compute_dtypes[b.index], reduce_dtypes[b.index],
                                             topology.hierarchical, self.slow) for b in plan.buckets]
+        # One worker per tier and direction: a bucket's slow stage overlaps the next one's fast stage.
+        # Started last: a comm whose set-up raised leaves no thread behind.
+        self._workers = {(d, t): _Worker(f"hpf-{d}-{t}") for d in ("gather", "reduce") for t in ("slow", "fast")}
 
     def _row_bytes(self, b, op: str, dtype: torch.dtype, tier: str) -> int:
         """Bytes of one shard-sized row of ``op`` on ``tier``: a payload where it is low-bit."""
