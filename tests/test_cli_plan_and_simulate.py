@@ -1,0 +1,217 @@
+"""`hpf plan`, `hpf simulate` and `hpf calibrate` as a user runs them: what they count, what they
+assume, and what they warn of."""
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import hpf
+from hpf import plots
+from hpf.models import gpt
+from hpf.optim.dist_muon import DistMuon, muon_plan_state
+from cli_helpers import NO_MATPLOTLIB, hpf_cmd
+
+
+def test_the_breakdown_plot_labels_the_steps_its_axis_cuts_off():
+    records = [{"step": i + 1, "loss": 4.0 - 0.1 * i, "step_s": s, "comm_wait_s": s / 4, "optimizer_s": s / 10}
+               for i, s in enumerate([0.110, 0.012, 0.010, 0.011, 0.010, 0.045, 0.010, 0.012, 0.011, 0.010])]
+    fig = plots.breakdown_figure(records)
+    ax = fig.axes[0]
+    median_ms = 11.0  # the median of the ten step times above, in ms
+    assert ax.get_ylim()[1] == pytest.approx(2 * median_ms)
+    labels = sorted(t.get_text() for t in ax.texts)
+    assert labels == ["step 1: 110 ms", "step 6: 45 ms"]  # both steps above 22 ms, with their values
+    assert "2 steps above 22 ms cut off" in ax.get_title()
+    # no cut, no labels
+    calm = [dict(r, step_s=0.010) for r in records]
+    assert not plots.breakdown_figure(calm).axes[0].texts
+
+    title = "loss: GPT 'tiny', mesh node=2,local=2, muon"
+    assert plots.loss_figure(records, title).axes[0].get_title() == title
+
+
+def _mib(text: str, label: str) -> float:
+    return float(re.search(rf"{label}\s+([\d.]+) MiB", text)[1])
+
+
+@pytest.mark.slow
+def test_plan_counts_muon_state_and_reports_owner_balance():
+    c = gpt.CONFIGS["small"]
+    d, f, v, t, n = c.d_model, c.d_ff, c.vocab_size, c.seq_len, c.n_layers
+    matrices = n * (d * 3 * d + d * d + d * f + f * d)  # qkv, o, up, down: Muon
+    others = v * d + t * d + d * v + (2 * n + 1) * d  # embeddings, head, norms: the AdamW fallback
+    mib = 4 / 2**20  # fp32 bytes, in MiB
+    adamw = hpf_cmd("plan", "--config", "small", "--world-size", 1)
+    muon = hpf_cmd("plan", "--config", "small", "--world-size", 1, "--optimizer", "muon")
+    assert adamw.returncode == muon.returncode == 0, adamw.stderr + muon.stderr
+    assert _mib(adamw.stdout, "optimizer state") == pytest.approx(2 * (matrices + others) * mib, abs=0.006)
+    # Muon: one momentum per matrix element; AdamW's two moments for the rest.
+    assert _mib(muon.stdout, "optimizer state") == pytest.approx((matrices + 2 * others) * mib, abs=0.006)
+    assert f"its {4 * n} matrices" in muon.stdout and "max/mean 1.00" in muon.stdout  # one rank owns all
+
+
+def test_plan_muon_state_is_what_each_rank_allocates():
+    """The count hpf plan prints is the largest state DistMuon.init allocates on any rank."""
+    config, muon = gpt.CONFIGS["tiny"], hpf.optim.muon()
+    for axes in ({"dp": 3}, {"node": 2, "local": 2}):
+        plan = hpf.plan(gpt.init(config, device="meta"), hpf.Mesh(axes))
+        sizes = []
+        for r in range(plan.mesh.size):
+            shards = [torch.empty(b.shard_numel, device="meta") for b in plan.buckets]
+            state = DistMuon(muon, plan, r).init(shards)
+            sizes.append(sum(x.numel() for x in [*state.exp_avg, *state.exp_avg_sq]))
+        most, load, _ = muon_plan_state(muon, plan)
+        assert most == max(sizes) and len(set(sizes)) > 1  # AdamW elements differ by rank here
+        assert sum(load.values()) > 0
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+CALIBRATION = ROOT / "docs" / "simulate" / "validation" / "calib_small_0.json"
+
+
+@pytest.mark.slow
+def test_simulate_warns_when_a_shape_was_not_calibrated_and_by_how_far():
+    far = hpf_cmd("simulate", "--hardware", CALIBRATION, "--config", "small", "--local-batch", 8, "--world-size", 2)
+    assert far.returncode == 0, far.stderr
+    (warning,) = far.stderr.strip().splitlines()
+    assert warning.startswith("hpf: warning: compute of small at 8 sequences per rank on 2 ranks is not calibrated")
+    assert "4.0x those of the nearest calibrated shape (small/2)" in warning
+    assert "hpf calibrate --shapes small/8 --world-sizes 2" in warning
+    near = hpf_cmd("simulate", "--hardware", CALIBRATION, "--config", "small", "--local-batch", 2, "--world-size", 2)
+    assert near.returncode == 0 and near.stderr == ""
+
+
+def test_compute_is_calibrated_per_model_and_precision_and_a_bf16_run_on_fp32_figures_is_named():
+    """A GPT's calibrated block does not stand in for a MoE's of the same config name, and a bf16
+    run takes its own figures (CPU bf16 is faster for a GPT block, slower for a tiny MoE)."""
+    hw = hpf.sim.load_calibration(CALIBRATION)
+    gpt_fp32 = hw.compute["small/2/2"]
+    assert hpf.sim.calibrated_compute(hw, "gpt", "small", 2, 2) is gpt_fp32
+    assert hpf.sim.calibrated_compute(hw, "moe", "small", 2, 2) is None  # another model: FLOPs, with a warning
+    assert any("compute of moe:small at 2 sequences" in w and "--shapes moe:small/2" in w
+               for w in hpf.sim.extrapolation("small", 2, 2, hw, "moe"))
+    # fp32 only: a bf16 run falls back to the fp32 figures and says so
+    assert hpf.sim.calibrated_compute(hw, "gpt", "small", 2, 2, "bf16") is gpt_fp32
+    (note,) = hpf.sim.extrapolation("small", 2, 2, hw, "gpt", "bf16")
+    assert "calibrated in fp32 only" in note
+    bf16 = {"block_s": gpt_fp32["block_s"] / 2, "root_s": gpt_fp32["root_s"], "skew": 0.0}
+    hw = hw.replace(compute={**hw.compute, "small/2/2/bf16": bf16})
+    assert hpf.sim.extrapolation("small", 2, 2, hw, "gpt", "bf16") == []
+    fp32, half = (hpf.sim.simulate("small", {"dp": 2}, hw, local_batch=2, topology="flat", mixed_precision=p)
+                  for p in (None, "bf16"))
+    assert half.compute_s < 0.8 * fp32.compute_s  # the bf16 figures, not fp32's
+
+
+def test_extrapolation_names_uncalibrated_rank_counts():
+    warnings = hpf.sim.extrapolation("small", 2, 8, hpf.sim.load_calibration(CALIBRATION))
+    assert any("small/2 was measured on 2, 4 ranks only" in w for w in warnings), warnings
+    assert any("links were calibrated on 2, 4 ranks; 8 ranks (2.0x the largest)" in w for w in warnings), warnings
+    assert hpf.sim.extrapolation("1b", 1, 768, hpf.sim.hardware("cloudmatrix384")) == []  # published: no calibration
+
+
+@pytest.mark.slow
+def test_simulates_hpf_vs_column_is_hpfs_step_against_that_rows():
+    proc = hpf_cmd("simulate", "--config", "1b", "--mesh", "node=48,local=16", "--hardware", "cloudmatrix384",
+                   "--mixed-precision", "bf16", "--local-batch", 1)
+    rows = {r[1]: r for r in (line.split() for line in proc.stdout.splitlines()) if r[:1] == ["768"]}
+    assert rows["hpf"][6] == "-"
+    for name in ("fsdp2", "ddp"):
+        want = float(rows["hpf"][2]) / float(rows[name][2]) - 1
+        assert float(rows[name][6].rstrip("%")) / 100 == pytest.approx(want, abs=6e-4) and want < 0
+
+
+@pytest.mark.slow
+def test_simulate_plot_without_matplotlib_warns_and_goes_on(tmp_path):
+    proc = hpf_cmd("simulate", "--config", "tiny", "--sweep", "16,32", "--hardware", "h100", "--plot", tmp_path / "p",
+                   code=NO_MATPLOTLIB)
+    assert proc.returncode == 0, proc.stderr
+    (warning,) = proc.stderr.strip().splitlines()
+    assert "--plot skipped" in warning and "matplotlib" in warning
+    assert "hpf vs" in proc.stdout and not (tmp_path / "p").exists()
+
+
+@pytest.mark.slow
+def test_attribution_reads_a_trace_that_train_wrote(tmp_path):
+    """hpf train --trace writes rank<r>.json; attribution.py --read splits its steps by category."""
+    step = {"ph": "X", "cat": "hpf", "name": "hpf/step", "pid": 0, "tid": 1, "ts": 0.0, "dur": 1000.0}
+    events = [step, {**step, "name": "hpf/forward blocks/0", "ts": 100.0, "dur": 400.0},
+              {**step, "name": "hpf/wait all-gather", "ts": 600.0, "dur": 200.0},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 0, "tid": 1, "ts": 100.0, "dur": 300.0}]
+    (tmp_path / "rank0.json").write_text(json.dumps({"traceEvents": events}))
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attribution.py"), "--read",
+                           str(tmp_path / "rank0.json")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    ms = {line.split()[0]: line.split()[-1] for line in proc.stdout.splitlines()[2:] if line.split()}
+    assert float(ms["step"]) == 1.0 and float(ms["compute"]) == pytest.approx(0.3, abs=0.01)
+
+
+@pytest.mark.slow
+def test_calibrate_is_a_command_that_says_each_stage(tmp_path):
+    out = tmp_path / "calib.json"
+    proc = hpf_cmd("calibrate", "--out", out, "--world-sizes", 2, "--shapes", "tiny/1", "moe:tiny/1", "--reps", 1,
+                   "--launches", 1)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    stages = [line for line in lines if line.startswith("calibrate  [")]
+    assert [re.match(r"calibrate  \[(\d+)/8\]", s)[1] for s in stages] == [str(i) for i in range(1, 9)]
+    assert len(lines) == len(stages) + 2 and lines[-2].startswith(f"wrote {out}")  # no JSON dump
+    # each model and compute precision measured on its own (a GPT's and fp32's keys carry no tag)
+    assert hpf.sim.load_calibration(out).compute.keys() == {"tiny/1/2", "tiny/1/2/bf16", "moe:tiny/1/2",
+                                                            "moe:tiny/1/2/bf16"}
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def records(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+CALIBRATION = ROOT / "docs" / "simulate" / "validation" / "calib_small_0.json"
+
+
+def _cached(tmp_path) -> dict:
+    """An environment whose user cache holds a calibration of this machine."""
+    import socket
+    cache = tmp_path / "cache" / "hpf" / f"calibration-{socket.gethostname()}.json"
+    cache.parent.mkdir(parents=True)
+    cache.write_text(CALIBRATION.read_text())
+    return {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+
+
+@pytest.mark.slow
+def test_plan_search_prices_on_this_machines_calibration_and_says_what_it_assumed(tmp_path):
+    proc = hpf_cmd("plan", "--search", "--config", "tiny", "--world-size", 2, env=_cached(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assumed = proc.stdout.splitlines()[-1]
+    assert "hardware local-cpu" in proc.stdout.splitlines()[0] and "cloudmatrix" not in proc.stdout
+    assert assumed.startswith("assumed: this machine's calibration (") and "global batch 2 sequences (one per rank" \
+        in assumed
+
+
+def test_the_hardware_rule_calibrates_once_quickly_and_then_reuses_the_cache(tmp_path, monkeypatch):
+    import argparse
+
+    from hpf.cli import search as cli_search
+    from hpf.sim import calibrate as cal
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+
+    def fake(world_sizes, shapes, **kw):
+        calls.append((world_sizes, shapes, kw["reps"], kw["launches"], kw["quick"]))
+        return json.loads(CALIBRATION.read_text())
+    monkeypatch.setattr(cal, "calibrate", fake)
+    args = argparse.Namespace(hardware=None, model="gpt", config="small")
+    for _ in range(2):
+        hw, where = cli_search.hardware_of(args, hpf.Mesh({"dp": 2}), batch_size=8)
+        assert hw.name == "local-cpu" and "this machine's calibration" in where
+    assert calls == [((2,), (("gpt", "small", 1),), cli_search.QUICK_REPS, 1, True)]
+    assert cli_search.calibration_cache().is_relative_to(tmp_path)
+    args.hardware = "h100"
+    assert cli_search.hardware_of(args, hpf.Mesh({"dp": 2}), 8)[0].name == "h100"

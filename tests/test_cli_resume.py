@@ -1,0 +1,100 @@
+"""Resuming `hpf train` from its run folder: the same run as an uninterrupted one, and a changed
+option named before anything runs."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from cli_helpers import hpf_cmd, one_error_line
+
+
+def losses(folder: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_a_run_that_stopped_before_its_first_checkpoint_starts_again_in_the_same_folder(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.json").write_text(json.dumps({"status": "failed: RankError"}))
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 4.2}\n' * 3)
+    proc = hpf_cmd("train", "--world-size", 1, "--steps", 2, "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    assert "stopped at step 3 (failed: RankError) before its first checkpoint; it starts again from step 1" in proc.stdout
+    assert len(losses(out)) == 2 and json.loads((out / "run.json").read_text())["status"] == "done"
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A 4-step run on 2 ranks with a checkpoint every 2 steps: its folder and its stdout."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    proc = hpf_cmd("train", "--world-size", 2, "--steps", 4, "--save-every", 2, "--batch-size", 8, "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    return out, proc.stdout
+
+
+@pytest.fixture()
+def interrupted(finished, tmp_path):
+    """A copy of the finished run as if it had been stopped after step 3: the newest checkpoint is step 2."""
+    out = tmp_path / "run"
+    shutil.copytree(finished[0], out)
+    shutil.rmtree(out / "checkpoints" / "step_000004")
+    run = json.loads((out / "run.json").read_text())
+    (out / "run.json").write_text(json.dumps({**run, "status": "interrupted"}))
+    (out / "metrics.jsonl").write_text("".join((finished[0] / "metrics.jsonl").read_text().splitlines(True)[:3]))
+    return out
+
+
+@pytest.mark.slow
+def test_resume_needs_only_the_folder_and_repeats_the_uninterrupted_run(finished, interrupted):
+    proc = hpf_cmd("train", "--out", interrupted, "--resume")
+    assert proc.returncode == 0, proc.stderr
+    assert f"resuming from {interrupted / 'checkpoints' / 'step_000002'}" in proc.stdout
+    assert "mesh dp=2" in proc.stdout.splitlines()[0]  # the mesh, like every option, came from run.json
+    assert "done: 2 steps" in proc.stdout and "(steps 3-4, resumed)" in proc.stdout
+    assert losses(interrupted) == losses(finished[0])  # bitwise, on the same mesh
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag, value", [("--optimizer", "muon"), ("--model", "llama"), ("--schedule", "cosine"),
+                                         ("--lr", "0.5")])
+def test_resume_names_an_option_that_would_change_the_run(interrupted, flag, value):
+    proc = hpf_cmd("train", "--out", interrupted, "--resume", flag, value)
+    assert proc.returncode == 2
+    line = one_error_line(proc)
+    assert f"{flag} {value} differs from the run's" in line, line
+
+
+@pytest.mark.slow
+def test_resuming_a_finished_run_with_a_changed_option_is_refused(finished):
+    """Issue 38 item 7: "complete; nothing to do" must not hide a changed --lr."""
+    proc = hpf_cmd("train", "--out", finished[0], "--resume", "--lr", "0.5")
+    assert proc.returncode == 2 and "--lr 0.5 differs from the run's 0.01" in one_error_line(proc)
+
+
+@pytest.mark.slow
+def test_resuming_a_finished_run_says_so_and_does_nothing(finished):
+    before = (finished[0] / "metrics.jsonl").read_text()
+    proc = hpf_cmd("train", "--out", finished[0], "--resume")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"hpf train: the run in {finished[0]} is complete (4 steps); nothing to do"
+    assert (finished[0] / "metrics.jsonl").read_text() == before
+
+
+@pytest.mark.slow
+def test_resume_may_train_a_finished_run_further_and_says_so(finished, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(finished[0], out)
+    proc = hpf_cmd("train", "--out", out, "--resume", "--steps", 6)
+    assert proc.returncode == 0, proc.stderr
+    assert "--steps 6 changes the run's 4 steps" in proc.stdout and len(losses(out)) == 6
+    assert losses(out)[:4] == losses(finished[0])
+
+
+@pytest.mark.slow
+def test_each_checkpoint_is_announced_and_the_summary_lists_the_newest(finished):
+    out, stdout = finished
+    for step in (2, 4):
+        assert f"checkpoint  step {step} -> {out / 'checkpoints' / f'step_{step:06d}'}" in stdout
+    files = stdout.split("  files ", 1)[1]
+    assert f"{out / 'checkpoints' / 'step_000004'} (the newest checkpoint)" in files

@@ -1,0 +1,73 @@
+"""`hpf.launch` under torchrun runs as its ranks, and a rank's error is caught by its own type."""
+from pathlib import Path
+
+import pytest
+
+import hpf
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+_UNDER_TORCHRUN = """
+import os, sys, hpf
+try:
+    out = hpf.launch(lambda rank: (rank, os.getpid()), world_size=int(sys.argv[1]))
+    print("result", out, os.getpid(), flush=True)
+except RuntimeError as e:
+    print("refused", e, flush=True)
+"""
+def _as_torchrun(n_launch: int) -> list[str]:
+    """Two processes with torchrun's environment, each running a script that calls hpf.launch."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+           "LOCAL_WORLD_SIZE": "2", "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-c", _UNDER_TORCHRUN, str(n_launch)], text=True,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT) for r in range(2)]
+    return [p.communicate(timeout=120)[0] for p in procs]
+
+
+@pytest.mark.slow
+def test_launch_under_torchrun_runs_as_its_ranks_without_forking():
+    import ast
+    outs = _as_torchrun(2)
+    for r, out in enumerate(outs):
+        line = next(x for x in out.splitlines() if x.startswith("result"))
+        results, pid = line.removeprefix("result ").rsplit(" ", 1)
+        results = ast.literal_eval(results)
+        assert [rank for rank, _ in results] == [0, 1]
+        assert results[r][1] == int(pid), "fn ran in a forked child, not in torchrun's process"
+    assert len({pid for out in outs for line in out.splitlines() if line.startswith("result")
+                for pid in [line.rsplit(" ", 1)[1]]}) == 2
+
+
+@pytest.mark.slow
+def test_launch_under_torchrun_with_another_world_size_is_refused():
+    for out in _as_torchrun(4):
+        assert "refused" in out and "torchrun, which started 2 rank(s)" in out and "--nproc-per-node 4" in out, out
+
+
+def _bad_params(rank):
+    if rank == 1:
+        raise hpf.ParamsMismatchError("rank 1 was given other params")
+    return rank
+
+
+@pytest.mark.slow
+def test_a_ranks_error_is_caught_by_its_own_type_across_launch():
+    from hpf.launcher import RankError, launch
+    with pytest.raises(hpf.ParamsMismatchError, match="rank 1 raised") as info:
+        launch(_bad_params, 2, timeout=120)
+    err = info.value
+    assert isinstance(err, RankError) and err.rank == 1
+    assert type(err.cause) is hpf.ParamsMismatchError and str(err.cause) == "rank 1 was given other params"
