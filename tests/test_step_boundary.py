@@ -92,8 +92,10 @@ def _fds() -> int:
 
 
 def _shm_maps() -> int:
+    """hpf's shared-memory segments mapped here (others, e.g. a semaphore the launching process
+    made and this forked rank inherited, are not the step's)."""
     with open("/proc/self/maps") as f:
-        return sum("/dev/shm" in line for line in f)
+        return sum("/dev/shm/hpf_" in line for line in f)
 
 
 def _many_steps(rank):
