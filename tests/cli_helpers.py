@@ -1,5 +1,7 @@
 """Running `hpf` as a user does, for the command tests: a subprocess, its exit code and its one-line error."""
+import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,3 +29,23 @@ def one_error_line(proc) -> str:
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("hpf") and "error:" in lines[0] and "Traceback" not in proc.stderr
     return lines[0]
+
+
+CALIBRATION = REPO / "docs" / "simulate" / "validation" / "calib_small_0.json"  # small/2 on 2 and 4 ranks
+
+
+def records(folder: Path) -> list[dict]:
+    """A run folder's metrics.jsonl, a dict per step."""
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(folder: Path) -> list[float]:
+    return [r["loss"] for r in records(folder)]
+
+
+def calibrated_here(tmp_path) -> dict:
+    """An environment whose user cache holds a calibration of this machine."""
+    cache = tmp_path / "cache" / "hpf" / f"calibration-{socket.gethostname()}.json"
+    cache.parent.mkdir(parents=True)
+    cache.write_text(CALIBRATION.read_text())
+    return {"XDG_CACHE_HOME": str(tmp_path / "cache")}

@@ -1,19 +1,11 @@
 """A checkpoint of `hpf train` holds its model and config, and `hpf eval`, `export` and
 `generate` use it in one process."""
-from pathlib import Path
-
 import optree
 import pytest
 import torch
 
 import hpf
-from cli_helpers import hpf_cmd, one_error_line
-
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-ROOT = Path(__file__).resolve().parent.parent
+from cli_helpers import REPO, hpf_cmd, one_error_line
 
 
 V, D = 23, 12
@@ -29,7 +21,7 @@ def llama_run(tmp_path_factory):
     """A 3-step llama run on a byte token folder, saved at its end."""
     root = tmp_path_factory.mktemp("llama_run")
     (root / "text").mkdir()
-    (root / "text" / "a.txt").write_text((ROOT / "README.md").read_text() * 2)
+    (root / "text" / "a.txt").write_text((REPO / "README.md").read_text() * 2)
     assert hpf_cmd("prepare", root / "text", "--out", root / "data").returncode == 0
     proc = hpf_cmd("train", "--model", "llama", "--data", root / "data", "--world-size", 1, "--steps", 3,
                    "--save-every", 3, "--out", root / "run")

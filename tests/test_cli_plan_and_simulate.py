@@ -4,7 +4,6 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ import hpf
 from hpf import plots
 from hpf.models import gpt
 from hpf.optim.dist_muon import DistMuon, muon_plan_state
-from cli_helpers import NO_MATPLOTLIB, hpf_cmd
+from cli_helpers import REPO, CALIBRATION, calibrated_here, hpf_cmd, NO_MATPLOTLIB
 
 
 def test_the_breakdown_plot_labels_the_steps_its_axis_cuts_off():
@@ -67,12 +66,6 @@ def test_plan_muon_state_is_what_each_rank_allocates():
         most, load, _ = muon_plan_state(muon, plan)
         assert most == max(sizes) and len(set(sizes)) > 1  # AdamW elements differ by rank here
         assert sum(load.values()) > 0
-
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-CALIBRATION = ROOT / "docs" / "simulate" / "validation" / "calib_small_0.json"
 
 
 @pytest.mark.slow
@@ -144,7 +137,7 @@ def test_attribution_reads_a_trace_that_train_wrote(tmp_path):
               {**step, "name": "hpf/wait all-gather", "ts": 600.0, "dur": 200.0},
               {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 0, "tid": 1, "ts": 100.0, "dur": 300.0}]
     (tmp_path / "rank0.json").write_text(json.dumps({"traceEvents": events}))
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attribution.py"), "--read",
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "attribution.py"), "--read",
                            str(tmp_path / "rank0.json")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     ms = {line.split()[0]: line.split()[-1] for line in proc.stdout.splitlines()[2:] if line.split()}
@@ -166,28 +159,9 @@ def test_calibrate_is_a_command_that_says_each_stage(tmp_path):
                                                             "moe:tiny/1/2/bf16"}
 
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def records(folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-
-
-CALIBRATION = ROOT / "docs" / "simulate" / "validation" / "calib_small_0.json"
-
-
-def _cached(tmp_path) -> dict:
-    """An environment whose user cache holds a calibration of this machine."""
-    import socket
-    cache = tmp_path / "cache" / "hpf" / f"calibration-{socket.gethostname()}.json"
-    cache.parent.mkdir(parents=True)
-    cache.write_text(CALIBRATION.read_text())
-    return {"XDG_CACHE_HOME": str(tmp_path / "cache")}
-
-
 @pytest.mark.slow
 def test_plan_search_prices_on_this_machines_calibration_and_says_what_it_assumed(tmp_path):
-    proc = hpf_cmd("plan", "--search", "--config", "tiny", "--world-size", 2, env=_cached(tmp_path))
+    proc = hpf_cmd("plan", "--search", "--config", "tiny", "--world-size", 2, env=calibrated_here(tmp_path))
     assert proc.returncode == 0, proc.stderr
     assumed = proc.stdout.splitlines()[-1]
     assert "hardware local-cpu" in proc.stdout.splitlines()[0] and "cloudmatrix" not in proc.stdout

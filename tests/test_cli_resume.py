@@ -2,15 +2,9 @@
 option named before anything runs."""
 import json
 import shutil
-from pathlib import Path
 
 import pytest
-
-from cli_helpers import hpf_cmd, one_error_line
-
-
-def losses(folder: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
+from cli_helpers import losses, hpf_cmd, one_error_line
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import hpf
 from hpf.models import gpt
-from cli_helpers import NO_MATPLOTLIB, hpf_cmd, one_error_line
+from cli_helpers import REPO, CALIBRATION, records, calibrated_here, hpf_cmd, one_error_line, NO_MATPLOTLIB
 
 
 @pytest.mark.slow
@@ -127,16 +127,6 @@ def test_small_falls_steadily_over_its_first_ten_steps_at_the_default_lr(tmp_pat
     assert "warmup" in hpf_cmd("train", "--help").stdout
 
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-CALIBRATION = ROOT / "docs" / "simulate" / "validation" / "calib_small_0.json"
-
-
-def losses(folder: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_launch_and_train_have_no_default_wall_clock_limit():
     assert inspect.signature(hpf.launch).parameters["timeout"].default is None
     from hpf.cli import build_parser
@@ -236,13 +226,6 @@ def test_tensorboard_without_its_package_is_one_line_before_the_run(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def records(folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("args, says", [
     (["--world-size", 4, "--slow-precision", "int8"], "low-bit slow tier (int8,int8) has nothing to act on"),
@@ -287,18 +270,6 @@ def test_timeout_stops_after_a_step_saves_it_and_resumes(tmp_path):
     assert [r["step"] for r in records(out)] == list(range(1, last + 3))
 
 
-CALIBRATION = ROOT / "docs" / "simulate" / "validation" / "calib_small_0.json"
-
-
-def _cached(tmp_path) -> dict:
-    """An environment whose user cache holds a calibration of this machine."""
-    import socket
-    cache = tmp_path / "cache" / "hpf" / f"calibration-{socket.gethostname()}.json"
-    cache.parent.mkdir(parents=True)
-    cache.write_text(CALIBRATION.read_text())
-    return {"XDG_CACHE_HOME": str(tmp_path / "cache")}
-
-
 @pytest.mark.slow
 def test_train_plan_file_says_the_batch_and_precision_it_sets(tmp_path):
     saved = tmp_path / "plan.json"
@@ -324,7 +295,7 @@ def test_ctrl_c_ends_hpf_train_on_its_own_line_and_says_how_to_go_on(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "hpf", "train", "--world-size", "1", "--steps", "1000000",
                              "--save-every", "5", "--out", str(out)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     deadline = time.monotonic() + 120
     while not (out / "checkpoints").is_dir() or not any(p.name.startswith("step_") and not p.name.endswith(".tmp")
                                                          for p in (out / "checkpoints").iterdir()):
@@ -343,7 +314,7 @@ def test_ctrl_c_ends_hpf_train_on_its_own_line_and_says_how_to_go_on(tmp_path):
 def test_metrics_have_lr_peak_memory_and_mfu_against_a_stated_peak(tmp_path):
     out = tmp_path / "run"
     proc = hpf_cmd("train", "--world-size", 1, "--steps", 4, "--warmup", 2, "--schedule", "linear", "--out", out,
-                   env=_cached(tmp_path))
+                   env=calibrated_here(tmp_path))
     assert proc.returncode == 0, proc.stderr
     rows = records(out)
     assert [r["lr"] for r in rows] == pytest.approx([0.005, 0.01, 0.005, 0.0])  # warmup, then linear to 0

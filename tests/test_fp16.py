@@ -1,8 +1,5 @@
 """fp16 training: finite grads at init, a per-term loss scale for weighted losses, skipped steps
 recorded, and a run as fp32 trains."""
-import json
-from pathlib import Path
-
 import optree
 import pytest
 import torch
@@ -11,11 +8,7 @@ import hpf
 from hpf.models import gpt, llama, moe
 
 from references import adamw_training
-from cli_helpers import hpf_cmd
-
-
-def records(folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+from cli_helpers import records, hpf_cmd
 
 
 @pytest.mark.parametrize("module", [gpt, llama, moe], ids=["gpt", "llama", "moe"])

@@ -1,23 +1,12 @@
 """`hpf.from_module`: a torch module trained as plain torch trains it, each block read when it
 runs; a loss that ignores its params is an error."""
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 import hpf
-from cli_helpers import hpf_cmd
-
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def losses(folder: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
-
-
-ROOT = Path(__file__).resolve().parent.parent
+from cli_helpers import REPO, hpf_cmd
 
 
 V, D = 23, 12
@@ -128,7 +117,7 @@ def test_from_module_reads_each_block_when_it_runs_and_refuses_a_block_weight_re
 @pytest.mark.slow
 def test_the_module_page_example_runs(tmp_path):
     import re
-    code = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "modules.md").read_text(), flags=re.S)[1]
+    code = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "modules.md").read_text(), flags=re.S)[1]
     (tmp_path / "ex.py").write_text(code)
     proc = hpf_cmd(code=f"import runpy; runpy.run_path({str(tmp_path / 'ex.py')!r}, run_name='__main__')")
     assert proc.returncode == 0, proc.stderr

@@ -1,15 +1,9 @@
 """`hpf.launch` under torchrun runs as its ranks, and a rank's error is caught by its own type."""
-from pathlib import Path
-
 import pytest
 
 import hpf
 
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-ROOT = Path(__file__).resolve().parent.parent
+from cli_helpers import REPO
 
 
 _UNDER_TORCHRUN = """
@@ -30,7 +24,7 @@ def _as_torchrun(n_launch: int) -> list[str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
-           "LOCAL_WORLD_SIZE": "2", "PYTHONPATH": str(ROOT)}
+           "LOCAL_WORLD_SIZE": "2", "PYTHONPATH": str(REPO)}
     procs = [subprocess.Popen([sys.executable, "-c", _UNDER_TORCHRUN, str(n_launch)], text=True,
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT) for r in range(2)]

@@ -6,11 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from cli_helpers import hpf_cmd
-
-
-ROOT = Path(__file__).resolve().parent.parent
+from cli_helpers import REPO, hpf_cmd
 
 
 @pytest.mark.slow
@@ -44,7 +40,7 @@ def test_hpf_help_imports_no_torch_and_answers_fast():
 @pytest.mark.slow
 def test_bench_is_a_repository_tool_not_an_hpf_command():
     assert hpf_cmd("bench").returncode == 2
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--help"], capture_output=True,
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "run.py"), "--help"], capture_output=True,
                           text=True, cwd="/")
     assert proc.returncode == 0 and "--json" in proc.stdout
 
@@ -52,10 +48,9 @@ def test_bench_is_a_repository_tool_not_an_hpf_command():
 def test_no_history_narratives_in_the_simulator_and_cli_sources():
     stale = ("earlier protocol", "the old model", "made before the term existed", "were predicted at",
              "(then)", "started above ln V")
-    for path in [*(ROOT / "hpf" / "sim").glob("*.py"), *(ROOT / "hpf" / "cli").glob("*.py")]:
+    for path in [*(REPO / "hpf" / "sim").glob("*.py"), *(REPO / "hpf" / "cli").glob("*.py")]:
         text = path.read_text()
         assert not re.search(r"\b20\d\d-\d\d\b", text), path
         assert not [s for s in stale if s in text], path
 
 
-ROOT = Path(__file__).resolve().parent.parent
