@@ -364,9 +364,9 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float |
     port = str(master_port or _free_port())
     # The ranks meet in a file store in a private folder: no port to race other launches for.
     workdir = tempfile.mkdtemp(prefix="hpf-launch-")  # (private: the file store, the ranks' stacks)
-    rendezvous = {} if master_port else {"HPF_RENDEZVOUS_FILE": os.path.join(workdir, "store")}
+    private = {} if master_port else {"HPF_RENDEZVOUS_FILE": os.path.join(workdir, "store")}
     if timeout is not None:
-        rendezvous["HPF_STACKS_DIR"] = workdir
+        private["HPF_STACKS_DIR"] = workdir
     procs, conns = [], []
     # SIGTERM (what schedulers send) unwinds through the finally below, which stops the ranks and
     # removes the rendezvous folder and shared memory; a handler the program set stays in charge.
@@ -382,7 +382,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float |
                 "ROLE_WORLD_SIZE": str(world_size), "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default",
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
                 "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-                "TORCHELASTIC_RUN_ID": f"hpf-{os.getpid()}-{port}", **loopback, **rendezvous, **(env or {})}
+                "TORCHELASTIC_RUN_ID": f"hpf-{os.getpid()}-{port}", **loopback, **private, **(env or {})}
             recv, send = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_child, name=f"hpf-rank{r}",
                             args=(fn, r, world_size, args, child_env, min(collective_timeout, timeout or math.inf),
@@ -472,7 +472,7 @@ def _stacks(procs: list, ranks: list[int], workdir: str, lines: int = 80) -> str
             with open(os.path.join(workdir, f"rank{r}")) as f:
                 text = f.read().strip().splitlines()
         except OSError:
-            text = ["(no stacks: the rank did not answer)"]
+            text = []
         said.append(f"rank {r}:\n" + "\n".join(text[:lines] or ["(no stacks: the rank did not answer)"]))
     return "\n".join(said)
 
