@@ -60,6 +60,11 @@ class Decider:
     replicas: torch.Tensor
     max_grad_norm: float | None
 
+    def mean_scale(self, n_micro: int, scale: float = 1.0) -> float:
+        """``decide``'s grad_scale for a plain-mean loss over ``n_micro`` micro-batches, unclipped
+        (the same float: coef 1.0 over the same normalizer)."""
+        return 1.0 / (float(self.dp_size * n_micro) * scale)
+
     def decide(self, outs: list[losses.LossOut], grads: list[torch.Tensor], batch: Any, scale: float = 1.0,
                clip: bool = True) -> Decision:
         """``scale``: what backward's seed multiplied the losses by (beyond 1 / n_compute)."""

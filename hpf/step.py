@@ -29,7 +29,7 @@ from .engine import UnitEngine, explain_freed, refuses_hooks
 from .engine.compiled import compile_seconds
 from .launcher import init_distributed, is_launched
 from .mesh import Mesh, MeshError
-from .optim.base import ForPlan, PartialUpdate, ReadsAux
+from .optim.base import EarlyUpdate, ForPlan, PartialUpdate, ReadsAux
 from .planning import Plan, plan as make_plan
 from .state_io import StateIO
 from .trace import span
@@ -68,6 +68,8 @@ class ShardStep(StateIO):
         self._terms = 1.0  # fp16: a weighted loss's terms per micro-batch, last seen (losses.terms_divisor)
         self._timed = dict.fromkeys(("steps",) + _TIMED, 0)  # the steps' count and summed timings (for stats())
         self._closed: StepStats | None = None  # the stats at close(); set once the step is closed
+        self._early = None  # (work, grad scale): the optimizer's work begun in backward (hpf.optim.EarlyUpdate)
+        self._attempts = 0  # calls of _compute, the same on every rank (EarlyUpdate's attempt)
 
     # -- set-up, once ---------------------------------------------------------------------------
     def init(self, full_params: Any) -> TrainState:
@@ -134,11 +136,14 @@ class ShardStep(StateIO):
             if not decision.finite and self._retune(state, decision):  # a first step's overflow, not the grads'
                 decision = self._compute(state, batch)
             t_opt = time.perf_counter()
+            if not decision.finite:
+                self._drop_early()  # (nothing of it was applied)
             if decision.finite:
                 try:
                     with span("hpf/optimizer", "all"):
                         state = self._update(state, decision)
                 except BaseException as err:
+                    self._early = None
                     self.engine.abort(err)
                     raise
             elif state.loss_scale is not None:
@@ -171,6 +176,7 @@ class ShardStep(StateIO):
         """The grads of the step's loss on this batch as flat shards (one per bucket, normalized
         as the update sees them, before clipping), without updating ``state``. A collective."""
         d = self._compute(state, batch, clip=False)
+        self._drop_early()
         return [g * d.grad_scale for g in self.grad_shards]
 
     def _compute(self, state: TrainState, batch: Any, clip: bool = True) -> Decision:
@@ -188,6 +194,7 @@ class ShardStep(StateIO):
             eng.comm.lowbit.use_feedback(state.error_feedback, scale)
         added = eng.reducer.added
         try:
+            self._start_early(state, len(micro), scale)
             eng.begin(state.params)
             outs = [self.forward_backward(state, mb, hold=i < len(micro) - 1, scale=scale)
                     for i, mb in enumerate(micro)]
@@ -206,8 +213,31 @@ class ShardStep(StateIO):
                 self._retune(state, decision)
             return decision
         except BaseException as err:
+            self._early = eng.reducer.on_landed = None  # (its pieces in flight carry this attempt's tags)
             eng.abort(err)
             raise
+
+    def _start_early(self, state: TrainState, n_micro: int, scale: float) -> None:
+        """Let the optimizer start as units' grads land (hpf.optim.EarlyUpdate), assuming the
+        grad scale of a plain mean that is not clipped; the update checks that assumption."""
+        self._drop_early()
+        self._attempts += 1
+        opt, eng = self.plan_optimizer, self.engine
+        if not isinstance(opt, EarlyUpdate) or eng.reducer.compute_sums:
+            return
+        guess = self.decider.mean_scale(n_micro, scale)
+        work = opt.early(self.grad_shards, state.opt_state, guess, self._attempts)
+        if work is not None:
+            self._early = work, guess
+            eng.reducer.on_landed = lambda unit: work.landed(eng.reducer.trained[unit])
+
+    def _drop_early(self) -> None:
+        """Forget the early work (a skipped step, or grads only): its communication lands first."""
+        early, self._early = self._early, None
+        if self.engine is not None:
+            self.engine.reducer.on_landed = None
+        if early is not None:
+            early[0].finish()
 
     def _retune(self, state: TrainState, decision: Decision) -> bool:
         """Whether fp16's per-term divisor changed with this step's count of terms (then a
@@ -309,8 +339,16 @@ class ShardStep(StateIO):
             params, opt_state = state.params, state.opt_state
         else:
             reads_aux = isinstance(opt, ReadsAux) and opt.aux_names()
-            params, opt_state = opt.update(grads, state.opt_state, state.params,
-                                           **({"aux": d.aux} if reads_aux else {}))
+            early, self._early = self._early, None
+            eng.reducer.on_landed = None
+            if early is not None and early[1] != d.grad_scale:  # (clipped, or a weighted loss's count)
+                early[0].finish()
+                early = None
+            if early is not None and early[0].apply(grads, state.params, d.aux if reads_aux else None):
+                params, opt_state = state.params, state.opt_state
+            else:
+                params, opt_state = opt.update(grads, state.opt_state, state.params,
+                                               **({"aux": d.aux} if reads_aux else {}))
             eng.prefetch(params)
         if state.loss_scale is not None:
             self.config.loss_scale.update(state.loss_scale, finite=True)

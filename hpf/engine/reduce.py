@@ -21,6 +21,11 @@ so backward never waits on them, however slow the slow tier.
 
 With gradient accumulation, every micro-batch but the last keeps its sums here (``hold``) and
 communicates nothing; the last adds them in and reduces once.
+
+``on_landed(unit)``, when set, is called once a unit's reductions have landed, in reduction
+order (the reductions are waited for oldest first), so an optimizer can start on that unit's
+final grads while backward goes on (hpf.optim.EarlyUpdate). Never for units whose grads wait
+for the partial-sum all-reduce of ``compute_sums``: those are final only after ``wait``.
 """
 from __future__ import annotations
 
@@ -60,13 +65,14 @@ class Reducer:
         self._complete: set[str] = set()
         self._next = 0
         # per unit reduced, oldest first: whether its flat grads are its own memory (not shared memory's),
-        # and its buckets' handles not yet landed
+        # its buckets' handles not yet landed, and the unit
         self._in_flight: deque[tuple[bool, list]] = deque()
         self._held: dict[int, torch.Tensor] = {}
         self.hold = False
         self.added = 0  # entries whose grads arrived, ever (the step checks that a loss reached some param)
         self._before_issue = before_issue  # the engine's deferred gathers go first: one schedule
         self._on_wait = on_wait  # seconds blocked on a reduction in backward (the engine's comm wait)
+        self.on_landed = None  # (unit) -> None: the module doc; the step sets it per step
 
     def start(self, grad_shards: list[torch.Tensor], order: list[str], hold: bool) -> None:
         """A micro-batch starts; ``hold``: keep its sums for the next one instead of reducing."""
@@ -127,11 +133,14 @@ class Reducer:
 
     def wait(self) -> None:
         """Wait for every reduction of the step (then partial sums over non-FSDP axes)."""
-        handles = [h for _, unit in self._in_flight for h in unit]
-        self._in_flight.clear()
+        handles = [h for _, unit, _ in self._in_flight for h in unit]
         with span("hpf/wait reduce-scatter"):
-            for h in handles:
-                schedule.wait(h, "a gradient reduction")
+            while self._in_flight:
+                _, oldest, unit = self._in_flight[0]
+                for h in oldest:
+                    schedule.wait(h, "a gradient reduction")
+                self._in_flight.popleft()
+                self._landed(unit)
             on_device = [h for h in handles if isinstance(h, StreamWork)]
             if on_device:  # (an accelerator: the waits above ordered streams; now the CPU, so a hang is named here)
                 schedule.wait(StreamWork.settled(on_device), "the step's gradient reductions")
@@ -162,25 +171,32 @@ class Reducer:
             t = time.perf_counter()
             with span("hpf/wait reduce-scatter"):
                 while self._holding() >= IN_FLIGHT:
-                    _, oldest = self._in_flight.popleft()
+                    _, oldest, unit = self._in_flight.popleft()
                     while oldest:  # (popped as waited: no handle, nor its buffers, outlives its wait)
                         schedule.wait(oldest.pop(0), "a gradient reduction")
+                    self._landed(unit)
             self._on_wait(time.perf_counter() - t)
 
     def _pop_landed(self) -> None:
         """Forget the reductions that have landed, oldest first, which frees their buffers; in order
         only: a poll may start an HSDP replica all-reduce, which every rank must start in one order."""
         while self._in_flight:
-            _, oldest = self._in_flight[0]
+            _, oldest, unit = self._in_flight[0]
             while oldest and _landed(oldest[0]):
                 oldest.pop(0)
             if oldest:
                 return
             self._in_flight.popleft()
+            self._landed(unit)
+
+    def _landed(self, unit: str) -> None:
+        """``unit``'s reductions have landed: tell ``on_landed`` (module doc)."""
+        if self.on_landed is not None and not self.compute_sums:
+            self.on_landed(unit)
 
     def _holding(self) -> int:
         """Reductions in flight whose flat grads hold memory of their own."""
-        return sum(holds for holds, _ in self._in_flight)
+        return sum(holds for holds, _, _ in self._in_flight)
 
     def _grad_flat(self, b: int) -> torch.Tensor:
         bucket, shard = self.plan.buckets[b], self.grad_shards[b]
@@ -217,7 +233,7 @@ class Reducer:
                 schedule.wait(handle, "a gradient reduction")
                 handle = DONE
             handles.append(handle)
-        self._in_flight.append((not all(self.shared[b] for b in buckets), handles))
+        self._in_flight.append((not all(self.shared[b] for b in buckets), handles, unit))
 
 
 def _landed(handle) -> bool:
