@@ -1,8 +1,9 @@
 """The Muon tax: a GPT training step with hpf's distributed Muon minus the same step with AdamW.
 
 GPT small, 4 ranks, gloo, on a flat mesh (dp=4) and a two-tier one (node=2,local=2), the
-contenders interleaved in one job per mesh: hpf.shard_step with AdamW, with Muon, and with Muon
-on Gram Newton-Schulz (ns_variant="auto"). The tax is the median step (slowest rank) with Muon
+contenders interleaved in one job per mesh: hpf.shard_step with AdamW, with Muon as it ran before
+Newton-Schulz overlapped backward (overlap=False), with Muon (overlap on, the default), and with
+Muon on Gram Newton-Schulz (ns_variant="auto"). The tax is the median step (slowest rank) with Muon
 minus the median with AdamW. The ideal is the busiest rank's Newton-Schulz FLOPs at perfect
 balance (all ranks' FLOPs / 4) over this machine's matmul rate, measured on every rank at once
 (the ranks share the cores, as their Newton-Schulz does) with the shapes Newton-Schulz multiplies;
@@ -50,7 +51,8 @@ def rank_main(rank, args, axes):
     params = gpt.init(config, torch.Generator().manual_seed(0))
     local = args.batch // WORLD
     batches = [gpt.global_batch(config, args.batch, 0, s)[rank * local:(rank + 1) * local] for s in range(8)]
-    optimizers = {"adamw": hpf.optim.adamw(lr=1e-3), "muon": hpf.optim.muon(adamw_lr=1e-3),
+    optimizers = {"adamw": hpf.optim.adamw(lr=1e-3), "muon-no-overlap": hpf.optim.muon(adamw_lr=1e-3, overlap=False),
+                  "muon": hpf.optim.muon(adamw_lr=1e-3),
                   "muon-gram": hpf.optim.muon(adamw_lr=1e-3, ns_variant="auto")}
     impls = {}
     for name, opt in optimizers.items():
@@ -84,7 +86,7 @@ def main():
         local_hw = dataclasses.replace(sim.PROFILES["h100"], peak_flops=rate, efficiency=1.0,
                                        fast=sim.Link(0.0, math.inf), slow=sim.Link(0.0, math.inf), scale_out=None)
         predicted = sim.muon_tax(plan, local_hw) * 1e3  # NS alone at this rate (links ideal)
-        for name, variant in (("muon", "standard"), ("muon-gram", "auto")):
+        for name, variant in (("muon-no-overlap", "standard"), ("muon", "standard"), ("muon-gram", "auto")):
             tax = med[name] - med["adamw"]
             rows.append([label, name, med["adamw"], med[name], tax, ideal[variant], tax / ideal[variant],
                          predicted if variant == "standard" else float("nan")])

@@ -60,10 +60,11 @@ class Decider:
     replicas: torch.Tensor
     max_grad_norm: float | None
 
-    def mean_scale(self, n_micro: int, scale: float = 1.0) -> float:
-        """``decide``'s grad_scale for a plain-mean loss over ``n_micro`` micro-batches, unclipped
-        (the same float: coef 1.0 over the same normalizer)."""
-        return 1.0 / (float(self.dp_size * n_micro) * scale)
+    def unclipped_scale(self, n_micro: int, scale: float, count: float | None = None) -> float:
+        """``decide``'s grad_scale when the clip does not fire, known before it: the same float
+        (coef 1.0 over the same normalizer). ``count``: an hpf.weighted loss's global count."""
+        normalizer = count / self.n_compute if count is not None else float(self.dp_size * n_micro)
+        return 1.0 / (normalizer * scale) if normalizer else 0.0
 
     def decide(self, outs: list[losses.LossOut], grads: list[torch.Tensor], batch: Any, scale: float = 1.0,
                clip: bool = True) -> Decision:

@@ -18,7 +18,8 @@ import torch
 from . import batching, checks, losses
 from . import tree as tree_util
 from .checks import DonatedStateError, NonFiniteError, UnusedParamsError
-from .comm import world
+from .comm import schedule, world
+from .comm.schedule import LOG
 from .comm.world import default_device
 from .comm.collectives import SPMD, spmd
 from .comm.flat import BucketComm
@@ -69,6 +70,7 @@ class ShardStep(StateIO):
         self._timed = dict.fromkeys(("steps",) + _TIMED, 0)  # the steps' count and summed timings (for stats())
         self._closed: StepStats | None = None  # the stats at close(); set once the step is closed
         self._early = None  # (work, grad scale): the optimizer's work begun in backward (hpf.optim.EarlyUpdate)
+        self._early_args = None  # what starting it needs, until it starts (_start_early)
         self._attempts = 0  # calls of _compute, the same on every rank (EarlyUpdate's attempt)
 
     # -- set-up, once ---------------------------------------------------------------------------
@@ -218,18 +220,51 @@ class ShardStep(StateIO):
             raise
 
     def _start_early(self, state: TrainState, n_micro: int, scale: float) -> None:
-        """Let the optimizer start as units' grads land (hpf.optim.EarlyUpdate), assuming the
-        grad scale of a plain mean that is not clipped; the update checks that assumption."""
+        """Let the optimizer start as units' grads land (hpf.optim.EarlyUpdate). It assumes the
+        grad scale of a step that is not clipped (known once the last micro-batch's loss is:
+        ``_loss_known``); the update checks that assumption."""
         self._drop_early()
         self._attempts += 1
         opt, eng = self.plan_optimizer, self.engine
-        if not isinstance(opt, EarlyUpdate) or eng.reducer.compute_sums:
+        self._early_args = None
+        if isinstance(opt, EarlyUpdate) and not eng.reducer.compute_sums:
+            self._early_args = [state.opt_state, n_micro, scale, [], None]  # (+ the counts, the guess)
+
+    def _loss_known(self, out: losses.LossOut, hold: bool) -> None:
+        """A micro-batch's loss is computed (backward is next). At the last one the update's
+        scale is known, but for hpf.weighted's global count: one all-reduce of it, started here,
+        lands while backward runs (every rank issues it at the same point)."""
+        args = self._early_args
+        if args is None:
             return
-        guess = self.decider.mean_scale(n_micro, scale)
-        work = opt.early(self.grad_shards, state.opt_state, guess, self._attempts)
-        if work is not None:
+        opt_state, n_micro, scale, counts, _ = args
+        counts.append(out.count)
+        if hold:
+            return
+        count = None
+        if out.count is not None:
+            count = torch.tensor([sum(float(c) for c in counts)], dtype=torch.float64)
+            if world.is_distributed() and self.mesh.size > 1:
+                LOG.record("all-reduce", "the step's count, early")
+                count = (count, world.all_reduce_async(count))
+        args[4] = count
+        eng = self.engine
+        eng.reducer.on_landed = lambda unit: self._landed(eng.reducer.trained[unit])
+
+    def _landed(self, buckets: list[int]) -> None:
+        """Reducer.on_landed: start the optimizer's work on these buckets (on the first, the work)."""
+        if self._early is None:
+            opt_state, n_micro, scale, _, count = self._early_args
+            if isinstance(count, tuple):
+                schedule.wait(count[1], "the step's count all-reduce")
+                count = count[0]
+            guess = self.decider.unclipped_scale(n_micro, scale, None if count is None else float(count[0]))
+            work = self.plan_optimizer.early(self.grad_shards, opt_state, guess, self._attempts)
+            if work is None:
+                self.engine.reducer.on_landed = None
+                return
             self._early = work, guess
-            eng.reducer.on_landed = lambda unit: work.landed(eng.reducer.trained[unit])
+        self._early[0].landed(buckets)
 
     def _drop_early(self) -> None:
         """Forget the early work (a skipped step, or grads only): its communication lands first."""
@@ -277,6 +312,7 @@ class ShardStep(StateIO):
                 return self._func_grads(batch, seed)
             with eng.saved_tensor_hooks():
                 out = losses.parse(self.call_loss(eng.params_tree(), batch))
+                self._loss_known(out, hold)
                 eng.start_backward()
                 out.value.backward(None if seed == 1.0 else torch.full_like(out.value, seed))
         return out

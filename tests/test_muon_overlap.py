@@ -7,7 +7,7 @@ only after the step's global decision does it write params and state. Checked he
 steps with overlap on and off; the work really starts before the decision (Newton-Schulz calls
 counted before ``Decider.decide``); a non-finite step that started it changes nothing; a step
 whose grads are clipped (so the early work assumed the wrong scale) drops it and equals the
-overlap-off step bitwise.
+overlap-off step bitwise; an hpf.weighted loss (hpf train's) keeps its early work too.
 """
 import numpy as np
 import pytest
@@ -18,6 +18,7 @@ from hpf import decision
 from hpf.launcher import launch
 from hpf.models import gpt
 from hpf.optim import muon_math
+from hpf.optim.dist_muon import DistMuon
 from hpf.optim.muon_optimizer import muon
 from references import functional_training
 
@@ -39,11 +40,12 @@ def params0():
 
 
 class EarlyNS:
-    """Counts, per step, the Newton-Schulz calls made before the step's decision."""
+    """Counts, per step, the Newton-Schulz calls made before the step's decision, and the
+    steps that ran DistMuon.update after it (the early work dropped, or none)."""
 
     def __enter__(self):
-        self.before, self.after, self.decided = [], [], False
-        ns, decide = muon_math.newton_schulz, decision.Decider.decide
+        self.before, self.after, self.decided, self.updates = [], [], False, 0
+        ns, decide, update = muon_math.newton_schulz, decision.Decider.decide, DistMuon.update
 
         def counting_ns(*args, **kwargs):
             (self.after if self.decided else self.before)[-1] += 1
@@ -52,8 +54,12 @@ class EarlyNS:
         def deciding(*args, **kwargs):
             self.decided = True
             return decide(*args, **kwargs)
-        self._restore = ns, decide
-        muon_math.newton_schulz, decision.Decider.decide = counting_ns, deciding
+
+        def updating(*args, **kwargs):
+            self.updates += 1
+            return update(*args, **kwargs)
+        self._restore = ns, decide, update
+        muon_math.newton_schulz, decision.Decider.decide, DistMuon.update = counting_ns, deciding, updating
         return self
 
     def new_step(self):
@@ -62,7 +68,7 @@ class EarlyNS:
         self.decided = False
 
     def __exit__(self, *exc):
-        muon_math.newton_schulz, decision.Decider.decide = self._restore
+        muon_math.newton_schulz, decision.Decider.decide, DistMuon.update = self._restore
 
 
 def snapshot(step, state):
@@ -70,11 +76,13 @@ def snapshot(step, state):
             [t.clone() for t in hpf.tree.flatten(state.opt_state)[1]])
 
 
-def train(rank, steps=STEPS, poison=(), **kwargs):
-    """GPT tiny on 2 ranks with Muon; ``poison``: steps whose loss is made NaN (skipped)."""
+def train(rank, steps=STEPS, poison=(), weighted=False, **kwargs):
+    """GPT tiny on 2 ranks with Muon; ``poison``: steps whose loss is made NaN (skipped);
+    ``weighted``: the loss is hpf.weighted(token sum, token count), as hpf train's."""
     factor = [1.0]
-    base = gpt.loss_for(TINY)
-    step = hpf.shard_step(lambda p, b: base(p, b) * factor[0], mesh=hpf.Mesh({"dp": 2}), on_nonfinite="skip",
+    base = gpt.loss_for(TINY, weighted=weighted)
+    loss_fn = (lambda p, b: base(p, b) * factor[0]) if poison else base
+    step = hpf.shard_step(loss_fn, mesh=hpf.Mesh({"dp": 2}), on_nonfinite="skip",
                           **{"optimizer": muon(**MUON), **kwargs})
     state = step.init(params0())
     losses, skipped, unchanged = [], [], []
@@ -92,7 +100,7 @@ def train(rank, steps=STEPS, poison=(), **kwargs):
     params, opt_state = snapshot(step, state)
     step.close()
     return {"losses": losses, "params": params, "opt_state": opt_state, "skipped": skipped, "unchanged": unchanged,
-            "ns_before": counts.before, "ns_after": counts.after, "split": len(step.plan_optimizer.owned)
+            "ns_before": counts.before, "ns_after": counts.after, "updates": counts.updates, "split": len(step.plan_optimizer.owned)
             + len(step.plan_optimizer.held)}
 
 
@@ -100,6 +108,7 @@ def checks(rank):
     return {
         "on": train(rank, optimizer=muon(**MUON, overlap=True)),
         "off": train(rank, optimizer=muon(**MUON, overlap=False)),
+        "weighted": train(rank, weighted=True, optimizer=muon(**MUON, overlap=True)),
         "skip": train(rank, 4, poison=(1,), optimizer=muon(**MUON, overlap=True)),
         "skip_off": train(rank, 4, poison=(1,), optimizer=muon(**MUON, overlap=False)),
         "clip_on": train(rank, 3, max_grad_norm=1e-3, optimizer=muon(**MUON, overlap=True)),
@@ -121,7 +130,7 @@ def reference():
 @pytest.mark.slow
 def test_overlap_on_and_off_match_single_process_muon_after_20_steps(ranks):
     losses, leaves = reference()
-    for mode in ("on", "off"):
+    for mode in ("on", "off", "weighted"):
         run = ranks[0][mode]
         assert run["losses"] == ranks[1][mode]["losses"]
         np.testing.assert_allclose(run["losses"], losses, rtol=1e-5, atol=1e-6)
@@ -133,8 +142,12 @@ def test_overlap_on_and_off_match_single_process_muon_after_20_steps(ranks):
 @pytest.mark.slow
 def test_newton_schulz_starts_before_the_decision_only_with_overlap(ranks):
     for r in ranks:
-        assert all(n > 0 for n in r["on"]["ns_before"]), r["on"]["ns_before"]
+        # hpf.weighted: the global count is all-reduced before backward, so its work starts and is kept too
+        for mode in ("on", "weighted"):
+            assert all(n > 0 for n in r[mode]["ns_before"]), r[mode]["ns_before"]
+            assert r[mode]["updates"] == 0, "the early work was dropped and the update ran after the decision"
         assert not any(r["off"]["ns_before"]), r["off"]["ns_before"]
+        assert r["off"]["updates"] == STEPS
 
 
 @pytest.mark.slow
@@ -153,6 +166,7 @@ def test_clipped_steps_drop_the_early_work_and_equal_overlap_off_exactly(ranks):
     for r in ranks:
         on, off = r["clip_on"], r["clip_off"]
         assert all(n > 0 for n in on["ns_before"])
+        assert on["updates"] == 3, "a clipped step kept early work computed at the unclipped scale"
         assert on["losses"] == off["losses"]
         for got, want in zip(on["params"] + on["opt_state"], off["params"] + off["opt_state"]):
             assert torch.equal(got, want)

@@ -15,7 +15,8 @@ from hpf.cli.common import CliError, write_atomic
 RUN_FILE = "run.json"
 # What the run computes: a resumed run keeps these, and a different value is refused, except
 # --steps, which may extend (or shorten) the run: a line says so, since the lr schedule follows it.
-FIXED = ("model", "config", "optimizer", "lr", "warmup", "schedule", "steps", "batch_size", "seed", "data")
+FIXED = ("model", "config", "optimizer", "lr", "warmup", "schedule", "steps", "batch_size", "seed", "data", "ns_variant",
+         "qk_clip")
 # How it runs: a resumed run takes these from run.json unless they are given again.
 INHERITED = ("mesh", "fsdp_axes", "mixed_precision", "topology", "hsdp", "ep_axis", "accumulate", "mode",
              "eval_every", "save_every", "keep_last", "recompute", "compile", "bucket_bytes", "slow_precision")
