@@ -35,6 +35,7 @@ def reference(**muon_options):
     return losses, hpf.tree.flatten(params)[1]
 
 
+@pytest.mark.slow
 def test_ns_variant_and_qk_clip_reach_muon(tmp_path, capsys, monkeypatch):
     made = []  # the driver builds the job's step once before any rank starts (the ranks build their own alike)
     make_step = cli_train.make_step

@@ -66,13 +66,14 @@ class Reducer:
         self._next = 0
         # per unit reduced, oldest first: whether its flat grads are its own memory (not shared memory's),
         # its buckets' handles not yet landed, and the unit
-        self._in_flight: deque[tuple[bool, list]] = deque()
+        self._in_flight: deque[tuple[bool, list, str]] = deque()
         self._held: dict[int, torch.Tensor] = {}
         self.hold = False
         self.added = 0  # entries whose grads arrived, ever (the step checks that a loss reached some param)
         self._before_issue = before_issue  # the engine's deferred gathers go first: one schedule
         self._on_wait = on_wait  # seconds blocked on a reduction in backward (the engine's comm wait)
         self.on_landed = None  # (unit) -> None: the module doc; the step sets it per step
+        self.landed_s = 0.0  # seconds spent in on_landed, ever (not counted as waiting)
 
     def start(self, grad_shards: list[torch.Tensor], order: list[str], hold: bool) -> None:
         """A micro-batch starts; ``hold``: keep its sums for the next one instead of reducing."""
@@ -134,6 +135,7 @@ class Reducer:
     def wait(self) -> None:
         """Wait for every reduction of the step (then partial sums over non-FSDP axes)."""
         handles = [h for _, unit, _ in self._in_flight for h in unit]
+        busy = self.landed_s
         with span("hpf/wait reduce-scatter"):
             while self._in_flight:
                 _, oldest, unit = self._in_flight[0]
@@ -144,6 +146,7 @@ class Reducer:
             on_device = [h for h in handles if isinstance(h, StreamWork)]
             if on_device:  # (an accelerator: the waits above ordered streams; now the CPU, so a hang is named here)
                 schedule.wait(StreamWork.settled(on_device), "the step's gradient reductions")
+        self._on_wait(busy - self.landed_s)  # (the caller times this wait: on_landed's work is not waiting)
         for b, group in self.compute_sums:
             LOG.record("all-reduce", f"partial grads of bucket {b}")
             schedule.wait(world.all_reduce_async(self.grad_shards[b], group), "a partial-grad all-reduce")
@@ -168,14 +171,14 @@ class Reducer:
         self._pop_landed()
         if self._holding() >= IN_FLIGHT:
             self._before_issue()  # (the gathers decided so far start first: they overlap this wait)
-            t = time.perf_counter()
+            t, busy = time.perf_counter(), self.landed_s
             with span("hpf/wait reduce-scatter"):
                 while self._holding() >= IN_FLIGHT:
                     _, oldest, unit = self._in_flight.popleft()
                     while oldest:  # (popped as waited: no handle, nor its buffers, outlives its wait)
                         schedule.wait(oldest.pop(0), "a gradient reduction")
                     self._landed(unit)
-            self._on_wait(time.perf_counter() - t)
+            self._on_wait(time.perf_counter() - t - (self.landed_s - busy))
 
     def _pop_landed(self) -> None:
         """Forget the reductions that have landed, oldest first, which frees their buffers; in order
@@ -190,9 +193,12 @@ class Reducer:
             self._landed(unit)
 
     def _landed(self, unit: str) -> None:
-        """``unit``'s reductions have landed: tell ``on_landed`` (module doc)."""
+        """``unit``'s reductions have landed: tell ``on_landed`` (module doc), timing it."""
         if self.on_landed is not None and not self.compute_sums:
-            self.on_landed(unit)
+            t = time.perf_counter()
+            with span("hpf/optimizer", unit):
+                self.on_landed(unit)
+            self.landed_s += time.perf_counter() - t
 
     def _holding(self) -> int:
         """Reductions in flight whose flat grads hold memory of their own."""
