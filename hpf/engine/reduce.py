@@ -24,7 +24,8 @@ communicates nothing; the last adds them in and reduces once.
 
 ``on_landed(unit)``, when set, is called once a unit's reductions have landed, in reduction
 order (the reductions are waited for oldest first), so an optimizer can start on that unit's
-final grads while backward goes on (hpf.optim.EarlyUpdate). Never for units whose grads wait
+final grads while backward goes on (hpf.optim.EarlyUpdate): at the end of the entry's backward
+that found it landed, after any reduction that entry issues. Never for units whose grads wait
 for the partial-sum all-reduce of ``compute_sums``: those are final only after ``wait``.
 """
 from __future__ import annotations
@@ -74,6 +75,7 @@ class Reducer:
         self._on_wait = on_wait  # seconds blocked on a reduction in backward (the engine's comm wait)
         self.on_landed = None  # (unit) -> None: the module doc; the step sets it per step
         self.landed_s = 0.0  # seconds spent in on_landed, ever (not counted as waiting)
+        self._to_tell: list[str] = []  # units landed, on_landed not yet run
 
     def start(self, grad_shards: list[torch.Tensor], order: list[str], hold: bool) -> None:
         """A micro-batch starts; ``hold``: keep its sums for the next one instead of reducing."""
@@ -83,6 +85,7 @@ class Reducer:
         self._complete.clear()
         self._next = 0
         self.landed_order = []
+        self._to_tell.clear()
 
     def entry(self, unit: str) -> None:
         """A read of ``unit`` created an autograd entry whose backward is to come (none for a
@@ -117,9 +120,11 @@ class Reducer:
                     packed.add_(torch.cat(parts))
         self._outstanding[unit] -= 1
         if self._outstanding[unit]:
+            self._tell()
             return False
         self._complete.add(unit)
         self._issue_ready()
+        self._tell()
         return True
 
     def _issue_ready(self) -> None:
@@ -143,6 +148,7 @@ class Reducer:
                     schedule.wait(h, "a gradient reduction")
                 self._in_flight.popleft()
                 self._landed(unit)
+                self._tell()
             on_device = [h for h in handles if isinstance(h, StreamWork)]
             if on_device:  # (an accelerator: the waits above ordered streams; now the CPU, so a hang is named here)
                 schedule.wait(StreamWork.settled(on_device), "the step's gradient reductions")
@@ -171,14 +177,14 @@ class Reducer:
         self._pop_landed()
         if self._holding() >= IN_FLIGHT:
             self._before_issue()  # (the gathers decided so far start first: they overlap this wait)
-            t, busy = time.perf_counter(), self.landed_s
+            t = time.perf_counter()
             with span("hpf/wait reduce-scatter"):
                 while self._holding() >= IN_FLIGHT:
                     _, oldest, unit = self._in_flight.popleft()
                     while oldest:  # (popped as waited: no handle, nor its buffers, outlives its wait)
                         schedule.wait(oldest.pop(0), "a gradient reduction")
                     self._landed(unit)
-            self._on_wait(time.perf_counter() - t - (self.landed_s - busy))
+            self._on_wait(time.perf_counter() - t)
 
     def _pop_landed(self) -> None:
         """Forget the reductions that have landed, oldest first, which frees their buffers; in order
@@ -193,12 +199,20 @@ class Reducer:
             self._landed(unit)
 
     def _landed(self, unit: str) -> None:
-        """``unit``'s reductions have landed: tell ``on_landed`` (module doc), timing it."""
+        """``unit``'s reductions have landed: ``on_landed`` is told at the next ``_tell``."""
         if self.on_landed is not None and not self.compute_sums:
+            self._to_tell.append(unit)
+
+    def _tell(self) -> None:
+        """Run ``on_landed`` for the units landed so far (module doc), timing it: after this
+        rank's next reduction is issued, so the optimizer's work never delays one."""
+        while self._to_tell and self.on_landed is not None:
+            unit = self._to_tell.pop(0)
             t = time.perf_counter()
             with span("hpf/optimizer", unit):
                 self.on_landed(unit)
             self.landed_s += time.perf_counter() - t
+        self._to_tell.clear()  # (on_landed was unset: nobody to tell)
 
     def _holding(self) -> int:
         """Reductions in flight whose flat grads hold memory of their own."""

@@ -77,7 +77,7 @@ class Muon:
     ns_variant: str = "standard"  # hpf_kernels.newton_schulz's variant: "standard", "gram", "auto"
     qk_clip: float | None = None  # QK-Clip's tau (None: off)
     qk_heads: Any = None  # path -> (dim, head per index, power): the model's qk_heads(config)
-    overlap: bool = True  # under hpf.shard_step: start momentum and Newton-Schulz as units' grads land
+    overlap: bool = False  # under hpf.shard_step: start momentum and Newton-Schulz as units' grads land
 
     def for_plan(self, plan, rank: int) -> DistMuon:
         """This optimizer on the flat shards of ``plan`` (hpf.shard_step calls it): distributed Muon."""
@@ -153,7 +153,7 @@ def muon(lr: Schedule = 0.02, momentum: float = 0.95, nesterov: bool = True, ns_
          use_adamw: Callable[[str, torch.Tensor], bool] | None = None,
          ns_compute_dtype: torch.dtype | None = None, comm_dtype: torch.dtype | None = None,
          ns_variant: str = "standard", qk_clip: float | None = None, qk_heads: dict | None = None,
-         overlap: bool = True) -> Muon:
+         overlap: bool = False) -> Muon:
     """hpf.optim.muon: an optax-style Muon (see Muon) with an AdamW fallback for non-matrices.
 
     Args:
@@ -179,11 +179,12 @@ def muon(lr: Schedule = 0.02, momentum: float = 0.95, nesterov: bool = True, ns_
         qk_heads: which elements of which params are whose q or k: the model's
             ``qk_heads(config)`` (hpf.models.gpt.qk_heads, hpf.models.llama.qk_heads).
         overlap: under hpf.shard_step, start a matrix's momentum and Newton-Schulz (and send its
-            pieces to its owner) as soon as its unit's grads land, while backward goes on. Only
-            computed: params and state change after the step's global decision, and the result
-            is the same. The step's grads must be predictable for that: a step that clips (the
-            clip fires) or an ``hpf.weighted`` loss whose count differs from a plain mean's
-            drops the early work and updates after the decision. Off under a low-bit slow tier.
+            pieces to its owner) as soon as its unit's grads land, while backward goes on (off
+            by default: on a CPU, where Newton-Schulz and backward share the cores, it gains
+            nothing; docs/muon.md). Only computed: params and state change after the step's
+            global decision, and the result is the same. A step whose clip fires drops the early
+            work (it assumed the unclipped scale) and updates after the decision. Off under a
+            low-bit slow tier and with non-FSDP compute axes.
 
     Raises:
         ValueError: unknown or malformed coefficients, an unknown scale, momentum outside
