@@ -109,6 +109,7 @@ def checks(rank):
         "on": train(rank, optimizer=muon(**MUON, overlap=True)),
         "off": train(rank, optimizer=muon(**MUON, overlap=False)),
         "weighted": train(rank, weighted=True, optimizer=muon(**MUON, overlap=True)),
+        "accumulate": train(rank, weighted=True, accumulate=2, optimizer=muon(**MUON, overlap=True)),
         "skip": train(rank, 4, poison=(1,), optimizer=muon(**MUON, overlap=True)),
         "skip_off": train(rank, 4, poison=(1,), optimizer=muon(**MUON, overlap=False)),
         "clip_on": train(rank, 3, max_grad_norm=1e-3, optimizer=muon(**MUON, overlap=True)),
@@ -130,7 +131,7 @@ def reference():
 @pytest.mark.slow
 def test_overlap_on_and_off_match_single_process_muon_after_20_steps(ranks):
     losses, leaves = reference()
-    for mode in ("on", "off", "weighted"):
+    for mode in ("on", "off", "weighted", "accumulate"):
         run = ranks[0][mode]
         assert run["losses"] == ranks[1][mode]["losses"]
         np.testing.assert_allclose(run["losses"], losses, rtol=1e-5, atol=1e-6)
@@ -143,7 +144,7 @@ def test_overlap_on_and_off_match_single_process_muon_after_20_steps(ranks):
 def test_newton_schulz_starts_before_the_decision_only_with_overlap(ranks):
     for r in ranks:
         # hpf.weighted: the global count is all-reduced before backward, so its work starts and is kept too
-        for mode in ("on", "weighted"):
+        for mode in ("on", "weighted", "accumulate"):
             assert all(n > 0 for n in r[mode]["ns_before"]), r[mode]["ns_before"]
             assert r[mode]["updates"] == 0, "the early work was dropped and the update ran after the decision"
         assert not any(r["off"]["ns_before"]), r["off"]["ns_before"]
