@@ -27,7 +27,8 @@ from ..comm.schedule import LOG
 from ..planning import ROOT, Plan
 from ..trace import Ranges
 from .compiled import hide_from_compiler
-from .gather import MemoryStats, Saved, UnitBuffers, entry, rematerialized
+from .entry import Recompute, entry, rematerialized
+from .gather import MemoryStats, Saved, UnitBuffers
 from .reduce import Reducer
 from .residency import Actions, Residency
 from .views import ParamsView
@@ -64,11 +65,12 @@ class UnitEngine:
                  on_extra_gather: Callable[[str, str], None] | None = None, rematerialize: bool = False):
         self.plan, self.comm, self.device = plan, comm, device
         self.units = list(plan.units)
-        self.buffers = UnitBuffers(plan, comm, compute_dtype, device, capacity, on_extra_gather)
+        self._wait_s = 0.0  # seconds compute spent blocked on collectives (``take_wait_s``)
+        self.buffers = UnitBuffers(plan, comm, compute_dtype, capacity, self.add_wait, on_extra_gather)
         pinned = {u for u in self.units if u == ROOT or u not in self.buffers.freeable}
         self.residency = Residency(self.units, pinned, capacity)
         self.reducer = Reducer(plan, comm, self.buffers.shared, pipeline, list(compute_sums),
-                               before_issue=lambda: self.buffers.flush(force=True), on_wait=self.add_wait)
+                               before_issue=self.buffers.start_queued, on_wait=self.add_wait)
         self.view = ParamsView(plan, {u: plan.slot_paths(u) for u in self.units}, self._entry)
         self.stats: MemoryStats = self.buffers.stats
         self.in_backward = False
@@ -99,7 +101,7 @@ class UnitEngine:
             return
         self._settle()
         self.buffers.set_shards(masters)
-        self.buffers.new_phase(set())
+        self.buffers.new_phase()
         self.buffers.apply(self.residency.begin(), "forward")
 
     def prefetch(self, masters: list[torch.Tensor]) -> None:
@@ -107,7 +109,7 @@ class UnitEngine:
         first = self.first_units()
         buckets = [b for u in first for b in self.plan.units[u].buckets]
         self.buffers.set_shards(masters, keep=set(self.units) - set(first))
-        self.buffers.new_phase(set())
+        self.buffers.new_phase()
         self.buffers.apply(self.residency.begin(), "forward")
         self._prefetched = [(b, masters[b], masters[b]._version) for b in buckets]
 
@@ -123,13 +125,13 @@ class UnitEngine:
         if not self._hidden:
             self._hidden = hide_from_compiler(self)
         if self.reducer.holds_sums():  # a later micro-batch: prefetch its first units
-            self.buffers.new_phase(set())
+            self.buffers.new_phase()
             self.buffers.apply(self.residency.resume(), "forward")
         self.reducer.start(grad_shards, self._reduce_order, hold)
         self._anchor = torch.empty(0, device=self.device, requires_grad=True)
         self.micro_batches += 1  # stamps this micro-batch's entries (``entry_done`` refuses older ones)
         self._root, self.in_backward = None, False
-        self.buffers.new_phase(set(self.buffers.live))
+        self.buffers.new_phase()
         self._reads = 0
         try:
             yield
@@ -150,26 +152,24 @@ class UnitEngine:
     def start_backward(self) -> None:
         """The loss is computed: from here a read is a checkpoint recomputing."""
         self.in_backward = True
-        self.buffers.new_phase(set(self.buffers.live))
+        self.buffers.new_phase()
         self.residency.start_backward()
         self._phase.switch("hpf/backward", ROOT)
 
     def land(self) -> None:
         """Wait for every reduction of the step (then the grad shards are final)."""
-        self.buffers.flush(force=True)
+        self.buffers.start_queued()
         t = time.perf_counter()
         self.reducer.wait()
-        self.buffers.wait_all()
         self.add_wait(time.perf_counter() - t)
+        self.buffers.land_all()
 
     def end_step(self) -> None:
         """The step's reads are over: learn them for the next step, free what is gathered."""
         if self.reducer.landed_order and set(self.reducer.landed_order) == set(self.reducer.units):
             self._reduce_order = list(self.reducer.landed_order)
-        for u in self.residency.end_step():
-            self.buffers.release(u)
-        self.buffers.live.clear()
-        self.buffers.free_all()
+        self.residency.end_step()
+        self.buffers.settle()
 
     def abort(self, err: BaseException | None = None) -> None:
         """After an error anywhere in a step: wait for what is in flight, free, forget the step.
@@ -180,7 +180,7 @@ class UnitEngine:
         self._root = self._anchor = None
         self.in_backward = False
         self._prefetched = None
-        self.buffers.deferred.clear()
+        self.buffers.drop_queue()
         self.reducer.drop_held()
         if err is not None and not isinstance(err, (schedule.ScheduleMismatchError, TimeoutError)):
             LOG.failed = _one_line(err)  # (a waiting peer names it)
@@ -205,7 +205,14 @@ class UnitEngine:
             return fn(self._read(unit), *args)
         self._reach(unit)
         self.reducer.entry(unit)
-        return rematerialized(self, unit, fn, args)
+        rc = Recompute(unit, self.micro_batches, functools.partial(self._gathered_views, unit),
+                       functools.partial(self.regather, unit), functools.partial(self.view.subtree, unit),
+                       self.entry_done)
+        return rematerialized(self._anchor, rc, fn, args)
+
+    def _gathered_views(self, unit: str) -> tuple:
+        self.buffers.wait(unit)
+        return tuple(self.buffers.units[unit].views())
 
     @_outside_transforms
     def regather(self, unit: str) -> tuple:
@@ -213,8 +220,7 @@ class UnitEngine:
         acts = self.residency.need([unit])
         if acts.gather or acts.evict or acts.prefetch:
             self.buffers.apply(acts, "backward")
-        self.buffers.wait(unit)
-        return tuple(self.buffers.views(unit))
+        return self._gathered_views(unit)
 
     @_outside_transforms
     def _reach(self, unit: str) -> None:
@@ -233,16 +239,16 @@ class UnitEngine:
         if unit == ROOT and self._root is not None:
             return self._root
         self.buffers.wait(unit)
+        u = self.buffers.units[unit]
         if self.in_backward and unit != ROOT:  # a checkpoint recomputing: the forward's entries take the grads,
-            frozen = self.buffers.frozen_views[unit]  # these only need to save what forward saved (requires_grad)
-            return tuple(v if i in frozen else v.detach().requires_grad_()
-                         for i, v in enumerate(self.buffers.views(unit)))
-        views = entry(self._anchor, self, unit)
+            return tuple(v if i in u.frozen else v.detach().requires_grad_()  # these only need to save what
+                         for i, v in enumerate(u.views()))  # forward saved (requires_grad)
+        views = entry(self._anchor, u, self.micro_batches, self.entry_done)
         self.reducer.entry(unit)
         if unit == ROOT:
             self._root = views
         else:
-            self.buffers.hand_out(unit, views)
+            u.hand_out(views)
         return views
 
     @_outside_transforms
@@ -259,8 +265,8 @@ class UnitEngine:
                 "the current call, and pass them to compiled functions as arguments")
         if self.reducer.add(unit, tuple(g.detach() for g in grads)):  # (a torch.func transform's grads track)
             for u in self.residency.done(unit):
-                self.buffers.release(u)
-            self.buffers.flush(force=False)
+                self.buffers.evict(u)
+            self.buffers.start_queued(when_free=True)
             pos = self.units.index(unit)
             self._phase.switch("hpf/backward", self.units[pos - 1] if pos > 0 else ROOT)
 
@@ -271,8 +277,8 @@ class UnitEngine:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if self.buffers.deferred:  # (between reads: the last unit's param tensors may have died by now)
-            self.buffers.flush(force=False)
+        if self.buffers.queued:  # (between reads: the last unit's param tensors may have died by now)
+            self.buffers.start_queued(when_free=True)
         return self.buffers.pack(t)
 
     def _unpack(self, saved: Any) -> Any:
@@ -296,19 +302,16 @@ class UnitEngine:
 
     def _settle(self) -> None:
         """Wait for every gather in flight and free every buffer: the engine holds nothing."""
-        self.buffers.flush(force=True)
-        self.buffers.wait_all()
         self.residency.end_step(learn=False)
-        self.buffers.live.clear()
-        self.buffers.free_all()
+        self.buffers.settle()
 
     def add_wait(self, seconds: float) -> None:
         """Count ``seconds`` the step spent blocked on a collective of its own."""
-        self.buffers.wait_s += seconds
+        self._wait_s += seconds
 
     def take_wait_s(self) -> float:
         """Seconds compute spent waiting on collectives since the last call."""
-        out, self.buffers.wait_s = self.buffers.wait_s, 0.0
+        out, self._wait_s = self._wait_s, 0.0
         return out
 
 
