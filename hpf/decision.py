@@ -60,6 +60,12 @@ class Decider:
     replicas: torch.Tensor
     max_grad_norm: float | None
 
+    @classmethod
+    def of(cls, plan, world: int, max_grad_norm: float | None) -> "Decider":
+        """The decider of a step over ``plan`` on ``world`` ranks."""
+        replicas = torch.tensor([float(plan.replicas(b)) for b in plan.buckets], dtype=torch.float64)
+        return cls(world, plan.dp_size, plan.compute_size, replicas, max_grad_norm)
+
     def decide(self, outs: list[losses.LossOut], grads: list[torch.Tensor], batch: Any, scale: float = 1.0,
                clip: bool = True) -> Decision:
         """``scale``: what backward's seed multiplied the losses by (beyond 1 / n_compute)."""

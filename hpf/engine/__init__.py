@@ -28,9 +28,9 @@ from ..planning import ROOT, Plan
 from ..trace import Ranges
 from .compiled import hide_from_compiler
 from .entry import Recompute, entry, rematerialized
-from .gather import MemoryStats, Saved, UnitBuffers
+from .gather import MemoryStats, UnitBuffers
 from .reduce import Reducer
-from .residency import Actions, Residency
+from .residency import Residency
 from .views import ParamsView
 
 __all__ = ["UnitEngine", "MemoryStats", "explain_freed"]
@@ -50,14 +50,12 @@ class UnitEngine:
     """Runs one step's forward and backward over a plan's units (see the module doc).
 
     Args:
-        plan, comm: the plan and its collectives (hpf.comm.flat.BucketComm or
-            hpf.comm.tiered.TieredComm).
+        plan, comm: the plan and its collectives (hpf.comm.flat.BucketComm, hpf.comm.tiered.TieredComm).
         compute_dtype: dtype of the gathered params (None: the params' own).
         pipeline: reductions overlap the rest of backward (False waits for each one).
         capacity: block units gathered at once besides the root and shared-memory units.
         compute_sums: (bucket, group) pairs whose grads are partial sums over non-FSDP axes.
-        on_extra_gather: called with (unit, phase) at each gather beyond loop-style use
-            (validation mode warns there).
+        on_extra_gather: told (unit, phase) of each gather beyond loop-style use (validation warns).
     """
 
     def __init__(self, plan: Plan, comm, compute_dtype: torch.dtype | None, device: torch.device, *,
@@ -78,7 +76,7 @@ class UnitEngine:
         self.broken: BaseException | None = None  # an error that left the ranks out of step
         self._prefetched: list | None = None  # (bucket, master, version) the next step's gathers were made from
         self._root = None
-        self._anchor = None
+        self.anchor = None  # the micro-batch's: every entry hangs off it (grad="torch.func" differentiates by it)
         self._reads = 0  # reads of this micro-batch (the schedule log numbers them)
         self._phase = Ranges()  # trace: each unit's forward and backward
         self.micro_batches = 0
@@ -89,10 +87,7 @@ class UnitEngine:
     def begin(self, masters: list[torch.Tensor]) -> None:
         """A step starts on ``masters``; the gathers ``prefetch`` started are kept if these are
         still the shards they were made from."""
-        if self.broken is not None:
-            raise RuntimeError(f"this step cannot run again: an earlier call failed with {type(self.broken).__name__} "
-                               f"({self.broken}), and the ranks may be out of step. End the job and restart it "
-                               "(from a checkpoint)") from self.broken
+        _refuse_if_broken(self.broken)
         LOG.failed = None
         snap = self._prefetched
         self._prefetched = None
@@ -101,22 +96,23 @@ class UnitEngine:
             return
         self._settle()
         self.buffers.set_shards(masters)
-        self.buffers.new_phase()
-        self.buffers.apply(self.residency.begin(), "forward")
+        self._first_gathers()
 
     def prefetch(self, masters: list[torch.Tensor]) -> None:
         """Start the next step's first gathers (``first_units``) from ``masters``, already updated."""
         first = self.first_units()
         buckets = [b for u in first for b in self.plan.units[u].buckets]
         self.buffers.set_shards(masters, keep=set(self.units) - set(first))
+        self._first_gathers()
+        self._prefetched = [(b, masters[b], masters[b]._version) for b in buckets]
+
+    def _first_gathers(self) -> None:
         self.buffers.new_phase()
         self.buffers.apply(self.residency.begin(), "forward")
-        self._prefetched = [(b, masters[b], masters[b]._version) for b in buckets]
 
     def first_units(self) -> list[str]:
         """The units a step gathers before its first read: pinned ones, then the predicted first reads."""
-        pinned = [u for u in self.units if u in self.residency.pinned]
-        return pinned + [u for u in self.residency.predicted_first() if u not in pinned]
+        return list(dict.fromkeys([u for u in self.units if u in self.residency.pinned] + self.residency.predicted_first()))
 
     @contextlib.contextmanager
     def micro_batch(self, grad_shards: list[torch.Tensor], hold: bool) -> Iterator[None]:
@@ -128,7 +124,7 @@ class UnitEngine:
             self.buffers.new_phase()
             self.buffers.apply(self.residency.resume(), "forward")
         self.reducer.start(grad_shards, self._reduce_order, hold)
-        self._anchor = torch.empty(0, device=self.device, requires_grad=True)
+        self.anchor = torch.empty(0, device=self.device, requires_grad=True)
         self.micro_batches += 1  # stamps this micro-batch's entries (``entry_done`` refuses older ones)
         self._root, self.in_backward = None, False
         self.buffers.new_phase()
@@ -137,7 +133,7 @@ class UnitEngine:
             yield
         finally:
             self._phase.end()
-            self._root = self._anchor = None
+            self._root = self.anchor = None
         self.reducer.finish()
         self.in_backward = False
 
@@ -145,7 +141,7 @@ class UnitEngine:
         """The loss function's params: root params as views, unit lists read when reached.
         ``anchor``: the tensor this call's entries hang off (a torch.func transform's input)."""
         if anchor is not None:
-            self._anchor = anchor
+            self.anchor = anchor
         self._phase.switch("hpf/forward", ROOT)
         return self.view.tree(self._read, self._apply if self.rematerialize else None)
 
@@ -177,7 +173,7 @@ class UnitEngine:
         After ranks fell out of step (ScheduleMismatchError), or when what was in flight cannot
         land, the engine is broken: its next use raises, naming the first error."""
         self._phase.end()
-        self._root = self._anchor = None
+        self._root = self.anchor = None
         self.in_backward = False
         self._prefetched = None
         self.buffers.drop_queue()
@@ -192,7 +188,6 @@ class UnitEngine:
         except Exception as e:  # noqa: BLE001 - the step's own error is the one raised
             self.broken = e
 
-    # -- reads ----------------------------------------------------------------------------------------------
     def _read(self, unit: str) -> Any:
         """The loss function reads list element ``unit``."""
         self._reach(unit)
@@ -208,7 +203,7 @@ class UnitEngine:
         rc = Recompute(unit, self.micro_batches, functools.partial(self._gathered_views, unit),
                        functools.partial(self.regather, unit), functools.partial(self.view.subtree, unit),
                        self.entry_done)
-        return rematerialized(self._anchor, rc, fn, args)
+        return rematerialized(self.anchor, rc, fn, args)
 
     def _gathered_views(self, unit: str) -> tuple:
         self.buffers.wait(unit)
@@ -243,7 +238,7 @@ class UnitEngine:
         if self.in_backward and unit != ROOT:  # a checkpoint recomputing: the forward's entries take the grads,
             return tuple(v if i in u.frozen else v.detach().requires_grad_()  # these only need to save what
                          for i, v in enumerate(u.views()))  # forward saved (requires_grad)
-        views = entry(self._anchor, u, self.micro_batches, self.entry_done)
+        views = entry(self.anchor, u, self.micro_batches, self.entry_done)
         self.reducer.entry(unit)
         if unit == ROOT:
             self._root = views
@@ -257,7 +252,7 @@ class UnitEngine:
 
         An entry of an earlier micro-batch (a param tensor kept across steps: in a global, a
         closure, a compiled function's constants) would add grads of stale values to this one's."""
-        if stamp != self.micro_batches or self._anchor is None:
+        if stamp != self.micro_batches or self.anchor is None:
             raise StaleParamError(
                 f"loss_fn used a param of unit {unit!r} that it kept from an earlier step or micro-batch (in a "
                 "global, a closure, a cache, or a torch.compile'd function that captured it as a constant); its "
@@ -270,22 +265,16 @@ class UnitEngine:
             pos = self.units.index(unit)
             self._phase.switch("hpf/backward", self.units[pos - 1] if pos > 0 else ROOT)
 
-    # -- saved-tensor hooks (only while some unit's memory can be freed) -------------------------------------
     def saved_tensor_hooks(self):
-        if not self.buffers.freeable or self.buffers.capacity >= len(self.units):
-            return contextlib.nullcontext()
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        """Autograd's saved params as descriptions (``Saved``), only while some unit's memory can be freed."""
+        needed = self.buffers.freeable and self.buffers.capacity < len(self.units)
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack) if needed else contextlib.nullcontext()
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if self.buffers.queued:  # (between reads: the last unit's param tensors may have died by now)
-            self.buffers.start_queued(when_free=True)
         return self.buffers.pack(t)
 
     def _unpack(self, saved: Any) -> Any:
-        if type(saved) is not Saved:
-            return saved
-        self.regather(saved.unit)
-        return self.buffers.unpack(saved)
+        return self.buffers.unpack(saved, self.regather)
 
     def keep_gathered(self) -> None:
         """From now on keep every unit gathered from its read to the end of its backward, with no
@@ -293,12 +282,6 @@ class UnitEngine:
         them (``refuses_hooks``)."""
         self.buffers.capacity = len(self.units)
         self.residency = Residency(self.units, self.residency.pinned, len(self.units))
-
-    @property
-    def anchor(self) -> torch.Tensor:
-        """The micro-batch's anchor: every entry of a unit hangs off it (grad="torch.func"
-        differentiates with respect to it)."""
-        return self._anchor
 
     def _settle(self) -> None:
         """Wait for every gather in flight and free every buffer: the engine holds nothing."""
@@ -313,6 +296,13 @@ class UnitEngine:
         """Seconds compute spent waiting on collectives since the last call."""
         out, self._wait_s = self._wait_s, 0.0
         return out
+
+
+def _refuse_if_broken(broken: BaseException | None) -> None:
+    if broken is not None:
+        raise RuntimeError(f"this step cannot run again: an earlier call failed with {type(broken).__name__} "
+                           f"({broken}), and the ranks may be out of step. End the job and restart it "
+                           "(from a checkpoint)") from broken
 
 
 def refuses_hooks(err: BaseException) -> bool:

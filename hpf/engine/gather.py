@@ -352,6 +352,9 @@ class UnitBuffers:
 
     # -- saved-tensor hooks -----------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
+        """A tensor autograd saves: a unit's param as a ``Saved`` description, anything else as it is."""
+        if self._queue:  # (between reads: the last unit's param tensors may have died by now)
+            self.start_queued(when_free=True)
         try:
             b = self._bucket_of_storage.get(t.untyped_storage()._cdata)
         except (RuntimeError, NotImplementedError):  # (a tensor with no storage of its own: never a param)
@@ -363,8 +366,12 @@ class UnitBuffers:
             return t
         return Saved(unit, b, tuple(t.shape), t.stride(), t.storage_offset())
 
-    def unpack(self, saved: Saved) -> torch.Tensor:
-        """A saved tensor again, over its unit's buffer (gathered: the engine waited for it)."""
+    def unpack(self, saved: Any, regather: Callable[[str], Any]) -> torch.Tensor:
+        """A saved tensor again: a ``Saved`` one over its unit's buffer, once ``regather`` (the
+        engine's: per the residency policy) has gathered the unit again."""
+        if type(saved) is not Saved:
+            return saved
+        regather(saved.unit)
         return self.units[saved.unit].buffer[saved.bucket].as_strided(saved.shape, saved.stride, saved.offset)
 
 
