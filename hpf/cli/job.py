@@ -34,40 +34,51 @@ STEP_METRICS = ("loss", "grad_norm", "skipped", "step_s", "comm_wait_s", "optimi
 EVAL_BATCHES = 4  # held-out batches (of --batch-size sequences) per evaluation, the same ones each time
 
 
-@dataclass(frozen=True)
-class TrainJob:
-    """Everything a rank needs; plain data, so it travels to forked ranks unchanged."""
+FIXED, INHERITED = "fixed", "inherited"
 
-    config: str
-    axes: dict
-    fsdp_axes: tuple | None
-    optimizer: str
-    lr: float
-    steps: int
-    batch_size: int
-    mode: str
-    seed: int
-    mixed_precision: str | None
-    topology: str
-    hsdp: bool
+
+def _option(resume: str, default=dataclasses.MISSING):
+    """A field set from the ``hpf train`` flag of the same name. ``resume`` says what --resume
+    does with it: FIXED (what the run computes) keeps run.json's value and refuses another, but
+    --steps, which may extend the run; INHERITED (how it runs) takes run.json's unless given again."""
+    return dataclasses.field(default=default, metadata={"resume": resume})
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainJob:
+    """Everything a rank needs; plain data, so it travels to forked ranks unchanged. The one
+    declaration of ``hpf train``'s options besides their flags (``train_options``)."""
+
+    config: str = _option(FIXED)
+    axes: dict  # the mesh's axes (--mesh, --world-size: a resumed run inherits the mesh)
+    fsdp_axes: tuple | None = _option(INHERITED)
+    optimizer: str = _option(FIXED)
+    lr: float = _option(FIXED)
+    steps: int = _option(FIXED)
+    batch_size: int = _option(FIXED)
+    mode: str = _option(INHERITED)
+    seed: int = _option(FIXED)
+    mixed_precision: str | None = _option(INHERITED)
+    topology: str = _option(INHERITED)
+    hsdp: bool = _option(INHERITED)
     metrics_path: str
-    warmup: int = 0
-    model: str = "gpt"
-    schedule: str = "constant"
-    data: str | None = None  # a folder `hpf prepare` wrote; None: the synthetic Markov source
+    warmup: int = _option(FIXED, 0)
+    model: str = _option(FIXED, "gpt")
+    schedule: str = _option(FIXED, "constant")
+    data: str | None = _option(FIXED, None)  # a folder `hpf prepare` wrote; None: the synthetic Markov source
     vocab_size: int | None = None  # the data's (meta.json)
-    eval_every: int = 0
-    save_every: int = 0
-    keep_last: int = 3
+    eval_every: int = _option(INHERITED, 0)
+    save_every: int = _option(INHERITED, 0)
+    keep_last: int = _option(INHERITED, 3)
     resume: str | None = None  # a checkpoint folder, resolved by the driver
-    accumulate: int = 1  # micro-batches per step (gradient accumulation)
+    accumulate: int = _option(INHERITED, 1)  # micro-batches per step (gradient accumulation)
     trace_dir: str | None = None  # --trace: Chrome traces of a few steps, one per rank and a merged one
-    ep_axis: str | None = None  # --ep-axis: the mesh axis experts are split over (moe)
+    ep_axis: str | None = _option(INHERITED, None)  # the mesh axis experts are split over (moe)
     tensorboard: str | None = None  # --tensorboard: the event folder rank 0 writes the metrics to
-    recompute: str = "none"  # --recompute: blocks that run their forward again in backward
-    compile: bool = False  # --compile: each block torch.compile'd
-    bucket_bytes: int = 0  # --bucket-bytes: two-tier's cap on one fused collective
-    slow_precision: str | None = None  # --slow-precision: "W,G" of the low-bit slow tier
+    recompute: str = _option(INHERITED, "none")  # blocks that run their forward again in backward
+    compile: bool = _option(INHERITED, False)  # each block torch.compile'd
+    bucket_bytes: int = _option(INHERITED, 0)  # two-tier's cap on one fused collective
+    slow_precision: str | None = _option(INHERITED, None)  # "W,G" of the low-bit slow tier
     stop_at: float | None = None  # --timeout: the wall-clock time (time.time()) after which the run stops cleanly
 
     def model_config(self):
@@ -93,6 +104,12 @@ class TrainJob:
     @property
     def checkpoints(self) -> Path:
         return Path(self.metrics_path).parent / "checkpoints"
+
+
+def train_options(resume: str | None = None) -> tuple[str, ...]:
+    """The ``TrainJob`` fields set from flags of the same name (``resume``: only FIXED or INHERITED ones)."""
+    return tuple(f.name for f in dataclasses.fields(TrainJob)
+                 if f.metadata.get("resume") and resume in (None, f.metadata["resume"]))
 
 
 def defaults(config: str) -> tuple[float, float, int]:

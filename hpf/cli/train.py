@@ -24,7 +24,8 @@ from hpf import data as token_data
 from hpf.api import STEPS
 from hpf.cli import run_folder
 from hpf.cli.common import CliError, job_parsers, mesh_of, mesh_text, positive
-from hpf.cli.job import EVAL_BATCHES, TRAIN_DEFAULTS, TrainJob, defaults, make_step, read_metrics, train_rank
+from hpf.cli.job import (EVAL_BATCHES, TRAIN_DEFAULTS, TrainJob, defaults, make_step, read_metrics, train_options,
+                         train_rank)
 from hpf.cli.plan import plan_of, report_of
 from hpf.cli.search import add_options as add_search_options, apply_plan, check_plan_flags
 from hpf.launcher import Terminated, init_distributed, is_launched, launch, rank, shutdown, world_size
@@ -144,12 +145,9 @@ def cmd_train(args) -> int:
         except ImportError:
             raise CliError("--tensorboard needs the tensorboard package: pip install tensorboard (or pip install "
                            "-e '.[tensorboard]'); metrics.jsonl has the same scalars without it") from None
-    same = ("config", "fsdp_axes", "optimizer", "lr", "warmup", "steps", "batch_size", "mode", "seed",
-            "mixed_precision", "topology", "hsdp", "model", "schedule", "keep_last", "accumulate", "ep_axis",
-            "recompute", "compile", "bucket_bytes", "slow_precision")
-    job = TrainJob(**{k: getattr(args, k) for k in same}, axes=args.mesh, metrics_path=str(out / "metrics.jsonl"),
-                   data=str(args.data) if args.data else None, vocab_size=vocab_size,
-                   eval_every=args.eval_every or 0, save_every=args.save_every or 0, resume=resume,
+    job = TrainJob(**{**{k: getattr(args, k) for k in train_options()}, "data": str(args.data) if args.data else None,
+                      "eval_every": args.eval_every or 0, "save_every": args.save_every or 0},
+                   axes=args.mesh, metrics_path=str(out / "metrics.jsonl"), vocab_size=vocab_size, resume=resume,
                    trace_dir=None if args.trace is None else str(args.trace or out / "trace"),
                    tensorboard=None if args.tensorboard is None else str(args.tensorboard or out / "tensorboard"),
                    stop_at=time.time() + args.timeout if args.timeout else None)
