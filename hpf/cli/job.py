@@ -11,6 +11,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -202,36 +203,17 @@ def train_rank(rank: int, job: TrainJob) -> int | None:
     step = make_step(job, mesh)
     # loop state that rides in each batch and moves by the step's metrics (moe: the expert bias)
     balancer = module.Balancer(config, default_device()) if hasattr(module, "Balancer") else None
-    done = 0
-    if job.resume:  # meta params: shapes only; the checkpoint fills the shards
-        step.init(module.init(config, device="meta"))
-        state, extra = step.restore(job.resume)
-        if not (isinstance(extra, dict) and {"step", "rng"} <= extra.keys()):
-            raise ValueError(f"--resume {job.resume}: this checkpoint was not written by hpf train (its extra is "
-                             f"{type(extra).__name__}, not a dict with 'step' and 'rng'); load its params with "
-                             "hpf.checkpoint.load_params instead")
-        done = int(extra["step"])
-        if done >= job.steps:
-            raise ValueError(f"--resume {job.resume}: this checkpoint is at step {done}, and the run has "
-                             f"{job.steps} steps; nothing is left to train")
-        checkpoint.set_rng_state(extra["rng"])
-        if balancer is not None:
-            balancer.bias = extra["expert_bias"].to(balancer.bias.device)
-    else:
-        state = step.init(module.init(config, torch.Generator().manual_seed(job.seed)))
+    state, done = _first_state(job, step, module, config, balancer)
     if progress:
         progress.first = done  # a resumed run's rate and ETA count only the steps it runs
     tokens = _batches(job, config, "train", rank, mesh.size, start=done)
     batches = tokens if balancer is None else map(balancer.batch, tokens)
-    evaluate = None
-    if job.eval_every:  # the same held-out batches at every evaluation
-        held_out = _batches(job, config, "val", rank, mesh.size, start=0)
-        evaluate = token_data.HeldOut(module.loss_for(config), [next(held_out) for _ in range(EVAL_BATCHES)])
+    evaluate = _held_out(job, module, config, rank, mesh.size) if job.eval_every else None
     tokens_per_step = job.batch_size * config.seq_len
     flops, (peak, peak_source) = step_flops(module, config, job.batch_size), peak_flops()
     lr = Schedule(job.schedule, job.lr, total_steps=job.steps, warmup=job.warmup)
     if progress:
-        progress.note(f"metrics     lr, peak memory (rank 0), tokens/s, " + (
+        progress.note("metrics     lr, peak memory (rank 0), tokens/s, " + (
             f"MFU against {peak / 1e12:.3g} TFLOP/s per rank ({peak_source})" if peak else f"no MFU: {peak_source}"))
     kept = []  # a resumed run keeps the metrics of the steps it does not redo
     if rank == 0 and job.resume and os.path.exists(job.metrics_path):
@@ -244,27 +226,18 @@ def train_rank(rank: int, job: TrainJob) -> int | None:
             for i in range(done + 1, job.steps + 1):
                 state, m = step(state, next(batches))
                 advance()
-                record = {"step": i, **{k: m[k] for k in STEP_METRICS}, "tokens_per_s": tokens_per_step / m["step_s"]}
-                record.update(lr=lr(i), peak_memory_bytes=peak_memory())
-                if peak:
-                    record["mfu"] = flops / m["step_s"] / (peak * mesh.size)
-                if "loss_scale" in m:
-                    record["loss_scale"] = m["loss_scale"]
+                record = {"step": i, **{k: m[k] for k in STEP_METRICS}, "tokens_per_s": tokens_per_step / m["step_s"],
+                          "lr": lr(i), "peak_memory_bytes": peak_memory(),
+                          **({"mfu": flops / m["step_s"] / (peak * mesh.size)} if peak else {}),
+                          **({"loss_scale": m["loss_scale"]} if "loss_scale" in m else {})}
                 skipped += m["skipped"]
                 if evaluate and job.eval_due(i):
                     record["eval_loss"] = evaluate(step, state)
                 if balancer is not None:
                     record["expert_imbalance"] = balancer.update(m)
                 stop = job.stop_due()
-                if job.save_due(i) or stop:  # async: the write overlaps the next steps
-                    extra = {"step": i, "rng": checkpoint.rng_state()}
-                    if balancer is not None:
-                        extra["expert_bias"] = balancer.bias.cpu()
-                    path = job.checkpoints / f"step_{i:06d}"
-                    step.save(state, path, extra=extra, keep_last=job.keep_last, async_save=True,
-                              meta={"model": job.model, "config": dataclasses.asdict(config), "step": i})
-                    if progress:
-                        progress.note(f"checkpoint  step {i} -> {path} (written in the background)")
+                if job.save_due(i) or stop:
+                    _save(job, step, state, i, config, balancer, progress)
                 if out is not None:
                     out.write(record)
                     progress.update(i, _shown(record, m, skipped))
@@ -276,6 +249,45 @@ def train_rank(rank: int, job: TrainJob) -> int | None:
         if progress:
             progress.close()
     return stopped
+
+
+def _held_out(job: TrainJob, module, config, rank: int, world: int) -> token_data.HeldOut:
+    """--eval-every: the held-out loss, on the same batches at every evaluation."""
+    held_out = _batches(job, config, "val", rank, world, start=0)
+    return token_data.HeldOut(module.loss_for(config), [next(held_out) for _ in range(EVAL_BATCHES)])
+
+
+def _first_state(job: TrainJob, step, module, config, balancer) -> tuple[Any, int]:
+    """The train state the run starts from, and the steps already done: fresh from the seed, or
+    (--resume) from a checkpoint of hpf train's, with its RNG state and the loop's own state."""
+    if not job.resume:
+        return step.init(module.init(config, torch.Generator().manual_seed(job.seed))), 0
+    step.init(module.init(config, device="meta"))  # meta params: shapes only; the checkpoint fills the shards
+    state, extra = step.restore(job.resume)
+    if not (isinstance(extra, dict) and {"step", "rng"} <= extra.keys()):
+        raise ValueError(f"--resume {job.resume}: this checkpoint was not written by hpf train (its extra is "
+                         f"{type(extra).__name__}, not a dict with 'step' and 'rng'); load its params with "
+                         "hpf.checkpoint.load_params instead")
+    done = int(extra["step"])
+    if done >= job.steps:
+        raise ValueError(f"--resume {job.resume}: this checkpoint is at step {done}, and the run has "
+                         f"{job.steps} steps; nothing is left to train")
+    checkpoint.set_rng_state(extra["rng"])
+    if balancer is not None:
+        balancer.bias = extra["expert_bias"].to(balancer.bias.device)
+    return state, done
+
+
+def _save(job: TrainJob, step, state, i: int, config, balancer, progress) -> None:
+    """A checkpoint after step ``i``, async: the write overlaps the next steps."""
+    extra = {"step": i, "rng": checkpoint.rng_state()}
+    if balancer is not None:
+        extra["expert_bias"] = balancer.bias.cpu()
+    path = job.checkpoints / f"step_{i:06d}"
+    step.save(state, path, extra=extra, keep_last=job.keep_last, async_save=True,
+              meta={"model": job.model, "config": dataclasses.asdict(config), "step": i})
+    if progress:
+        progress.note(f"checkpoint  step {i} -> {path} (written in the background)")
 
 
 def _shown(record: dict, m: dict, skipped: int) -> dict[str, str]:
