@@ -5,7 +5,6 @@ import os
 import threading
 
 import pytest
-import torch
 
 import hpf
 from hpf import Topology
