@@ -429,29 +429,26 @@ def _collect(procs: list, conns: list, timeout: float | None, workdir: str) -> l
         for r in pending:
             if conns[r] not in ready and procs[r].sentinel not in ready:
                 continue
-            message = None
-            try:
-                if conns[r].poll():
-                    message = pickle.loads(conns[r].recv_bytes())
-            except EOFError:
-                pass
-            except Exception as e:  # noqa: BLE001 -- e.g. a class the parent cannot import
-                raise RankError(f"hpf.launch: could not unpickle the result of rank {r}: {e!r}", rank=r) from e
+            message = _message(conns[r], r)
             if message is None:
                 procs[r].join(_TERMINATE_GRACE_S)  # pipe closed: the process is exiting
                 deaths.append(r)
             elif message[0] == "error":
-                errors.append((message[2], r, message[1], message[3] if len(message) > 3 else (),
-                               message[4] if len(message) > 4 else None))
+                errors.append(_error_of(message, r))
             else:
                 results[r] = message[1]
         if errors and not deaths:  # a peer's error may be the echo of a death not yet seen: look once more
             others = [r for r in pending if results[r] is missing and r not in {e[1] for e in errors}]
             for sentinel in mp.connection.wait([procs[r].sentinel for r in others], timeout=_DEATH_ECHO_S):
                 r = next(r for r in others if procs[r].sentinel == sentinel)
-                if not conns[r].poll():  # gone without a word: the root cause
+                message = _message(conns[r], r)
+                if message is None:  # gone without a word: the root cause
                     procs[r].join(_TERMINATE_GRACE_S)
                     deaths.append(r)
+                elif message[0] == "error":
+                    errors.append(_error_of(message, r))
+                else:
+                    results[r] = message[1]
         if deaths:  # a silent death is a root cause; peers' errors are its consequences
             r = deaths[0]
             raise RankError(f"hpf.launch: rank {r} {_exit_description(procs[r].exitcode)} without "
@@ -467,6 +464,22 @@ def _collect(procs: list, conns: list, timeout: float | None, workdir: str) -> l
     for p in procs:  # ranks are past fn; give them a moment to tear the process group down
         p.join(min(10.0, max(0.0, deadline - time.monotonic())))
     return results
+
+
+def _message(conn, r: int):
+    """Rank ``r``'s message, or None when its pipe closed without one (it died). A closed pipe
+    also polls as readable, so only a read tells the two apart."""
+    try:
+        return pickle.loads(conn.recv_bytes()) if conn.poll() else None
+    except EOFError:
+        return None
+    except Exception as e:  # noqa: BLE001 -- e.g. a class the parent cannot import
+        raise RankError(f"hpf.launch: could not unpickle the result of rank {r}: {e!r}", rank=r) from e
+
+
+def _error_of(message: tuple, r: int) -> tuple:
+    """(time, rank, traceback, ranks it waited for, the pickled exception) of an error message."""
+    return message[2], r, message[1], message[3] if len(message) > 3 else (), message[4] if len(message) > 4 else None
 
 
 def _stacks(procs: list, ranks: list[int], workdir: str, lines: int = 80) -> str:
