@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import io
 import json
 import os
@@ -396,40 +397,19 @@ def save(layout: Layout, state, path, extra: Any = None, *, keep_last: int | Non
         _series(path, keep_last)  # checks keep_last and the name before any collective
     _start("step.save", path)
     _agree(not_data(extra))
-    on = world.is_distributed()
-    group = _group() if on else None
+    group = _group() if world.is_distributed() else None
     if async_save:
         state = optree.tree_map(lambda t: t.detach().to("cpu", copy=True), state)
     sd = _state_dict(layout, state)
     header = {**_header(layout, sd), "meta": json.loads(json.dumps(meta or {}))}  # (JSON now: a bad value fails here)
     sd["extra"] = extra
     tmp = path.with_name(path.name + TMP_SUFFIX)
-    rank = world.rank()
-    if rank == 0:
+    if world.rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a save that died here before
         tmp.mkdir(parents=True)
     schedule.rendezvous("checkpoint", "step.save: the .tmp directory is ready", group)
     box: dict[str, Any] = {"path": path}
-
-    def write():  # no schedule records here: a background thread's would interleave with the step's
-        error: BaseException | None = None
-        try:
-            with _quiet():
-                metadata = dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), planner=_SavePlanner(),
-                                    process_group=group, no_dist=not on)
-            mine = sorted(p.name for p in tmp.glob(f"__{rank}_*.distcp"))
-            (tmp / f"__{rank}{_SUMS}").write_text(json.dumps(sums(tmp, mine, metadata)))
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 -- DCP's is a BaseException (a full disk)
-            error = e
-        if _all_ok(error is None, group) and rank == 0:
-            try:
-                _publish(tmp, path, header, keep_last)
-            except Exception as e:  # noqa: BLE001 -- reported below, on every rank
-                error = e
-        if not _all_ok(error is None, group) or error is not None:
-            box["error"] = save_failed(path, error)
-            if rank == 0:  # free the space a full disk needs back; the last complete checkpoint stays
-                shutil.rmtree(tmp, ignore_errors=True)
+    write = functools.partial(_write, sd, tmp, path, header, keep_last, group, box)
     if not async_save:
         write()
         handle = SaveHandle(None, box)
@@ -442,6 +422,31 @@ def save(layout: Layout, state, path, extra: Any = None, *, keep_last: int | Non
     _PENDING.add(handle)
     thread.start()
     return handle
+
+
+def _write(sd: dict, tmp: Path, path: Path, header: dict, keep_last: int | None, group, box: dict) -> None:
+    """Every rank writes its part of ``sd`` into ``tmp`` (and its checksums); if every rank
+    succeeded, rank 0 publishes ``tmp`` as ``path``. An error, on any rank, goes into ``box`` on
+    every rank. No schedule records here: a background thread's would interleave with the step's."""
+    error: BaseException | None = None
+    rank = world.rank()
+    try:
+        with _quiet():
+            metadata = dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), planner=_SavePlanner(),
+                                process_group=group, no_dist=group is None)
+        mine = sorted(p.name for p in tmp.glob(f"__{rank}_*.distcp"))
+        (tmp / f"__{rank}{_SUMS}").write_text(json.dumps(sums(tmp, mine, metadata)))
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 -- DCP's is a BaseException (a full disk)
+        error = e
+    if _all_ok(error is None, group) and rank == 0:
+        try:
+            _publish(tmp, path, header, keep_last)
+        except Exception as e:  # noqa: BLE001 -- reported below, on every rank
+            error = e
+    if not _all_ok(error is None, group) or error is not None:
+        box["error"] = save_failed(path, error)
+        if rank == 0:  # free the space a full disk needs back; the last complete checkpoint stays
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 _SUMS = ".crc.json"  # each rank's {file: [size, {offset: crc32}]}, merged into the manifest by rank 0

@@ -60,6 +60,12 @@ class Decider:
     replicas: torch.Tensor
     max_grad_norm: float | None
 
+    @classmethod
+    def of(cls, plan, world: int, max_grad_norm: float | None) -> "Decider":
+        """The decider of a step over ``plan`` on ``world`` ranks."""
+        replicas = torch.tensor([float(plan.replicas(b)) for b in plan.buckets], dtype=torch.float64)
+        return cls(world, plan.dp_size, plan.compute_size, replicas, max_grad_norm)
+
     def unclipped_scale(self, n_micro: int, scale: float, count: float | None = None) -> float:
         """``decide``'s grad_scale when the clip does not fire, known before it: the same float
         (coef 1.0 over the same normalizer). ``count``: an hpf.weighted loss's global count."""

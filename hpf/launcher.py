@@ -13,6 +13,7 @@ end (`launch` calls it when `fn` returns).
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import gc
@@ -317,38 +318,30 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float |
     """Run `fn(rank, *args)` on `world_size` forked local processes; return their results by rank.
 
     Each child gets torchrun's environment variables (plus `env`), a default process group
-    (see `init_distributed`; `backend` overrides the choice) and
-    `torch.set_num_threads(cores // world_size)`. Results travel back by pickle.
-    Tensors come back by value with their whole storage: return `.clone()`s of views.
-    The first rank that raises or dies ends all others and raises `RankError` here. A hung
-    rank is found by its peers: a collective that waits ``collective_timeout`` seconds raises.
-    There is no limit on the whole run unless ``timeout`` sets one.
-    With an accelerator, the calling process must not have initialized it (as with any fork).
-    The ranks rendezvous through a file store in a private temporary folder, so concurrent
-    launches never race for a port; ``master_port`` makes them use a TCP store on that port
-    (torch's TCPStore listens on every interface; nothing hpf reads from it runs as code).
-    The ranks' gloo (and nccl bootstrap) sockets bind to the loopback interface only.
-    ``hpf.launch.init_distributed()`` and ``hpf.launch.RankError`` reach this module's names.
+    (`init_distributed`) and `torch.set_num_threads(cores // world_size)`. Results travel back
+    by pickle, tensors with their whole storage (return `.clone()`s of views). The first rank
+    that raises or dies ends all others and raises `RankError` here; a hung rank is found by
+    its peers (a collective that waits ``collective_timeout`` seconds raises). With an
+    accelerator, the calling process must not have initialized it (as with any fork). The ranks
+    meet through a file store in a private folder, so concurrent launches never race for a port
+    (``master_port``: a TCP store, which listens on every interface; nothing hpf reads from it
+    runs as code); their gloo (and nccl bootstrap) sockets bind to the loopback interface only.
 
-    Under torchrun (its environment set), no process is forked: this process runs
-    ``fn(rank, *args)`` as the rank torchrun made it, and the results of every rank come back
-    on each (``timeout`` does not apply; torchrun owns the processes).
+    Under torchrun (its environment set) nothing is forked: this process runs ``fn(rank, *args)``
+    as torchrun's rank, and every rank's results come back on each (``timeout`` does not apply).
 
     Args:
-        fn: called as ``fn(rank, *args)`` in each child; its result must pickle.
+        fn, args: each child calls ``fn(rank, *args)``; its result must pickle.
         world_size: the number of ranks (processes) to fork.
-        args: passed to every rank after its rank.
         timeout: seconds until every rank is ended and ``RankError`` raised (default: no limit).
         backend: the process-group backend (default: nccl/hccl with an accelerator, else gloo).
         master_port: use a TCP store on this port instead of a file store.
         env: extra environment variables for the children.
-        collective_timeout: seconds a collective may wait for its peers (the process group's
-            timeout), capped at ``timeout``.
+        collective_timeout: seconds a collective may wait for its peers, capped at ``timeout``.
 
     Raises:
         ValueError: ``world_size`` is not a positive int.
-        RuntimeError: this process already has a process group (outside torchrun); under
-            torchrun, a ``world_size`` other than the number of ranks torchrun started.
+        RuntimeError: a process group exists already (outside torchrun); another ``world_size`` than torchrun's.
         RankError: a rank raised or died (its traceback is in the message), or the timeout passed.
     """
     if not isinstance(world_size, int) or world_size < 1:
@@ -358,48 +351,66 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float |
     if dist.is_initialized():
         raise RuntimeError("launch: this process already has a process group; forked ranks would "
                            "inherit it. Call hpf.launch from a driver process without one.")
-    loopback = {} if env and "GLOO_SOCKET_IFNAME" in env else _loopback_env()
     ctx = mp.get_context("fork")
     _release_openmp_threads()
     port = str(master_port or _free_port())
-    # The ranks meet in a file store in a private folder: no port to race other launches for.
     workdir = tempfile.mkdtemp(prefix="hpf-launch-")  # (private: the file store, the ranks' stacks)
-    private = {} if master_port else {"HPF_RENDEZVOUS_FILE": os.path.join(workdir, "store")}
-    if timeout is not None:
-        private["HPF_STACKS_DIR"] = workdir
+    shared_env = {**({} if env and "GLOO_SOCKET_IFNAME" in env else _loopback_env()),
+                  **_meeting_env(workdir, master_port, timeout), **(env or {})}
     procs, conns = [], []
-    # SIGTERM (what schedulers send) unwinds through the finally below, which stops the ranks and
-    # removes the rendezvous folder and shared memory; a handler the program set stays in charge.
-    sigterm = threading.current_thread() is threading.main_thread() and \
-        signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
-    if sigterm:
+    try:
+        with _sigterm_unwinds():  # (through the finally below: the ranks stop, the folder and shared memory go)
+            for r in range(world_size):
+                child_env = {**_torchrun_env(r, world_size, port), **shared_env}
+                recv, send = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=_child, name=f"hpf-rank{r}", args=(
+                    fn, r, world_size, args, child_env, min(collective_timeout, timeout or math.inf), backend, send))
+                p.start()
+                send.close()
+                procs.append(p)
+                conns.append(recv)
+            return _collect(procs, conns, timeout, workdir)
+    finally:
+        _clean_up(procs, conns, workdir)
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds():
+    """SIGTERM (what schedulers send) raises inside this block, so cleanup runs; a handler the
+    program set stays in charge."""
+    ours = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    if ours:
         signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        for r in range(world_size):
-            child_env = {
-                "RANK": str(r), "LOCAL_RANK": str(r), "GROUP_RANK": "0", "ROLE_RANK": str(r),
-                "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
-                "ROLE_WORLD_SIZE": str(world_size), "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default",
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-                "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-                "TORCHELASTIC_RUN_ID": f"hpf-{os.getpid()}-{port}", **loopback, **private, **(env or {})}
-            recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_child, name=f"hpf-rank{r}",
-                            args=(fn, r, world_size, args, child_env, min(collective_timeout, timeout or math.inf),
-                                  backend, send))
-            p.start()
-            send.close()
-            procs.append(p)
-            conns.append(recv)
-        return _collect(procs, conns, timeout, workdir)
+        yield
     finally:
-        if sigterm:
+        if ours:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        _stop(procs)
-        for c in conns:
-            c.close()
-        _remove_shm_leftovers([p.pid for p in procs if p.pid is not None])
-        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _clean_up(procs: list, conns: list, workdir: str) -> None:
+    """Stop the ranks still running; remove their pipes, shared memory and rendezvous folder."""
+    _stop(procs)
+    for c in conns:
+        c.close()
+    _remove_shm_leftovers([p.pid for p in procs if p.pid is not None])
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _meeting_env(workdir: str, master_port: int | None, timeout: float | None) -> dict[str, str]:
+    """Where the ranks meet (a file store in the private ``workdir``: no port to race other
+    launches for, unless ``master_port``) and leave their stacks on a timeout."""
+    return {**({} if master_port else {"HPF_RENDEZVOUS_FILE": os.path.join(workdir, "store")}),
+            **({} if timeout is None else {"HPF_STACKS_DIR": workdir})}
+
+
+def _torchrun_env(rank: int, world_size: int, port: str) -> dict[str, str]:
+    """The environment torchrun gives rank ``rank`` of one local node."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+            "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "ROLE_WORLD_SIZE": str(world_size),
+            "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_RUN_ID": f"hpf-{os.getpid()}-{port}"}
 
 
 def _collect(procs: list, conns: list, timeout: float | None, workdir: str) -> list[Any]:
@@ -418,29 +429,26 @@ def _collect(procs: list, conns: list, timeout: float | None, workdir: str) -> l
         for r in pending:
             if conns[r] not in ready and procs[r].sentinel not in ready:
                 continue
-            message = None
-            try:
-                if conns[r].poll():
-                    message = pickle.loads(conns[r].recv_bytes())
-            except EOFError:
-                pass
-            except Exception as e:  # noqa: BLE001 -- e.g. a class the parent cannot import
-                raise RankError(f"hpf.launch: could not unpickle the result of rank {r}: {e!r}", rank=r) from e
+            message = _message(conns[r], r)
             if message is None:
                 procs[r].join(_TERMINATE_GRACE_S)  # pipe closed: the process is exiting
                 deaths.append(r)
             elif message[0] == "error":
-                errors.append((message[2], r, message[1], message[3] if len(message) > 3 else (),
-                               message[4] if len(message) > 4 else None))
+                errors.append(_error_of(message, r))
             else:
                 results[r] = message[1]
         if errors and not deaths:  # a peer's error may be the echo of a death not yet seen: look once more
             others = [r for r in pending if results[r] is missing and r not in {e[1] for e in errors}]
             for sentinel in mp.connection.wait([procs[r].sentinel for r in others], timeout=_DEATH_ECHO_S):
                 r = next(r for r in others if procs[r].sentinel == sentinel)
-                if not conns[r].poll():  # gone without a word: the root cause
+                message = _message(conns[r], r)
+                if message is None:  # gone without a word: the root cause
                     procs[r].join(_TERMINATE_GRACE_S)
                     deaths.append(r)
+                elif message[0] == "error":
+                    errors.append(_error_of(message, r))
+                else:
+                    results[r] = message[1]
         if deaths:  # a silent death is a root cause; peers' errors are its consequences
             r = deaths[0]
             raise RankError(f"hpf.launch: rank {r} {_exit_description(procs[r].exitcode)} without "
@@ -456,6 +464,22 @@ def _collect(procs: list, conns: list, timeout: float | None, workdir: str) -> l
     for p in procs:  # ranks are past fn; give them a moment to tear the process group down
         p.join(min(10.0, max(0.0, deadline - time.monotonic())))
     return results
+
+
+def _message(conn, r: int):
+    """Rank ``r``'s message, or None when its pipe closed without one (it died). A closed pipe
+    also polls as readable, so only a read tells the two apart."""
+    try:
+        return pickle.loads(conn.recv_bytes()) if conn.poll() else None
+    except EOFError:
+        return None
+    except Exception as e:  # noqa: BLE001 -- e.g. a class the parent cannot import
+        raise RankError(f"hpf.launch: could not unpickle the result of rank {r}: {e!r}", rank=r) from e
+
+
+def _error_of(message: tuple, r: int) -> tuple:
+    """(time, rank, traceback, ranks it waited for, the pickled exception) of an error message."""
+    return message[2], r, message[1], message[3] if len(message) > 3 else (), message[4] if len(message) > 4 else None
 
 
 def _stacks(procs: list, ranks: list[int], workdir: str, lines: int = 80) -> str:

@@ -70,8 +70,8 @@ class StateIO:
         self.wait_save()
         state, extra = checkpoint.restore(self.layout(), path, self.fresh_state() if state is None else state,
                                           strict=strict)
-        self._unloaded, self._live = False, state.params
-        return state, extra
+        self._donation.unloaded = False
+        return self._donation.donate(state), extra
 
     def full_params(self, state: TrainState, rank: int | None = None) -> Any:
         """The gathered full params, as a plain pytree of fresh tensors.

@@ -63,8 +63,7 @@ class ShardStep(StateIO):
         self.mesh, self.optimizer, self.mp = config.mesh, config.optimizer, config.mixed_precision
         self.plan: Plan | None = None
         self.engine: UnitEngine | None = None
-        self._live: list | None = None  # the params list of the state this step last returned
-        self._unloaded = False  # init had meta params and no restore has filled them yet
+        self._donation = Donation()
         self._pending_save = None  # an async save in flight (hpf.checkpoint.SaveHandle)
         self._terms = 1.0  # fp16: a weighted loss's terms per micro-batch, last seen (losses.terms_divisor)
         self._timed = dict.fromkeys(("steps",) + _TIMED, 0)  # the steps' count and summed timings (for stats())
@@ -73,7 +72,6 @@ class ShardStep(StateIO):
         self._early_args = None  # what starting it needs, until it starts (_start_early)
         self._attempts = 0  # calls of _compute, the same on every rank (EarlyUpdate's attempt)
 
-    # -- set-up, once ---------------------------------------------------------------------------
     def init(self, full_params: Any) -> TrainState:
         """Full params (the same on every rank) -> this rank's sharded train state.
 
@@ -81,50 +79,26 @@ class ShardStep(StateIO):
         (``hpf.launch.init_distributed()``). ``nn.Parameter`` leaves are detached."""
         self._check_open("step.init(params)")
         cfg = self.config
-        if not world.is_distributed() and self.mesh.size > 1:
-            if not is_launched():
-                raise MeshError(f"{self.mesh} has {self.mesh.size} ranks but no process group is running; start "
-                                "the job with hpf.launch(fn, world_size), or call hpf.launch.init_distributed() "
-                                "first under torchrun")
-            init_distributed()
-        self.mesh.check_world()
+        _join_world(self.mesh)
         frozen = checks.frozen_paths(full_params, cfg.frozen)
         full_params = checks.clean_params(full_params, allow_meta=True)
-        self._unloaded = any(x.is_meta for x in tree_util.flatten(full_params)[1])
-        self.rank = world.rank()
-        self.device = default_device()
+        self._donation.unloaded = any(x.is_meta for x in tree_util.flatten(full_params)[1])
+        self.rank, self.device = world.rank(), default_device()
         self.plan = step_plan(full_params, self.mesh, cfg.param_specs, cfg.fsdp_axes, topology=cfg.topology,
                               hsdp=cfg.hsdp, frozen=frozen)
         checks.check_same_on_all_ranks(self.plan, full_params, self.device)
-        mp = self.mp
         shards = [torch.zeros(s.shape, dtype=s.dtype, device=self.device) if s.is_meta else s.to(self.device)
-                  for s in self.plan.shards(full_params, self.rank, mp.master_dtype if mp else None)]
-        self.grad_shards = [torch.zeros_like(s[:0] if b.frozen else s, dtype=mp.reduce_dtype if mp else s.dtype)
-                            for b, s in zip(self.plan.buckets, shards)]  # (frozen buckets: none)
-        cdts = [mp.compute_dtype if mp else b.dtype for b in self.plan.buckets]
-        rdts = [g.dtype for g in self.grad_shards]
-        comm = (BucketComm(self.plan, self.device, cdts, rdts) if cfg.topology is None
-                else TieredComm(self.plan, cfg.topology, self.device, cdts, rdts))
-        # Buckets replicated over non-FSDP axes hold partial grads there (see hpf.comm.collectives).
-        partial = [(b.index, tuple(a for a in self.plan.compute_axes if a not in b.split_axes)) for b in self.plan.buckets]
-        self.engine = UnitEngine(self.plan, comm, mp.compute_dtype if mp else None, self.device,
-                                 pipeline=cfg.topology is None or cfg.topology.pipeline, capacity=cfg.resident_units,
-                                 compute_sums=[(b, self.mesh.group(axes)) for b, axes in partial
-                                               if self.mesh.axis_size(axes) > 1],
-                                 on_extra_gather=self.on_extra_gather, rematerialize=cfg.grad == "torch.func")
+                  for s in self.plan.shards(full_params, self.rank, self.mp.master_dtype if self.mp else None)]
+        self.grad_shards, self.engine = _engine(cfg, self.plan, shards, self.device, self.on_extra_gather)
         # Axes a param computes sharded over (experts on a borrowed data axis) allow collectives.
         self._spmd = SPMD(self.mesh, self.rank, tuple(a for a in self.plan.fsdp_axes if a not in self.plan.split_axes))
-        self.decider = Decider(self.mesh.size, self.plan.dp_size, self.plan.compute_size,
-                               torch.tensor([float(self.plan.replicas(b)) for b in self.plan.buckets],
-                                            dtype=torch.float64), cfg.max_grad_norm)
+        self.decider = Decider.of(self.plan, self.mesh.size, cfg.max_grad_norm)
         opt = self.optimizer
         self.plan_optimizer = opt.for_plan(self.plan, self.rank) if isinstance(opt, ForPlan) else opt
         state = TrainState(shards, self.plan_optimizer.init(shards), cfg.loss_scale.init() if cfg.loss_scale else None,
                            self.fresh_feedback())
-        self._live = state.params
-        return state
+        return self._donation.donate(state)
 
-    # -- the step --------------------------------------------------------------------------------
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         """One step on this rank's local batch. The state's buffers are updated in place
         (donated): keep using the returned state; passing this one again raises DonatedStateError.
@@ -150,29 +124,19 @@ class ShardStep(StateIO):
                     raise
             elif state.loss_scale is not None:
                 self.config.loss_scale.update(state.loss_scale, finite=False)
-            elif self.config.on_nonfinite == "raise" and decision.count == 0:
-                raise NonFiniteError("hpf.weighted(sum, count): the global count is 0 (every rank's batch is all "
-                                     "padding), so there is no loss to average; nothing was updated, on any rank. "
-                                     "Leave such batches out, or pass on_nonfinite='skip' to skip them")
             elif self.config.on_nonfinite == "raise":
-                raise NonFiniteError(f"the loss ({decision.loss}) or the global grad norm ({decision.grad_norm}) is "
-                                     "non-finite; nothing was updated, on any rank. Run the step with "
-                                     "mode='validate' to name the op or parameter, lower the learning rate, or pass "
-                                     "on_nonfinite='skip'")
+                raise _nonfinite_error(decision)
         t1 = time.perf_counter()
         metrics = {"loss": decision.loss, "grad_norm": decision.grad_norm, "step_s": t1 - t0,
                    "optimizer_s": t1 - t_opt, "comm_wait_s": self.engine.take_wait_s(),
                    "compile_s": compile_seconds() - compiled_s,
                    "skipped": not decision.finite}
-        timed = self._timed
-        timed["steps"] += 1
-        for k in _TIMED:
-            timed[k] += metrics[k]
+        self._timed = _add_timings(self._timed, metrics)
         if decision.aux is not None:
             metrics["aux"] = decision.aux
         if state.loss_scale is not None:
             metrics["loss_scale"] = float(state.loss_scale.scale)
-        return self._donate(state), metrics
+        return self._donation.donate(state), metrics
 
     def grads(self, state: TrainState, batch: Any) -> list[torch.Tensor]:
         """The grads of the step's loss on this batch as flat shards (one per bucket, normalized
@@ -206,11 +170,7 @@ class ShardStep(StateIO):
             decision = self.decider.decide(outs, self.grad_shards, batch, scale, clip)
             eng.add_wait(decision.waited_s)
             if decision.grad_norm == 0.0 and eng.reducer.added == added and eng.reducer.units:
-                raise UnusedParamsError(
-                    "the loss reached none of the params it was given: no grad flowed to any of them, so nothing "
-                    "would train. loss_fn must compute with its `params` argument; an nn.Module called inside it "
-                    "uses its own weights, which hpf neither shards nor trains: build the loss with "
-                    "`params, loss_fn = hpf.from_module(model, loss)` (or torch.func.functional_call)")
+                raise UnusedParamsError(_UNUSED)
             if decision.finite:
                 self._retune(state, decision)
             return decision
@@ -277,10 +237,9 @@ class ShardStep(StateIO):
     def _retune(self, state: TrainState, decision: Decision) -> bool:
         """Whether fp16's per-term divisor changed with this step's count of terms (then a
         step that overflowed ran with a stale one: on the first step, or after a resume)."""
-        if state.loss_scale is None or decision.count is None:
-            return False
-        per_micro_batch = decision.count / (self.mesh.size * self.config.accumulate)
-        old, self._terms = self._terms, losses.terms_divisor(per_micro_batch)
+        old = self._terms
+        if state.loss_scale is not None and decision.count is not None:
+            self._terms = losses.terms_divisor(decision.count / (self.mesh.size * self.config.accumulate))
         return self._terms != old
 
     def forward_backward(self, state: TrainState, batch: Any, hold: bool = False, scale: float = 1.0) -> losses.LossOut:
@@ -309,7 +268,7 @@ class ShardStep(StateIO):
         seed = scale / self.plan.compute_size
         with spmd(self._spmd), eng.micro_batch(self.grad_shards, hold):
             if cfg.grad == "torch.func":
-                return self._func_grads(batch, seed)
+                return _func_grads(eng, self.call_loss, batch, seed)
             with eng.saved_tensor_hooks():
                 out = losses.parse(self.call_loss(eng.params_tree(), batch))
                 self._loss_known(out, hold)
@@ -317,37 +276,10 @@ class ShardStep(StateIO):
                 out.value.backward(None if seed == 1.0 else torch.full_like(out.value, seed))
         return out
 
-    def _func_grads(self, batch: Any, seed: float) -> losses.LossOut:
-        """grad="torch.func": ``grad_and_value`` of loss_fn with respect to the micro-batch's anchor,
-        which every unit entry hangs off: each entry's backward hands its unit's grads to the
-        reducer, as under autograd. Blocks run through ``UnitList.apply`` (hpf.models'
-        ``each_block``) are rematerialized, so a unit is gathered per block, as FSDP does."""
-        parsed = []
-        eng = self.engine
-
-        def seeded(anchor):  # (torch.func returns only tensors as aux: the rest stays in ``parsed``)
-            out = losses.parse(self.call_loss(eng.params_tree(anchor), batch))
-            parsed.append(out)
-            eng.start_backward()
-            aux = tuple(out.aux.values()) if out.aux else ()
-            return (out.value if seed == 1.0 else out.value * seed), (out.value, *aux)
-        _, (_, (value, *aux)) = torch.func.grad_and_value(seeded, has_aux=True)(eng.anchor.detach())  # (no tape of its own)
-        out = parsed[-1]
-        return losses.LossOut(value, out.count, dict(zip(out.aux, aux)) if out.aux else None)
-
     def check_state(self, state: TrainState) -> None:
         """A hook, first thing in a step: the state fits this step's plan (validation mode says
         more: which bucket, which params)."""
-        shards = getattr(state, "params", None)
-        if not isinstance(shards, (list, tuple)) or len(shards) != len(self.plan.buckets):
-            raise ValueError(f"step(state, batch): the state does not match this step's plan ({len(self.plan.buckets)} "
-                             "flat shards); pass the state returned by this step's init, or by its previous call")
-        for b, shard in zip(self.plan.buckets, shards):  # before any collective: a foreign state's sizes
-            if not isinstance(shard, torch.Tensor) or tuple(shard.shape) != (b.shard_numel,):
-                said = tuple(shard.shape) if isinstance(shard, torch.Tensor) else type(shard).__name__
-                raise ValueError(f"step(state, batch): state shard {b.index} (unit {b.unit!r}, first param "
-                                 f"{b.slots[0].path!r}) is {said}, but this step's plan has ({b.shard_numel},) there: "
-                                 "the state belongs to another step or plan; pass the state this step's init returned")
+        _check_shards(self.plan, state)
 
     def call_loss(self, params: Any, batch: Any) -> Any:
         """The one call of ``loss_fn`` inside :meth:`forward_backward`.
@@ -396,11 +328,7 @@ class ShardStep(StateIO):
         (subtract an earlier snapshot for what happened in between). Local: no collective."""
         if self._closed is not None:
             return self._closed
-        if self.engine is None:
-            return StepStats(**self._timed)
-        mem = self.engine.stats
-        return StepStats(**self._timed, bytes=Counter(self.engine.comm.bytes), gathers=mem.gathers,
-                         extra_gathers=mem.extra_gathers, peak_blocks=mem.peak_blocks, peak_bytes=mem.peak_bytes)
+        return _stats(self._timed, self.engine)
 
     def close(self) -> None:
         """Release what the step holds: its comm's worker threads, process groups and shared
@@ -414,15 +342,11 @@ class ShardStep(StateIO):
         try:
             self.wait_save()
         finally:
-            engine, self.engine, self._live = self.engine, None, None
+            engine, self.engine, self._donation = self.engine, None, Donation()
             if engine is not None:
-                try:
-                    if engine.broken is None:  # (a broken one's collectives may never land)
-                        engine.abort()  # waits for the next step's first gathers, frees every buffer
-                finally:
-                    engine.comm.close()
-                    del engine
-                    gc.collect()  # the engine's callbacks make cycles: free its shared memory now, not at some later gc
+                _release(engine)
+                del engine
+                gc.collect()  # the engine's callbacks make cycles: free its shared memory now, not at some later gc
 
     def __enter__(self) -> "ShardStep":
         self._check_open("with step")
@@ -436,26 +360,135 @@ class ShardStep(StateIO):
             raise RuntimeError(f"{op}: this step was closed (step.close(), or the end of its `with` block), which "
                                "released its threads, process groups and memory; make a new one with hpf.shard_step")
 
-    # -- donation ----------------------------------------------------------------------------------------------
-    def _donate(self, state: TrainState) -> TrainState:
+    def _check_live(self, state: Any, op: str) -> None:
+        self._check_open(op)
+        self._donation.check(state, op)
+
+
+class Donation:
+    """Donation, as in JAX: a step updates its state's buffers in place, so the state passed in
+    is spent; using it again raises instead of training on updated values."""
+
+    def __init__(self):
+        self.params: list | None = None  # the params list of the state the step last returned
+        self.unloaded = False  # init had meta params and no restore has filled them yet
+
+    def donate(self, state: TrainState) -> TrainState:
         """Make ``state`` the live one: a fresh params list over the same buffers, so the state
         passed in (same buffers, old list) is recognizably donated."""
         state = state._replace(params=list(state.params))
-        self._live = state.params
+        self.params = state.params
         return state
 
-    def _check_live(self, state: Any, op: str) -> None:
-        self._check_open(op)
-        if self._unloaded:
+    def check(self, state: Any, op: str) -> None:
+        if self.unloaded:
             raise RuntimeError(f"{op}: step.init was given meta params (shapes only), so the state holds no values "
                                "yet; call state, extra = step.restore(path) first")
-        live, params = self._live, getattr(state, "params", None)
+        live, params = self.params, getattr(state, "params", None)
         if live is None or params is live or not isinstance(params, (list, tuple)):
             return
         if any(a is b for a, b in zip(params, live)):
             raise DonatedStateError(
                 f"{op}: this state was already passed to step, which updated its buffers in place (donated, as "
                 "in JAX). Use the state the step returned: state, metrics = step(state, batch)")
+
+
+def _join_world(mesh: Mesh) -> None:
+    """Start the process group under torchrun if none runs yet; check the mesh fits the world."""
+    if not world.is_distributed() and mesh.size > 1:
+        if not is_launched():
+            raise MeshError(f"{mesh} has {mesh.size} ranks but no process group is running; start the job with "
+                            "hpf.launch(fn, world_size), or call hpf.launch.init_distributed() first under torchrun")
+        init_distributed()
+    mesh.check_world()
+
+
+def _stats(timed: dict, engine: UnitEngine | None) -> StepStats:
+    if engine is None:
+        return StepStats(**timed)
+    mem = engine.stats
+    return StepStats(**timed, bytes=Counter(engine.comm.bytes), gathers=mem.gathers, extra_gathers=mem.extra_gathers,
+                     peak_blocks=mem.peak_blocks, peak_bytes=mem.peak_bytes)
+
+
+def _add_timings(timed: dict, metrics: dict) -> dict:
+    return {"steps": timed["steps"] + 1, **{k: timed[k] + metrics[k] for k in _TIMED}}
+
+
+def _release(engine: UnitEngine) -> None:
+    """Free what ``engine`` holds (after waiting for the next step's first gathers), then close its comm."""
+    try:
+        if engine.broken is None:  # (a broken one's collectives may never land)
+            engine.abort()
+    finally:
+        engine.comm.close()
+
+
+def _nonfinite_error(d: Decision) -> NonFiniteError:
+    if d.count == 0:
+        return NonFiniteError("hpf.weighted(sum, count): the global count is 0 (every rank's batch is all padding), "
+                              "so there is no loss to average; nothing was updated, on any rank. Leave such batches "
+                              "out, or pass on_nonfinite='skip' to skip them")
+    return NonFiniteError(f"the loss ({d.loss}) or the global grad norm ({d.grad_norm}) is non-finite; nothing was "
+                          "updated, on any rank. Run the step with mode='validate' to name the op or parameter, "
+                          "lower the learning rate, or pass on_nonfinite='skip'")
+
+
+_UNUSED = ("the loss reached none of the params it was given: no grad flowed to any of them, so nothing would "
+           "train. loss_fn must compute with its `params` argument; an nn.Module called inside it uses its own "
+           "weights, which hpf neither shards nor trains: build the loss with "
+           "`params, loss_fn = hpf.from_module(model, loss)` (or torch.func.functional_call)")
+
+
+def _check_shards(plan: Plan, state: Any) -> None:
+    shards = getattr(state, "params", None)
+    if not isinstance(shards, (list, tuple)) or len(shards) != len(plan.buckets):
+        raise ValueError(f"step(state, batch): the state does not match this step's plan ({len(plan.buckets)} "
+                         "flat shards); pass the state returned by this step's init, or by its previous call")
+    for b, shard in zip(plan.buckets, shards):  # before any collective: a foreign state's sizes
+        if not isinstance(shard, torch.Tensor) or tuple(shard.shape) != (b.shard_numel,):
+            said = tuple(shard.shape) if isinstance(shard, torch.Tensor) else type(shard).__name__
+            raise ValueError(f"step(state, batch): state shard {b.index} (unit {b.unit!r}, first param "
+                             f"{b.slots[0].path!r}) is {said}, but this step's plan has ({b.shard_numel},) there: "
+                             "the state belongs to another step or plan; pass the state this step's init returned")
+
+
+def _func_grads(engine: UnitEngine, call_loss: Callable, batch: Any, seed: float) -> losses.LossOut:
+    """grad="torch.func": ``grad_and_value`` of loss_fn with respect to the micro-batch's anchor,
+    which every unit entry hangs off: each entry's backward hands its unit's grads to the
+    reducer, as under autograd. Blocks run through ``UnitList.apply`` (hpf.models'
+    ``each_block``) are rematerialized, so a unit is gathered per block, as FSDP does."""
+    parsed = []
+
+    def seeded(anchor):  # (torch.func returns only tensors as aux: the rest stays in ``parsed``)
+        out = losses.parse(call_loss(engine.params_tree(anchor), batch))
+        parsed.append(out)
+        engine.start_backward()
+        aux = tuple(out.aux.values()) if out.aux else ()
+        return (out.value if seed == 1.0 else out.value * seed), (out.value, *aux)
+    _, (_, (value, *aux)) = torch.func.grad_and_value(seeded, has_aux=True)(engine.anchor.detach())  # (no tape of its own)
+    out = parsed[-1]
+    return losses.LossOut(value, out.count, dict(zip(out.aux, aux)) if out.aux else None)
+
+
+def _engine(cfg: StepConfig, plan: Plan, shards: list[torch.Tensor], device: torch.device,
+            on_extra_gather) -> tuple[list[torch.Tensor], UnitEngine]:
+    """The step's grad shards, and its engine over a comm for ``cfg``'s topology and precision."""
+    mp = cfg.mixed_precision
+    grad_shards = [torch.zeros_like(s[:0] if b.frozen else s, dtype=mp.reduce_dtype if mp else s.dtype)
+                   for b, s in zip(plan.buckets, shards)]  # (frozen buckets: none)
+    cdts = [mp.compute_dtype if mp else b.dtype for b in plan.buckets]
+    rdts = [g.dtype for g in grad_shards]
+    comm = (BucketComm(plan, device, cdts, rdts) if cfg.topology is None
+            else TieredComm(plan, cfg.topology, device, cdts, rdts))
+    # Buckets replicated over non-FSDP axes hold partial grads there (see hpf.comm.collectives).
+    partial = [(b.index, tuple(a for a in plan.compute_axes if a not in b.split_axes)) for b in plan.buckets]
+    return grad_shards, UnitEngine(
+        plan, comm, mp.compute_dtype if mp else None, device, pipeline=cfg.topology is None or cfg.topology.pipeline,
+        capacity=cfg.resident_units, compute_sums=[(b, cfg.mesh.group(axes)) for b, axes in partial
+                                                   if cfg.mesh.axis_size(axes) > 1],
+        on_extra_gather=on_extra_gather, rematerialize=cfg.grad == "torch.func")
+
 
 def step_plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes=None, *,
               topology: Topology | None = None, hsdp: bool = False, frozen=()) -> Plan:

@@ -7,6 +7,7 @@ import threading
 
 import pytest
 import torch
+from cli_helpers import Zygote
 
 
 @pytest.fixture(autouse=True)
@@ -38,7 +39,7 @@ def no_threads_left_behind():
 
 
 # -- the fast tier starts no process -------------------------------------------------------------------
-_STARTS = [(multiprocessing.process.BaseProcess, "start"), (subprocess.Popen, "__init__")]
+_STARTS = [(multiprocessing.process.BaseProcess, "start"), (subprocess.Popen, "__init__"), (Zygote, "command")]
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -16,6 +16,7 @@ import hpf
 from hpf import cli
 from hpf.models import gpt, llama
 from hpf.progress import Progress
+from cli_helpers import hpf_cmd
 from references import functional_training
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,10 +38,8 @@ def run_main(argv, capsys):
 def test_train_writes_metrics_plots_and_the_loss_falls(tmp_path):
     steps, batch, seed = 25, 16, 3
     out = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "hpf", "train", "--world-size", "2", "--steps", str(steps), "--batch-size",
-         str(batch), "--seed", str(seed), "--out", str(out), "--plot"],
-        capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    proc = hpf_cmd("train", "--world-size", 2, "--steps", steps, "--batch-size", batch, "--seed", seed, "--out", out,
+                   "--plot", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, steps + 1))
@@ -268,9 +267,7 @@ def test_progress_redraws_one_line_on_a_terminal():
 @pytest.mark.slow
 def test_train_trace_writes_one_trace_per_rank_and_a_merged_one_with_hpf_ranges(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "hpf", "train", "--world-size", "2", "--steps", "4",
-                           "--batch-size", "4", "--out", str(out), "--trace"],
-                          capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    proc = hpf_cmd("train", "--world-size", 2, "--steps", 4, "--batch-size", 4, "--out", out, "--trace", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     folder = out / "trace"
     assert str(folder / "trace.json") in proc.stdout

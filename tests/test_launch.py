@@ -104,6 +104,25 @@ def _die_on_rank_1(rank, how):
     return rank
 
 
+def _die_just_after_a_peer_reports(rank):
+    if rank == 1:
+        time.sleep(0.3)  # (after rank 2's error has reached the launcher)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 2:
+        raise RuntimeError("Connection reset by peer")  # what gloo says when its peer dies
+    time.sleep(30)
+
+
+@pytest.mark.slow
+def test_a_death_seen_just_after_a_peers_error_is_named_as_its_cause():
+    """A peer's connection error can reach the launcher before the death that caused it (seen in a
+    loaded CI run): the death, within _DEATH_ECHO_S, is the root cause. Its closed pipe polls as
+    readable, which the launcher once took for a message."""
+    with pytest.raises(RankError, match="rank 1 was killed by SIGKILL") as info:
+        launch(_die_just_after_a_peer_reports, 3, timeout=60)
+    assert info.value.rank == 1
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how, says", [("exit", "exited with code 7"), ("kill", "was killed by SIGKILL")])
 def test_a_rank_dying_silently_ends_the_others(how, says):

@@ -14,8 +14,6 @@ two runs' scores can differ (their losses differ by 1e-7 relative).
 """
 import math
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,6 +23,7 @@ import hpf
 from hpf.comm import collectives
 from hpf.launcher import launch
 from hpf.models import moe
+from cli_helpers import hpf_cmd
 from references import functional_training
 
 C = moe.CONFIGS["tiny"]
@@ -394,10 +393,9 @@ def test_cli_train_moe_dp2_ep2_matches_one_process(tmp_path):
 
     runs = {}
     for name, mesh in (("ep", ["--mesh", "dp=2,ep=2", "--ep-axis", "ep"]), ("one", ["--mesh", "dp=1"])):
-        # a fresh process each: forking ranks from a pytest process that already ran torch ops can hang
-        proc = subprocess.run([sys.executable, "-m", "hpf", "train", "--model", "moe", *mesh, "--steps", "6",
-                               "--batch-size", "8", "--topology", "flat", "--timeout", "120",
-                               "--out", str(tmp_path / name)], capture_output=True, text=True, timeout=240)
+        # a process each: forking ranks from a pytest process that already ran torch ops can hang
+        proc = hpf_cmd("train", "--model", "moe", *mesh, "--steps", 6, "--batch-size", 8, "--topology", "flat",
+                       "--timeout", 120, "--out", tmp_path / name)
         assert proc.returncode == 0, proc.stderr
         runs[name] = read_metrics(tmp_path / name / "metrics.jsonl")
     assert "experts max/mean" in proc.stdout  # the progress line shows the load imbalance
@@ -475,8 +473,7 @@ def test_bad_batch_axes_name_the_leaf(axes, says):
 
 @pytest.mark.slow
 def test_cli_trains_moe_with_accumulation(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "hpf", "train", "--model", "moe", "--accumulate", "2", "--steps", "2",
-                           "--world-size", "2", "--batch-size", "8", "--out", str(tmp_path / "run")],
-                          capture_output=True, text=True, timeout=240)
+    proc = hpf_cmd("train", "--model", "moe", "--accumulate", 2, "--steps", 2, "--world-size", 2, "--batch-size", 8,
+                   "--out", tmp_path / "run")
     assert proc.returncode == 0, proc.stderr
     assert "done: 2 steps" in proc.stdout

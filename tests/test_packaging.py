@@ -21,7 +21,7 @@ def test_import_hpf_reaches_every_submodule_without_importing_torch_up_front():
     code = ("import sys, hpf; assert 'torch' not in sys.modules, 'import hpf imported torch'; "
             "print(hpf.checkpoint.load_params.__name__, hpf.data.TokenData.__name__, sorted(hpf.models.MODELS), "
             "'checkpoint' in dir(hpf))")
-    proc = hpf_cmd(code=code)
+    proc = hpf_cmd(code=code, fresh=True)  # (what start-up imports)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["load_params", "TokenData", "['gpt',", "'llama',", "'moe']", "True"]
 
@@ -31,7 +31,7 @@ def test_hpf_help_imports_no_torch_and_answers_fast():
     code = ("import sys, time; t = time.perf_counter(); from hpf.cli import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
             "print('torch' in sys.modules, time.perf_counter() - t, file=sys.stderr)")
-    proc = hpf_cmd(code=code)
+    proc = hpf_cmd(code=code, fresh=True)  # (what start-up imports)
     imported, seconds = proc.stderr.split()
     assert imported == "False" and "train" in proc.stdout and "calibrate" in proc.stdout
     assert float(seconds) < 0.5  # without torch it is tens of ms; importing torch alone takes over 1 s here

@@ -3,7 +3,6 @@ autograd saves and what a step allocates, and the plan search (hpf.search, hpf p
 hpf train --plan) against an exhaustive simulation of its own space."""
 import dataclasses
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,6 +14,7 @@ import hpf
 from hpf import memory, search, sim
 from hpf.engine.reduce import IN_FLIGHT
 from hpf.models import gpt, llama, moe
+import cli_helpers
 from references import autograd_grads
 
 REPO = Path(__file__).resolve().parent.parent
@@ -263,8 +263,7 @@ def test_the_api_choice_runs_and_trains_like_the_reference():
 
 # -- the command line -------------------------------------------------------------------------------
 def hpf_cmd(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "hpf", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO)
+    return cli_helpers.hpf_cmd(*args, timeout=timeout, cwd=REPO)
 
 
 @pytest.mark.slow

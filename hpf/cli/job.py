@@ -11,6 +11,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,42 +35,53 @@ STEP_METRICS = ("loss", "grad_norm", "skipped", "step_s", "comm_wait_s", "optimi
 EVAL_BATCHES = 4  # held-out batches (of --batch-size sequences) per evaluation, the same ones each time
 
 
-@dataclass(frozen=True)
-class TrainJob:
-    """Everything a rank needs; plain data, so it travels to forked ranks unchanged."""
+FIXED, INHERITED = "fixed", "inherited"
 
-    config: str
-    axes: dict
-    fsdp_axes: tuple | None
-    optimizer: str
-    lr: float
-    steps: int
-    batch_size: int
-    mode: str
-    seed: int
-    mixed_precision: str | None
-    topology: str
-    hsdp: bool
+
+def _option(resume: str, default=dataclasses.MISSING):
+    """A field set from the ``hpf train`` flag of the same name. ``resume`` says what --resume
+    does with it: FIXED (what the run computes) keeps run.json's value and refuses another, but
+    --steps, which may extend the run; INHERITED (how it runs) takes run.json's unless given again."""
+    return dataclasses.field(default=default, metadata={"resume": resume})
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainJob:
+    """Everything a rank needs; plain data, so it travels to forked ranks unchanged. The one
+    declaration of ``hpf train``'s options besides their flags (``train_options``)."""
+
+    config: str = _option(FIXED)
+    axes: dict  # the mesh's axes (--mesh, --world-size: a resumed run inherits the mesh)
+    fsdp_axes: tuple | None = _option(INHERITED)
+    optimizer: str = _option(FIXED)
+    lr: float = _option(FIXED)
+    steps: int = _option(FIXED)
+    batch_size: int = _option(FIXED)
+    mode: str = _option(INHERITED)
+    seed: int = _option(FIXED)
+    mixed_precision: str | None = _option(INHERITED)
+    topology: str = _option(INHERITED)
+    hsdp: bool = _option(INHERITED)
     metrics_path: str
-    warmup: int = 0
-    model: str = "gpt"
-    schedule: str = "constant"
-    data: str | None = None  # a folder `hpf prepare` wrote; None: the synthetic Markov source
+    warmup: int = _option(FIXED, 0)
+    model: str = _option(FIXED, "gpt")
+    schedule: str = _option(FIXED, "constant")
+    data: str | None = _option(FIXED, None)  # a folder `hpf prepare` wrote; None: the synthetic Markov source
     vocab_size: int | None = None  # the data's (meta.json)
-    eval_every: int = 0
-    save_every: int = 0
-    keep_last: int = 3
+    eval_every: int = _option(INHERITED, 0)
+    save_every: int = _option(INHERITED, 0)
+    keep_last: int = _option(INHERITED, 3)
     resume: str | None = None  # a checkpoint folder, resolved by the driver
-    accumulate: int = 1  # micro-batches per step (gradient accumulation)
+    accumulate: int = _option(INHERITED, 1)  # micro-batches per step (gradient accumulation)
     trace_dir: str | None = None  # --trace: Chrome traces of a few steps, one per rank and a merged one
-    ep_axis: str | None = None  # --ep-axis: the mesh axis experts are split over (moe)
+    ep_axis: str | None = _option(INHERITED, None)  # the mesh axis experts are split over (moe)
     tensorboard: str | None = None  # --tensorboard: the event folder rank 0 writes the metrics to
-    recompute: str = "none"  # --recompute: blocks that run their forward again in backward
-    compile: bool = False  # --compile: each block torch.compile'd
-    bucket_bytes: int = 0  # --bucket-bytes: two-tier's cap on one fused collective
-    slow_precision: str | None = None  # --slow-precision: "W,G" of the low-bit slow tier
-    ns_variant: str = "standard"  # --ns-variant: Muon's Newton-Schulz iteration
-    qk_clip: float | None = None  # --qk-clip: Muon's QK-Clip threshold
+    recompute: str = _option(INHERITED, "none")  # blocks that run their forward again in backward
+    compile: bool = _option(INHERITED, False)  # each block torch.compile'd
+    bucket_bytes: int = _option(INHERITED, 0)  # two-tier's cap on one fused collective
+    slow_precision: str | None = _option(INHERITED, None)  # "W,G" of the low-bit slow tier
+    ns_variant: str = _option(FIXED, "standard")  # Muon's Newton-Schulz iteration
+    qk_clip: float | None = _option(FIXED, None)  # Muon's QK-Clip threshold
     stop_at: float | None = None  # --timeout: the wall-clock time (time.time()) after which the run stops cleanly
 
     def model_config(self):
@@ -95,6 +107,12 @@ class TrainJob:
     @property
     def checkpoints(self) -> Path:
         return Path(self.metrics_path).parent / "checkpoints"
+
+
+def train_options(resume: str | None = None) -> tuple[str, ...]:
+    """The ``TrainJob`` fields set from flags of the same name (``resume``: only FIXED or INHERITED ones)."""
+    return tuple(f.name for f in dataclasses.fields(TrainJob)
+                 if f.metadata.get("resume") and resume in (None, f.metadata["resume"]))
 
 
 def defaults(config: str) -> tuple[float, float, int]:
@@ -189,36 +207,17 @@ def train_rank(rank: int, job: TrainJob) -> int | None:
     step = make_step(job, mesh)
     # loop state that rides in each batch and moves by the step's metrics (moe: the expert bias)
     balancer = module.Balancer(config, default_device()) if hasattr(module, "Balancer") else None
-    done = 0
-    if job.resume:  # meta params: shapes only; the checkpoint fills the shards
-        step.init(module.init(config, device="meta"))
-        state, extra = step.restore(job.resume)
-        if not (isinstance(extra, dict) and {"step", "rng"} <= extra.keys()):
-            raise ValueError(f"--resume {job.resume}: this checkpoint was not written by hpf train (its extra is "
-                             f"{type(extra).__name__}, not a dict with 'step' and 'rng'); load its params with "
-                             "hpf.checkpoint.load_params instead")
-        done = int(extra["step"])
-        if done >= job.steps:
-            raise ValueError(f"--resume {job.resume}: this checkpoint is at step {done}, and the run has "
-                             f"{job.steps} steps; nothing is left to train")
-        checkpoint.set_rng_state(extra["rng"])
-        if balancer is not None:
-            balancer.bias = extra["expert_bias"].to(balancer.bias.device)
-    else:
-        state = step.init(module.init(config, torch.Generator().manual_seed(job.seed)))
+    state, done = _first_state(job, step, module, config, balancer)
     if progress:
         progress.first = done  # a resumed run's rate and ETA count only the steps it runs
     tokens = _batches(job, config, "train", rank, mesh.size, start=done)
     batches = tokens if balancer is None else map(balancer.batch, tokens)
-    evaluate = None
-    if job.eval_every:  # the same held-out batches at every evaluation
-        held_out = _batches(job, config, "val", rank, mesh.size, start=0)
-        evaluate = token_data.HeldOut(module.loss_for(config), [next(held_out) for _ in range(EVAL_BATCHES)])
+    evaluate = _held_out(job, module, config, rank, mesh.size) if job.eval_every else None
     tokens_per_step = job.batch_size * config.seq_len
     flops, (peak, peak_source) = step_flops(module, config, job.batch_size), peak_flops()
     lr = Schedule(job.schedule, job.lr, total_steps=job.steps, warmup=job.warmup)
     if progress:
-        progress.note(f"metrics     lr, peak memory (rank 0), tokens/s, " + (
+        progress.note("metrics     lr, peak memory (rank 0), tokens/s, " + (
             f"MFU against {peak / 1e12:.3g} TFLOP/s per rank ({peak_source})" if peak else f"no MFU: {peak_source}"))
     kept = []  # a resumed run keeps the metrics of the steps it does not redo
     if rank == 0 and job.resume and os.path.exists(job.metrics_path):
@@ -231,27 +230,18 @@ def train_rank(rank: int, job: TrainJob) -> int | None:
             for i in range(done + 1, job.steps + 1):
                 state, m = step(state, next(batches))
                 advance()
-                record = {"step": i, **{k: m[k] for k in STEP_METRICS}, "tokens_per_s": tokens_per_step / m["step_s"]}
-                record.update(lr=lr(i), peak_memory_bytes=peak_memory())
-                if peak:
-                    record["mfu"] = flops / m["step_s"] / (peak * mesh.size)
-                if "loss_scale" in m:
-                    record["loss_scale"] = m["loss_scale"]
+                record = {"step": i, **{k: m[k] for k in STEP_METRICS}, "tokens_per_s": tokens_per_step / m["step_s"],
+                          "lr": lr(i), "peak_memory_bytes": peak_memory(),
+                          **({"mfu": flops / m["step_s"] / (peak * mesh.size)} if peak else {}),
+                          **({"loss_scale": m["loss_scale"]} if "loss_scale" in m else {})}
                 skipped += m["skipped"]
                 if evaluate and job.eval_due(i):
                     record["eval_loss"] = evaluate(step, state)
                 if balancer is not None:
                     record["expert_imbalance"] = balancer.update(m)
                 stop = job.stop_due()
-                if job.save_due(i) or stop:  # async: the write overlaps the next steps
-                    extra = {"step": i, "rng": checkpoint.rng_state()}
-                    if balancer is not None:
-                        extra["expert_bias"] = balancer.bias.cpu()
-                    path = job.checkpoints / f"step_{i:06d}"
-                    step.save(state, path, extra=extra, keep_last=job.keep_last, async_save=True,
-                              meta={"model": job.model, "config": dataclasses.asdict(config), "step": i})
-                    if progress:
-                        progress.note(f"checkpoint  step {i} -> {path} (written in the background)")
+                if job.save_due(i) or stop:
+                    _save(job, step, state, i, config, balancer, progress)
                 if out is not None:
                     out.write(record)
                     progress.update(i, _shown(record, m, skipped))
@@ -263,6 +253,45 @@ def train_rank(rank: int, job: TrainJob) -> int | None:
         if progress:
             progress.close()
     return stopped
+
+
+def _held_out(job: TrainJob, module, config, rank: int, world: int) -> token_data.HeldOut:
+    """--eval-every: the held-out loss, on the same batches at every evaluation."""
+    held_out = _batches(job, config, "val", rank, world, start=0)
+    return token_data.HeldOut(module.loss_for(config), [next(held_out) for _ in range(EVAL_BATCHES)])
+
+
+def _first_state(job: TrainJob, step, module, config, balancer) -> tuple[Any, int]:
+    """The train state the run starts from, and the steps already done: fresh from the seed, or
+    (--resume) from a checkpoint of hpf train's, with its RNG state and the loop's own state."""
+    if not job.resume:
+        return step.init(module.init(config, torch.Generator().manual_seed(job.seed))), 0
+    step.init(module.init(config, device="meta"))  # meta params: shapes only; the checkpoint fills the shards
+    state, extra = step.restore(job.resume)
+    if not (isinstance(extra, dict) and {"step", "rng"} <= extra.keys()):
+        raise ValueError(f"--resume {job.resume}: this checkpoint was not written by hpf train (its extra is "
+                         f"{type(extra).__name__}, not a dict with 'step' and 'rng'); load its params with "
+                         "hpf.checkpoint.load_params instead")
+    done = int(extra["step"])
+    if done >= job.steps:
+        raise ValueError(f"--resume {job.resume}: this checkpoint is at step {done}, and the run has "
+                         f"{job.steps} steps; nothing is left to train")
+    checkpoint.set_rng_state(extra["rng"])
+    if balancer is not None:
+        balancer.bias = extra["expert_bias"].to(balancer.bias.device)
+    return state, done
+
+
+def _save(job: TrainJob, step, state, i: int, config, balancer, progress) -> None:
+    """A checkpoint after step ``i``, async: the write overlaps the next steps."""
+    extra = {"step": i, "rng": checkpoint.rng_state()}
+    if balancer is not None:
+        extra["expert_bias"] = balancer.bias.cpu()
+    path = job.checkpoints / f"step_{i:06d}"
+    step.save(state, path, extra=extra, keep_last=job.keep_last, async_save=True,
+              meta={"model": job.model, "config": dataclasses.asdict(config), "step": i})
+    if progress:
+        progress.note(f"checkpoint  step {i} -> {path} (written in the background)")
 
 
 def _shown(record: dict, m: dict, skipped: int) -> dict[str, str]:

@@ -10,16 +10,14 @@ import socket
 from pathlib import Path
 
 from hpf import checkpoint
+from hpf.cli import job
 from hpf.cli.common import CliError, write_atomic
+from hpf.cli.job import train_options
 
 RUN_FILE = "run.json"
-# What the run computes: a resumed run keeps these, and a different value is refused, except
-# --steps, which may extend (or shorten) the run: a line says so, since the lr schedule follows it.
-FIXED = ("model", "config", "optimizer", "lr", "warmup", "schedule", "steps", "batch_size", "seed", "data", "ns_variant",
-         "qk_clip")
-# How it runs: a resumed run takes these from run.json unless they are given again.
-INHERITED = ("mesh", "fsdp_axes", "mixed_precision", "topology", "hsdp", "ep_axis", "accumulate", "mode",
-             "eval_every", "save_every", "keep_last", "recompute", "compile", "bucket_bytes", "slow_precision")
+# What --resume does with each option: hpf.cli.job's TrainJob declares it (the mesh is inherited).
+FIXED = train_options(job.FIXED)
+INHERITED = ("mesh",) + train_options(job.INHERITED)
 OPTIONS = FIXED + INHERITED
 
 

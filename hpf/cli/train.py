@@ -24,7 +24,8 @@ from hpf import data as token_data
 from hpf.api import STEPS
 from hpf.cli import run_folder
 from hpf.cli.common import CliError, job_parsers, mesh_of, mesh_text, positive
-from hpf.cli.job import EVAL_BATCHES, TRAIN_DEFAULTS, TrainJob, defaults, make_step, read_metrics, train_rank
+from hpf.cli.job import (EVAL_BATCHES, TRAIN_DEFAULTS, TrainJob, defaults, make_step, read_metrics, train_options,
+                         train_rank)
 from hpf.cli.plan import plan_of, report_of
 from hpf.cli.search import add_options as add_search_options, apply_plan, check_plan_flags
 from hpf.launcher import Terminated, init_distributed, is_launched, launch, rank, shutdown, world_size
@@ -125,7 +126,34 @@ def cmd_train(args) -> int:
     plan_note = apply_plan(args, mesh, local_ranks) if args.plan else None
     vocab_size = _check_data_options(args)
     _check_muon_options(args)
-    _, config = model_config(args.model, args.config, vocab_size)
+    warmup_note, plots = _check_run_options(args, mesh, vocab_size, torchrun, lead)
+    job = TrainJob(**{**{k: getattr(args, k) for k in train_options()}, "data": str(args.data) if args.data else None,
+                      "eval_every": args.eval_every or 0, "save_every": args.save_every or 0},
+                   axes=args.mesh, metrics_path=str(out / "metrics.jsonl"), vocab_size=vocab_size, resume=resume,
+                   trace_dir=None if args.trace is None else str(args.trace or out / "trace"),
+                   tensorboard=None if args.tensorboard is None else str(args.tensorboard or out / "tensorboard"),
+                   stop_at=time.time() + args.timeout if args.timeout else None)
+    make_step(job, mesh)  # checks optimizer, mode and precision here, before any rank starts
+    plan = plan_of(args, mesh)  # checks the axes
+    _check_memory(job, plan, report_of(args, plan)[0], local_ranks)
+    if lead:
+        _start_run_folder(args, job, out, plots)
+        print(_banner(job, len(plan.units)))
+        print(_data_line(args, job, out), flush=True)
+        for line in (plan_note, note, warmup_note):
+            if line:
+                print(line, flush=True)
+    started = time.perf_counter()
+    stopped = _run_ranks(args, job, mesh, torchrun, lead, out)
+    if lead:
+        _finish(args, job, out, plots, time.perf_counter() - started, stopped)
+    return 0
+
+
+def _check_run_options(args, mesh: hpf.Mesh, vocab_size: int | None, torchrun: bool,
+                       lead: bool) -> tuple[str | None, str | None]:
+    """Check the options that need the mesh; (a note on the warmup, what --plot will save)."""
+    model_config(args.model, args.config, vocab_size)  # (names a config the model lacks)
     if torchrun and mesh.size != world_size():
         raise CliError(f"--mesh has {mesh.size} ranks but torchrun started {world_size()}; make them agree")
     if args.batch_size % (mesh.size * args.accumulate):
@@ -145,54 +173,52 @@ def cmd_train(args) -> int:
         except ImportError:
             raise CliError("--tensorboard needs the tensorboard package: pip install tensorboard (or pip install "
                            "-e '.[tensorboard]'); metrics.jsonl has the same scalars without it") from None
-    same = ("config", "fsdp_axes", "optimizer", "lr", "warmup", "steps", "batch_size", "mode", "seed",
-            "mixed_precision", "topology", "hsdp", "model", "schedule", "keep_last", "accumulate", "ep_axis",
-            "recompute", "compile", "bucket_bytes", "slow_precision", "ns_variant", "qk_clip")
-    job = TrainJob(**{k: getattr(args, k) for k in same}, axes=args.mesh, metrics_path=str(out / "metrics.jsonl"),
-                   data=str(args.data) if args.data else None, vocab_size=vocab_size,
-                   eval_every=args.eval_every or 0, save_every=args.save_every or 0, resume=resume,
-                   trace_dir=None if args.trace is None else str(args.trace or out / "trace"),
-                   tensorboard=None if args.tensorboard is None else str(args.tensorboard or out / "tensorboard"),
-                   stop_at=time.time() + args.timeout if args.timeout else None)
-    make_step(job, mesh)  # checks optimizer, mode and precision here, before any rank starts
-    plan = plan_of(args, mesh)  # checks the axes
-    _check_memory(job, plan, report_of(args, plan)[0], local_ranks)
-    if lead:
-        _prepare_out(out)
-        for folder, option in ((job.trace_dir, "--trace"), (job.tensorboard, "--tensorboard")):
-            _make_folder(folder, option)
-        run_folder.write_run(out, {
-            **asdict(job), "options": run_folder.options_of(args), "plots": plots, "status": "running",
-            "host": socket.gethostname(), "pid": os.getpid(), "hpf": hpf.__version__, "torch": torch.__version__,
-            "started": datetime.datetime.now().isoformat(timespec="seconds")})
-        args.log_dir = out  # from here on a failure's traceback goes to <out>/error.log
-        print(_banner(job, len(plan.units)))
-        source = (f"{args.data} (vocab {vocab_size}{f', held-out loss every {args.eval_every} steps' if args.eval_every else ''})"
-                  if args.data else "a fixed random Markov source")
-        micro = f" in {args.accumulate} micro-batches" if args.accumulate > 1 else ""
-        print(f"data: {args.batch_size} x {config.seq_len} tokens per step{micro} from {source}; run folder {out}"
-              + (f"; resuming from {job.resume}" if job.resume else ""), flush=True)
-        for line in (plan_note, note, warmup_note):
-            if line:
-                print(line, flush=True)
-    started = time.perf_counter()
+    return warmup_note, plots
+
+
+def _start_run_folder(args, job: TrainJob, out: Path, plots: str | None) -> None:
+    """Rank 0 makes the run folder and its run.json (status running); from here a failure's
+    traceback goes to <out>/error.log."""
+    _prepare_out(out)
+    for folder, option in ((job.trace_dir, "--trace"), (job.tensorboard, "--tensorboard")):
+        _make_folder(folder, option)
+    run_folder.write_run(out, {
+        **asdict(job), "options": run_folder.options_of(args), "plots": plots, "status": "running",
+        "host": socket.gethostname(), "pid": os.getpid(), "hpf": hpf.__version__, "torch": torch.__version__,
+        "started": datetime.datetime.now().isoformat(timespec="seconds")})
+    args.log_dir = out
+
+
+def _data_line(args, job: TrainJob, out: Path) -> str:
+    _, config = job.model_config()
+    source = (f"{args.data} (vocab {job.vocab_size}{f', held-out loss every {args.eval_every} steps' if args.eval_every else ''})"
+              if args.data else "a fixed random Markov source")
+    micro = f" in {args.accumulate} micro-batches" if args.accumulate > 1 else ""
+    return (f"data: {args.batch_size} x {config.seq_len} tokens per step{micro} from {source}; run folder {out}"
+            + (f"; resuming from {job.resume}" if job.resume else ""))
+
+
+def _run_ranks(args, job: TrainJob, mesh: hpf.Mesh, torchrun: bool, lead: bool, out: Path) -> int | None:
+    """Run the job's ranks; the step --timeout stopped after, or None. A failure sets run.json's status."""
     try:
         if torchrun:
             init_distributed()
             stopped = train_rank(rank(), job)
             shutdown()  # finishes async saves, meets the other ranks, destroys the process group
-        else:  # --timeout stops cleanly; only a run still going long after (a hung step) is ended
-            stopped = launch(train_rank, mesh.size, job, timeout=args.timeout and 2 * args.timeout + 60)[0]
+            return stopped
+        # --timeout stops cleanly; only a run still going long after (a hung step) is ended
+        return launch(train_rank, mesh.size, job, timeout=args.timeout and 2 * args.timeout + 60)[0]
     except BaseException as e:
         if lead:
             run_folder.set_status(out, "interrupted" if isinstance(e, KeyboardInterrupt) else "terminated"
                                   if isinstance(e, Terminated) else f"failed: {type(e).__name__}")
         raise
-    if not lead:
-        return 0
-    wall = time.perf_counter() - started
+
+
+def _finish(args, job: TrainJob, out: Path, plots: str | None, wall: float, stopped: int | None) -> None:
+    """Rank 0, after the ranks: check that something trained, set the status, print the summary."""
     records = read_metrics(out / "metrics.jsonl")
-    resumed_at = run_folder.checkpoint_step(Path(resume)) or 0 if resume else 0
+    resumed_at = run_folder.checkpoint_step(Path(job.resume)) or 0 if job.resume else 0
     try:
         check_trained([r for r in records if r["step"] > resumed_at])
     except NonFiniteError:
@@ -214,7 +240,6 @@ def cmd_train(args) -> int:
     if stopped is not None:
         print(f"  --timeout   {args.timeout:g} s ran out after step {stopped} of {job.steps}, which is saved; "
               f"go on with: hpf train --out {out} --resume")
-    return 0
 
 
 def check_trained(records: list[dict]) -> None:
@@ -343,20 +368,7 @@ def add_parser(sub, help_: str):
     train.add_argument("--schedule", choices=SCHEDULES, default="constant",
                        help="learning rate over the run, after --warmup: cosine or linear decay to 0 at --steps, "
                             "or constant (default: constant)")
-    train.add_argument("--data", type=Path, metavar="DIR",
-                       help="train on a token folder from `hpf prepare` (its vocab sets the model's) instead of "
-                            "the synthetic Markov source")
-    train.add_argument("--eval-every", type=positive(int), metavar="N",
-                       help="with --data: held-out loss every N steps and at the end (eval_loss in the progress "
-                            "line, metrics.jsonl and the loss plot)")
-    train.add_argument("--save-every", type=positive(int), metavar="N",
-                       help="save a checkpoint every N steps into <out>/checkpoints (DCP format, async: the write "
-                            "overlaps the next steps)")
-    train.add_argument("--keep-last", type=positive(int), default=3, metavar="K",
-                       help="keep the newest K checkpoints (default: 3)")
-    train.add_argument("--resume", nargs="?", const="latest", metavar="PATH",
-                       help="go on from a checkpoint (default: the newest complete one in <out>/checkpoints), on "
-                            "any mesh; losses match the uninterrupted run")
+    _add_data_options(train)
     train.add_argument("--accumulate", type=positive(int), default=1, metavar="K",
                        help="gradient accumulation: each rank runs its share of --batch-size as K micro-batches "
                             "(activations of one micro-batch), reducing grads once per step (default: 1)")
@@ -378,6 +390,33 @@ def add_parser(sub, help_: str):
                        help="validate runs the same plan with layout checks on every op (default: production)")
     train.add_argument("--seed", type=positive(int, least=0), default=0,
                        help="seeds the init and the data (default: 0)")
+    _add_output_options(train)
+    # Options a resumed run takes from its run.json: None until run_folder.resolve fills them.
+    fresh = {k: train.get_default(k) for k in run_folder.OPTIONS}
+    train.set_defaults(run=cmd_train, fresh=fresh, **{k: None for k in run_folder.OPTIONS})
+    return train
+
+
+def _add_data_options(train) -> None:
+    """Where the tokens come from, held-out evaluation, checkpoints and resuming."""
+    train.add_argument("--data", type=Path, metavar="DIR",
+                       help="train on a token folder from `hpf prepare` (its vocab sets the model's) instead of "
+                            "the synthetic Markov source")
+    train.add_argument("--eval-every", type=positive(int), metavar="N",
+                       help="with --data: held-out loss every N steps and at the end (eval_loss in the progress "
+                            "line, metrics.jsonl and the loss plot)")
+    train.add_argument("--save-every", type=positive(int), metavar="N",
+                       help="save a checkpoint every N steps into <out>/checkpoints (DCP format, async: the write "
+                            "overlaps the next steps)")
+    train.add_argument("--keep-last", type=positive(int), default=3, metavar="K",
+                       help="keep the newest K checkpoints (default: 3)")
+    train.add_argument("--resume", nargs="?", const="latest", metavar="PATH",
+                       help="go on from a checkpoint (default: the newest complete one in <out>/checkpoints), on "
+                            "any mesh; losses match the uninterrupted run")
+
+
+def _add_output_options(train) -> None:
+    """The run folder and what goes into it; --timeout."""
     train.add_argument("--out", type=Path, metavar="DIR", help="run folder (default: runs/<timestamp>)")
     train.add_argument("--plot", action="store_true",
                        help="save loss.png and step_breakdown.png into the run folder (needs matplotlib; "
@@ -394,7 +433,3 @@ def add_parser(sub, help_: str):
                             "checkpoint, exit 0 with status stopped (--resume goes on). A run still going at "
                             "2 S + 60 s (a hung step) is ended (default: no limit; a collective that waits on a "
                             "peer for hpf.launch's collective timeout raises on its own)")
-    # Options a resumed run takes from its run.json: None until run_folder.resolve fills them.
-    fresh = {k: train.get_default(k) for k in run_folder.OPTIONS}
-    train.set_defaults(run=cmd_train, fresh=fresh, **{k: None for k in run_folder.OPTIONS})
-    return train

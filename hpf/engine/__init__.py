@@ -27,9 +27,10 @@ from ..comm.schedule import LOG
 from ..planning import ROOT, Plan
 from ..trace import Ranges
 from .compiled import hide_from_compiler
-from .gather import MemoryStats, Saved, UnitBuffers, entry, rematerialized
+from .entry import Recompute, entry, rematerialized
+from .gather import MemoryStats, UnitBuffers
 from .reduce import Reducer
-from .residency import Actions, Residency
+from .residency import Residency
 from .views import ParamsView
 
 __all__ = ["UnitEngine", "MemoryStats", "explain_freed"]
@@ -49,14 +50,12 @@ class UnitEngine:
     """Runs one step's forward and backward over a plan's units (see the module doc).
 
     Args:
-        plan, comm: the plan and its collectives (hpf.comm.flat.BucketComm or
-            hpf.comm.tiered.TieredComm).
+        plan, comm: the plan and its collectives (hpf.comm.flat.BucketComm, hpf.comm.tiered.TieredComm).
         compute_dtype: dtype of the gathered params (None: the params' own).
         pipeline: reductions overlap the rest of backward (False waits for each one).
         capacity: block units gathered at once besides the root and shared-memory units.
         compute_sums: (bucket, group) pairs whose grads are partial sums over non-FSDP axes.
-        on_extra_gather: called with (unit, phase) at each gather beyond loop-style use
-            (validation mode warns there).
+        on_extra_gather: told (unit, phase) of each gather beyond loop-style use (validation warns).
     """
 
     def __init__(self, plan: Plan, comm, compute_dtype: torch.dtype | None, device: torch.device, *,
@@ -64,11 +63,12 @@ class UnitEngine:
                  on_extra_gather: Callable[[str, str], None] | None = None, rematerialize: bool = False):
         self.plan, self.comm, self.device = plan, comm, device
         self.units = list(plan.units)
-        self.buffers = UnitBuffers(plan, comm, compute_dtype, device, capacity, on_extra_gather)
+        self._wait_s = 0.0  # seconds compute spent blocked on collectives (``take_wait_s``)
+        self.buffers = UnitBuffers(plan, comm, compute_dtype, capacity, self.add_wait, on_extra_gather)
         pinned = {u for u in self.units if u == ROOT or u not in self.buffers.freeable}
         self.residency = Residency(self.units, pinned, capacity)
         self.reducer = Reducer(plan, comm, self.buffers.shared, pipeline, list(compute_sums),
-                               before_issue=lambda: self.buffers.flush(force=True), on_wait=self.add_wait)
+                               before_issue=self.buffers.start_queued, on_wait=self.add_wait)
         self.view = ParamsView(plan, {u: plan.slot_paths(u) for u in self.units}, self._entry)
         self.stats: MemoryStats = self.buffers.stats
         self.in_backward = False
@@ -76,7 +76,7 @@ class UnitEngine:
         self.broken: BaseException | None = None  # an error that left the ranks out of step
         self._prefetched: list | None = None  # (bucket, master, version) the next step's gathers were made from
         self._root = None
-        self._anchor = None
+        self.anchor = None  # the micro-batch's: every entry hangs off it (grad="torch.func" differentiates by it)
         self._reads = 0  # reads of this micro-batch (the schedule log numbers them)
         self._phase = Ranges()  # trace: each unit's forward and backward
         self.micro_batches = 0
@@ -87,10 +87,7 @@ class UnitEngine:
     def begin(self, masters: list[torch.Tensor]) -> None:
         """A step starts on ``masters``; the gathers ``prefetch`` started are kept if these are
         still the shards they were made from."""
-        if self.broken is not None:
-            raise RuntimeError(f"this step cannot run again: an earlier call failed with {type(self.broken).__name__} "
-                               f"({self.broken}), and the ranks may be out of step. End the job and restart it "
-                               "(from a checkpoint)") from self.broken
+        _refuse_if_broken(self.broken)
         LOG.failed = None
         snap = self._prefetched
         self._prefetched = None
@@ -99,22 +96,23 @@ class UnitEngine:
             return
         self._settle()
         self.buffers.set_shards(masters)
-        self.buffers.new_phase(set())
-        self.buffers.apply(self.residency.begin(), "forward")
+        self._first_gathers()
 
     def prefetch(self, masters: list[torch.Tensor]) -> None:
         """Start the next step's first gathers (``first_units``) from ``masters``, already updated."""
         first = self.first_units()
         buckets = [b for u in first for b in self.plan.units[u].buckets]
         self.buffers.set_shards(masters, keep=set(self.units) - set(first))
-        self.buffers.new_phase(set())
-        self.buffers.apply(self.residency.begin(), "forward")
+        self._first_gathers()
         self._prefetched = [(b, masters[b], masters[b]._version) for b in buckets]
+
+    def _first_gathers(self) -> None:
+        self.buffers.new_phase()
+        self.buffers.apply(self.residency.begin(), "forward")
 
     def first_units(self) -> list[str]:
         """The units a step gathers before its first read: pinned ones, then the predicted first reads."""
-        pinned = [u for u in self.units if u in self.residency.pinned]
-        return pinned + [u for u in self.residency.predicted_first() if u not in pinned]
+        return list(dict.fromkeys([u for u in self.units if u in self.residency.pinned] + self.residency.predicted_first()))
 
     @contextlib.contextmanager
     def micro_batch(self, grad_shards: list[torch.Tensor], hold: bool) -> Iterator[None]:
@@ -123,19 +121,19 @@ class UnitEngine:
         if not self._hidden:
             self._hidden = hide_from_compiler(self)
         if self.reducer.holds_sums():  # a later micro-batch: prefetch its first units
-            self.buffers.new_phase(set())
+            self.buffers.new_phase()
             self.buffers.apply(self.residency.resume(), "forward")
         self.reducer.start(grad_shards, self._reduce_order, hold)
-        self._anchor = torch.empty(0, device=self.device, requires_grad=True)
+        self.anchor = torch.empty(0, device=self.device, requires_grad=True)
         self.micro_batches += 1  # stamps this micro-batch's entries (``entry_done`` refuses older ones)
         self._root, self.in_backward = None, False
-        self.buffers.new_phase(set(self.buffers.live))
+        self.buffers.new_phase()
         self._reads = 0
         try:
             yield
         finally:
             self._phase.end()
-            self._root = self._anchor = None
+            self._root = self.anchor = None
         self.reducer.finish()
         self.in_backward = False
 
@@ -143,33 +141,31 @@ class UnitEngine:
         """The loss function's params: root params as views, unit lists read when reached.
         ``anchor``: the tensor this call's entries hang off (a torch.func transform's input)."""
         if anchor is not None:
-            self._anchor = anchor
+            self.anchor = anchor
         self._phase.switch("hpf/forward", ROOT)
         return self.view.tree(self._read, self._apply if self.rematerialize else None)
 
     def start_backward(self) -> None:
         """The loss is computed: from here a read is a checkpoint recomputing."""
         self.in_backward = True
-        self.buffers.new_phase(set(self.buffers.live))
+        self.buffers.new_phase()
         self.residency.start_backward()
         self._phase.switch("hpf/backward", ROOT)
 
     def land(self) -> None:
         """Wait for every reduction of the step (then the grad shards are final)."""
-        self.buffers.flush(force=True)
+        self.buffers.start_queued()
         t = time.perf_counter()
         self.reducer.wait()
-        self.buffers.wait_all()
         self.add_wait(time.perf_counter() - t)
+        self.buffers.land_all()
 
     def end_step(self) -> None:
         """The step's reads are over: learn them for the next step, free what is gathered."""
         if self.reducer.landed_order and set(self.reducer.landed_order) == set(self.reducer.units):
             self._reduce_order = list(self.reducer.landed_order)
-        for u in self.residency.end_step():
-            self.buffers.release(u)
-        self.buffers.live.clear()
-        self.buffers.free_all()
+        self.residency.end_step()
+        self.buffers.settle()
 
     def abort(self, err: BaseException | None = None) -> None:
         """After an error anywhere in a step: wait for what is in flight, free, forget the step.
@@ -177,10 +173,10 @@ class UnitEngine:
         After ranks fell out of step (ScheduleMismatchError), or when what was in flight cannot
         land, the engine is broken: its next use raises, naming the first error."""
         self._phase.end()
-        self._root = self._anchor = None
+        self._root = self.anchor = None
         self.in_backward = False
         self._prefetched = None
-        self.buffers.deferred.clear()
+        self.buffers.drop_queue()
         self.reducer.drop_held()
         if err is not None and not isinstance(err, (schedule.ScheduleMismatchError, TimeoutError)):
             LOG.failed = _one_line(err)  # (a waiting peer names it)
@@ -192,7 +188,6 @@ class UnitEngine:
         except Exception as e:  # noqa: BLE001 - the step's own error is the one raised
             self.broken = e
 
-    # -- reads ----------------------------------------------------------------------------------------------
     def _read(self, unit: str) -> Any:
         """The loss function reads list element ``unit``."""
         self._reach(unit)
@@ -205,7 +200,14 @@ class UnitEngine:
             return fn(self._read(unit), *args)
         self._reach(unit)
         self.reducer.entry(unit)
-        return rematerialized(self, unit, fn, args)
+        rc = Recompute(unit, self.micro_batches, functools.partial(self._gathered_views, unit),
+                       functools.partial(self.regather, unit), functools.partial(self.view.subtree, unit),
+                       self.entry_done)
+        return rematerialized(self.anchor, rc, fn, args)
+
+    def _gathered_views(self, unit: str) -> tuple:
+        self.buffers.wait(unit)
+        return tuple(self.buffers.units[unit].views())
 
     @_outside_transforms
     def regather(self, unit: str) -> tuple:
@@ -213,8 +215,7 @@ class UnitEngine:
         acts = self.residency.need([unit])
         if acts.gather or acts.evict or acts.prefetch:
             self.buffers.apply(acts, "backward")
-        self.buffers.wait(unit)
-        return tuple(self.buffers.views(unit))
+        return self._gathered_views(unit)
 
     @_outside_transforms
     def _reach(self, unit: str) -> None:
@@ -233,16 +234,16 @@ class UnitEngine:
         if unit == ROOT and self._root is not None:
             return self._root
         self.buffers.wait(unit)
+        u = self.buffers.units[unit]
         if self.in_backward and unit != ROOT:  # a checkpoint recomputing: the forward's entries take the grads,
-            frozen = self.buffers.frozen_views[unit]  # these only need to save what forward saved (requires_grad)
-            return tuple(v if i in frozen else v.detach().requires_grad_()
-                         for i, v in enumerate(self.buffers.views(unit)))
-        views = entry(self._anchor, self, unit)
+            return tuple(v if i in u.frozen else v.detach().requires_grad_()  # these only need to save what
+                         for i, v in enumerate(u.views()))  # forward saved (requires_grad)
+        views = entry(self.anchor, u, self.micro_batches, self.entry_done)
         self.reducer.entry(unit)
         if unit == ROOT:
             self._root = views
         else:
-            self.buffers.hand_out(unit, views)
+            u.hand_out(views)
         return views
 
     @_outside_transforms
@@ -251,7 +252,7 @@ class UnitEngine:
 
         An entry of an earlier micro-batch (a param tensor kept across steps: in a global, a
         closure, a compiled function's constants) would add grads of stale values to this one's."""
-        if stamp != self.micro_batches or self._anchor is None:
+        if stamp != self.micro_batches or self.anchor is None:
             raise StaleParamError(
                 f"loss_fn used a param of unit {unit!r} that it kept from an earlier step or micro-batch (in a "
                 "global, a closure, a cache, or a torch.compile'd function that captured it as a constant); its "
@@ -259,27 +260,21 @@ class UnitEngine:
                 "the current call, and pass them to compiled functions as arguments")
         if self.reducer.add(unit, tuple(g.detach() for g in grads)):  # (a torch.func transform's grads track)
             for u in self.residency.done(unit):
-                self.buffers.release(u)
-            self.buffers.flush(force=False)
+                self.buffers.evict(u)
+            self.buffers.start_queued(when_free=True)
             pos = self.units.index(unit)
             self._phase.switch("hpf/backward", self.units[pos - 1] if pos > 0 else ROOT)
 
-    # -- saved-tensor hooks (only while some unit's memory can be freed) -------------------------------------
     def saved_tensor_hooks(self):
-        if not self.buffers.freeable or self.buffers.capacity >= len(self.units):
-            return contextlib.nullcontext()
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        """Autograd's saved params as descriptions (``Saved``), only while some unit's memory can be freed."""
+        needed = self.buffers.freeable and self.buffers.capacity < len(self.units)
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack) if needed else contextlib.nullcontext()
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if self.buffers.deferred:  # (between reads: the last unit's param tensors may have died by now)
-            self.buffers.flush(force=False)
         return self.buffers.pack(t)
 
     def _unpack(self, saved: Any) -> Any:
-        if type(saved) is not Saved:
-            return saved
-        self.regather(saved.unit)
-        return self.buffers.unpack(saved)
+        return self.buffers.unpack(saved, self.regather)
 
     def keep_gathered(self) -> None:
         """From now on keep every unit gathered from its read to the end of its backward, with no
@@ -288,28 +283,26 @@ class UnitEngine:
         self.buffers.capacity = len(self.units)
         self.residency = Residency(self.units, self.residency.pinned, len(self.units))
 
-    @property
-    def anchor(self) -> torch.Tensor:
-        """The micro-batch's anchor: every entry of a unit hangs off it (grad="torch.func"
-        differentiates with respect to it)."""
-        return self._anchor
-
     def _settle(self) -> None:
         """Wait for every gather in flight and free every buffer: the engine holds nothing."""
-        self.buffers.flush(force=True)
-        self.buffers.wait_all()
         self.residency.end_step(learn=False)
-        self.buffers.live.clear()
-        self.buffers.free_all()
+        self.buffers.settle()
 
     def add_wait(self, seconds: float) -> None:
         """Count ``seconds`` the step spent blocked on a collective of its own."""
-        self.buffers.wait_s += seconds
+        self._wait_s += seconds
 
     def take_wait_s(self) -> float:
         """Seconds compute spent waiting on collectives since the last call."""
-        out, self.buffers.wait_s = self.buffers.wait_s, 0.0
+        out, self._wait_s = self._wait_s, 0.0
         return out
+
+
+def _refuse_if_broken(broken: BaseException | None) -> None:
+    if broken is not None:
+        raise RuntimeError(f"this step cannot run again: an earlier call failed with {type(broken).__name__} "
+                           f"({broken}), and the ranks may be out of step. End the job and restart it "
+                           "(from a checkpoint)") from broken
 
 
 def refuses_hooks(err: BaseException) -> bool:

@@ -12,7 +12,7 @@ eager read. The engine itself stays eager and opaque to the compiler:
   detaches), is recognized by its memory (``UnitBuffers.pack``), so the unit is freed after
   its forward use and gathered again before the compiled backward unpacks it, as in eager;
 - compiled kernels read memory unchecked, so a unit's memory is freed only when nothing
-  outside the engine references it (``UnitBuffers.free_lingering``).
+  outside the engine references it (``UnitBuffers.free_released``).
 
 docs/architecture.md ("How a compiled region and the engine share a unit") says why.
 

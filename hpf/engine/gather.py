@@ -1,31 +1,37 @@
-"""The gathered side of FSDP units: each unit's full flat buffers, their gathers, and the
-autograd entry that hands a unit's params to the loss function as views of them.
+"""The gathered side of FSDP units: each unit is one object (``Unit``) that owns its full flat
+buffers, its gathers in flight, the param tensors handed out for it, and its state:
 
-One buffer per bucket lives as long as the engine:
+    SHARDED --(prefetch decided, no memory yet)--> QUEUED --> GATHERING --(landed)--> GATHERED
+    GATHERING/GATHERED --(evicted)--> RELEASING --(nothing references its memory)--> SHARDED
+
+The residency policy (hpf.engine.residency) decides every transition but the last from the
+reads alone; ``UnitBuffers`` carries its actions out. The last one is a local fact, which only
+keeps memory: an evicted unit whose param tensors the loss function still holds (a loop
+variable, a view, a compiled region's input) stays RELEASING until they die, and a later
+gather of it reuses that memory. Nothing can read freed memory, which compiled kernels would
+do without a check.
+
+Buffers, one per bucket, live as long as the engine:
 - a bucket sharded over a shared-memory fast tier gets the transport's shared buffer (peers
   write it; it stays mapped);
 - a bucket held whole by every rank (no FSDP split, no dtype cast) is the master shard itself:
   nothing to gather;
 - any other bucket gets a plain buffer whose storage is allocated for a gather and resized to
-  zero when its unit is evicted, unless anything outside the engine still references that
-  memory: a param tensor handed out, a view of one, a compiled region's input (a local fact
-  that only keeps memory; the unit still counts as evicted, so its next read gathers again:
-  hpf.engine.residency decides every gather). Nothing can read freed memory, which compiled
-  kernels would do without a check.
+  zero when its unit is freed.
 
 Autograd's saved param tensors are held as descriptions (``Saved``: bucket, shape, strides,
 offset), not references, so they never keep a unit's memory: the saved-tensor hooks report
-each one to the engine (``need``), which gathers it again per the residency policy before
-backward uses it. The hooks run only while some unit can be freed.
+each one to the engine, which gathers it again per the residency policy before backward uses
+it. The hooks run only while some unit can be freed.
 """
 from __future__ import annotations
 
+import enum
 import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import optree
 import torch
 
 from ..comm.schedule import LOG, wait
@@ -33,7 +39,7 @@ from ..planning import ROOT, Plan
 from ..trace import span
 from .residency import Actions
 
-__all__ = ["UnitBuffers", "MemoryStats", "Saved", "entry"]
+__all__ = ["UnitBuffers", "Unit", "State", "MemoryStats", "Saved"]
 
 
 @dataclass
@@ -61,58 +67,157 @@ class Saved:
     offset: int
 
 
-class UnitBuffers:
-    """Per unit: the gathered buffers, the gathers in flight, and the param views."""
+class State(enum.Enum):
+    SHARDED = "sharded"  # this step's values are not gathered (a plain buffer holds no memory)
+    QUEUED = "queued"  # a prefetch is decided; it starts when there is memory for it
+    GATHERING = "gathering"  # its gathers are in flight
+    GATHERED = "gathered"  # its buffers hold this step's values
+    RELEASING = "releasing"  # evicted; its memory waits until nothing outside the engine references it
 
-    def __init__(self, plan: Plan, comm, compute_dtype: torch.dtype | None, device: torch.device, capacity: int,
-                 on_extra_gather: Callable[[str, str], None] | None = None):
-        self.plan, self.comm, self.compute_dtype, self.device = plan, comm, compute_dtype, device
-        self.capacity, self.on_extra_gather = capacity, on_extra_gather
+
+_RESIDENT = (State.GATHERING, State.GATHERED)
+
+
+class Unit:
+    """One FSDP unit's gathered side (see the module doc).
+
+    ``buffer[b]`` is bucket ``b``'s full flat buffer (views read it); ``target[b]`` is the same
+    memory as a tensor with a version counter of its own, which collectives write: a re-gather
+    into memory whose old views the loss function still holds (the same values again) must not
+    count as an in-place change of those views. ``plain`` lists the buckets whose memory is
+    allocated per gather (the others are master shards or shared memory, always there)."""
+
+    def __init__(self, name: str, buckets: list[int], plain: list[int], layout: list[tuple], frozen: list[int]):
+        self.name, self.buckets, self.plain = name, buckets, plain
+        self.layout, self.frozen = layout, frozen  # each param's (bucket, shape, stride, offset); frozen positions
+        self.buffer: dict[int, torch.Tensor] = {}
+        self.target: dict[int, torch.Tensor] = {}
+        self.state = State.SHARDED
+        self.handles: list = []  # gathers in flight
+        self.landed_at = 0.0  # when its last gather landed (``unreferenced``)
+        self.handed: list[weakref.ref] = []  # the param tensors handed out (only their liveness matters)
+        self.holds_memory = False  # whether its gathered memory is counted as held (``MemoryStats``)
+        self.gathered_in_phase = False  # gathered in this forward or backward (a second gather is an extra one)
+        self.queued_phase = ""  # the phase a QUEUED prefetch was decided in
+
+    @property
+    def freeable(self) -> bool:
+        return bool(self.plain)
+
+    def views(self) -> list[torch.Tensor]:
+        """Its params as views of its buffers (as_strided takes the offset in the whole storage:
+        shared buffers start inside one)."""
+        buf = self.buffer
+        return [buf[b].as_strided(shape, stride, buf[b].storage_offset() + off) for b, shape, stride, off in self.layout]
+
+    def hand_out(self, views) -> None:
+        if self.freeable:
+            self.handed.extend(weakref.ref(v) for v in views)
+
+    def views_alive(self) -> bool:
+        return any(ref() is not None for ref in self.handed)
+
+    def start(self, comm, shards: list[torch.Tensor], nbytes: list[int]) -> int:
+        """Start its gathers (allocating plain memory first); the bytes it allocated."""
+        allocated = 0
+        with span("hpf/gather", self.name):
+            for b in self.buckets:
+                if b not in self.target:  # (a master shard: nothing to gather)
+                    continue
+                st = self.buffer[b].untyped_storage()
+                if b in self.plain and st.nbytes() == 0:
+                    st.resize_(nbytes[b])
+                    allocated += nbytes[b]
+                self.handles.append(comm.all_gather(b, self.target[b], shards[b]))
+        self.state = State.GATHERING if self.handles else State.GATHERED
+        return allocated
+
+    def land(self) -> float:
+        """Wait for its gathers in flight; the seconds spent waiting."""
+        if not self.handles:
+            return 0.0
+        t = time.perf_counter()
+        with span("hpf/wait all-gather"):
+            for h in self.handles:
+                wait(h, f"the all-gather of {self.name}")
+        self.handles.clear()
+        self.landed_at = time.perf_counter()
+        if self.state is State.GATHERING:
+            self.state = State.GATHERED
+        return self.landed_at - t
+
+    def evict(self) -> None:
+        """Its values are no longer this step's: a plain unit's memory waits to be freed."""
+        if self.state in _RESIDENT:
+            self.state = State.RELEASING if self.freeable else State.SHARDED
+
+    def unreferenced(self, own_refs: dict[int, int]) -> bool:
+        """Whether nothing outside the engine references its plain memory. A gather that has
+        landed may still be referenced by its backend's worker thread for a moment (gloo's,
+        measured: up to 0.5 ms at load 5), so a surplus gets until ``_SETTLE_S`` after the landing
+        to go; one that lasts longer is the loss function's (a kept view), and keeps the memory."""
+        deadline = self.landed_at + _SETTLE_S
+        while any(_use_count(self.buffer[b]) > own_refs[b] for b in self.plain):
+            if time.perf_counter() > deadline:
+                return False
+            time.sleep(1e-4)
+        return True
+
+    def free(self) -> int:
+        """RELEASING -> SHARDED: free its plain memory; the bytes freed."""
+        freed = 0
+        for b in self.plain:
+            st = self.buffer[b].untyped_storage()
+            if st.nbytes():
+                freed += st.nbytes()
+                st.resize_(0)
+        self.handed.clear()
+        self.state = State.SHARDED
+        return freed
+
+
+class UnitBuffers:
+    """The units' gathered side: carries out the residency policy's actions on the ``Unit``s, and
+    accounts their memory (``stats``). ``capacity``: block units whose plain memory a prefetch
+    may allocate while others are held; ``on_wait``: told each wait on a gather, in seconds;
+    ``on_extra_gather``: told (unit, phase) of each gather beyond loop-style use."""
+
+    def __init__(self, plan: Plan, comm, compute_dtype: torch.dtype | None, capacity: int,
+                 on_wait: Callable[[float], None], on_extra_gather: Callable[[str, str], None] | None = None):
+        self.plan, self.comm, self.compute_dtype = plan, comm, compute_dtype
+        self.capacity, self.on_wait, self.on_extra_gather = capacity, on_wait, on_extra_gather
         bks = plan.buckets
-        self.unit_buckets = {u: plan.units[u].buckets for u in plan.units}
-        # Buckets every rank holds whole in the compute dtype: the buffer is the master shard.
-        self.whole = [b.shard_size == 1 and (compute_dtype is None or compute_dtype == b.dtype)
-                      and not comm.is_shared(b.index) for b in bks]
         self.shared = [comm.is_shared(b.index) for b in bks]
-        self.full: list[torch.Tensor | None] = []
-        self.nbytes: list[int] = []
+        # buckets every rank holds whole in the compute dtype: the buffer is the master shard
+        self._master = [b.shard_size == 1 and (compute_dtype is None or compute_dtype == b.dtype)
+                        and not self.shared[b.index] for b in bks]
+        self.nbytes = [0] * len(bks)
+        self.units: dict[str, Unit] = {}
+        for name, u in plan.units.items():
+            layout = [(s.bucket, s.local_shape, _strides(s.local_shape), s.offset) for b in u.buckets for s in bks[b].slots]
+            self.units[name] = Unit(name, list(u.buckets),
+                                    [b for b in u.buckets if not self._master[b] and not self.shared[b]],
+                                    layout, [i for i, (b, *_) in enumerate(layout) if bks[b].frozen])
         for b in bks:  # each plain buffer freed as soon as it is made: never the whole model at once
-            f = None if self.whole[b.index] else _own_base(comm.full_buffer(b.index, compute_dtype or b.dtype))
-            self.full.append(f)
-            self.nbytes.append(0 if f is None else f.numel() * f.element_size())
-            if f is not None and not self.shared[b.index]:
-                f.untyped_storage().resize_(0)
-        # Collectives write through a second tensor over the same memory, whose version counter
-        # is its own: a re-gather into a buffer whose old views the loss function still holds
-        # (the same values again) must not count as an in-place change of those views.
-        self.fill = [None if f is None else _own_base(f) for f in self.full]
+            if self._master[b.index]:
+                continue
+            unit = self.units[b.unit]
+            buf = unit.buffer[b.index] = _own_base(comm.full_buffer(b.index, compute_dtype or b.dtype))
+            unit.target[b.index] = _own_base(buf)
+            self.nbytes[b.index] = buf.numel() * buf.element_size()
+            if not self.shared[b.index]:
+                buf.untyped_storage().resize_(0)
         #: units whose memory an eviction can free (their saved tensors need the hooks)
-        self.freeable = {u for u, bs in self.unit_buckets.items() if any(
-            not self.whole[b] and not self.shared[b] for b in bs)}
+        self.freeable = {name for name, u in self.units.items() if u.freeable}
         # A saved tensor is recognized by its memory, not by being a view of a buffer: a compiled
         # region saves detached aliases of its param inputs (AOTAutograd detaches saved views).
-        self._bucket_of_storage = {self.full[b].untyped_storage()._cdata: b for u in self.freeable
-                                   for b in self.unit_buckets[u] if not self.whole[b] and not self.shared[b]}
-        # references the engine itself holds to each plain buffer's memory (``full``, ``fill``):
+        self._bucket_of_storage = {u.buffer[b].untyped_storage()._cdata: b for u in self.units.values() for b in u.plain}
+        # references the engine itself holds to each plain buffer's memory (``buffer``, ``target``):
         # any more are the loss function's, and keep the memory
-        self._own_refs = {b: _use_count(self.full[b]) for b in self._bucket_of_storage.values()}
-        # per unit: each param's (bucket, shape, stride, offset) in its buffer, slot order
-        self.layout = {u: [(s.bucket, s.local_shape, _strides(s.local_shape), s.offset)
-                           for b in self.unit_buckets[u] for s in bks[b].slots] for u in plan.units}
-        # per unit: the positions of its frozen params among its views (handed out without grad)
-        self.frozen_views = {u: [i for i, (b, *_) in enumerate(lay) if bks[b].frozen] for u, lay in self.layout.items()}
+        self._own_refs = {b: _use_count(u.buffer[b]) for u in self.units.values() for b in u.plain}
         self.shards: list[torch.Tensor] = []
-        self.pending: dict[str, list] = {}  # unit -> gathers in flight
-        self._landed: dict[str, float] = {}  # unit -> when its last gather landed (``_unreferenced``)
-        self.live: set[str] = set()  # units whose buffers hold this step's values
-        self.allocated: set[str] = set()  # freeable units whose plain storage is allocated
-        self.lingering: dict[str, None] = {}  # evicted units whose storage waits for their views to die
-        self.handed: dict[str, list] = {}  # unit -> weak references to the param views handed out
+        self._queue: list[Unit] = []  # QUEUED units, in the order their prefetches were decided
         self.stats = MemoryStats()
-        self._held: set[str] = set()  # units whose gathered memory is held now
-        self.deferred: list[tuple[str, str]] = []  # prefetches decided, waiting for memory (in order)
-        self._gathered: set[str] = set()  # units gathered in this phase (forward, then backward)
-        self.wait_s = 0.0  # seconds compute spent blocked on collectives (the engine takes it)
 
     # -- shards ---------------------------------------------------------------------------------------
     def set_shards(self, masters: list[torch.Tensor], keep: set[str] = frozenset()) -> None:
@@ -122,11 +227,10 @@ class UnitBuffers:
         with span("hpf/cast shards"):
             self.shards = [old[b] if old and self.plan.buckets[b].unit in keep
                            else (m if cdt is None or m.dtype == cdt else m.to(cdt)) for b, m in enumerate(masters)]
-        for b, whole in enumerate(self.whole):
-            if whole:
-                self.full[b] = masters[b]
+        for b, master in enumerate(self._master):
+            if master:
+                self.units[self.plan.buckets[b].unit].buffer[b] = masters[b]
 
-    # -- gather, wait, release --------------------------------------------------------------------------
     # -- the residency policy's actions ---------------------------------------------------------------
     def apply(self, acts: Actions, phase: str) -> None:
         """Carry out the policy's actions. A prefetch waits for memory (an evicted unit whose
@@ -135,281 +239,143 @@ class UnitBuffers:
         may delay when a gather starts, never what is gathered or in which order. Each gather
         is recorded in the schedule log when decided."""
         if acts.evict:
-            self.flush(force=True)
+            self.start_queued()
             for u in acts.evict:
-                self.release(u)
+                self.evict(u)
         for u in acts.gather:
-            self.flush(force=True)
+            self.start_queued()
             LOG.record("all-gather", u, phase == "backward")
-            self._start(u, phase)
+            self._start(self.units[u], phase)
         for u in acts.prefetch:
             LOG.record("all-gather", u, phase == "backward")
-            self.deferred.append((u, phase))
-        self.flush(force=False)
+            unit = self.units[u]
+            unit.state, unit.queued_phase = State.QUEUED, phase
+            self._queue.append(unit)
+        self.start_queued(when_free=True)
 
-    def flush(self, force: bool) -> None:
-        """Start the deferred prefetches: all of them (``force``), or those there is memory for."""
-        if not self.deferred:
+    def start_queued(self, when_free: bool = False) -> None:
+        """Start the queued prefetches: all of them, or (``when_free``) those there is memory for."""
+        if not self._queue:
             return
-        if not force:
-            self.free_lingering()
-        while self.deferred and (force or len(self.allocated - {ROOT}) < self.capacity):
-            self._start(*self.deferred.pop(0))
+        if when_free:
+            self.free_released()
+        while self._queue and (not when_free or self._held_blocks() < self.capacity):
+            unit = self._queue.pop(0)
+            self._start(unit, unit.queued_phase)
 
-    def new_phase(self, gathered: set[str]) -> None:
-        """Forward or backward begins with ``gathered`` in place (a second gather of a unit in one
+    @property
+    def queued(self) -> bool:
+        return bool(self._queue)
+
+    def drop_queue(self) -> None:
+        """Forget the queued prefetches (after an error)."""
+        for unit in self._queue:
+            unit.state = State.RELEASING if unit.holds_memory and unit.freeable else State.SHARDED
+        self._queue.clear()
+
+    def _held_blocks(self) -> int:
+        return sum(u.holds_memory and u.freeable for name, u in self.units.items() if name != ROOT)
+
+    def new_phase(self) -> None:
+        """Forward or backward begins with what is resident now (a second gather of a unit in one
         phase is an extra one: reported, and warned of in validation mode)."""
-        self._gathered = gathered
+        for u in self.units.values():
+            u.gathered_in_phase = u.state in _RESIDENT
 
-    def _start(self, unit: str, phase: str) -> None:
-        if unit in self._gathered:
+    def _start(self, unit: Unit, phase: str) -> None:
+        if unit.gathered_in_phase:
             self.stats.extra_gathers += 1
             if self.on_extra_gather is not None:
-                self.on_extra_gather(unit, phase)
-        self._gathered.add(unit)
-        self.gather(unit)
+                self.on_extra_gather(unit.name, phase)
+        unit.gathered_in_phase = True
+        allocated = unit.start(self.comm, self.shards, self.nbytes)
+        s = self.stats
+        s.gathers += 1
+        if unit.target:  # (a unit of master shards only holds nothing of its own)
+            s.live_bytes += allocated
+            s.peak_bytes = max(s.peak_bytes, s.live_bytes)
+            unit.holds_memory = True
+            s.live_blocks = self._live_blocks()
+            s.peak_blocks = max(s.peak_blocks, s.live_blocks)
 
-    def gather(self, unit: str) -> None:
-        """Start gathering ``unit`` into its buffers (``apply`` recorded it in the schedule log)."""
-        self.lingering.pop(unit, None)  # (evicted, still held, not yet freed: gathered into the same memory)
-        handles = self.pending.setdefault(unit, [])
-        with span("hpf/gather", unit):
-            for b in self.unit_buckets[unit]:
-                if self.whole[b]:
-                    continue
-                full = self.full[b]
-                if not self.shared[b] and full.untyped_storage().nbytes() == 0:
-                    full.untyped_storage().resize_(self.nbytes[b])
-                    self._account(unit, self.nbytes[b])
-                    self.allocated.add(unit)
-                elif self.shared[b]:
-                    self._account(unit, 0)
-                handles.append(self.comm.all_gather(b, self.fill[b], self.shards[b]))
-        self.live.add(unit)
-        self.stats.gathers += 1
+    def wait(self, name: str) -> None:
+        """Wait for unit ``name``'s gathers (started first if still queued)."""
+        unit = self.units[name]
+        if unit.state is State.QUEUED:
+            self.start_queued()
+        self.on_wait(unit.land())
 
-    def wait(self, unit: str) -> None:
-        """Wait for ``unit``'s gathers in flight (started first if still deferred)."""
-        if any(u == unit for u, _ in self.deferred):
-            self.flush(force=True)
-        handles = self.pending.pop(unit, None)
-        if handles:
-            t = time.perf_counter()
-            with span("hpf/wait all-gather"):
-                for h in handles:
-                    wait(h, f"the all-gather of {unit}")
-            self._landed[unit] = time.perf_counter()
-            self.wait_s += time.perf_counter() - t
+    def evict(self, name: str) -> None:
+        """Evict unit ``name``. Its plain memory is freed now, or, while a param tensor handed out
+        for it is alive, the first time ``free_released`` finds them all dead."""
+        unit = self.units[name]
+        unit.evict()
+        if unit.state is State.RELEASING:
+            self.free_released()
 
-    def wait_all(self) -> None:
-        for unit in list(self.pending):
-            self.wait(unit)
-
-    def release(self, unit: str) -> None:
-        """Evict ``unit``. Its plain storage is freed now, or, while a param tensor handed out for
-        it is alive, the first time ``free_lingering`` finds them all dead."""
-        self.live.discard(unit)
-        if unit in self.freeable:
-            self.lingering[unit] = None
-            self.free_lingering()
-
-    def free_lingering(self, force: bool = False) -> None:
-        """Free the storage of evicted units that nothing holds any more (``force``: the step is
-        over, and param tensors kept past it become NaN, ``_poison``). A unit whose next gather
-        is already decided (a deferred prefetch) keeps its memory, and so does one whose memory
-        anything outside the engine still references (a view of a param, a kept tensor)."""
-        deferred = {u for u, _ in self.deferred}
-        for unit in list(self.lingering):
-            if unit in deferred or (not force and any(ref() is not None for ref in self.handed.get(unit, ()))):
+    def free_released(self, force: bool = False) -> None:
+        """Free the memory of evicted units that nothing holds any more (``force``: the step is
+        over, and param tensors kept past it become NaN, ``_poison``). A unit whose memory
+        anything outside the engine still references (a view of a param, a kept tensor) keeps it."""
+        for unit in self.units.values():
+            if unit.state is not State.RELEASING or (not force and unit.views_alive()):
                 continue
             if force:
-                _poison([ref() for ref in self.handed.get(unit, ())])
-            if unit in self.pending:  # a gather still writing into it (every rank issued it: it lands)
-                self.wait(unit)
-            plain = [b for b in self.unit_buckets[unit] if not self.whole[b] and not self.shared[b]]
-            if not self._unreferenced(unit, plain):
-                continue
-            del self.lingering[unit]
-            self.handed.pop(unit, None)
-            for b in plain:
-                st = self.full[b].untyped_storage()
-                if st.nbytes():
-                    st.resize_(0)
-                    self._account(unit, -self.nbytes[b])
-            self.allocated.discard(unit)
-            self._held.discard(unit)
-            self.stats.live_blocks = len(self._held - {ROOT})
+                _poison([ref() for ref in unit.handed])
+            self.on_wait(unit.land())  # (a gather still writing into it: every rank issued it, so it lands)
+            if unit.unreferenced(self._own_refs):
+                self.stats.live_bytes -= unit.free()
+                unit.holds_memory = False
+                self.stats.live_blocks = self._live_blocks()
 
-    def _unreferenced(self, unit: str, buckets: list[int]) -> bool:
-        """Whether nothing outside the engine references these buffers' memory. A gather that has
-        landed may still be referenced by its backend's worker thread for a moment (gloo's,
-        measured: up to 0.5 ms at load 5), so a surplus gets until ``_SETTLE_S`` after the landing
-        to go; one that lasts longer is the loss function's (a kept view), and keeps the memory."""
-        deadline = self._landed.get(unit, 0.0) + _SETTLE_S
-        while any(_use_count(self.full[b]) > self._own_refs[b] for b in buckets):
-            if time.perf_counter() > deadline:
-                return False
-            time.sleep(1e-4)
-        return True
+    def land_all(self) -> None:
+        """Start every queued gather and wait for every gather in flight."""
+        self.start_queued()
+        self.on_wait(sum(u.land() for u in self.units.values()))
 
-    def free_all(self) -> None:
-        """Free every plain buffer, held or not (the step is over)."""
-        for unit in self.allocated:
-            self.lingering[unit] = None
-        self.free_lingering(force=True)
+    def settle(self) -> None:
+        """The step is over: land every gather, then evict and free every unit, held or not
+        (the engine holds nothing)."""
+        self.land_all()
+        for unit in self.units.values():
+            if unit.state in _RESIDENT:
+                unit.evict()
+            if unit.freeable and unit.holds_memory:
+                unit.state = State.RELEASING
+        self.free_released(force=True)
 
-    def _account(self, unit: str, nbytes: int) -> None:
-        s = self.stats
-        s.live_bytes += nbytes
-        s.peak_bytes = max(s.peak_bytes, s.live_bytes)
-        self._held.add(unit)
-        s.live_blocks = len(self._held - {ROOT})
-        s.peak_blocks = max(s.peak_blocks, s.live_blocks)
+    def resident(self) -> set[str]:
+        return {name for name, u in self.units.items() if u.state in _RESIDENT}
 
-    # -- the params the loss function sees ------------------------------------------------------------
-    def views(self, unit: str) -> list[torch.Tensor]:
-        full = self.full  # (as_strided takes the offset in the whole storage: shared buffers start inside one)
-        return [full[b].as_strided(shape, stride, full[b].storage_offset() + off)
-                for b, shape, stride, off in self.layout[unit]]
-
-    def hand_out(self, unit: str, views) -> None:
-        """Remember the views given to the loss function (only their liveness matters)."""
-        if unit in self.freeable:
-            refs = self.handed.setdefault(unit, [])
-            refs.extend(weakref.ref(v) for v in views)
+    def _live_blocks(self) -> int:
+        return sum(u.holds_memory for name, u in self.units.items() if name != ROOT)
 
     # -- saved-tensor hooks -----------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
+        """A tensor autograd saves: a unit's param as a ``Saved`` description, anything else as it is."""
+        if self._queue:  # (between reads: the last unit's param tensors may have died by now)
+            self.start_queued(when_free=True)
         try:
             b = self._bucket_of_storage.get(t.untyped_storage()._cdata)
         except (RuntimeError, NotImplementedError):  # (a tensor with no storage of its own: never a param)
             return t
-        if b is None or t.dtype != self.full[b].dtype:  # (not a unit's, or reinterpreted: held as it is)
+        if b is None:
             return t
-        return Saved(self.plan.buckets[b].unit, b, tuple(t.shape), t.stride(), t.storage_offset())
+        unit = self.plan.buckets[b].unit
+        if t.dtype != self.units[unit].buffer[b].dtype:  # (reinterpreted: held as it is)
+            return t
+        return Saved(unit, b, tuple(t.shape), t.stride(), t.storage_offset())
 
-    def unpack(self, saved: Saved) -> torch.Tensor:
-        """A saved tensor again, over its unit's buffer (gathered: the engine waited for it)."""
-        return self.full[saved.bucket].as_strided(saved.shape, saved.stride, saved.offset)
-
-
-class _Entry(torch.autograd.Function):
-    """One read of a unit: its params as views of its buffers; backward hands the grads to the
-    engine's reducer. The plain form: no per-call signature binding (half the cost)."""
-
-    @staticmethod
-    def forward(ctx, anchor, engine, unit):  # noqa: ARG004 - anchor only makes backward run
-        ctx.engine, ctx.unit, ctx.stamp = engine, unit, engine.micro_batches
-        views = tuple(engine.buffers.views(unit))
-        frozen = engine.buffers.frozen_views[unit]
-        if frozen:
-            ctx.mark_non_differentiable(*(views[i] for i in frozen))
-        return views
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.engine.entry_done(ctx.unit, grads, ctx.stamp)
-        return None, None, None
+    def unpack(self, saved: Any, regather: Callable[[str], Any]) -> torch.Tensor:
+        """A saved tensor again: a ``Saved`` one over its unit's buffer, once ``regather`` (the
+        engine's: per the residency policy) has gathered the unit again."""
+        if type(saved) is not Saved:
+            return saved
+        regather(saved.unit)
+        return self.units[saved.unit].buffer[saved.bucket].as_strided(saved.shape, saved.stride, saved.offset)
 
 
-class _FuncEntry(torch.autograd.Function):
-    """The same entry for reads under torch.func transforms (vmap, grad, jvp inside loss_fn),
-    which need ``setup_context`` and a vmap rule."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(anchor, engine, unit):  # noqa: ARG004
-        return tuple(engine.buffers.views(unit))
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.engine, ctx.unit = inputs[1], inputs[2]
-        ctx.stamp = ctx.engine.micro_batches
-        frozen = ctx.engine.buffers.frozen_views[ctx.unit]
-        if frozen:
-            ctx.mark_non_differentiable(*(output[i] for i in frozen))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.engine.entry_done(ctx.unit, grads, ctx.stamp)
-        return None, None, None
-
-    @staticmethod
-    def jvp(ctx, *tangents):  # noqa: ARG004 - the params do not depend on the anchor
-        return tuple(torch.zeros_like(v) for v in ctx.engine.buffers.views(ctx.unit))
-
-
-class _Rematerialized(torch.autograd.Function):
-    """A block ``fn(unit's params, *args)`` that keeps only ``args`` for backward, which gathers
-    the unit again and recomputes ``fn`` under ``torch.func.vjp`` (saved-tensor hooks cannot
-    free params under torch.func transforms, so nothing of the unit may be saved). The block's
-    float tensor outputs are the Function's; its other outputs ride in ``box``."""
-
-    @staticmethod
-    def forward(anchor, engine, unit, fn, box, *args):  # noqa: ARG004 - anchor only makes backward run
-        engine.buffers.wait(unit)
-        leaves, box.treedef = optree.tree_flatten(fn(engine.view.subtree(unit, tuple(engine.buffers.views(unit))),
-                                                      *args), none_is_leaf=True)
-        box.is_output = [_is_float(x) for x in leaves]
-        box.others = [x for x in leaves if not _is_float(x)]
-        return tuple(x for x in leaves if _is_float(x))
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, engine, unit, fn, _, *args = inputs
-        ctx.engine, ctx.unit, ctx.fn, ctx.stamp = engine, unit, fn, engine.micro_batches
-        ctx.float_args = [i for i, a in enumerate(args) if _is_float(a)]
-        ctx.args = [None if i in ctx.float_args else a for i, a in enumerate(args)]
-        ctx.save_for_backward(*(args[i] for i in ctx.float_args))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        args = list(ctx.args)
-
-        def block(views, float_args):
-            for i, a in zip(ctx.float_args, float_args):
-                args[i] = a
-            out = ctx.fn(ctx.engine.view.subtree(ctx.unit, views), *args)
-            return tuple(x for x in optree.tree_leaves(out, none_is_leaf=True) if _is_float(x))
-        with torch.no_grad():  # (first-order: no tape around the vjp, which would hold the params)
-            _, vjp = torch.func.vjp(block, ctx.engine.regather(ctx.unit), tuple(ctx.saved_tensors))
-            param_grads, arg_grads = vjp(grads)
-            del vjp
-        ctx.engine.entry_done(ctx.unit, param_grads, ctx.stamp)
-        out = [None] * (5 + len(ctx.args))
-        for i, g in zip(ctx.float_args, arg_grads):
-            out[5 + i] = g
-        return tuple(out)
-
-
-def _is_float(x) -> bool:
-    return isinstance(x, torch.Tensor) and x.is_floating_point()
-
-
-def rematerialized(engine, unit: str, fn, args: tuple):
-    """``fn(unit's params, *args)`` as a ``_Rematerialized`` block (the engine recorded the read)."""
-    box = _Box()  # (not a dict: torch.func flattens a Function's pytree inputs into copies)
-    outs = iter(_Rematerialized.apply(engine._anchor, engine, unit, fn, box, *args))
-    others = iter(box.others)
-    return optree.tree_unflatten(box.treedef, [next(outs) if t else next(others) for t in box.is_output])
-
-
-class _Box:
-    """What a ``_Rematerialized`` block returned besides its float tensors."""
-
-    treedef: Any
-    is_output: list
-    others: list
-
-
-def entry(anchor: torch.Tensor, engine, unit: str) -> tuple:
-    """A new autograd entry of ``unit``: its params as views."""
-    fn = _FuncEntry if torch._C._are_functorch_transforms_active() else _Entry
-    return fn.apply(anchor, engine, unit)
-
-
-_SETTLE_S = 0.005  # how long a landed collective's backend may hold a buffer (``_unreferenced``)
+_SETTLE_S = 0.005  # how long a landed collective's backend may hold a buffer (``Unit.unreferenced``)
 
 
 def _use_count(t: torch.Tensor) -> int:
@@ -443,4 +409,3 @@ def _own_base(buf: torch.Tensor) -> torch.Tensor:
     other unit's params, and autograd would reject them."""
     return torch.empty(0, dtype=buf.dtype, device=buf.device).set_(
         buf.untyped_storage(), buf.storage_offset(), buf.shape, buf.stride())
-
