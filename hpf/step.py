@@ -68,9 +68,7 @@ class ShardStep(StateIO):
         self._terms = 1.0  # fp16: a weighted loss's terms per micro-batch, last seen (losses.terms_divisor)
         self._timed = dict.fromkeys(("steps",) + _TIMED, 0)  # the steps' count and summed timings (for stats())
         self._closed: StepStats | None = None  # the stats at close(); set once the step is closed
-        self._early = None  # (work, grad scale): the optimizer's work begun in backward (hpf.optim.EarlyUpdate)
-        self._early_args = None  # what starting it needs, until it starts (_start_early)
-        self._attempts = 0  # calls of _compute, the same on every rank (EarlyUpdate's attempt)
+        self._early = EarlyWork()  # the optimizer's work begun in backward (hpf.optim.EarlyUpdate)
 
     def init(self, full_params: Any) -> TrainState:
         """Full params (the same on every rank) -> this rank's sharded train state.
@@ -113,13 +111,13 @@ class ShardStep(StateIO):
                 decision = self._compute(state, batch)
             t_opt = time.perf_counter()
             if not decision.finite:
-                self._drop_early()  # (nothing of it was applied)
+                self._early.drop()  # (nothing of it was applied)
             if decision.finite:
                 try:
                     with span("hpf/optimizer", "all"):
                         state = self._update(state, decision)
                 except BaseException as err:
-                    self._early = None
+                    self._early.forget()
                     self.engine.abort(err)
                     raise
             elif state.loss_scale is not None:
@@ -142,7 +140,7 @@ class ShardStep(StateIO):
         """The grads of the step's loss on this batch as flat shards (one per bucket, normalized
         as the update sees them, before clipping), without updating ``state``. A collective."""
         d = self._compute(state, batch, clip=False)
-        self._drop_early()
+        self._early.drop()
         return [g * d.grad_scale for g in self.grad_shards]
 
     def _compute(self, state: TrainState, batch: Any, clip: bool = True) -> Decision:
@@ -160,7 +158,8 @@ class ShardStep(StateIO):
             eng.comm.lowbit.use_feedback(state.error_feedback, scale)
         added = eng.reducer.added
         try:
-            self._start_early(state, len(micro), scale)
+            self._early.start(self.plan_optimizer, eng, self.decider, self.grad_shards, state.opt_state,
+                              len(micro), scale)
             eng.begin(state.params)
             outs = [self.forward_backward(state, mb, hold=i < len(micro) - 1, scale=scale)
                     for i, mb in enumerate(micro)]
@@ -175,64 +174,9 @@ class ShardStep(StateIO):
                 self._retune(state, decision)
             return decision
         except BaseException as err:
-            self._early = eng.reducer.on_landed = None  # (its pieces in flight carry this attempt's tags)
+            self._early.forget()
             eng.abort(err)
             raise
-
-    def _start_early(self, state: TrainState, n_micro: int, scale: float) -> None:
-        """Let the optimizer start as units' grads land (hpf.optim.EarlyUpdate). It assumes the
-        grad scale of a step that is not clipped (known once the last micro-batch's loss is:
-        ``_loss_known``); the update checks that assumption."""
-        self._drop_early()
-        self._attempts += 1
-        opt, eng = self.plan_optimizer, self.engine
-        self._early_args = None
-        if isinstance(opt, EarlyUpdate) and not eng.reducer.compute_sums:
-            self._early_args = [state.opt_state, n_micro, scale, [], None]  # (+ the counts, the guess)
-
-    def _loss_known(self, out: losses.LossOut, hold: bool) -> None:
-        """A micro-batch's loss is computed (backward is next). At the last one the update's
-        scale is known, but for hpf.weighted's global count: one all-reduce of it, started here,
-        lands while backward runs (every rank issues it at the same point)."""
-        args = self._early_args
-        if args is None:
-            return
-        opt_state, n_micro, scale, counts, _ = args
-        counts.append(out.count)
-        if hold:
-            return
-        count = None
-        if out.count is not None:
-            count = torch.tensor([sum(float(c) for c in counts)], dtype=torch.float64)
-            if world.is_distributed() and self.mesh.size > 1:
-                LOG.record("all-reduce", "the step's count, early")
-                count = (count, world.all_reduce_async(count))
-        args[4] = count
-        eng = self.engine
-        eng.reducer.on_landed = lambda unit: self._landed(eng.reducer.trained[unit])
-
-    def _landed(self, buckets: list[int]) -> None:
-        """Reducer.on_landed: start the optimizer's work on these buckets (on the first, the work)."""
-        if self._early is None:
-            opt_state, n_micro, scale, _, count = self._early_args
-            if isinstance(count, tuple):
-                schedule.wait(count[1], "the step's count all-reduce")
-                count = count[0]
-            guess = self.decider.unclipped_scale(n_micro, scale, None if count is None else float(count[0]))
-            work = self.plan_optimizer.early(self.grad_shards, opt_state, guess, self._attempts)
-            if work is None:
-                self.engine.reducer.on_landed = None
-                return
-            self._early = work, guess
-        self._early[0].landed(buckets)
-
-    def _drop_early(self) -> None:
-        """Forget the early work (a skipped step, or grads only): its communication lands first."""
-        early, self._early = self._early, None
-        if self.engine is not None:
-            self.engine.reducer.on_landed = None
-        if early is not None:
-            early[0].finish()
 
     def _retune(self, state: TrainState, decision: Decision) -> bool:
         """Whether fp16's per-term divisor changed with this step's count of terms (then a
@@ -271,7 +215,7 @@ class ShardStep(StateIO):
                 return _func_grads(eng, self.call_loss, batch, seed)
             with eng.saved_tensor_hooks():
                 out = losses.parse(self.call_loss(eng.params_tree(), batch))
-                self._loss_known(out, hold)
+                self._early.loss_known(out, hold, self.mesh.size)
                 eng.start_backward()
                 out.value.backward(None if seed == 1.0 else torch.full_like(out.value, seed))
         return out
@@ -307,12 +251,8 @@ class ShardStep(StateIO):
             params, opt_state = state.params, state.opt_state
         else:
             reads_aux = isinstance(opt, ReadsAux) and opt.aux_names()
-            early, self._early = self._early, None
-            eng.reducer.on_landed = None
-            if early is not None and early[1] != d.grad_scale:  # (clipped, or a weighted loss's count)
-                early[0].finish()
-                early = None
-            if early is not None and early[0].apply(grads, state.params, d.aux if reads_aux else None):
+            early = self._early.take(d.grad_scale)
+            if early is not None and early.apply(grads, state.params, d.aux if reads_aux else None):
                 params, opt_state = state.params, state.opt_state
             else:
                 params, opt_state = opt.update(grads, state.opt_state, state.params,
@@ -391,6 +331,80 @@ class Donation:
             raise DonatedStateError(
                 f"{op}: this state was already passed to step, which updated its buffers in place (donated, as "
                 "in JAX). Use the state the step returned: state, metrics = step(state, batch)")
+
+
+class EarlyWork:
+    """The optimizer's work begun while backward runs (hpf.optim.EarlyUpdate), for one step.
+
+    It assumes the grad scale of a step whose clip does not fire, known once the last
+    micro-batch's loss is (``loss_known``); ``take`` hands the work to the update only when the
+    decision's scale is that one, else it is dropped (its communication lands; nothing was
+    written). ``attempts`` counts the step's attempts, the same on every rank."""
+
+    def __init__(self):
+        self.work, self.scale, self.attempts, self._start = None, None, 0, None
+
+    def start(self, opt, engine: UnitEngine, decider: Decider, grads: list, opt_state, n_micro: int,
+              scale: float) -> None:
+        """A step attempt begins (its micro-batches next)."""
+        self.drop()
+        self.attempts += 1
+        self._start = None
+        if isinstance(opt, EarlyUpdate) and not engine.reducer.compute_sums:
+            self._start = [opt, engine, decider, grads, opt_state, n_micro, scale, [], None]  # (+ counts, count)
+
+    def loss_known(self, out: losses.LossOut, hold: bool, world_size: int) -> None:
+        """A micro-batch's loss is computed (its backward is next). At the last one the scale is
+        known, but for hpf.weighted's global count: one all-reduce of it, started here, lands
+        while backward runs (every rank issues it at the same point)."""
+        if self._start is None:
+            return
+        counts, engine = self._start[7], self._start[1]
+        counts.append(out.count)
+        if hold:
+            return
+        if out.count is not None:
+            count = torch.tensor([sum(float(c) for c in counts)], dtype=torch.float64)
+            if world.is_distributed() and world_size > 1:
+                LOG.record("all-reduce", "the step's count, early")
+                count = (count, world.all_reduce_async(count))
+            self._start[8] = count
+        engine.reducer.on_landed = lambda unit: self._landed(engine.reducer.trained[unit])
+
+    def _landed(self, buckets: list[int]) -> None:
+        """Reducer.on_landed: start these buckets' work (on the first, the work itself)."""
+        if self.work is None:
+            opt, engine, decider, grads, opt_state, n_micro, scale, _, count = self._start
+            if isinstance(count, tuple):
+                schedule.wait(count[1], "the step's count all-reduce")
+                count = count[0]
+            self.scale = decider.unclipped_scale(n_micro, scale, None if count is None else float(count[0]))
+            self.work = opt.early(grads, opt_state, self.scale, self.attempts)
+            if self.work is None:
+                engine.reducer.on_landed = None
+                return
+        self.work.landed(buckets)
+
+    def take(self, grad_scale: float):
+        """The work, if it assumed the decision's ``grad_scale``; else None (dropped)."""
+        work = self.work if self.scale == grad_scale else None
+        if work is None:
+            self.drop()
+        self.forget()
+        return work
+
+    def drop(self) -> None:
+        """Drop the work (a skipped step, or grads only): its communication lands first."""
+        work = self.work
+        self.forget()
+        if work is not None:
+            work.finish()
+
+    def forget(self) -> None:
+        """Forget the work, in flight or not (after an error: its pieces carry this attempt's tags)."""
+        if self._start is not None:
+            self._start[1].reducer.on_landed = None
+        self.work = self._start = None
 
 
 def _join_world(mesh: Mesh) -> None:
