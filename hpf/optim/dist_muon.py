@@ -480,20 +480,21 @@ class EarlyMuon:
     def apply(self, grads, params, aux: dict | None = None) -> bool:
         """Write the step (after the decision: ``grads`` already scaled by the step); False,
         with nothing changed, when some matrix never landed (the caller updates instead)."""
-        self.finish()
         dm, m, state = self.dm, self.dm.muon, self.state
         order = dm._momentum_order
         if len(self.bufs) != len(order):
+            self.finish()
             return False
         m.check_rates(int(state.count) + 1)
         gamma = m.qk_gamma(aux)
         state.count.add_(1)
         step = int(state.count)
-        if not self.in_place and order:
-            torch._foreach_copy_([state.exp_avg[x.bucket][x.mine] for x in order], [self.bufs[i] for i in range(len(order))])
         m.adamw.apply([params[b][s] for b, s, _ in dm.adamw], [grads[b][s] for b, s, _ in dm.adamw],
                       [state.exp_avg[b][s] for b, s, _ in dm.adamw],
-                      [state.exp_avg_sq[b][c] for b, _, c in dm.adamw], step)
+                      [state.exp_avg_sq[b][c] for b, _, c in dm.adamw], step)  # (while pieces travel)
+        self.finish()
+        if not self.in_place and order:
+            torch._foreach_copy_([state.exp_avg[x.bucket][x.mine] for x in order], [self.bufs[i] for i in range(len(order))])
         lr = schedule_value(m.lr, step)
         n_here = len(dm.local) + len(dm.owned)
         dm._apply(params, order[:n_here], [self.dirs[i][x.in_matrix] for i, x in enumerate(order[:n_here])], lr)
