@@ -66,6 +66,12 @@ class Decider:
         replicas = torch.tensor([float(plan.replicas(b)) for b in plan.buckets], dtype=torch.float64)
         return cls(world, plan.dp_size, plan.compute_size, replicas, max_grad_norm)
 
+    def unclipped_scale(self, n_micro: int, scale: float, count: float | None = None) -> float:
+        """``decide``'s grad_scale when the clip does not fire, known before it: the same float
+        (coef 1.0 over the same normalizer). ``count``: an hpf.weighted loss's global count."""
+        normalizer = count / self.n_compute if count is not None else float(self.dp_size * n_micro)
+        return 1.0 / (normalizer * scale) if normalizer else 0.0
+
     def decide(self, outs: list[losses.LossOut], grads: list[torch.Tensor], batch: Any, scale: float = 1.0,
                clip: bool = True) -> Decision:
         """``scale``: what backward's seed multiplied the losses by (beyond 1 / n_compute)."""

@@ -18,7 +18,8 @@ import torch
 from . import batching, checks, losses
 from . import tree as tree_util
 from .checks import DonatedStateError, NonFiniteError, UnusedParamsError
-from .comm import world
+from .comm import schedule, world
+from .comm.schedule import LOG
 from .comm.world import default_device
 from .comm.collectives import SPMD, spmd
 from .comm.flat import BucketComm
@@ -29,7 +30,7 @@ from .engine import UnitEngine, explain_freed, refuses_hooks
 from .engine.compiled import compile_seconds
 from .launcher import init_distributed, is_launched
 from .mesh import Mesh, MeshError
-from .optim.base import ForPlan, PartialUpdate, ReadsAux
+from .optim.base import EarlyUpdate, ForPlan, PartialUpdate, ReadsAux
 from .planning import Plan, plan as make_plan
 from .state_io import StateIO
 from .trace import span
@@ -67,6 +68,7 @@ class ShardStep(StateIO):
         self._terms = 1.0  # fp16: a weighted loss's terms per micro-batch, last seen (losses.terms_divisor)
         self._timed = dict.fromkeys(("steps",) + _TIMED, 0)  # the steps' count and summed timings (for stats())
         self._closed: StepStats | None = None  # the stats at close(); set once the step is closed
+        self._early = EarlyWork()  # the optimizer's work begun in backward (hpf.optim.EarlyUpdate)
 
     def init(self, full_params: Any) -> TrainState:
         """Full params (the same on every rank) -> this rank's sharded train state.
@@ -108,11 +110,14 @@ class ShardStep(StateIO):
             if not decision.finite and self._retune(state, decision):  # a first step's overflow, not the grads'
                 decision = self._compute(state, batch)
             t_opt = time.perf_counter()
+            if not decision.finite:
+                self._early.drop()  # (nothing of it was applied)
             if decision.finite:
                 try:
                     with span("hpf/optimizer", "all"):
                         state = self._update(state, decision)
                 except BaseException as err:
+                    self._early.forget()
                     self.engine.abort(err)
                     raise
             elif state.loss_scale is not None:
@@ -135,6 +140,7 @@ class ShardStep(StateIO):
         """The grads of the step's loss on this batch as flat shards (one per bucket, normalized
         as the update sees them, before clipping), without updating ``state``. A collective."""
         d = self._compute(state, batch, clip=False)
+        self._early.drop()
         return [g * d.grad_scale for g in self.grad_shards]
 
     def _compute(self, state: TrainState, batch: Any, clip: bool = True) -> Decision:
@@ -152,6 +158,8 @@ class ShardStep(StateIO):
             eng.comm.lowbit.use_feedback(state.error_feedback, scale)
         added = eng.reducer.added
         try:
+            self._early.start(self.plan_optimizer, eng, self.decider, self.grad_shards, state.opt_state,
+                              len(micro), scale)
             eng.begin(state.params)
             outs = [self.forward_backward(state, mb, hold=i < len(micro) - 1, scale=scale)
                     for i, mb in enumerate(micro)]
@@ -166,6 +174,7 @@ class ShardStep(StateIO):
                 self._retune(state, decision)
             return decision
         except BaseException as err:
+            self._early.forget()
             eng.abort(err)
             raise
 
@@ -206,6 +215,7 @@ class ShardStep(StateIO):
                 return _func_grads(eng, self.call_loss, batch, seed)
             with eng.saved_tensor_hooks():
                 out = losses.parse(self.call_loss(eng.params_tree(), batch))
+                self._early.loss_known(out, hold, self.mesh.size)
                 eng.start_backward()
                 out.value.backward(None if seed == 1.0 else torch.full_like(out.value, seed))
         return out
@@ -241,8 +251,12 @@ class ShardStep(StateIO):
             params, opt_state = state.params, state.opt_state
         else:
             reads_aux = isinstance(opt, ReadsAux) and opt.aux_names()
-            params, opt_state = opt.update(grads, state.opt_state, state.params,
-                                           **({"aux": d.aux} if reads_aux else {}))
+            early = self._early.take(d.grad_scale)
+            if early is not None and early.apply(grads, state.params, d.aux if reads_aux else None):
+                params, opt_state = state.params, state.opt_state
+            else:
+                params, opt_state = opt.update(grads, state.opt_state, state.params,
+                                               **({"aux": d.aux} if reads_aux else {}))
             eng.prefetch(params)
         if state.loss_scale is not None:
             self.config.loss_scale.update(state.loss_scale, finite=True)
@@ -317,6 +331,80 @@ class Donation:
             raise DonatedStateError(
                 f"{op}: this state was already passed to step, which updated its buffers in place (donated, as "
                 "in JAX). Use the state the step returned: state, metrics = step(state, batch)")
+
+
+class EarlyWork:
+    """The optimizer's work begun while backward runs (hpf.optim.EarlyUpdate), for one step.
+
+    It assumes the grad scale of a step whose clip does not fire, known once the last
+    micro-batch's loss is (``loss_known``); ``take`` hands the work to the update only when the
+    decision's scale is that one, else it is dropped (its communication lands; nothing was
+    written). ``attempts`` counts the step's attempts, the same on every rank."""
+
+    def __init__(self):
+        self.work, self.scale, self.attempts, self._start = None, None, 0, None
+
+    def start(self, opt, engine: UnitEngine, decider: Decider, grads: list, opt_state, n_micro: int,
+              scale: float) -> None:
+        """A step attempt begins (its micro-batches next)."""
+        self.drop()
+        self.attempts += 1
+        self._start = None
+        if isinstance(opt, EarlyUpdate) and not engine.reducer.compute_sums:
+            self._start = [opt, engine, decider, grads, opt_state, n_micro, scale, [], None]  # (+ counts, count)
+
+    def loss_known(self, out: losses.LossOut, hold: bool, world_size: int) -> None:
+        """A micro-batch's loss is computed (its backward is next). At the last one the scale is
+        known, but for hpf.weighted's global count: one all-reduce of it, started here, lands
+        while backward runs (every rank issues it at the same point)."""
+        if self._start is None:
+            return
+        counts, engine = self._start[7], self._start[1]
+        counts.append(out.count)
+        if hold:
+            return
+        if out.count is not None:
+            count = torch.tensor([sum(float(c) for c in counts)], dtype=torch.float64)
+            if world.is_distributed() and world_size > 1:
+                LOG.record("all-reduce", "the step's count, early")
+                count = (count, world.all_reduce_async(count))
+            self._start[8] = count
+        engine.reducer.on_landed = lambda unit: self._landed(engine.reducer.trained[unit])
+
+    def _landed(self, buckets: list[int]) -> None:
+        """Reducer.on_landed: start these buckets' work (on the first, the work itself)."""
+        if self.work is None:
+            opt, engine, decider, grads, opt_state, n_micro, scale, _, count = self._start
+            if isinstance(count, tuple):
+                schedule.wait(count[1], "the step's count all-reduce")
+                count = count[0]
+            self.scale = decider.unclipped_scale(n_micro, scale, None if count is None else float(count[0]))
+            self.work = opt.early(grads, opt_state, self.scale, self.attempts)
+            if self.work is None:
+                engine.reducer.on_landed = None
+                return
+        self.work.landed(buckets)
+
+    def take(self, grad_scale: float):
+        """The work, if it assumed the decision's ``grad_scale``; else None (dropped)."""
+        work = self.work if self.scale == grad_scale else None
+        if work is None:
+            self.drop()
+        self.forget()
+        return work
+
+    def drop(self) -> None:
+        """Drop the work (a skipped step, or grads only): its communication lands first."""
+        work = self.work
+        self.forget()
+        if work is not None:
+            work.finish()
+
+    def forget(self) -> None:
+        """Forget the work, in flight or not (after an error: its pieces carry this attempt's tags)."""
+        if self._start is not None:
+            self._start[1].reducer.on_landed = None
+        self.work = self._start = None
 
 
 def _join_world(mesh: Mesh) -> None:

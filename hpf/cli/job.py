@@ -80,6 +80,8 @@ class TrainJob:
     compile: bool = _option(INHERITED, False)  # each block torch.compile'd
     bucket_bytes: int = _option(INHERITED, 0)  # two-tier's cap on one fused collective
     slow_precision: str | None = _option(INHERITED, None)  # "W,G" of the low-bit slow tier
+    ns_variant: str = _option(FIXED, "standard")  # Muon's Newton-Schulz iteration
+    qk_clip: float | None = _option(FIXED, None)  # Muon's QK-Clip threshold
     stop_at: float | None = None  # --timeout: the wall-clock time (time.time()) after which the run stops cleanly
 
     def model_config(self):
@@ -125,13 +127,15 @@ def make_step(job: TrainJob, mesh: hpf.Mesh):
 
     def lr(peak: float) -> Schedule:
         return Schedule(job.schedule, peak, total_steps=job.steps, warmup=job.warmup)
+    qk = dict(qk_clip=job.qk_clip, qk_heads=module.qk_heads(config)) if job.qk_clip else {}
     if job.optimizer == "muon":  # AdamW at the config's AdamW lr for embeddings, head and vectors
-        optimizer = hpf.optim.muon(lr=lr(job.lr), adamw_lr=lr(defaults(job.config)[0]))
+        optimizer = hpf.optim.muon(lr=lr(job.lr), adamw_lr=lr(defaults(job.config)[0]), ns_variant=job.ns_variant,
+                                   **qk)
     else:
         optimizer = hpf.optim.adamw(lr=lr(job.lr), weight_decay_mask=hpf.optim.default_weight_decay_mask)
     # token-weighted: the step's loss is the global token mean, over micro-batches and ranks;
     # a model with a training-loop Balancer (moe) returns its aux counts and takes --ep-axis
-    how = dict(recompute=job.recompute, weighted=True, compile=job.compile)
+    how = dict(recompute=job.recompute, weighted=True, compile=job.compile, **({"max_logits": True} if qk else {}))
     loss_fn = (module.loss_for(config, job.ep_axis, aux=True, **how) if hasattr(module, "Balancer")
                else module.loss_for(config, **how))
     return hpf.shard_step(loss_fn, mesh=mesh, optimizer=optimizer, accumulate=job.accumulate,

@@ -30,7 +30,7 @@ from hpf.cli.plan import plan_of, report_of
 from hpf.cli.search import add_options as add_search_options, apply_plan, check_plan_flags
 from hpf.launcher import Terminated, init_distributed, is_launched, launch, rank, shutdown, world_size
 from hpf.memory import machine_memory, predict, size
-from hpf.models import model_config
+from hpf.models import MODELS, model_config
 from hpf.models.recompute import RECOMPUTE
 from hpf.optim.schedules import NAMES as SCHEDULES
 from hpf.plots import breakdown, missing_matplotlib, save_plots
@@ -125,6 +125,7 @@ def cmd_train(args) -> int:
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", mesh.size)) if torchrun else mesh.size
     plan_note = apply_plan(args, mesh, local_ranks) if args.plan else None
     vocab_size = _check_data_options(args)
+    _check_muon_options(args)
     warmup_note, plots = _check_run_options(args, mesh, vocab_size, torchrun, lead)
     job = TrainJob(**{**{k: getattr(args, k) for k in train_options()}, "data": str(args.data) if args.data else None,
                       "eval_every": args.eval_every or 0, "save_every": args.save_every or 0},
@@ -263,6 +264,18 @@ def _make_folder(folder: str | None, option: str) -> None:
         raise CliError(f"{option} {folder} cannot be made ({e.strerror}); pick a folder you can write to") from None
 
 
+def _check_muon_options(args) -> None:
+    """--ns-variant and --qk-clip act on Muon only; QK-Clip needs a model that reports its logits."""
+    asked = [f for f, on in (("--ns-variant", args.ns_variant != "standard"), ("--qk-clip", args.qk_clip))
+             if on]
+    if asked and args.optimizer != "muon":
+        raise CliError(f"{' and '.join(asked)} set Muon's options, but --optimizer is {args.optimizer}; pass "
+                       "--optimizer muon, or drop them")
+    if args.qk_clip and not hasattr(MODELS[args.model], "qk_heads"):
+        raise CliError(f"--qk-clip: --model {args.model} does not report its attention logits (no qk_heads); "
+                       "use it with gpt or llama")
+
+
 def _check_data_options(args) -> int | None:
     """The vocab of --data (None without it), after checking the data options together."""
     if args.eval_every and not args.data:
@@ -365,6 +378,13 @@ def add_parser(sub, help_: str):
     train.add_argument("--compile", action="store_true", default=False,
                        help="torch.compile each block (compiled once, on the first step: its compile time is "
                             "in the progress line and metrics.jsonl's compile_s)")
+    train.add_argument("--ns-variant", choices=("standard", "gram", "auto"), default="standard",
+                       help="with --optimizer muon: Newton-Schulz's iteration; gram has fewer FLOPs on rectangular "
+                            "matrices, auto picks per shape (hpf.optim.muon's ns_variant; default: standard)")
+    train.add_argument("--qk-clip", type=positive(float), metavar="TAU",
+                       help="with --optimizer muon: QK-Clip (Kimi K2's MuonClip): after each update, scale the query "
+                            "and key weights of every head whose max attention logit exceeded TAU (gpt, llama; "
+                            "default: off)")
     add_search_options(train, train=True)
     train.add_argument("--mode", choices=tuple(STEPS), default="production",
                        help="validate runs the same plan with layout checks on every op (default: production)")

@@ -21,6 +21,12 @@ so backward never waits on them, however slow the slow tier.
 
 With gradient accumulation, every micro-batch but the last keeps its sums here (``hold``) and
 communicates nothing; the last adds them in and reduces once.
+
+``on_landed(unit)``, when set, is called once a unit's reductions have landed, in reduction
+order (the reductions are waited for oldest first), so an optimizer can start on that unit's
+final grads while backward goes on (hpf.optim.EarlyUpdate): at the end of the entry's backward
+that found it landed, after any reduction that entry issues. Never for units whose grads wait
+for the partial-sum all-reduce of ``compute_sums``: those are final only after ``wait``.
 """
 from __future__ import annotations
 
@@ -60,13 +66,16 @@ class Reducer:
         self._complete: set[str] = set()
         self._next = 0
         # per unit reduced, oldest first: whether its flat grads are its own memory (not shared memory's),
-        # and its buckets' handles not yet landed
-        self._in_flight: deque[tuple[bool, list]] = deque()
+        # its buckets' handles not yet landed, and the unit
+        self._in_flight: deque[tuple[bool, list, str]] = deque()
         self._held: dict[int, torch.Tensor] = {}
         self.hold = False
         self.added = 0  # entries whose grads arrived, ever (the step checks that a loss reached some param)
         self._before_issue = before_issue  # the engine's deferred gathers go first: one schedule
         self._on_wait = on_wait  # seconds blocked on a reduction in backward (the engine's comm wait)
+        self.on_landed = None  # (unit) -> None: the module doc; the step sets it per step
+        self.landed_s = 0.0  # seconds spent in on_landed, ever (not counted as waiting)
+        self._to_tell: list[str] = []  # units landed, on_landed not yet run
 
     def start(self, grad_shards: list[torch.Tensor], order: list[str], hold: bool) -> None:
         """A micro-batch starts; ``hold``: keep its sums for the next one instead of reducing."""
@@ -76,6 +85,7 @@ class Reducer:
         self._complete.clear()
         self._next = 0
         self.landed_order = []
+        self._to_tell.clear()
 
     def entry(self, unit: str) -> None:
         """A read of ``unit`` created an autograd entry whose backward is to come (none for a
@@ -110,9 +120,11 @@ class Reducer:
                     packed.add_(torch.cat(parts))
         self._outstanding[unit] -= 1
         if self._outstanding[unit]:
+            self._tell()
             return False
         self._complete.add(unit)
         self._issue_ready()
+        self._tell()
         return True
 
     def _issue_ready(self) -> None:
@@ -127,14 +139,20 @@ class Reducer:
 
     def wait(self) -> None:
         """Wait for every reduction of the step (then partial sums over non-FSDP axes)."""
-        handles = [h for _, unit in self._in_flight for h in unit]
-        self._in_flight.clear()
+        handles = [h for _, unit, _ in self._in_flight for h in unit]
+        busy = self.landed_s
         with span("hpf/wait reduce-scatter"):
-            for h in handles:
-                schedule.wait(h, "a gradient reduction")
+            while self._in_flight:
+                _, oldest, unit = self._in_flight[0]
+                for h in oldest:
+                    schedule.wait(h, "a gradient reduction")
+                self._in_flight.popleft()
+                self._landed(unit)
+                self._tell()
             on_device = [h for h in handles if isinstance(h, StreamWork)]
             if on_device:  # (an accelerator: the waits above ordered streams; now the CPU, so a hang is named here)
                 schedule.wait(StreamWork.settled(on_device), "the step's gradient reductions")
+        self._on_wait(busy - self.landed_s)  # (the caller times this wait: on_landed's work is not waiting)
         for b, group in self.compute_sums:
             LOG.record("all-reduce", f"partial grads of bucket {b}")
             schedule.wait(world.all_reduce_async(self.grad_shards[b], group), "a partial-grad all-reduce")
@@ -162,25 +180,43 @@ class Reducer:
             t = time.perf_counter()
             with span("hpf/wait reduce-scatter"):
                 while self._holding() >= IN_FLIGHT:
-                    _, oldest = self._in_flight.popleft()
+                    _, oldest, unit = self._in_flight.popleft()
                     while oldest:  # (popped as waited: no handle, nor its buffers, outlives its wait)
                         schedule.wait(oldest.pop(0), "a gradient reduction")
+                    self._landed(unit)
             self._on_wait(time.perf_counter() - t)
 
     def _pop_landed(self) -> None:
         """Forget the reductions that have landed, oldest first, which frees their buffers; in order
         only: a poll may start an HSDP replica all-reduce, which every rank must start in one order."""
         while self._in_flight:
-            _, oldest = self._in_flight[0]
+            _, oldest, unit = self._in_flight[0]
             while oldest and _landed(oldest[0]):
                 oldest.pop(0)
             if oldest:
                 return
             self._in_flight.popleft()
+            self._landed(unit)
+
+    def _landed(self, unit: str) -> None:
+        """``unit``'s reductions have landed: ``on_landed`` is told at the next ``_tell``."""
+        if self.on_landed is not None and not self.compute_sums:
+            self._to_tell.append(unit)
+
+    def _tell(self) -> None:
+        """Run ``on_landed`` for the units landed so far (module doc), timing it: after this
+        rank's next reduction is issued, so the optimizer's work never delays one."""
+        while self._to_tell and self.on_landed is not None:
+            unit = self._to_tell.pop(0)
+            t = time.perf_counter()
+            with span("hpf/optimizer", unit):
+                self.on_landed(unit)
+            self.landed_s += time.perf_counter() - t
+        self._to_tell.clear()  # (on_landed was unset: nobody to tell)
 
     def _holding(self) -> int:
         """Reductions in flight whose flat grads hold memory of their own."""
-        return sum(holds for holds, _ in self._in_flight)
+        return sum(holds for holds, _, _ in self._in_flight)
 
     def _grad_flat(self, b: int) -> torch.Tensor:
         bucket, shard = self.plan.buckets[b], self.grad_shards[b]
@@ -217,7 +253,7 @@ class Reducer:
                 schedule.wait(handle, "a gradient reduction")
                 handle = DONE
             handles.append(handle)
-        self._in_flight.append((not all(self.shared[b] for b in buckets), handles))
+        self._in_flight.append((not all(self.shared[b] for b in buckets), handles, unit))
 
 
 def _landed(handle) -> bool:

@@ -6,10 +6,10 @@ adamw_optimizer.py and muon_optimizer.py, so no function shadows a module.
 """
 from . import schedules
 from .adamw_optimizer import AdamW, AdamWState, adamw, default_weight_decay_mask
-from .base import ForPlan, Optimizer, PartialUpdate, ReadsAux, StateLayout
+from .base import EarlyUpdate, ForPlan, Optimizer, PartialUpdate, ReadsAux, StateLayout
 from .dist_muon import DistMuon
 from .muon_math import MuonState
 from .muon_optimizer import Muon, muon
 
-__all__ = ["AdamW", "AdamWState", "DistMuon", "ForPlan", "Muon", "MuonState", "Optimizer", "PartialUpdate", "ReadsAux",
+__all__ = ["AdamW", "AdamWState", "DistMuon", "EarlyUpdate", "ForPlan", "Muon", "MuonState", "Optimizer", "PartialUpdate", "ReadsAux",
            "StateLayout", "adamw", "default_weight_decay_mask", "muon", "schedules"]

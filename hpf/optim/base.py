@@ -13,12 +13,14 @@ return them. Two optional capabilities, each its own protocol that the step chec
   laid out as the param shard says which params it covers, so checkpoints can place it.
 - `ReadsAux`: an optimizer whose update reads the step's aux (Muon's QK-Clip reads the max
   attention logits); the step passes ``update(..., aux=metrics["aux"])``.
+- `EarlyUpdate`: an optimizer on flat shards that starts computing during backward, bucket by
+  bucket as grads land (distributed Muon's Newton-Schulz), and writes only after the decision.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Protocol, runtime_checkable
 
-__all__ = ["Optimizer", "PartialUpdate", "ForPlan", "StateLayout", "ReadsAux"]
+__all__ = ["Optimizer", "PartialUpdate", "ForPlan", "StateLayout", "ReadsAux", "EarlyUpdate"]
 
 
 @runtime_checkable
@@ -65,4 +67,16 @@ class ReadsAux(Protocol):
     def aux_names(self) -> tuple[str, ...]:
         """The aux names (hpf.losses) ``update(grads, state, params, aux=...)`` reads; () when none,
         and then the step calls ``update`` without aux."""
+        ...
+
+
+@runtime_checkable
+class EarlyUpdate(Protocol):
+    def early(self, grads: list, state: Any, scale: float, attempt: int) -> Any:
+        """This step's work, or None: an object with ``landed(buckets)`` (those buckets' grads in
+        ``grads`` are final, still to be multiplied by ``scale``), ``finish()`` (wait for its
+        communication; changes nothing of the caller's) and ``apply(grads, params, aux) -> bool``
+        (after the decision, with grads scaled by exactly ``scale``: the update's result, in
+        place; False when it could not, having changed nothing). ``attempt`` counts the step's
+        calls, the same on every rank. Every rank sees the same buckets land in the same order."""
         ...

@@ -225,7 +225,6 @@ class DistMuon:
         self.bytes_sent = 0  # point-to-point payload this rank sent, over all updates
         self.slow_bytes_sent = 0  # the part of it sent across the slow tier
         self.slow = plan.slow_precision
-        self._landing: list = []  # low-bit pieces received: (payload, format, destination), unpacked once they land
         tag = 0
         for b in plan.buckets:
             if b.frozen:  # not trained: no state, no update
@@ -262,6 +261,10 @@ class DistMuon:
                     self.held.append(m)
             self.adamw_numel.append(n_adamw)
         self._momentum_order = self.local + self.owned + self.held
+        self._n_tags = tag
+        self._by_bucket: dict[int, list[int]] = defaultdict(list)  # bucket -> its matrices' places in _momentum_order
+        for i, x in enumerate(self._momentum_order):
+            self._by_bucket[x.bucket].append(i)
         self.qk: list[tuple[int, slice, tuple, int, tuple]] = []  # QK-Clip: (bucket, in shard, shape, first, heads)
         if muon.qk_clip is not None:
             check_qk_heads(muon.qk_heads, {path: s.global_shape for path, s in plan.slots.items()})
@@ -295,52 +298,23 @@ class DistMuon:
         self._check(params, "params")
         self._check(grads, "grads", trained=True)
         self._check(state.exp_avg, "state.exp_avg", trained=True)
-        m = self.muon
-        m.check_rates(int(state.count) + 1)
-        gamma = m.qk_gamma(aux)
-        state.count.add_(1)
-        step = int(state.count)
-        order = self._momentum_order
-        ups = muon_momentum_([grads[x.bucket][x.mine] for x in order],
-                             [state.exp_avg[x.bucket][x.mine] for x in order], m.momentum, m.nesterov)
-        n_local, n_owned = len(self.local), len(self.owned)
-        local_ups, owned_ups, held_ups = ups[:n_local], ups[n_local:n_local + n_owned], ups[n_local + n_owned:]
-
-        # 1. holders -> owner: pieces of the momentum-updated grads; AdamW runs meanwhile.
-        dtype = self.comm_dtype or (ups[0].dtype if ups else None)
-        whole = [self._assemble(x, u, dtype) for x, u in zip(self.owned, owned_ups)]
-        pending = self._exchange(
-            sends=[(x.owner, self._wire(x.owner, "grads", u, dtype), 2 * x.tag) for x, u in zip(self.held, held_ups)],
-            recvs=[(r, self._arrival(r, "grads", buf[part]), 2 * x.tag)
-                   for x, buf in zip(self.owned, whole) for r, part in x.others])
-        m.adamw.apply([params[b][s] for b, s, _ in self.adamw], [grads[b][s] for b, s, _ in self.adamw],
-                      [state.exp_avg[b][s] for b, s, _ in self.adamw],
-                      [state.exp_avg_sq[b][c] for b, _, c in self.adamw], step)
-        self._land(pending)
-
-        # 2. one NS per matrix, same shapes batched: those wholly here and those this rank owns.
-        matrices = [u.view(x.shape) for x, u in zip(self.local, local_ups)]
-        matrices += [buf.view(x.shape).to(u.dtype) for x, buf, u in zip(self.owned, whole, owned_ups)]
-        directions = [d.reshape(-1) for d in orthogonalize(
-            matrices, ns_steps=m.ns_steps, coefficients=m.coefficients, compute_dtype=m.ns_compute_dtype,
-            variant=m.ns_variant)]
-
-        # 3. owner -> holders: their pieces of the result; this rank's own pieces update meanwhile.
-        held_dirs = [torch.empty(x.mine.stop - x.mine.start, dtype=dtype, device=u.device)
-                     for x, u in zip(self.held, held_ups)]
-        pending = self._exchange(
-            sends=[(r, self._wire(r, "weights", d[part], dtype), 2 * x.tag + 1)
-                   for x, d in zip(self.owned, directions[n_local:]) for r, part in x.others],
-            recvs=[(x.owner, self._arrival(x.owner, "weights", buf), 2 * x.tag + 1)
-                   for x, buf in zip(self.held, held_dirs)])
-        lr = schedule_value(m.lr, step)
-        here = self.local + self.owned
-        self._apply(params, here, [d[x.in_matrix] for x, d in zip(here, directions)], lr)
-        self._land(pending)
-        self._apply(params, self.held, held_dirs, lr)
-        if gamma is not None:  # each rank its own pieces: no communication
-            qk_clip_([(params[b][mine], shape, first, heads) for b, mine, shape, first, heads in self.qk], gamma)
+        self.muon.check_rates(int(state.count) + 1)
+        self.muon.qk_gamma(aux)  # (raises before anything is sent)
+        work = EarlyMuon(self, grads, state, scale=1.0, epoch=0, in_place=True)
+        work.landed(range(len(self.plan.buckets)))
+        work.apply(grads, params, aux)
         return params, state
+
+    def early(self, grads: Sequence[torch.Tensor], state: MuonState, scale: float, attempt: int
+              ) -> "EarlyMuon | None":
+        """The step's Muon work, to start while backward runs (hpf.optim.EarlyUpdate): ``landed``
+        as each unit's grads land, ``apply`` after the step's decision. ``scale``: what the step
+        will multiply the summed grads by, if it does not clip; ``attempt``: the step attempts so
+        far, the same on every rank (it keeps an abandoned attempt's pieces from pairing with
+        this one's). None when ``muon(overlap=False)`` or under a low-bit slow tier."""
+        if not self.muon.overlap or self.slow is not None:
+            return None
+        return EarlyMuon(self, grads, state, scale, epoch=1 + attempt % 64, in_place=False)
 
     def state_layout(self) -> dict[str, frozenset[str]]:
         """``exp_avg_sq`` holds AdamW's second moment of the AdamW params only (hpf.optim.StateLayout)."""
@@ -367,24 +341,24 @@ class DistMuon:
         return quantize(torch.nn.functional.pad(piece.float(), (0, -piece.numel() % self.slow.block)), fmt,
                         self.slow.block).view(-1)
 
-    def _arrival(self, peer: int, side: str, dest: torch.Tensor) -> torch.Tensor:
-        """The receive buffer for a piece from ``peer`` that lands in ``dest``."""
+    def _arrival(self, peer: int, side: str, dest: torch.Tensor, landing: list) -> torch.Tensor:
+        """The receive buffer for a piece from ``peer`` that lands in ``dest`` (a low-bit payload
+        is noted in ``landing``, to unpack once it lands)."""
         fmt = self._format(peer, side)
         if fmt is None:
             return dest
         k = self.slow.block
         buf = torch.empty(payload_bytes(dest.numel() + (-dest.numel() % k), fmt, k), dtype=torch.uint8,
                           device=dest.device)
-        self._landing.append((buf, fmt, dest))
+        landing.append((buf, fmt, dest))
         return buf
 
-    def _land(self, pending: list) -> None:
-        """Wait for an exchange; unpack its low-bit pieces into their destinations."""
+    def _land(self, pending: list, landing: list) -> None:
+        """Wait for an exchange; unpack its low-bit pieces (``landing``) into their destinations."""
         world.wait_all(pending)
-        for buf, fmt, dest in self._landing:
+        for buf, fmt, dest in landing:
             n, k = dest.numel(), self.slow.block
             dest.copy_(dequantize(buf, fmt, k, torch.empty(n + (-n % k), dtype=torch.float32, device=dest.device))[:n])
-        self._landing = []
 
     def _exchange(self, sends, recvs) -> list:
         """Post point-to-point sends and receives, each (peer global rank, tensor, tag), as one batch."""
@@ -436,3 +410,124 @@ def _check_whole_matrices(plan: Plan, slot: ParamSlot) -> None:
                 f"is split along matrix dim {dim} over the non-FSDP axes {tuple(axes)}, so no rank has "
                 f"whole matrices for Newton-Schulz. Shard that dim over FSDP axes instead, split only "
                 f"a leading batch dim (e.g. experts), or route the param to AdamW with use_adamw")
+
+
+class EarlyMuon:
+    """One step's Muon work on the plan's flat shards, begun bucket by bucket as grads land.
+
+    ``landed(buckets)``: the momentum of every Muon matrix in those buckets (into copies of the
+    state unless ``in_place``), Newton-Schulz of those wholly on this rank, and the pieces of
+    split ones posted to their owners; an owner orthogonalizes a split matrix once its pieces
+    have arrived (polled, never waited for, so backward never blocks on a peer) and posts the
+    results back. ``finish`` waits for the rest; ``apply`` writes params and state. Until
+    ``apply`` nothing the caller owns changes, so a step that is skipped drops it (``finish``
+    only). Tags are offset by ``epoch``: pieces of an attempt dropped after an error never pair
+    with a later attempt's. Every rank lands the buckets in the plan's reduction order, so each
+    posts the same pieces; p2p pairing is by peer and tag, so timing differences do not matter.
+    """
+
+    def __init__(self, dm: DistMuon, grads, state: MuonState, scale: float, epoch: int, in_place: bool):
+        self.dm, self.grads, self.state, self.scale, self.in_place = dm, grads, state, scale, in_place
+        self.tag0 = epoch * (2 * dm._n_tags + 2)
+        self.bufs: dict[int, torch.Tensor] = {}  # matrix -> its new momentum piece
+        self.dirs: dict[int, torch.Tensor] = {}  # matrix -> its direction (flat; a held piece for held ones)
+        self.waiting: list[tuple[int, torch.Tensor, list, list]] = []  # owned: (matrix, whole, receives, landing)
+        self.posted: list = []  # sends, and the held pieces' results
+        self.landing: list = []  # the held pieces' low-bit results (dm._arrival)
+        self.todo: list[tuple[int, torch.Tensor]] = []  # matrices wholly here, not yet orthogonalized
+        self.finished = False
+
+    def landed(self, buckets) -> None:
+        """The grads of ``buckets`` are final (summed and reduced): start their matrices."""
+        dm, m = self.dm, self.dm.muon
+        idx = [i for b in buckets for i in dm._by_bucket.get(b, ())]
+        order = dm._momentum_order
+        xs = [order[i] for i in idx]
+        if xs:
+            gs = [self.grads[x.bucket][x.mine] for x in xs]
+            if self.scale != 1.0:
+                gs = list(torch._foreach_mul(gs, self.scale))  # (the step scales the grads alike, in place)
+            bufs = [self.state.exp_avg[x.bucket][x.mine] for x in xs]
+            if not self.in_place:
+                bufs = [b.clone() for b in bufs]
+            ups = muon_momentum_(gs, bufs, m.momentum, m.nesterov)
+            self.bufs.update(zip(idx, bufs))
+            dtype = dm.comm_dtype or ups[0].dtype
+            self.todo += [(i, u) for i, x, u in zip(idx, xs, ups) if x.owner == -1]
+            sends, recvs = [], []
+            for i, x, u in zip(idx, xs, ups):
+                if x.owner == dm.rank:
+                    whole, landing = dm._assemble(x, u, dtype), []
+                    self.waiting.append((i, whole, dm._exchange([], [
+                        (r, dm._arrival(r, "grads", whole[part], landing), self.tag0 + 2 * x.tag)
+                        for r, part in x.others]), landing))
+                elif x.owner != -1:
+                    self.dirs[i] = torch.empty(x.mine.stop - x.mine.start, dtype=dtype, device=u.device)
+                    sends.append((x.owner, dm._wire(x.owner, "grads", u, dtype), self.tag0 + 2 * x.tag))
+                    recvs.append((x.owner, dm._arrival(x.owner, "weights", self.dirs[i], self.landing),
+                                  self.tag0 + 2 * x.tag + 1))
+            self.posted += dm._exchange(sends, recvs)
+        if not self.in_place:  # (in place, after the decision: one batched NS in finish, as many as can)
+            self._owners(wait=False)
+
+    def finish(self) -> None:
+        """Wait for every piece: owners orthogonalize what is left, every rank's results land."""
+        if not self.finished:
+            self._owners(wait=True)
+            self.dm._land(self.posted, self.landing)
+            self.posted, self.landing, self.finished = [], [], True
+
+    def apply(self, grads, params, aux: dict | None = None) -> bool:
+        """Write the step (after the decision: ``grads`` already scaled by the step); False,
+        with nothing changed, when some matrix never landed (the caller updates instead)."""
+        dm, m, state = self.dm, self.dm.muon, self.state
+        order = dm._momentum_order
+        if len(self.bufs) != len(order):
+            self.finish()
+            return False
+        m.check_rates(int(state.count) + 1)
+        gamma = m.qk_gamma(aux)
+        state.count.add_(1)
+        step = int(state.count)
+        m.adamw.apply([params[b][s] for b, s, _ in dm.adamw], [grads[b][s] for b, s, _ in dm.adamw],
+                      [state.exp_avg[b][s] for b, s, _ in dm.adamw],
+                      [state.exp_avg_sq[b][c] for b, _, c in dm.adamw], step)  # (while pieces travel)
+        self.finish()
+        if not self.in_place and order:
+            torch._foreach_copy_([state.exp_avg[x.bucket][x.mine] for x in order], [self.bufs[i] for i in range(len(order))])
+        lr = schedule_value(m.lr, step)
+        n_here = len(dm.local) + len(dm.owned)
+        dm._apply(params, order[:n_here], [self.dirs[i][x.in_matrix] for i, x in enumerate(order[:n_here])], lr)
+        dm._apply(params, order[n_here:], [self.dirs[i] for i in range(n_here, len(order))], lr)
+        if gamma is not None:  # each rank its own pieces: no communication
+            qk_clip_([(params[b][mine], shape, first, heads) for b, mine, shape, first, heads in dm.qk], gamma)
+        return True
+
+    def _owners(self, wait: bool) -> None:
+        """Orthogonalize the matrices wholly here and the owned ones whose pieces have all
+        arrived (``wait``: all of them), in one batched call, and post each holder its piece."""
+        dm = self.dm
+        ready = [w for w in self.waiting if wait or all(r.is_completed() for r in w[2])]
+        if not ready and not self.todo:
+            return
+        self.waiting = [w for w in self.waiting if not any(w is r for r in ready)]
+        for _, _, reqs, landing in ready:
+            dm._land(reqs, landing)
+        order = dm._momentum_order
+        mats = self.todo + [(i, whole.view(order[i].shape).to(self.bufs[i].dtype)) for i, whole, _, _ in ready]
+        self.todo = []
+        sends = []
+        for (i, _), d in zip(mats, self._orthogonalize([(order[i], u) for i, u in mats])):
+            self.dirs[i] = d
+            x = order[i]
+            sends += [(r, dm._wire(r, "weights", d[part], dm.comm_dtype or self.bufs[i].dtype), self.tag0 + 2 * x.tag + 1)
+                      for r, part in x.others]
+        if sends:
+            self.posted += dm._exchange(sends, [])
+
+    def _orthogonalize(self, mats: list) -> list[torch.Tensor]:
+        """Newton-Schulz of (matrix, values) pairs, same shapes batched; flat directions."""
+        m = self.dm.muon
+        return [d.reshape(-1) for d in orthogonalize(
+            [u.view(x.shape) for x, u in mats], ns_steps=m.ns_steps, coefficients=m.coefficients,
+            compute_dtype=m.ns_compute_dtype, variant=m.ns_variant)]

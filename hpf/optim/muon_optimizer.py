@@ -55,6 +55,8 @@ class Muon:
         comm_dtype: the dtype split matrices travel in under hpf.shard_step (None: the grads').
         ns_variant: "standard", "gram" or "auto" (hpf_kernels.newton_schulz's variant).
         qk_clip, qk_heads: QK-Clip's threshold and the model's map of q/k weights to heads (see muon).
+        overlap: under hpf.shard_step, start each matrix's momentum and Newton-Schulz during
+            backward, as its unit's grads land (see muon).
 
     Raises:
         TypeError: ``init``/``update`` get a leaf that is not a floating-point tensor.
@@ -75,6 +77,7 @@ class Muon:
     ns_variant: str = "standard"  # hpf_kernels.newton_schulz's variant: "standard", "gram", "auto"
     qk_clip: float | None = None  # QK-Clip's tau (None: off)
     qk_heads: Any = None  # path -> (dim, head per index, power): the model's qk_heads(config)
+    overlap: bool = False  # under hpf.shard_step: start momentum and Newton-Schulz as units' grads land
 
     def for_plan(self, plan, rank: int) -> DistMuon:
         """This optimizer on the flat shards of ``plan`` (hpf.shard_step calls it): distributed Muon."""
@@ -149,7 +152,8 @@ def muon(lr: Schedule = 0.02, momentum: float = 0.95, nesterov: bool = True, ns_
          adamw_eps: float = 1e-8, adamw_weight_decay: float = 0.0,
          use_adamw: Callable[[str, torch.Tensor], bool] | None = None,
          ns_compute_dtype: torch.dtype | None = None, comm_dtype: torch.dtype | None = None,
-         ns_variant: str = "standard", qk_clip: float | None = None, qk_heads: dict | None = None) -> Muon:
+         ns_variant: str = "standard", qk_clip: float | None = None, qk_heads: dict | None = None,
+         overlap: bool = False) -> Muon:
     """hpf.optim.muon: an optax-style Muon (see Muon) with an AdamW fallback for non-matrices.
 
     Args:
@@ -174,6 +178,13 @@ def muon(lr: Schedule = 0.02, momentum: float = 0.95, nesterov: bool = True, ns_
             max_logits=True)``), which hpf.shard_step reduces by max and passes to the update.
         qk_heads: which elements of which params are whose q or k: the model's
             ``qk_heads(config)`` (hpf.models.gpt.qk_heads, hpf.models.llama.qk_heads).
+        overlap: under hpf.shard_step, start a matrix's momentum and Newton-Schulz (and send its
+            pieces to its owner) as soon as its unit's grads land, while backward goes on (off
+            by default: on a CPU, where Newton-Schulz and backward share the cores, it gains
+            nothing; docs/muon.md). Only computed: params and state change after the step's
+            global decision, and the result is the same. A step whose clip fires drops the early
+            work (it assumed the unclipped scale) and updates after the decision. Off under a
+            low-bit slow tier and with non-FSDP compute axes.
 
     Raises:
         ValueError: unknown or malformed coefficients, an unknown scale, momentum outside
@@ -197,7 +208,7 @@ def muon(lr: Schedule = 0.02, momentum: float = 0.95, nesterov: bool = True, ns_
     fallback = adamw(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
     return Muon(lr, momentum, nesterov, ns_steps, coefficients, scale, weight_decay, fallback,
                 use_adamw or default_use_adamw, ns_compute_dtype, comm_dtype, ns_variant,
-                None if qk_clip is None else float(qk_clip), qk_heads)
+                None if qk_clip is None else float(qk_clip), qk_heads, bool(overlap))
 
 
 def _flatten(tree, what: str):
