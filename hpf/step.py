@@ -242,21 +242,9 @@ class ShardStep(StateIO):
             eng.comm.lowbit.commit_feedback()
         torch._foreach_mul_(grads, d.grad_scale)
         if self.config.overlap_optimizer and isinstance(opt, PartialUpdate):
-            first = sorted({b for u in eng.first_units() for b in self.plan.units[u].buckets})
-            rest = [b for b in range(len(grads)) if b not in set(first)]
-            apply = opt.partial_update(state.opt_state, state.params)
-            apply(first, grads)
-            eng.prefetch(state.params)
-            apply(rest, grads)
-            params, opt_state = state.params, state.opt_state
+            params, opt_state = _update_first_units_first(opt, eng, self.plan, state, grads)
         else:
-            reads_aux = isinstance(opt, ReadsAux) and opt.aux_names()
-            early = self._early.take(d.grad_scale)
-            if early is not None and early.apply(grads, state.params, d.aux if reads_aux else None):
-                params, opt_state = state.params, state.opt_state
-            else:
-                params, opt_state = opt.update(grads, state.opt_state, state.params,
-                                               **({"aux": d.aux} if reads_aux else {}))
+            params, opt_state = self._early.update(opt, d, grads, state)
             eng.prefetch(params)
         if state.loss_scale is not None:
             self.config.loss_scale.update(state.loss_scale, finite=True)
@@ -393,6 +381,15 @@ class EarlyWork:
         self.forget()
         return work
 
+    def update(self, opt, d: Decision, grads: list, state: TrainState) -> tuple:
+        """(params, opt_state) after the update: the work begun in backward, if it assumed the
+        decision's grad scale and applies, else ``opt.update`` (with the step's aux if it reads it)."""
+        reads_aux = isinstance(opt, ReadsAux) and opt.aux_names()
+        work = self.take(d.grad_scale)
+        if work is not None and work.apply(grads, state.params, d.aux if reads_aux else None):
+            return state.params, state.opt_state
+        return opt.update(grads, state.opt_state, state.params, **({"aux": d.aux} if reads_aux else {}))
+
     def drop(self) -> None:
         """Drop the work (a skipped step, or grads only): its communication lands first."""
         work = self.work
@@ -405,6 +402,19 @@ class EarlyWork:
         if self._start is not None:
             self._start[1].reducer.on_landed = None
         self.work = self._start = None
+
+
+def _update_first_units_first(opt: PartialUpdate, engine: UnitEngine, plan: Plan, state: TrainState,
+                              grads: list) -> tuple:
+    """``overlap_optimizer``: update the buckets of the units the next step reads first, start
+    their gathers, then update the rest while they travel."""
+    first = sorted({b for u in engine.first_units() for b in plan.units[u].buckets})
+    rest = [b for b in range(len(grads)) if b not in set(first)]
+    apply = opt.partial_update(state.opt_state, state.params)
+    apply(first, grads)
+    engine.prefetch(state.params)
+    apply(rest, grads)
+    return state.params, state.opt_state
 
 
 def _join_world(mesh: Mesh) -> None:

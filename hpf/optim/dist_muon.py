@@ -188,6 +188,26 @@ class _Matrix:
         return math.prod(self.shape)
 
 
+
+def _qk_pieces(muon, plan: Plan, rank: int) -> list[tuple[int, slice, tuple, int, tuple]]:
+    """QK-Clip's pieces of this rank's shards: (bucket, in the shard, the param's shape, its
+    first element in the piece, its heads)."""
+    check_qk_heads(muon.qk_heads, {path: s.global_shape for path, s in plan.slots.items()})
+    out = []
+    for b in plan.buckets:
+        lo, hi = b.shard_range(plan.shard_index(b, rank))
+        for slot in b.slots:
+            if slot.path not in muon.qk_heads:
+                continue
+            if tuple(slot.local_shape) != tuple(slot.global_shape):
+                raise ValueError(f"muon(qk_clip=...): {slot.path!r} is split over the non-FSDP axes "
+                                 f"{tuple(plan.compute_axes)}; QK-Clip needs whole q/k weights per shard group")
+            start, stop = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
+            if start < stop:
+                out.append((b.index, slice(start - lo, stop - lo), tuple(slot.global_shape), start - slot.offset,
+                            muon.qk_heads[slot.path]))
+    return out
+
 class DistMuon:
     """Muon on the flat shards of a plan; made by ``hpf.optim.muon(...).for_plan(plan, rank)``.
 
@@ -265,21 +285,7 @@ class DistMuon:
         self._by_bucket: dict[int, list[int]] = defaultdict(list)  # bucket -> its matrices' places in _momentum_order
         for i, x in enumerate(self._momentum_order):
             self._by_bucket[x.bucket].append(i)
-        self.qk: list[tuple[int, slice, tuple, int, tuple]] = []  # QK-Clip: (bucket, in shard, shape, first, heads)
-        if muon.qk_clip is not None:
-            check_qk_heads(muon.qk_heads, {path: s.global_shape for path, s in plan.slots.items()})
-            for b in plan.buckets:
-                lo, hi = b.shard_range(plan.shard_index(b, rank))
-                for slot in b.slots:
-                    if slot.path not in muon.qk_heads:
-                        continue
-                    if tuple(slot.local_shape) != tuple(slot.global_shape):
-                        raise ValueError(f"muon(qk_clip=...): {slot.path!r} is split over the non-FSDP axes "
-                                         f"{tuple(plan.compute_axes)}; QK-Clip needs whole q/k weights per shard group")
-                    start, stop = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
-                    if start < stop:
-                        self.qk.append((b.index, slice(start - lo, stop - lo), tuple(slot.global_shape),
-                                        start - slot.offset, muon.qk_heads[slot.path]))
+        self.qk = _qk_pieces(muon, plan, rank) if muon.qk_clip is not None else []
 
     # -- optax-style interface ----------------------------------------------------------------
     def init(self, shards: Sequence[torch.Tensor]) -> MuonState:

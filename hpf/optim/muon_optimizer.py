@@ -200,15 +200,19 @@ def muon(lr: Schedule = 0.02, momentum: float = 0.95, nesterov: bool = True, ns_
             check_rate(rate, f"muon: {name}")
     if not weight_decay >= 0:
         raise ValueError(f"muon: weight_decay must be >= 0, got {weight_decay}")
+    _check_qk_clip(qk_clip, qk_heads)
+    fallback = adamw(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
+    return Muon(lr, momentum, nesterov, ns_steps, coefficients, scale, weight_decay, fallback,
+                use_adamw or default_use_adamw, ns_compute_dtype, comm_dtype, ns_variant,
+                None if qk_clip is None else float(qk_clip), qk_heads, bool(overlap))
+
+
+def _check_qk_clip(qk_clip, qk_heads) -> None:
     if qk_clip is not None and not (isinstance(qk_clip, (int, float)) and 0 < qk_clip < float("inf")):
         raise ValueError(f"muon: qk_clip must be a positive finite threshold (e.g. 100.0) or None, got {qk_clip!r}")
     if (qk_clip is None) != (qk_heads is None) or (qk_heads is not None and not isinstance(qk_heads, dict)):
         raise ValueError("muon: qk_clip and qk_heads go together: pass qk_clip=tau with qk_heads=the model's "
                          "qk_heads(config) (e.g. hpf.models.gpt.qk_heads(config)), or neither")
-    fallback = adamw(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
-    return Muon(lr, momentum, nesterov, ns_steps, coefficients, scale, weight_decay, fallback,
-                use_adamw or default_use_adamw, ns_compute_dtype, comm_dtype, ns_variant,
-                None if qk_clip is None else float(qk_clip), qk_heads, bool(overlap))
 
 
 def _flatten(tree, what: str):
