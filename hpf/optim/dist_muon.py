@@ -208,6 +208,7 @@ def _qk_pieces(muon, plan: Plan, rank: int) -> list[tuple[int, slice, tuple, int
                             muon.qk_heads[slot.path]))
     return out
 
+
 class DistMuon:
     """Muon on the flat shards of a plan; made by ``hpf.optim.muon(...).for_plan(plan, rank)``.
 

@@ -17,8 +17,10 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import queue
 import socket
 import statistics
+import threading
 import time
 
 import numpy as np
@@ -82,65 +84,72 @@ def _contention(comm_of, small: int, large: int, reps: int, stretch_at: int = 0)
     until it lands, as the engine issues a bucket's collective and computes a unit (a worker kept
     busy by calls in a row would wait for peers that compute keeps off the cores, which a real
     step's collectives do not). Medians of ``2 * reps`` pairs, alone and beside compute interleaved."""
-    import queue
-    import threading
-
-    a = torch.randn(384, 384)  # long enough per call that the GIL is free most of the time, as in a model
-
-    def work(n):
-        for _ in range(n):
-            a @ a
-
-    def alone(fn, n=1):
-        world.barrier()
-        return _timed(lambda: [fn() for _ in range(n)])
-
-    jobs: queue.SimpleQueue = queue.SimpleQueue()
-
-    def worker():
-        for fn, box, done in iter(jobs.get, None):
-            box.append(_timed(fn))
-            done.set()
-    thread = threading.Thread(target=worker, daemon=True)
-    thread.start()
-
-    def beside_compute(fn, calls: int) -> float:
-        """Seconds per collective, each issued to the worker with compute on this thread until it lands."""
-        box = []
-        for _ in range(calls):
-            done = threading.Event()
-            world.barrier()
-            jobs.put((fn, box, done))
-            while not done.is_set():
-                work(1)
-        return sum(box) / calls
-
-    def loop_beside_compute(fn, n_comm, n_mm):
-        """The seconds of n_mm matmuls while a loop of n_comm collectives runs on the worker."""
-        done, box = threading.Event(), []
-        world.barrier()
-        jobs.put((lambda: [fn() for _ in range(n_comm)], box, done))
-        t_mm = _timed(lambda: work(n_mm))
-        while not done.is_set():
-            work(1)
-        return t_mm
-
+    side = _BesideCompute()
     out = {}
     big = stretch_at or large
     for nbytes, calls in ((small, 16), (big, 4)):  # the small one's wait is a scheduler's: more calls
         fn = comm_of(nbytes)
-        pairs = [(alone(fn, calls) / calls, beside_compute(fn, calls)) for _ in range(2 * reps)]  # interleaved
-        out[nbytes] = tuple(statistics.median(p[i] for p in pairs) for i in (0, 1))
+        pairs = [(side.alone(fn, calls) / calls, side.beside_compute(fn, calls)) for _ in range(2 * reps)]
+        out[nbytes] = tuple(statistics.median(p[i] for p in pairs) for i in (0, 1))  # (interleaved)
     (s_a, s_c), (l_a, l_c) = out[small], out[big]
     extra = max(0.0, s_c - s_a)  # the small collective's added time: a wait per call
     stretch = min(max(1.0, (l_c - extra) / l_a), 10.0)  # the rest: slower copies
     # compute's slowdown: matmuls timed inside a long loop of the large collective
     fn = comm_of(large)
-    n_mm = max(1, int(0.5 * 8 * l_c * large / big / max(_timed(lambda: work(3)) / 3, 1e-6)))
-    t_mm = statistics.median(alone(lambda: work(n_mm)) for _ in range(3))
-    slow = statistics.median(loop_beside_compute(fn, 8, n_mm) / t_mm for _ in range(reps))
-    jobs.put(None)
+    n_mm = max(1, int(0.5 * 8 * l_c * large / big / max(_timed(lambda: side.work(3)) / 3, 1e-6)))
+    t_mm = statistics.median(side.alone(lambda: side.work(n_mm)) for _ in range(3))
+    slow = statistics.median(side.loop_beside_compute(fn, 8, n_mm) / t_mm for _ in range(reps))
+    side.close()
     return max(1.0, slow), stretch, extra
+
+
+class _BesideCompute:
+    """A worker thread for collectives beside this rank's compute thread, as hpf's comm workers
+    run, and the compute: matmuls long enough per call that the GIL is free most of the time,
+    as in a model."""
+
+    def __init__(self):
+        self.a = torch.randn(384, 384)
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        for fn, box, done in iter(self.jobs.get, None):
+            box.append(_timed(fn))
+            done.set()
+
+    def work(self, n: int) -> None:
+        for _ in range(n):
+            self.a @ self.a
+
+    @staticmethod
+    def alone(fn, n: int = 1) -> float:
+        world.barrier()
+        return _timed(lambda: [fn() for _ in range(n)])
+
+    def beside_compute(self, fn, calls: int) -> float:
+        """Seconds per collective, each issued to the worker with compute on this thread until it lands."""
+        box = []
+        for _ in range(calls):
+            done = threading.Event()
+            world.barrier()
+            self.jobs.put((fn, box, done))
+            while not done.is_set():
+                self.work(1)
+        return sum(box) / calls
+
+    def loop_beside_compute(self, fn, n_comm: int, n_mm: int) -> float:
+        """The seconds of n_mm matmuls while a loop of n_comm collectives runs on the worker."""
+        done, box = threading.Event(), []
+        world.barrier()
+        self.jobs.put((lambda: [fn() for _ in range(n_comm)], box, done))
+        t_mm = _timed(lambda: self.work(n_mm))
+        while not done.is_set():
+            self.work(1)
+        return t_mm
+
+    def close(self) -> None:
+        self.jobs.put(None)
 
 
 def _timed(fn) -> float:
