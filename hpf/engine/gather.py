@@ -218,6 +218,7 @@ class UnitBuffers:
         self.shards: list[torch.Tensor] = []
         self._queue: list[Unit] = []  # QUEUED units, in the order their prefetches were decided
         self.stats = MemoryStats()
+        self._plain_held = 0  # block units (not the root) with plain memory held: what ``capacity`` bounds
 
     # -- shards ---------------------------------------------------------------------------------------
     def set_shards(self, masters: list[torch.Tensor], keep: set[str] = frozenset()) -> None:
@@ -259,7 +260,7 @@ class UnitBuffers:
             return
         if when_free:
             self.free_released()
-        while self._queue and (not when_free or self._held_blocks() < self.capacity):
+        while self._queue and (not when_free or self._plain_held < self.capacity):
             unit = self._queue.pop(0)
             self._start(unit, unit.queued_phase)
 
@@ -272,9 +273,6 @@ class UnitBuffers:
         for unit in self._queue:
             unit.state = State.RELEASING if unit.holds_memory and unit.freeable else State.SHARDED
         self._queue.clear()
-
-    def _held_blocks(self) -> int:
-        return sum(u.holds_memory and u.freeable for name, u in self.units.items() if name != ROOT)
 
     def new_phase(self) -> None:
         """Forward or backward begins with what is resident now (a second gather of a unit in one
@@ -294,8 +292,7 @@ class UnitBuffers:
         if unit.target:  # (a unit of master shards only holds nothing of its own)
             s.live_bytes += allocated
             s.peak_bytes = max(s.peak_bytes, s.live_bytes)
-            unit.holds_memory = True
-            s.live_blocks = self._live_blocks()
+            self._hold(unit, True)
             s.peak_blocks = max(s.peak_blocks, s.live_blocks)
 
     def wait(self, name: str) -> None:
@@ -325,8 +322,7 @@ class UnitBuffers:
             self.on_wait(unit.land())  # (a gather still writing into it: every rank issued it, so it lands)
             if unit.unreferenced(self._own_refs):
                 self.stats.live_bytes -= unit.free()
-                unit.holds_memory = False
-                self.stats.live_blocks = self._live_blocks()
+                self._hold(unit, False)
 
     def land_all(self) -> None:
         """Start every queued gather and wait for every gather in flight."""
@@ -347,8 +343,15 @@ class UnitBuffers:
     def resident(self) -> set[str]:
         return {name for name, u in self.units.items() if u.state in _RESIDENT}
 
-    def _live_blocks(self) -> int:
-        return sum(u.holds_memory for name, u in self.units.items() if name != ROOT)
+    def _hold(self, unit: Unit, held: bool) -> None:
+        """Count ``unit``'s memory as held or not (``MemoryStats.live_blocks``, ``capacity``)."""
+        if unit.holds_memory == held or unit.name == ROOT:
+            unit.holds_memory = held
+            return
+        unit.holds_memory = held
+        self.stats.live_blocks += 1 if held else -1
+        if unit.freeable:
+            self._plain_held += 1 if held else -1
 
     # -- saved-tensor hooks -----------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
