@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from .comm.cost import dtype_bytes
 from .engine.reduce import IN_FLIGHT
+from .engine.replay import loop_reads, replay
 from .models.recompute import Activations, recomputes
 from .planning import ROOT, Plan
 from .report import PlanReport
@@ -102,22 +103,31 @@ def step_memory(report: PlanReport, plan: Plan, acts: Activations | None, *, com
         acts = Activations(((0, 0, 0),) * len(blocks), 0, 0)
     saved = [s for s, _, _ in acts.blocks]
     kept = [i if recomputes(k, recompute) else s for k, (s, i, _) in enumerate(acts.blocks)]
-    n = len(blocks)
-    resident = n - min(resident_units, n)  # the first block still gathered when forward ends
+    names = [u for u in plan.units if u != ROOT]
+    index = {u: k for k, u in enumerate(names)}
 
-    def gathered_with(ks: set[int]):  # the root and blocks ks
-        return gathered(root, *(blocks[j] for j in sorted(ks)))
-    moments = [("the start of backward", {
-        "gathered": gathered_with(set(range(resident, n))),
-        "activations": acts.root_saved + sum(kept) + acts.root_backward})]
-    for k in reversed(range(n)):
-        moments.append((f"the backward of blocks/{k}", {
-            "gathered": gathered_with({k, k - 1} - {-1}),
-            "activations": sum(kept[:k]) + saved[k] + acts.blocks[k][2],
-            "param grads": root["grads"] + blocks[k]["grads"],
-            "reductions": held(blocks[k + 1:])}))
-    moments.append(("the end of backward", {"gathered": gathered_with(set()), "param grads": root["grads"],
-                                            "reductions": held(blocks + [root])}))
+    def gathered_with(resident):  # the root and the blocks gathered then
+        return gathered(root, *(blocks[index[u]] for u in resident))
+    # the engine's own schedule of one step (hpf.engine.replay): what is gathered at each moment
+    (step,) = replay(list(plan.units), {ROOT}, loop_reads(list(plan.units)), list(plan.units),
+                     capacity=resident_units, recompute={u for k, u in enumerate(names) if recomputes(k, recompute)})
+    moments, issued = [], []
+    for e in step.events:
+        if e.kind == "loss":
+            moments.append(("the start of backward", {
+                "gathered": gathered_with(e.resident),
+                "activations": acts.root_saved + sum(kept) + acts.root_backward}))
+        elif e.kind == "backward":
+            k = index[e.unit]
+            moments.append((f"the backward of {e.unit}", {
+                "gathered": gathered_with(e.resident),
+                "activations": sum(kept[:k]) + saved[k] + acts.blocks[k][2],
+                "param grads": root["grads"] + blocks[k]["grads"],
+                "reductions": held(issued)}))
+        elif e.kind == "reduce":
+            issued.append(units[e.unit])
+    moments.append(("the end of backward", {"gathered": gathered_with(()), "param grads": root["grads"],
+                                            "reductions": held(issued)}))
     if init_copy:
         moments.append(("init", {"full params": sum(math.prod(s.global_shape) * dtype_bytes(s.dtype)
                                                     for s in plan.slots.values())}))
