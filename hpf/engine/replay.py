@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..planning import ROOT
+from ..tree import ROOT
 from .reduce import issuable
 from .residency import Actions, Residency
 
