@@ -5,13 +5,15 @@ stage over p ranks of one tier takes ``latency + (p-1)*alpha + bytes/beta``, whe
 ``bytes`` is what one rank sends on that tier (``(p-1)/p * n`` for a ring over an n-byte
 buffer). So the simulator's bytes are the plan report's bytes, by construction.
 
-The schedule replays what ``hpf.engine`` and ``hpf.comm.tiered.TieredComm`` do: one
-compute thread; collectives on FIFO workers (one per tier and direction for the two-tier
-comm, one per process group for torch.distributed); gathers issued at the read of the unit
-before (prefetch), re-gathers in backward, reductions that overlap the next unit's backward
-(pipeline), one all-reduce that decides, then the update, and the next step's first gathers
-issued after theirs: the exposed boundary chain. FSDP2 and Megatron
-DDP run through the same machinery with their own schedules.
+hpf's schedule is the engine's own (``hpf_schedule``: hpf.engine.replay runs the engine's
+residency and reduction policies on the model's reads); this module times it as
+``hpf.engine`` and ``hpf.comm.tiered.TieredComm`` run it: one compute thread; collectives on
+FIFO workers (one per tier and direction for the two-tier comm, one per process group for
+torch.distributed); gathers issued where the policy decides them (a prefetch at the read of
+the unit before), re-gathers in backward, reductions that overlap the next unit's backward
+(pipeline) within the bound of reductions in flight, one all-reduce that decides, then the
+update, and the next step's first gathers issued after theirs: the exposed boundary chain.
+FSDP2 and Megatron DDP run through the same machinery with their own schedules.
 
 Calibrated compute is the slowest rank's, so the simulated rank is the slowest and its step
 time the job's. Where ranks share cores the others finish the same work ``skew`` earlier and
@@ -414,6 +416,40 @@ def _shared(plan: Plan, opts: Options, b: int) -> bool:
                                                                    if a in mesh.fast_axes)) > 1
 
 
+class _InFlight:
+    """The simulated rank's reductions in flight and the engine's bound on them (hpf.engine.reduce)."""
+
+    def __init__(self, tl: _Timeline, opts: Options):
+        self.tl, self.opts = tl, opts
+        self.items: list[tuple[bool, float, float]] = []  # per reduction issued: (holds memory, end, landing's sum)
+
+    def make_room(self) -> None:
+        """Reducer._make_room: landed ones are polled (and summed), then the oldest waited for."""
+        tl = self.tl
+        while self.items and self.items[0][1] <= tl.t:
+            tl.run(self.items.pop(0)[2])
+        for _ in range(to_wait([holds for holds, _, _ in self.items])):
+            _, end, land = self.items.pop(0)
+            tl.wait_until(end)
+            tl.wait_until(tl.t + land)
+
+    def issue(self, u: _Unit) -> None:
+        tl = self.tl
+        self.make_room()
+        tl.run(u.issue_s)
+        end = _issue(tl, u.reduce)
+        if not self.opts.pipeline:  # waited (and summed) at once
+            tl.wait_until(end)
+            tl.wait_until(tl.t + u.land_s)
+        self.items.append((u.holds_grads, end, u.land_s if self.opts.pipeline else 0.0))
+
+    def land(self) -> None:
+        for _, end, land in self.items:
+            self.tl.wait_until(end)
+            self.tl.wait_until(self.tl.t + land)
+        self.items.clear()
+
+
 def _hpf_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float, schedule: list[StepEvents]) -> None:
     """hpf.engine + ShardStep's phases, step after step, timing the engine's own schedule
     (``hpf_schedule``): gathers issued where the residency policy decides them; a unit's
@@ -424,19 +460,11 @@ def _hpf_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float, 
     next step reads first are updated and gathered while the rest update (``overlap_optimizer``)."""
     by = {u.name: u for u in units}
     live: dict[str, float] = {}
-    in_flight: list[tuple[bool, float, float]] = []  # per reduction issued: (holds memory, end, landing's sum)
+    reductions = _InFlight(tl, opts)
 
     def gather(name: str) -> None:
         tl.run(by[name].issue_s)
         live[name] = _issue(tl, by[name].gather)
-
-    def make_room() -> None:  # Reducer._make_room: landed ones are polled (and summed), then the oldest waited
-        while in_flight and in_flight[0][1] <= tl.t:
-            tl.run(in_flight.pop(0)[2])
-        for _ in range(to_wait([holds for holds, _, _ in in_flight])):
-            _, end, land = in_flight.pop(0)
-            tl.wait_until(end)
-            tl.wait_until(tl.t + land)
 
     for k, step in enumerate(schedule):
         tl.begin_step()
@@ -458,21 +486,12 @@ def _hpf_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float, 
                 tl.run(by[ROOT].fwd_s + by[ROOT].bwd_s)
             elif e.kind in ("grads", "hold"):  # packed into the flat buffer; or added into the held sums
                 if e.kind == "grads":
-                    make_room()
+                    reductions.make_room()
                 tl.run(u.reduce_copy_s)
             elif e.kind == "reduce":
-                make_room()
-                tl.run(u.issue_s)
-                end = _issue(tl, u.reduce)
-                if not opts.pipeline:  # waited (and summed) at once
-                    tl.wait_until(end)
-                    tl.wait_until(tl.t + u.land_s)
-                in_flight.append((u.holds_grads, end, u.land_s if opts.pipeline else 0.0))
+                reductions.issue(u)
             elif e.kind == "land":
-                for _, end, land in in_flight:
-                    tl.wait_until(end)
-                    tl.wait_until(tl.t + land)
-                in_flight.clear()
+                reductions.land()
         tl.sync(norm_s)  # the decision: one all-reduce
         tl.run(opts.muon_s, optimizer=True)  # Muon: pieces to owners, Newton-Schulz, pieces back
         first = set(step.next_first)
