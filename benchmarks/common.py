@@ -1,15 +1,33 @@
-"""Helpers shared by the benchmark scripts: interleaved timing, medians, tables.
+"""Helpers shared by the benchmark scripts: interleaved timing, medians, tables, and the one
+results schema.
 
 Timings interleave the contenders and rotate their order every round, so slow drift
 (thermal, a neighbour process on the shared cores) hits all of them equally; medians
 ignore the odd outlier.
+
+Every benchmark's results file has one schema (``results``; ``benchmarks/run.py --json DIR``
+writes one per benchmark, and docs/gen.py builds the docs' tables from them): the
+``environment`` it ran in, the ``command`` that reproduces it, its ``figures`` (whatever the
+benchmark measured) and its ``ratios``, each with its ``target`` (what ``report_ratio`` printed).
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import platform
 import statistics
+import subprocess
+import sys
 import time
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import Callable, Sequence
+
+SCHEMA = "hpf-benchmark/1"
+REPO = Path(__file__).resolve().parent.parent
+_RATIOS: list[dict] = []  # what report_ratio printed in this process, in order
+_LOAD_AT_START = os.getloadavg()
 
 
 def interleaved(contenders: dict[str, Callable[[], object]], *, rounds: int, calls: int,
@@ -62,6 +80,47 @@ def report_ratio(name: str, value: float, target: str = "") -> None:
     if target and not re.fullmatch(r"(<=|>=)\d+(\.\d*)?", target):
         raise ValueError(f"report_ratio: target {target!r} must look like '<=0.70' or '>=3'")
     print(f"RATIO {name} {float(value)!r} {target}".rstrip(), flush=True)
+    _RATIOS.append({"name": name, "value": float(value), "target": target})
+
+
+def environment(quick: bool, load_at_start: Sequence[float] | None = None) -> dict:
+    """Where and how a benchmark ran: the machine, the software, the commit, the load (``load_at_start``:
+    when it started, if not when this process did)."""
+    import torch
+
+    try:
+        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                                    capture_output=True, text=True, timeout=10).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = None, None
+    return {"quick": quick, "cores": len(os.sched_getaffinity(0)), "machine": platform.machine(),
+            "processor": platform.processor() or platform.machine(), "python": platform.python_version(),
+            "torch": torch.__version__, "commit": commit, "uncommitted_changes": dirty,
+            "load_average_at_start": list(load_at_start or _LOAD_AT_START), "load_average_at_end": list(os.getloadavg()),
+            "finished": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def results(figures: dict, *, quick: bool = False, argv: list[str] | None = None, ratios: list | None = None,
+            load_at_start: Sequence[float] | None = None) -> dict:
+    """A benchmark's results in the one schema (the module doc): ``figures`` as it measured them,
+    the ratios ``report_ratio`` printed (or ``ratios``), and the command: this process's (or ``argv``:
+    a script and its arguments)."""
+    script, *args = argv or sys.argv
+    args = [a.replace(f"{REPO}{os.sep}", "") for a in args]  # paths in the repository, relative to it
+    script = Path(script).name
+    return {"schema": SCHEMA, "benchmark": script, "command": " ".join(["python", f"benchmarks/{script}", *args]),
+            "environment": environment(quick, load_at_start), "figures": figures,
+            "ratios": list(_RATIOS if ratios is None else ratios)}
+
+
+def write_results(path: Path | str, figures: dict, *, quick: bool = False) -> None:
+    """Write ``results(figures)`` to ``path`` (a benchmark's ``--json``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results(figures, quick=quick), indent=1) + "\n")
+    print(f"wrote {path}")
 
 
 def step_bench_parser(doc: str, *, config: str = "small", batch: int = 8, warmup: int = 2, rounds: int = 5,

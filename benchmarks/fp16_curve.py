@@ -10,7 +10,6 @@ Usage: python benchmarks/fp16_curve.py [--steps 200] [--batch 8] [--png fp16_cur
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 
@@ -20,7 +19,7 @@ import hpf
 from hpf.launcher import launch
 from hpf.models import gpt
 
-from common import report_ratio
+from common import report_ratio, write_results
 
 WORLD = 2
 
@@ -68,8 +67,7 @@ def main():
           f"{statistics.median(fp32[-10:]):.4f}, fp16 {statistics.median(fp16[-10:]):.4f}")
     report_ratio("fp16/fp32/last50_gap", gap)
     report_ratio("fp16/skipped_steps", float(skipped))
-    with open(args.json, "w") as f:
-        json.dump({"steps": args.steps, "batch": args.batch, "lr": args.lr, "world": WORLD, **out}, f)
+    write_results(args.json, {"steps": args.steps, "batch": args.batch, "lr": args.lr, "world": WORLD, **out})
     try:
         import matplotlib
         matplotlib.use("Agg")

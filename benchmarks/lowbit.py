@@ -14,8 +14,6 @@ Usage: python benchmarks/lowbit.py [--config small] [--rounds 5] [--latency-ms 1
 """
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import torch
@@ -27,7 +25,7 @@ from hpf.models import gpt
 from hpf.step import step_plan
 from hpf.report import PlanReport
 
-from common import median_ms, mib, parse_step_args, print_table, report_ratio, step_bench_parser, step_runner, time_steps
+from common import median_ms, mib, parse_step_args, print_table, report_ratio, step_bench_parser, step_runner, time_steps, write_results
 
 MESH = {"node": 2, "local": 2}
 WORLD = 4
@@ -120,14 +118,10 @@ def main():
     for name, (value, target) in list(ratios.items())[-2:]:
         report_ratio(name, value, target)
 
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({
+    write_results(args.json, {
         "settings": {"config": args.config, "batch": args.batch, "rounds": args.rounds, "calls": args.calls,
-                     "quick": args.quick, "latency_ms": args.latency_ms, "bandwidth_mbs": args.bandwidth_mbs,
-                     "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__},
-        "bytes": {"plan": planned, "engine": out["counted"]}, "step_ms": med,
-        "ratios": {k: {"value": v, "target": t} for k, (v, t) in ratios.items()}}, indent=1) + "\n")
-    print(f"wrote {args.json}")
+                     "latency_ms": args.latency_ms, "bandwidth_mbs": args.bandwidth_mbs},
+        "bytes": {"plan": planned, "engine": out["counted"]}, "step_ms": med}, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import sysconfig
@@ -25,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import report_ratio
+from common import report_ratio, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = {"full precision": None, "control: bf16 grads": "none,bf16", "int8 weights, int8 grads": "int8,int8",
@@ -97,12 +96,10 @@ def main() -> None:
         print(f"{name}: final held-out loss {final(runs[name]):.4f} vs {base:.4f} full precision (means of "
               f"{len(seeds)} seeds: {each})")
         report_ratio(key, final(runs[name]) / base, target)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"settings": {"quick": args.quick, "config": config, "steps": steps,
-                                                  "seeds": seeds, "cores": len(os.sched_getaffinity(0))},
-                                     "runs": runs, "ratios": ratios}, indent=1) + "\n")
+    write_results(args.json, {"settings": {"config": config, "steps": steps, "seeds": seeds}, "runs": runs,
+                              "ratio_runs": {key: r["run"] for key, r in ratios.items()}}, quick=args.quick)
     plot(runs, config, args.png)
-    print(f"wrote {args.json} and {args.png}")
+    print(f"wrote {args.png}")
 
 
 if __name__ == "__main__":

@@ -18,8 +18,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 import hpf
 from hpf.memory import step_memory
 from hpf.models import gpt
@@ -27,7 +25,7 @@ from hpf.step import step_plan
 from hpf.report import PlanReport
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import report_ratio  # noqa: E402
+from common import report_ratio, write_results  # noqa: E402
 
 # (config, ranks, sequences per rank); each with recompute "none" and "all". Medium with recompute at
 # 1 sequence peaks while its reductions are held (the end of backward), its other cases while activations are.
@@ -126,8 +124,7 @@ def main() -> None:
                          "predicted": pred.total, "landed": landed, "measured": meas, "when": pred.when,
                          "parts": pred.parts})
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"torch": torch.__version__, "cases": rows}, indent=1) + "\n")
+        write_results(args.json, {"cases": rows}, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import write_results
+
 ROOT = Path(__file__).resolve().parent.parent
 COMMANDS = [
     "STDLIB=$(python3 -c 'import sysconfig; print(sysconfig.get_path(\"stdlib\"))')",
@@ -44,12 +46,10 @@ def main() -> None:
         run = json.loads((Path(scratch) / "runs" / "stdlib" / "run.json").read_text())
     result = {"commands": COMMANDS, "losses": [r["loss"] for r in records],
               "eval_losses": [(r["step"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None],
-              "wall_s": wall, "ranks": math.prod(run["axes"].values()),
-              "cores": len(os.sched_getaffinity(0)), "torch": run["torch"]}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.json}: loss {result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}, "
-          f"held-out {result['eval_losses'][-1][1]:.4f}, {wall:.0f} s")
+              "wall_s": wall, "ranks": math.prod(run["axes"].values())}
+    print(f"loss {result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}, held-out {result['eval_losses'][-1][1]:.4f}, "
+          f"{wall:.0f} s")
+    write_results(args.json, result)
 
 
 if __name__ == "__main__":

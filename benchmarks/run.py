@@ -1,23 +1,27 @@
-"""Run the benchmarks and gather the ratios they report into one table and a results file.
+"""Run the benchmarks and gather what they report into one table and one results file each.
 
 A benchmark is a script here that calls ``report_ratio`` (common.py), which prints a line
-``RATIO <name> <value> [<target>]``. This runner starts each as a subprocess, echoes its
-output, and prints one table of the ratios, each marked ``ok`` or ``MISS`` against its
-target; a script's ``--quick`` run is a smoke run (a step or two), so its ratios are shown but
-not judged ("smoke"). ``--json FILE`` also writes them, with the settings of the run, for the docs site
-(docs/benchmarks.md builds its table from docs/results/benchmarks.json).
+``RATIO <name> <value> [<target>]``, or ``write_results``. This runner starts each as a
+subprocess, echoes its output, and prints one table of the ratios, each marked ``ok`` or
+``MISS`` against its target; a script's ``--quick`` run is a smoke run (a step or two), so its
+ratios are shown but not judged ("smoke").
+
+``--json DIR`` also writes ``DIR/<script>.json`` for each benchmark that finished, in the one
+schema of common.py (environment, command, figures, ratios with their targets): a script that
+takes ``--json`` writes it itself, with its figures; for the others this runner writes their
+ratios. docs/gen.py builds the docs' tables from docs/results/ (``--json docs/results/``); a
+benchmark that failed keeps its last file.
 
 It is a tool of this repository, not of the installed package: the scripts compare hpf
 with FSDP2 and hand-written loops, and live next to this file.
 
-    python benchmarks/run.py [--quick] [--only NAME ...] [--json docs/results/benchmarks.json]
+    python benchmarks/run.py [--quick] [--only NAME ...] [--json docs/results/]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -74,16 +78,23 @@ def ratio_table(rows: list[dict]) -> str:
 def benchmarks(folder: Path, only: list[str] | None) -> list[Path]:
     """The scripts in ``folder`` that report ratios, by name; ``only`` keeps names containing any of its words."""
     scripts = sorted(p for p in folder.glob("*.py") if p.name not in ("common.py", "run.py")
-                     and "report_ratio(" in p.read_text())
+                     and ("report_ratio(" in p.read_text() or "write_results(" in p.read_text()))
     return [p for p in scripts if any(s in p.name for s in only)] if only else scripts
 
 
-def run(script: Path, quick: bool, timeout: float) -> tuple[list[dict], int, float]:
-    """Run one script (echoing its output): its ratios, exit code and seconds."""
+def run(script: Path, quick: bool, timeout: float, out: Path | None = None) -> tuple[list[dict], int, float]:
+    """Run one script (echoing its output): its ratios, exit code and seconds. ``out``: the
+    folder of results files (the module doc)."""
     quick = quick and "--quick" in script.read_text()
+    argv = [str(script)] + (["--quick"] if quick else [])
+    target = None if out is None else (out / script.name).with_suffix(".json").resolve()
+    if target is not None and '"--json"' in script.read_text():
+        argv += ["--json", str(target)]
     print(f"== {script.name}{' --quick' if quick else ''}", flush=True)
     started = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, str(script)] + (["--quick"] if quick else []), cwd=script.parent,
+    before = target.stat().st_mtime if target is not None and target.exists() else None
+    load = os.getloadavg()
+    proc = subprocess.Popen([sys.executable] + argv, cwd=script.parent,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     timer = threading.Timer(timeout, proc.kill)
     timer.start()
@@ -97,6 +108,14 @@ def run(script: Path, quick: bool, timeout: float) -> tuple[list[dict], int, flo
     timer.cancel()
     seconds = time.perf_counter() - started
     print(f"   ({seconds:.0f} s, exit code {rc})")
+    wrote = target is not None and target.exists() and target.stat().st_mtime != before
+    if target is not None and rc == 0 and not wrote:  # a script that only prints ratios: its file from them
+        from common import results
+
+        ratios = [{k: r[k] for k in ("name", "value", "target")} for r in rows]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(results({}, quick=quick, argv=argv, ratios=ratios, load_at_start=load), indent=1)
+                          + "\n")
     return rows, rc, seconds
 
 
@@ -107,30 +126,24 @@ def main(argv=None) -> int:
                     help="run only scripts whose file name contains NAME (repeatable)")
     ap.add_argument("--dir", type=Path, default=HERE, help="the benchmarks folder (default: this script's)")
     ap.add_argument("--timeout", type=float, default=1800.0, metavar="S", help="per-script limit (default: 1800)")
-    ap.add_argument("--json", type=Path, metavar="FILE", help="also write the ratios and the run's settings here")
+    ap.add_argument("--json", type=Path, metavar="DIR", help="also write each benchmark's results file here")
     args = ap.parse_args(argv)
     if not args.dir.is_dir():
         ap.error(f"--dir {args.dir} is not a folder")
+    if args.json is not None and args.json.suffix:
+        ap.error(f"--json {args.json}: give a folder (one results file per benchmark), e.g. docs/results/")
     scripts = benchmarks(args.dir, args.only)
     if not scripts:
         ap.error(f"no benchmark scripts in {args.dir}" + (f" matching {args.only}" if args.only else ""))
     rows, failed, seconds = [], [], {}
     for script in scripts:
-        found, rc, seconds[script.name] = run(script, args.quick, args.timeout)
+        found, rc, seconds[script.name] = run(script, args.quick, args.timeout, args.json)
         rows += found
         if rc:
             failed.append(script.name)
-    print(ratio_table(rows))
     if args.json:
-        import torch
-
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        settings = {"quick": args.quick, "cores": len(os.sched_getaffinity(0)), "machine": platform.machine(),
-                    "processor": platform.processor() or platform.machine(), "torch": torch.__version__,
-                    "seconds": seconds, "failed": failed}
-        args.json.write_text(json.dumps({"settings": settings, "ratios": [
-            {**r, "verdict": verdict(r)} for r in rows]}, indent=1) + "\n")
-        print(f"wrote {args.json}")
+        print(f"results in {args.json}/ (" + ", ".join(f"{s}: {t:.0f} s" for s, t in seconds.items()) + ")")
+    print(ratio_table(rows))
     if failed:
         print(f"run.py: error: {len(failed)} benchmark(s) failed: {', '.join(failed)}", file=sys.stderr)
         return 1

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import subprocess
 import sys
@@ -34,7 +33,7 @@ from hpf import memory, search
 from hpf.models import MODELS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import report_ratio  # noqa: E402
+from common import report_ratio, write_results  # noqa: E402
 
 MESH = {"node": 2, "local": 2}
 JOBS = {"gpt-small": ("gpt", "small", 16), "moe-tiny": ("moe", "tiny", 16)}  # model, config, global batch
@@ -128,9 +127,7 @@ def main() -> None:
                      "runs": [{"plan": c.label(), "measured_s": t, "predicted_s": p}
                               for c, t, p in zip(feasible, measured, predicted)]})
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"quick": args.quick, "rounds": args.rounds, "steps": args.steps,
-                                         "torch": torch.__version__, "jobs": rows}, indent=1) + "\n")
+        write_results(args.json, {"rounds": args.rounds, "steps": args.steps, "jobs": rows}, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ max(p/m, m/p) (target <= 1.25, i.e. 0.8-1.25) and the exposed-share difference i
 (target <= 5).
 
     python benchmarks/simulate_vs_measured.py [--quick] [--calibration calib.json] [--rounds 3] [--out DIR]
+                                              [--json docs/results/simulate_vs_measured.json]
     python benchmarks/simulate_vs_measured.py --repredict DIR   # today's model on DIR's calibrations and
                                                                 # measurements (no runs): a model change, re-checked
 """
@@ -32,7 +33,7 @@ from hpf.launcher import launch
 from hpf.models import gpt
 from hpf.sim.calibrate import calibrate, tiny_overhead_per_pass
 
-from common import print_table, report_ratio
+from common import print_table, report_ratio, write_results
 from step_vs_fsdp2 import adamw_step, fsdp2_gpt
 
 LOCAL_BATCH = {"tiny": 4, "small": 2, "medium": 1}
@@ -123,15 +124,17 @@ def predict(c: dict, path: str) -> "sim.SimResult":
                         topology=c["topology"], emulated_slow=c["link"])
 
 
-def _rounds_table(rows: list[dict], then: dict | None = None) -> None:
-    """RATIO rows and the table: per case, the median over its rounds of the predictions and of the
-    measurements (``then``: case -> the (step, exposed share) a finished run predicted, beside today's)."""
+def _rounds_table(rows: list[dict], then: dict | None = None, ratios: bool = True) -> None:
+    """The table (and its RATIO rows, once per case: ``ratios``): per case, the median over its rounds of
+    the predictions and of the measurements (``then``: case -> the (step, exposed share) a finished run
+    predicted, beside today's)."""
     table = []
     for r in rows:
         n, p, m, pe, me = r["case"], r["pred_s"], r["meas_s"], r["pred_exposed"], r["meas_exposed"]
-        report_ratio(f"sim/{n}/step_err", max(p / m, m / p), "<=1.25")
-        if me is not None:
-            report_ratio(f"sim/{n}/exposed_pts", abs(pe - me) * 100, "<=5")
+        if ratios:
+            report_ratio(f"sim/{n}/step_err", max(p / m, m / p), "<=1.25")
+            if me is not None:
+                report_ratio(f"sim/{n}/exposed_pts", abs(pe - me) * 100, "<=5")
         was = then[n] if then else None
         table.append([n] + ([was[0] * 1e3] if was else []) + [p * 1e3, m * 1e3, p / m]
                      + ([f"{was[1]:.4%}"] if was else []) + [f"{pe:.4%}" if was else f"{pe:.1%}",
@@ -177,6 +180,7 @@ def main():
     ap.add_argument("--configs", nargs="+", choices=LOCAL_BATCH, help="only these GPT configs")
     ap.add_argument("--out", help="a folder for the calibrations and results.json")
     ap.add_argument("--repredict", metavar="DIR", help="no runs: today's model on DIR's calibrations and results")
+    ap.add_argument("--json", help="also write the cases in the benchmarks' one results schema here")
     args = ap.parse_args()
     if args.repredict:
         return repredict(args.repredict)
@@ -210,13 +214,15 @@ def main():
                 print(f"round {r}: {name_of(c)} predicted {p.step_s * 1e3:.2f} ms, measured {step_s * 1e3:.2f} ms",
                       flush=True)
         rows = [_summary(c, per_case[name_of(c)]) for c in todo]
-        _rounds_table(rows)
+        _rounds_table(rows, ratios=False)
         results += rows
         with open(os.path.join(out, "results.json"), "w") as f:
             json.dump(results, f, indent=1)
     print("\nall cases (each the median of its rounds' predictions and of their measurements):")
     _rounds_table(results)
     print(f"calibrations and results.json in {out}")
+    if args.json:
+        write_results(args.json, {"cases": results, "calibrations": out}, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from pathlib import Path
 DOCS = Path(__file__).resolve().parent
 ROOT = DOCS.parent
 VALIDATION = DOCS / "simulate" / "validation"
-BENCHMARKS = DOCS / "results" / "benchmarks.json"
+RESULTS = DOCS / "results"  # one file per benchmark, in benchmarks/common.py's schema (``benchmarks/run.py --json``)
 REAL_RUN = DOCS / "results" / "real_run.json"
 MEMORY_MODEL = DOCS / "results" / "memory_model.json"
 SEARCH_CHOICE = DOCS / "results" / "search_choice.json"
@@ -156,25 +156,46 @@ def validation_counts() -> str:
 
 # -- benchmarks and the real run -------------------------------------------------------------------
 
+def results(path: Path) -> dict:
+    """A benchmark's results file (benchmarks/common.py's one schema), checked."""
+    data = json.loads(path.read_text())
+    if data.get("schema") != "hpf-benchmark/1":
+        raise ValueError(f"{path}: not a benchmark results file of schema hpf-benchmark/1; rerun "
+                         f"`python benchmarks/run.py --only {path.stem} --json docs/results/`")
+    return data
+
+
+def _run_of(data: dict) -> str:
+    """How a results file's run went: full or --quick, when, and the load it started at."""
+    env = data["environment"]
+    how = "--quick (a smoke run)" if env["quick"] else "full"
+    if env.get("converted"):  # a file of the format before the one schema, not rerun since
+        return f"{how}, recorded before the results schema (not rerun)"
+    return f"{how}, {env['finished'][:10]}, load {env['load_average_at_start'][0]:.1f} at its start"
+
+
 def benchmarks() -> str:
-    """The ratios of the last ``python benchmarks/run.py --json docs/results/benchmarks.json``."""
-    data = json.loads(BENCHMARKS.read_text())
-    s = data["settings"]
-    rows = [[f"`{r['script']}`", f"`{r['name']}`", f"{r['value']:.4g}", r["target"] or "-", r["verdict"]]
-            for r in data["ratios"]]
-    failed = f"; failed: {', '.join(s['failed'])}" if s["failed"] else ""
-    head = (f"Settings: {'--quick (short runs)' if s['quick'] else 'default (full runs)'}, {s['cores']} cores "
-            f"({s['processor']}), torch {s['torch']}, {sum(s['seconds'].values()) / 60:.0f} minutes in all{failed}.\n\n")
-    return head + table(["script", "ratio", "value", "target", ""], rows)
+    """Every benchmark's ratios and targets, from its results file in docs/results/ (``python
+    benchmarks/run.py --json docs/results/``): a --quick run's ratios are shown, not judged."""
+    rows = []
+    for path in sorted(RESULTS.glob("*.json")):
+        data = results(path)
+        for r in data["ratios"]:
+            judged = _verdict(r["value"], r["target"]) if r["target"] else ""
+            verdict = "smoke" if judged and data["environment"]["quick"] else judged
+            rows.append([f"`{data['benchmark']}`", f"`{r['name']}`", f"{r['value']:.4g}", r["target"] or "-", verdict,
+                         _run_of(data)])
+    return table(["script", "ratio", "value", "target", "", "run"], rows)
 
 
 def real_run() -> str:
     """The figures of benchmarks/real_run.py: the README's text run, measured."""
-    r = json.loads(REAL_RUN.read_text())
+    data = results(REAL_RUN)
+    r, cores = data["figures"], data["environment"]["cores"]
     evals = r["eval_losses"]
     rows = [["train loss", f"{r['losses'][0]:.4f} (step 1)", f"{r['losses'][-1]:.4f} (step {len(r['losses'])})"],
             ["held-out loss", f"{evals[0][1]:.4f} (step {evals[0][0]})", f"{evals[-1][1]:.4f} (step {evals[-1][0]})"],
-            ["wall time", "", f"{r['wall_s']:.0f} s on {r['cores']} cores, {r['ranks']} ranks"]]
+            ["wall time", "", f"{r['wall_s']:.0f} s on {cores} cores, {r['ranks']} ranks"]]
     return ("```bash\n" + "\n".join(r["commands"]) + "\n```\n\n" + table(["", "first", "last"], rows))
 
 
@@ -218,7 +239,7 @@ def search_paper() -> str:
 
 def memory_validation() -> str:
     """hpf.memory's predicted peak per rank against the measured one (benchmarks/memory_model.py)."""
-    data = json.loads(MEMORY_MODEL.read_text())
+    data = results(MEMORY_MODEL)["figures"]
     rows = [[r["case"], _mib(r["predicted"]), _mib(r["landed"]), _mib(r["measured"]),
              f"{r['predicted'] / r['measured']:.3f}", r["when"]] for r in data["cases"]]
     return table(["case (config/ranks/sequences per rank/recompute)", "predicted", "if each reduction landed at once",
@@ -227,10 +248,11 @@ def memory_validation() -> str:
 
 def search_choice() -> str:
     """The searched plan's measured step against the best measured candidate (benchmarks/search_choice.py)."""
-    data = json.loads(SEARCH_CHOICE.read_text())
+    done = results(SEARCH_CHOICE)
+    data, env = done["figures"], done["environment"]
     head = ("Settings: " + ("--quick (one round of two steps, the pick and four others: a check of the script, "
-                            "not the measurement)" if data["quick"] else f"{data['rounds']} rounds of "
-                            f"{data['steps']} steps per candidate") + f", torch {data['torch']}.\n\n")
+                            "not the measurement)" if env["quick"] else f"{data['rounds']} rounds of "
+                            f"{data['steps']} steps per candidate") + f", torch {env['torch']}.\n\n")
     rows = [[j["job"], j["candidates"], j["measured"], f"{j['search_s']:.2f} s", f"{j['exhaustive_s'] / 60:.1f} min",
              f"{j['picked']} ({_ms(j['picked_s'])})", f"{j['best']} ({_ms(j['best_s'])})",
              f"{j['picked_s'] / j['best_s']:.3f}"] for j in data["jobs"]]
@@ -247,30 +269,32 @@ def _verdict(value: float, target: str) -> str:
 
 def lowbit() -> str:
     """Slow-tier bytes and the emulated-link step of benchmarks/lowbit.py (docs/results/lowbit.json)."""
-    r = json.loads(LOWBIT.read_text())
+    done = results(LOWBIT)
+    r, env = done["figures"], done["environment"]
     s = r["settings"]
-    rows = [[f"`{name}`", f"{v['value']:.3f}", v["target"] or "-", _verdict(v["value"], v["target"]) if v["target"] else ""]
-            for name, v in r["ratios"].items()]
-    runs = "--quick (2 steps each: a smoke run, not a measurement)" if s["quick"] else f"{s['rounds']} rounds"
-    head = (f"GPT {s['config']}, 2 x 2 mesh, {runs}, emulated link {s['latency_ms']:g} ms + bytes / {s['bandwidth_mbs']:g} MB/s, {s['cores']} cores, torch "
-            f"{s['torch']}; step medians {', '.join(f'{k} {v:.1f} ms' for k, v in r['step_ms'].items())}.\n\n")
+    rows = [[f"`{v['name']}`", f"{v['value']:.3f}", v["target"] or "-", _verdict(v["value"], v["target"]) if v["target"] else ""]
+            for v in done["ratios"]]
+    runs = "--quick (2 steps each: a smoke run, not a measurement)" if env["quick"] else f"{s['rounds']} rounds"
+    head = (f"GPT {s['config']}, 2 x 2 mesh, {runs}, emulated link {s['latency_ms']:g} ms + bytes / {s['bandwidth_mbs']:g} MB/s, {env['cores']} cores, torch "
+            f"{env['torch']}; step medians {', '.join(f'{k} {v:.1f} ms' for k, v in r['step_ms'].items())}.\n\n")
     return head + table(["ratio", "value", "target", ""], rows)
 
 
 def lowbit_quality() -> str:
     """Final held-out losses of benchmarks/lowbit_quality.py (docs/results/lowbit_quality.json)."""
-    r = json.loads(LOWBIT_QUALITY.read_text())
+    done = results(LOWBIT_QUALITY)
+    r, env = done["figures"], done["environment"]
     s = r["settings"]
     rows = []
     for name, seeds in r["runs"].items():
         finals = [run["eval_losses"][-1][1] for run in seeds]
-        ratio = next((v for v in r["ratios"].values() if v["run"] == name), None)
+        ratio = next((v for v in done["ratios"] if r["ratio_runs"].get(v["name"]) == name), None)
         versus = "-" if ratio is None else f"{ratio['value']:.4f}" + (
             f" (target {ratio['target']}, {_verdict(ratio['value'], ratio['target'])})" if ratio["target"] else "")
         rows.append([name, f"{sum(finals) / len(finals):.4f}", ", ".join(f"{f:.4f}" for f in finals), versus])
     command = r["runs"]["full precision"][0]["command"]
-    head = (f"Llama {s['config']}, {s['steps']} steps" + (" (--quick: a smoke run)" if s["quick"] else "")
-            + f", held-out loss at the last step, seeds {', '.join(map(str, s['seeds']))}, {s['cores']} cores; "
+    head = (f"Llama {s['config']}, {s['steps']} steps" + (" (--quick: a smoke run)" if env["quick"] else "")
+            + f", held-out loss at the last step, seeds {', '.join(map(str, s['seeds']))}, {env['cores']} cores; "
             f"each run is `{command}` (seed and `--slow-precision` varied).\n\n")
     return head + table(["slow tier", "mean held-out loss", "per seed", "mean vs full precision"], rows)
 

@@ -2,15 +2,16 @@
 
 ``hpf plan --search`` drops candidates by it and ``hpf train`` refuses a run that would not fit
 by it. It follows the engine through one step, from the plan and the model's ``activations``
-hook alone (no process, meta tensors), and takes the peak of these moments:
+hook alone (no process, meta tensors), along the engine's own schedule (hpf.engine.replay: the
+residency policy decides what is gathered at each moment), and takes the peak of these moments:
 
 - **the start of backward**: the state, the gathered units (the root and the ``resident_units``
   blocks still gathered), every block's saved activations (a recomputed block's input only:
   the models read a recomputed block inside its checkpoint, so it is gathered again for its
   backward), the root's, and the loss's grads;
-- **each block's backward**, top down: that block and the one prefetched below it gathered,
-  its saved activations (recomputed first if it was checkpointed) and the grads its backward
-  holds, the blocks below it still saved, the param grads autograd holds (the root's through
+- **each block's backward**, top down: the blocks gathered then (that block and the one
+  prefetched below it, with the default bound), its saved activations (recomputed first if it
+  was checkpointed) and the grads its backward holds, the blocks below it still saved, the param grads autograd holds (the root's through
   all of backward, this block's), and the reductions still holding memory;
 - **the end of backward**: the root's reduction issued;
 - **init**, on CPU ranks: the state beside the full params each rank builds before sharding.
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 
 from .comm.cost import dtype_bytes
 from .engine.reduce import IN_FLIGHT
+from .engine.replay import loop_reads, replay
 from .models.recompute import Activations, recomputes
 from .planning import ROOT, Plan
 from .report import PlanReport
@@ -100,29 +102,45 @@ def step_memory(report: PlanReport, plan: Plan, acts: Activations | None, *, com
         lambda done: reduce_copies * sum(sorted((u["flat"] for u in done), reverse=True)[:IN_FLIGHT]))
     if acts is None:
         acts = Activations(((0, 0, 0),) * len(blocks), 0, 0)
-    saved = [s for s, _, _ in acts.blocks]
-    kept = [i if recomputes(k, recompute) else s for k, (s, i, _) in enumerate(acts.blocks)]
-    n = len(blocks)
-    resident = n - min(resident_units, n)  # the first block still gathered when forward ends
-
-    def gathered_with(ks: set[int]):  # the root and blocks ks
-        return gathered(root, *(blocks[j] for j in sorted(ks)))
-    moments = [("the start of backward", {
-        "gathered": gathered_with(set(range(resident, n))),
-        "activations": acts.root_saved + sum(kept) + acts.root_backward})]
-    for k in reversed(range(n)):
-        moments.append((f"the backward of blocks/{k}", {
-            "gathered": gathered_with({k, k - 1} - {-1}),
-            "activations": sum(kept[:k]) + saved[k] + acts.blocks[k][2],
-            "param grads": root["grads"] + blocks[k]["grads"],
-            "reductions": held(blocks[k + 1:])}))
-    moments.append(("the end of backward", {"gathered": gathered_with(set()), "param grads": root["grads"],
-                                            "reductions": held(blocks + [root])}))
+    moments = _moments(plan, root, blocks, acts, gathered, held, resident_units, recompute)
     if init_copy:
         moments.append(("init", {"full params": sum(math.prod(s.global_shape) * dtype_bytes(s.dtype)
                                                     for s in plan.slots.values())}))
     when, parts = max(moments, key=lambda m: sum(m[1].values()))
     return StepMemory({**state, **parts}, when)
+
+
+def _moments(plan: Plan, root: dict, blocks: list[dict], acts: Activations, gathered, held, resident_units: int,
+             recompute: str) -> list[tuple[str, dict]]:
+    """The step's moments (the module doc) along the engine's own schedule of one step
+    (hpf.engine.replay): what is gathered and which reductions were issued at each."""
+    saved = [s for s, _, _ in acts.blocks]
+    kept = [i if recomputes(k, recompute) else s for k, (s, i, _) in enumerate(acts.blocks)]
+    names = [u for u in plan.units if u != ROOT]
+    index = {u: k for k, u in enumerate(names)}
+    units = dict(zip(names, blocks), **({ROOT: root} if ROOT in plan.units else {}))
+
+    def gathered_with(resident):  # the root and the blocks gathered then
+        return gathered(root, *(blocks[index[u]] for u in resident))
+    (step,) = replay(list(plan.units), {ROOT}, loop_reads(list(plan.units)), list(plan.units),
+                     capacity=resident_units, recompute={u for k, u in enumerate(names) if recomputes(k, recompute)})
+    moments, issued = [], []
+    for e in step.events:
+        if e.kind == "loss":
+            moments.append(("the start of backward", {
+                "gathered": gathered_with(e.resident),
+                "activations": acts.root_saved + sum(kept) + acts.root_backward}))
+        elif e.kind == "backward":
+            k = index[e.unit]
+            moments.append((f"the backward of {e.unit}", {
+                "gathered": gathered_with(e.resident),
+                "activations": sum(kept[:k]) + saved[k] + acts.blocks[k][2],
+                "param grads": root["grads"] + blocks[k]["grads"],
+                "reductions": held(issued)}))
+        elif e.kind == "reduce":
+            issued.append(units[e.unit])
+    return moments + [("the end of backward", {"gathered": gathered_with(()), "param grads": root["grads"],
+                                               "reductions": held(issued)})]
 
 
 def predict(module, config, plan: Plan, report: PlanReport, *, local_batch: int, mixed_precision=None,

@@ -5,11 +5,13 @@ Bytes follow hpf/comm/cost.py's model, the one the comms' byte counters use.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 
 from .comm.cost import TIERS, bucket_comm_bytes, codec_bytes, dtype_bytes, feedback_numel
+from .engine.replay import loop_reads, replay
 from .planning import OPS
 from .tree import ROOT
 
@@ -34,13 +36,14 @@ class PlanReport:
     def of(cls, plan, *, compute_dtype: torch.dtype | None = None, master_dtype: torch.dtype | None = None,
            reduce_dtype: torch.dtype | None = None, optimizer_states: int = 2,
            hierarchical: bool = False, regather: bool = True, resident_units: int = 2) -> "PlanReport":
-        """``plan``: an hpf.Plan. A loop-style loss function is assumed: backward re-gathers
-        every block but the last ``resident_units``, which are still gathered when it starts
-        (hpf.engine.residency); ``regather=False``: blocks stay gathered through backward (a
-        shared-memory fast tier)."""
+        """``plan``: an hpf.Plan. A loop-style loss function is assumed, and the engine's
+        schedule for it (hpf.engine.replay): backward re-gathers every block but the last
+        ``resident_units``, which are still gathered when it starts; ``regather=False``: every
+        unit stays gathered through the step (a shared-memory fast tier)."""
         mesh = plan.mesh
-        blocks_in_order = [u for u in plan.units if u != ROOT]
-        resident = set(blocks_in_order[len(blocks_in_order) - min(resident_units, len(blocks_in_order)):])
+        units = list(plan.units)  # each unit's gathers in a step: the engine's schedule (hpf.engine.replay)
+        (step,) = replay(units, {ROOT} if regather else set(units), loop_reads(units), units, capacity=resident_units)
+        gathers_of = Counter(e.unit for e in step.events if e.kind == "gather")
         params = grads = opt = padded_total = 0
         unit_bytes: dict[str, int] = {}
         comm = {op: dict.fromkeys(TIERS, 0) for op in OPS}
@@ -61,7 +64,7 @@ class PlanReport:
             replicas = mesh.size // b.shard_size
             padded_total += b.padded_numel * master * replicas
             unit_bytes[b.unit] = unit_bytes.get(b.unit, 0) + b.padded_numel * compute
-            gathers = 2 if regather and b.unit != ROOT and b.unit not in resident else 1
+            gathers = gathers_of[b.unit]
             ops = bucket_comm_bytes(mesh, b, compute_dtype or b.dtype, reduce_dtype_b, hierarchical, slow)
             for op, tiers in ops.items():
                 for tier, n in tiers.items():

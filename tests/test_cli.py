@@ -218,18 +218,41 @@ def test_benchmark_runner_tabulates_ratio_lines_writes_results_and_reports_failu
     (bench / "b_broken.py").write_text("raise SystemExit(3)  # report_ratio( is never reached\n")
     (bench / "c_tool.py").write_text("raise SystemExit('a tool that reports no ratio is not a benchmark')\n")
     runner = [sys.executable, str(REPO / "benchmarks" / "run.py"), "--dir", str(bench)]
-    proc = subprocess.run(runner + ["--quick", "--json", str(tmp_path / "r.json")], capture_output=True, text=True,
+    (bench / "d_figures.py").write_text(textwrap.dedent(f"""
+        import argparse, sys
+        sys.path.insert(0, {str(REPO / "benchmarks")!r})
+        from common import report_ratio, write_results
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--json")
+        ap.add_argument("--quick", action="store_true")
+        args = ap.parse_args()
+        report_ratio("d/ratio", 0.5, "<=1")
+        if args.json:
+            write_results(args.json, {{"steps": [1, 2]}}, quick=args.quick)
+        """))
+    out = tmp_path / "results"
+    proc = subprocess.run(runner + ["--quick", "--json", str(out)], capture_output=True, text=True,
                           timeout=120, cwd=tmp_path)  # from any folder: it finds its siblings itself
     assert proc.returncode == 1 and "b_broken.py" in proc.stderr and "c_tool" not in proc.stdout
     table = proc.stdout[proc.stdout.index("benchmark  "):].splitlines()
     rows = {line.split()[1]: line.split()[2:] for line in table[2:] if len(line.split()) > 2}
     # --quick is a smoke run: its ratios are shown, not judged against their targets
     assert rows == {"hpf/fsdp2": ["0.620", "<=0.70", "smoke"], "pearson": ["0.9999997", ">=0.999999", "smoke"],
-                    "ns_batched/loop": ["2.5", ">=3", "smoke"], "quick_flag_seen": ["1", "-"]}
-    results = json.loads((tmp_path / "r.json").read_text())
-    assert results["settings"]["quick"] and results["settings"]["failed"] == ["b_broken.py"]
-    assert [(r["name"], r["verdict"]) for r in results["ratios"]][:3] == [
-        ("hpf/fsdp2", "smoke"), ("pearson", "smoke"), ("ns_batched/loop", "smoke")]
+                    "ns_batched/loop": ["2.5", ">=3", "smoke"], "quick_flag_seen": ["1", "-"],
+                    "d/ratio": ["0.5", "<=1", "smoke"]}
+    # one results file per benchmark that finished, in one schema: the runner's from the ratios, or the script's own
+    assert sorted(p.name for p in out.iterdir()) == ["a_fast.json", "d_figures.json"]
+    a, d = (json.loads((out / name).read_text()) for name in ("a_fast.json", "d_figures.json"))
+    for r, script in ((a, "a_fast.py"), (d, "d_figures.py")):
+        assert r["schema"] == "hpf-benchmark/1" and r["benchmark"] == script and r["environment"]["quick"]
+        assert r["command"].startswith(f"python benchmarks/{script} --quick")
+        assert {"cores", "torch", "commit", "load_average_at_start"} <= r["environment"].keys()
+    assert a["figures"] == {} and [(x["name"], x["target"]) for x in a["ratios"]][:3] == [
+        ("hpf/fsdp2", "<=0.70"), ("pearson", ">=0.999999"), ("ns_batched/loop", ">=3")]
+    assert d["figures"] == {"steps": [1, 2]} and d["ratios"] == [{"name": "d/ratio", "value": 0.5, "target": "<=1"}]
+    assert "--json" in d["command"] and "--json" not in a["command"]
+    proc = subprocess.run(runner + ["--json", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "give a folder" in proc.stderr
 
     proc = subprocess.run(runner + ["--only", "fast"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "b_broken" not in proc.stdout and "quick_flag_seen  0" in proc.stdout

@@ -30,6 +30,7 @@ from .compiled import hide_from_compiler
 from .entry import Recompute, entry, rematerialized
 from .gather import MemoryStats, UnitBuffers
 from .reduce import Reducer
+from .replay import pinned_units
 from .residency import Residency
 from .views import ParamsView
 
@@ -65,7 +66,7 @@ class UnitEngine:
         self.units = list(plan.units)
         self._wait_s = 0.0  # seconds compute spent blocked on collectives (``take_wait_s``)
         self.buffers = UnitBuffers(plan, comm, compute_dtype, capacity, self.add_wait, on_extra_gather)
-        pinned = {u for u in self.units if u == ROOT or u not in self.buffers.freeable}
+        pinned = pinned_units({u: plan.units[u].buckets for u in self.units}, self.buffers.kept)
         self.residency = Residency(self.units, pinned, capacity)
         self.reducer = Reducer(plan, comm, self.buffers.shared, pipeline, list(compute_sums),
                                before_issue=self.buffers.start_queued, on_wait=self.add_wait)

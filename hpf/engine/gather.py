@@ -220,6 +220,10 @@ class UnitBuffers:
         self.stats = MemoryStats()
         self._plain_held = 0  # block units (not the root) with plain memory held: what ``capacity`` bounds
 
+    def kept(self, b: int) -> bool:
+        """Whether bucket ``b``'s memory stays for good (a master shard, or shared memory)."""
+        return self._master[b] or self.shared[b]
+
     # -- shards ---------------------------------------------------------------------------------------
     def set_shards(self, masters: list[torch.Tensor], keep: set[str] = frozenset()) -> None:
         """The step's master shards, cast to the compute dtype (units in ``keep`` keep theirs)."""

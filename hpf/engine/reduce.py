@@ -41,10 +41,30 @@ from ..comm.transport import DONE, StreamWork, is_done, wait_for
 from ..planning import Plan
 from ..trace import span
 
-__all__ = ["Reducer", "IN_FLIGHT"]
+__all__ = ["Reducer", "IN_FLIGHT", "issuable", "to_wait"]
 
 #: reductions holding memory at once, the unit summed next included (the module doc; hpf.memory counts it)
 IN_FLIGHT = 2
+
+
+# -- the policy, as pure functions (hpf.engine.replay replays them for hpf.sim and hpf.memory) ----------------
+def issuable(order: list[str], start: int, complete) -> int:
+    """Reductions are issued strictly in ``order``, the head as soon as it is ``complete``: the
+    position after the last one issuable now, the ones from ``start`` issued already."""
+    while start < len(order) and order[start] in complete:
+        start += 1
+    return start
+
+
+def to_wait(holding: list[bool], bound: int = IN_FLIGHT) -> int:
+    """The in-flight bound: how many of the oldest reductions in flight (``holding``, oldest
+    first: whether each holds flat grads of its own) to wait for before a unit takes its flat
+    grads or issues its reduction, so that fewer than ``bound`` hold memory."""
+    n, held = 0, sum(holding)
+    while held >= bound:
+        held -= holding[n]
+        n += 1
+    return n
 
 
 class Reducer:
@@ -128,7 +148,8 @@ class Reducer:
         return True
 
     def _issue_ready(self) -> None:
-        while self._next < len(self.order) and self.order[self._next] in self._complete:
+        end = issuable(self.order, self._next, self._complete)
+        while self._next < end:
             self._reduce(self.order[self._next])
             self._next += 1
 
@@ -175,11 +196,12 @@ class Reducer:
         """Wait for the oldest reductions in flight until fewer than IN_FLIGHT hold memory (a
         shared-memory grad buffer is mapped for good: waiting on it would free nothing)."""
         self._pop_landed()
-        if self._holding() >= IN_FLIGHT:
+        n = to_wait([holds for holds, _, _ in self._in_flight])
+        if n:
             self._before_issue()  # (the gathers decided so far start first: they overlap this wait)
             t = time.perf_counter()
             with span("hpf/wait reduce-scatter"):
-                while self._holding() >= IN_FLIGHT:
+                for _ in range(n):
                     _, oldest, unit = self._in_flight.popleft()
                     while oldest:  # (popped as waited: no handle, nor its buffers, outlives its wait)
                         schedule.wait(oldest.pop(0), "a gradient reduction")
@@ -213,10 +235,6 @@ class Reducer:
                 self.on_landed(unit)
             self.landed_s += time.perf_counter() - t
         self._to_tell.clear()  # (on_landed was unset: nobody to tell)
-
-    def _holding(self) -> int:
-        """Reductions in flight whose flat grads hold memory of their own."""
-        return sum(holds for holds, _, _ in self._in_flight)
 
     def _grad_flat(self, b: int) -> torch.Tensor:
         bucket, shard = self.plan.buckets[b], self.grad_shards[b]

@@ -24,12 +24,13 @@ from ..mesh import Mesh
 from ..types import SlowPrecision
 from .hardware import (PROFILES, Hardware, Link, compute_key, hardware, load_calibration, model_prefix,
                        parse_compute_key)
-from .model import (Options, SimResult, allreduce_time, compute_floor as model_floor, default_unit_flops, ring_time,
-                    simulate_plan, two_tier_time)
+from ..engine.replay import StepEvents
+from .model import (Options, SimResult, allreduce_time, compute_floor as model_floor, default_unit_flops, hpf_schedule,
+                    ring_time, simulate_plan, two_tier_time)
 
 __all__ = ["simulate", "compare", "sweep", "sweep_mesh", "Hardware", "Link", "Options", "SimResult", "PROFILES",
            "hardware", "load_calibration", "ring_time", "allreduce_time", "two_tier_time", "STRATEGIES",
-           "extrapolation", "calibrated_compute", "plan_for", "compute_floor", "muon_tax"]
+           "extrapolation", "calibrated_compute", "plan_for", "compute_floor", "muon_tax", "schedule"]
 
 STRATEGIES = ("hpf", "hsdp", "fsdp2", "ddp")
 _BYTES = {None: 4, "bf16": 2, "fp16": 2}
@@ -62,11 +63,20 @@ def simulate(config, mesh, hw: Hardware | str, strategy: str = "hpf", **kw) -> S
     (two-tier: the low-bit slow tier, "W[,G]" as ``hpf simulate --slow-precision`` or an
     hpf.types.SlowPrecision: fewer slow-tier bytes plus the quantize cost), ``accumulate``
     micro-batches of ``local_batch / accumulate`` sequences, ``recompute`` ("none", "all",
-    "every_other": the blocks whose forward runs again in backward), ``optimizer`` ("adamw"; "muon":
+    "every_other": the blocks whose forward runs again in backward), ``resident_units`` (the residency
+    bound, as hpf.shard_step's), ``optimizer`` ("adamw"; "muon":
     hpf's distributed Muon, whose tax ``muon_tax`` runs after the decision; the baselines are
     modelled with AdamW)."""
     plan, hw, opts, flops, extra = _inputs(config, mesh, hw, strategy, **kw)
     return simulate_plan(plan, hw, opts, flops, **extra)
+
+
+def schedule(config, mesh, hw: Hardware | str, **kw) -> list[StepEvents]:
+    """The schedule ``simulate(config, mesh, hw, "hpf", **kw)`` times: per step, the engine's
+    gathers, reads and reductions in order (hpf.engine.replay's events), from the engine's own
+    residency and reduction policies on a loop-style loss function's reads."""
+    plan, _, opts, _, _ = _inputs(config, mesh, hw, "hpf", **kw)
+    return hpf_schedule(plan, opts)
 
 
 def compute_floor(config, mesh, hw: Hardware | str, strategy: str = "hpf", **kw) -> float:
@@ -115,7 +125,8 @@ def _muon_work_of(plan, muon) -> tuple:
 
 def _inputs(config, mesh, hw, strategy, *, local_batch=1, model="gpt", mixed_precision=None, topology="two-tier",
             fsdp_axes=None, pipeline=True, overlap_optimizer=True, emulated_slow=None, shm=None, steps=3,
-            ep_axis=None, bucket_bytes=0, slow_precision=None, accumulate=1, recompute="none", optimizer="adamw"):
+            ep_axis=None, bucket_bytes=0, slow_precision=None, accumulate=1, recompute="none", optimizer="adamw",
+            resident_units=2):
     """simulate_plan's arguments for simulate's (see there)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy {strategy!r}: use one of {STRATEGIES}")
@@ -149,7 +160,7 @@ def _inputs(config, mesh, hw, strategy, *, local_batch=1, model="gpt", mixed_pre
                    compute_bytes=_BYTES[mixed_precision], reduce_bytes=4, emulated_slow=emulated_slow, steps=steps,
                    accumulate=accumulate if is_hpf else 1,
                    recompute=frozenset(u for i, u in enumerate(blocks) if is_hpf and recomputes(i, recompute)),
-                   muon_s=muon_tax(plan, hw) if is_hpf and optimizer == "muon" else 0.0)
+                   muon_s=muon_tax(plan, hw) if is_hpf and optimizer == "muon" else 0.0, resident_units=resident_units)
     measured = calibrated_compute(hw, mod, cfg_name, micro, mesh.size, mixed_precision) if cfg_name else None
     tokens = local_batch * getattr(cfg, "seq_len", 1) * mesh.size
     return plan, hw, opts, flops, dict(tokens=tokens, measured=measured, a2a=a2a)

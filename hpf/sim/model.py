@@ -5,13 +5,15 @@ stage over p ranks of one tier takes ``latency + (p-1)*alpha + bytes/beta``, whe
 ``bytes`` is what one rank sends on that tier (``(p-1)/p * n`` for a ring over an n-byte
 buffer). So the simulator's bytes are the plan report's bytes, by construction.
 
-The schedule replays what ``hpf.engine`` and ``hpf.comm.tiered.TieredComm`` do: one
-compute thread; collectives on FIFO workers (one per tier and direction for the two-tier
-comm, one per process group for torch.distributed); gathers issued at the read of the unit
-before (prefetch), re-gathers in backward, reductions that overlap the next unit's backward
-(pipeline), one all-reduce that decides, then the update, and the next step's first gathers
-issued after theirs: the exposed boundary chain. FSDP2 and Megatron
-DDP run through the same machinery with their own schedules.
+hpf's schedule is the engine's own (``hpf_schedule``: hpf.engine.replay runs the engine's
+residency and reduction policies on the model's reads); this module times it as
+``hpf.engine`` and ``hpf.comm.tiered.TieredComm`` run it: one compute thread; collectives on
+FIFO workers (one per tier and direction for the two-tier comm, one per process group for
+torch.distributed); gathers issued where the policy decides them (a prefetch at the read of
+the unit before), re-gathers in backward, reductions that overlap the next unit's backward
+(pipeline) within the bound of reductions in flight, one all-reduce that decides, then the
+update, and the next step's first gathers issued after theirs: the exposed boundary chain.
+FSDP2 and Megatron DDP run through the same machinery with their own schedules.
 
 Calibrated compute is the slowest rank's, so the simulated rank is the slowest and its step
 time the job's. Where ranks share cores the others finish the same work ``skew`` earlier and
@@ -25,11 +27,13 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from ..planning import ROOT, Plan
-from ..comm.cost import bucket_comm_bytes, codec_bytes, collective_bytes
+from ..comm.cost import bucket_comm_bytes, codec_bytes, collective_bytes, dtype_bytes
+from ..engine.reduce import to_wait
+from ..engine.replay import StepEvents, loop_reads, pinned_units, replay
 from .hardware import Hardware, Link
 
 __all__ = ["ring_time", "allreduce_time", "two_tier_time", "Options", "SimResult", "simulate_plan",
-           "default_unit_flops", "compute_floor"]
+           "default_unit_flops", "compute_floor", "hpf_schedule"]
 
 CONTENTION_PASSES = 6  # replays on the earlier passes' compute (averaged: settles in ~5)
 ADAMW_BYTES_PER_ELEMENT = 28  # read param, grad, m, v; write param, m, v (fp32)
@@ -83,6 +87,7 @@ class Options:
     accumulate: int = 1  # hpf: micro-batches per step (each gathers again; one reduction, after the last)
     recompute: frozenset = frozenset()  # hpf: units that recompute their forward in backward (checkpointed)
     muon_s: float = 0.0  # hpf: distributed Muon's tax after the decision (hpf.sim.muon_tax); 0: AdamW
+    resident_units: int = 2  # hpf: the residency bound (hpf.StepConfig's)
 
 
 @dataclass
@@ -125,9 +130,10 @@ class _Unit:
     reduce_copy_s: float = 0.0  # packing grads into the flat reduce buffer (both)
     full_grad_bytes: int = 0
     a2a_s: float = 0.0  # per pass (forward, backward): blocking all-to-alls (MoE dispatch + combine)
-    recompute: bool = False  # its forward runs again in backward; its checkpoint keeps it gathered till then
+    recompute: bool = False  # its forward runs again in backward (compute_floor counts it)
     issue_s: float = 0.0  # compute-thread seconds to issue one of its gathers or reductions (all buckets)
     land_s: float = 0.0  # compute-thread seconds when its reductions land (the gloo reduce-scatter's local sum)
+    holds_grads: bool = True  # its reductions hold flat grads of their own (not the shared-memory tier's)
 
 
 # -- per-unit costs from the plan ----------------------------------------------------------------
@@ -186,7 +192,8 @@ def _unit_costs(plan: Plan, hw: Hardware, opts: Options, flops: dict, measured: 
             gather_copy_s=copy(sum(plan.buckets[bi].padded_numel for bi in unit.buckets) * opts.compute_bytes),
             reduce_copy_s=copy(full_grad), full_grad_bytes=full_grad, issue_s=issue, land_s=land,
             a2a_s=_a2a_time(hw, opts, plan, *a2a[name]) if a2a and name in a2a else 0.0,
-            recompute=name in opts.recompute))
+            recompute=name in opts.recompute,
+            holds_grads=not all(_shared(plan, opts, b) for b in unit.buckets if not plan.buckets[b].frozen)))
     return units
 
 
@@ -389,95 +396,111 @@ def _issue(tl: _Timeline, per_bucket: list) -> float:
     return max((tl.submit(stages) for stages in per_bucket), default=tl.t)
 
 
-def _hpf_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float) -> None:
-    """hpf.engine + ShardStep's phases, step after step, for a loop-style loss function: the
-    residency bound keeps the block read and the next (prefetched) gathered; backward walks the
-    blocks in reverse, the last two still gathered; reductions overlap backward (pipeline);
-    after they land, one all-reduce decides; then the units the next step reads first are
-    updated and gathered while the rest update (``overlap_optimizer``). With micro-batches
-    every one gathers again and only the last reduces (the others add into held sums); a
-    recomputed block stays gathered from its forward to its backward, which runs its forward
-    (and all-to-alls) again first."""
-    by = {u.name: u for u in units}
-    root = by.get(ROOT)
-    blocks = [u for u in units if u.name != ROOT]
-    order = ([root] if root else []) + blocks
-    first = [u.name for u in (order if opts.shm else order[:3])]  # pinned + the first two blocks
-    live: dict[str, float] = {}
+def hpf_schedule(plan: Plan, opts: Options) -> list[StepEvents]:
+    """The engine's schedule of ``opts.steps`` steps of ``plan`` for a loop-style loss function:
+    hpf.engine's residency and reduction policies replayed on its reads (hpf.engine.replay)."""
+    def kept(b: int) -> bool:  # gathered for good: whole in the compute dtype, or the shared-memory fast tier
+        bucket = plan.buckets[b]
+        return (bucket.shard_size == 1 and dtype_bytes(bucket.dtype) == opts.compute_bytes) or _shared(plan, opts, b)
+    units = list(plan.units)
+    pinned = pinned_units({u: plan.units[u].buckets for u in units}, kept)
+    trained = [u for u in units if any(not plan.buckets[b].frozen for b in plan.units[u].buckets)]
+    return replay(units, pinned, loop_reads(units), trained, capacity=opts.resident_units, recompute=opts.recompute,
+                  accumulate=opts.accumulate, steps=opts.steps)
 
-    def gather(u):
-        if u.name not in live:
-            tl.run(u.issue_s)
-            live[u.name] = _issue(tl, u.gather)
 
-    for step in range(opts.steps):
-        tl.begin_step()
-        if step == opts.steps - 1:
-            tl.reset_counters()
-            start = tl.t
-        landing: list = []
-        for micro in range(opts.accumulate):
-            held = micro < opts.accumulate - 1  # sums kept for the next micro-batch: no reduction
-            for name in first:  # begin(): nothing if the last step prefetched them
-                gather(by[name])
-            if root:
-                tl.wait_until(live[ROOT])
-            for i, u in enumerate(blocks):
-                if i > 1 and not opts.shm and not blocks[i - 2].recompute:
-                    live.pop(blocks[i - 2].name, None)  # evicted past the bound
-                gather(u)
-                tl.wait_until(live[u.name])
-                if i + 1 < len(blocks):
-                    gather(blocks[i + 1])
-                _a2a(tl, u)
-                tl.run(u.fwd_s)
-            if root:
-                tl.run(root.fwd_s + root.bwd_s)  # head forward and backward (the embedding's is small)
-            for i in reversed(range(len(blocks))):
-                u = blocks[i]
-                gather(u)  # a re-gather unless still live (the last two blocks, or shared memory)
-                tl.wait_until(live[u.name])
-                if i:
-                    gather(blocks[i - 1])
-                if u.recompute:
-                    _a2a(tl, u)
-                    tl.run(u.fwd_s)
-                _a2a(tl, u)
-                tl.run(u.bwd_s)
-                _reduce(tl, u, opts, landing, live, held)
-            if root:
-                _reduce(tl, root, opts, landing, live, held)
-        for u, end, land in landing:  # land(): every reduction
+def _shared(plan: Plan, opts: Options, b: int) -> bool:
+    """Whether bucket ``b``'s full buffer and grad rows are in the shared-memory fast tier."""
+    mesh, bucket = plan.mesh, plan.buckets[b]
+    return opts.shm and opts.hierarchical and mesh.axis_size(tuple(a for a in bucket.shard_axes
+                                                                   if a in mesh.fast_axes)) > 1
+
+
+class _InFlight:
+    """The simulated rank's reductions in flight and the engine's bound on them (hpf.engine.reduce)."""
+
+    def __init__(self, tl: _Timeline, opts: Options):
+        self.tl, self.opts = tl, opts
+        self.items: list[tuple[bool, float, float]] = []  # per reduction issued: (holds memory, end, landing's sum)
+
+    def make_room(self) -> None:
+        """Reducer._make_room: landed ones are polled (and summed), then the oldest waited for."""
+        tl = self.tl
+        while self.items and self.items[0][1] <= tl.t:
+            tl.run(self.items.pop(0)[2])
+        for _ in range(to_wait([holds for holds, _, _ in self.items])):
+            _, end, land = self.items.pop(0)
             tl.wait_until(end)
             tl.wait_until(tl.t + land)
+
+    def issue(self, u: _Unit) -> None:
+        tl = self.tl
+        self.make_room()
+        tl.run(u.issue_s)
+        end = _issue(tl, u.reduce)
+        if not self.opts.pipeline:  # waited (and summed) at once
+            tl.wait_until(end)
+            tl.wait_until(tl.t + u.land_s)
+        self.items.append((u.holds_grads, end, u.land_s if self.opts.pipeline else 0.0))
+
+    def land(self) -> None:
+        for _, end, land in self.items:
+            self.tl.wait_until(end)
+            self.tl.wait_until(self.tl.t + land)
+        self.items.clear()
+
+
+def _hpf_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float, schedule: list[StepEvents]) -> None:
+    """hpf.engine + ShardStep's phases, step after step, timing the engine's own schedule
+    (``hpf_schedule``): gathers issued where the residency policy decides them; a unit's
+    forward, recompute and backward wait for its gather; its grads packed once fewer than the
+    in-flight bound of reductions hold memory (``to_wait``: the compute thread waits for the
+    oldest), its reduction issued in the reduction order, overlapping the rest of backward
+    (pipeline) or waited at once; after they land, one all-reduce decides; then the units the
+    next step reads first are updated and gathered while the rest update (``overlap_optimizer``)."""
+    by = {u.name: u for u in units}
+    live: dict[str, float] = {}
+    reductions = _InFlight(tl, opts)
+
+    def gather(name: str) -> None:
+        tl.run(by[name].issue_s)
+        live[name] = _issue(tl, by[name].gather)
+
+    for k, step in enumerate(schedule):
+        tl.begin_step()
+        if k == len(schedule) - 1:
+            tl.reset_counters()
+            start = tl.t
+        for e in step.events:
+            u = by.get(e.unit)
+            if e.kind == "gather":
+                gather(e.unit)
+            elif e.kind == "evict":
+                live.pop(e.unit, None)
+            elif e.kind in ("forward", "recompute", "backward"):
+                tl.wait_until(live[e.unit])
+                if e.unit != ROOT:
+                    _a2a(tl, u)
+                    tl.run(u.bwd_s if e.kind == "backward" else u.fwd_s)
+            elif e.kind == "loss" and ROOT in by:  # the head's forward and backward (the embedding's is small)
+                tl.run(by[ROOT].fwd_s + by[ROOT].bwd_s)
+            elif e.kind in ("grads", "hold"):  # packed into the flat buffer; or added into the held sums
+                if e.kind == "grads":
+                    reductions.make_room()
+                tl.run(u.reduce_copy_s)
+            elif e.kind == "reduce":
+                reductions.issue(u)
+            elif e.kind == "land":
+                reductions.land()
         tl.sync(norm_s)  # the decision: one all-reduce
         tl.run(opts.muon_s, optimizer=True)  # Muon: pieces to owners, Newton-Schulz, pieces back
-        for name in list(live):
-            if not opts.shm:
-                live.pop(name)
-        head = [by[n] for n in first] if opts.overlap_optimizer else units
-        tl.run(sum(u.update_s for u in head), optimizer=True)
-        if opts.shm:
-            live.clear()
-        for name in first:  # the next step's first gathers
-            gather(by[name])
+        first = set(step.next_first)
+        tl.run(sum(u.update_s for u in units if u.name in first or not opts.overlap_optimizer), optimizer=True)
+        for name in step.next_first:  # the next step's first gathers
+            gather(name)
         if opts.overlap_optimizer:
             tl.run(sum(u.update_s for u in units if u.name not in first), optimizer=True)
     tl.step_s = tl.t - start
-
-
-def _reduce(tl: _Timeline, u: _Unit, opts: Options, landing: list, live: dict, held: bool = False) -> None:
-    if not opts.shm and not (held and u.name == ROOT):  # the pinned root changes only with the update
-        live.pop(u.name, None)
-    if held:  # an earlier micro-batch: grads packed and added into the held sums, nothing sent
-        tl.run(2 * u.reduce_copy_s)
-        return
-    tl.run(u.reduce_copy_s + u.issue_s)  # grads packed into the flat buffer, the reduction issued
-    end = _issue(tl, u.reduce)
-    if not opts.pipeline:  # waited (and summed) at once
-        tl.wait_until(end)
-        tl.wait_until(tl.t + u.land_s)
-    landing.append((u, end, 0.0 if not opts.pipeline else u.land_s))
 
 
 def _fsdp2_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float, overhead_s: float,
@@ -607,7 +630,7 @@ def simulate_plan(plan: Plan, hw: Hardware, opts: Options, unit_flops: dict[str,
     def replay(history=(), **rank) -> _Timeline:
         tl = _Timeline(history, **rank)
         if opts.strategy == "hpf":
-            _hpf_steps(units, tl, opts, norm_s)
+            _hpf_steps(units, tl, opts, norm_s, hpf_schedule(plan, opts))
         elif opts.strategy == "fsdp2":
             _fsdp2_steps(units, tl, opts, norm_s, hw.overhead(hw.fsdp2_unit_overhead_s, world),
                          run_ahead=not hw.shared_links)
