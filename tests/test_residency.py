@@ -2,6 +2,7 @@
 and evictions follow from the sequence of reads and the bound alone, and loop-style use keeps
 the two-block bound with one gather per block in forward."""
 from hpf.engine.residency import Residency
+from hpf.planning import ROOT
 
 BLOCKS = [f"blocks/{i}" for i in range(6)]
 
@@ -77,3 +78,16 @@ def test_a_later_micro_batch_starts_from_the_steps_first_reads():
         policy.done(b)
     acts = policy.resume()
     assert acts.prefetch == BLOCKS[:2] and list(policy.resident) == BLOCKS[:2]
+
+
+def test_accumulation_gathers_each_micro_batch_as_a_step_of_its_own():
+    """With K micro-batches a step gathers K times what one micro-batch does: the end of a
+    micro-batch's forward predicts no next unit, so it prefetches nothing that backward must then
+    gather again (learning the whole step's reads did: 21 gathers instead of 17 for 5 blocks, K=2)."""
+    from hpf.engine.replay import loop_reads, replay
+
+    units = [ROOT] + [f"blocks.{i}" for i in range(5)]
+    for k in (1, 2, 4):
+        steps = replay(units, {ROOT}, loop_reads(units), units, accumulate=k, steps=2)
+        gathers = sum(e.kind == "gather" for e in steps[1].events) + len(steps[1].next_first)
+        assert gathers == 1 + k * (5 + 3), (k, gathers)  # the root; per micro-batch 5 forward, 3 backward

@@ -9,7 +9,7 @@ only decide whether an evicted unit's memory can be freed at once (hpf.engine.ga
 
 The bound is ``capacity`` units gathered at once besides the ``pinned`` ones (the root, and
 units in shared memory, gathered for the whole step). A unit read is made most recent; a
-prefetch of the unit predicted next (from the last step's reads, the first step from tree
+prefetch of the unit predicted next (from the last micro-batch's reads, the first step from tree
 order) comes after it; the least recent units are evicted past the bound. Loop-style code
 thus gathers each unit once in forward with at most ``capacity`` of them live, and backward
 walks the forward reads in reverse the same way.
@@ -42,9 +42,8 @@ class Residency:
         self._next = _successors(order)  # the first step's guess: tree order
         self.resident: dict[str, None] = {}  # non-pinned units gathered now, least recent first
         self.reads: list[str] = []  # this micro-batch's forward reads (non-pinned)
-        self._step_reads: list[str] = []  # the whole step's (what the next step is predicted from)
         self.backward: bool = False
-        self._seen: dict[str, int] = {}  # unit -> its reads so far this step
+        self._seen: dict[str, int] = {}  # unit -> its reads so far this micro-batch
         self._visits: dict[str, int] = {}  # unit -> its backward visits so far this backward
         self._back_next: dict = {}
         self._last_need: str | None = None
@@ -58,12 +57,12 @@ class Residency:
         for u in self.predicted_first():
             self.resident[u] = None
             acts.prefetch.append(u)
-        self.reads, self._step_reads, self.backward, self._seen, self._last_need = [], [], False, {}, None
+        self.reads, self.backward, self._seen, self._last_need = [], False, {}, None
         return acts
 
     def resume(self) -> Actions:
-        """Another micro-batch of the step starts: its first reads are predicted as the step's were."""
-        self.reads, self.backward, self._last_need = [], False, None
+        """Another micro-batch of the step starts: its reads are predicted as the last micro-batch's were."""
+        self.reads, self.backward, self._seen, self._last_need = [], False, {}, None
         first = self.predicted_first()
         acts = Actions()
         for u in first:
@@ -85,7 +84,6 @@ class Residency:
             return Actions()
         for unit in units:
             self.reads.append(unit)
-            self._step_reads.append(unit)
             k = self._seen[unit] = self._seen.get(unit, 0) + 1
         return self._use(units, self._next.get((unit, k)) or self._next.get((unit, 1)))
 
@@ -115,11 +113,13 @@ class Residency:
         return []
 
     def end_step(self, learn: bool = True) -> list[str]:
-        """The step is over: learn its reads as the next step's prediction (unless the step
-        failed: ``learn=False``); evict what is resident."""
-        if learn and self._step_reads:
-            self._next = _successors(self._step_reads)
-            self.first = self._step_reads[:1]
+        """The step is over: learn its (last micro-batch's) reads as the next micro-batches'
+        prediction (unless the step failed: ``learn=False``); evict what is resident. One
+        micro-batch's, not the step's: the last read of a micro-batch predicts nothing, so the
+        end of its forward prefetches no unit that backward then has to gather again."""
+        if learn and self.reads:
+            self._next = _successors(self.reads)
+            self.first = self.reads[:1]
         gone = list(self.resident)
         self.resident.clear()
         return gone
