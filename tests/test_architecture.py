@@ -106,6 +106,29 @@ def test_no_library_file_over_700_lines():
     assert not long, f"library files over {MAX_LINES} lines: {long}"
 
 
+def oversized(source: str, max_class: int = 250, max_function: int = 60) -> list[str]:
+    """The classes and functions in ``source`` longer than the limits (docstrings included)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        limit = max_class if isinstance(node, ast.ClassDef) else max_function if isinstance(
+            node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+        if limit is not None and node.end_lineno - node.lineno + 1 > limit:
+            out.append(f"{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    return out
+
+
+def test_no_class_over_250_lines_and_no_function_over_60():
+    """A unit of code one can read at once: split by what each part is for, not by line count.
+    (hpf/ only: hpf_kernels' Triton kernels are written as one function each, and only a GPU runs them.)"""
+    long = {str(p.relative_to(ROOT)): bad for p in sorted((ROOT / "hpf").rglob("*.py")) if (bad := oversized(p.read_text()))}
+    assert not long, long
+
+
+def test_the_size_scan_finds_a_long_function_inside_a_class():
+    body = "\n".join(f"        x = {i}" for i in range(60))
+    assert oversized(f"class A:\n    def f(self):\n{body}\n") == ["f (61 lines)"]
+
+
 def test_models_never_import_validation_code():
     """Models run validation mode's checks by name (hpf.comm.collectives.run_check), so the
     dependency points from validate to models' hooks, never from models to validate."""
