@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import report_ratio, write_results
+
 ROOT = Path(__file__).resolve().parent.parent
 OPTIMIZERS = ("adamw", "muon")
 
@@ -79,14 +81,16 @@ def main() -> None:
                 runs.append(train(hpf, data, Path(scratch) / f"{name}-{seed}", name, seed, args))
                 print(f"{name} seed {seed}: held-out {runs[-1]['eval_losses'][-1][1]:.4f} "
                       f"({runs[-1]['wall_s']:.0f} s)", flush=True)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
     plot(runs, args.png)
     print("final held-out loss per seed, and mean:")
+    mean = {}
     for name in OPTIMIZERS:
         finals = [r["eval_losses"][-1][1] for r in runs if r["optimizer"] == name]
-        print(f"  {name:6s} " + "  ".join(f"{x:.4f}" for x in finals) + f"   mean {statistics.mean(finals):.4f}")
-    print(f"wrote {args.json} and {args.png}")
+        mean[name] = statistics.mean(finals)
+        print(f"  {name:6s} " + "  ".join(f"{x:.4f}" for x in finals) + f"   mean {mean[name]:.4f}")
+    report_ratio("muon/adamw_final_held_out_loss", mean["muon"] / mean["adamw"])
+    write_results(args.json, {"runs": runs})
+    print(f"wrote {args.png}")
 
 
 if __name__ == "__main__":
