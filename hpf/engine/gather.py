@@ -268,10 +268,6 @@ class UnitBuffers:
             unit = self._queue.pop(0)
             self._start(unit, unit.queued_phase)
 
-    @property
-    def queued(self) -> bool:
-        return bool(self._queue)
-
     def drop_queue(self) -> None:
         """Forget the queued prefetches (after an error)."""
         for unit in self._queue:
@@ -343,9 +339,6 @@ class UnitBuffers:
             if unit.freeable and unit.holds_memory:
                 unit.state = State.RELEASING
         self.free_released(force=True)
-
-    def resident(self) -> set[str]:
-        return {name for name, u in self.units.items() if u.state in _RESIDENT}
 
     def _hold(self, unit: Unit, held: bool) -> None:
         """Count ``unit``'s memory as held or not (``MemoryStats.live_blocks``, ``capacity``)."""
