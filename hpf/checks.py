@@ -135,22 +135,25 @@ def _check_no_empty_lists(node: Any, path: str) -> None:
         _check_no_empty_lists(child, f"{path}/{k}" if path else str(k))
 
 
-def check_same_on_all_ranks(plan, full_params: Any, device: torch.device) -> None:
+def check_same_on_all_ranks(plan, full_params: Any, device: torch.device, made_by: str | None = None) -> None:
     """Fail at init, not with a silently mixed model, when ranks were given different params:
     paths, shapes and dtypes by one object all-gather, values by one int64 all-reduce of a
-    bitwise, position-weighted hash per parameter."""
+    bitwise, position-weighted hash per parameter. Params born sharded have no values yet:
+    ``made_by`` (the digest of their init function and key) is compared instead."""
     if world.world_size() == 1:
         return
     paths, leaves, _ = tree_util.flatten(full_params)
     meta = any(x.is_meta for x in leaves)  # shapes only (before step.restore): no values to compare
     mine = [(p, s.global_shape, str(s.dtype)) for p, s in plan.slots.items()] + [("meta params", meta)]
+    if made_by is not None:
+        mine.append(("init_fn and key", made_by))
     everyone = world.all_gather_object(mine)
     for r, theirs in enumerate(everyone):
         if theirs != mine:
             diff = next((a, b) for a, b in zip(mine + [None] * len(theirs), theirs + [None] * len(mine)) if a != b)
             raise ParamsMismatchError(
                 f"rank {r} has different params than rank {world.rank()}: {diff[1]} vs {diff[0]} (path, shape, "
-                "dtype). Every rank must call step.init with the same full params tree")
+                "dtype). Every rank must call step.init with the same full params tree (or init_fn and key)")
     if meta:
         return
     hashes = torch.stack([_bit_hash(x) for x in leaves]).to(device)

@@ -70,23 +70,29 @@ class ShardStep(StateIO):
         self._closed: StepStats | None = None  # the stats at close(); set once the step is closed
         self._early = EarlyWork()  # the optimizer's work begun in backward (hpf.optim.EarlyUpdate)
 
-    def init(self, full_params: Any) -> TrainState:
-        """Full params (the same on every rank) -> this rank's sharded train state.
+    def init(self, params: Any, *, key: torch.Tensor | None = None) -> TrainState:
+        """This rank's sharded train state, from the full params (the same on every rank) or,
+        born sharded, from ``init_fn`` and ``key``: ``step.init(init_fn, key=hpf.random.key(0))``
+        materializes only this rank's shards of ``init_fn(key)``, bit for bit (hpf.sharded_init).
 
         Under torchrun (its environment set) with no process group yet, this starts one
         (``hpf.launch.init_distributed()``). ``nn.Parameter`` leaves are detached."""
         self._check_open("step.init(params)")
         cfg = self.config
+        born = _born_sharded(params, key)
+        full_params = born.meta_params if born else params
         _join_world(self.mesh)
         frozen = checks.frozen_paths(full_params, cfg.frozen)
         full_params = checks.clean_params(full_params, allow_meta=True)
-        self._donation.unloaded = any(x.is_meta for x in tree_util.flatten(full_params)[1])
+        self._donation.unloaded = not born and any(x.is_meta for x in tree_util.flatten(full_params)[1])
         self.rank, self.device = world.rank(), default_device()
         self.plan = step_plan(full_params, self.mesh, cfg.param_specs, cfg.fsdp_axes, topology=cfg.topology,
                               hsdp=cfg.hsdp, frozen=frozen)
-        checks.check_same_on_all_ranks(self.plan, full_params, self.device)
+        checks.check_same_on_all_ranks(self.plan, full_params, self.device, born.digest() if born else None)
+        dtype = self.mp.master_dtype if self.mp else None
+        shards = born.shards(self.plan, self.rank, dtype) if born else self.plan.shards(full_params, self.rank, dtype)
         shards = [torch.zeros(s.shape, dtype=s.dtype, device=self.device) if s.is_meta else s.to(self.device)
-                  for s in self.plan.shards(full_params, self.rank, self.mp.master_dtype if self.mp else None)]
+                  for s in shards]
         self.grad_shards, self.engine = _engine(cfg, self.plan, shards, self.device, self.on_extra_gather)
         # Axes a param computes sharded over (experts on a borrowed data axis) allow collectives.
         self._spmd = SPMD(self.mesh, self.rank, tuple(a for a in self.plan.fsdp_axes if a not in self.plan.split_axes))
@@ -512,6 +518,19 @@ def _engine(cfg: StepConfig, plan: Plan, shards: list[torch.Tensor], device: tor
         capacity=cfg.resident_units, compute_sums=[(b, cfg.mesh.group(axes)) for b, axes in partial
                                                    if cfg.mesh.axis_size(axes) > 1],
         on_extra_gather=on_extra_gather, rematerialize=cfg.grad == "torch.func")
+
+
+def _born_sharded(params: Any, key):
+    """The traced ``init_fn`` when ``step.init`` was given one (with its key), else None."""
+    if key is None:
+        if callable(params) and not isinstance(params, torch.Tensor):
+            raise TypeError("step.init(init_fn) needs the key to draw with: step.init(init_fn, key=hpf.random.key(0))")
+        return None
+    if not callable(params):
+        raise TypeError("step.init(params, key=...): a key goes with an init function (key -> params), not a "
+                        "params tree; pass step.init(init_fn, key=key), or the params alone")
+    from .sharded_init import trace_init
+    return trace_init(params, key)
 
 
 def step_plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes=None, *,

@@ -3,7 +3,8 @@
 newton_schulz orthogonalizes a batch of matrices (Muon's direction; standard or Gram iteration,
 newton_schulz_flops says what each costs); grouped_mm runs MoE experts
 over their token groups (torch._grouped_mm on CUDA sm90+ bf16, a loop of matmuls elsewhere);
-quantize/dequantize pack rows into the slow tier's block-scaled wire formats (hpf_kernels.formats).
+quantize/dequantize pack rows into the slow tier's block-scaled wire formats (hpf_kernels.formats);
+threefry2x32 is the counter-based generator under hpf.random.
 Backends: "reference" (plain torch, any device), "cuda" (optional Triton kernels), "npu"
 (torch_npu, imported only when used).
 """
@@ -16,7 +17,8 @@ from .coefficients import NAMED_COEFFICIENTS, CoefficientSpec, resolve_coefficie
 from .flops import VARIANTS, gram_restarts, newton_schulz_flops, pick_variant
 from .formats import FORMATS, check_block, check_format, payload_bytes
 
-__all__ = ["newton_schulz", "grouped_mm", "quantize", "dequantize", "payload_bytes", "FORMATS", "resolve_coefficients",
+__all__ = ["newton_schulz", "grouped_mm", "threefry2x32", "quantize", "dequantize", "payload_bytes", "FORMATS",
+           "resolve_coefficients",
            "NAMED_COEFFICIENTS", "BACKENDS", "VARIANTS", "gram_restarts", "newton_schulz_flops", "pick_variant"]
 
 # backend name -> module; a tensor on device type T uses BACKENDS[T] when present, else "reference".
@@ -90,6 +92,14 @@ def dequantize(payload: torch.Tensor, fmt: str, block: int, out: torch.Tensor, *
                          f"{tuple(out.shape)} in {fmt} with block {block}; got {payload.dtype} {tuple(payload.shape)}")
     _backend(out, backend).dequantize(payload.reshape(want), f, block, out2)
     return out
+
+
+def threefry2x32(k0, k1, x0: torch.Tensor, x1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Threefry-2x32-20 of the counters (x0, x1) (int32 tensors of uint32 bits) under the key
+    (k0, k1) (ints, or int32 tensors that broadcast): two words of 32 random bits per counter.
+    One plain-torch implementation serves every device: its integer ops are exact, so the bits
+    are the same everywhere, which hpf.random promises."""
+    return reference.threefry2x32(k0, k1, x0, x1)
 
 
 def _check_rows(n: int, f, block: int) -> None:

@@ -53,9 +53,9 @@ class ValidateStep(ShardStep):
         self.ops_checked = 0
         self._tracker: Tracker | None = None
 
-    def init(self, full_params: Any) -> TrainState:
+    def init(self, params: Any, *, key=None) -> TrainState:
         with as_layout_errors("shard_step(mode='validate').init"):
-            state = super().init(full_params)
+            state = super().init(params, key=key)
         self._state_sig = [(tuple(s.shape), s.dtype) for s in state.params]
         self._spmd = dataclasses.replace(self._spmd, validate=True)  # models' own checks (MoE dispatch) on
         self.quantization: dict[str, dict[str, float]] = {}

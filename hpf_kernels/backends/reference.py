@@ -140,3 +140,34 @@ def dequantize(payload: torch.Tensor, fmt, block: int, out: torch.Tensor) -> tor
         vals = torch.stack([codes & 15, codes >> 4], dim=-1).float() - 8
     out.view(rows, -1, block).copy_(vals.view(rows, -1, block) * scale)
     return out
+
+
+_THREEFRY_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+_THREEFRY_PARITY = 0x1BD11BDA
+
+
+def threefry2x32(k0, k1, x0: torch.Tensor, x1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Threefry-2x32 with 20 rounds (Salmon et al. 2011, as jax.random): words are int32 tensors
+    holding uint32 bits, since int32 adds wrap exactly as uint32 ones do and torch's int32 shifts
+    are vectorized. Integer ops are exact, so every device gives the same bits. ``k0``, ``k1``:
+    ints or int32 tensors that broadcast against the counters ``x0``, ``x1`` (not modified)."""
+    ks = (k0, k1, k0 ^ k1 ^ _THREEFRY_PARITY)
+    x0, x1 = torch.broadcast_tensors(x0 + _i32(ks[0]), x1 + _i32(ks[1]))
+    x0, x1 = x0.contiguous(), x1.contiguous()  # fresh tensors (the sums), written in place below
+    spill = torch.empty_like(x1)
+    for i in range(5):
+        for r in _THREEFRY_ROTATIONS[i % 2]:
+            x0.add_(x1)
+            torch.bitwise_right_shift(x1, 32 - r, out=spill).bitwise_and_((1 << r) - 1)  # a logical shift
+            x1.bitwise_left_shift_(r).bitwise_or_(spill).bitwise_xor_(x0)
+        x0.add_(_i32(ks[(i + 1) % 3]))
+        x1.add_(_i32(ks[(i + 2) % 3])).add_(i + 1)
+    return x0, x1
+
+
+def _i32(v):
+    """A uint32 value as the int32 with the same bits (ints), or the tensor as it is."""
+    if isinstance(v, int):
+        v &= 0xFFFFFFFF
+        return v - (1 << 32) if v >= 1 << 31 else v
+    return v
