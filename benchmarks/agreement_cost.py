@@ -39,7 +39,7 @@ def per_call_s(fn, n: int = 20000) -> float:
 def rank_main(rank, name, args):
     torch.set_num_threads(1)
     config = gpt.CONFIGS[name]
-    params = gpt.init(config, torch.Generator().manual_seed(0))
+    params = gpt.init(config, hpf.random.key(0))
     batches = [gpt.global_batch(config, BATCH, 0, s)[rank * BATCH // WORLD:(rank + 1) * BATCH // WORLD]
                for s in range(4)]
     make = lambda: hpf.shard_step(gpt.loss_for(config, weighted=True), mesh=hpf.Mesh({"dp": WORLD}),  # noqa: E731

@@ -110,7 +110,7 @@ def _bins(e: dict, t0: float, n: int) -> slice:
 
 def rank_main(rank: int, args, folder: str) -> dict:
     config = gpt.CONFIGS[args.config]
-    params = gpt.init(config, torch.Generator().manual_seed(0))
+    params = gpt.init(config, hpf.random.key(0))
     local = args.batch // WORLD
     batch = gpt.global_batch(config, args.batch, 0, 0)[rank * local:(rank + 1) * local]
     result = {}

@@ -33,7 +33,7 @@ def train_losses(config, device: str, steps: int, mixed_precision=None) -> list[
     """Losses of ``steps`` hpf steps at world size 1 on ``device`` from fixed params and data."""
     step = hpf.shard_step(gpt.loss_for(config), mesh=hpf.Mesh({"dp": 1}), optimizer=hpf.optim.adamw(lr=1e-3),
                           mixed_precision=mixed_precision)
-    state = step.init(gpt.init(config, torch.Generator().manual_seed(0), device=device))
+    state = step.init(gpt.init(config, hpf.random.key(0), device=device))
     batches = gpt.synthetic_batches(config, 8, seed=0, device=device)
     out = []
     for _ in range(steps):
@@ -86,7 +86,7 @@ def check_medium_vs_fsdp2(rounds: int) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     config = gpt.CONFIGS["medium"]
-    params = gpt.init(config, torch.Generator().manual_seed(0), device="cuda")
+    params = gpt.init(config, hpf.random.key(0), device="cuda")
     adamw = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     batch = gpt.global_batch(config, 4, 0, 0).cuda()
 

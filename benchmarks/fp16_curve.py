@@ -33,7 +33,7 @@ def curves(rank, args):
         step = hpf.shard_step(gpt.loss_for(config, weighted=True), mesh=mesh, optimizer=hpf.optim.adamw(lr=args.lr),
                               mixed_precision=mp,
                               **({"loss_scale": hpf.LossScale(growth_interval=args.growth_interval)} if mp else {}))
-        runs[name] = [step, step.init(gpt.init(config, torch.Generator().manual_seed(0))), [], []]
+        runs[name] = [step, step.init(gpt.init(config, hpf.random.key(0))), [], []]
     batches = gpt.synthetic_batches(config, args.batch, 0, rank=rank, world_size=WORLD)
     for _ in range(args.steps):
         batch = next(batches)

@@ -28,7 +28,7 @@ MODES = ("autograd", "torch.func")
 
 def rank_main(rank, args, config_name):
     config = gpt.CONFIGS[config_name]
-    params = gpt.init(config, torch.Generator().manual_seed(0))
+    params = gpt.init(config, hpf.random.key(0))
     local = args.batch // WORLD
     batches = [gpt.global_batch(config, args.batch, 0, s)[rank * local:(rank + 1) * local] for s in range(8)]
     impls = {}

@@ -31,7 +31,7 @@ def hpf_curve(rank: int, args) -> list[float]:
     config = gpt.CONFIGS[args.config]
     mesh = hpf.Mesh(MESH)
     step = hpf.shard_step(gpt.loss_for(config), mesh=mesh, optimizer=hpf.optim.adamw(**adamw_args(args)))
-    state = step.init(gpt.init(config, torch.Generator().manual_seed(args.seed)))
+    state = step.init(gpt.init(config, hpf.random.key(args.seed)))
     batches = gpt.synthetic_batches(config, args.batch, args.seed, rank=rank, world_size=mesh.size)
     losses = []
     for _ in range(args.steps):
@@ -42,7 +42,7 @@ def hpf_curve(rank: int, args) -> list[float]:
 
 def reference_curve(args) -> np.ndarray:
     config = gpt.CONFIGS[args.config]
-    params = gpt.init(config, torch.Generator().manual_seed(args.seed))
+    params = gpt.init(config, hpf.random.key(args.seed))
     leaves = [p.requires_grad_() for p in hpf.tree.flatten(params)[1]]
     opt = torch.optim.AdamW(leaves, **adamw_args(args))
     loss_fn = gpt.loss_for(config)

@@ -52,7 +52,7 @@ def report_bytes(config) -> dict[str, dict[str, int]]:
 
 def rank_main(rank, args):
     config = gpt.CONFIGS[args.config]
-    params = gpt.init(config, torch.Generator().manual_seed(0))
+    params = gpt.init(config, hpf.random.key(0))
     mesh = hpf.Mesh(MESH)
     local = args.batch // WORLD
     batches = [gpt.global_batch(config, args.batch, 0, s)[rank * local:(rank + 1) * local] for s in range(8)]

@@ -90,7 +90,7 @@ class GatherAllMuon:
 
 
 def rank_main(rank, args):
-    params = gpt.init(gpt.CONFIGS[args.config], torch.Generator().manual_seed(0))
+    params = gpt.init(gpt.CONFIGS[args.config], hpf.random.key(0))
     plan = hpf.plan(params, hpf.Mesh({"dp": WORLD}))
     g = torch.Generator().manual_seed(1 + rank)
     grads = [torch.randn(b.shard_numel, generator=g) * 1e-3 for b in plan.buckets]

@@ -33,7 +33,7 @@ def rank_main(rank, config_name, hierarchical):
     config = gpt.CONFIGS[config_name]
     step = hpf.shard_step(gpt.loss_for(config), mesh=hpf.Mesh({"node": 2, "local": 2}),
                           optimizer=hpf.optim.muon(adamw_lr=1e-3), topology=hpf.Topology(hierarchical=hierarchical))
-    state = step.init(gpt.init(config, torch.Generator().manual_seed(0)))
+    state = step.init(gpt.init(config, hpf.random.key(0)))
     batch = gpt.global_batch(config, 8, 0, 0)[rank * 2:(rank + 1) * 2]
     state, _ = step(state, batch)  # (the first step: the counters start at 0)
     opt, before = step.plan_optimizer, step.stats().bytes

@@ -89,7 +89,7 @@ def make_hpf(params, config, world):
 
 def rank_main(rank, args):
     config = gpt.CONFIGS[args.config]
-    params = gpt.init(config, torch.Generator().manual_seed(0))
+    params = gpt.init(config, hpf.random.key(0))
     local = args.batch // args.world
     batches = [gpt.global_batch(config, args.batch, 0, s)[rank * local:(rank + 1) * local] for s in range(8)]
     impls = {"hpf": make_hpf(params, config, args.world), "fsdp2": make_fsdp2(params, config, args.world)}

@@ -51,7 +51,7 @@ def matmul_rate(config) -> float:
 
 def rank_main(rank, args, axes, topology):
     config = gpt.CONFIGS[args.config]
-    params = gpt.init(config, torch.Generator().manual_seed(0))
+    params = gpt.init(config, hpf.random.key(0))
     local = args.batch // WORLD
     batches = [gpt.global_batch(config, args.batch, 0, s)[rank * local:(rank + 1) * local] for s in range(8)]
     optimizers = {"adamw": hpf.optim.adamw(lr=1e-3), "muon": hpf.optim.muon(adamw_lr=1e-3, overlap=False),

@@ -66,7 +66,7 @@ def name_of(c: dict) -> str:
 def _measure_rank(rank, c, steps, warmup):
     cfg = gpt.CONFIGS[c["config"]]
     mesh = hpf.Mesh(c["axes"])
-    params = gpt.init(cfg, torch.Generator().manual_seed(0))
+    params = gpt.init(cfg, hpf.random.key(0))
     local = LOCAL_BATCH[c["config"]]
     batches = [gpt.global_batch(cfg, local * mesh.size, 0, s)[rank * local:(rank + 1) * local] for s in range(4)]
     times, waits = [], []

@@ -313,7 +313,7 @@ def fsdp_min_bytes(params) -> int:
 # -- the job -------------------------------------------------------------------------------
 def rank_main(rank, args):
     config = config_of(args)
-    params = gpt.init(config, torch.Generator().manual_seed(0))
+    params = gpt.init(config, hpf.random.key(0))
     adamw = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     local = args.batch // WORLD
     batches = [gpt.global_batch(config, args.batch, 0, s)[rank * local:(rank + 1) * local] for s in range(8)]
@@ -341,7 +341,7 @@ def rank_main(rank, args):
 def func_grad_cost(config, batch, reps: int = 10) -> dict[str, float]:
     """torch.func.grad vs torch.autograd.grad on the same pure loss, one process, one thread."""
     loss_fn = gpt.loss_for(config)
-    params = gpt.init(config, torch.Generator().manual_seed(0))
+    params = gpt.init(config, hpf.random.key(0))
     leaves = [p.requires_grad_() for p in hpf.tree.flatten(params)[1]]
     func_grad = torch.func.grad(loss_fn)
     contenders = {"torch.func.grad": lambda: func_grad(params, batch),

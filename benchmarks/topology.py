@@ -80,7 +80,7 @@ def _time(impls, batches, args):
 
 def rank_main(rank, args):
     config = config_of(args)
-    params = gpt.init(config, torch.Generator().manual_seed(0))
+    params = gpt.init(config, hpf.random.key(0))
     mesh = hpf.Mesh(MESH)
     local = args.batch // WORLD
     batches = [gpt.global_batch(config, args.batch, 0, s)[rank * local:(rank + 1) * local] for s in range(8)]

@@ -53,7 +53,7 @@ def hpf_step(params, config, **kwargs):
 def rank_main(rank, args):
     torch.set_num_threads(1)
     config = gpt.GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=args.layers, n_heads=2)
-    params = gpt.init(config, torch.Generator().manual_seed(0))
+    params = gpt.init(config, hpf.random.key(0))
     batch = gpt.global_batch(config, 2, 0, 0)
     contenders = {"replica": replica(params, config), "hpf-flat": hpf_step(params, config),
                   "hpf-2tier": hpf_step(params, config, topology=hpf.Topology()),

@@ -16,8 +16,8 @@ differ in the last bit). Floating draws are computed in float32 and cast to ``dt
 A batch of keys ``[..., 2]`` draws one independent sample per key: the result has shape
 ``key.shape[:-1] + shape`` (dropout with one key per example, say).
 
-Each draw is one op, ``torch.ops.hpf.draw``, so tracing (``step.init``, ``torch.compile``,
-``make_fx``) sees the draw and not its arithmetic.
+Each draw is one op, ``torch.ops.hpf.draw``, and each key derivation one ``torch.ops.hpf.fold_in``,
+so tracing (``step.init``, ``torch.compile``, ``make_fx``) sees them and not their arithmetic.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import torch
 
 import hpf_kernels
 
-__all__ = ["key", "split", "fold_in", "bits", "uniform", "normal", "truncated_normal", "bernoulli", "randint",
+__all__ = ["key", "split", "fold_in", "example_keys", "bits", "uniform", "normal", "truncated_normal", "bernoulli", "randint",
            "values_at"]
 
 _WORD = 0xFFFFFFFF
@@ -59,9 +59,29 @@ def fold_in(key: torch.Tensor, data) -> torch.Tensor:
     data = torch.as_tensor(data)
     if data.is_floating_point() or data.is_complex() or data.dtype == torch.bool:
         raise TypeError(f"hpf.random.fold_in: data must be an int or an int tensor, got {data.dtype}")
-    data = data.to(device=k.device, dtype=torch.int64)
-    x0, x1 = hpf_kernels.threefry2x32(_words(k[..., 0]), _words(k[..., 1]), _words(data >> 32), _words(data))
+    return torch.ops.hpf.fold_in(k, data.to(device=k.device, dtype=torch.int64))
+
+
+@torch.library.custom_op("hpf::fold_in", mutates_args=())
+def _fold_in_op(key: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    x0, x1 = hpf_kernels.threefry2x32(_words(key[..., 0]), _words(key[..., 1]), _words(data >> 32), _words(data))
     return _key_of(x0, x1)
+
+
+@_fold_in_op.register_fake
+def _(key, data):
+    return key.new_empty((*torch.broadcast_shapes(key.shape[:-1], data.shape), 2))
+
+
+def example_keys(key: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """One key per example, ``[count, 2]``: ``fold_in(key, first + i)`` for the examples
+    ``first .. first + count - 1`` of the global batch. Randomness drawn from these (dropout) does
+    not depend on how the examples are split over ranks or micro-batches: rank r of W holding
+    rows [r * B / W, (r + 1) * B / W) passes ``first = r * B / W``. Fold the step in first
+    (``fold_in(key, step)``) for new masks each step."""
+    if not (isinstance(first, int) and isinstance(count, int) and first >= 0 and count >= 0):
+        raise ValueError(f"hpf.random.example_keys needs ints first >= 0 and count >= 0, got {first!r}, {count!r}")
+    return fold_in(key, torch.arange(first, first + count, device=key.device))
 
 
 def _check_key(key, what: str) -> torch.Tensor:

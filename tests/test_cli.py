@@ -49,7 +49,7 @@ def test_train_writes_metrics_plots_and_the_loss_falls(tmp_path):
     # process with plain torch: the CLI trains the model, data and seed it says, and reports the
     # global mean. 1e-5 relative: the same fp32 math, summed over 2 half-batches in another order.
     config = gpt.CONFIGS["tiny"]
-    reference = gpt.loss_for(config)(gpt.init(config, torch.Generator().manual_seed(seed)),
+    reference = gpt.loss_for(config)(gpt.init(config, hpf.random.key(seed)),
                                      gpt.global_batch(config, batch, seed, 0))
     assert records[0]["loss"] == pytest.approx(reference.item(), rel=1e-5)
     # It learns: from ln(vocab) ~ 4.2 (a uniform guess) to well below it in 25 steps.
@@ -119,7 +119,7 @@ def test_validate_mode_trains_the_same_model(tmp_path, capsys):
     assert "validate mode" in out
     first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     config = gpt.CONFIGS["tiny"]
-    reference = gpt.loss_for(config)(gpt.init(config, torch.Generator().manual_seed(0)),
+    reference = gpt.loss_for(config)(gpt.init(config, hpf.random.key(0)),
                                      gpt.global_batch(config, 32, 0, 0))
     assert first["loss"] == pytest.approx(reference.item(), rel=1e-6)  # same fp32 math, one process
 
@@ -133,7 +133,7 @@ def test_compile_option_compiles_once_reports_it_and_trains_the_same_model(tmp_p
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["compile_s"] > 0 and [r["compile_s"] for r in rows[1:]] == [0.0, 0.0]
     config = gpt.CONFIGS["tiny"]
-    reference = gpt.loss_for(config)(gpt.init(config, torch.Generator().manual_seed(0)),
+    reference = gpt.loss_for(config)(gpt.init(config, hpf.random.key(0)),
                                      gpt.global_batch(config, 32, 0, 0))
     assert rows[0]["loss"] == pytest.approx(reference.item(), rel=1e-5)  # 2 ranks: the same terms, summed apart
 
@@ -146,7 +146,7 @@ def test_model_option_trains_llama(tmp_path, capsys):
     assert "llama 'tiny'" in out
     first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     config = llama.CONFIGS["tiny"]
-    reference = llama.loss_for(config)(llama.init(config, torch.Generator().manual_seed(0)),
+    reference = llama.loss_for(config)(llama.init(config, hpf.random.key(0)),
                                        gpt.global_batch(config, 32, 0, 0))
     assert first["loss"] == pytest.approx(reference.item(), rel=1e-6)
 
@@ -159,7 +159,7 @@ def test_muon_option_trains_with_muon(tmp_path, capsys):
     losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     # Reference: one step of hpf.optim.muon on the full params with plain autograd, in this process.
     config = gpt.CONFIGS["tiny"]
-    loss_fn, params = gpt.loss_for(config), gpt.init(config, torch.Generator().manual_seed(0))
+    loss_fn, params = gpt.loss_for(config), gpt.init(config, hpf.random.key(0))
     adamw_lr, muon_lr, warmup = cli.TRAIN_DEFAULTS["tiny"]
     assert warmup == 0  # else step 1's lr is not the lr below
     optimizer = hpf.optim.muon(lr=muon_lr, adamw_lr=adamw_lr)

@@ -21,7 +21,7 @@ def reference(**muon_options):
     if muon_options.get("qk_clip") is not None:
         muon_options["qk_heads"] = gpt.qk_heads(TINY)
     optimizer = hpf.optim.muon(lr=muon_lr, adamw_lr=adamw_lr, **muon_options)
-    params, losses = gpt.init(TINY, torch.Generator().manual_seed(0)), []
+    params, losses = gpt.init(TINY, hpf.random.key(0)), []
     treedef, state = hpf.tree.structure(params), optimizer.init(params)
     loss_fn = gpt.loss_for(TINY, max_logits=True)
     for s in range(STEPS):

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 def train(rank, loss_fn, steps=STEPS, optimizer=None, **kwargs):
     from torch._dynamo.utils import counters
     step = hpf.shard_step(loss_fn, mesh=hpf.Mesh({"dp": 2}), optimizer=optimizer or hpf.optim.adamw(**ADAMW), **kwargs)
-    state = step.init(gpt.init(TINY, torch.Generator().manual_seed(SEED)))
+    state = step.init(gpt.init(TINY, hpf.random.key(SEED)))
     batches = gpt.synthetic_batches(TINY, BATCH, SEED, rank=rank, world_size=2)
     losses, compile_s, graphs = [], [], []
     for _ in range(steps):
@@ -110,7 +110,7 @@ def ragged_dynamic(rank):
     lengths make a mean of per-rank means: refused, as eager is."""
     step = hpf.shard_step(torch.compile(gpt.loss_for(TINY), dynamic=True), mesh=hpf.Mesh({"dp": 2}),
                           optimizer=hpf.optim.adamw(**ADAMW))
-    state = step.init(gpt.init(TINY, torch.Generator().manual_seed(SEED)))
+    state = step.init(gpt.init(TINY, hpf.random.key(SEED)))
     batch = next(gpt.synthetic_batches(TINY, BATCH, SEED, rank=rank, world_size=2))
     step(state, batch[:, : 10 + rank])
 
@@ -129,7 +129,7 @@ def compile_fails_on_rank_1(rank):
             x = block(blk, x)
         return x.square().mean()
     step = hpf.shard_step(loss, mesh=hpf.Mesh({"dp": 2}), optimizer=hpf.optim.adamw(**ADAMW))
-    state = step.init(gpt.init(TINY, torch.Generator().manual_seed(SEED)))
+    state = step.init(gpt.init(TINY, hpf.random.key(SEED)))
     failed = error_of(lambda: step(state, next(gpt.synthetic_batches(TINY, BATCH, SEED, rank=rank, world_size=2))))
     return failed if failed[0] == "ScheduleMismatchError" else error_of(lambda: step.full_params(state))
 
@@ -143,7 +143,7 @@ def runs():
 
 @pytest.fixture(scope="module")
 def reference():
-    losses, _, params = adamw_training(gpt.loss_for(TINY), gpt.init(TINY, torch.Generator().manual_seed(SEED)),
+    losses, _, params = adamw_training(gpt.loss_for(TINY), gpt.init(TINY, hpf.random.key(SEED)),
                                        lambda s: gpt.global_batch(TINY, BATCH, SEED, s), STEPS, **ADAMW)
     return losses, [p.numpy() for p in params.values()]
 
@@ -171,7 +171,7 @@ def test_muon_frozen_params_and_bf16_compiled_stay_close_to_eager(runs):
     must stay exactly as initialized in both."""
     eager, compiled = runs[0]["eager_muon_frozen_bf16"], runs[0]["muon_frozen_bf16"]
     np.testing.assert_allclose(compiled["losses"], eager["losses"], rtol=1e-2)
-    init = hpf.tree.flatten(gpt.init(TINY, torch.Generator().manual_seed(SEED)))
+    init = hpf.tree.flatten(gpt.init(TINY, hpf.random.key(SEED)))
     for path, got, want, start in zip(init[0], compiled["params"], eager["params"], init[1]):
         if path.startswith("blocks/0/"):
             assert np.array_equal(got, start.numpy()) and np.array_equal(want, start.numpy()), path

@@ -191,7 +191,7 @@ def gpt_batches(step):
 
 
 def gpt_params():
-    return gpt.init(TINY, torch.Generator().manual_seed(0))
+    return gpt.init(TINY, hpf.random.key(0))
 
 
 def two_rank_checks(rank):

@@ -16,7 +16,7 @@ def test_the_models_give_finite_grads_in_fp16_at_init(module):
     """An RMSNorm computed in fp16 overflows in backward (the rsqrt's cube) for inputs of rms
     below 0.025, so every fp16 step of the CLI was skipped whatever the loss scale."""
     config = module.CONFIGS["tiny"]
-    params = optree.tree_map(lambda x: x.half().requires_grad_(), module.init(config, torch.Generator().manual_seed(0)))
+    params = optree.tree_map(lambda x: x.half().requires_grad_(), module.init(config, hpf.random.key(0)))
     module.loss_for(config)(params, gpt.global_batch(config, 4, 0, 0)).backward()
     bad = [p for p, x in zip(hpf.tree.paths(params), optree.tree_leaves(params)) if not torch.isfinite(x.grad).all()]
     assert not bad, f"non-finite fp16 grads at init: {bad}"
@@ -28,14 +28,14 @@ def test_fp16_loss_scale_is_per_term_for_a_weighted_loss_so_no_step_is_skipped()
     config = gpt.CONFIGS["tiny"]
     step = hpf.shard_step(gpt.loss_for(config, weighted=True), mesh=hpf.Mesh({"dp": 1}),
                           optimizer=hpf.optim.adamw(lr=1e-2), mixed_precision="fp16")
-    state = step.init(gpt.init(config, torch.Generator().manual_seed(0)))
+    state = step.init(gpt.init(config, hpf.random.key(0)))
     got, skipped = [], []
     for s in range(5):
         state, m = step(state, gpt.global_batch(config, 64, 0, s))
         got.append(m["loss"])
         skipped.append(m["skipped"])
     assert skipped == [False] * 5 and m["loss_scale"] == 2.0 ** 16
-    want, _, _ = adamw_training(gpt.loss_for(config), gpt.init(config, torch.Generator().manual_seed(0)),
+    want, _, _ = adamw_training(gpt.loss_for(config), gpt.init(config, hpf.random.key(0)),
                                 lambda s: gpt.global_batch(config, 64, 0, s), 5, compute_dtype=torch.float16,
                                 lr=1e-2)
     # fp16 compute on both sides (hpf: scaled grads, fp32 reduction); the losses fall ~0.1 a step
@@ -81,7 +81,7 @@ def test_an_fp16_weighted_run_resumes_bitwise(tmp_path):
         return hpf.shard_step(gpt.loss_for(config, weighted=True), mesh=hpf.Mesh({"dp": 1}),
                               optimizer=hpf.optim.adamw(lr=1e-2), mixed_precision="fp16")
     step = make()
-    state = step.init(gpt.init(config, torch.Generator().manual_seed(0)))
+    state = step.init(gpt.init(config, hpf.random.key(0)))
     for s in range(2):
         state, _ = step(state, gpt.global_batch(config, 32, 0, s))
     step.save(state, tmp_path / "ck")

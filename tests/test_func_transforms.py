@@ -25,7 +25,7 @@ def direction(params):
 def rank_run(rank, weighted):
     step = hpf.shard_step(gpt.loss_for(CONFIG, weighted=weighted), mesh=hpf.Mesh({"dp": 2}),
                           optimizer=hpf.optim.adamw(lr=1e-2))
-    params = gpt.init(CONFIG, torch.Generator().manual_seed(SEED))
+    params = gpt.init(CONFIG, hpf.random.key(SEED))
     state = step.init(params)
     batch = gpt.global_batch(CONFIG, BATCH, SEED, 0)
     local = batch[rank * BATCH // 2:(rank + 1) * BATCH // 2]
@@ -38,7 +38,7 @@ def runs():
     return {w: launch(rank_run, 2, w, timeout=280) for w in (False, True)}
 
 def reference_hvp(weighted):
-    params = gpt.init(CONFIG, torch.Generator().manual_seed(SEED))
+    params = gpt.init(CONFIG, hpf.random.key(SEED))
     leaves = [p.requires_grad_() for p in hpf.tree.flatten(params)[1]]
     with sdpa_kernel([SDPBackend.MATH]):  # (the fused CPU attention has no double backward)
         out = gpt.loss_for(CONFIG, weighted=weighted)(params, gpt.global_batch(CONFIG, BATCH, SEED, 0))
@@ -59,7 +59,7 @@ def test_hvp_of_the_sharded_step_matches_double_backward(runs, weighted):
 
 def check_per_example(per_rank):
     """``per_rank[r]``: rank r's per-example grads of its BATCH // len(per_rank) examples."""
-    params = gpt.init(CONFIG, torch.Generator().manual_seed(SEED))
+    params = gpt.init(CONFIG, hpf.random.key(SEED))
     leaves = [p.requires_grad_() for p in hpf.tree.flatten(params)[1]]
     batch = gpt.global_batch(CONFIG, BATCH, SEED, 0)
     n = BATCH // len(per_rank)
@@ -77,7 +77,7 @@ def test_per_example_grads_match_one_backward_per_example(runs):
 def test_one_process_transforms_match_plain_torch():
     """The same transforms without a process group (a notebook's first try): the whole batch on one rank."""
     step = hpf.shard_step(gpt.loss_for(CONFIG), mesh=hpf.Mesh({"dp": 1}), optimizer=hpf.optim.adamw(lr=1e-2))
-    params = gpt.init(CONFIG, torch.Generator().manual_seed(SEED))
+    params = gpt.init(CONFIG, hpf.random.key(SEED))
     state = step.init(params)
     batch = gpt.global_batch(CONFIG, BATCH, SEED, 0)
     for g, w in zip(hpf.tree.flatten(hpf.hvp(step, state, batch, direction(params)))[1], reference_hvp(False)):

@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import hpf
 from hpf.models import gpt
 from references import adamw_training
 
@@ -111,7 +112,7 @@ def test_loss_and_grads_match_reference_module():
     # mistakes there (e.g. exact instead of tanh GELU); scale the matrices feeding them so the
     # attention scores and GELU inputs are O(1), and move the norm weights off ones.
     gen = torch.Generator().manual_seed(1)
-    params = gpt.init(TINY, gen)
+    params = gpt.init(TINY, hpf.random.key(1))
     for blk in params["blocks"]:
         blk["w_qkv"], blk["w_up"] = 5 * blk["w_qkv"], 20 * blk["w_up"]
         blk["norm1"] = 1 + 0.3 * torch.randn(TINY.d_model, generator=gen)
@@ -155,8 +156,8 @@ def test_bf16_params_compute_in_bf16_with_fp32_loss():
 
 
 def test_init_is_deterministic_and_scaled():
-    a, b = gpt.init(TINY, torch.Generator().manual_seed(7)), gpt.init(TINY, torch.Generator().manual_seed(7))
-    c = gpt.init(TINY, torch.Generator().manual_seed(8))
+    a, b = gpt.init(TINY, hpf.random.key(7)), gpt.init(TINY, hpf.random.key(7))
+    c = gpt.init(TINY, hpf.random.key(8))
     assert all(torch.equal(x, y) for x, y in zip(flat(a), flat(b)))
     assert not torch.equal(a["embed"], c["embed"])
     big = gpt.init(gpt.CONFIGS["small"])  # enough samples for the std to be within a few %

@@ -128,7 +128,7 @@ def test_rope_layout_mistake_is_caught(tmp_path):
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_to_hf_from_pretrained_from_hf_round_trip(tmp_path, tied):
     c = dataclasses.replace(ODD, tie_embeddings=tied)
-    params = llama.init(c, torch.Generator().manual_seed(3))
+    params = llama.init(c, hpf.random.key(3))
     llama.to_hf(c, params, tmp_path / "ours")
     model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "ours")
     for name, leaf in hf_named(params, c):  # transformers loaded every weight we wrote, unchanged
@@ -211,7 +211,7 @@ SHARDED = llama.CONFIGS["tiny"]  # untied: tied weights in shard_step are anothe
 def reference_run(masked):
     """Plain autograd + torch.optim.AdamW on the full model; ``masked``: a no-decay param group
     for norms and embeddings and the cosine schedule through LambdaLR."""
-    params = llama.init(SHARDED, torch.Generator().manual_seed(SEED))
+    params = llama.init(SHARDED, hpf.random.key(SEED))
     paths, leaves, _ = hpf.tree.flatten(params)
     for x in leaves:
         x.requires_grad_(True)
@@ -238,7 +238,7 @@ def sharded_runs(rank):
         optimizer = (hpf.optim.adamw(lr=SCHEDULE, weight_decay_mask=hpf.optim.default_weight_decay_mask, **ADAMW)
                      if masked else hpf.optim.adamw(lr=LR, **ADAMW))
         step = hpf.shard_step(llama.loss_for(SHARDED), mesh=mesh, optimizer=optimizer)
-        state = step.init(llama.init(SHARDED, torch.Generator().manual_seed(SEED)))
+        state = step.init(llama.init(SHARDED, hpf.random.key(SEED)))
         batches = gpt.synthetic_batches(SHARDED, BATCH, SEED, rank=rank, world_size=mesh.size)
         losses = []
         for _ in range(STEPS):

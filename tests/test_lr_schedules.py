@@ -41,8 +41,8 @@ def test_default_mask_decays_matrices_not_norms_or_embeddings():
 def run_both(kind, mask, steps=8):
     """hpf AdamW (schedule + mask) and torch AdamW (two groups + LambdaLR) on the same grads."""
     sched = Schedule(kind, LR, total_steps=steps, warmup=3, min_lr=1e-3)
-    ours = llama.init(TINY, torch.Generator().manual_seed(1))
-    theirs = llama.init(TINY, torch.Generator().manual_seed(1))
+    ours = llama.init(TINY, hpf.random.key(1))
+    theirs = llama.init(TINY, hpf.random.key(1))
     paths, leaves, _ = hpf.tree.flatten(theirs)
     for x in leaves:
         x.requires_grad_(True)

@@ -33,7 +33,7 @@ DEAD = 3  # expert of the first MoE layer that the bias starves: it gets zero to
 
 
 def params0():
-    p = moe.init(C, torch.Generator().manual_seed(SEED))
+    p = moe.init(C, hpf.random.key(SEED))
     for blk in p["blocks"]:
         if "router" in blk:
             blk["router"] *= 10  # wide score gaps: routing margins well above fp32 noise

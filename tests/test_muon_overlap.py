@@ -36,7 +36,7 @@ def batches(step):
 
 
 def params0():
-    return gpt.init(TINY, torch.Generator().manual_seed(0))
+    return gpt.init(TINY, hpf.random.key(0))
 
 
 class EarlyNS:

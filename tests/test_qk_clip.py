@@ -56,7 +56,7 @@ def gpt_reference_logits(params, tokens):
 
 
 def test_gpt_reports_every_heads_max_logit_as_an_aux():
-    params = gpt.init(TINY, torch.Generator().manual_seed(1))
+    params = gpt.init(TINY, hpf.random.key(1))
     batch = gpt.global_batch(TINY, 4, 0, 0)
     value, aux = gpt.loss_for(TINY, max_logits=True)(params, batch)
     torch.testing.assert_close(value, gpt.loss_for(TINY)(params, batch))
@@ -86,7 +86,7 @@ def one_update(params, grads, S, tau, **kwargs):
 
 def test_gpt_clip_equals_the_plain_torch_rule_after_the_update():
     g = torch.Generator().manual_seed(2)
-    params = gpt.init(TINY, g)
+    params = gpt.init(TINY, hpf.random.key(2))
     grads = optree.tree_map(lambda p: torch.randn(p.shape, generator=g), params)
     S = torch.rand(TINY.n_layers, TINY.n_heads, generator=g) * 20
     tau = float(S.median())  # about half the heads are clipped
@@ -102,7 +102,7 @@ def test_gpt_clip_equals_the_plain_torch_rule_after_the_update():
 def test_clipped_heads_logits_shrink_to_tau_and_the_others_stay():
     """With nothing else moving (lr 0), one clip brings each offending head's max logit to tau: in
     the first block, whose input the clip does not change (later blocks see a changed residual)."""
-    params = gpt.init(TINY, torch.Generator().manual_seed(3))
+    params = gpt.init(TINY, hpf.random.key(3))
     for blk in params["blocks"]:
         blk["w_qkv"] *= 40  # logits of order 1..10
     batch = gpt.global_batch(TINY, 4, 0, 0)
@@ -120,7 +120,7 @@ def test_clipped_heads_logits_shrink_to_tau_and_the_others_stay():
 def test_llama_clip_equals_the_plain_torch_rule(n_kv):
     c = llama.LlamaConfig(vocab_size=31, seq_len=8, d_model=24, n_layers=2, n_heads=6, n_kv_heads=n_kv, d_ff=20)
     g = torch.Generator().manual_seed(4)
-    params = llama.init(c, g)
+    params = llama.init(c, hpf.random.key(4))
     grads = optree.tree_map(lambda p: torch.randn(p.shape, generator=g), params)
     S = torch.rand(c.n_layers, c.n_heads, generator=g) * 20
     tau = float(S.median())
@@ -145,7 +145,7 @@ def test_bad_qk_clip_arguments_name_what_to_do():
         muon(qk_clip=10.0)
     with pytest.raises(ValueError, match="positive finite threshold"):
         muon(qk_clip=-1.0, qk_heads={})
-    params = gpt.init(TINY, torch.Generator().manual_seed(5))
+    params = gpt.init(TINY, hpf.random.key(5))
     opt = muon(qk_clip=1.0, qk_heads=gpt.qk_heads(TINY))
     state = opt.init(params)
     zero = optree.tree_map(torch.zeros_like, params)
@@ -168,7 +168,7 @@ def tau_for(params):
 
 
 def scaled_params():
-    params = gpt.init(TINY, torch.Generator().manual_seed(0))
+    params = gpt.init(TINY, hpf.random.key(0))
     for blk in params["blocks"]:
         blk["w_qkv"] *= 20
     return params

@@ -48,7 +48,7 @@ def reference(config=TINY, steps=STEPS, max_grad_norm=None, compute_dtype=torch.
     """(losses, pre-clip grad norms, final params) of plain autograd + torch.optim.AdamW.
 
     ``compute_dtype`` other than fp32: the loss runs on casts of the fp32 master params."""
-    losses, norms, params = adamw_training(gpt.loss_for(config), gpt.init(config, torch.Generator().manual_seed(SEED)),
+    losses, norms, params = adamw_training(gpt.loss_for(config), gpt.init(config, hpf.random.key(SEED)),
                                            lambda s: full_batch(config, s), steps, max_grad_norm=max_grad_norm,
                                            compute_dtype=compute_dtype, **ADAMW)
     return losses, norms, list(params.values())
@@ -58,7 +58,7 @@ def train(rank, mesh, config=TINY, steps=STEPS, loss_fn=None, on_init=None, **kw
     """Train with hpf on this rank's rows of the reference's batches; numpy results (for launch)."""
     step = hpf.shard_step(loss_fn or gpt.loss_for(config), mesh=mesh, optimizer=hpf.optim.adamw(**ADAMW),
                           **kwargs)
-    state = step.init(gpt.init(config, torch.Generator().manual_seed(SEED)))
+    state = step.init(gpt.init(config, hpf.random.key(SEED)))
     if on_init:
         on_init(step)
     batches = gpt.synthetic_batches(config, BATCH, SEED, rank=rank, world_size=mesh.size)
@@ -101,7 +101,7 @@ def gathered_peaks(rank, mesh):
         return loss
 
     step = hpf.shard_step(loss_fn, mesh=mesh, optimizer=hpf.optim.adamw(**ADAMW))
-    state = step.init(gpt.init(DEEP, torch.Generator().manual_seed(SEED)))
+    state = step.init(gpt.init(DEEP, hpf.random.key(SEED)))
     batches = gpt.synthetic_batches(DEEP, BATCH, SEED, rank=rank, world_size=mesh.size)
     state, _ = step(state, next(batches))  # the first step finds every block's storage
     mode.storages, mode.phase = storages, "forward"
@@ -179,7 +179,7 @@ def assert_matches(run, ref):
 def update_mismatch(params, ref_params) -> float:
     """|params - reference| / |reference - init| over all leaves: how far the run's total
     update is from the reference's, as a fraction of it."""
-    init = hpf.tree.flatten(gpt.init(TINY, torch.Generator().manual_seed(SEED)))[1]
+    init = hpf.tree.flatten(gpt.init(TINY, hpf.random.key(SEED)))[1]
     off = sum(np.sum((p - r.numpy()) ** 2) for p, r in zip(params, ref_params))
     moved = sum(np.sum((r - i).numpy() ** 2) for r, i in zip(ref_params, init))
     return float(np.sqrt(off / moved))
@@ -276,7 +276,7 @@ def test_accumulation_equals_one_big_batch_and_reduces_once(ranks, request):
 def test_accumulate_splits_every_batch_leaf_or_names_the_one_that_cannot():
     step = hpf.shard_step(gpt.loss_for(TINY), mesh=hpf.Mesh({"dp": 1}), optimizer=hpf.optim.adamw(**ADAMW),
                           accumulate=3)
-    state = step.init(gpt.init(TINY, torch.Generator().manual_seed(SEED)))
+    state = step.init(gpt.init(TINY, hpf.random.key(SEED)))
     with pytest.raises(ValueError, match=r"accumulate=3: batch leaf '<root>' has 8 examples along its batch dim 0 \(shape \(8, 17\)\)"):
         step(state, full_batch(TINY, 0))
     with pytest.raises(ValueError, match="accumulate=0"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -82,6 +83,7 @@ class TrainJob:
     slow_precision: str | None = _option(INHERITED, None)  # "W,G" of the low-bit slow tier
     ns_variant: str = _option(FIXED, "standard")  # Muon's Newton-Schulz iteration
     qk_clip: float | None = _option(FIXED, None)  # Muon's QK-Clip threshold
+    dropout: float = _option(FIXED, 0.0)  # the models' dropout, masks from per-example keys (run_keys)
     stop_at: float | None = None  # --timeout: the wall-clock time (time.time()) after which the run stops cleanly
 
     def model_config(self):
@@ -136,6 +138,8 @@ def make_step(job: TrainJob, mesh: hpf.Mesh):
     # token-weighted: the step's loss is the global token mean, over micro-batches and ranks;
     # a model with a training-loop Balancer (moe) returns its aux counts and takes --ep-axis
     how = dict(recompute=job.recompute, weighted=True, compile=job.compile, **({"max_logits": True} if qk else {}))
+    if job.dropout:  # the training loss alone: held-out loss, eval and generate run without dropout
+        config = dataclasses.replace(config, dropout=job.dropout)
     loss_fn = (module.loss_for(config, job.ep_axis, aux=True, **how) if hasattr(module, "Balancer")
                else module.loss_for(config, **how))
     return hpf.shard_step(loss_fn, mesh=mesh, optimizer=optimizer, accumulate=job.accumulate,
@@ -143,6 +147,23 @@ def make_step(job: TrainJob, mesh: hpf.Mesh):
                           **sharding_of(job.model, config, mesh, job.fsdp_axes, job.ep_axis), mode=job.mode,
                           mixed_precision=job.mixed_precision, hsdp=job.hsdp,
                           topology=topology_of(job.topology, job.bucket_bytes, job.slow_precision))
+
+
+def run_keys(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """hpf train's keys from --seed: (the params' init key, the dropout key, folded with each step)."""
+    init_key, dropout_key = hpf.random.split(hpf.random.key(seed))
+    return init_key, dropout_key
+
+
+def _with_example_keys(batches, job: TrainJob, rank: int, world: int, start: int):
+    """--dropout: each local batch with its examples' keys, ``example_keys(fold_in(dropout key,
+    step), first row of this rank, rows)``: the masks of the whole job's examples do not depend
+    on the world size."""
+    dropout_key = run_keys(job.seed)[1]
+    for i, tokens in enumerate(batches, start=start + 1):
+        rows = tokens.shape[0]
+        keys = hpf.random.example_keys(hpf.random.fold_in(dropout_key, i), rank * rows, rows)
+        yield {"tokens": tokens, "keys": keys.to(tokens.device)}
 
 
 def _batches(job: TrainJob, config, split: str, rank: int, world: int, start: int):
@@ -211,6 +232,8 @@ def train_rank(rank: int, job: TrainJob) -> int | None:
     if progress:
         progress.first = done  # a resumed run's rate and ETA count only the steps it runs
     tokens = _batches(job, config, "train", rank, mesh.size, start=done)
+    if job.dropout:
+        tokens = _with_example_keys(tokens, job, rank, mesh.size, start=done)
     batches = tokens if balancer is None else map(balancer.batch, tokens)
     evaluate = _held_out(job, module, config, rank, mesh.size) if job.eval_every else None
     tokens_per_step = job.batch_size * config.seq_len
@@ -265,7 +288,7 @@ def _first_state(job: TrainJob, step, module, config, balancer) -> tuple[Any, in
     """The train state the run starts from, and the steps already done: fresh from the seed, or
     (--resume) from a checkpoint of hpf train's, with its RNG state and the loop's own state."""
     if not job.resume:
-        return step.init(module.init(config, torch.Generator().manual_seed(job.seed))), 0
+        return step.init(functools.partial(module.init, config), key=run_keys(job.seed)[0]), 0  # born sharded
     step.init(module.init(config, device="meta"))  # meta params: shapes only; the checkpoint fills the shards
     state, extra = step.restore(job.resume)
     if not (isinstance(extra, dict) and {"step", "rng"} <= extra.keys()):

@@ -126,6 +126,7 @@ def cmd_train(args) -> int:
     plan_note = apply_plan(args, mesh, local_ranks) if args.plan else None
     vocab_size = _check_data_options(args)
     _check_muon_options(args)
+    _check_dropout(args)
     warmup_note, plots = _check_run_options(args, mesh, vocab_size, torchrun, lead)
     job = TrainJob(**{**{k: getattr(args, k) for k in train_options()}, "data": str(args.data) if args.data else None,
                       "eval_every": args.eval_every or 0, "save_every": args.save_every or 0},
@@ -276,6 +277,17 @@ def _check_muon_options(args) -> None:
                        "use it with gpt or llama")
 
 
+def _check_dropout(args) -> None:
+    """--dropout is a probability, for the models whose configs have one."""
+    if not args.dropout:
+        return
+    if args.dropout >= 1:
+        raise CliError(f"--dropout {args.dropout}: a dropout probability lies in [0, 1); 0.1 is usual")
+    config = next(iter(MODELS[args.model].CONFIGS.values()))
+    if not hasattr(config, "dropout"):
+        raise CliError(f"--dropout: --model {args.model} has no dropout; use it with gpt or llama")
+
+
 def _check_data_options(args) -> int | None:
     """The vocab of --data (None without it), after checking the data options together."""
     if args.eval_every and not args.data:
@@ -375,6 +387,10 @@ def add_parser(sub, help_: str):
     train.add_argument("--recompute", choices=RECOMPUTE, default="none",
                        help="activation checkpointing: every_other or all blocks keep only their input and run "
                             "their forward again in backward (less activation memory, more compute; default: none)")
+    train.add_argument("--dropout", type=positive(float, least=0.0), default=0.0, metavar="P",
+                       help="dropout on the embeddings and every residual branch (gpt, llama), with masks drawn "
+                            "from per-example keys (hpf.random.example_keys), so they do not depend on the world "
+                            "size and recomputed blocks see the same ones (default: 0)")
     train.add_argument("--compile", action="store_true", default=False,
                        help="torch.compile each block (compiled once, on the first step: its compile time is "
                             "in the progress line and metrics.jsonl's compile_s)")

@@ -1,6 +1,6 @@
 """Pure-function models: params are plain pytrees, ``loss(params, batch)`` is a pure function.
 
-Each model module provides ``CONFIGS``, ``init(config, generator, device=, dtype=)``,
+Each model module provides ``CONFIGS``, ``init(config, key, device=, dtype=)``,
 ``loss_for(config)`` and ``num_params(config)``; ``MODELS`` names them for the ``hpf`` command.
 A model with experts (``moe``) also provides ``param_specs(config, ep_axis, data_axes)``,
 ``dispatch_bytes`` (its all-to-all bytes, for ``hpf plan``) and ``Balancer`` (loop state that

@@ -35,6 +35,11 @@ INIT_STD = 0.02
 SUCCESSORS_PER_TOKEN = 4  # each token of the synthetic Markov source has this many likely successors
 
 
+def check_dropout(p, where: str) -> None:
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+        raise ValueError(f"{where}.dropout must be a float in [0, 1), got {p!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
     vocab_size: int
@@ -43,6 +48,7 @@ class GPTConfig:
     n_layers: int
     n_heads: int
     d_ff: int | None = None  # None -> 4 * d_model
+    dropout: float = 0.0  # on the embeddings and each residual branch; needs keys in the batch (see ``loss``)
 
     def __post_init__(self):
         if self.d_ff is None:
@@ -50,6 +56,7 @@ class GPTConfig:
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) > 0):
                 raise ValueError(f"GPTConfig.{name} must be a positive int, got {getattr(self, name)!r}")
+        check_dropout(self.dropout, "GPTConfig")
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"GPTConfig.d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
@@ -77,34 +84,44 @@ def num_params(config: GPTConfig) -> int:
     return v * d + config.seq_len * d + config.n_layers * block + d + d * v
 
 
-def param_makers(generator: torch.Generator | None, device, dtype: torch.dtype):
-    """(normal(*shape, std=INIT_STD), ones(n)) for an ``init``: values drawn in fp32 on the CPU
-    from ``generator`` (None: seeded 0) and then moved, so every device gets the same bits;
-    on the meta device they draw nothing."""
+def param_makers(key, device, dtype: torch.dtype):
+    """(normal(*shape, std=INIT_STD), ones(n)) for an ``init``: the i-th normal draw is
+    ``hpf.random.normal(fold_in(key, i), shape)`` (key None: ``hpf.random.key(0)``), in fp32 and
+    then cast and moved, so every device and every sharding gets the same bits
+    (``step.init(init_fn, key=...)`` draws each rank's shards alone); on the meta device they draw
+    nothing."""
+    from .. import random as hpf_random
+
     on_meta = device is not None and torch.device(device).type == "meta"
-    if generator is None and not on_meta:
-        generator = torch.Generator().manual_seed(0)
+    if isinstance(key, torch.Generator):
+        raise TypeError("the models draw from hpf.random keys: pass hpf.random.key(seed) (a torch.Generator "
+                        "draws one param after another, so no rank could draw its shard alone)")
+    if key is None and not on_meta:
+        key = hpf_random.key(0)
+    drawn = iter(range(1 << 62))
 
     def normal(*shape: int, std: float = INIT_STD) -> torch.Tensor:
         if on_meta:
             return torch.empty(shape, device="meta", dtype=dtype)
-        return (torch.randn(shape, generator=generator) * std).to(device=device, dtype=dtype)
+        return (hpf_random.normal(hpf_random.fold_in(key, next(drawn)), shape) * std).to(device=device, dtype=dtype)
 
     def ones(n: int) -> torch.Tensor:
         return torch.ones(n, device=device, dtype=dtype)
     return normal, ones
 
 
-def init(config: GPTConfig, generator: torch.Generator | None = None, *,
+def init(config: GPTConfig, key: torch.Tensor | None = None, *,
          device=None, dtype: torch.dtype = torch.float32) -> dict:
     """Fresh params as a plain dict pytree.
 
-    Values are drawn in fp32 on the CPU from ``generator`` (default: a generator seeded 0), so
-    every rank and every device gets bit-identical params; ``device="meta"`` draws nothing.
-    Residual projections (w_o, w_down) are scaled by 1/sqrt(2*n_layers) as in GPT-2.
+    Each matrix is a draw of ``hpf.random`` under its own key, ``fold_in(key, i)`` (default
+    key: ``hpf.random.key(0)``), so every rank, device and mesh gets bit-identical params, and
+    ``step.init(functools.partial(gpt.init, config), key=key)`` builds each rank's shards alone;
+    ``device="meta"`` draws nothing. Residual projections (w_o, w_down) are scaled by
+    1/sqrt(2*n_layers) as in GPT-2.
     """
     c = config
-    normal, ones = param_makers(generator, device, dtype)
+    normal, ones = param_makers(key, device, dtype)
     residual_std = INIT_STD / math.sqrt(2 * c.n_layers)
     d, f = c.d_model, c.d_ff
     return {
@@ -126,6 +143,35 @@ def init(config: GPTConfig, generator: torch.Generator | None = None, *,
     }
 
 
+def tokens_and_keys(batch, dropout: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A batch is token ids, or ``{"tokens": ids, "keys": keys}`` with one hpf.random key per
+    example (``hpf.random.example_keys``): dropout's masks are drawn from those keys alone, so
+    they do not depend on how examples are split over ranks and micro-batches, and a recomputed
+    block draws the same masks again."""
+    if isinstance(batch, dict):
+        if set(batch) != {"tokens", "keys"}:
+            raise ValueError(f"a dict batch has the keys 'tokens' and 'keys', got {sorted(batch)}")
+        tokens, keys = batch["tokens"], batch["keys"]
+        if not (isinstance(keys, torch.Tensor) and keys.dtype == torch.int64 and keys.shape == (tokens.shape[0], 2)):
+            raise ValueError(f"batch['keys'] must be one hpf.random key per example, int64 [{tokens.shape[0]}, 2]; "
+                             f"got {getattr(keys, 'dtype', type(keys).__name__)} {list(getattr(keys, 'shape', []))}")
+        return tokens, keys
+    if dropout > 0:
+        raise ValueError(f"dropout={dropout} draws its masks from per-example keys: pass the batch as "
+                         "{'tokens': tokens, 'keys': hpf.random.example_keys(step_key, first_example, n)} "
+                         "(hpf train does this for --dropout)")
+    return batch, None
+
+
+def dropout(x: torch.Tensor, p: float, keys: torch.Tensor | None, site: int) -> torch.Tensor:
+    """Inverted dropout of x [B, ...] with example b's mask drawn from ``fold_in(keys[b], site)``."""
+    if not p or keys is None:
+        return x
+    from .. import random as hpf_random
+    keep = hpf_random.bernoulli(hpf_random.fold_in(keys, site), 1.0 - p, x.shape[1:])
+    return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = NORM_EPS) -> torch.Tensor:
     """RMSNorm as transformers' LlamaRMSNorm: normalize in fp32, cast back, then scale. In fp16
     the rsqrt's backward (its cube) overflows to inf for any input of rms below 0.025, so a
@@ -134,16 +180,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = NORM_EPS) -> to
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def block(blk: dict, x: torch.Tensor, n_heads: int, max_logits: bool = False):
+def block(blk: dict, x: torch.Tensor, n_heads: int, max_logits: bool = False, p: float = 0.0,
+          keys: torch.Tensor | None = None):
     """One pre-norm transformer block on the residual stream x [B, T, D]; with ``max_logits``,
-    (x, its heads' max attention logits [H])."""
+    (x, its heads' max attention logits [H]); ``p``, ``keys``: dropout on both residual branches."""
     q, k, v = rearrange(rms_norm(x, blk["norm1"]) @ blk["w_qkv"],
                         "b t (three h e) -> three b h t e", three=3, h=n_heads)
     attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    x = x + rearrange(attn, "b h t e -> b t (h e)") @ blk["w_o"]
+    x = x + dropout(rearrange(attn, "b h t e -> b t (h e)") @ blk["w_o"], p, keys, 0)
     h = F.gelu(rms_norm(x, blk["norm2"]) @ blk["w_up"], approximate="tanh")
-    x = x + h @ blk["w_down"]
+    x = x + dropout(h @ blk["w_down"], p, keys, 1)
     return (x, max_attention_logit(q, k)) if max_logits else x
+
+
+def embedding_dropout(x: torch.Tensor, p: float, keys: torch.Tensor | None) -> torch.Tensor:
+    from .. import random as hpf_random
+    return dropout(x, p, hpf_random.fold_in(keys, 0) if p and keys is not None else None, 0)
+
+
+def block_dropout(p: float, keys: torch.Tensor | None, i: int) -> tuple:
+    """The dropout arguments of block ``i``: () without dropout (so blocks run as before), else
+    (p, its keys ``fold_in(keys, i + 1)``), computed outside the block so a recomputed block
+    takes them as inputs."""
+    if not p or keys is None:
+        return ()
+    from .. import random as hpf_random
+    return p, hpf_random.fold_in(keys, i + 1)
 
 
 def max_attention_logit(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -169,11 +231,14 @@ def qk_heads(config: GPTConfig) -> dict:
 
 
 def forward(params: dict, tokens: torch.Tensor, *, n_heads: int | None = None, recompute: str = "none",
-            compile: bool = False, max_logits: bool = False):
+            compile: bool = False, max_logits: bool = False, dropout_p: float = 0.0,
+            keys: torch.Tensor | None = None):
     """Logits [B, T, V] for int64 tokens [B, T]; computes in the params' dtype. ``recompute``:
     which blocks recompute their forward in backward; ``compile``: each block runs
     ``torch.compile``'d (hpf.models.recompute); ``max_logits``: (logits, every head's max
-    attention logit [n_layers, n_heads])."""
+    attention logit [n_layers, n_heads]); ``dropout_p`` with ``keys`` [B, 2] (one per example,
+    ``tokens_and_keys``): dropout on the embeddings (site 0 of ``fold_in(keys, 0)``) and on block
+    i's residual branches (sites 0 and 1 of ``fold_in(keys, i + 1)``)."""
     if n_heads is None:
         raise TypeError(
             "gpt.forward/gpt.loss need n_heads= (the head count is not visible in the param shapes); "
@@ -185,27 +250,31 @@ def forward(params: dict, tokens: torch.Tensor, *, n_heads: int | None = None, r
     max_t = params["pos"].shape[0]
     if t > max_t:
         raise ValueError(f"sequence length {t} exceeds params['pos'] length {max_t} (config.seq_len)")
-    x = F.embedding(tokens, params["embed"]) + params["pos"][:t]
+    x = embedding_dropout(F.embedding(tokens, params["embed"]) + params["pos"][:t], dropout_p, keys)
     logits = []
-    for _, run in recompute_.each_block(params["blocks"], recompute, compile):
+    for i, run in recompute_.each_block(params["blocks"], recompute, compile):
+        drop = block_dropout(dropout_p, keys, i)
         if max_logits:
-            x, s = run(block, x, n_heads, True)
+            x, s = run(block, x, n_heads, True, *drop)
             logits.append(s)
         else:
-            x = run(block, x, n_heads)
+            x = run(block, x, n_heads, False, *drop)
     out = rms_norm(x, params["norm_f"]) @ params["head"]
     return (out, torch.stack(logits)) if max_logits else out
 
 
-def loss(params: dict, batch: torch.Tensor, *, n_heads: int | None = None, recompute: str = "none",
-         weighted: bool = False, compile: bool = False, max_logits: bool = False):
+def loss(params: dict, batch, *, n_heads: int | None = None, recompute: str = "none",
+         weighted: bool = False, compile: bool = False, max_logits: bool = False, dropout: float = 0.0):
     """Next-token cross-entropy of ``batch`` [B, T+1] (targets of -100 are padding); the softmax
     runs in fp32 for any param dtype. The mean, or (``weighted``) ``hpf.weighted(sum, count)``:
     the step then divides by the global count of real targets (hpf.losses). ``max_logits``: with
-    the aux {"max_attn_logit": [n_layers, n_heads]}, which the step reduces by max (QK-Clip's input)."""
+    the aux {"max_attn_logit": [n_layers, n_heads]}, which the step reduces by max (QK-Clip's input).
+    ``dropout`` > 0 takes the batch as ``{"tokens": ..., "keys": ...}`` (``tokens_and_keys``)."""
+    batch, keys = tokens_and_keys(batch, dropout)
     if batch.dim() != 2 or batch.shape[1] < 2:
         raise ValueError(f"batch must be [batch, time+1] token ids with time+1 >= 2, got shape {list(batch.shape)}")
-    out = forward(params, batch[:, :-1], n_heads=n_heads, recompute=recompute, compile=compile, max_logits=max_logits)
+    out = forward(params, batch[:, :-1], n_heads=n_heads, recompute=recompute, compile=compile, max_logits=max_logits,
+                  dropout_p=dropout, keys=keys)
     if max_logits:
         return token_cross_entropy(out[0], batch[:, 1:], weighted=weighted), {"max_attn_logit": out[1]}
     return token_cross_entropy(out, batch[:, 1:], weighted=weighted)
@@ -218,7 +287,7 @@ def loss_for(config: GPTConfig, recompute: str = "none", weighted: bool = False,
     ``weighted``: return ``hpf.weighted(sum, count)``; ``compile``: each block is ``torch.compile``'d;
     ``max_logits``: also return the heads' max attention logits as an aux (for QK-Clip)."""
     return functools.partial(loss, n_heads=config.n_heads, recompute=recompute_.check(recompute), weighted=weighted,
-                             compile=compile, max_logits=max_logits)
+                             compile=compile, max_logits=max_logits, dropout=config.dropout)
 
 
 # ---------------------------------------------------------------- synthetic data

@@ -30,7 +30,8 @@ from einops import rearrange
 
 from ..losses import token_cross_entropy
 from . import recompute as recompute_
-from hpf.models.gpt import INIT_STD, max_attention_logit, param_makers, rms_norm, synthetic_batches
+from hpf.models.gpt import (INIT_STD, block_dropout, check_dropout, dropout, embedding_dropout, max_attention_logit,
+                            param_makers, rms_norm, synthetic_batches, tokens_and_keys)
 
 __all__ = [
     "LlamaConfig", "CONFIGS", "num_params", "init", "forward", "loss", "loss_for",
@@ -51,6 +52,7 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    dropout: float = 0.0  # on the embeddings and each residual branch, as gpt's (keys in the batch)
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -67,6 +69,7 @@ class LlamaConfig:
                              "each key/value head serves a whole group of query heads")
         if self.head_dim % 2:
             raise ValueError(f"LlamaConfig.head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+        check_dropout(self.dropout, "LlamaConfig")
 
 
 CONFIGS: dict[str, LlamaConfig] = {
@@ -88,13 +91,14 @@ def num_params(config: LlamaConfig) -> int:
     return c.vocab_size * c.d_model * (1 if c.tie_embeddings else 2) + c.n_layers * block + c.d_model
 
 
-def init(config: LlamaConfig, generator: torch.Generator | None = None, *,
+def init(config: LlamaConfig, key: torch.Tensor | None = None, *,
          device=None, dtype: torch.dtype = torch.float32) -> dict:
-    """Fresh params, drawn in fp32 on the CPU from ``generator`` (default: seeded 0), so every rank
-    gets bit-identical params; ``device="meta"`` draws nothing. wo and w_down are scaled by
+    """Fresh params, drawn as gpt.init draws them (one hpf.random key per matrix, default
+    ``hpf.random.key(0)``), so every rank and mesh gets bit-identical params; ``device="meta"``
+    draws nothing. wo and w_down are scaled by
     1/sqrt(2*n_layers) as in GPT-2. Tied: ``params["head"] is params["embed"]``."""
     c = config
-    normal, ones = param_makers(generator, device, dtype)
+    normal, ones = param_makers(key, device, dtype)
     d, f, q, kv = c.d_model, c.d_ff, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     residual_std = INIT_STD / math.sqrt(2 * c.n_layers)
     embed = normal(c.vocab_size, d)
@@ -119,18 +123,20 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def block(blk: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, c: LlamaConfig, max_logits: bool = False):
+def block(blk: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, c: LlamaConfig, max_logits: bool = False,
+          p: float = 0.0, keys: torch.Tensor | None = None):
     """One block on the residual stream x [B, T, D]: RoPE grouped-query attention, then SwiGLU;
-    with ``max_logits``, (x, its heads' max attention logits [H])."""
+    with ``max_logits``, (x, its heads' max attention logits [H]); ``p``, ``keys``: dropout on
+    both residual branches (gpt.dropout)."""
     h = rms_norm(x, blk["attn_norm"], c.norm_eps)
     q = rearrange(F.linear(h, blk["wq"]), "b t (h e) -> b h t e", e=c.head_dim)
     k = rearrange(F.linear(h, blk["wk"]), "b t (h e) -> b h t e", e=c.head_dim)
     v = rearrange(F.linear(h, blk["wv"]), "b t (h e) -> b h t e", e=c.head_dim)
     q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
     attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.n_kv_heads != c.n_heads)
-    x = x + F.linear(rearrange(attn, "b h t e -> b t (h e)"), blk["wo"])
+    x = x + dropout(F.linear(rearrange(attn, "b h t e -> b t (h e)"), blk["wo"]), p, keys, 0)
     h = rms_norm(x, blk["mlp_norm"], c.norm_eps)
-    x = x + F.linear(F.silu(F.linear(h, blk["w_gate"])) * F.linear(h, blk["w_up"]), blk["w_down"])
+    x = x + dropout(F.linear(F.silu(F.linear(h, blk["w_gate"])) * F.linear(h, blk["w_up"]), blk["w_down"]), p, keys, 1)
     return (x, max_attention_logit(q, k)) if max_logits else x
 
 
@@ -151,38 +157,44 @@ def qk_heads(config: LlamaConfig) -> dict:
 
 
 def forward(params: dict, tokens: torch.Tensor, *, config: LlamaConfig | None = None,
-            recompute: str = "none", compile: bool = False, max_logits: bool = False):
+            recompute: str = "none", compile: bool = False, max_logits: bool = False,
+            keys: torch.Tensor | None = None):
     """Logits [B, T, V] for int64 tokens [B, T]; computes in the params' dtype. ``recompute``:
     which blocks recompute their forward in backward; ``compile``: each block runs
     ``torch.compile``'d (hpf.models.recompute); ``max_logits``: (logits, every head's max
-    attention logit [n_layers, n_heads])."""
+    attention logit [n_layers, n_heads]); ``keys``: the examples' keys for ``config.dropout``
+    (drawn as gpt.forward draws them)."""
     if config is None:
         raise TypeError("llama.forward/llama.loss need config= (head counts are not all visible in the shapes); "
                         "use llama.loss_for(config) as the loss_fn")
     if tokens.dim() != 2 or tokens.dtype != torch.int64:
         raise ValueError(f"tokens must be an int64 tensor [batch, time], got {tokens.dtype} {list(tokens.shape)}")
     c = config
-    x = F.embedding(tokens, params["embed"])
+    x = embedding_dropout(F.embedding(tokens, params["embed"]), c.dropout, keys)
     cos, sin = rope_cos_sin(c, tokens.shape[1], x.device, x.dtype)
     logits = []
-    for _, run in recompute_.each_block(params["blocks"], recompute, compile):
+    for i, run in recompute_.each_block(params["blocks"], recompute, compile):
+        drop = block_dropout(c.dropout, keys, i)
         if max_logits:
-            x, s = run(block, x, cos, sin, c, True)
+            x, s = run(block, x, cos, sin, c, True, *drop)
             logits.append(s)
         else:
-            x = run(block, x, cos, sin, c)
+            x = run(block, x, cos, sin, c, False, *drop)
     out = F.linear(rms_norm(x, params["norm"], c.norm_eps), params["head"])
     return (out, torch.stack(logits)) if max_logits else out
 
 
-def loss(params: dict, batch: torch.Tensor, *, config: LlamaConfig | None = None, recompute: str = "none",
+def loss(params: dict, batch, *, config: LlamaConfig | None = None, recompute: str = "none",
          weighted: bool = False, compile: bool = False, max_logits: bool = False):
     """Next-token cross-entropy of ``batch`` [B, T+1] over ``batch[:, 1:]`` (transformers'
     ``labels=batch``; -100 is padding); the softmax runs in fp32 for any param dtype. The mean,
-    or (``weighted``) ``hpf.weighted(sum, count)`` for the step to divide by the global count."""
+    or (``weighted``) ``hpf.weighted(sum, count)`` for the step to divide by the global count.
+    With ``config.dropout`` the batch is ``{"tokens": ..., "keys": ...}`` (gpt.tokens_and_keys)."""
+    batch, keys = tokens_and_keys(batch, config.dropout if config is not None else 0.0)
     if batch.dim() != 2 or batch.shape[1] < 2:
         raise ValueError(f"batch must be [batch, time+1] token ids with time+1 >= 2, got shape {list(batch.shape)}")
-    out = forward(params, batch[:, :-1], config=config, recompute=recompute, compile=compile, max_logits=max_logits)
+    out = forward(params, batch[:, :-1], config=config, recompute=recompute, compile=compile, max_logits=max_logits,
+                  keys=keys)
     if max_logits:  # the aux of gpt.loss(max_logits=True)
         return token_cross_entropy(out[0], batch[:, 1:], weighted=weighted), {"max_attn_logit": out[1]}
     return token_cross_entropy(out, batch[:, 1:], weighted=weighted)

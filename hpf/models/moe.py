@@ -101,11 +101,12 @@ def num_params(config: MoEConfig) -> int:
     return 2 * c.vocab_size * d + d + c.n_dense_layers * (attn + 3 * d * c.d_ff) + c.n_moe_layers * (attn + moe)
 
 
-def init(config: MoEConfig, generator: torch.Generator | None = None, *, device=None,
+def init(config: MoEConfig, key: torch.Tensor | None = None, *, device=None,
          dtype: torch.dtype = torch.float32) -> dict:
-    """Fresh params (fp32 draws on the CPU from ``generator``, default seed 0; ``device="meta"`` draws nothing)."""
+    """Fresh params, drawn as gpt.init draws them (one hpf.random key per matrix, default
+    ``hpf.random.key(0)``); ``device="meta"`` draws nothing."""
     c = config
-    normal, ones = gpt.param_makers(generator, device, dtype)
+    normal, ones = gpt.param_makers(key, device, dtype)
     d, res = c.d_model, INIT_STD / math.sqrt(2 * c.n_layers)
 
     def swiglu(*lead: int, hidden: int) -> dict:

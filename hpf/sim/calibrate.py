@@ -246,7 +246,7 @@ def tiny_overhead_per_pass(make_step, reps: int) -> float:
     steps interleave with plain autograd on the same params, so drifting load hits both alike, and
     the difference of their 20% quantiles (other load only ever adds time) is spread over the passes."""
     cfg = gpt.CONFIGS["tiny"]
-    params = gpt.init(cfg, torch.Generator().manual_seed(0))
+    params = gpt.init(cfg)
     data = gpt.global_batch(cfg, 4, 0, 0)
     run_step, passes = make_step(params, cfg)
     leaves = [p.requires_grad_() for p in torch.utils._pytree.tree_leaves(params)]
@@ -385,7 +385,7 @@ def _issue_rank(rank, two_tier: bool, reps: int) -> float:
     mesh = hpf.Mesh({"dp": w} if w <= 2 else {"node": w // 2, "local": 2})
     step = hpf.shard_step(gpt.loss_for(cfg), mesh=mesh, optimizer=hpf.optim.adamw(lr=1e-3),
                           topology=hpf.Topology() if two_tier else None)
-    step.init(gpt.init(cfg, torch.Generator().manual_seed(0)))
+    step.init(gpt.init(cfg))
     comm = step.engine.comm
     bufs = [(b.index, comm.full_buffer(b.index, torch.float32), torch.randn(b.padded_numel // b.shard_size),
              comm.grad_buffer(b.index, torch.float32), torch.empty(b.padded_numel // b.shard_size))
