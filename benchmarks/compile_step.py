@@ -130,7 +130,7 @@ def rank_main(rank, args):
     torch.manual_seed(0)
     module = gpt if args.model == "gpt" else moe
     config = module.CONFIGS[args.config]
-    params = module.init(config, torch.Generator().manual_seed(0))
+    params = module.init(config, hpf.random.key(0))
     local = args.batch // WORLD
     batches = [module.global_batch(config, args.batch, 0, s)[rank * local:(rank + 1) * local] for s in range(8)]
     impls = {"hpf": make_hpf(args.model, config, params, False), "hpf-compiled": make_hpf(args.model, config, params, True),

@@ -40,7 +40,7 @@ def train(rank, model: str, mesh: str, steps: int, way: dict):
     mesh_ = hpf.Mesh(axes)
     step = hpf.shard_step(module.loss_for(config, compile=way.get("compile", False)), mesh=mesh_, topology=topology,
                           optimizer=hpf.optim.adamw(lr=1e-3, weight_decay=0.1), grad=way.get("grad", "autograd"))
-    state = step.init(module.init(config, torch.Generator().manual_seed(0)))
+    state = step.init(module.init(config, hpf.random.key(0)))
     batches = module.synthetic_batches(config, 8, 0, rank=rank, world_size=mesh_.size)
     losses = []
     for _ in range(steps):

@@ -14,7 +14,9 @@ residency policy decides what is gathered at each moment), and takes the peak of
   was checkpointed) and the grads its backward holds, the blocks below it still saved, the param grads autograd holds (the root's through
   all of backward, this block's), and the reductions still holding memory;
 - **the end of backward**: the root's reduction issued;
-- **init**, on CPU ranks: the state beside the full params each rank builds before sharding.
+- **init**: the state and the temporaries of one chunk of the born-sharded init
+  (``step.init(init_fn, key=...)``, hpf.sharded_init: no rank builds the full params; a
+  ``step.init(full_params)`` of your own adds those full params on every rank).
 
 Reductions: the engine frees each one's flat grad buffer (and gloo's receive buffer beside it on
 CPU ranks: ``reduce_copies`` 2) when it lands, and before it takes a unit's flat grads it waits
@@ -28,7 +30,6 @@ every bucket's summed grads between micro-batches.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ from .engine.replay import loop_reads, replay
 from .models.recompute import Activations, recomputes
 from .planning import ROOT, Plan
 from .report import PlanReport
+from .sharded_init import INIT_TEMPORARY_BYTES
 from .types import MixedPrecision
 
 __all__ = ["StepMemory", "COMMS", "step_memory", "predict", "state_report", "machine_memory", "size"]
@@ -69,13 +71,12 @@ def size(nbytes: float) -> str:
 
 def step_memory(report: PlanReport, plan: Plan, acts: Activations | None, *, compute_dtype=None,
                 reduce_dtype=None, recompute: str = "none", accumulate: int = 1, comm: str = "flat",
-                reduce_copies: int = 2, resident_units: int = 2, init_copy: bool = False) -> StepMemory:
+                reduce_copies: int = 2, resident_units: int = 2) -> StepMemory:
     """The peak per rank of a step of ``plan`` (see the module doc). ``report``: its plan report
     (the state: shards, grad shards, optimizer state); ``acts``: the model's activations on one
     micro-batch (None: not counted); ``compute_dtype``/``reduce_dtype``: the mixed precision's
     (None: the params' own); ``reduce_copies``: 2 where a reduce-scatter keeps a receive buffer
-    as big as its input (gloo), else 1; ``init_copy``: the rank builds the full params in its
-    own memory before sharding them (a CPU rank: ``hpf train``'s init)."""
+    as big as its input (gloo), else 1."""
     if comm not in COMMS:
         raise ValueError(f"comm={comm!r}: use one of {COMMS}")
     units: dict[str, dict[str, int]] = {}
@@ -103,9 +104,7 @@ def step_memory(report: PlanReport, plan: Plan, acts: Activations | None, *, com
     if acts is None:
         acts = Activations(((0, 0, 0),) * len(blocks), 0, 0)
     moments = _moments(plan, root, blocks, acts, gathered, held, resident_units, recompute)
-    if init_copy:
-        moments.append(("init", {"full params": sum(math.prod(s.global_shape) * dtype_bytes(s.dtype)
-                                                    for s in plan.slots.values())}))
+    moments.append(("init", {"init temporaries": INIT_TEMPORARY_BYTES}))
     when, parts = max(moments, key=lambda m: sum(m[1].values()))
     return StepMemory({**state, **parts}, when)
 
@@ -149,8 +148,8 @@ def predict(module, config, plan: Plan, report: PlanReport, *, local_batch: int,
     """The peak per rank of a job: ``module`` (an hpf.models module; its ``activations`` hook, if
     it has one) at ``local_batch`` sequences per rank in ``accumulate`` micro-batches, on
     ``plan`` (its ``report`` from :func:`state_report`), with hpf train's ``topology`` ("flat" or
-    "two-tier"). ``cpu``: CPU ranks of one host (each builds the full params at init; gloo's
-    reduce-scatter keeps a receive buffer; two-tier collectives use shared memory there)."""
+    "two-tier"). ``cpu``: CPU ranks of one host (gloo's reduce-scatter keeps a receive buffer;
+    two-tier collectives use shared memory there)."""
     mp = MixedPrecision.parse(mixed_precision)
     compute = mp.compute_dtype if mp else None
     acts = (module.activations(config, local_batch // accumulate, dtype_bytes(compute) if compute else 4)
@@ -158,7 +157,7 @@ def predict(module, config, plan: Plan, report: PlanReport, *, local_batch: int,
     comm = "flat" if topology == "flat" else "shm" if cpu else "tiered"
     return step_memory(report, plan, acts, compute_dtype=compute, reduce_dtype=mp.reduce_dtype if mp else None,
                        recompute=recompute, accumulate=accumulate, comm=comm, reduce_copies=2 if cpu else 1,
-                       resident_units=resident_units, init_copy=cpu)
+                       resident_units=resident_units)
 
 
 def state_report(plan: Plan, mixed_precision=None, optimizer: str = "adamw",

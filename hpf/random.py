@@ -28,7 +28,7 @@ import torch
 
 import hpf_kernels
 
-__all__ = ["key", "split", "fold_in", "example_keys", "bits", "uniform", "normal", "truncated_normal", "bernoulli", "randint",
+__all__ = ["key", "split", "fold_in", "example_keys", "check_key", "bits", "uniform", "normal", "truncated_normal", "bernoulli", "randint",
            "values_at"]
 
 _WORD = 0xFFFFFFFF
@@ -55,7 +55,7 @@ def split(key: torch.Tensor, num: int = 2) -> torch.Tensor:
 def fold_in(key: torch.Tensor, data) -> torch.Tensor:
     """A new key from ``key`` and an int (or an int tensor, one key each, broadcast against the
     key's batch dims): the Threefry of the counter ``data`` under ``key``."""
-    k = _check_key(key, "fold_in")
+    k = check_key(key, "fold_in")
     data = torch.as_tensor(data)
     if data.is_floating_point() or data.is_complex() or data.dtype == torch.bool:
         raise TypeError(f"hpf.random.fold_in: data must be an int or an int tensor, got {data.dtype}")
@@ -84,7 +84,7 @@ def example_keys(key: torch.Tensor, first: int, count: int) -> torch.Tensor:
     return fold_in(key, torch.arange(first, first + count, device=key.device))
 
 
-def _check_key(key, what: str) -> torch.Tensor:
+def check_key(key, what: str) -> torch.Tensor:
     if not isinstance(key, torch.Tensor) or key.dtype != torch.int64 or key.dim() == 0 or key.shape[-1] != 2:
         got = f"{key.dtype} {tuple(key.shape)}" if isinstance(key, torch.Tensor) else type(key).__name__
         raise TypeError(f"hpf.random.{what} takes a key (an int64 tensor [..., 2] from hpf.random.key), got {got}")
@@ -151,7 +151,7 @@ def _float(dtype, what: str) -> torch.dtype:
 
 
 def _draw(key, shape, dist: str, a: float, b: float, dtype: torch.dtype) -> torch.Tensor:
-    _check_key(key, dist)
+    check_key(key, dist)
     if isinstance(shape, int):
         shape = (shape,)
     shape = [int(n) for n in shape]

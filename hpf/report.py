@@ -31,6 +31,7 @@ class PlanReport:
     slow_precision: str = ""  # the low-bit slow tier in words ("" when off)
     codec_bytes: int = 0  # per rank and step: memory the quantize/dequantize passes read and write
     feedback_bytes: int = 0  # per rank: error-feedback residuals (fp32)
+    full_params_bytes: int = 0  # every param once, whole (what step.init(full params) takes on every rank)
 
     @classmethod
     def of(cls, plan, *, compute_dtype: torch.dtype | None = None, master_dtype: torch.dtype | None = None,
@@ -44,7 +45,7 @@ class PlanReport:
         units = list(plan.units)  # each unit's gathers in a step: the engine's schedule (hpf.engine.replay)
         (step,) = replay(units, {ROOT} if regather else set(units), loop_reads(units), units, capacity=resident_units)
         gathers_of = Counter(e.unit for e in step.events if e.kind == "gather")
-        params = grads = opt = padded_total = 0
+        params = grads = opt = padded_total = full = 0
         unit_bytes: dict[str, int] = {}
         comm = {op: dict.fromkeys(TIERS, 0) for op in OPS}
         layouts: dict[str, int] = {}
@@ -53,7 +54,9 @@ class PlanReport:
         for b in plan.buckets:
             key = (f"FSDP over ({','.join(b.shard_axes) or '-'})"
                    + (f", computed split over ({','.join(b.split_axes)})" if b.split_axes else ""))
-            layouts[key] = layouts.get(key, 0) + sum(math.prod(s.global_shape) for s in b.slots)
+            numel = sum(math.prod(s.global_shape) for s in b.slots)
+            layouts[key] = layouts.get(key, 0) + numel
+            full += numel * dtype_bytes(b.dtype)
             master = dtype_bytes(master_dtype or b.dtype)
             compute = dtype_bytes(compute_dtype or b.dtype)
             reduce_dtype_b = reduce_dtype or master_dtype or b.dtype
@@ -75,11 +78,18 @@ class PlanReport:
         blocks = sorted((v for k, v in unit_bytes.items() if k != ROOT), reverse=True)
         peak = unit_bytes.get(ROOT, 0) + sum(blocks[:2])
         return cls(mesh.size, params, grads, opt, peak, padded_total, comm, layouts,
-                   slow.describe() if slow else "", codec, feedback)
+                   slow.describe() if slow else "", codec, feedback, full)
 
     @property
     def comm_total(self) -> dict[str, int]:
         return {t: sum(c[t] for c in self.comm.values()) for t in TIERS}
+
+    @property
+    def init_peak_bytes(self) -> int:
+        """A rank's peak during ``step.init(init_fn, key=...)``: its state, and the temporaries of
+        one chunk (hpf.sharded_init)."""
+        from .sharded_init import INIT_TEMPORARY_BYTES
+        return self.params_bytes + self.grad_bytes + self.optimizer_bytes + self.feedback_bytes + INIT_TEMPORARY_BYTES
 
     def format(self) -> str:
         def mib(n: int) -> str:
@@ -92,6 +102,8 @@ class PlanReport:
             f"  optimizer state      {mib(self.optimizer_bytes)}",
             f"  peak gathered units  {mib(self.peak_gathered_bytes)}",
             *([f"  error feedback       {mib(self.feedback_bytes)}"] if self.feedback_bytes else []),
+            f"  init peak            {mib(self.init_peak_bytes)}   (born sharded: the state and one chunk of "
+            f"draws; step.init(full params) adds the full params, {self.full_params_bytes / 2**20:,.2f} MiB)",
             f"  padded total, all ranks {self.padded_total_bytes / 2**30:.3f} GiB",
             "per-rank bytes sent per step         fast tier          slow tier",
         ]

@@ -22,14 +22,16 @@ import hashlib
 from typing import Any, Callable
 
 import torch
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import random as hpf_random
 from . import tree as tree_util
 
-__all__ = ["InitTrace", "trace_init", "CHUNK"]
+__all__ = ["InitTrace", "trace_init", "CHUNK", "INIT_TEMPORARY_BYTES"]
 
-CHUNK = 1 << 18  # positions evaluated at once (a few MiB of temporaries per chunk)
+CHUNK = 1 << 18  # positions evaluated at once
+#: the temporaries of one chunk beside the shards, a bound: the draw's int32 words and float32
+#: intermediates, positions and the cast take under 64 bytes a position (benchmarks/init.py measures)
+INIT_TEMPORARY_BYTES = 64 * CHUNK
 SMALL = 1 << 12  # a node with at most this many elements is computed whole once (keys, biases)
 
 aten = torch.ops.aten
@@ -48,7 +50,9 @@ def trace_init(init_fn: Callable, key: torch.Tensor) -> "InitTrace":
     """Trace ``init_fn(key)`` on fake tensors: no values are computed."""
     if not callable(init_fn):
         raise TypeError(f"step.init(init_fn, key=...) takes a function key -> params, got {type(init_fn).__name__}")
-    key = hpf_random._check_key(key, "key for step.init").cpu()
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    key = hpf_random.check_key(key, "key for step.init").cpu()
     box = {}
 
     def leaves_of(k):

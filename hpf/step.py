@@ -71,15 +71,11 @@ class ShardStep(StateIO):
         self._early = EarlyWork()  # the optimizer's work begun in backward (hpf.optim.EarlyUpdate)
 
     def init(self, params: Any, *, key: torch.Tensor | None = None) -> TrainState:
-        """This rank's sharded train state, from the full params (the same on every rank) or,
-        born sharded, from ``init_fn`` and ``key``: ``step.init(init_fn, key=hpf.random.key(0))``
-        materializes only this rank's shards of ``init_fn(key)``, bit for bit (hpf.sharded_init).
-
-        Under torchrun (its environment set) with no process group yet, this starts one
-        (``hpf.launch.init_distributed()``). ``nn.Parameter`` leaves are detached."""
+        """This rank's sharded train state, from the full params (the same on every rank), or from
+        ``init_fn`` and ``key``: only this rank's shards of ``init_fn(key)``, bit for bit (hpf.sharded_init).
+        Under torchrun with no process group yet, this starts one. ``nn.Parameter`` leaves are detached."""
         self._check_open("step.init(params)")
-        cfg = self.config
-        born = _born_sharded(params, key)
+        cfg, born = self.config, _born_sharded(params, key)
         full_params = born.meta_params if born else params
         _join_world(self.mesh)
         frozen = checks.frozen_paths(full_params, cfg.frozen)
@@ -89,10 +85,8 @@ class ShardStep(StateIO):
         self.plan = step_plan(full_params, self.mesh, cfg.param_specs, cfg.fsdp_axes, topology=cfg.topology,
                               hsdp=cfg.hsdp, frozen=frozen)
         checks.check_same_on_all_ranks(self.plan, full_params, self.device, born.digest() if born else None)
-        dtype = self.mp.master_dtype if self.mp else None
-        shards = born.shards(self.plan, self.rank, dtype) if born else self.plan.shards(full_params, self.rank, dtype)
-        shards = [torch.zeros(s.shape, dtype=s.dtype, device=self.device) if s.is_meta else s.to(self.device)
-                  for s in shards]
+        shards = _first_shards(self.plan, born or full_params, self.rank, self.mp.master_dtype if self.mp else None,
+                               self.device)
         self.grad_shards, self.engine = _engine(cfg, self.plan, shards, self.device, self.on_extra_gather)
         # Axes a param computes sharded over (experts on a borrowed data axis) allow collectives.
         self._spmd = SPMD(self.mesh, self.rank, tuple(a for a in self.plan.fsdp_axes if a not in self.plan.split_axes))
@@ -518,6 +512,13 @@ def _engine(cfg: StepConfig, plan: Plan, shards: list[torch.Tensor], device: tor
         capacity=cfg.resident_units, compute_sums=[(b, cfg.mesh.group(axes)) for b, axes in partial
                                                    if cfg.mesh.axis_size(axes) > 1],
         on_extra_gather=on_extra_gather, rematerialize=cfg.grad == "torch.func")
+
+
+def _first_shards(plan: Plan, made_from, rank: int, dtype, device) -> list[torch.Tensor]:
+    """This rank's flat shards, from the full params or a traced init (``InitTrace``); meta
+    params (shapes only, for a restore to fill) give zeros."""
+    shards = made_from.shards(plan, rank, dtype) if hasattr(made_from, "shards") else plan.shards(made_from, rank, dtype)
+    return [torch.zeros(s.shape, dtype=s.dtype, device=device) if s.is_meta else s.to(device) for s in shards]
 
 
 def _born_sharded(params: Any, key):

@@ -38,6 +38,16 @@ def no_threads_left_behind():
     assert not left, f"the test left hpf threads running: {left}; close the step (step.engine.comm.close())"
 
 
+def pytest_sessionstart(session):
+    """matplotlib builds its font cache on first use, running ``fc-list``: build it here, before
+    the fast tier's guard below forbids processes, so a machine where nothing was cached passes
+    (matplotlib is a test extra; its cache is its own, nothing hpf starts)."""
+    try:
+        import matplotlib.font_manager  # noqa: F401  (the import builds the cache when missing)
+    except ImportError:
+        pass
+
+
 # -- the fast tier starts no process -------------------------------------------------------------------
 _STARTS = [(multiprocessing.process.BaseProcess, "start"), (subprocess.Popen, "__init__"), (Zygote, "command")]
 

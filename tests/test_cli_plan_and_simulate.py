@@ -1,6 +1,7 @@
 """`hpf plan`, `hpf simulate` and `hpf calibrate` as a user runs them: what they count, what they
 assume, and what they warn of."""
 import json
+import os
 import re
 import subprocess
 import sys
@@ -31,6 +32,18 @@ def test_the_breakdown_plot_labels_the_steps_its_axis_cuts_off():
 
     title = "loss: GPT 'tiny', mesh node=2,local=2, muon"
     assert plots.loss_figure(records, title).axes[0].get_title() == title
+
+
+@pytest.mark.slow
+def test_the_fast_tier_passes_where_matplotlib_never_built_its_font_cache(tmp_path):
+    # A fresh MPLCONFIGDIR: matplotlib's first use runs fc-list, which the fast tier's guard refuses
+    # inside a test; the conftest builds the cache at session start instead.
+    env = {**os.environ, "MPLCONFIGDIR": str(tmp_path / "mpl")}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider",
+                           f"{__file__}::test_the_breakdown_plot_labels_the_steps_its_axis_cuts_off"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert (tmp_path / "mpl").is_dir()  # the cache was built there, fresh
 
 
 def _mib(text: str, label: str) -> float:

@@ -58,8 +58,8 @@ def test_a_long_step_is_reported_while_it_runs():
 
 @pytest.mark.slow
 def test_a_config_too_big_for_this_machine_is_refused_before_allocating(tmp_path):
-    # 256 ranks of the 1B GPT each build the full fp32 params once (4.2 GB): over 1 TB, which
-    # no machine running these tests has, before any shard, grad or activation is counted.
+    # 256 ranks of the 1B GPT on one host: each holds its shards, grads, moments and a 2048-token
+    # sequence's activations, far more in all than any machine running these tests has.
     proc = hpf_cmd("train", "--config", "1b", "--world-size", 256, "--batch-size", 256, "--out", tmp_path / "r")
     assert proc.returncode == 2
     line = one_error_line(proc)
@@ -68,8 +68,8 @@ def test_a_config_too_big_for_this_machine_is_refused_before_allocating(tmp_path
     def gib(pattern):
         number, unit = re.search(pattern + r" ([\d.]+) (GiB|MiB)", line).groups()
         return float(number) / (1024 if unit == "MiB" else 1)
-    init_copy = gpt.num_params(gpt.CONFIGS["1b"]) * 4 / 2**30  # per rank
-    assert gib("needs about") > init_copy > gib("over 256 rank\\(s\\) is")
+    full_params = gpt.num_params(gpt.CONFIGS["1b"]) * 4 / 2**30
+    assert full_params > gib("needs about") > gib("over 256 rank\\(s\\) is")  # born sharded: no full copy
     assert not (tmp_path / "r").exists()  # refused before the run folder, before any rank
 
 

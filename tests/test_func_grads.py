@@ -32,7 +32,7 @@ def train(rank, model, grad, **kwargs):
         mesh, loss_fn = hpf.Mesh({"dp": 1, "ep": 2}), module.loss_for(config, "ep")
         kwargs["param_specs"] = module.param_specs(config, "ep", ("dp", "ep"))
     step = hpf.shard_step(loss_fn, mesh=mesh, grad=grad, optimizer=hpf.optim.adamw(**ADAMW), **kwargs)
-    state = step.init(module.init(config, torch.Generator().manual_seed(SEED)))
+    state = step.init(module.init(config, hpf.random.key(SEED)))
     batches = module.synthetic_batches(config, BATCH, SEED, rank=rank, world_size=2)
     losses = []
     for _ in range(STEPS):
@@ -67,7 +67,7 @@ def assert_same(a, b, **tol):
 
 def test_torch_func_trains_gpt_like_plain_torch(runs):
     module, config = MODELS["gpt"]
-    losses, _, params = adamw_training(module.loss_for(config), module.init(config, torch.Generator().manual_seed(SEED)),
+    losses, _, params = adamw_training(module.loss_for(config), module.init(config, hpf.random.key(SEED)),
                                        lambda s: module.global_batch(config, BATCH, SEED, s), STEPS, **ADAMW)
     assert_same(runs["gpt/torch.func"], {"losses": losses, "params": [p.numpy() for p in params.values()]},
                 rtol=1e-5, atol=2e-5)

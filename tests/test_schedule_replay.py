@@ -34,7 +34,7 @@ def recorded(module, config, mesh, options, rank=0, world_size=1, **step_kw) -> 
     step = hpf.shard_step(module.loss_for(config, recompute=options.pop("recompute", "none")), mesh=hpf.Mesh(mesh),
                           optimizer=hpf.optim.adamw(lr=1e-3), **options, **step_kw)
     with step:
-        state = step.init(module.init(config, torch.Generator().manual_seed(0)))
+        state = step.init(module.init(config, hpf.random.key(0)))
         batches = module.synthetic_batches(config, 4 * world_size, 0, rank=rank, world_size=world_size)
         start = LOG.seq
         for _ in range(STEPS):

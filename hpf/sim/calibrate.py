@@ -215,7 +215,7 @@ def _compute_rank(rank, shapes, reps):
         for precision in (None, "bf16"):
             fns = []
             for layers in (1, depth):
-                cfg = dataclasses.replace(mod.CONFIGS[name], n_layers=layers)
+                cfg = _with_layers(mod.CONFIGS[name], layers)
                 params = mod.init(cfg)
                 if precision:
                     params = optree.tree_map(lambda p: p.to(torch.bfloat16), params)
@@ -292,13 +292,47 @@ def as_shape(shape: tuple) -> tuple[str, str, int]:
 def sizes_for(shapes) -> tuple[float, ...]:
     """``SIZES_MIB``, extended by 4x steps to cover the largest bucket of the shapes' GPTs (MiB): above
     32 MiB glibc maps every fresh buffer anew, so a fit up to 16 MiB under-charges medium's 190 MiB
-    root."""
+    root. Capped at 256 MiB (and a 32nd of the free shared and host memory: each rank maps several
+    buffers of the size): a 505B model's buckets are extrapolated from there, not allocated."""
     largest = max(b.padded_numel * 4 / 2 ** 20 for model, name, _ in map(as_shape, shapes)
                   for b in plan(MODELS[model].init(MODELS[model].CONFIGS[name], device="meta"), Mesh({"dp": 2})).buckets)
+    largest = min(largest, 256, _room_mib() / 32)
     sizes = list(SIZES_MIB)
     while sizes[-1] < largest:
         sizes.append(sizes[-1] * 4)
     return tuple(sizes)
+
+
+def _with_layers(config, layers: int):
+    """``config`` cut to ``layers`` blocks (a MoE keeps at most that many dense ones)."""
+    cut = {"n_dense_layers": min(config.n_dense_layers, layers)} if hasattr(config, "n_dense_layers") else {}
+    return dataclasses.replace(config, n_layers=layers, **cut)
+
+
+def _check_layers_fit(shapes) -> None:
+    """Compute is timed on a 1-block model of each shape's width: refuse, before any rank starts,
+    one this machine cannot hold (its params, grads and moments at fp32, 16 bytes each)."""
+    room = _room_mib() * 2 ** 20
+    for model, name, _ in shapes:
+        mod = MODELS[model]
+        need = 16 * mod.num_params(_with_layers(mod.CONFIGS[name], 1))
+        if need > room:
+            raise ValueError(f"calibrating {model} {name!r} times a 1-block model of its width, which needs about "
+                             f"{need / 2**30:,.0f} GiB here ({room / 2**30:,.0f} GiB free): pass --hardware NAME "
+                             "(hpf.sim's profiles, e.g. cloudmatrix384) or a calibration file made on a machine "
+                             "that holds one block")
+
+
+def _room_mib() -> float:
+    """Free shared memory (where the shm collectives live) or host memory, whichever is less (MiB)."""
+    from ..memory import machine_memory
+
+    try:
+        shm = os.statvfs("/dev/shm")
+        free_shm = shm.f_bavail * shm.f_frsize
+    except OSError:
+        free_shm = float("inf")
+    return min(free_shm, machine_memory(1)[0]) / 2 ** 20
 
 
 class _Flat(torch.nn.Module):
@@ -472,6 +506,7 @@ def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)),
     ``quick``: only the links, the compute and the per-unit overhead (what the plan search ranks
     hpf's candidates by; not FSDP2's path, the issue costs or the sync terms: those stay 0)."""
     shapes = [as_shape(s) for s in shapes]
+    _check_layers_fit(shapes)
     sizes_mib = sizes_mib or sizes_for(shapes)
     sizes = [int(m * 2 ** 20) for m in sizes_mib]
     links: dict = {"gloo": {}, "shm": {}}
