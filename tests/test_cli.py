@@ -1,5 +1,6 @@
 """The `hpf` command: train writes sane metrics and learns, plan reports any mesh, the benchmark
 runner tabulates ratios, and bad arguments cost one line of stderr."""
+import dataclasses
 import io
 import json
 import math
@@ -14,6 +15,7 @@ import torch
 
 import hpf
 from hpf import cli
+from hpf.cli.job import run_keys
 from hpf.models import gpt, llama
 from hpf.progress import Progress
 from cli_helpers import hpf_cmd
@@ -49,7 +51,7 @@ def test_train_writes_metrics_plots_and_the_loss_falls(tmp_path):
     # process with plain torch: the CLI trains the model, data and seed it says, and reports the
     # global mean. 1e-5 relative: the same fp32 math, summed over 2 half-batches in another order.
     config = gpt.CONFIGS["tiny"]
-    reference = gpt.loss_for(config)(gpt.init(config, hpf.random.key(seed)),
+    reference = gpt.loss_for(config)(gpt.init(config, run_keys(seed)[0]),
                                      gpt.global_batch(config, batch, seed, 0))
     assert records[0]["loss"] == pytest.approx(reference.item(), rel=1e-5)
     # It learns: from ln(vocab) ~ 4.2 (a uniform guess) to well below it in 25 steps.
@@ -119,9 +121,32 @@ def test_validate_mode_trains_the_same_model(tmp_path, capsys):
     assert "validate mode" in out
     first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     config = gpt.CONFIGS["tiny"]
-    reference = gpt.loss_for(config)(gpt.init(config, hpf.random.key(0)),
+    reference = gpt.loss_for(config)(gpt.init(config, run_keys(0)[0]),
                                      gpt.global_batch(config, 32, 0, 0))
     assert first["loss"] == pytest.approx(reference.item(), rel=1e-6)  # same fp32 math, one process
+
+
+@pytest.mark.slow
+def test_dropout_option_draws_the_masks_of_the_runs_keys(tmp_path, capsys):
+    code, out, err = run_main(["train", "--world-size", "1", "--steps", "2", "--dropout", "0.1",
+                               "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    config = gpt.CONFIGS["tiny"]
+    init_key, dropout_key = run_keys(0)
+    tokens = gpt.global_batch(config, 32, 0, 0)
+    batch = {"tokens": tokens, "keys": hpf.random.example_keys(hpf.random.fold_in(dropout_key, 1), 0, 32)}
+    params = gpt.init(config, init_key)
+    with_dropout = gpt.loss_for(dataclasses.replace(config, dropout=0.1))(params, batch).item()
+    assert first["loss"] == pytest.approx(with_dropout, rel=1e-6)
+    assert first["loss"] != pytest.approx(gpt.loss_for(config)(params, tokens).item(), rel=1e-6)
+
+
+def test_dropout_option_is_refused_where_it_cannot_act(tmp_path, capsys):
+    for argv, says in ((["--dropout", "1.5"], "lies in [0, 1)"), (["--model", "moe", "--dropout", "0.1"], "no dropout")):
+        code, _, err = run_main(["train", "--world-size", "1", "--steps", "1", *argv, "--out", str(tmp_path / "x")],
+                                capsys)
+        assert code == 2 and says in err
 
 
 @pytest.mark.slow
@@ -133,7 +158,7 @@ def test_compile_option_compiles_once_reports_it_and_trains_the_same_model(tmp_p
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["compile_s"] > 0 and [r["compile_s"] for r in rows[1:]] == [0.0, 0.0]
     config = gpt.CONFIGS["tiny"]
-    reference = gpt.loss_for(config)(gpt.init(config, hpf.random.key(0)),
+    reference = gpt.loss_for(config)(gpt.init(config, run_keys(0)[0]),
                                      gpt.global_batch(config, 32, 0, 0))
     assert rows[0]["loss"] == pytest.approx(reference.item(), rel=1e-5)  # 2 ranks: the same terms, summed apart
 
@@ -146,7 +171,7 @@ def test_model_option_trains_llama(tmp_path, capsys):
     assert "llama 'tiny'" in out
     first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     config = llama.CONFIGS["tiny"]
-    reference = llama.loss_for(config)(llama.init(config, hpf.random.key(0)),
+    reference = llama.loss_for(config)(llama.init(config, run_keys(0)[0]),
                                        gpt.global_batch(config, 32, 0, 0))
     assert first["loss"] == pytest.approx(reference.item(), rel=1e-6)
 
@@ -159,7 +184,7 @@ def test_muon_option_trains_with_muon(tmp_path, capsys):
     losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     # Reference: one step of hpf.optim.muon on the full params with plain autograd, in this process.
     config = gpt.CONFIGS["tiny"]
-    loss_fn, params = gpt.loss_for(config), gpt.init(config, hpf.random.key(0))
+    loss_fn, params = gpt.loss_for(config), gpt.init(config, run_keys(0)[0])
     adamw_lr, muon_lr, warmup = cli.TRAIN_DEFAULTS["tiny"]
     assert warmup == 0  # else step 1's lr is not the lr below
     optimizer = hpf.optim.muon(lr=muon_lr, adamw_lr=adamw_lr)

@@ -10,6 +10,7 @@ import torch
 import hpf
 from hpf import data
 from hpf.cli.train import EVAL_BATCHES
+from hpf.cli.job import run_keys
 from hpf.models import llama
 from test_cli import run_main
 
@@ -49,7 +50,7 @@ def test_train_llama_on_data_reports_held_out_loss(tmp_path, token_dir, capsys):
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "eval_loss" in r] == [3, 4]  # every 3rd and the last
     config = dataclasses.replace(llama.CONFIGS["tiny"], vocab_size=257)  # from meta.json, not the config's 67
-    params = llama.init(config, hpf.random.key(seed))
+    params = llama.init(config, run_keys(seed)[0])
     loss_fn = llama.loss_for(config)
     train0 = next(data.TokenData(token_dir, "train").batches(batch, config.seq_len, seed))
     assert records[0]["loss"] == pytest.approx(loss_fn(params, train0).item(), rel=1e-5)

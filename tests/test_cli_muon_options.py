@@ -7,6 +7,7 @@ import torch
 import hpf
 from hpf import checkpoint, cli
 from hpf.cli import train as cli_train
+from hpf.cli.job import run_keys
 from hpf.models import gpt
 from test_cli import run_main
 
@@ -21,7 +22,7 @@ def reference(**muon_options):
     if muon_options.get("qk_clip") is not None:
         muon_options["qk_heads"] = gpt.qk_heads(TINY)
     optimizer = hpf.optim.muon(lr=muon_lr, adamw_lr=adamw_lr, **muon_options)
-    params, losses = gpt.init(TINY, hpf.random.key(0)), []
+    params, losses = gpt.init(TINY, run_keys(0)[0]), []
     treedef, state = hpf.tree.structure(params), optimizer.init(params)
     loss_fn = gpt.loss_for(TINY, max_logits=True)
     for s in range(STEPS):

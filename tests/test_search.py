@@ -14,6 +14,7 @@ import torch
 import hpf
 from hpf import memory, search, sim
 from hpf.engine.reduce import IN_FLIGHT
+from hpf.cli.job import run_keys
 from hpf.models import gpt, llama, moe
 import cli_helpers
 from references import autograd_grads
@@ -348,7 +349,7 @@ def test_cli_train_moe_recomputed_in_micro_batches_matches_one_process(tmp_path)
     loss = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])["loss"]
     config = moe.CONFIGS["tiny"]
     batch = moe.batch_with_bias(moe.global_batch(config, 8, 0, 0), torch.zeros(config.n_moe_layers, config.n_experts))
-    want = moe.loss_for(config)(moe.init(config, hpf.random.key(0)), batch)
+    want = moe.loss_for(config)(moe.init(config, run_keys(0)[0]), batch)
     assert loss == pytest.approx(want.item(), rel=1e-5)
 
 

@@ -1,0 +1,123 @@
+"""Dropout from per-example keys: a mask is a function of (key, example, layer, site) alone, so it
+is the same however the examples are split, recomputed, transformed or compiled, and a sharded run
+with dropout equals plain torch autograd on one process with the same keys."""
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+import hpf
+from hpf import random as R
+from hpf.launcher import launch
+from hpf.models import gpt, llama
+from references import adamw_training
+
+P = 0.1
+MODELS = {"gpt": (gpt, dataclasses.replace(gpt.CONFIGS["tiny"], dropout=P)),
+          "llama": (llama, dataclasses.replace(llama.CONFIGS["tiny"], dropout=P))}
+BATCH, STEPS, SEED = 8, 20, 0
+ADAMW = dict(lr=1e-2, weight_decay=0.01)
+
+
+def keyed_batch(config, step, first=0, rows=BATCH):
+    """Rows [first, first + rows) of step's global batch with their examples' keys."""
+    tokens = gpt.global_batch(config, BATCH, SEED, step)[first:first + rows]
+    return {"tokens": tokens, "keys": R.example_keys(R.fold_in(R.key(1), step), first, rows)}
+
+
+def grads(loss_fn, params, batch):
+    leaves = [x.detach().requires_grad_() for x in hpf.tree.flatten(params)[1]]
+    tree = hpf.tree.unflatten(hpf.tree.structure(params), leaves)
+    loss = loss_fn(tree, batch)
+    return loss, torch.autograd.grad(loss, leaves)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_recomputed_blocks_draw_the_same_masks_bit_for_bit(name):
+    module, config = MODELS[name]
+    params, batch = module.init(config, R.key(0)), keyed_batch(config, 0)
+    plain, every = (grads(module.loss_for(config, recompute=r), params, batch) for r in ("none", "all"))
+    assert torch.equal(plain[0], every[0]) and all(torch.equal(a, b) for a, b in zip(plain[1], every[1]))
+    no_dropout = module.loss_for(dataclasses.replace(config, dropout=0.0))(params, batch["tokens"])
+    assert not torch.equal(plain[0], no_dropout)  # (the masks act)
+
+
+def test_a_mask_depends_on_its_example_alone_and_keeps_one_minus_p():
+    x = torch.ones(64, 16, 32)
+    keys = R.example_keys(R.key(3), 100, 64)
+    whole = gpt.dropout(x, 0.25, keys, site=1)
+    parts = torch.cat([gpt.dropout(x[i:i + 16], 0.25, keys[i:i + 16], site=1) for i in range(0, 64, 16)])
+    assert torch.equal(whole, parts)
+    kept = (whole != 0).double().mean()
+    assert abs(float(kept) - 0.75) < 0.01 and torch.equal(whole[whole != 0], torch.full_like(whole[whole != 0], 4 / 3))
+    assert not torch.equal(whole, gpt.dropout(x, 0.25, keys, site=2))  # another site, another mask
+
+
+def test_dropout_without_keys_or_out_of_range_is_refused():
+    module, config = MODELS["gpt"]
+    with pytest.raises(ValueError, match=r"per-example keys.*example_keys"):
+        module.loss_for(config)(module.init(config), gpt.global_batch(config, 2, 0, 0))
+    with pytest.raises(ValueError, match=r"dropout must be a float in \[0, 1\)"):
+        dataclasses.replace(config, dropout=1.0)
+    with pytest.raises(ValueError, match="one hpf.random key per example"):
+        module.loss_for(config)(module.init(config), {"tokens": gpt.global_batch(config, 2, 0, 0),
+                                                      "keys": R.key(0)})
+
+
+def test_torch_func_grad_sees_the_masks_autograd_sees():
+    module, config = MODELS["gpt"]
+    params, batch = module.init(config, R.key(0)), keyed_batch(config, 0)
+    loss, want = grads(module.loss_for(config), params, batch)
+    got = torch.func.grad(module.loss_for(config))(params, batch)
+    for a, b in zip(hpf.tree.flatten(got)[1], want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def _train(rank, mesh_axes, name, how):
+    module, config = MODELS[name]
+    mesh = hpf.Mesh(mesh_axes)
+    loss_fn = module.loss_for(config, recompute=how.get("recompute", "none"), compile=how.get("compile", False))
+    step = hpf.shard_step(loss_fn, mesh=mesh, optimizer=hpf.optim.adamw(**ADAMW), grad=how.get("grad", "autograd"),
+                          mode=how.get("mode", "production"), accumulate=how.get("accumulate", 1))
+    rows = BATCH // mesh.size
+    with step:
+        state = step.init(functools.partial(module.init, config), key=R.key(SEED))
+        losses = []
+        for s in range(STEPS):
+            state, m = step(state, keyed_batch(config, s, rank * rows, rows))
+            losses.append(m["loss"])
+    return losses
+
+
+def _reference(name):
+    module, config = MODELS[name]
+    return adamw_training(module.loss_for(config), module.init(config, R.key(SEED)),
+                          lambda s: keyed_batch(config, s), STEPS, **ADAMW)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, how", [
+    ("gpt", {}),
+    ("gpt", {"recompute": "all", "accumulate": 2}),
+    ("gpt", {"grad": "torch.func"}),
+    ("llama", {"mode": "validate"}),
+])
+def test_two_ranks_with_dropout_train_as_one_process_with_the_same_keys(name, how):
+    want = _reference(name)
+    got = launch(_train, 2, {"dp": 2}, name, how, timeout=240)
+    for losses in got:
+        for a, b in zip(losses, want):
+            assert abs(a - b) <= 1e-6 * abs(b), (a, b)
+    assert want[-1] < want[0] - 0.5  # it learns, through the masks
+
+
+@pytest.mark.slow
+def test_a_compiled_block_draws_the_masks_an_eager_one_does():
+    module, config = MODELS["gpt"]
+    params, batch = module.init(config, R.key(0)), keyed_batch(config, 0)
+    eager = grads(module.loss_for(config), params, batch)
+    compiled = grads(module.loss_for(config, compile=True), params, batch)
+    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-6, atol=0)
+    for a, b in zip(compiled[1], eager[1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
