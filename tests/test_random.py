@@ -119,7 +119,7 @@ def test_a_batch_of_keys_draws_each_keys_own_sample():
 
 
 def test_the_bits_do_not_depend_on_the_thread_count():
-X
+    k, shape = R.key(1), (N // 2 + 17,)  # chunks past torch's grain size: the ops split across threads
     before = torch.get_num_threads()
     try:
         one = R.normal(k, shape)
