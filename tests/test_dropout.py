@@ -65,6 +65,34 @@ def test_dropout_without_keys_or_out_of_range_is_refused():
                                                       "keys": R.key(0)})
 
 
+@pytest.mark.parametrize("how", [{"recompute": "all"}, {"grad": "torch.func"}, {"mode": "validate"}])
+def test_every_draw_of_a_mask_in_a_step_is_the_plain_forwards_mask_bit_for_bit(how, monkeypatch):
+    """Each mask drawn inside a step (forward, a recomputed block's second forward in backward,
+    torch.func's rematerialization, validation mode's tracked forward) is recorded: every draw for
+    the same (example keys, site) is the mask a plain forward draws, bit for bit."""
+    module, config = MODELS["gpt"]
+    drawn = []
+
+    def recording(x, p, keys, site):
+        out = plain_dropout(x, p, keys, site)
+        if p and keys is not None:
+            drawn.append(((str(keys.tolist()), site), str((out != 0).tolist())))  # (tolist: torch.func's tensors too)
+        return out
+    plain_dropout = gpt.dropout
+    monkeypatch.setattr(gpt, "dropout", recording)
+    batch = keyed_batch(config, 0)
+    module.loss_for(config)(module.init(config, R.key(0)), batch)  # the plain forward
+    plain = dict(drawn)
+    assert len(plain) == 2 * config.n_layers + 1  # both branches of each block, and the embeddings
+    drawn.clear()
+    loss_fn = module.loss_for(config, recompute=how.get("recompute", "none"))
+    with hpf.shard_step(loss_fn, mesh=hpf.Mesh({"dp": 1}), optimizer=hpf.optim.adamw(lr=1e-3),
+                        grad=how.get("grad", "autograd"), mode=how.get("mode", "production")) as step:
+        step(step.init(functools.partial(module.init, config), key=R.key(0)), batch)
+    assert len(drawn) > len(plain) or how.get("mode")  # recomputed: drawn again in backward
+    assert {k for k, _ in drawn} == set(plain) and all(mask == plain[k] for k, mask in drawn)
+
+
 def test_torch_func_grad_sees_the_masks_autograd_sees():
     module, config = MODELS["gpt"]
     params, batch = module.init(config, R.key(0)), keyed_batch(config, 0)
