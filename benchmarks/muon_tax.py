@@ -83,7 +83,7 @@ def main():
         names = list(out[0]["times"])
         med = {n: median_ms([max(r["times"][n][i] for r in out) for i in range(len(out[0]["times"][n]))])
                for n in names}
-        rate, plan = min(r["rate"] for r in out), sim.plan_for(gpt, config, hpf.Mesh(axes), tiered=topology is not None)
+        rate, plan = min(r["rate"] for r in out), sim.plan_for(gpt, config, hpf.Mesh(axes))
         flops = {v: muon_plan_state(hpf.optim.muon(ns_variant=v), plan)[1] for v in ("standard", "auto")}
         ideal = {v: sum(f.values()) / WORLD / rate * 1e3 for v, f in flops.items()}
         local_hw = dataclasses.replace(sim.PROFILES["h100"], peak_flops=rate, efficiency=1.0,

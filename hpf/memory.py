@@ -39,7 +39,7 @@ from .engine.replay import loop_reads, replay
 from .models.recompute import Activations, recomputes
 from .planning import ROOT, Plan
 from .report import PlanReport
-from .sharded_init import INIT_TEMPORARY_BYTES
+from .sharded_init import temporary_bytes
 from .types import MixedPrecision
 
 __all__ = ["StepMemory", "COMMS", "step_memory", "predict", "state_report", "machine_memory", "size"]
@@ -104,7 +104,7 @@ def step_memory(report: PlanReport, plan: Plan, acts: Activations | None, *, com
     if acts is None:
         acts = Activations(((0, 0, 0),) * len(blocks), 0, 0)
     moments = _moments(plan, root, blocks, acts, gathered, held, resident_units, recompute)
-    moments.append(("init", {"init temporaries": INIT_TEMPORARY_BYTES}))
+    moments.append(("init", {"init temporaries": temporary_bytes(plan)}))
     when, parts = max(moments, key=lambda m: sum(m[1].values()))
     return StepMemory({**state, **parts}, when)
 

@@ -215,6 +215,17 @@ class Plan:
         """How many ranks store an identical copy of each shard (to count it once in norms)."""
         return self.mesh.size // bucket.shard_size // self.mesh.axis_size(bucket.split_axes)
 
+    def stage_blocks(self, bucket: Bucket) -> int:
+        """In how many blocks a two-stage collective's fast-tier part of ``bucket`` lies: 1 when
+        shards are numbered fast axes first (local rank l's part of the full buffer is one
+        contiguous block), else (node-major) the number of slow-tier peers: local rank l's part is
+        shard (n, l) of every node n, one block each."""
+        order = [a for a in bucket.shard_order if self.mesh.axis_size(a) > 1]
+        fast = [a for a in order if a in self.mesh.fast_axes]
+        if not fast or len(fast) == len(order) or order[0] in self.mesh.fast_axes:
+            return 1
+        return self.mesh.axis_size(tuple(a for a in order if a not in self.mesh.fast_axes))
+
     def shard_index(self, bucket: Bucket, rank: int) -> int:
         return self.mesh.group_index(bucket.shard_axes, rank, order=bucket.shard_order) if bucket.shard_axes else 0
 
@@ -240,16 +251,18 @@ class Plan:
 
 
 def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[str] | None = None, *,
-         hsdp: bool = False, hierarchical: bool = False, bucket_bytes: int = 0, frozen: Collection[str] = (),
+         hsdp: bool = False, fast_major: bool = False, bucket_bytes: int = 0, frozen: Collection[str] = (),
          slow_precision: SlowPrecision | None = None) -> Plan:
     """Resolve the sharding of ``params`` on ``mesh`` once: the plan :func:`hpf.shard_step` makes
-    (it passes its ``topology``'s ``hierarchical``, ``bucket_bytes`` and ``slow_precision``).
+    (it passes its ``topology``'s ``fast_major``, ``bucket_bytes`` and ``slow_precision``).
 
     ``params`` may be meta tensors; ``mesh`` may be virtual. Axes of a spec that are in
     ``fsdp_axes`` (default: all mesh axes) mean "stored sharded, gathered for compute";
     other axes mean "stored and computed sharded". With no ``param_specs`` every parameter
     is sharded over all FSDP axes, or with ``hsdp`` over those in the fast tier and replicated
-    across the slow tier. ``hierarchical`` numbers shards fast-axes-first for two-tier collectives.
+    across the slow tier. Shards are numbered node-major (slow axes first: a machine holds one
+    contiguous region of every bucket, so most matrices lie inside one machine), or with
+    ``fast_major`` fast axes first (each two-tier stage then moves one contiguous block).
     ``bucket_bytes`` caps a bucket (one flat buffer, one fused collective): a unit's params
     of one layout and dtype fill buckets in tree order, a new one starting where the next
     param would pass the cap (0: one bucket each; a param bigger than the cap gets its own).
@@ -264,7 +277,7 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
         param_specs: None, a ``P`` for every param, ``hpf.rules([...])`` / any ``path -> P``
             callable, or a pytree of ``P`` (None leaves mean ``P()``) with the params' structure.
         fsdp_axes: the axes params are stored sharded over and gathered for compute.
-        hsdp, hierarchical, bucket_bytes, frozen, slow_precision: as above.
+        hsdp, fast_major, bucket_bytes, frozen, slow_precision: as above.
 
     Raises:
         SpecError: a spec naming a non-axis or an axis twice, more entries than dims, no
@@ -288,7 +301,7 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
     frozen = set(frozen) | {ties[p] for p in frozen if p in ties}  # a frozen alias freezes its tie
 
     buckets, units, slots = _place(zip(paths, leaves, units_of), specs, ties, frozen, mesh, fsdp, bucket_bytes,
-                                   hierarchical, slow_precision)
+                                   fast_major, slow_precision)
     if not units[ROOT].buckets:
         del units[ROOT]
     _check_slow_used(mesh, buckets, slow_precision)
@@ -296,7 +309,7 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
 
 
 def _place(params, specs: dict, ties: dict, frozen: set, mesh: Mesh, fsdp: tuple[str, ...], bucket_bytes: int,
-           hierarchical: bool, slow_precision: SlowPrecision | None):
+           fast_major: bool, slow_precision: SlowPrecision | None):
     """Each (path, leaf, unit) into a bucket and offset: (buckets, units, slots)."""
     buckets: list[Bucket] = []
     units: dict[str, Unit] = {ROOT: Unit(ROOT, [])}
@@ -315,7 +328,7 @@ def _place(params, specs: dict, ties: dict, frozen: set, mesh: Mesh, fsdp: tuple
         b = by_key.get(key)
         if b is None or (bucket_bytes and b.numel and
                          (b.numel + math.prod(local_shape)) * leaf.element_size() > bucket_bytes):
-            b = by_key[key] = _new_bucket(len(buckets), key, mesh, fsdp, hierarchical, slow_precision)
+            b = by_key[key] = _new_bucket(len(buckets), key, mesh, fsdp, fast_major, slow_precision)
             buckets.append(b)
             units.setdefault(unit, Unit(unit, [])).buckets.append(b.index)
         slot = ParamSlot(path, spec, tuple(leaf.shape), local_shape, leaf.dtype, unit, b.index, b.numel)
@@ -337,11 +350,11 @@ def _fsdp_axes(mesh: Mesh, fsdp_axes, hsdp: bool) -> tuple[str, ...]:
     return fsdp
 
 
-def _new_bucket(index: int, key: tuple, mesh: Mesh, fsdp: tuple[str, ...], hierarchical: bool,
+def _new_bucket(index: int, key: tuple, mesh: Mesh, fsdp: tuple[str, ...], fast_major: bool,
                 slow_precision: SlowPrecision | None) -> Bucket:
     """An empty bucket for ``key`` = (unit, shard axes, split axes, dtype, frozen)."""
     unit, shard_axes, split_axes, dtype, frozen = key
-    order = tuple(sorted(shard_axes, key=lambda a: a not in mesh.fast_axes)) if hierarchical else shard_axes
+    order = tuple(sorted(shard_axes, key=lambda a: (a in mesh.fast_axes) != fast_major))  # (stable: mesh order within)
     replicate = tuple(a for a in fsdp if a not in shard_axes + split_axes)
     b = Bucket(index=index, unit=unit, shard_axes=shard_axes, replicate_axes=replicate, dtype=dtype,
                shard_size=mesh.axis_size(shard_axes), split_axes=split_axes, shard_order=order, frozen=frozen)

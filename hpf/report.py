@@ -13,6 +13,7 @@ import torch
 from .comm.cost import TIERS, bucket_comm_bytes, codec_bytes, dtype_bytes, feedback_numel
 from .engine.replay import loop_reads, replay
 from .planning import OPS
+from .sharded_init import temporary_bytes
 from .tree import ROOT
 
 __all__ = ["PlanReport"]
@@ -32,6 +33,7 @@ class PlanReport:
     codec_bytes: int = 0  # per rank and step: memory the quantize/dequantize passes read and write
     feedback_bytes: int = 0  # per rank: error-feedback residuals (fp32)
     full_params_bytes: int = 0  # every param once, whole (what step.init(full params) takes on every rank)
+    init_temporary_bytes: int = 0  # per rank: the born-sharded init's temporaries (hpf.sharded_init)
 
     @classmethod
     def of(cls, plan, *, compute_dtype: torch.dtype | None = None, master_dtype: torch.dtype | None = None,
@@ -78,7 +80,7 @@ class PlanReport:
         blocks = sorted((v for k, v in unit_bytes.items() if k != ROOT), reverse=True)
         peak = unit_bytes.get(ROOT, 0) + sum(blocks[:2])
         return cls(mesh.size, params, grads, opt, peak, padded_total, comm, layouts,
-                   slow.describe() if slow else "", codec, feedback, full)
+                   slow.describe() if slow else "", codec, feedback, full, temporary_bytes(plan))
 
     @property
     def comm_total(self) -> dict[str, int]:
@@ -88,8 +90,8 @@ class PlanReport:
     def init_peak_bytes(self) -> int:
         """A rank's peak during ``step.init(init_fn, key=...)``: its state, and the temporaries of
         one chunk (hpf.sharded_init)."""
-        from .sharded_init import INIT_TEMPORARY_BYTES
-        return self.params_bytes + self.grad_bytes + self.optimizer_bytes + self.feedback_bytes + INIT_TEMPORARY_BYTES
+        return (self.params_bytes + self.grad_bytes + self.optimizer_bytes + self.feedback_bytes
+                + self.init_temporary_bytes)
 
     def format(self) -> str:
         def mib(n: int) -> str:

@@ -111,7 +111,7 @@ def _bucket_caps(job: "_Job", c: Candidate) -> list[int]:
     """0 (a bucket per unit) and the powers-of-4 MiB caps that split the largest unit into 2-16."""
     if c.topology != "two-tier":
         return [0]
-    plan = sim.plan_for(job.module, job.config, job.mesh, None, c.ep_axis, True, c.hsdp)
+    plan = sim.plan_for(job.module, job.config, job.mesh, None, c.ep_axis, c.hsdp)
     largest = max((sum(plan.buckets[b].padded_numel for b in u.buckets) * 4 for u in plan.units.values()), default=0)
     return [0] + [4**k * MiB for k in range(6) if largest / 16 <= 4**k * MiB < largest]
 
@@ -373,7 +373,7 @@ def _price(job: _Job, config: str, c: Candidate) -> Ranked:
     """Memory on the candidate's plan (one per layout, cached) and the compute floor of its step."""
     key = _plan_key(c)
     if key not in job.reports:
-        plan = sim.plan_for(job.module, job.config, job.mesh, None, c.ep_axis, c.topology == "two-tier", c.hsdp,
+        plan = sim.plan_for(job.module, job.config, job.mesh, None, c.ep_axis, c.hsdp,
                             c.bucket_bytes if c.topology == "two-tier" else 0, SlowPrecision.parse(c.slow_precision))
         job.reports[key] = (plan, memory.state_report(plan, c.mixed_precision, job.optimizer,
                                                       hierarchical=c.topology == "two-tier")[0])

@@ -26,12 +26,12 @@ import torch
 from . import random as hpf_random
 from . import tree as tree_util
 
-__all__ = ["InitTrace", "trace_init", "CHUNK", "INIT_TEMPORARY_BYTES"]
+__all__ = ["InitTrace", "trace_init", "CHUNK", "temporary_bytes"]
 
 CHUNK = 1 << 18  # positions evaluated at once
-#: the temporaries of one chunk beside the shards, a bound: the draw's int32 words and float32
-#: intermediates, positions and the cast take under 64 bytes a position (benchmarks/init.py measures)
-INIT_TEMPORARY_BYTES = 64 * CHUNK
+#: a bound on the temporaries beside the shards, per position of a chunk: the draw's int32 words
+#: and float32 intermediates, the positions and the cast (benchmarks/init.py measures the peak)
+BYTES_PER_POSITION = 64
 SMALL = 1 << 12  # a node with at most this many elements is computed whole once (keys, biases)
 
 aten = torch.ops.aten
@@ -120,6 +120,12 @@ class InitTrace:
                 ev.forget_large()
             out.append(shard)
         return out
+
+
+def temporary_bytes(plan) -> int:
+    """The born-sharded init's temporaries beside a rank's shards: one chunk's (a param that
+    cannot be sliced, materialized whole, adds itself; the built-in models have none)."""
+    return BYTES_PER_POSITION * min(CHUNK, max((b.shard_numel for b in plan.buckets), default=0))
 
 
 def _check_seeded(node: torch.fx.Node, path: str) -> None:

@@ -70,6 +70,8 @@ def test_boxes_tile_any_flat_interval():
     ({"dp": 2, "tp": 2}, dict(fsdp_axes=("dp",), param_specs=hpf.rules([(r"blocks/\d+/w_up", P("dp", "tp")),
                                                                           (r"head", P("tp")), (r".*", P("dp"))]))),
     ({"node": 2, "local": 3}, dict(hsdp=True)),
+    ({"node": 2, "local": 2}, dict(fast_major=True)),
+    ({"node": 2, "local": 2}, {}),
 ])
 def test_chunks_of_every_rank_tile_the_full_params(axes, kw):
     """The chunks all ranks of a virtual mesh would write rebuild each full param exactly, once
@@ -77,7 +79,8 @@ def test_chunks_of_every_rank_tile_the_full_params(axes, kw):
     full = gpt.init(gpt.GPTConfig(67, 16, 24, 3, 4, 38))  # dims the tp axis divides
     mesh = hpf.Mesh(axes)
     fsdp = kw.get("fsdp_axes")
-    plan = hpf.plan(full, mesh, kw.get("param_specs"), fsdp, hsdp=kw.get("hsdp", False))
+    plan = hpf.plan(full, mesh, kw.get("param_specs"), fsdp, hsdp=kw.get("hsdp", False),
+                    fast_major=kw.get("fast_major", False))
     paths, leaves, _ = hpf.tree.flatten(full)
     rebuilt = {ck.key_of(p): torch.full_like(x, float("nan")) for p, x in zip(paths, leaves)}
     seen = {}
@@ -263,6 +266,34 @@ def test_resume_is_exact_on_the_same_mesh_and_close_on_others(tmp_path):
     state, extra = one.restore(tmp_path / "step_6")
     on1 = _run(one, state, extra["step"], STEPS, 0, 1)[1]
     torch.testing.assert_close(torch.tensor(on1), torch.tensor(tail), rtol=1e-5, atol=0)
+
+
+def _muon_by_order(rank, root, fast_major, resume):
+    """Muon, 2x2 two-tier, shards numbered fast-major or node-major: 2 steps and a save (or a
+    restore of that save), then 2 more; their losses."""
+    step = make_step({"node": 2, "local": 2}, optimizer=hpf.optim.muon(lr=0.02),
+                     topology=hpf.Topology(fast_major=fast_major))
+    with step:
+        if resume:
+            step.init(gpt.init(CFG, device="meta"))
+            state, _ = step.restore(f"{root}/step_2")
+        else:
+            state, _ = _run(step, step.init(gpt.init(CFG)), 0, 2, rank, 4)
+            step.save(state, f"{root}/step_2", extra={"step": 2})
+        return _run(step, state, 2, 4, rank, 4)[1]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_fast_major_restores_node_major_and_on_another_world(tmp_path):
+    """Muon's state and the params move between shard orders as between meshes: by their place
+    in each whole param, so the run goes on as it would have."""
+    tail = launch(_muon_by_order, 4, str(tmp_path), True, False, timeout=280)[0]
+    node_major = launch(_muon_by_order, 4, str(tmp_path), False, True, timeout=280)[0]
+    torch.testing.assert_close(torch.tensor(node_major), torch.tensor(tail), rtol=1e-6, atol=0)
+    one = make_step({"dp": 1}, optimizer=hpf.optim.muon(lr=0.02))
+    one.init(gpt.init(CFG, device="meta"))
+    state, extra = one.restore(tmp_path / "step_2")
+    torch.testing.assert_close(torch.tensor(_run(one, state, 2, 4, 0, 1)[1]), torch.tensor(tail), rtol=1e-5, atol=0)
 
 
 class _Module(torch.nn.Module):

@@ -137,7 +137,7 @@ def _muon(rank: int) -> dict:
         for s in range(STEPS):
             state, m = step(state, _batch(s, rank))
             losses.append(m["loss"])
-        out[name] = (losses, step.plan_optimizer.bytes_sent)
+        out[name] = (losses, step.plan_optimizer.slow_bytes_sent)  # (the fast tier's pieces stay full precision)
         step.close()
     return out
 
@@ -378,7 +378,9 @@ def test_reduced_grads_are_the_two_stage_low_bit_sum(runs, name):
         fmt = slow.grads if slow else None
         for r in range(WORLD):
             node, local = mesh.coords(r)
-            fast_sum = lambda nd: sum(flats[mesh.rank_of((nd, i))][b.index] for i in range(2)).view(n_fast, -1)[local]  # noqa: E731
+            blocks = plan.stage_blocks(b)  # node-major: local rank l's fast-tier part is shard (n, l) of each node n
+            fast_sum = lambda nd: sum(flats[mesh.rank_of((nd, i))][b.index] for i in range(2)).view(  # noqa: E731
+                blocks, n_fast, -1)[:, local].reshape(-1)
             if not b.replicate_axes:  # shard over both axes: block `local` of each node, row `node` is ours
                 rows = {nd: fast_sum(nd).view(2, -1) for nd in range(2)}
                 parts = [rows[nd][node] if nd == node or not fmt else _roundtrip(rows[nd], fmt)[node] for nd in range(2)]

@@ -35,7 +35,7 @@ def split_matrices(plan, paths):
 
 @pytest.mark.parametrize("hierarchical", [True, False])
 def test_owners_sit_on_the_node_holding_most_and_slow_bytes_are_the_least_owners_allow(hierarchical):
-    plan = hpf.plan(gpt.init(gpt.CONFIGS["small"], device="meta"), MESH, hierarchical=hierarchical)
+    plan = hpf.plan(gpt.init(gpt.CONFIGS["small"], device="meta"), MESH, fast_major=hierarchical)
     paths = muon_paths(muon(), plan)
     owners, load = assign_owners(plan, paths, 5)
     least = 0
@@ -64,7 +64,7 @@ def run_two_tier(rank):
     from test_dist_muon import MUON, gpt_params, synthetic_grads
 
     params = gpt_params()
-    plan = hpf.plan(params, MESH, hierarchical=True)
+    plan = hpf.plan(params, MESH, fast_major=True)
     opt = DistMuon(muon(**MUON), plan, rank)
     shards = plan.shards(params, rank)
     state = opt.init(shards)
@@ -82,7 +82,7 @@ def test_two_tier_owners_that_hold_no_piece_match_single_device_muon():
     runs = launch(run_two_tier, 4, timeout=240)
     assert sum(r["owns_without_a_piece"] for r in runs) > 0  # the case under test happens
     params = gpt_params()
-    plan = hpf.plan(params, MESH, hierarchical=True)
+    plan = hpf.plan(params, MESH, fast_major=True)
     paths, leaves, _ = hpf.tree.flatten(reference_muon(params, STEPS))
     want = dict(zip(paths, leaves))
     for rank in range(MESH.size):

@@ -70,7 +70,7 @@ def reassemble(plan, params):
 @given(problems())
 def test_shards_reassemble_exactly(problem):
     mesh, fsdp, params, specs, hierarchical, bucket_bytes = problem
-    plan = hpf.plan(params, mesh, specs, fsdp_axes=fsdp, hierarchical=hierarchical, bucket_bytes=bucket_bytes)
+    plan = hpf.plan(params, mesh, specs, fsdp_axes=fsdp, fast_major=hierarchical, bucket_bytes=bucket_bytes)
     rebuilt = reassemble(plan, params)
     paths, leaves, _ = hpf.tree.flatten(params)
     for path, leaf in zip(paths, leaves):

@@ -64,8 +64,8 @@ def test_hsdp_is_one_rule_for_the_step_the_cli_and_the_simulator():
     via_step = step_plan(params, mesh, topology=Topology(bucket_bytes=4096), hsdp=True)
     assert [(b.shard_axes, b.shard_order, b.numel) for b in via_step.buckets] == \
         [(b.shard_axes, b.shard_order, b.numel) for b in
-         hpf.plan(params, mesh, hsdp=True, hierarchical=True, bucket_bytes=4096).buckets]
-    simulated = hpf.sim.plan_for(gpt, gpt.CONFIGS["tiny"], mesh, hsdp=True, tiered=True)
+         hpf.plan(params, mesh, hsdp=True, fast_major=True, bucket_bytes=4096).buckets]
+    simulated = hpf.sim.plan_for(gpt, gpt.CONFIGS["tiny"], mesh, hsdp=True)
     assert [(b.shard_axes, b.replicate_axes) for b in simulated.buckets] == \
         [(b.shard_axes, b.replicate_axes) for b in step_plan(params, mesh, topology=Topology(), hsdp=True).buckets]
     with pytest.raises(ValueError, match="hsdp=True replicates params across the slow tier"):
@@ -77,7 +77,7 @@ def test_topology_with_slow_precision_keeps_every_field():
     topology = Topology.with_slow(slow, bucket_bytes=1 << 20)
     assert topology.slow_precision == slow and topology.bucket_bytes == 1 << 20
     assert Topology.with_slow(None) == Topology()
-    assert topology.plan_options() == {"hierarchical": True, "bucket_bytes": 1 << 20, "slow_precision": slow}
+    assert topology.plan_options() == {"fast_major": False, "bucket_bytes": 1 << 20, "slow_precision": slow}
 
 
 def test_model_specs_have_one_home():

@@ -107,7 +107,7 @@ def test_the_memory_model_reads_the_replayed_residency():
     from hpf.report import PlanReport
 
     module, config = MODELS["gpt"]
-    plan = sim.plan_for(module, config, hpf.Mesh({"dp": 2}), tiered=False)
+    plan = sim.plan_for(module, config, hpf.Mesh({"dp": 2}))
     size = {u: sum(b.padded_numel * 4 for b in plan.buckets if b.unit == u) for u in plan.units}
     n = config.n_layers
     acts = Activations(tuple((0, 0, 2**40 if k == n - 1 else 0) for k in range(n)), 0, 0)  # the last backward peaks

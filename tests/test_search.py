@@ -87,7 +87,8 @@ def test_an_unknown_recompute_names_the_choices():
 # -- the memory model -------------------------------------------------------------------------------
 def _memory(config="small", ranks=4, local_batch=4, **kw):
     cfg = gpt.CONFIGS[config]
-    plan = sim.plan_for(gpt, cfg, hpf.Mesh({"dp": ranks}), tiered=kw.pop("tiered", False))
+    kw.pop("tiered", None)  # (the plan is the same: shards are numbered node-major either way)
+    plan = sim.plan_for(gpt, cfg, hpf.Mesh({"dp": ranks}))
     report = memory.state_report(plan, kw.get("mixed_precision"))[0]
     return memory.predict(gpt, cfg, plan, report, local_batch=local_batch, **kw), plan, report
 
@@ -236,7 +237,7 @@ def test_the_low_bit_slow_tier_is_searched_only_when_asked_and_held_when_given()
     held = search.search("gpt", "small", mesh, "h100", global_batch=16, fixed={"slow_precision": ef, "hsdp": False})
     assert {(r.candidate.topology, r.candidate.slow_precision) for r in held.ranked} == {("two-tier", ef)}
     # the residuals' memory: fp32, one per value this rank sends low-bit (its row for the one slow peer)
-    plan = sim.plan_for(gpt, gpt.CONFIGS["small"], hpf.Mesh(mesh), None, None, True, False,
+    plan = sim.plan_for(gpt, gpt.CONFIGS["small"], hpf.Mesh(mesh), None, None, False,
                         held.best.candidate.bucket_bytes, SlowPrecision.parse(ef))
     assert held.best.memory.parts["error feedback"] == 4 * sum(b.shard_numel for b in plan.buckets) > 0
 

@@ -37,7 +37,7 @@ def _segments() -> set:
 
 def _check_against_gloo_and_reference(rank, transport_kind):
     n = dist.get_world_size()
-    transport = ShmGroup(None, nbytes=1 << 20) if transport_kind == "shm" else ProcessGroupTransport()
+    transport = ShmGroup(None, nbytes=4 << 20) if transport_kind == "shm" else ProcessGroupTransport()
     assert isinstance(transport, Transport)
     for dtype in DTYPES:
         for k in SHARD_NUMELS:
@@ -71,6 +71,19 @@ def _check_against_gloo_and_reference(rank, transport_kind):
             vec.copy_(_data(200 + rank, n * k + 1, dtype))
             transport.all_reduce(vec)
             _assert_sum_close(vec, [_data(200 + r, n * k + 1, dtype) for r in range(n)])
+
+            # blocks (a node-major two-tier stage): rank r's part is piece r of each of 3 blocks
+            shard = _data(300 + rank, 3 * k, dtype)
+            full = transport.buffer(("agb",) + key, 3 * n * k, dtype)
+            transport.all_gather_into(full, shard, blocks=3)
+            want = torch.stack([_data(300 + r, 3 * k, dtype).view(3, k) for r in range(n)], dim=1).reshape(-1)
+            assert torch.equal(full, want)
+            grad = transport.buffer(("rsb",) + key, 3 * n * k, dtype, per_rank=True)
+            grad.copy_(_data(400 + rank, 3 * n * k, dtype))
+            out = torch.empty(3 * k, dtype=dtype)
+            transport.reduce_scatter(out, grad, blocks=3)
+            _assert_sum_close(out, [_data(400 + r, 3 * n * k, dtype).view(3, n, k)[:, rank].reshape(-1)
+                                    for r in range(n)])
     return True
 
 

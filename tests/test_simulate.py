@@ -36,8 +36,7 @@ def test_ring_allreduce_and_two_tier_by_hand():
                                                ({"dp": 6}, "flat", False)])
 def test_predicted_bytes_equal_the_plan_reports(axes, topology, hsdp):
     mesh = hpf.Mesh(axes)
-    plan = hpf.plan(gpt.init(gpt.CONFIGS["small"], device="meta"), mesh, hierarchical=topology == "two-tier",
-                    hsdp=hsdp)
+    plan = hpf.plan(gpt.init(gpt.CONFIGS["small"], device="meta"), mesh, hsdp=hsdp)
     report = PlanReport.of(plan, compute_dtype=torch.bfloat16, reduce_dtype=torch.float32, master_dtype=torch.float32,
                            hierarchical=topology == "two-tier")
     r = sim.simulate("small", mesh, CM, "hsdp" if hsdp else "hpf", mixed_precision="bf16", topology=topology)
@@ -46,7 +45,7 @@ def test_predicted_bytes_equal_the_plan_reports(axes, topology, hsdp):
 
 def test_shared_memory_skips_the_backward_regathers_as_the_report_says():
     mesh = hpf.Mesh({"dp": 2})
-    plan = hpf.plan(gpt.init(gpt.CONFIGS["small"], device="meta"), mesh, hierarchical=True)
+    plan = hpf.plan(gpt.init(gpt.CONFIGS["small"], device="meta"), mesh)
     r = sim.simulate("small", mesh, CM, shm=True)
     assert r.bytes == PlanReport.of(plan, hierarchical=True, regather=False).comm
 

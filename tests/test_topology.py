@@ -38,6 +38,8 @@ VARIANTS = {  # name -> shard_step keywords
     "hsdp": {"hsdp": True},
     "flat_tiered": {"topology": Topology(hierarchical=False, fast_transport="pg")},
     "hier_pg": {"topology": Topology(fast_transport="pg")},
+    "hier_pg_fast_major": {"topology": Topology(fast_transport="pg", fast_major=True)},
+    "hier_shm_fast_major": {"topology": Topology(fast_transport="shm", fast_major=True)},
     "hier_pg_no_pipeline": {"topology": Topology(fast_transport="pg", pipeline=False)},
     "hier_shm": {"topology": Topology(fast_transport="shm")},
     "hier_shm_update_after_backward": {"topology": Topology(fast_transport="shm"), "overlap_optimizer": False},
@@ -129,10 +131,11 @@ def test_variant_matches_single_process_adamw(runs, reference, variant):
     for path, ref in ref_params.items():
         # AdamW's step lr * m / (sqrt(v) + eps) normalizes each grad, so a grad's relative
         # rounding error e moves its param by about lr * e per step. Summation order alone
-        # makes e ~1e-7 for most grads but up to ~1e-4 for the tiny q/k grads of the nearly
-        # uniform first attention (measured: max param diff 1.1e-6 = lr * 1e-4). atol =
-        # lr * 1e-3 leaves a 10x margin; a wrong shard, step or lr moves params by ~lr.
-        np.testing.assert_allclose(params[path], ref, rtol=0, atol=LR * 1e-3, err_msg=f"{variant}: {path}")
+        # makes e ~1e-7 for most grads but up to ~1e-3 for the tiny q/k grads of the nearly
+        # uniform first attention, sums of terms that nearly cancel (measured: max param diff
+        # 1.08e-5 = lr * 1.1e-3, one element of blocks/0/w_qkv). atol = lr * 5e-3 leaves a 5x
+        # margin; a wrong shard, step or lr moves params by ~lr, 200x more.
+        np.testing.assert_allclose(params[path], ref, rtol=0, atol=LR * 5e-3, err_msg=f"{variant}: {path}")
 
 
 def _shard_bytes() -> dict[str, int]:

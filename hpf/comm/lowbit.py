@@ -55,7 +55,7 @@ class LowBitTier:
         self._feedback: list[torch.Tensor] | None = None  # this step's residuals (TrainState.error_feedback)
         self._feedback_scale = 1.0
         self._pending: dict[int, list] = {}  # bucket -> [(residual slice, what its payload dropped)]
-        #: validation mode sets a dict: (kind, bucket) -> (flat offset, exact, dequantized) of this rank's data
+        #: validation mode sets a dict: (kind, bucket) -> [(flat offset, exact, dequantized)] of this rank's data
         self.capture: dict | None = None
 
     def gather(self, b: int, block: torch.Tensor, shard: torch.Tensor, transport: Transport) -> None:
@@ -69,7 +69,7 @@ class LowBitTier:
         if self.capture is not None:  # this rank's shard as every peer now holds it
             bucket = self.plan.buckets[b]
             at = self.plan.shard_index(bucket, self._rank) * bucket.shard_numel
-            self.capture["weights", b] = (at, shard.float().clone(), rows[self._slow_index[b]].float().clone())
+            self.capture["weights", b] = [(at, shard.float().clone(), rows[self._slow_index[b]].float().clone())]
 
     def reduce_scatter(self, b: int, shard: torch.Tensor, block: torch.Tensor, transport: Transport) -> None:
         """shard <- the fp32 sum of row i of every slow peer's block: each row bound for a peer
@@ -77,7 +77,7 @@ class LowBitTier:
         fmt = self.formats[b]["reduce_scatter"]
         rows = block.view(-1, shard.numel())
         own = self._slow_index[b]
-        sent, payload = self._send_rows(b, rows, 0, fmt, own, self._fast_index[b] * rows.numel())
+        sent, payload = self._send_rows(b, rows, 0, fmt, own, self._row_offsets(b, len(rows)))
         recv = torch.empty_like(payload)
         transport.all_to_all(recv, payload)
         vals = dequantize(recv, fmt, self.slow.block, torch.empty(sent.shape, dtype=torch.float32, device=sent.device))
@@ -89,13 +89,24 @@ class LowBitTier:
         own too: every replica sums the same rows in the same order, so all stay equal."""
         fmt, bucket, m = self.formats[b]["all_reduce"], self.plan.buckets[b], dist.get_world_size(group)
         _, payload = self._send_rows(b, shard.view(1, -1), self.feedback_numel[b] - shard.numel(), fmt, None,
-                                     self.plan.shard_index(bucket, self._rank) * bucket.shard_numel)
+                                     [self.plan.shard_index(bucket, self._rank) * bucket.shard_numel])
         recv = torch.empty(m, payload.shape[1], dtype=torch.uint8, device=shard.device)
         dist.all_gather_into_tensor(recv.view(-1), payload.view(-1), group=group)
         sum_rows(dequantize(recv, fmt, self.slow.block,
                             torch.empty(m, shard.numel(), dtype=torch.float32, device=shard.device)), shard)
 
-    def _send_rows(self, b: int, rows: torch.Tensor, at: int, fmt: str, own: int | None, offset: int):
+    def _row_offsets(self, b: int, n_rows: int) -> list[int]:
+        """Where each row of bucket b's slow-stage block lies in the full buffer: one block of
+        shards where they are numbered fast axes first, shard (n, this rank's l) of each node n
+        where node-major (Plan.stage_blocks)."""
+        bucket = self.plan.buckets[b]
+        f, k = self._fast_index[b], bucket.shard_numel
+        if self.plan.stage_blocks(bucket) == 1:
+            return [(f * n_rows + r) * k for r in range(n_rows)]
+        fast = bucket.shard_size // n_rows
+        return [(r * fast + f) * k for r in range(n_rows)]
+
+    def _send_rows(self, b: int, rows: torch.Tensor, at: int, fmt: str, own: int | None, offsets: list[int]):
         """(rows + this rank's residual of them, in fp32; their payloads). Row ``own`` never leaves
         the rank: it stays exact and keeps no residual. What the others' payloads drop (the residual
         at ``at`` in the bucket's, unscaled: fp16's loss scale changes between steps) is kept aside
@@ -117,7 +128,7 @@ class LowBitTier:
                 lost = (sent - got)[away]
                 self._pending.setdefault(b, []).append((resid, lost if s == 1.0 else lost / s))
             if self.capture is not None:
-                self.capture["grads", b] = (offset, sent.reshape(-1).clone(), got.reshape(-1))
+                self.capture["grads", b] = [(o, sent[r].clone(), got[r]) for r, o in enumerate(offsets)]
         return sent, payload
 
     def use_feedback(self, residuals: list[torch.Tensor] | None, scale: float = 1.0) -> None:

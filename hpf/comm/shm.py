@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from .. import trace
 from .cost import ring_bytes
-from .transport import BufferCache, CallCounters, check_op, check_shards
+from .transport import BufferCache, CallCounters, by_rank, check_op, check_shards
 from .world import COLLECTIVE_TIMEOUT_S
 
 __all__ = ["ShmGroup", "ShmTimeout", "remove_leftovers"]
@@ -252,27 +252,31 @@ class ShmGroup(CallCounters):
             sleep_s = min(2 * sleep_s, _MAX_SLEEP_S)
 
     # ---- collectives ------------------------------------------------------------------------
-    def all_gather_into(self, full: torch.Tensor, shard: torch.Tensor) -> None:
-        """Write `shard` into this rank's slice of the shared `full`, then barrier.
+    def all_gather_into(self, full: torch.Tensor, shard: torch.Tensor, blocks: int = 1) -> None:
+        """Write `shard` into this rank's part of the shared `full`, then barrier.
 
-        Zero-copy when `shard` already is that slice: then only the barrier remains.
+        Zero-copy when `shard` already is that part: then only the barrier remains.
         """
-        k = check_shards(full, shard, self.world_size, "full", "shard")
+        k = check_shards(full, shard, self.world_size, "full", "shard", blocks)
         self._region_of(full, "full", per_rank=False)
-        mine = full.view(-1)[self.rank * k:(self.rank + 1) * k]
-        if shard.data_ptr() != mine.data_ptr():
-            mine.copy_(shard.reshape(-1))
+        mine = by_rank(full, self.world_size, blocks, k)[self.rank]
+        if shard.data_ptr() != mine.data_ptr() or blocks > 1:
+            mine.copy_(shard.view(blocks, k))
         self.barrier()
         self._count("all_gather", ring_bytes(full.numel() * full.element_size(), self.world_size))
 
-    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, op: str = "sum") -> None:
-        """out <- this rank's slice of the sum/mean over ranks of `full` (this rank's row of a
-        per_rank buffer), accumulated in fp32. `out` may be any tensor, even that slice."""
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, op: str = "sum", blocks: int = 1) -> None:
+        """out <- this rank's part of the sum/mean over ranks of `full` (this rank's row of a
+        per_rank buffer), accumulated in fp32. `out` may be any tensor, even that part."""
         check_op(op)
-        k = check_shards(full, out, self.world_size, "full", "out")
+        k = check_shards(full, out, self.world_size, "full", "out", blocks)
         rows = self._rows(full, "full")
         self.barrier()  # every rank's full is written
-        self._reduce_into(out, rows[:, self.rank * k:(self.rank + 1) * k], op)
+        mine = rows.view(self.world_size, blocks, self.world_size, k)[:, :, self.rank]
+        target = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
+        self._reduce_into(target.view(blocks, k), mine, op)
+        if target is not out:
+            out.copy_(target)
         self.barrier()  # peers are done reading my row before I write it again
         self._count("reduce_scatter", ring_bytes(full.numel() * full.element_size(), self.world_size))
 
@@ -294,26 +298,27 @@ class ShmGroup(CallCounters):
         self._count("all_reduce", 2 * ring_bytes(tensor.numel() * tensor.element_size(), self.world_size))
 
     def _reduce_into(self, out: torch.Tensor, rows: torch.Tensor, op: str) -> None:
-        """out <- sum (or mean) over rows, accumulated in fp32. `out` may alias rows[i]."""
+        """out <- sum (or mean) over rows (each shaped as ``out``), accumulated in fp32. `out`
+        may alias rows[i]."""
         if not out.is_contiguous():
             result = torch.empty(out.shape, dtype=out.dtype)
             self._reduce_into(result, rows, op)
             out.copy_(result)
             return
-        flat = out.view(-1)
         if out.dtype == rows.dtype == torch.float32 and len(rows) > 1:
             # straight into out, one elementwise pass per extra row: torch.sum over the
             # strided rows was 1.4x slower, and a fresh accumulator 3x slower (page faults)
             mine, *others = [rows[self.rank]] + [rows[r] for r in range(len(rows)) if r != self.rank]
-            torch.add(mine, others[0], out=flat)  # out can only alias this rank's own row
+            torch.add(mine, others[0], out=out)  # out can only alias this rank's own row
             for row in others[1:]:
-                flat.add_(row)
+                out.add_(row)
             if op == "mean":
-                flat.div_(self.world_size)
+                out.div_(self.world_size)
             return
         # other dtypes: accumulate in fp32, chunk by chunk in a cache-sized scratch
         if self._scratch is None:
             self._scratch = torch.empty(_CHUNK, dtype=torch.float32)
+        flat, rows = out.view(-1), rows.reshape(len(rows), -1)  # (a copy where rows are strided)
         for start in range(0, flat.numel(), _CHUNK):
             part = slice(start, min(flat.numel(), start + _CHUNK))
             acc = self._scratch[:part.stop - start]

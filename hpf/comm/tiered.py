@@ -80,6 +80,10 @@ class Topology:
     Args:
         hierarchical: two-stage collectives (slow-tier traffic / n_fast); False: flat ones,
             still run on the tier workers.
+        fast_major: number shards fast axes first, so each stage moves one contiguous block;
+            False (the default): node-major, a machine holds one contiguous region of every
+            bucket, so most matrices lie inside one machine and Muon's owner sits there, while
+            the collectives stay two-stage with the same bytes per tier (docs/topology.md).
         pipeline: reductions overlap the rest of backward; False waits for each unit's.
         fast_transport: "shm" (shared memory, CPU ranks of one host), "pg" (torch.distributed),
             or "auto" (shm when every rank is a CPU process on one host).
@@ -102,6 +106,7 @@ class Topology:
     """
 
     hierarchical: bool = True
+    fast_major: bool = False
     pipeline: bool = True
     fast_transport: str = "auto"
     slow_link: SlowLink | None = None
@@ -133,7 +138,7 @@ class Topology:
 
     def plan_options(self) -> dict:
         """What of this topology shapes the plan (``hpf.plan``'s keyword arguments)."""
-        return {"hierarchical": self.hierarchical, "bucket_bytes": self.bucket_bytes,
+        return {"fast_major": self.hierarchical and self.fast_major, "bucket_bytes": self.bucket_bytes,
                 "slow_precision": self.slow_precision}
 
     @property
@@ -243,6 +248,7 @@ class TieredComm:
         use_shm = self._use_shm(topology, device)
         self._use_shm_fast = use_shm
         self._stages = [_tier_axes(mesh, b, topology.hierarchical) for b in plan.buckets]
+        self._blocks = [plan.stage_blocks(b) if topology.hierarchical else 1 for b in plan.buckets]
         shm_need = _shm_bytes(plan, self._stages, compute_dtypes, reduce_dtypes)
         # Process groups of its own: its worker threads may still be gathering the next
         # step's first units while another step (another engine on the same mesh) runs.
@@ -341,11 +347,11 @@ class TieredComm:
         bucket = self.plan.buckets[b]
         tiers = self._op_bytes[b]["all_gather"]
 
-        block = out  # slow stage: this rank's block of the full buffer, among its fast-tier peers
-        if fast:
-            i = self.plan.mesh.group_index(fast, self._rank)
+        block, blocks = out, self._blocks[b]  # slow stage: this rank's part of the full buffer
+        if fast:  # fast-major: its contiguous block, gathered in place; node-major: strided, so a scratch
             n = bucket.padded_numel // self.plan.mesh.axis_size(fast)
-            block = out[i * n:(i + 1) * n]
+            i = self.plan.mesh.group_index(fast, self._rank)
+            block = out[i * n:(i + 1) * n] if blocks == 1 else torch.empty(n, dtype=out.dtype, device=out.device)
 
         fmt = self._fmt[b]["all_gather"]
 
@@ -366,7 +372,7 @@ class TieredComm:
         def fast_stage():
             if fast:
                 with span("hpf/all-gather fast tier, bucket", b):
-                    self._route["gather", b, "fast"].all_gather_into(out, block)
+                    self._route["gather", b, "fast"].all_gather_into(out, block, blocks)
 
         count_bytes(self.bytes, "all_gather", tiers)  # as issued, on the caller's thread
         w = self._workers
@@ -391,7 +397,7 @@ class TieredComm:
         def fast_stage():
             if fast:
                 with span("hpf/reduce-scatter fast tier, bucket", b):
-                    self._route["reduce", b, "fast"].reduce_scatter(block, flat)
+                    self._route["reduce", b, "fast"].reduce_scatter(block, flat, blocks=self._blocks[b])
 
         fmt = self._fmt[b]
 

@@ -36,7 +36,9 @@ REDUCE_OPS = ("sum", "mean")
 
 @runtime_checkable
 class Transport(Protocol):
-    """Collectives over flat shards: rank r owns elements [r*k, (r+1)*k) of a full buffer."""
+    """Collectives over flat shards: rank r owns elements [r*k, (r+1)*k) of a full buffer, or,
+    with ``blocks`` b > 1, the r-th k-element piece of each of the full buffer's b equal blocks
+    (``full.view(b, world_size, k)[:, r]``: a node-major two-tier stage, hpf.comm.tiered)."""
 
     rank: int
     world_size: int
@@ -51,12 +53,12 @@ class Transport(Protocol):
 
     def barrier(self) -> None: ...
 
-    def all_gather_into(self, full: torch.Tensor, shard: torch.Tensor) -> None:
-        """full <- concatenation of every rank's shard (full.numel() == world_size * shard.numel())."""
+    def all_gather_into(self, full: torch.Tensor, shard: torch.Tensor, blocks: int = 1) -> None:
+        """full <- every rank's shard in its place (full.numel() == world_size * shard.numel())."""
         ...
 
-    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, op: str = "sum") -> None:
-        """out <- this rank's slice of the sum (or mean) of every rank's full."""
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, op: str = "sum", blocks: int = 1) -> None:
+        """out <- this rank's part of the sum (or mean) of every rank's full."""
         ...
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
@@ -268,8 +270,9 @@ def check_op(op: str) -> None:
         raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
 
 
-def check_shards(full: torch.Tensor, shard: torch.Tensor, world_size: int, full_name: str, shard_name: str) -> int:
-    """Validate a full/shard pair; return the shard's numel."""
+def check_shards(full: torch.Tensor, shard: torch.Tensor, world_size: int, full_name: str, shard_name: str,
+                 blocks: int = 1) -> int:
+    """Validate a full/shard pair; return the numel of one of the shard's ``blocks`` pieces."""
     if full.dtype != shard.dtype:
         raise ValueError(f"{full_name} is {full.dtype} but {shard_name} is {shard.dtype}; they must match")
     if not full.is_contiguous():
@@ -279,7 +282,14 @@ def check_shards(full: torch.Tensor, shard: torch.Tensor, world_size: int, full_
             f"{full_name} has {full.numel()} elements, but {shard_name} has {shard.numel()} and "
             f"world_size is {world_size}: {full_name} must hold exactly world_size shards "
             "(pad the flat buffer to a multiple of world_size)")
-    return shard.numel()
+    if shard.numel() % blocks:
+        raise ValueError(f"{shard_name} has {shard.numel()} elements, not {blocks} equal blocks")
+    return shard.numel() // blocks
+
+
+def by_rank(full: torch.Tensor, world_size: int, blocks: int, k: int) -> torch.Tensor:
+    """``full`` as [world_size, blocks, k], rank r's part at [r] (a strided view)."""
+    return full.view(blocks, world_size, k).transpose(0, 1)
 
 
 class BufferCache:
@@ -338,17 +348,25 @@ class ProcessGroupTransport(CallCounters):
     def barrier(self):
         dist.barrier(group=self.group)
 
-    def all_gather_into(self, full, shard):
-        k = check_shards(full, shard, self.world_size, "full", "shard")
+    def all_gather_into(self, full, shard, blocks=1):
+        """With ``blocks`` > 1 the ranks' shards arrive rank-major in a scratch buffer and are
+        copied to their places: one pass over the full buffer (gloo gathers contiguously)."""
+        k = check_shards(full, shard, self.world_size, "full", "shard", blocks)
         mine = full.view(-1)[self.rank * k:(self.rank + 1) * k]
         if shard.data_ptr() == mine.data_ptr():
             shard = shard.clone()  # in place: not every backend allows input aliasing output
-        dist.all_gather_single(full.view(-1), shard.reshape(-1).contiguous(), group=self.group)
+        into = full.view(-1) if blocks == 1 else torch.empty_like(full).view(-1)
+        dist.all_gather_single(into, shard.reshape(-1).contiguous(), group=self.group)
+        if blocks > 1:
+            by_rank(full, self.world_size, blocks, k).copy_(into.view(self.world_size, blocks, k))
         self._count("all_gather", ring_bytes(full.numel() * full.element_size(), self.world_size))
 
-    def reduce_scatter(self, out, full, op="sum"):
+    def reduce_scatter(self, out, full, op="sum", blocks=1):
+        """With ``blocks`` > 1 the input is first copied rank-major (one pass over it)."""
         check_op(op)
-        check_shards(full, out, self.world_size, "full", "out")
+        k = check_shards(full, out, self.world_size, "full", "out", blocks)
+        if blocks > 1:
+            full = by_rank(full, self.world_size, blocks, k).contiguous()
         result = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
         reduce_scatter_async(result.view(-1), full.view(-1), self.group).wait()
         if op == "mean":

@@ -147,7 +147,7 @@ def _inputs(config, mesh, hw, strategy, *, local_batch=1, model="gpt", mixed_pre
     if slow is not None and not tiered:
         raise ValueError(f"slow_precision={slow_precision!r} with topology={topology!r}: a low-bit slow tier is a "
                          "stage of hpf's two-tier collectives; use topology='two-tier'")
-    plan = plan_for(mod, cfg, mesh, fsdp_axes, ep_axis, tiered, strategy == "hsdp", bucket_bytes if tiered else 0,
+    plan = plan_for(mod, cfg, mesh, fsdp_axes, ep_axis, strategy == "hsdp", bucket_bytes if tiered else 0,
                     slow)
     micro = local_batch // accumulate  # compute, all-to-alls and a calibrated shape are a micro-batch's
     flops = mod.unit_flops(cfg, micro) if hasattr(mod, "unit_flops") else default_unit_flops(
@@ -167,20 +167,20 @@ def _inputs(config, mesh, hw, strategy, *, local_batch=1, model="gpt", mixed_pre
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(mod: ModuleType, cfg, axes: tuple, fsdp_axes, ep_axis, tiered: bool, hsdp: bool, bucket_bytes: int,
+def _plan(mod: ModuleType, cfg, axes: tuple, fsdp_axes, ep_axis, hsdp: bool, bucket_bytes: int,
           slow: SlowPrecision | None):
     mesh = Mesh(dict(axes))
     specs = specs_for(mod, cfg, ep_axis, fsdp_axes or mesh.axis_names)
-    return make_plan(mod.init(cfg, device="meta"), mesh, specs, fsdp_axes=fsdp_axes, hsdp=hsdp, hierarchical=tiered,
-                     bucket_bytes=bucket_bytes, slow_precision=slow)
+    return make_plan(mod.init(cfg, device="meta"), mesh, specs, fsdp_axes=fsdp_axes, hsdp=hsdp,
+                     bucket_bytes=bucket_bytes, slow_precision=slow)  # (node-major: Topology's default)
 
 
-def plan_for(mod: ModuleType, cfg, mesh: Mesh, fsdp_axes=None, ep_axis: str | None = None, tiered: bool = True,
+def plan_for(mod: ModuleType, cfg, mesh: Mesh, fsdp_axes=None, ep_axis: str | None = None,
              hsdp: bool = False, bucket_bytes: int = 0, slow: SlowPrecision | None = None):
     """The plan hpf.shard_step makes for this model on ``mesh`` (the experts over ``ep_axis``), cached:
     a search simulates many candidates on few plans. Read it, do not change it."""
     return _plan(mod, cfg, tuple(zip(mesh.axis_names, mesh.shape)), None if fsdp_axes is None else tuple(fsdp_axes),
-                 ep_axis, tiered, hsdp, bucket_bytes, slow)
+                 ep_axis, hsdp, bucket_bytes, slow)
 
 
 def compare(config, mesh, hw, strategies=("hpf", "fsdp2", "ddp"), **kw) -> dict[str, SimResult]:

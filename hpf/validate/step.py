@@ -214,12 +214,15 @@ class ValidateStep(ShardStep):
                 fmt = lowbit.formats[b.index]
                 if not (fmt["all_gather"] if kind == "weights" else fmt["reduce_scatter"] or fmt["all_reduce"]):
                     continue
-                at, exact, got = capture.get((kind, b.index), (0, torch.zeros(0), torch.zeros(0)))
+                runs = capture.get((kind, b.index), [])  # (offset, exact, as received) per contiguous run
                 for slot in b.slots:
-                    held = slot.piece(at, at + exact.numel()).held
-                    stat = (torch.stack([(exact[held] - got[held]).abs().amax(), exact[held].abs().amax()])
-                            if held.stop > held.start else torch.zeros(2))
-                    rows.append(((kind, slot.path), stat.cpu()))
+                    stat = torch.zeros(2)
+                    for at, exact, got in runs:
+                        held = slot.piece(at, at + exact.numel()).held
+                        if held.stop > held.start:
+                            stat = torch.maximum(stat, torch.stack([(exact[held] - got[held]).abs().amax(),
+                                                                    exact[held].abs().amax()]).cpu())
+                    rows.append(((kind, slot.path), stat))
         if not rows:
             return
         stats = torch.stack([r for _, r in rows])
