@@ -197,7 +197,7 @@ class ShardStep(StateIO):
             return self._run(batch, hold, scale)
         except RuntimeError as err:
             if not (refuses_hooks(err) and not self.engine.reducer.holds_sums()):
-                raise explain_freed(err) from err
+                raise explain_freed(err)
         # torch.func.grad/vjp inside loss_fn refuse saved-tensor hooks: every rank gets here at
         # the same read; keep units gathered from read to backward instead, and run it again.
         self.engine.abort()

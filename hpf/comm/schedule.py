@@ -22,7 +22,7 @@ import json
 import time
 import zlib
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ from . import world
 from .transport import wait_for
 
 __all__ = ["ScheduleMismatchError", "PeerTimeoutError", "LOG", "ScheduleLog", "wait", "check_digests",
-           "digest_parts", "rendezvous", "SUSPECT_S", "DIGEST_MASK", "DIGEST_LEN"]
+           "digest_parts", "rendezvous", "causes", "SUSPECT_S", "DIGEST_MASK", "DIGEST_LEN"]
 
 #: Seconds a wait lasts before this rank asks whether the ranks disagree.
 SUSPECT_S = 5.0
@@ -215,6 +215,16 @@ class PeerTimeoutError(TimeoutError):
     def __init__(self, message: str, missing: list[int]):
         super().__init__(message)
         self.missing = missing
+
+
+def causes(error: BaseException | None, implicit: bool = True) -> Iterator[BaseException]:
+    """``error``, then what it was raised from (``inner_exception``, ``__cause__``, and with
+    ``implicit`` ``__context__``), each once: a chain may loop (``raise e from e``)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = getattr(error, "inner_exception", None) or error.__cause__ or (error.__context__ if implicit else None)
 
 
 def _timed_out(what: Callable[[], str] | str, timeout_s: float, missing: list[int]) -> PeerTimeoutError:

@@ -320,21 +320,23 @@ def refuses_hooks(err: BaseException) -> bool:
 
 
 def explain_freed(err: RuntimeError) -> Exception:
-    """A clear error for reading a freed unit through a view that outlived its param tensors."""
+    """A clear error for reading a freed unit through a view that outlived its param tensors, caused
+    by ``err``; else ``err`` itself (raise the result as is: ``from err`` would make ``err`` its own
+    cause, a loop that hung ``hpf.launch``)."""
     if "data is not allocated" not in str(err) and "for storage of size 0" not in str(err):
         return err
-    return RuntimeError(
+    explained = RuntimeError(
         "loss_fn read an FSDP unit's param after hpf had freed the unit: either a param tensor kept from an "
         "earlier step or micro-batch (a global, a closure, a cache, a torch.compile'd function's constant: "
         "read params only from the current call's `params`), or a view (a slice, .T, .chunk, ...) used after "
         "dropping every reference to the param tensor itself (keep blk['w'] alive while its views are in use)")
+    explained.__cause__ = err
+    return explained
 
 
 def _one_line(err: BaseException) -> str:
     """``err`` in one line, through to its root cause (a compile failure wraps the backend's error)."""
-    root = err
-    while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None and inner is not root:
-        root = inner  # (dynamo's compile errors keep the backend's as ``inner_exception``)
+    *_, root = schedule.causes(err, implicit=False)  # (dynamo's compile errors keep the backend's as ``inner_exception``)
     text = lambda e: f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"  # noqa: E731
     return text(err) + (f" (from {text(root)})" if root is not err else "")
 
