@@ -72,7 +72,7 @@ def test_a_crafted_extra_never_runs_and_is_named(tmp_path, monkeypatch):
     assert not marker.exists()
 
 
-def _store_payload(rank, marker):
+def _store_payload(rank, marker, deep):
     schedule.SUSPECT_S = 0.3  # rank 0 publishes its log and compares soon
     schedule.rendezvous("warm-up")
     x = torch.ones(2)
@@ -80,7 +80,8 @@ def _store_payload(rank, marker):
     if rank == 1:  # another process that reaches the store writes under a rank's key
         time.sleep(1.0)
         store = world.store()
-        store.set("hpf/schedule/1", pickle.dumps({"rank": 1, "events": [], "failed": None, "p": Payload(marker)}))
+        store.set("hpf/schedule/1", b"[" * 100000 if deep else
+                  pickle.dumps({"rank": 1, "events": [], "failed": None, "p": Payload(marker)}))
         store.add("hpf/schedule/waiting", 1)  # so rank 0 reads every log now
         time.sleep(1.0)
         store.add("hpf/schedule/waiting", -1)
@@ -89,10 +90,27 @@ def _store_payload(rank, marker):
 
 
 @pytest.mark.slow
-def test_a_crafted_store_value_never_runs(tmp_path):
+@pytest.mark.parametrize("deep", [False, True], ids=["pickle", "nested-100000-deep"])
+def test_a_crafted_store_value_never_runs_and_is_a_named_error(tmp_path, deep):
+    """Issue 45 item 3: '[' * 100000 ended the waiting rank with an uncaught RecursionError; a
+    pickle was skipped without a word. Either is now an error naming the key and the rank."""
     marker = tmp_path / "ran"
-    assert launch(_store_payload, 2, str(marker), timeout=60) == [[2.0, 2.0]] * 2
+    with pytest.raises(schedule.StoreValueError, match=r"key hpf/schedule/1 \(rank 1's schedule log\) holds a "
+                                                       r"value hpf rank 1 did not write \((ValueError|"
+                                                       r"UnicodeDecodeError).*private store") as info:
+        launch(_store_payload, 2, str(marker), deep, timeout=60)
+    assert info.value.rank == 0 and ("nested 100000 deep" in str(info.value)) == deep
     assert not marker.exists()
+
+
+def test_store_values_are_bounded_before_they_are_parsed(monkeypatch):
+    monkeypatch.setattr(schedule.LOG, "broken", None)  # (restored: a bad value marks the log broken)
+    good = json.dumps({"rank": 1, "events": [[1, 0, "read", 'blocks/"0\\[', 1]] * 2048, "failed": "x[[["}).encode()
+    assert schedule._read_logs([good.replace(b'"rank": 1', b'"rank": 0'), good])[1]["events"][0][3] == 'blocks/"0\\['
+    for bad, says in [(b"[" * 100000, "nested 100000 deep"), (b'["\\\\"' + b"[" * 100000, "nested 100001 deep"),
+                      (b" " * (5 << 20), "5242880 bytes"), (b'{"rank": 0}', "KeyError"), (good, "not a schedule log")]:
+        with pytest.raises(schedule.StoreValueError, match=rf"key hpf/schedule/0 \(rank 0's .*{says}"):
+            schedule._read_logs([bad])
 
 
 def _sockets(rank):
