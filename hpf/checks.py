@@ -18,7 +18,7 @@ from . import tree as tree_util
 from .comm import world
 
 __all__ = ["NonFiniteError", "DonatedStateError", "ParamsMismatchError", "StaleParamError", "UnevenBatchError",
-           "UnusedParamsError",
+           "UnusedParamsError", "CapturedTensorError",
            "CATALOGUE",
            "clean_params", "frozen_paths", "check_same_on_all_ranks", "finite_or_none"]
 
@@ -39,6 +39,11 @@ class StaleParamError(RuntimeError):
     """loss_fn used a param tensor kept from an earlier step or micro-batch: its grads would be wrong."""
 
 
+class CapturedTensorError(RuntimeError):
+    """A block rematerialized under grad="torch.func" computed with a tensor that needs grad but
+    is not one of its inputs (a closure, a global): its grad would be lost."""
+
+
 class UnevenBatchError(ValueError):
     """Local batches of different shapes on different ranks: a mean of per-rank means is not the global mean."""
 
@@ -57,6 +62,9 @@ CATALOGUE: tuple[tuple[str, str, str], ...] = (
      "closure, a cache, a `torch.compile`d function that captured it as a constant)",
      "read params only from the `params` argument of the current call; pass them to compiled functions as "
      "arguments"),
+    ("CapturedTensorError", "under `grad=\"torch.func\"`, a block run by `params[...].apply(i, fn, *args)` "
+     "computes with a tensor that needs grad but reaches it through a closure or a global, not `args`",
+     "pass the tensor in `args` (any pytree of tensors), or use `grad=\"autograd\"`"),
     ("UnusedParamsError", "a step's loss reached none of the params it was given (every grad zero): an "
      "`nn.Module` or closure computing with its own weights",
      "compute with the `params` argument; for a Module, `params, loss_fn = hpf.from_module(model, loss)`"),
