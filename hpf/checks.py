@@ -77,6 +77,8 @@ CATALOGUE: tuple[tuple[str, str, str], ...] = (
     ("TypeError", "a params leaf that is int/bool, or not a tensor; a loss that is not one element",
      "keep int data in the batch; `loss_fn` returns a scalar tensor"),
     ("ValueError", "an empty list of blocks", "drop the empty list"),
+    ("ValueError", "two params leaves whose paths read the same (`{\"a/b\": x, \"a\": {\"b\": y}}`, keys `0` "
+     "and `\"0\"`)", "rename a key; the message names both"),
     ("ValueError", "a low-bit slow tier (`hpf.Topology(slow_weights=..., slow_grads=...)`) with an unknown format, "
      "`int4` weights, an odd block under int4, or `hierarchical=False`; a quantize block that does not divide a row",
      "weights: bf16, fp8 or int8; grads: also int4; an even block; the message lists what is allowed"),

@@ -53,7 +53,17 @@ def map_with_path(fn: Callable[[str, Any], Any], tree: Any, *rest: Any) -> Any:
 
 
 def check_leaves(tree: Any, what: str = "params") -> None:
-    """Raise a TypeError naming the first leaf that is not a tensor."""
+    """Raise a TypeError naming the first leaf that is not a tensor, or a ValueError naming two
+    leaves whose paths read the same (``{"a/b": x, "a": {"b": y}}``, keys ``0`` and ``"0"``):
+    every spec, plan slot and error names a leaf by its path, so they would be one param."""
+    raw_paths = optree.tree_paths(tree, none_is_leaf=True)
+    seen: dict[str, tuple] = {}
+    for raw in raw_paths:
+        other = seen.setdefault(path_str(raw), raw)
+        if other is not raw:
+            raise ValueError(f"{what} leaves at keys {other!r} and {raw!r} both have the path {path_str(raw)!r}; "
+                             "hpf names each leaf by its \"/\"-joined path, so they would be one param. Rename a "
+                             "key (no \"/\" inside a key, no int and str keys that print alike)")
     for path, leaf in zip(*flatten(tree)[:2]):
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(

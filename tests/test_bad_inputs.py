@@ -143,6 +143,11 @@ CASES = {
                      ["'head'", "complex64", "torch.view_as_real"]),  # AdamW's g*g was 1 lr off per step
     "python float leaf": (lambda: init(with_leaf("w_in", 3.0)), TypeError, ["'w_in'", "torch.as_tensor"]),
     "None leaf": (lambda: init(with_leaf("blocks/1/b", None)), TypeError, ["'blocks/1/b'", "tensor"]),
+    # issue 45 item 6: one slot for both, the loss saw x where y was given (loss 5.0, plain torch 37.0)
+    "paths a/b and a, b collide": (lambda: init({"a/b": torch.ones(2), "a": {"b": torch.full((2,), 3.0)}}),
+                                   ValueError, ["('a', 'b')", "('a/b',)", "'a/b'", "Rename a key"]),
+    "keys 0 and '0' collide": (lambda: hpf.plan({0: torch.ones(4), "0": torch.ones(4)}, hpf.Mesh({"dp": 4})),
+                               ValueError, ["(0,)", "('0',)", "path '0'"]),
     "a step on meta params": (lambda: _step_on_meta(), RuntimeError, ["meta params", "step.restore"]),
     "empty block list": (lambda: init({**params(), "blocks": []}), ValueError, ["'blocks'", "empty list"]),
     "nested empty list": (lambda: init({**params(), "enc": {"layers": []}}), ValueError,
