@@ -508,3 +508,23 @@ def test_init_starts_the_process_group_under_torchrun(tmp_path):
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert all("initialized True 2" in o for o in outs), outs
+
+
+def test_standalone_adamw_updates_complex_params_as_torch_does():
+    """Issue 45 item 8: g*g of a complex g is not |g|^2 (off by about lr from torch per step)."""
+    g = torch.Generator().manual_seed(0)
+    start = {"z": torch.randn(3, 2, dtype=torch.complex64, generator=g), "x": torch.randn(4, generator=g)}
+    grads = [{k: torch.randn(v.shape, dtype=v.dtype, generator=g) for k, v in start.items()} for _ in range(3)]
+    ours = {k: v.clone() for k, v in start.items()}
+    opt = hpf.optim.adamw(**ADAMW)
+    state = opt.init(ours)
+    theirs = {k: v.clone().requires_grad_() for k, v in start.items()}
+    torch_opt = torch.optim.AdamW(list(theirs.values()), foreach=False, **ADAMW)
+    for grad in grads:
+        ours, state = opt.update(grad, state, ours)
+        for k, t in theirs.items():
+            t.grad = grad[k].clone()
+        torch_opt.step()
+    assert not torch.allclose(ours["z"], start["z"], atol=1e-3)  # it moved
+    for k in start:
+        torch.testing.assert_close(ours[k], theirs[k].detach(), rtol=1e-6, atol=1e-7)
