@@ -16,15 +16,12 @@ import torch
 
 from . import tree as tree_util
 from .comm import world
+from .losses import NonFiniteError
 
 __all__ = ["NonFiniteError", "DonatedStateError", "ParamsMismatchError", "StaleParamError", "UnevenBatchError",
            "UnusedParamsError", "CapturedTensorError",
            "CATALOGUE",
            "clean_params", "frozen_paths", "check_same_on_all_ranks", "finite_or_none"]
-
-
-class NonFiniteError(FloatingPointError):
-    """A non-finite loss or grad norm, found before any update (the state stays finite)."""
 
 
 class DonatedStateError(RuntimeError):
