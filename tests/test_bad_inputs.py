@@ -165,6 +165,10 @@ CASES = {
     "NaN loss": (lambda: run(1, loss=nan_loss), hpf.NonFiniteError, ["loss", "non-finite", "nothing was updated",
                                                                        "on_nonfinite"]),
     "inf grad, finite loss": (lambda: run(1, loss=sqrt_at_zero), hpf.NonFiniteError, ["grad norm", "validate"]),
+    # issue 45 item 14: torch's hint was "Remove the torch.compiler.disable call", which the user cannot act on
+    "fullgraph=True over unit reads": (lambda: run(1, loss=torch.compile(loss_fn, fullgraph=True, backend="eager")),
+                                       RuntimeError, ["fullgraph=True", "graph break",
+                                                      "torch.compile(block, fullgraph=True)"]),
     # learning rates and clipping
     "adamw lr nan": (lambda: hpf.optim.adamw(lr=float("nan")), ValueError, ["lr=nan", "finite"]),
     "adamw lr inf": (lambda: hpf.optim.adamw(lr=float("inf")), ValueError, ["lr=inf", "finite"]),
