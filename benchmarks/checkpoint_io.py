@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 import hpf
-from hpf import checkpoint, checkpoint_files
+from hpf import checkpoint
 from hpf.launcher import launch
 from hpf.models import gpt
 
@@ -64,7 +64,7 @@ def rank_main(rank: int, config_name: str, rounds: int, root: str):
     times = {k: [] for k in ("hpf save", "fsdp2 save", "hpf restore", "fsdp2 restore", "hpf async exposed",
                              "hpf save, no checksums", "hpf restore, no checksums")}
     plain = {"sums": lambda root, names, metadata=None: {},  # no CRC-32s at the save ...
-             "Reader": lambda path, files: checkpoint_files.Reader(path, None)}  # ... and DCP's own reads
+             "Reader": lambda path, files: dcp.FileSystemReader(path)}  # ... and DCP's own reads
     checked = {k: getattr(checkpoint, k) for k in plain}
 
     # one untimed save and restore of each first: the process's first DCP save pays one-off costs

@@ -21,6 +21,7 @@ _NAMES = {
     "MixedPrecision": "types", "StepStats": "types", "TrainState": "types",
     "DonatedStateError": "checks", "NonFiniteError": "checks", "ParamsMismatchError": "checks",
     "UnevenBatchError": "checks", "StaleParamError": "checks", "UnusedParamsError": "checks",
+    "CapturedTensorError": "checks",
     "hvp": "func", "per_example_grads": "func",
     "ScheduleMismatchError": "comm.schedule",
     "LossScale": "losses", "weighted": "losses",

@@ -534,9 +534,10 @@ def _read_header(path: Path) -> tuple[dict, Any]:
     if "crc32" in header and seal(header) != header:
         raise CheckpointError(f"{path / HEADER}: its CRC-32 does not match its contents: the file is corrupt (a "
                               "flipped byte); restore another checkpoint")
-    if "files" not in header:
-        warnings.warn(f"{path}: saved without checksums (an older hpf): its files are not verified", stacklevel=3)
-    return header, Reader(path, header.get("files")).read_metadata()
+    if not isinstance(header.get("files"), dict):
+        raise CheckpointError(f"{path / HEADER}: lists no files with their checksums (an older hpf saved it, or it was "
+                              "edited), so none of its files can be checked; restore a checkpoint this hpf saved")
+    return header, Reader(path, header["files"]).read_metadata()
 
 
 def _check(path: Path, metadata, want: dict[str, Any]) -> None:
@@ -613,7 +614,7 @@ def restore(layout: Layout, path, state, *, strict: bool = True) -> tuple[Any, A
     _agree(error)
     try:
         with _quiet():
-            dcp.load(sd, storage_reader=Reader(path, header.get("files")), planner=_LoadPlanner(),
+            dcp.load(sd, storage_reader=Reader(path, header["files"]), planner=_LoadPlanner(),
                      no_dist=not world.is_distributed())
     except (Exception, CheckpointException) as e:  # noqa: BLE001 -- DCP's: the same on every rank
         raise read_failed(path, e) from e
@@ -648,7 +649,7 @@ def load_params(path) -> Any:
     _check(path, metadata, want)
     try:
         with _quiet():
-            dcp.load(want, storage_reader=Reader(path, header.get("files")), planner=_LoadPlanner(), no_dist=True)
+            dcp.load(want, storage_reader=Reader(path, header["files"]), planner=_LoadPlanner(), no_dist=True)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 -- DCP's is a BaseException
         raise read_failed(path, e) from e
     return _unskeleton(header["tree"], {p: want[key_of(p)] for p in paths})

@@ -3,10 +3,11 @@
 - ``.metadata`` (DCP's pickle) goes through an unpickler that builds DCP's metadata classes,
   torch dtypes and sizes, and paths only; any other global in it is refused, never called.
 - ``extra`` is saved only if it loads back with ``torch.load(weights_only=True)`` (numpy arrays
-  allowed), and loaded so.
+  of plain dtypes allowed), and loaded so; every numpy dtype is checked again after loading.
 - hpf.json lists every file with its size and a CRC-32 per item DCP stored in it (and seals
   itself with its own CRC-32); bytes that do not match are a CheckpointError naming the file,
-  before they are used. A load verifies exactly the bytes it reads, as it reads them.
+  before they are used. A load verifies exactly the bytes it reads, as it reads them, and reads
+  only files of its own folder that the list names (a seal anyone can recompute proves no origin).
   CRC-32 (zlib, ~4 GB/s) catches every flipped bit and burst and costs little beside the disk.
 """
 from __future__ import annotations
@@ -80,15 +81,23 @@ class Reader(dcp.FileSystemReader):
     what it reads against the manifest: each file's size, and each item's bytes against their
     CRC-32 just before DCP reads them (through a map of the file: no copy, no second pass)."""
 
-    def __init__(self, path: Path, files: dict | None):
+    def __init__(self, path: Path, files: dict):
         super().__init__(path)
         self.root, self.files, self.maps = Path(path), files, {}
 
+    def _listed(self, name: str) -> None:
+        """``name`` is a file of this folder (no other folder, no link out of it) and in the manifest."""
+        file = self.root / name
+        if Path(name).name != name or name in ("", ".", "..") or file.resolve().parent != self.root.resolve():
+            raise CheckpointError(f"{self.root}: .metadata names the file {name!r}, which is not in the checkpoint's "
+                                  "folder; a checkpoint reads only its own files (it was changed after it was saved)")
+        if name not in self.files:
+            raise CheckpointError(f"{file}: not in the checkpoint's manifest ({HEADER}); the "
+                                  "checkpoint was changed after it was saved")
+
     def _verify(self, name: str, offset: int, length: int) -> None:
         """Bytes ``[offset, offset+length)`` of file ``name`` are the ones saved."""
-        if name not in self.files:
-            raise CheckpointError(f"{self.root / name}: not in the checkpoint's manifest ({HEADER}); the "
-                                  "checkpoint was changed after it was saved")
+        self._listed(name)
         size, crcs = self.files[name]
         if name not in self.maps:
             have = (self.root / name).stat().st_size
@@ -107,8 +116,7 @@ class Reader(dcp.FileSystemReader):
     def read_metadata(self, *args, **kwargs):
         md = self.root / ".metadata"
         try:
-            if self.files is not None:
-                self._verify(".metadata", 0, self.files.get(".metadata", [0])[0])
+            self._verify(".metadata", 0, self.files.get(".metadata", [0])[0])
             metadata = _MetadataUnpickler(io.BytesIO(md.read_bytes())).load()
         except CheckpointError:
             raise
@@ -119,14 +127,15 @@ class Reader(dcp.FileSystemReader):
             self._close()
         if not isinstance(metadata, dcp_metadata.Metadata):
             raise CheckpointError(f"{md}: holds a {type(metadata).__name__}, not DCP metadata")
+        for info in metadata.storage_data.values():  # before DCP opens any of them
+            self._listed(str(info.relative_path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
     def _slice_file(self, file, sinfo):
-        if self.files is not None:
-            self._verify(sinfo.relative_path, sinfo.offset, sinfo.length)
+        self._verify(sinfo.relative_path, sinfo.offset, sinfo.length)
         return super()._slice_file(file, sinfo)
 
     def read_data(self, plan, planner):
@@ -144,19 +153,42 @@ class Reader(dcp.FileSystemReader):
 
 _NP_CORE = getattr(np, "_core", None) or np.core
 _NUMPY = [np.ndarray, np.dtype, _NP_CORE.multiarray._reconstruct, _NP_CORE.multiarray.scalar,
-          *(getattr(np.dtypes, n) for n in getattr(np.dtypes, "__all__", ()) if n != "ObjectDType")]
+          *(getattr(np.dtypes, n) for n in getattr(np.dtypes, "__all__", ()) if n not in ("ObjectDType", "VoidDType"))]
+_PLAIN_KINDS = frozenset("biufcmMSU")  # numpy dtype kinds whose bytes are values: not object (O), void/structured (V)
 
 
 def load_data(buffer) -> Any:
     """``extra`` read back as data: ``torch.load(weights_only=True)`` with numpy arrays and scalars
-    allowed too (hpf.checkpoint.rng_state holds numpy's RNG state). Raises ValueError saying
-    which object is not data."""
+    allowed too (hpf.checkpoint.rng_state holds numpy's RNG state), of plain dtypes only
+    (:func:`_refuse_pointers`). Raises ValueError saying which object is not data."""
     try:
         with torch.serialization.safe_globals(_NUMPY):
-            return torch.load(buffer, weights_only=True)
+            data = torch.load(buffer, weights_only=True)
     except pickle.UnpicklingError as e:  # torch's message: the refused global, amid advice to trust the file
         said = str(e).split("WeightsUnpickler error:")[-1].split("Check the documentation")[0].strip()
         raise ValueError((said.splitlines()[-1] if said else str(e)).split(" Please use")[0]) from None
+    _refuse_pointers(data)
+    return data
+
+
+def _refuse_pointers(tree: Any) -> None:
+    """Raise ValueError naming the first numpy array, scalar or dtype in ``tree`` whose dtype is
+    object, void or structured. numpy trusts the flags a pickled dtype carries: a void dtype with
+    an object field, flagged as holding none, loads raw bytes that ``repr`` or
+    ``np.random.set_state`` then follow as pointers (a SIGSEGV, or worse). Reads no element."""
+    todo = [("extra", tree)]
+    while todo:
+        where, x = todo.pop()
+        if isinstance(x, dict):
+            todo += [(f"{where}[{k!r}]", v) for k, v in x.items()]
+        elif isinstance(x, (list, tuple)):
+            todo += [(f"{where}[{i}]", v) for i, v in enumerate(x)]
+        elif isinstance(x, (np.dtype, np.ndarray, np.generic)):
+            dt = x if isinstance(x, np.dtype) else x.dtype
+            if dt.kind not in _PLAIN_KINDS or dt.fields is not None or dt.subdtype is not None:
+                raise ValueError(f"{where} is a numpy {type(x).__name__} of dtype {dt.str!r} (object, void or "
+                                 "structured: its bytes may be pointers); store numbers, strings or arrays of "
+                                 "plain dtypes (bool, int, float, complex, datetime, str)")
 
 
 def not_data(extra: Any) -> CheckpointError | None:

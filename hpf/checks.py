@@ -16,15 +16,12 @@ import torch
 
 from . import tree as tree_util
 from .comm import world
+from .losses import NonFiniteError
 
 __all__ = ["NonFiniteError", "DonatedStateError", "ParamsMismatchError", "StaleParamError", "UnevenBatchError",
-           "UnusedParamsError",
+           "UnusedParamsError", "CapturedTensorError",
            "CATALOGUE",
            "clean_params", "frozen_paths", "check_same_on_all_ranks", "finite_or_none"]
-
-
-class NonFiniteError(FloatingPointError):
-    """A non-finite loss or grad norm, found before any update (the state stays finite)."""
 
 
 class DonatedStateError(RuntimeError):
@@ -37,6 +34,11 @@ class ParamsMismatchError(ValueError):
 
 class StaleParamError(RuntimeError):
     """loss_fn used a param tensor kept from an earlier step or micro-batch: its grads would be wrong."""
+
+
+class CapturedTensorError(RuntimeError):
+    """A block rematerialized under grad="torch.func" computed with a tensor that needs grad but
+    is not one of its inputs (a closure, a global): its grad would be lost."""
 
 
 class UnevenBatchError(ValueError):
@@ -57,6 +59,9 @@ CATALOGUE: tuple[tuple[str, str, str], ...] = (
      "closure, a cache, a `torch.compile`d function that captured it as a constant)",
      "read params only from the `params` argument of the current call; pass them to compiled functions as "
      "arguments"),
+    ("CapturedTensorError", "under `grad=\"torch.func\"`, a block run by `params[...].apply(i, fn, *args)` "
+     "computes with a tensor that needs grad but reaches it through a closure or a global, not `args`",
+     "pass the tensor in `args` (any pytree of tensors), or use `grad=\"autograd\"`"),
     ("UnusedParamsError", "a step's loss reached none of the params it was given (every grad zero): an "
      "`nn.Module` or closure computing with its own weights",
      "compute with the `params` argument; for a Module, `params, loss_fn = hpf.from_module(model, loss)`"),
@@ -69,6 +74,8 @@ CATALOGUE: tuple[tuple[str, str, str], ...] = (
     ("TypeError", "a params leaf that is int/bool, or not a tensor; a loss that is not one element",
      "keep int data in the batch; `loss_fn` returns a scalar tensor"),
     ("ValueError", "an empty list of blocks", "drop the empty list"),
+    ("ValueError", "two params leaves whose paths read the same (`{\"a/b\": x, \"a\": {\"b\": y}}`, keys `0` "
+     "and `\"0\"`)", "rename a key; the message names both"),
     ("ValueError", "a low-bit slow tier (`hpf.Topology(slow_weights=..., slow_grads=...)`) with an unknown format, "
      "`int4` weights, an odd block under int4, or `hierarchical=False`; a quantize block that does not divide a row",
      "weights: bf16, fp8 or int8; grads: also int4; an even block; the message lists what is allowed"),

@@ -16,7 +16,8 @@ import optree
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import losses
+from . import batching, losses
+from . import tree as tree_util
 from .comm import schedule, world
 
 __all__ = ["hvp", "per_example_grads"]
@@ -31,12 +32,20 @@ def hvp(step, state, batch: Any, v: Any) -> Any:
 
     def grad_of_local(params):
         def value(p):
-            out = losses.parse(step.loss_fn(p, batch))
+            out = losses.parse(step.loss_fn(tree_util.with_apply(p), batch))
             counted.append(out.count)
             return out.value
         return torch.func.grad(value)(params)
     with sdpa_kernel([SDPBackend.MATH]):  # (the fused attention kernels have no forward-mode derivative)
-        _, local = torch.func.jvp(grad_of_local, (full,), (v,))
+        try:
+            _, local = torch.func.jvp(grad_of_local, (full,), (v,))
+        except RuntimeError as e:
+            if "ZeroTensors are immutable" not in str(e):
+                raise
+            raise RuntimeError(
+                "hpf.hvp: torch's forward-mode derivative of the loss's backward failed inside torch ('ZeroTensors "
+                "are immutable'; F.mse_loss is one op that does this). Write that op out, e.g. "
+                "((pred - target) ** 2).mean() for F.mse_loss(pred, target)") from e
     leaves, treedef = optree.tree_flatten(local)
     # one all-reduce: every rank's product, then the global count (weighted) or the rank count
     count = counted[0]
@@ -51,14 +60,26 @@ def hvp(step, state, batch: Any, v: Any) -> Any:
 
 def per_example_grads(step, state, batch: Any) -> Any:
     """The grad of ``loss_fn`` on each of this rank's examples alone (each a batch of one along
-    dim 0 of every batch leaf), at ``state``'s params: a tree like the params whose leaves have
-    a leading dim of this rank's examples (``vmap(grad(...))``)."""
-    full = _full_params(step, state, "per_example_grads")
+    the batch dim the step's ``batch_axes`` gives each leaf; leaves it marks None go whole to
+    every example), at ``state``'s params: a tree like the params whose leaves have a leading
+    dim of this rank's examples (``vmap(grad(...))``).
 
-    def one(params, example):
-        out = losses.parse(step.loss_fn(params, optree.tree_map(lambda x: x.unsqueeze(0), example)))
+    Raises:
+        ValueError: the per-example leaves hold different numbers of examples (the message names them)."""
+    full = _full_params(step, state, "per_example_grads")
+    paths, leaves, treedef = tree_util.flatten(batch)
+    axes = batching.leaf_axes(batch, step.config.batch_axes)
+    sizes = {p or "<root>": x.shape[a] for p, x, a in zip(paths, leaves, axes) if a is not None}
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"hpf.per_example_grads: the batch's per-example leaves hold {sizes or 'no'} examples along "
+                         "their batch dims (the step's batch_axes); each needs the same number. Mark a leaf that is "
+                         "not per-example with batch_axes=... None")
+
+    def one(params, *example):
+        example = [x if a is None else x.unsqueeze(a) for x, a in zip(example, axes)]
+        out = losses.parse(step.loss_fn(tree_util.with_apply(params), tree_util.unflatten(treedef, example)))
         return out.value if out.count is None else out.value / out.count.to(out.value.dtype)
-    return torch.func.vmap(torch.func.grad(one), in_dims=(None, 0))(full, batch)
+    return torch.func.vmap(torch.func.grad(one), in_dims=(None, *axes))(full, *leaves)
 
 
 def _full_params(step, state, what: str) -> Any:

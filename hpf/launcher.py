@@ -78,12 +78,14 @@ _TYPED: dict[type, type] = {}  # the rank's exception class -> RankError and it,
 def _rank_error(message: str, rank_: int, tb: str, cause: BaseException | None) -> RankError:
     """The RankError of a rank that raised ``cause``: of its class too, where one can be made
     (not for a class whose instances are laid out otherwise, e.g. OSError, or whose __init__
-    takes other arguments)."""
+    takes other arguments). Its text is the message with the rank's traceback, whatever the class's
+    own ``__str__`` does (KeyError's would show it as one escaped line)."""
     if isinstance(cause, Exception) and not isinstance(cause, RankError):
         try:
             cls = _TYPED.get(type(cause)) or _TYPED.setdefault(
                 type(cause), type(type(cause).__name__, (RankError, type(cause)), {"__module__": type(cause).__module__,
-                                                                                   "__qualname__": f"RankError[{type(cause).__qualname__}]"}))
+                                                                                   "__qualname__": f"RankError[{type(cause).__qualname__}]",
+                                                                                   "__str__": BaseException.__str__}))
             return cls(message, rank_, tb, cause)
         except TypeError:
             pass
@@ -284,9 +286,7 @@ def _in_place(fn, world_size_: int, args: tuple, timeout: float, backend: str | 
 def _missing_ranks(error: BaseException) -> tuple[int, ...]:
     """The ranks a timed-out wait found absent (hpf.comm.schedule.PeerTimeoutError, maybe as the
     cause of another error): the parent blames them, not the rank that waited."""
-    while error is not None and not hasattr(error, "missing"):
-        error = error.__cause__ or error.__context__
-    return tuple(getattr(error, "missing", ()))
+    return next((tuple(e.missing) for e in schedule.causes(error) if hasattr(e, "missing")), ())
 
 
 def _exit_description(code: int | None) -> str:

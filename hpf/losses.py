@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Weighted", "weighted", "token_cross_entropy", "LossOut", "parse", "LossScale", "LossScaleState",
+__all__ = ["NonFiniteError", "Weighted", "weighted", "token_cross_entropy", "LossOut", "parse", "LossScale", "LossScaleState",
            "terms_divisor"]
 
 IGNORE = -100  # a target that is padding (torch's ignore_index)
@@ -110,8 +110,16 @@ def _check_value(x: Any, what: str) -> None:
 
 
 # -- fp16 loss scaling ---------------------------------------------------------------------------------------------
+class NonFiniteError(FloatingPointError):
+    """A non-finite loss or grad norm, found before any update (the state stays finite); under
+    fp16, ``LossScale.max_skipped`` overflowed steps in a row."""
+
+    __module__ = "hpf.checks"  # its public home (hpf.NonFiniteError), as messages and tracebacks name it
+
+
 class LossScaleState(NamedTuple):
-    """The running loss scale (float64) and the clean steps since it last changed (int64)."""
+    """The running loss scale (float64) and the steps in a row since it last changed (int64):
+    clean ones counted up, overflowed (skipped) ones counted down from 0."""
 
     scale: torch.Tensor
     good_steps: torch.Tensor
@@ -126,39 +134,56 @@ class LossScale:
     a micro-batch (:func:`terms_divisor`), so a sum of thousands of token losses starts no nearer
     to overflow than a mean does. A step whose grads overflow is skipped (no update, ``metrics["skipped"]``) and the scale
     shrinks by ``backoff_factor``; after ``growth_interval`` clean steps in a row it grows by
-    ``growth_factor``. The state rides in ``TrainState.loss_scale`` (and in checkpoints).
+    ``growth_factor``. The scale never backs off below ``min_scale`` (GradScaler's reaches 0 after
+    about 1,090 overflows in a row, and then the step divides by it); ``max_skipped`` overflowed
+    steps in a row (by default 50: from 2^16 the floor is 16 halvings away) mean the run diverged,
+    and the step raises NonFiniteError saying what to change. The state rides in
+    ``TrainState.loss_scale`` (and in checkpoints).
 
     Args:
         init_scale, growth_factor, backoff_factor, growth_interval: as GradScaler's.
+        min_scale: the floor of the scale (DeepSpeed's ``min_loss_scale`` is also 1).
+        max_skipped: overflowed steps in a row before NonFiniteError.
 
     Raises:
         ValueError: a scale or factor that is not finite and > 0, a growth factor <= 1, a
-            backoff factor outside (0, 1), or an interval < 1.
+            backoff factor outside (0, 1), an interval < 1, a floor above the initial scale, or
+            ``max_skipped`` < 1.
     """
 
     init_scale: float = 2.0 ** 16
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000
+    min_scale: float = 1.0
+    max_skipped: int = 50
 
     def __post_init__(self):
-        ok = (0 < self.init_scale < float("inf") and self.growth_factor > 1 and 0 < self.backoff_factor < 1
-              and isinstance(self.growth_interval, int) and self.growth_interval >= 1)
+        ok = (0 < self.min_scale <= self.init_scale < float("inf") and self.growth_factor > 1
+              and 0 < self.backoff_factor < 1 and all(isinstance(n, int) and n >= 1 for n in
+                                                      (self.growth_interval, self.max_skipped)))
         if not ok:
-            raise ValueError(f"{self}: need 0 < init_scale < inf, growth_factor > 1, 0 < backoff_factor < 1 and "
-                             "an int growth_interval >= 1")
+            raise ValueError(f"{self}: need 0 < min_scale <= init_scale < inf, growth_factor > 1, 0 < backoff_factor "
+                             "< 1 and ints growth_interval, max_skipped >= 1")
 
     def init(self) -> LossScaleState:
         return LossScaleState(torch.tensor(float(self.init_scale), dtype=torch.float64),
                               torch.zeros((), dtype=torch.int64))
 
     def update(self, state: LossScaleState, finite: bool) -> None:
-        """After a step: back off on overflow, grow after enough clean steps (in place)."""
+        """After a step: back off on overflow (to the floor at most), grow after enough clean
+        steps (in place). Raises NonFiniteError at the ``max_skipped``-th overflow in a row."""
         if not finite:
-            state.scale.mul_(self.backoff_factor)
-            state.good_steps.zero_()
+            state.scale.mul_(self.backoff_factor).clamp_(min=self.min_scale)
+            state.good_steps.clamp_(max=0).sub_(1)
+            if -int(state.good_steps) >= self.max_skipped:
+                raise NonFiniteError(
+                    f"fp16: {self.max_skipped} steps in a row had non-finite grads and were skipped (loss scale "
+                    f"{float(state.scale):g}, its floor {self.min_scale:g}): the run diverged. Lower the lr, or train "
+                    "in bf16 (--mixed-precision bf16); hpf.LossScale(max_skipped=...) sets how many skips in a row "
+                    "stop a run")
             return
-        state.good_steps.add_(1)
+        state.good_steps.clamp_(min=0).add_(1)
         if int(state.good_steps) >= self.growth_interval:
             state.scale.mul_(self.growth_factor)
             state.good_steps.zero_()

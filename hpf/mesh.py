@@ -64,6 +64,7 @@ class Mesh:
         self.fast_axes = tuple(a for a in self.axis_names if a in fast)
         self.slow_axes = tuple(a for a in self.axis_names if a not in fast)
         self._groups: dict[tuple, object] = {}
+        self._users = 0  # comms of live steps (``hold``, ``release``)
 
     # -- pure geometry -------------------------------------------------------------------
     def axis_size(self, axes: str | Sequence[str]) -> int:
@@ -169,6 +170,21 @@ class Mesh:
         if group is not None and dist.is_initialized():
             dist.destroy_process_group(group)
 
+    def hold(self) -> None:
+        """A step's comm starts using this mesh's groups; it calls ``release`` when it closes."""
+        self._users += 1
+
+    def release(self) -> None:
+        """A step's comm closed. The last one destroys every group ``group`` made (the next user makes
+        them again), so a closed step leaves the process's groups, sockets and threads as they were,
+        whether each step had a new mesh or all shared one."""
+        self._users -= 1
+        if self._users == 0:
+            for key in list(self._groups):
+                group = self._groups.pop(key)
+                if group is not dist.group.WORLD and dist.is_initialized():
+                    dist.destroy_process_group(group)
+
     # -- helpers ---------------------------------------------------------------------------
     def _index(self, axis: str) -> int:
         self._check_axis(axis)
@@ -199,7 +215,7 @@ class Mesh:
     def __getstate__(self):
         # Process groups are per-process handles; a pickled mesh (sent to launched ranks) is data only.
         state = dict(self.__dict__)
-        state["_groups"] = {}
+        state["_groups"], state["_users"] = {}, 0
         return state
 
 

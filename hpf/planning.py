@@ -88,7 +88,9 @@ class Bucket:
 
     @property
     def shard_numel(self) -> int:
-        return -(-self.numel // (self.shard_size * self.align)) * self.align if self.numel else 0
+        """At least ``align``: a bucket of 0 elements (a unit whose params are all empty) is all
+        padding, and its collectives run as any other's (a 0-element shard broke the transports)."""
+        return -(-max(self.numel, 1) // (self.shard_size * self.align)) * self.align
 
     @property
     def padded_numel(self) -> int:

@@ -26,7 +26,7 @@ from .comm.flat import BucketComm
 from .comm.tiered import TieredComm, Topology
 from .config import StepConfig
 from .decision import Decider, Decision
-from .engine import UnitEngine, explain_freed, refuses_hooks
+from .engine import UnitEngine, explain, refuses_hooks
 from .engine.compiled import compile_seconds
 from .launcher import init_distributed, is_launched
 from .mesh import Mesh, MeshError
@@ -197,7 +197,7 @@ class ShardStep(StateIO):
             return self._run(batch, hold, scale)
         except RuntimeError as err:
             if not (refuses_hooks(err) and not self.engine.reducer.holds_sums()):
-                raise explain_freed(err) from err
+                raise explain(err)
         # torch.func.grad/vjp inside loss_fn refuse saved-tensor hooks: every rank gets here at
         # the same read; keep units gathered from read to backward instead, and run it again.
         self.engine.abort()

@@ -143,6 +143,11 @@ CASES = {
                      ["'head'", "complex64", "torch.view_as_real"]),  # AdamW's g*g was 1 lr off per step
     "python float leaf": (lambda: init(with_leaf("w_in", 3.0)), TypeError, ["'w_in'", "torch.as_tensor"]),
     "None leaf": (lambda: init(with_leaf("blocks/1/b", None)), TypeError, ["'blocks/1/b'", "tensor"]),
+    # issue 45 item 6: one slot for both, the loss saw x where y was given (loss 5.0, plain torch 37.0)
+    "paths a/b and a, b collide": (lambda: init({"a/b": torch.ones(2), "a": {"b": torch.full((2,), 3.0)}}),
+                                   ValueError, ["('a', 'b')", "('a/b',)", "'a/b'", "Rename a key"]),
+    "keys 0 and '0' collide": (lambda: hpf.plan({0: torch.ones(4), "0": torch.ones(4)}, hpf.Mesh({"dp": 4})),
+                               ValueError, ["(0,)", "('0',)", "path '0'"]),
     "a step on meta params": (lambda: _step_on_meta(), RuntimeError, ["meta params", "step.restore"]),
     "empty block list": (lambda: init({**params(), "blocks": []}), ValueError, ["'blocks'", "empty list"]),
     "nested empty list": (lambda: init({**params(), "enc": {"layers": []}}), ValueError,
@@ -160,6 +165,10 @@ CASES = {
     "NaN loss": (lambda: run(1, loss=nan_loss), hpf.NonFiniteError, ["loss", "non-finite", "nothing was updated",
                                                                        "on_nonfinite"]),
     "inf grad, finite loss": (lambda: run(1, loss=sqrt_at_zero), hpf.NonFiniteError, ["grad norm", "validate"]),
+    # issue 45 item 14: torch's hint was "Remove the torch.compiler.disable call", which the user cannot act on
+    "fullgraph=True over unit reads": (lambda: run(1, loss=torch.compile(loss_fn, fullgraph=True, backend="eager")),
+                                       RuntimeError, ["fullgraph=True", "graph break",
+                                                      "torch.compile(block, fullgraph=True)"]),
     # learning rates and clipping
     "adamw lr nan": (lambda: hpf.optim.adamw(lr=float("nan")), ValueError, ["lr=nan", "finite"]),
     "adamw lr inf": (lambda: hpf.optim.adamw(lr=float("inf")), ValueError, ["lr=inf", "finite"]),
@@ -503,3 +512,23 @@ def test_init_starts_the_process_group_under_torchrun(tmp_path):
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert all("initialized True 2" in o for o in outs), outs
+
+
+def test_standalone_adamw_updates_complex_params_as_torch_does():
+    """Issue 45 item 8: g*g of a complex g is not |g|^2 (off by about lr from torch per step)."""
+    g = torch.Generator().manual_seed(0)
+    start = {"z": torch.randn(3, 2, dtype=torch.complex64, generator=g), "x": torch.randn(4, generator=g)}
+    grads = [{k: torch.randn(v.shape, dtype=v.dtype, generator=g) for k, v in start.items()} for _ in range(3)]
+    ours = {k: v.clone() for k, v in start.items()}
+    opt = hpf.optim.adamw(**ADAMW)
+    state = opt.init(ours)
+    theirs = {k: v.clone().requires_grad_() for k, v in start.items()}
+    torch_opt = torch.optim.AdamW(list(theirs.values()), foreach=False, **ADAMW)
+    for grad in grads:
+        ours, state = opt.update(grad, state, ours)
+        for k, t in theirs.items():
+            t.grad = grad[k].clone()
+        torch_opt.step()
+    assert not torch.allclose(ours["z"], start["z"], atol=1e-3)  # it moved
+    for k in start:
+        torch.testing.assert_close(ours[k], theirs[k].detach(), rtol=1e-6, atol=1e-7)

@@ -639,13 +639,15 @@ def test_checkpoint_fuzz_a_few_corruptions(tmp_path):
     assert counts[("restore", "named")] == 8 and {k for _, k in counts} <= {"named", "unaffected"}, counts
 
 
-def test_a_checkpoint_of_an_older_hpf_without_checksums_still_restores_and_says_so(tmp_path):
+def test_a_manifest_without_its_file_list_is_an_error_not_a_warning(tmp_path):
+    """Issue 45 item 2: without "files" nothing was checked (a warning only), so .metadata could name any file."""
     step = make_step({"dp": 1})
     state = step.init(gpt.init(CFG))
     path = tmp_path / "step_1"
     step.save(state, path, extra={"step": 1, "rng": ck.rng_state()})  # numpy's RNG state: arrays are data
+    assert step.restore(path)[1]["step"] == 1
     header = json.loads((path / "hpf.json").read_text())
     (path / "hpf.json").write_text(json.dumps({k: v for k, v in header.items() if k not in ("files", "crc32")}))
-    with pytest.warns(UserWarning, match="saved without checksums"):
-        restored, extra = step.restore(path)
-    assert leaves_equal(step.full_params(restored), step.full_params(state)) and extra["step"] == 1
+    for load in (step.restore, ck.load_params):
+        with pytest.raises(ck.CheckpointError, match=r"hpf\.json: lists no files .*restore a checkpoint this hpf saved"):
+            load(path)

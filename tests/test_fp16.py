@@ -1,5 +1,7 @@
 """fp16 training: finite grads at init, a per-term loss scale for weighted losses, skipped steps
 recorded, and a run as fp32 trains."""
+import json
+
 import optree
 import pytest
 import torch
@@ -97,3 +99,46 @@ def test_an_fp16_weighted_run_resumes_bitwise(tmp_path):
         state, m = again(state, gpt.global_batch(config, 32, 0, s))
         got.append((m["loss"], m["skipped"], m["loss_scale"]))
     assert got == want and not any(s for _, s, _ in got)
+
+
+# -- issue 45 item 9: a diverged fp16 run ends with a named error; the summary and run.json say so ----------
+def test_the_loss_scale_has_a_floor_and_overflows_in_a_row_stop_with_a_named_error():
+    """The scale halved to 0 after about 1,090 overflows (then a ZeroDivisionError); nothing stopped a
+    run that skipped every step."""
+    from hpf.checks import NonFiniteError
+
+    scale = hpf.LossScale()
+    state = scale.init()
+    for _ in range(3):  # clean steps do not count towards the limit ...
+        scale.update(state, finite=True)
+    for _ in range(scale.max_skipped - 1):
+        scale.update(state, finite=False)
+    assert float(state.scale) == scale.min_scale == 1.0  # 2^16 halved 49 times, held at the floor
+    scale.update(state, finite=True)  # ... and one clean step starts the count again
+    for _ in range(scale.max_skipped - 1):
+        scale.update(state, finite=False)
+    with pytest.raises(NonFiniteError, match=r"fp16: 50 steps in a row .* skipped .*floor 1\b.*--mixed-precision bf16"
+                                             r".*LossScale\(max_skipped=\.\.\.\)"):
+        scale.update(state, finite=False)
+
+
+def test_the_summary_of_a_run_whose_last_steps_had_a_non_finite_loss_does_not_crash():
+    from hpf.cli.train import summary
+
+    row = dict(grad_norm=None, step_s=0.1, comm_wait_s=0.0, optimizer_s=0.0, compile_s=0.0, tokens_per_s=1.0,
+               loss_scale=1.0)
+    rows = [dict(row, step=1, loss=4.2, skipped=False), dict(row, step=2, loss=None, skipped=True)]
+    text = summary(rows, 1.0, [])
+    assert "loss        4.2000 (step 1) -> non-finite (step 2), mean of last 2: 4.2000" in text
+    assert "non-finite (step 2), mean of last 1: non-finite" in summary(rows[1:], 1.0, [])
+
+
+@pytest.mark.slow
+def test_hpf_train_fp16_that_diverges_stops_with_a_named_error_and_run_json_says_failed(tmp_path):
+    """The issue's run: a summary TypeError on None, rc 1, and run.json "done"."""
+    out = tmp_path / "run"
+    proc = hpf_cmd("train", "--world-size", 1, "--steps", 60, "--mixed-precision", "fp16", "--lr", 1e4, "--out", out)
+    assert proc.returncode == 1, proc.stderr
+    assert "fp16: 50 steps in a row had non-finite grads and were skipped" in proc.stderr, proc.stderr
+    assert json.loads((out / "run.json").read_text())["status"] == "failed: NonFiniteError"
+    assert all(r["loss_scale"] >= 1.0 for r in records(out))

@@ -88,3 +88,93 @@ def test_transforms_refuse_a_step_before_init():
     step = hpf.shard_step(gpt.loss_for(CONFIG), mesh=hpf.Mesh({"dp": 1}), optimizer=hpf.optim.adamw(lr=1e-2))
     with pytest.raises(RuntimeError, match="step.init"):
         hpf.hvp(step, None, None, None)
+
+
+# -- issue 45 items 7 and 11: the step's batch_axes, blocks run by apply, and named failures ------------
+D = 4
+
+
+class Blocks(list):
+    """The reference's list of blocks: ``apply`` is a plain call."""
+
+    def apply(self, i, fn, *args):
+        return fn(self[i], *args)
+
+
+def small_params():
+    g = torch.Generator().manual_seed(2)
+    return {"w": torch.randn(D, D, generator=g) * 0.5, "layers": [{"v": torch.randn(D, D, generator=g) * 0.5}
+                                                                  for _ in range(2)]}
+
+
+def by_apply(p, b):
+    """A loss whose blocks run through params[...].apply, with a leaf that is not per-example
+    (``scale``: [D, 1], as long as the batch: sliced per example it still broadcasts)."""
+    x = b["x"]
+    for i in range(2):
+        x = p["layers"].apply(i, lambda blk, h: torch.tanh(h @ blk["v"]), x)
+    return ((x @ p["w"]) * b["scale"].T).pow(2).mean()
+
+
+def by_loop(p, b):
+    """``by_apply`` with a plain loop over the blocks."""
+    x = b["x"]
+    for blk in p["layers"]:
+        x = torch.tanh(x @ blk["v"])
+    return ((x @ p["w"]) * b["scale"].T).pow(2).mean()
+
+
+def small_batch(n=D):
+    g = torch.Generator().manual_seed(3)
+    return {"x": torch.randn(n, D, generator=g), "scale": torch.randn(D, 1, generator=g)}
+
+
+def small_step(loss_fn=by_apply):
+    step = hpf.shard_step(loss_fn, mesh=hpf.Mesh({"dp": 1}), optimizer=hpf.optim.adamw(lr=1e-2),
+                          batch_axes=lambda path: None if path == "scale" else 0)
+    return step, step.init(small_params())
+
+
+def reference_grads(p, batch, loss_fn):
+    leaves = [x.requires_grad_() for x in hpf.tree.flatten(p)[1]]
+    loss = loss_fn({"w": p["w"], "layers": Blocks(p["layers"])}, batch)
+    return torch.autograd.grad(loss, leaves)
+
+
+@pytest.mark.parametrize("loss_fn", [by_loop, by_apply])
+@pytest.mark.parametrize("n", [D, 1])
+def test_per_example_grads_follow_the_step_s_batch_axes_and_run_blocks_by_apply(loss_fn, n):
+    """Item 7: every leaf was sliced on dim 0, so ``scale`` (not per-example, the batch's length) was split
+    (relative error 2.37); item 11: ``apply`` on the full params' plain list was an AttributeError, and
+    a batch of one example a raw vmap error."""
+    step, state = small_step(loss_fn)
+    batch = small_batch(n)
+    got = hpf.tree.flatten(hpf.per_example_grads(step, state, batch))[1]
+    for i in range(n):
+        want = reference_grads(small_params(), {"x": batch["x"][i:i + 1], "scale": batch["scale"]}, loss_fn)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g[i], w, rtol=1e-5, atol=1e-7)
+
+
+def test_per_example_grads_refuse_leaves_of_different_example_counts():
+    step, state = small_step()
+    with pytest.raises(ValueError, match=r"per-example leaves hold \{'x': 4, 'y': 3\} examples.*batch_axes"):
+        hpf.per_example_grads(step, state, {**small_batch(), "y": torch.zeros(3, 2)})
+
+
+def test_hvp_runs_blocks_by_apply_and_names_the_mse_loss_failure():
+    step, state = small_step()
+    p, batch = small_params(), small_batch()
+    v = hpf.tree.unflatten(hpf.tree.flatten(p)[2], [torch.ones_like(x) for x in hpf.tree.flatten(p)[1]])
+    got = hpf.tree.flatten(hpf.hvp(step, state, batch, v))[1]
+    leaves = [x.requires_grad_() for x in hpf.tree.flatten(p)[1]]
+    grads = torch.autograd.grad(by_apply({"w": p["w"], "layers": Blocks(p["layers"])}, batch), leaves,
+                                create_graph=True)
+    want = torch.autograd.grad(sum(g.sum() for g in grads), leaves)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    mse = hpf.shard_step(lambda p, b: torch.nn.functional.mse_loss(b @ p["w"], b), mesh=hpf.Mesh({"dp": 1}),
+                         optimizer=hpf.optim.adamw(lr=1e-2))
+    with pytest.raises(RuntimeError, match=r"hpf\.hvp: .*ZeroTensors are immutable.*F\.mse_loss.*"
+                                           r"\(\(pred - target\) \*\* 2\)\.mean\(\)"):
+        hpf.hvp(mse, mse.init({"w": torch.eye(D)}), torch.ones(2, D), {"w": torch.ones(D, D)})

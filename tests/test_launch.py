@@ -266,3 +266,59 @@ def test_ranks_start_with_a_fresh_schedule_log_not_the_launching_process_s(monke
     monkeypatch.setattr(schedule.LOG, "failed", "TypeError: caught in the launching process")
     monkeypatch.setattr(schedule.LOG, "broken", "earlier")
     assert launch(_log_state, 2, timeout=60) == [(None, None, 0)] * 2
+
+
+# -- issue 45, item 0: an ordinary error in loss_fn reaches the caller, whatever its cause chain ----------
+_SHAPE_ERROR = """
+    import time, torch, hpf
+    def loss_fn(params, batch):
+        return (batch @ params["w"]).sum()          # [4, 8] @ [16, 16]: a plain shape mistake
+    def train(rank):
+        step = hpf.shard_step(loss_fn, mesh=hpf.Mesh({"dp": 2}), optimizer=hpf.optim.adamw(lr=1e-3))
+        step(step.init({"w": torch.ones(16, 16)}), torch.ones(4, 8))
+    start = time.monotonic()
+    try:
+        hpf.launch(train, 2)                          # no timeout: as the README and the notebooks call it
+    except RuntimeError as err:
+        print(f"{time.monotonic() - start:.1f} s\\n{err}")
+    """
+
+
+def _says_the_shape_error_as_a_traceback(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "RuntimeError: mat1 and mat2 shapes cannot be multiplied (4x8 and 16x16)" in out, out
+    assert "Traceback (most recent call last):\n  File " in out and 'in loss_fn\n' in out, out  # lines, not "\\n"
+
+
+@pytest.mark.slow  # two fresh interpreters; each run is limited to 30 s here, so a hang fails instead
+def test_a_shape_error_in_loss_fn_reaches_the_caller_within_seconds_as_script_and_as_notebook(tmp_path):
+    """Item 0: ``raise explain_freed(err) from err`` made the error its own cause, and the launcher
+    walked that chain forever: the job printed nothing and never returned."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(_SHAPE_ERROR))
+    _says_the_shape_error_as_a_traceback(subprocess.run([sys.executable, str(script)], capture_output=True,
+                                                        text=True, timeout=30))
+    _says_the_shape_error_as_a_traceback(_run_python(_SHAPE_ERROR, {}, timeout=30))  # functions typed into __main__
+
+
+def test_cause_chains_that_loop_are_walked_once():
+    from hpf.comm.schedule import PeerTimeoutError, causes
+
+    own = RuntimeError("its own cause")
+    own.__cause__ = own
+    a, b = ValueError("a"), KeyError("b")
+    a.__context__, b.__cause__ = b, a
+    assert list(causes(own)) == [own] and list(causes(a)) == [a, b]
+    assert hpf_launch._missing_ranks(own) == ()
+    timeout = PeerTimeoutError("waited", [1])
+    timeout.__cause__ = a
+    a.__context__ = timeout
+    assert hpf_launch._missing_ranks(b) == (1,)  # b -> a -> timeout -> a: found, and the walk ends
+
+
+def test_a_forwarded_key_error_reads_as_a_traceback_not_one_escaped_line():
+    tb = 'Traceback (most recent call last):\n  File "x.py", line 1, in loss_fn\nKeyError: \'w\'\n'
+    err = hpf_launch._rank_error(f"hpf.launch: rank 1 raised:\n{tb}", 1, tb, KeyError("w"))
+    assert isinstance(err, KeyError) and isinstance(err, RankError)
+    assert str(err) == f"hpf.launch: rank 1 raised:\n{tb}"  # KeyError's own str would be repr(): "\\n" escapes

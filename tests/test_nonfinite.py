@@ -71,7 +71,7 @@ def test_a_non_finite_grad_seen_by_one_rank_raises_on_every_rank_and_updates_not
 
 # -- fp16: dynamic loss scaling ---------------------------------------------------------------------------------
 def test_fp16_scales_the_loss_skips_overflowing_steps_and_backs_off_then_grows():
-    scale = hpf.LossScale(init_scale=2.0 ** 200, growth_interval=3)  # overflows fp16 at once
+    scale = hpf.LossScale(init_scale=2.0 ** 200, growth_interval=3, max_skipped=250)  # overflows fp16 at once
     step = hpf.shard_step(loss_fn, mesh=hpf.Mesh({"dp": 1}), optimizer=hpf.optim.adamw(**ADAMW),
                           mixed_precision="fp16", loss_scale=scale)
     state = step.init(init())

@@ -303,3 +303,42 @@ def test_non_scalar_loss_is_an_error():
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="none")
     with pytest.raises(TypeError, match="scalar"):
         train(0, hpf.Mesh({"dp": 1}), loss_fn=per_token_loss, steps=1)
+
+
+# -- issue 45 item 10: a unit whose only param has 0 elements --------------------------------------------
+def _empty_unit_params():
+    g = torch.Generator().manual_seed(SEED)
+    return {"w": torch.randn(4, 4, generator=g), "layers": [{"e": torch.zeros(0)}, {"v": torch.randn(4, 4, generator=g)},
+                                                            {"e": torch.zeros(0, 3)}]}
+
+
+def _empty_unit_loss(p, x):
+    for blk in p["layers"]:
+        x = x @ p["w"] + (blk["e"].sum() if "e" in blk else torch.tanh(x @ blk["v"]))
+    return x.pow(2).mean()
+
+
+def _empty_unit_batch(step, rank=None):
+    full = torch.randn(4, 4, generator=torch.Generator().manual_seed(100 + step))
+    return full if rank is None else full[2 * rank:2 * rank + 2]
+
+
+def _train_with_an_empty_unit(rank):
+    step = hpf.shard_step(_empty_unit_loss, mesh=hpf.Mesh({"dp": 2}), optimizer=hpf.optim.adamw(**ADAMW))
+    state = step.init(_empty_unit_params())
+    losses = []
+    for s in range(3):
+        state, m = step(state, _empty_unit_batch(s, rank))
+        losses.append(m["loss"])
+    return losses, dict(zip(*hpf.tree.flatten(step.full_params(state))[:2]))
+
+
+@pytest.mark.slow
+def test_a_unit_whose_only_param_has_zero_elements_trains_on_two_ranks():
+    """It failed in the transport ("cannot reshape tensor of 0 elements into shape [-1, 0])."""
+    losses, params = launch(_train_with_an_empty_unit, 2, timeout=120)[0]
+    want_losses, _, want = adamw_training(_empty_unit_loss, _empty_unit_params(), _empty_unit_batch, 3, **ADAMW)
+    torch.testing.assert_close(losses, want_losses, **LOSS_TOL)
+    assert params["layers/0/e"].shape == (0,) and params["layers/2/e"].shape == (0, 3)
+    for path, value in want.items():
+        torch.testing.assert_close(params[path], value, **PARAM_TOL)

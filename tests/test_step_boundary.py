@@ -5,6 +5,7 @@ import os
 import threading
 
 import pytest
+import torch
 
 import hpf
 from hpf import Topology
@@ -145,3 +146,50 @@ def test_closed_steps_leave_no_threads_groups_or_shared_memory():
         # sharded over gloo, block units are gathered and freed: stats() reports the engine's count of them
         # (not bounded here: on two tiers it reaches 3 blocks on some runs, resident_units=2; see test_contract)
         assert peak[0] >= 1, peak
+
+
+def _process_resources() -> tuple[int, int, int]:
+    """(fds, OS threads, process groups) of this process: gloo's threads are not Python threads."""
+    from torch.distributed.distributed_c10d import _world
+
+    return _fds(), len(os.listdir("/proc/self/task")), len(_world.pg_map)
+
+
+def _dp_loss(p, b):
+    x = b @ p["w"]
+    for blk in p["layers"]:
+        x = torch.tanh(x @ blk["v"])
+    return x.pow(2).mean()
+
+
+def _tp_loss(p, b):
+    return hpf.psum(_dp_loss(p, b), "tp") / 2  # (a group over "tp" alone, made by the mesh)
+
+
+def _closed_steps_per_mesh(rank):
+    """Flat steps as the README writes them (a new mesh each time) and with one mesh reused, plus a
+    mesh whose loss makes a group of its own (psum over "tp"): after each close, fds, OS threads
+    and process groups are as before the first step."""
+    torch.distributed.barrier()  # (the default group's own connections)
+    before = _process_resources()
+    params = {"w": torch.randn(8, 8, generator=torch.Generator().manual_seed(0)),
+              "layers": [{"v": torch.eye(8)} for _ in range(2)]}
+    after = {}
+    for shape, kw, loss in (({"dp": 2}, {}, _dp_loss), ({"dp": 1, "tp": 2}, {"fsdp_axes": ("dp",)}, _tp_loss)):
+        shared = hpf.Mesh(shape)
+        for reuse in (False, True):
+            for _ in range(3):
+                mesh = shared if reuse else hpf.Mesh(shape)
+                with hpf.shard_step(loss, mesh=mesh, optimizer=hpf.optim.adamw(lr=1e-3), **kw) as step:
+                    state, _ = step(step.init(params), torch.ones(2, 8))
+                    step.full_params(state)
+                after.setdefault(f"{shape} {'reused' if reuse else 'new'} mesh", []).append(_process_resources())
+    return before, after
+
+
+@pytest.mark.slow
+def test_close_returns_fds_threads_and_process_groups_whichever_mesh_was_used():
+    """Issue 45 item 13: a new hpf.Mesh per step leaked 10 fds and 6 threads per step (its groups were
+    never destroyed); with a reused mesh its groups stayed after close."""
+    for before, after in launch(_closed_steps_per_mesh, 2, timeout=120):
+        assert all(counts == [before] * 3 for counts in after.values()), (before, after)

@@ -145,9 +145,15 @@ def cmd_train(args) -> int:
             if line:
                 print(line, flush=True)
     started = time.perf_counter()
-    stopped = _run_ranks(args, job, mesh, torchrun, lead, out)
-    if lead:
-        _finish(args, job, out, plots, time.perf_counter() - started, stopped)
+    try:
+        stopped = _run_ranks(args, job, mesh, torchrun, lead, out)
+        if lead:
+            _finish(args, job, out, plots, time.perf_counter() - started, stopped)
+    except BaseException as e:  # whatever ends the command with a code other than 0 says so in run.json
+        if lead:
+            run_folder.set_status(out, "interrupted" if isinstance(e, KeyboardInterrupt) else "terminated"
+                                  if isinstance(e, Terminated) else f"failed: {type(e).__name__}")
+        raise
     return 0
 
 
@@ -200,32 +206,22 @@ def _data_line(args, job: TrainJob, out: Path) -> str:
 
 
 def _run_ranks(args, job: TrainJob, mesh: hpf.Mesh, torchrun: bool, lead: bool, out: Path) -> int | None:
-    """Run the job's ranks; the step --timeout stopped after, or None. A failure sets run.json's status."""
-    try:
-        if torchrun:
-            init_distributed()
-            stopped = train_rank(rank(), job)
-            shutdown()  # finishes async saves, meets the other ranks, destroys the process group
-            return stopped
-        # --timeout stops cleanly; only a run still going long after (a hung step) is ended
-        return launch(train_rank, mesh.size, job, timeout=args.timeout and 2 * args.timeout + 60)[0]
-    except BaseException as e:
-        if lead:
-            run_folder.set_status(out, "interrupted" if isinstance(e, KeyboardInterrupt) else "terminated"
-                                  if isinstance(e, Terminated) else f"failed: {type(e).__name__}")
-        raise
+    """Run the job's ranks; the step --timeout stopped after, or None."""
+    if torchrun:
+        init_distributed()
+        stopped = train_rank(rank(), job)
+        shutdown()  # finishes async saves, meets the other ranks, destroys the process group
+        return stopped
+    # --timeout stops cleanly; only a run still going long after (a hung step) is ended
+    return launch(train_rank, mesh.size, job, timeout=args.timeout and 2 * args.timeout + 60)[0]
 
 
 def _finish(args, job: TrainJob, out: Path, plots: str | None, wall: float, stopped: int | None) -> None:
-    """Rank 0, after the ranks: check that something trained, set the status, print the summary."""
+    """Rank 0, after the ranks: check that something trained, print the summary, then set the
+    status (a failure before that is "failed": ``cmd_train``)."""
     records = read_metrics(out / "metrics.jsonl")
     resumed_at = run_folder.checkpoint_step(Path(job.resume)) or 0 if job.resume else 0
-    try:
-        check_trained([r for r in records if r["step"] > resumed_at])
-    except NonFiniteError:
-        run_folder.set_status(out, "failed: every step skipped")
-        raise
-    run_folder.set_status(out, "done" if stopped is None else "stopped")
+    check_trained([r for r in records if r["step"] > resumed_at])
     files = [out / "metrics.jsonl", out / "run.json"]
     newest = checkpoint.latest(job.checkpoints)
     if newest is not None:
@@ -238,6 +234,7 @@ def _finish(args, job: TrainJob, out: Path, plots: str | None, wall: float, stop
         files += save_plots(records, out, f"loss: {args.model} {args.config!r}, mesh {mesh_text(job.axes)}, "
                                           f"{args.optimizer}{', ' + args.mixed_precision if args.mixed_precision else ''}")
     print(summary(records, wall, files, resumed_at, "done" if stopped is None else "stopped"))
+    run_folder.set_status(out, "done" if stopped is None else "stopped")
     if stopped is not None:
         print(f"  --timeout   {args.timeout:g} s ran out after step {stopped} of {job.steps}, which is saved; "
               f"go on with: hpf train --out {out} --resume")
@@ -313,8 +310,8 @@ def summary(records: list[dict], wall_s: float, files: list, resumed_at: int = 0
     return "\n".join([
         f"{ended}: {len(records)} steps in {wall_s:.1f} s" + (f" (steps {resumed_at + 1}-{last['step']}, resumed)"
                                                             if resumed_at else ""),
-        f"  loss        {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} (step {last['step']}), "
-        f"mean of last {len(tail)}: {statistics.fmean(r['loss'] for r in tail):.4f}",
+        f"  loss        {_loss(first['loss'])} (step {first['step']}) -> {_loss(last['loss'])} (step {last['step']}), "
+        f"mean of last {len(tail)}: {_loss(_mean(r['loss'] for r in tail))}",
         *_skipped_summary(records),
         *_eval_summary(records),
         f"  step time   {median['step_s'] * 1e3:.1f} ms median: compute {compute * 1e3:.1f}, "
@@ -325,6 +322,17 @@ def summary(records: list[dict], wall_s: float, files: list, resumed_at: int = 0
         *_usage_summary(records),
         "  files       " + "\n              ".join(str(f) for f in files),
     ])
+
+
+def _loss(value: float | None) -> str:
+    """A loss as the summary prints it; metrics.jsonl keeps a non-finite one (a skipped step's) as null."""
+    return "non-finite" if value is None else f"{value:.4f}"
+
+
+def _mean(values) -> float | None:
+    """The mean of the finite ``values`` (None where none is)."""
+    finite = [v for v in values if v is not None]
+    return statistics.fmean(finite) if finite else None
 
 
 def _skipped_summary(records: list[dict]) -> list[str]:

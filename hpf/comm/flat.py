@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ..planning import Plan
 from .cost import bucket_comm_bytes, count_bytes, dtype_bytes
-from .transport import DONE, Handle, is_done, on_device, reduce_scatter_async, wait_for
+from .transport import DONE, Handle, OwnedGroups, is_done, on_device, reduce_scatter_async, wait_for
 
 __all__ = ["BucketComm"]
 
@@ -65,8 +65,10 @@ class BucketComm:
         # (gloo aborts the process on a size mismatch). Replica all-reduces start when a poll finds
         # their reduce-scatter landed, a moment that differs across ranks: on groups of their own,
         # no other collective can interleave.
+        self._owned = OwnedGroups(mesh)  # its own (a new mesh per step once left them all behind), closed with it
+
         def group(b, axes, kind, dtype):
-            return mesh.group(axes, tag=f"{kind}/{b.padded_numel * dtype_bytes(dtype)}B") if mesh.axis_size(axes) > 1 \
+            return self._owned(axes, f"{kind}/{b.padded_numel * dtype_bytes(dtype)}B") if mesh.axis_size(axes) > 1 \
                 else None
         self.gather_groups = [group(b, b.shard_axes, "gather", compute_dtypes[b.index]) for b in plan.buckets]
         self.reduce_groups = [None if b.frozen else group(b, b.shard_axes, "reduce", reduce_dtypes[b.index])
@@ -107,4 +109,5 @@ class BucketComm:
         return _Chain(handle, lambda: on_device(dist.all_reduce(shard, group=rg, async_op=True), self.device))
 
     def close(self) -> None:
-        pass
+        self._owned.close()
+        self.gather_groups = self.reduce_groups = self.replica_groups = []

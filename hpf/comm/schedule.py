@@ -19,10 +19,11 @@ skips) into :class:`ScheduleMismatchError` on every rank, instead of a hang or a
 from __future__ import annotations
 
 import json
+import re
 import time
 import zlib
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -30,8 +31,8 @@ import torch.distributed as dist
 from . import world
 from .transport import wait_for
 
-__all__ = ["ScheduleMismatchError", "PeerTimeoutError", "LOG", "ScheduleLog", "wait", "check_digests",
-           "digest_parts", "rendezvous", "SUSPECT_S", "DIGEST_MASK", "DIGEST_LEN"]
+__all__ = ["ScheduleMismatchError", "PeerTimeoutError", "StoreValueError", "LOG", "ScheduleLog", "wait", "check_digests",
+           "digest_parts", "rendezvous", "causes", "SUSPECT_S", "DIGEST_MASK", "DIGEST_LEN"]
 
 #: Seconds a wait lasts before this rank asks whether the ranks disagree.
 SUSPECT_S = 5.0
@@ -217,6 +218,16 @@ class PeerTimeoutError(TimeoutError):
         self.missing = missing
 
 
+def causes(error: BaseException | None, implicit: bool = True) -> Iterator[BaseException]:
+    """``error``, then what it was raised from (``inner_exception``, ``__cause__``, and with
+    ``implicit`` ``__context__``), each once: a chain may loop (``raise e from e``)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = getattr(error, "inner_exception", None) or error.__cause__ or (error.__context__ if implicit else None)
+
+
 def _timed_out(what: Callable[[], str] | str, timeout_s: float, missing: list[int]) -> PeerTimeoutError:
     label = what() if callable(what) else what
     who = (f"rank{'s' if len(missing) > 1 else ''} {_ranks(missing)} never waited alongside (dead, hung, or stuck "
@@ -233,21 +244,54 @@ def _absent(store, n: int) -> list[int]:
         return []
 
 
+class StoreValueError(ValueError):
+    """A value in the process group's store that no hpf rank wrote: too big, too deep, or not a
+    schedule log. The store may be reachable by others (a TCPStore listens on every interface),
+    so its values are read as bounded JSON data, never unpickled; the message names the key and
+    the rank whose key it is."""
+
+
+_MAX_VALUE_BYTES = 4 << 20  # a log of _KEEP events with long unit paths is well under 1 MiB
+_MAX_DEPTH = 8  # a log nests 3 deep: {"events": [[...]]}
+_ESCAPE = re.compile(rb"\\.", re.DOTALL)
+_NOT_SYNTAX = bytes(c for c in range(256) if c not in b'"[]{}')
+
+
+def _bounded_json(value: bytes) -> Any:
+    """``value`` parsed as JSON after checking its size and nesting (json's recursion would
+    otherwise end the rank with RecursionError on ``'[' * 100000``); raises ValueError."""
+    if len(value) > _MAX_VALUE_BYTES:
+        raise ValueError(f"{len(value)} bytes, more than {_MAX_VALUE_BYTES}")
+    depth = deepest = 0
+    quoted = False
+    for c in _ESCAPE.sub(b"", value).translate(None, _NOT_SYNTAX):  # quotes and brackets, escapes dropped
+        if c == 34:  # '"'
+            quoted = not quoted
+        elif not quoted:
+            depth += 1 if c in b"[{" else -1
+            deepest = max(deepest, depth)
+    if deepest > _MAX_DEPTH:
+        raise ValueError(f"nested {deepest} deep, more than {_MAX_DEPTH}")
+    return json.loads(value)
+
+
 def _read_logs(values: list[bytes]) -> list[dict]:
-    """The ranks' published logs, read as JSON data: the store may be reachable by others (a
-    TCPStore listens on every interface), so nothing read from it is unpickled. A value that
-    is not a well-formed log is left out."""
+    """The ranks' published logs (rank r's under ``hpf/schedule/r``), read as bounded JSON data;
+    a value that is not a well-formed log is a StoreValueError naming its key and rank."""
     logs = []
-    for value in values:
+    for r, value in enumerate(values):
         try:
-            log = json.loads(value)
+            log = _bounded_json(value)
             events = [tuple(e) for e in log["events"]]
-            if not (isinstance(log["rank"], int) and (log["failed"] is None or isinstance(log["failed"], str))
+            if not (log["rank"] == r and (log["failed"] is None or isinstance(log["failed"], str))
                     and all(len(e) == 5 and all(map(isinstance, e, (int, int, str, str, int))) for e in events)):
-                continue
-        except (ValueError, TypeError, KeyError):
-            continue
-        logs.append({"rank": log["rank"], "events": events, "failed": log["failed"]})
+                raise ValueError("not a schedule log")
+        except (ValueError, TypeError, KeyError) as e:
+            raise _broken(StoreValueError(
+                f"hpf: the store's key {_PREFIX}{r!s} (rank {r}'s schedule log) holds a value hpf rank {r} did not "
+                f"write ({type(e).__name__}: {str(e)[:200]}); something else writes to this job's store: run the "
+                "job on a private store (hpf.launch's default file store, or a TCP store on a trusted network)")) from None
+        logs.append({"rank": r, "events": events, "failed": log["failed"]})
     return logs
 
 

@@ -24,7 +24,6 @@ code that reads them.
 """
 from __future__ import annotations
 
-import itertools
 import queue
 import socket
 import threading
@@ -47,7 +46,7 @@ from . import world
 from .cost import bucket_comm_bytes, count_bytes, dtype_bytes
 from .lowbit import LowBitTier
 from .shm import ALIGN, ShmGroup
-from .transport import DONE, Handle, ProcessGroupTransport, Transport
+from .transport import DONE, Handle, OwnedGroups, ProcessGroupTransport, Transport
 
 __all__ = ["Topology", "SlowLink", "TieredComm"]
 
@@ -213,9 +212,6 @@ class _Worker:
         self.thread.join(timeout)
 
 
-_INSTANCES = itertools.count()
-
-
 def _tier_axes(mesh, b, hierarchical: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(fast axes, slow axes) of bucket ``b``'s collectives, each stage's shard order."""
     order = tuple(a for a in b.shard_order if mesh.axis_size(a) > 1)  # a size-1 axis has no one to talk to
@@ -240,7 +236,7 @@ class TieredComm:
 
     def __init__(self, plan: Plan, topology: Topology, device: torch.device, compute_dtypes, reduce_dtypes):
         self.plan = plan
-        mesh = self._mesh = plan.mesh
+        mesh = plan.mesh
         rank = world.rank()
         self.timeout = topology.timeout_s
         self.bytes = Counter()  # (op, tier) -> bytes this rank sent
@@ -250,19 +246,11 @@ class TieredComm:
         self._stages = [_tier_axes(mesh, b, topology.hierarchical) for b in plan.buckets]
         self._blocks = [plan.stage_blocks(b) if topology.hierarchical else 1 for b in plan.buckets]
         shm_need = _shm_bytes(plan, self._stages, compute_dtypes, reduce_dtypes)
-        # Process groups of its own: its worker threads may still be gathering the next
-        # step's first units while another step (another engine on the same mesh) runs.
-        # Every rank builds its comms in the same order, so the instance numbers agree.
-        instance = next(_INSTANCES)
-        # Process-group transports are also split by bucket size: two ranks issuing different
+        # Process-group transports are split by bucket size: two ranks issuing different
         # buckets then wait on different groups (a named error from hpf.comm.schedule) instead of
         # pairing them (gloo aborts the process on a size mismatch).
         self._transports: dict[tuple, Transport] = {}
-        self._owned: set[tuple] = set()  # (axes, tag) of the groups this comm made: it destroys them on close
-
-        def own_group(axes, tag: str):
-            self._owned.add((axes, tag))
-            return mesh.group(axes, tag=tag)
+        own_group = self._owned = OwnedGroups(mesh)  # process groups of its own, destroyed on close
         self._route: dict[tuple[str, int, str], Transport] = {}  # (direction, bucket, tier) -> transport
         self.slow = plan.slow_precision
         self.lowbit = LowBitTier(plan, self._stages, rank)  # what crosses the slow tier low-bit, and the residuals
@@ -280,12 +268,12 @@ class TieredComm:
                     shm = tier == "fast" and use_shm
                     key = (tag, axes) if shm else (tag, axes, nbytes)
                     if key not in self._transports:
-                        group = own_group(axes, f"{tag}{instance}" + ("" if shm else f"/{nbytes}B"))
+                        group = own_group(axes, tag + ("" if shm else f"/{nbytes}B"))
                         self._transports[key] = (ShmGroup(group, topology.shm_bytes or shm_need,
                                                           timeout=topology.timeout_s) if shm
                                                  else ProcessGroupTransport(group, device))
                     self._route[tag, b.index, tier] = self._transports[key]
-        self._replica = [own_group(b.replicate_axes, f"replica{instance}")
+        self._replica = [own_group(b.replicate_axes, "replica")
                          if mesh.axis_size(b.replicate_axes) > 1 and not b.frozen
                          else None for b in plan.buckets]
         self._rank = rank
@@ -436,7 +424,6 @@ class TieredComm:
         for t in self._transports.values():
             if isinstance(t, ShmGroup):
                 t.close()
-        for axes, tag in self._owned:
-            self._mesh.drop_group(axes, tag=tag)
-        self._owned, self._transports, self._route, self._replica = set(), {}, {}, []  # (the groups go with them)
+        self._owned.close()
+        self._transports, self._route, self._replica = {}, {}, []  # (the groups go with them)
 

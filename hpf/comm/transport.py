@@ -18,6 +18,7 @@ that; shared memory sends nothing on a wire, but a peer reads the same amount.)
 from __future__ import annotations
 
 import datetime
+import itertools
 import time
 from collections import Counter
 from typing import Any, Protocol, Union, runtime_checkable
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from ..types import SlowPrecision
 from .cost import ring_bytes
 
-__all__ = ["Transport", "ProcessGroupTransport", "UnitComm", "Handle", "DONE", "is_done", "wait_for", "StreamWork", "on_device",
+__all__ = ["OwnedGroups", "Transport", "ProcessGroupTransport", "UnitComm", "Handle", "DONE", "is_done", "wait_for", "StreamWork", "on_device",
            "reduce_scatter_async"]
 
 REDUCE_OPS = ("sum", "mean")
@@ -389,3 +390,32 @@ class ProcessGroupTransport(CallCounters):
         if op == "mean":
             tensor.div_(self.world_size)
         self._count("all_reduce", 2 * ring_bytes(tensor.numel() * tensor.element_size(), self.world_size))
+
+
+_INSTANCES = itertools.count()
+
+
+class OwnedGroups:
+    """The tagged process groups one comm makes for itself, destroyed by its ``close``. Each tag
+    carries the comm's instance number (every rank builds its comms in the same order, so the
+    numbers agree): no other comm shares them, on this mesh or another (a step's workers may
+    still gather the next step's first units while another step runs). It holds the mesh too
+    (``Mesh.hold``), so a closed step leaves the process's groups, sockets and threads as they
+    were, whether its mesh is reused or new."""
+
+    def __init__(self, mesh):
+        self.mesh, self.instance, self.owned = mesh, next(_INSTANCES), set()
+        mesh.hold()  # (the mesh's shared groups go when the last comm on it closes)
+
+    def __call__(self, axes: tuple[str, ...], tag: str):
+        tag = f"{tag}#{self.instance}"
+        self.owned.add((axes, tag))
+        return self.mesh.group(axes, tag=tag)
+
+    def close(self) -> None:
+        if self.mesh is None:
+            return
+        for axes, tag in self.owned:
+            self.mesh.drop_group(axes, tag=tag)
+        self.mesh.release()
+        self.mesh, self.owned = None, set()

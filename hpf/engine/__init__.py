@@ -26,7 +26,7 @@ from ..checks import StaleParamError
 from ..comm.schedule import LOG
 from ..planning import ROOT, Plan
 from ..trace import Ranges
-from .compiled import hide_from_compiler
+from .compiled import hide_from_compiler, refused_fullgraph
 from .entry import Recompute, entry, rematerialized
 from .gather import MemoryStats, UnitBuffers
 from .reduce import Reducer
@@ -34,7 +34,7 @@ from .replay import pinned_units
 from .residency import Residency
 from .views import ParamsView
 
-__all__ = ["UnitEngine", "MemoryStats", "explain_freed"]
+__all__ = ["UnitEngine", "MemoryStats", "explain"]
 
 
 def _outside_transforms(method: Callable) -> Callable:
@@ -319,22 +319,31 @@ def refuses_hooks(err: BaseException) -> bool:
     return False
 
 
-def explain_freed(err: RuntimeError) -> Exception:
-    """A clear error for reading a freed unit through a view that outlived its param tensors."""
-    if "data is not allocated" not in str(err) and "for storage of size 0" not in str(err):
+def explain(err: RuntimeError) -> Exception:
+    """A clear error, caused by ``err``, for what loss_fn did: a freed unit read through a view that
+    outlived its param tensors, or ``fullgraph=True`` over unit reads; else ``err`` itself (raise
+    the result as is: ``from err`` would make ``err`` its own cause, a loop that hung ``hpf.launch``)."""
+    if refused_fullgraph(err):
+        explained = RuntimeError(
+            "torch.compile(loss_fn, fullgraph=True) cannot trace hpf's unit reads: each read of a list "
+            "element of the params (a block) is a graph break, where hpf gathers and frees the unit. Put "
+            "fullgraph=True on the block's function instead (torch.compile(block, fullgraph=True), called on "
+            "the block's params), or compile loss_fn without fullgraph")
+    elif "data is not allocated" in str(err) or "for storage of size 0" in str(err):
+        explained = RuntimeError(
+            "loss_fn read an FSDP unit's param after hpf had freed the unit: either a param tensor kept from an "
+            "earlier step or micro-batch (a global, a closure, a cache, a torch.compile'd function's constant: "
+            "read params only from the current call's `params`), or a view (a slice, .T, .chunk, ...) used after "
+            "dropping every reference to the param tensor itself (keep blk['w'] alive while its views are in use)")
+    else:
         return err
-    return RuntimeError(
-        "loss_fn read an FSDP unit's param after hpf had freed the unit: either a param tensor kept from an "
-        "earlier step or micro-batch (a global, a closure, a cache, a torch.compile'd function's constant: "
-        "read params only from the current call's `params`), or a view (a slice, .T, .chunk, ...) used after "
-        "dropping every reference to the param tensor itself (keep blk['w'] alive while its views are in use)")
+    explained.__cause__ = err
+    return explained
 
 
 def _one_line(err: BaseException) -> str:
     """``err`` in one line, through to its root cause (a compile failure wraps the backend's error)."""
-    root = err
-    while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None and inner is not root:
-        root = inner  # (dynamo's compile errors keep the backend's as ``inner_exception``)
+    *_, root = schedule.causes(err, implicit=False)  # (dynamo's compile errors keep the backend's as ``inner_exception``)
     text = lambda e: f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"  # noqa: E731
     return text(err) + (f" (from {text(root)})" if root is not err else "")
 

@@ -23,7 +23,10 @@ from __future__ import annotations
 import contextlib
 import sys
 
-__all__ = ["hide_from_compiler", "eager_stance", "compile_seconds", "ENTRY_POINTS"]
+__all__ = ["hide_from_compiler", "eager_stance", "compile_seconds", "refused_fullgraph", "ENTRY_POINTS"]
+
+#: why dynamo may not trace a unit read (dynamo puts it in a fullgraph=True error: ``refused_fullgraph``)
+REASON = "hpf: a unit read is a graph break"
 
 #: the engine methods that compiled code can reach: a read (from a UnitList), the saved-tensor
 #: hooks (from a compiled forward's save_for_backward and backward's unpack) and an entry's backward
@@ -43,13 +46,19 @@ def hide_from_compiler(engine) -> bool:
     if dynamo is None:
         return False
     for name in ENTRY_POINTS:
-        setattr(engine, name, dynamo.disable(getattr(type(engine), name).__get__(engine)))
+        setattr(engine, name, dynamo.disable(getattr(type(engine), name).__get__(engine), reason=REASON))
     from . import views
     for cls, name in READS:
         fn = getattr(getattr(views, cls), name)
         if not hasattr(fn, "_torchdynamo_disable"):  # (once per process)
-            setattr(getattr(views, cls), name, dynamo.disable(fn))
+            setattr(getattr(views, cls), name, dynamo.disable(fn, reason=REASON))
     return True
+
+
+def refused_fullgraph(err: BaseException) -> bool:
+    """Whether ``err`` is dynamo refusing, under ``fullgraph=True``, to trace through a unit read
+    (its hint, to remove the disable, is not the user's to act on)."""
+    return type(err).__name__ == "Unsupported" and REASON in str(err)
 
 
 def eager_stance():

@@ -151,9 +151,13 @@ class AdamW:
     def apply(self, p: list, g: list, m: list, v: list, step: int, lr_scale: float = 1.0,
               decay: list | None = None) -> None:
         """The AdamW math on flat lists of tensors (shared with Muon's AdamW fallback);
-        weight decay multiplies ``decay`` (views into ``p``; None: all of ``p``)."""
+        weight decay multiplies ``decay`` (views into ``p``; None: all of ``p``). Complex tensors
+        are updated as their ``torch.view_as_real`` views, as torch's AdamW does (``g*g`` of a
+        complex ``g`` is not ``|g|^2``)."""
         if not p:
             return
+        p, g, m, v = (list(map(_real, x)) for x in (p, g, m, v))
+        decay = None if decay is None else list(map(_real, decay))
         lr = schedule_value(self.lr, step) * lr_scale
         b1, b2 = self.betas
         decay = p if decay is None else decay
@@ -168,6 +172,10 @@ class AdamW:
         torch._foreach_div_(denom, bias2_sqrt)
         torch._foreach_add_(denom, self.eps)
         torch._foreach_addcdiv_(p, m, denom, -lr / bias1)
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(t) if t.is_complex() else t
 
 
 def adamw(lr: float | Callable[[int], float] = 1e-3, betas: tuple[float, float] = (0.9, 0.999),

@@ -102,7 +102,7 @@ def _reference_grads(loss_fn: Callable, full: Any, batches: list, dtype: torch.d
     sum of their grads over the total count (``hpf.weighted``)."""
     paths, leaves, treedef = tree_util.flatten(full)
     params = [x.detach().to(dtype or x.dtype).requires_grad_() for x in leaves]
-    tree = tree_util.unflatten(treedef, params)
+    tree = tree_util.with_apply(tree_util.unflatten(treedef, params))
     total = [torch.zeros_like(x, dtype=torch.float32) for x in leaves]
     count = 0.0
     with spmd(None):
