@@ -51,7 +51,7 @@ def _rms_norm(x, w):
 
 
 def block(p: dict, x: torch.Tensor, n_heads: int) -> torch.Tensor:
-    q, k, v = rearrange(_rms_norm(x, p["norm1"]) @ p["w_qkv"], "b t (three h e) -> three b h t e",
+    q, k, v = rearrange(_rms_norm(x, p["norm1"]) @ p["w_qkv"], "b t (h three e) -> three b h t e",
                         three=3, h=n_heads)
     attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     x = x + rearrange(attn, "b h t e -> b t (h e)") @ p["w_o"]

@@ -46,8 +46,8 @@ class Block(nn.Module):
     def attention(self, x):
         # Explicit masked softmax, not SDPA, so the reference does not share the kernel under test.
         b, t, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=-1)
-        q, k, v = (y.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for y in (q, k, v))
+        q, k, v = self.qkv(x).view(b, t, self.n_heads, 3, d // self.n_heads).unbind(3)  # head-major columns
+        q, k, v = (y.transpose(1, 2) for y in (q, k, v))
         scores = q @ k.transpose(-1, -2) / math.sqrt(d // self.n_heads)
         future = torch.ones(t, t, dtype=torch.bool).triu(1)
         out = scores.masked_fill(future, float("-inf")).softmax(dim=-1) @ v

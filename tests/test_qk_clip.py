@@ -42,14 +42,16 @@ def test_max_attention_logit_is_the_causal_max_over_the_batch():
 
 
 def gpt_reference_logits(params, tokens):
-    """Each block's q, k by hand (w_qkv's column slices), through gpt.block for the residual stream."""
+    """Each block's q, k by hand (w_qkv's column slices, head-major: (h three e)), through gpt.block
+    for the residual stream."""
     x = torch.nn.functional.embedding(tokens, params["embed"]) + params["pos"][:tokens.shape[1]]
     d, h = TINY.d_model, TINY.n_heads
     out = []
     for blk in params["blocks"]:
         z = gpt.rms_norm(x, blk["norm1"])
-        q = rearrange(z @ blk["w_qkv"][:, :d], "b t (h e) -> b h t e", h=h)
-        k = rearrange(z @ blk["w_qkv"][:, d:2 * d], "b t (h e) -> b h t e", h=h)
+        cols = blk["w_qkv"].view(d, h, 3, d // h)
+        q = rearrange(z @ cols[:, :, 0].reshape(d, d), "b t (h e) -> b h t e", h=h)
+        k = rearrange(z @ cols[:, :, 1].reshape(d, d), "b t (h e) -> b h t e", h=h)
         out.append(brute_max_logits(q, k))
         x = gpt.block(blk, x, h)
     return torch.stack(out)
@@ -66,14 +68,14 @@ def test_gpt_reports_every_heads_max_logit_as_an_aux():
 
 
 def reference_clip_gpt(params, S, tau):
-    """Plain torch: scale head h's q and k columns of w_qkv by sqrt(tau / S) where S > tau."""
-    d, e = TINY.d_model, TINY.d_model // TINY.n_heads
+    """Plain torch: scale head h's q and k columns of w_qkv (head-major: h's are [3eh, 3eh + 2e)) by
+    sqrt(tau / S) where S > tau."""
+    e = TINY.d_model // TINY.n_heads
     for layer, blk in enumerate(params["blocks"]):
         for h in range(TINY.n_heads):
             if S[layer, h] > tau:
                 f = torch.tensor(math.sqrt(tau / float(S[layer, h])), dtype=torch.float64).float()
-                for base in (0, d):
-                    blk["w_qkv"][:, base + h * e:base + (h + 1) * e] *= f
+                blk["w_qkv"][:, 3 * e * h:3 * e * h + 2 * e] *= f
     return params
 
 

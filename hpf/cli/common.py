@@ -10,7 +10,7 @@ from pathlib import Path
 import hpf
 from hpf.cli import Parser
 from hpf.launcher import is_launched, world_size
-from hpf.models import MODELS, has_experts, specs_for
+from hpf.models import MODELS, TP_AXIS, data_axes, has_experts, specs_for
 from hpf.types import PRECISIONS
 
 DEFAULT_MESH = {"node": 2, "local": 2}  # 2 "hosts" x 2 local ranks: exercises both tiers
@@ -98,10 +98,19 @@ def mesh_text(axes) -> str:
 
 
 def sharding_of(model: str, config, mesh: hpf.Mesh, fsdp_axes, ep_axis: str | None) -> dict:
-    """shard_step's ``param_specs`` and ``fsdp_axes`` for --model: a model with ``param_specs``
-    (moe) places its experts on --ep-axis; the others shard every param over the FSDP axes."""
+    """shard_step's ``param_specs`` and ``fsdp_axes`` for --model: a mesh axis named ``tp`` runs
+    gpt and llama tensor parallel over it (FSDP over the others); a model with experts (moe)
+    places them on --ep-axis; the others shard every param over the FSDP axes."""
     module = MODELS[model]
     check_ep_axis(model, ep_axis)
+    if TP_AXIS in mesh.axis_names:
+        data = tuple(fsdp_axes or data_axes(mesh.axis_names))
+        if TP_AXIS in data or has_experts(module):
+            raise CliError(f"--mesh {mesh_text(dict(zip(mesh.axis_names, mesh.shape)))}: the axis {TP_AXIS} runs tensor "
+                           "parallelism, for gpt and llama, and is no FSDP axis" + (
+                               f"; --model {model} has experts (--ep-axis) instead" if has_experts(module) else
+                               f"; leave it out of --fsdp-axes"))
+        return {"param_specs": specs_for(module, config, None, data, TP_AXIS), "fsdp_axes": data}
     if not has_experts(module):
         return {"param_specs": None, "fsdp_axes": fsdp_axes}
     data = tuple(fsdp_axes or mesh.axis_names)

@@ -21,9 +21,9 @@ from hpf import checkpoint
 from hpf import data as token_data
 from hpf.checks import finite_or_none
 from hpf.comm import world as comm_world
-from hpf.cli.common import sharding_of, topology_of
+from hpf.cli.common import CliError, sharding_of, topology_of
 from hpf.comm.world import default_device
-from hpf.models import gpt, model_config
+from hpf.models import TP_AXIS, data_axes, gpt, model_config
 from hpf.optim.schedules import Schedule
 from hpf.progress import Progress
 
@@ -126,9 +126,13 @@ def make_step(job: TrainJob, mesh: hpf.Mesh):
     """The job's shard_step: --optimizer at --lr along --schedule after --warmup. AdamW decays
     matrices only (hpf.optim.default_weight_decay_mask: not norms, biases or embeddings)."""
     module, config = job.model_config()
+    sharding, tp = sharding_of(job.model, config, mesh, job.fsdp_axes, job.ep_axis), TP_AXIS in mesh.axis_names
 
     def lr(peak: float) -> Schedule:
         return Schedule(job.schedule, peak, total_steps=job.steps, warmup=job.warmup)
+    if job.qk_clip and tp:
+        raise CliError("--qk-clip with tensor parallelism (a tp axis in --mesh) is not supported: QK-Clip scales "
+                       "whole heads of the full weights; drop one of them")
     qk = dict(qk_clip=job.qk_clip, qk_heads=module.qk_heads(config)) if job.qk_clip else {}
     if job.optimizer == "muon":  # AdamW at the config's AdamW lr for embeddings, head and vectors
         optimizer = hpf.optim.muon(lr=lr(job.lr), adamw_lr=lr(defaults(job.config)[0]), ns_variant=job.ns_variant,
@@ -140,11 +144,13 @@ def make_step(job: TrainJob, mesh: hpf.Mesh):
     how = dict(recompute=job.recompute, weighted=True, compile=job.compile, **({"max_logits": True} if qk else {}))
     if job.dropout:  # the training loss alone: held-out loss, eval and generate run without dropout
         config = dataclasses.replace(config, dropout=job.dropout)
+    if tp:
+        how["tp_axis"] = TP_AXIS
     loss_fn = (module.loss_for(config, job.ep_axis, aux=True, **how) if hasattr(module, "Balancer")
                else module.loss_for(config, **how))
     return hpf.shard_step(loss_fn, mesh=mesh, optimizer=optimizer, accumulate=job.accumulate,
                           batch_axes=getattr(module, "BATCH_AXES", None),
-                          **sharding_of(job.model, config, mesh, job.fsdp_axes, job.ep_axis), mode=job.mode,
+                          **sharding, mode=job.mode,
                           mixed_precision=job.mixed_precision, hsdp=job.hsdp,
                           topology=topology_of(job.topology, job.bucket_bytes, job.slow_precision))
 
@@ -164,6 +170,13 @@ def _with_example_keys(batches, job: TrainJob, rank: int, world: int, start: int
         rows = tokens.shape[0]
         keys = hpf.random.example_keys(hpf.random.fold_in(dropout_key, i), rank * rows, rows)
         yield {"tokens": tokens, "keys": keys.to(tokens.device)}
+
+
+def data_rank(mesh: hpf.Mesh, rank: int) -> tuple[int, int]:
+    """(this rank's index among the ranks that split the data, their count): the ranks of one
+    tensor-parallel group read the same rows."""
+    axes = data_axes(mesh.axis_names)
+    return mesh.group_index(axes, rank), mesh.axis_size(axes)
 
 
 def _batches(job: TrainJob, config, split: str, rank: int, world: int, start: int):
@@ -231,11 +244,7 @@ def train_rank(rank: int, job: TrainJob) -> int | None:
     state, done = _first_state(job, step, module, config, balancer)
     if progress:
         progress.first = done  # a resumed run's rate and ETA count only the steps it runs
-    tokens = _batches(job, config, "train", rank, mesh.size, start=done)
-    if job.dropout:
-        tokens = _with_example_keys(tokens, job, rank, mesh.size, start=done)
-    batches = tokens if balancer is None else map(balancer.batch, tokens)
-    evaluate = _held_out(job, module, config, rank, mesh.size) if job.eval_every else None
+    batches, evaluate = _rank_data(job, module, config, mesh, rank, done, balancer)
     tokens_per_step = job.batch_size * config.seq_len
     flops, (peak, peak_source) = step_flops(module, config, job.batch_size), peak_flops()
     lr = Schedule(job.schedule, job.lr, total_steps=job.steps, warmup=job.warmup)
@@ -276,6 +285,17 @@ def train_rank(rank: int, job: TrainJob) -> int | None:
         if progress:
             progress.close()
     return stopped
+
+
+def _rank_data(job: TrainJob, module, config, mesh: hpf.Mesh, rank: int, done: int, balancer):
+    """This rank's train batches from step ``done`` on (with the examples' keys under --dropout,
+    the expert bias for moe), and its held-out evaluation (None without --eval-every)."""
+    reader, readers = data_rank(mesh, rank)
+    tokens = _batches(job, config, "train", reader, readers, start=done)
+    if job.dropout:
+        tokens = _with_example_keys(tokens, job, reader, readers, start=done)
+    batches = tokens if balancer is None else map(balancer.batch, tokens)
+    return batches, _held_out(job, module, config, reader, readers) if job.eval_every else None
 
 
 def _held_out(job: TrainJob, module, config, rank: int, world: int) -> token_data.HeldOut:

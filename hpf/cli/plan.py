@@ -1,6 +1,8 @@
 """``hpf plan``: per-rank memory and communication of any config on any mesh, from meta tensors."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 import hpf
@@ -13,12 +15,27 @@ from hpf.step import step_plan
 from hpf.types import MixedPrecision
 
 
-def plan_of(args, mesh: hpf.Mesh) -> hpf.Plan:
-    """The plan shard_step makes for these arguments, from meta tensors (shapes only)."""
+def plan_of(args, mesh: hpf.Mesh, fast_major: bool = False) -> hpf.Plan:
+    """The plan shard_step makes for these arguments, from meta tensors (shapes only);
+    ``fast_major``: with ``Topology(fast_major=True)``'s shard order."""
     module, config = model_config(args.model, args.config)
+    topology = topology_of(args.topology, args.bucket_bytes, args.slow_precision)
+    if fast_major:
+        topology = dataclasses.replace(topology, fast_major=True)
     return step_plan(module.init(config, device="meta"), mesh,
                      **sharding_of(args.model, config, mesh, args.fsdp_axes, args.ep_axis),
-                     topology=topology_of(args.topology, args.bucket_bytes, args.slow_precision), hsdp=args.hsdp)
+                     topology=topology, hsdp=args.hsdp)
+
+
+def muon_by_order(args, mesh: hpf.Mesh, plan: hpf.Plan) -> str:
+    """Muon's bytes per tier with shards numbered node-major (``plan``) and fast-major."""
+    from hpf.optim.dist_muon import muon_traffic
+
+    def mib(p):
+        total, slow = muon_traffic(hpf.optim.muon(), p)
+        return f"{(total - slow) / 2**20:,.2f} MiB fast, {slow / 2**20:,.2f} MiB slow"
+    return (f"Muon's pieces per step, all ranks: {mib(plan)} with shards numbered node-major (the default); "
+            f"{mib(plan_of(args, mesh, fast_major=True))} fast-major (Topology(fast_major=True))")
 
 
 def report_of(args, plan: hpf.Plan) -> tuple[PlanReport, str]:
@@ -46,6 +63,8 @@ def cmd_plan(args) -> int:
           f"FSDP axes {','.join(plan.fsdp_axes) or '-'}; fast tier {','.join(mesh.fast_axes)}; "
           f"{args.topology} collectives{', HSDP' if args.hsdp else ''}; precision {args.mixed_precision or 'fp32'}")
     print(state)
+    if args.optimizer == "muon" and args.topology == "two-tier":
+        print(muon_by_order(args, mesh, plan))
     print(report.format())
     if hasattr(module, "dispatch_bytes"):  # MoE token all-to-alls: 0 without --ep-axis
         ep = mesh.axis_size(args.ep_axis) if args.ep_axis else 1

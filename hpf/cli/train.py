@@ -30,7 +30,7 @@ from hpf.cli.plan import plan_of, report_of
 from hpf.cli.search import add_options as add_search_options, apply_plan, check_plan_flags
 from hpf.launcher import Terminated, init_distributed, is_launched, launch, rank, shutdown, world_size
 from hpf.memory import machine_memory, predict, size
-from hpf.models import MODELS, model_config
+from hpf.models import data_axes, model_config, MODELS
 from hpf.models.recompute import RECOMPUTE
 from hpf.optim.schedules import NAMES as SCHEDULES
 from hpf.plots import breakdown, missing_matplotlib, save_plots
@@ -65,7 +65,8 @@ def _check_memory(job: TrainJob, plan: hpf.Plan, report: PlanReport, local_ranks
     module, config = job.model_config()
     available, where = machine_memory(local_ranks)
     on_device = not where.startswith("host")
-    mem = predict(module, config, plan, report, local_batch=job.batch_size // plan.mesh.size,
+    mem = predict(module, config, plan, report, local_batch=job.batch_size // plan.mesh.axis_size(data_axes(
+                      plan.mesh.axis_names)),
                   mixed_precision=job.mixed_precision, recompute=job.recompute, accumulate=job.accumulate,
                   topology=job.topology, cpu=not on_device)
     if mem.total <= available:
@@ -163,10 +164,11 @@ def _check_run_options(args, mesh: hpf.Mesh, vocab_size: int | None, torchrun: b
     model_config(args.model, args.config, vocab_size)  # (names a config the model lacks)
     if torchrun and mesh.size != world_size():
         raise CliError(f"--mesh has {mesh.size} ranks but torchrun started {world_size()}; make them agree")
-    if args.batch_size % (mesh.size * args.accumulate):
-        per = f"{mesh.size} ranks" + (f" x {args.accumulate} micro-batches" if args.accumulate > 1 else "")
+    readers = mesh.axis_size(data_axes(mesh.axis_names))  # (a tensor-parallel group reads one share)
+    if args.batch_size % (readers * args.accumulate):
+        per = f"{readers} ranks" + (f" x {args.accumulate} micro-batches" if args.accumulate > 1 else "")
         raise CliError(f"--batch-size {args.batch_size} is the global batch and must split evenly over {per}; "
-                       f"use a multiple of {mesh.size * args.accumulate}")
+                       f"use a multiple of {readers * args.accumulate}")
     warmup_note = _lr_and_warmup(args)
     plots = None
     if args.plot:

@@ -11,7 +11,7 @@ import dataclasses
 
 from hpf.models import gpt, llama, moe
 
-__all__ = ["gpt", "llama", "moe", "MODELS", "model_config", "has_experts", "specs_for"]
+__all__ = ["gpt", "llama", "moe", "MODELS", "model_config", "has_experts", "specs_for", "TP_AXIS", "data_axes"]
 
 #: The models by name: what `hpf train --model` picks.
 MODELS = {"gpt": gpt, "llama": llama, "moe": moe}
@@ -29,17 +29,31 @@ def model_config(model: str, config: str, vocab_size: int | None = None):
     return module, (dataclasses.replace(found, vocab_size=vocab_size) if vocab_size else found)
 
 
+TP_AXIS = "tp"  # a mesh axis of this name runs the models tensor parallel (hpf train --mesh dp=2,tp=2)
+
+
 def has_experts(module) -> bool:
-    """Whether a model module places experts on an expert-parallel axis (it has ``param_specs``)."""
-    return hasattr(module, "param_specs")
+    """Whether a model module places experts on an expert-parallel axis (its ``EXPERTS``)."""
+    return getattr(module, "EXPERTS", False)
 
 
-def specs_for(module, config, ep_axis: str | None, data_axes) -> object:
-    """shard_step's ``param_specs`` for a model: its experts on ``ep_axis``, or None (a model
-    without experts: every param sharded over the FSDP axes ``data_axes``).
+def data_axes(axis_names) -> tuple[str, ...]:
+    """The axes that split the data: every axis but the tensor-parallel one."""
+    return tuple(a for a in axis_names if a != TP_AXIS)
+
+
+def specs_for(module, config, ep_axis: str | None, data_axes, tp_axis: str | None = None) -> object:
+    """shard_step's ``param_specs`` for a model: its experts on ``ep_axis``, its blocks tensor
+    parallel over ``tp_axis``, or None (every param sharded over the FSDP axes ``data_axes``).
 
     Raises:
-        ValueError: ``ep_axis`` for a model that has no experts."""
+        ValueError: ``ep_axis`` for a model that has no experts, ``tp_axis`` for one that has."""
+    if tp_axis is not None:
+        name = getattr(module, "__name__", str(module)).rpartition(".")[2]
+        if has_experts(module):
+            raise ValueError(f"tensor parallelism over {tp_axis!r}: model {name} runs expert parallelism instead "
+                             "(--ep-axis); use gpt or llama for tensor parallelism")
+        return module.param_specs(config, tp_axis, tuple(data_axes))
     if not has_experts(module):
         if ep_axis is not None:
             name = getattr(module, "__name__", str(module)).rpartition(".")[2]

@@ -28,6 +28,7 @@ from . import recompute as recompute_
 __all__ = [
     "GPTConfig", "CONFIGS", "num_params", "init", "forward", "loss", "loss_for",
     "global_batch", "synthetic_batches", "unit_flops", "activations", "block", "max_attention_logit", "qk_heads",
+    "param_specs",
 ]
 
 NORM_EPS = 1e-5
@@ -181,16 +182,62 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = NORM_EPS) -> to
 
 
 def block(blk: dict, x: torch.Tensor, n_heads: int, max_logits: bool = False, p: float = 0.0,
-          keys: torch.Tensor | None = None):
+          keys: torch.Tensor | None = None, tp_axis: str | None = None):
     """One pre-norm transformer block on the residual stream x [B, T, D]; with ``max_logits``,
-    (x, its heads' max attention logits [H]); ``p``, ``keys``: dropout on both residual branches."""
-    q, k, v = rearrange(rms_norm(x, blk["norm1"]) @ blk["w_qkv"],
-                        "b t (three h e) -> three b h t e", three=3, h=n_heads)
+    (x, its heads' max attention logits [H]); ``p``, ``keys``: dropout on both residual branches.
+    ``w_qkv``'s columns are head-major, ``(h three e)``, so a contiguous block of them holds whole
+    heads: under tensor parallelism (``tp_axis``, param_specs) each rank computes its heads and its
+    columns of the MLP, and the two row-parallel products are summed over the axis (Megatron)."""
+    e = x.shape[-1] // n_heads
+    if blk["w_qkv"].shape[1] % (3 * e):
+        raise ValueError(f"tensor parallelism splits the {n_heads} heads of w_qkv mid-head (a rank's block has "
+                         f"{blk['w_qkv'].shape[1]} columns, not whole heads of 3 x {e}): use a tp size that divides "
+                         "n_heads")
+    q, k, v = rearrange(rms_norm(x, blk["norm1"]) @ blk["w_qkv"], "b t (h three e) -> three b h t e", three=3, e=e)
     attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    x = x + dropout(rearrange(attn, "b h t e -> b t (h e)") @ blk["w_o"], p, keys, 0)
+    x = x + dropout(tp_sum(rearrange(attn, "b h t e -> b t (h e)") @ blk["w_o"], tp_axis), p, keys, 0)
     h = F.gelu(rms_norm(x, blk["norm2"]) @ blk["w_up"], approximate="tanh")
-    x = x + dropout(h @ blk["w_down"], p, keys, 1)
-    return (x, max_attention_logit(q, k)) if max_logits else x
+    x = x + dropout(tp_sum(h @ blk["w_down"], tp_axis), p, keys, 1)
+    return (x, tp_heads(max_attention_logit(q, k), tp_axis)) if max_logits else x
+
+
+def tp_sum(x: torch.Tensor, tp_axis: str | None) -> torch.Tensor:
+    """A row-parallel product's partial sums, summed over the tensor-parallel axis."""
+    if tp_axis is None:
+        return x
+    from ..comm.collectives import psum
+    return psum(x, tp_axis)
+
+
+def tp_heads(per_head: torch.Tensor, tp_axis: str | None) -> torch.Tensor:
+    """A per-head value [H_local] of every rank's heads, in head order [H]."""
+    if tp_axis is None:
+        return per_head
+    from ..comm.collectives import all_gather
+    return all_gather(per_head, tp_axis)
+
+
+def param_specs(config, tp_axis: str | None = None, data_axes=("dp",), column=(), row=(), transposed=False):
+    """Megatron tensor parallelism over ``tp_axis`` as shard_step's ``param_specs``: the paths
+    matching ``column`` split their output features over it, those matching ``row`` their input
+    features (dims 1 and 0 of an ``x @ w`` weight; 0 and 1 where ``transposed``, ``F.linear``'s
+    [out, in]); each is stored FSDP-sharded over ``data_axes``, as is every other param. None
+    without ``tp_axis`` (every param FSDP-sharded). Use with ``shard_step(..., fsdp_axes=data_axes)``
+    and ``loss_for(config, tp_axis=...)``."""
+    from ..spec import P, rules
+
+    if tp_axis is None:
+        return None
+    data = tuple(data_axes)
+    if tp_axis in data:
+        raise ValueError(f"tp_axis={tp_axis!r} is one of the data axes {data}: tensor parallelism splits the "
+                         "model over an axis of its own; pass the other axes as the data axes")
+    column = column or (r"blocks/\d+/(w_qkv|w_up)",)
+    row = row or (r"blocks/\d+/(w_o|w_down)",)
+    out_dim, in_dim = (P(tp_axis, None, fsdp=data), P(None, tp_axis, fsdp=data))
+    if not transposed:
+        out_dim, in_dim = in_dim, out_dim
+    return rules([*((c, out_dim) for c in column), *((r, in_dim) for r in row), (r".*", P(data))])
 
 
 def embedding_dropout(x: torch.Tensor, p: float, keys: torch.Tensor | None) -> torch.Tensor:
@@ -199,11 +246,11 @@ def embedding_dropout(x: torch.Tensor, p: float, keys: torch.Tensor | None) -> t
 
 
 def block_dropout(p: float, keys: torch.Tensor | None, i: int) -> tuple:
-    """The dropout arguments of block ``i``: () without dropout (so blocks run as before), else
-    (p, its keys ``fold_in(keys, i + 1)``), computed outside the block so a recomputed block
-    takes them as inputs."""
+    """The dropout arguments of block ``i``: (0, None) without dropout, else (p, its keys
+    ``fold_in(keys, i + 1)``), computed outside the block so a recomputed block takes them as
+    inputs."""
     if not p or keys is None:
-        return ()
+        return 0.0, None
     from .. import random as hpf_random
     return p, hpf_random.fold_in(keys, i + 1)
 
@@ -221,24 +268,26 @@ def max_attention_logit(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 def qk_heads(config: GPTConfig) -> dict:
     """QK-Clip's map: path -> (dim, head of each index along dim (-1: none), power). In
-    ``w_qkv`` [D, 3D] the q and k columns of head h of block l carry head l * H + h, each scaled
+    ``w_qkv`` [D, 3D] (columns ``(h three e)``) the q and k columns of head h of block l carry head l * H + h, each scaled
     by sqrt(gamma) (power 0.5), as Kimi K2 does for multi-head attention; v's columns are -1."""
     c = config
     e = c.d_model // c.n_heads
-    heads = torch.arange(c.n_heads).repeat_interleave(e)
-    return {f"blocks/{i}/w_qkv": (1, torch.cat([heads + i * c.n_heads] * 2 + [torch.full_like(heads, -1)]), 0.5)
+    qkv = torch.arange(3).repeat_interleave(e).repeat(c.n_heads)  # head-major columns: (h three e)
+    heads = torch.where(qkv < 2, torch.arange(c.n_heads).repeat_interleave(3 * e), -1)
+    return {f"blocks/{i}/w_qkv": (1, torch.where(heads >= 0, heads + i * c.n_heads, -1), 0.5)
             for i in range(c.n_layers)}
 
 
 def forward(params: dict, tokens: torch.Tensor, *, n_heads: int | None = None, recompute: str = "none",
             compile: bool = False, max_logits: bool = False, dropout_p: float = 0.0,
-            keys: torch.Tensor | None = None):
+            keys: torch.Tensor | None = None, tp_axis: str | None = None):
     """Logits [B, T, V] for int64 tokens [B, T]; computes in the params' dtype. ``recompute``:
     which blocks recompute their forward in backward; ``compile``: each block runs
     ``torch.compile``'d (hpf.models.recompute); ``max_logits``: (logits, every head's max
     attention logit [n_layers, n_heads]); ``dropout_p`` with ``keys`` [B, 2] (one per example,
     ``tokens_and_keys``): dropout on the embeddings (site 0 of ``fold_in(keys, 0)``) and on block
-    i's residual branches (sites 0 and 1 of ``fold_in(keys, i + 1)``)."""
+    i's residual branches (sites 0 and 1 of ``fold_in(keys, i + 1)``); ``tp_axis``: the blocks
+    run tensor parallel over it (``param_specs``)."""
     if n_heads is None:
         raise TypeError(
             "gpt.forward/gpt.loss need n_heads= (the head count is not visible in the param shapes); "
@@ -255,16 +304,17 @@ def forward(params: dict, tokens: torch.Tensor, *, n_heads: int | None = None, r
     for i, run in recompute_.each_block(params["blocks"], recompute, compile):
         drop = block_dropout(dropout_p, keys, i)
         if max_logits:
-            x, s = run(block, x, n_heads, True, *drop)
+            x, s = run(block, x, n_heads, True, *drop, tp_axis)
             logits.append(s)
         else:
-            x = run(block, x, n_heads, False, *drop)
+            x = run(block, x, n_heads, False, *drop, tp_axis)
     out = rms_norm(x, params["norm_f"]) @ params["head"]
     return (out, torch.stack(logits)) if max_logits else out
 
 
 def loss(params: dict, batch, *, n_heads: int | None = None, recompute: str = "none",
-         weighted: bool = False, compile: bool = False, max_logits: bool = False, dropout: float = 0.0):
+         weighted: bool = False, compile: bool = False, max_logits: bool = False, dropout: float = 0.0,
+         tp_axis: str | None = None):
     """Next-token cross-entropy of ``batch`` [B, T+1] (targets of -100 are padding); the softmax
     runs in fp32 for any param dtype. The mean, or (``weighted``) ``hpf.weighted(sum, count)``:
     the step then divides by the global count of real targets (hpf.losses). ``max_logits``: with
@@ -274,20 +324,21 @@ def loss(params: dict, batch, *, n_heads: int | None = None, recompute: str = "n
     if batch.dim() != 2 or batch.shape[1] < 2:
         raise ValueError(f"batch must be [batch, time+1] token ids with time+1 >= 2, got shape {list(batch.shape)}")
     out = forward(params, batch[:, :-1], n_heads=n_heads, recompute=recompute, compile=compile, max_logits=max_logits,
-                  dropout_p=dropout, keys=keys)
+                  dropout_p=dropout, keys=keys, tp_axis=tp_axis)
     if max_logits:
         return token_cross_entropy(out[0], batch[:, 1:], weighted=weighted), {"max_attn_logit": out[1]}
     return token_cross_entropy(out, batch[:, 1:], weighted=weighted)
 
 
 def loss_for(config: GPTConfig, recompute: str = "none", weighted: bool = False, compile: bool = False,
-             max_logits: bool = False):
+             max_logits: bool = False, tp_axis: str | None = None):
     """``loss_fn(params, batch)`` for ``config``: what ``hpf.shard_step`` takes. ``recompute``:
     "none", "all" or "every_other" block recomputes its forward in backward (less memory);
     ``weighted``: return ``hpf.weighted(sum, count)``; ``compile``: each block is ``torch.compile``'d;
-    ``max_logits``: also return the heads' max attention logits as an aux (for QK-Clip)."""
+    ``max_logits``: also return the heads' max attention logits as an aux (for QK-Clip);
+    ``tp_axis``: tensor parallel over that mesh axis, with ``param_specs(config, tp_axis, ...)``."""
     return functools.partial(loss, n_heads=config.n_heads, recompute=recompute_.check(recompute), weighted=weighted,
-                             compile=compile, max_logits=max_logits, dropout=config.dropout)
+                             compile=compile, max_logits=max_logits, dropout=config.dropout, tp_axis=tp_axis)
 
 
 # ---------------------------------------------------------------- synthetic data

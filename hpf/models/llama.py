@@ -30,12 +30,13 @@ from einops import rearrange
 
 from ..losses import token_cross_entropy
 from . import recompute as recompute_
-from hpf.models.gpt import (INIT_STD, block_dropout, check_dropout, dropout, embedding_dropout, max_attention_logit,
-                            param_makers, rms_norm, synthetic_batches, tokens_and_keys)
+from hpf.models.gpt import (INIT_STD, tp_sum, block_dropout, check_dropout, dropout, embedding_dropout,
+                            max_attention_logit, param_makers, rms_norm, synthetic_batches, tokens_and_keys, tp_heads)
+from hpf.models.gpt import param_specs as gpt_param_specs
 
 __all__ = [
     "LlamaConfig", "CONFIGS", "num_params", "init", "forward", "loss", "loss_for",
-    "from_hf", "to_hf", "synthetic_batches", "activations", "block", "qk_heads",
+    "from_hf", "to_hf", "synthetic_batches", "activations", "block", "qk_heads", "param_specs",
 ]
 
 
@@ -124,20 +125,34 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def block(blk: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, c: LlamaConfig, max_logits: bool = False,
-          p: float = 0.0, keys: torch.Tensor | None = None):
+          p: float = 0.0, keys: torch.Tensor | None = None, tp_axis: str | None = None):
     """One block on the residual stream x [B, T, D]: RoPE grouped-query attention, then SwiGLU;
     with ``max_logits``, (x, its heads' max attention logits [H]); ``p``, ``keys``: dropout on
-    both residual branches (gpt.dropout)."""
+    both residual branches (gpt.dropout). Head counts come from the weights' shapes, so under
+    tensor parallelism (``tp_axis``, ``param_specs``) each rank runs its own heads and MLP columns,
+    and the row-parallel outputs are summed over the axis (Megatron)."""
+    if blk["wk"].shape[0] % c.head_dim or blk["wq"].shape[0] // c.head_dim % (blk["wk"].shape[0] // c.head_dim or 1):
+        raise ValueError(f"tensor parallelism splits a key head: n_kv_heads={c.n_kv_heads} over a tp axis that does "
+                         "not divide it; use a tp size that divides n_kv_heads (and n_heads)")
     h = rms_norm(x, blk["attn_norm"], c.norm_eps)
     q = rearrange(F.linear(h, blk["wq"]), "b t (h e) -> b h t e", e=c.head_dim)
     k = rearrange(F.linear(h, blk["wk"]), "b t (h e) -> b h t e", e=c.head_dim)
     v = rearrange(F.linear(h, blk["wv"]), "b t (h e) -> b h t e", e=c.head_dim)
     q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-    attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.n_kv_heads != c.n_heads)
-    x = x + dropout(F.linear(rearrange(attn, "b h t e -> b t (h e)"), blk["wo"]), p, keys, 0)
+    attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    x = x + dropout(tp_sum(F.linear(rearrange(attn, "b h t e -> b t (h e)"), blk["wo"]), tp_axis), p, keys, 0)
     h = rms_norm(x, blk["mlp_norm"], c.norm_eps)
-    x = x + dropout(F.linear(F.silu(F.linear(h, blk["w_gate"])) * F.linear(h, blk["w_up"]), blk["w_down"]), p, keys, 1)
-    return (x, max_attention_logit(q, k)) if max_logits else x
+    up = F.silu(F.linear(h, blk["w_gate"])) * F.linear(h, blk["w_up"])
+    x = x + dropout(tp_sum(F.linear(up, blk["w_down"]), tp_axis), p, keys, 1)
+    return (x, tp_heads(max_attention_logit(q, k), tp_axis)) if max_logits else x
+
+
+def param_specs(config: LlamaConfig, tp_axis: str | None = None, data_axes=("dp",)):
+    """Megatron tensor parallelism over ``tp_axis`` (gpt.param_specs): wq, wk, wv, w_gate and
+    w_up split their output rows, wo and w_down their input columns. Grouped-query attention needs
+    whole key heads on each rank: n_kv_heads divisible by the axis size (checked at the first step)."""
+    return gpt_param_specs(config, tp_axis, data_axes, column=(r"blocks/\d+/(wq|wk|wv|w_gate|w_up)",),
+                           row=(r"blocks/\d+/(wo|w_down)",), transposed=True)
 
 
 def qk_heads(config: LlamaConfig) -> dict:
@@ -158,7 +173,7 @@ def qk_heads(config: LlamaConfig) -> dict:
 
 def forward(params: dict, tokens: torch.Tensor, *, config: LlamaConfig | None = None,
             recompute: str = "none", compile: bool = False, max_logits: bool = False,
-            keys: torch.Tensor | None = None):
+            keys: torch.Tensor | None = None, tp_axis: str | None = None):
     """Logits [B, T, V] for int64 tokens [B, T]; computes in the params' dtype. ``recompute``:
     which blocks recompute their forward in backward; ``compile``: each block runs
     ``torch.compile``'d (hpf.models.recompute); ``max_logits``: (logits, every head's max
@@ -176,16 +191,16 @@ def forward(params: dict, tokens: torch.Tensor, *, config: LlamaConfig | None = 
     for i, run in recompute_.each_block(params["blocks"], recompute, compile):
         drop = block_dropout(c.dropout, keys, i)
         if max_logits:
-            x, s = run(block, x, cos, sin, c, True, *drop)
+            x, s = run(block, x, cos, sin, c, True, *drop, tp_axis)
             logits.append(s)
         else:
-            x = run(block, x, cos, sin, c, False, *drop)
+            x = run(block, x, cos, sin, c, False, *drop, tp_axis)
     out = F.linear(rms_norm(x, params["norm"], c.norm_eps), params["head"])
     return (out, torch.stack(logits)) if max_logits else out
 
 
 def loss(params: dict, batch, *, config: LlamaConfig | None = None, recompute: str = "none",
-         weighted: bool = False, compile: bool = False, max_logits: bool = False):
+         weighted: bool = False, compile: bool = False, max_logits: bool = False, tp_axis: str | None = None):
     """Next-token cross-entropy of ``batch`` [B, T+1] over ``batch[:, 1:]`` (transformers'
     ``labels=batch``; -100 is padding); the softmax runs in fp32 for any param dtype. The mean,
     or (``weighted``) ``hpf.weighted(sum, count)`` for the step to divide by the global count.
@@ -194,20 +209,20 @@ def loss(params: dict, batch, *, config: LlamaConfig | None = None, recompute: s
     if batch.dim() != 2 or batch.shape[1] < 2:
         raise ValueError(f"batch must be [batch, time+1] token ids with time+1 >= 2, got shape {list(batch.shape)}")
     out = forward(params, batch[:, :-1], config=config, recompute=recompute, compile=compile, max_logits=max_logits,
-                  keys=keys)
+                  keys=keys, tp_axis=tp_axis)
     if max_logits:  # the aux of gpt.loss(max_logits=True)
         return token_cross_entropy(out[0], batch[:, 1:], weighted=weighted), {"max_attn_logit": out[1]}
     return token_cross_entropy(out, batch[:, 1:], weighted=weighted)
 
 
 def loss_for(config: LlamaConfig, recompute: str = "none", weighted: bool = False, compile: bool = False,
-             max_logits: bool = False):
+             max_logits: bool = False, tp_axis: str | None = None):
     """``loss_fn(params, batch)`` for ``config``: what ``hpf.shard_step`` takes. ``recompute``:
     "none", "all" or "every_other" block recomputes its forward in backward (less memory);
     ``weighted``: return ``hpf.weighted(sum, count)``; ``compile``: each block is ``torch.compile``'d;
     ``max_logits``: also return the heads' max attention logits as an aux (for QK-Clip)."""
     return functools.partial(loss, config=config, recompute=recompute_.check(recompute), weighted=weighted,
-                             compile=compile, max_logits=max_logits)
+                             compile=compile, max_logits=max_logits, tp_axis=tp_axis)
 
 
 def activations(config: LlamaConfig, local_batch: int, dtype_bytes: int = 4) -> recompute_.Activations:

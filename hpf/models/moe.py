@@ -39,6 +39,7 @@ __all__ = ["MoEConfig", "CONFIGS", "num_params", "init", "loss", "loss_for", "pa
            "dispatch_bytes",
            "unit_flops", "unit_a2a", "activations"]
 
+EXPERTS = True  # its experts split over an expert-parallel axis (hpf.models.has_experts)
 NORM_EPS = 1e-6
 INIT_STD = 0.02
 
