@@ -18,7 +18,6 @@ from __future__ import annotations
 import statistics
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
@@ -28,6 +27,7 @@ from hpf.launcher import launch
 from hpf.models import gpt
 
 from common import config_of, parse_step_args, print_table, report_ratio, step_bench_parser, time_steps
+from step_vs_fsdp2 import adamw_step
 
 WORLD, DP, TP = 4, 2, 2
 
@@ -79,17 +79,7 @@ def _dtensor(params, config, adamw):
                                            "up": ColwiseParallel(), "down": RowwiseParallel()})
         fully_shard(b, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
-    opt = torch.optim.AdamW(model.parameters(), foreach=True, **adamw)
-
-    def step(batch):
-        loss = model(batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        dp_mean = loss.detach().clone()
-        dist.all_reduce(dp_mean)
-        return float(dp_mean) / WORLD  # (the tp ranks of a dp group hold the same loss)
-    return step
+    return adamw_step(model, adamw)  # (the global mean: the tp ranks of a dp group hold the same loss)
 
 
 def _hpf(params, config, adamw):

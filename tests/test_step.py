@@ -31,12 +31,16 @@ HSDP = hpf.rules([(r"blocks/\d+/w_\w+", P("local")), (r".*", P())])
 # differ by a few ulps: measured <= 9.5e-7 on losses of ~4 (2.4e-7 relative), well inside
 # rtol 1e-5. Params: AdamW divides each grad element by its own running RMS, so an element
 # whose grad nearly cancels (summands ~1e3x the sum) turns ulp noise into ~1e-4 relative
-# error of an update of size ~lr = 1e-2: measured <= 4.2e-6 after 4 steps (with clipping).
-# atol 2e-5 = lr / 500 leaves a 5x margin, while any real error (a wrong offset, a padding
-# element leaking in, a rank's grads missing) moves a param by O(lr). A wrong grad scale
-# (sum instead of mean) hides from AdamW's scale invariance; the grad-norm check catches it.
+# error of an update of size ~lr = 1e-2: measured <= 4.2e-6 after 4 steps (with clipping) for
+# all but the rare element whose grad cancels almost wholly (summands ~1e5x the sum): with the
+# keyed init one embedding element (row 43, col 3) moves 1.2e-4 = lr / 85. So: every element
+# within atol 5e-4 = lr / 20, and 99.9% of them within 2e-5 = lr / 500, while any real error (a
+# wrong offset, a padding element leaking in, a rank's grads missing) moves params by O(lr). A
+# wrong grad scale (sum instead of mean) hides from AdamW's scale invariance; the grad-norm
+# check catches it.
 LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
-PARAM_TOL = dict(rtol=1e-5, atol=2e-5)
+PARAM_TOL = dict(rtol=1e-5, atol=5e-4)
+BULK_ATOL, BULK_SHARE = 2e-5, 0.999
 
 
 def full_batch(config, step):
@@ -174,6 +178,8 @@ def assert_matches(run, ref):
     assert len(run["params"]) == len(params)
     for got, want in zip(run["params"], params):
         np.testing.assert_allclose(got, want.numpy(), **PARAM_TOL)
+    errors = np.concatenate([np.abs(got - want.numpy()).ravel() for got, want in zip(run["params"], params)])
+    assert (errors <= BULK_ATOL).mean() >= BULK_SHARE, np.sort(errors)[-5:]
 
 
 def update_mismatch(params, ref_params) -> float:
@@ -341,4 +347,4 @@ def test_a_unit_whose_only_param_has_zero_elements_trains_on_two_ranks():
     torch.testing.assert_close(losses, want_losses, **LOSS_TOL)
     assert params["layers/0/e"].shape == (0,) and params["layers/2/e"].shape == (0, 3)
     for path, value in want.items():
-        torch.testing.assert_close(params[path], value, **PARAM_TOL)
+        torch.testing.assert_close(params[path], value, rtol=PARAM_TOL["rtol"], atol=BULK_ATOL)  # (no cancelling grads)
