@@ -202,3 +202,22 @@ def test_the_hardware_rule_calibrates_once_quickly_and_then_reuses_the_cache(tmp
     assert cli_search.calibration_cache().is_relative_to(tmp_path)
     args.hardware = "h100"
     assert cli_search.hardware_of(args, hpf.Mesh({"dp": 2}), 8)[0].name == "h100"
+
+
+def test_plan_prints_a_tiny_models_sizes_at_a_precision_that_shows_them(capsys):
+    # gpt tiny's 17k params on 4 ranks: each printed size reads back within 1% of the plan's own
+    # figure (0.0M params and 0.000 GiB read back as zero)
+    from hpf import cli
+    from hpf.cli.plan import plan_of, report_of
+
+    assert cli.main(["plan", "--config", "tiny"]) == 0
+    out = capsys.readouterr().out
+    number = lambda pattern: float(re.search(pattern, out)[1].replace(",", ""))  # noqa: E731
+    assert number(r"'tiny': ([\d.,]+)M params") * 1e6 == pytest.approx(gpt.num_params(gpt.CONFIGS["tiny"]), rel=0.01)
+    mesh = hpf.Mesh({"node": 2, "local": 2})
+    args = cli.build_parser("plan").parse_args(["plan", "--config", "tiny"])
+    report = report_of(args, plan_of(args, mesh))[0]
+    for label, value in (("params \\(shards\\)", report.params_bytes), ("optimizer state", report.optimizer_bytes),
+                         ("padded total, all ranks", report.padded_total_bytes)):
+        assert number(rf"{label}\s+([\d.]+) MiB") * 2**20 == pytest.approx(value, rel=0.01), label
+    assert number(r"all_gather\s+([\d.]+) MiB") > 0
