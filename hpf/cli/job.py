@@ -33,6 +33,7 @@ from hpf.progress import Progress
 TRAIN_DEFAULTS = {"tiny": (1e-2, 0.02, 0), "small": (3e-3, 0.02, 20), "medium": (6e-4, 0.02, 100),
                   "1b": (3e-4, 0.02, 200)}
 STEP_METRICS = ("loss", "grad_norm", "skipped", "step_s", "comm_wait_s", "optimizer_s", "compile_s")  # from shard_step's metrics
+BATCH_SIZE = 32  # hpf train's global batch, in sequences, when --batch-size is not given
 EVAL_BATCHES = 4  # held-out batches (of --batch-size sequences) per evaluation, the same ones each time
 
 

@@ -24,8 +24,8 @@ from hpf import data as token_data
 from hpf.api import STEPS
 from hpf.cli import run_folder
 from hpf.cli.common import CliError, job_parsers, mesh_of, mesh_text, positive
-from hpf.cli.job import (EVAL_BATCHES, TRAIN_DEFAULTS, TrainJob, defaults, make_step, read_metrics, train_options,
-                         train_rank)
+from hpf.cli.job import (BATCH_SIZE, EVAL_BATCHES, TRAIN_DEFAULTS, TrainJob, defaults, make_step, read_metrics,
+                         train_options, train_rank)
 from hpf.cli.plan import plan_of, report_of
 from hpf.cli.search import add_options as add_search_options, apply_plan, check_plan_flags
 from hpf.launcher import Terminated, init_distributed, is_launched, launch, rank, shutdown, world_size
@@ -369,8 +369,8 @@ def add_parser(sub, help_: str):
                     "and how the run ended: --out DIR --resume goes on from the newest checkpoint with no other "
                     "flag. Under torchrun (torchrun --nproc-per-node 8 -m hpf train ...) each process is one rank.")
     train.add_argument("--steps", type=positive(int), default=100, help="(default: 100)")
-    train.add_argument("--batch-size", type=positive(int), default=32, metavar="B",
-                       help="global batch in sequences, split over the ranks (default: 32)")
+    train.add_argument("--batch-size", type=positive(int), default=BATCH_SIZE, metavar="B",
+                       help=f"global batch in sequences, split over the ranks (default: {BATCH_SIZE})")
     defaults = "; ".join(f"{c} {a:g}/{m:g}, {w} warmup" for c, (a, m, w) in TRAIN_DEFAULTS.items())
     train.add_argument("--lr", type=positive(float),
                        help=f"peak learning rate (default per config, adamw/muon lr and warmup steps: {defaults}; "
