@@ -265,9 +265,12 @@ def test_timeout_stops_after_a_step_saves_it_and_resumes(tmp_path):
     assert json.loads((out / "run.json").read_text())["status"] == "stopped"
     assert [p.name for p in (out / "checkpoints").iterdir()] == [f"step_{last:06d}"]
     assert f"stopped: {last} steps" in proc.stdout and f"after step {last} of 1000000, which is saved" in proc.stdout
-    again = hpf_cmd("train", "--out", out, "--resume", "--steps", last + 2)
+    again = hpf_cmd("train", "--out", out, "--resume", "--steps", last + 2, "--timeout", 600)
     assert again.returncode == 0, again.stderr
     assert [r["step"] for r in records(out)] == list(range(1, last + 3))
+    # the resumed run ended cleanly at its last step, with no --save-every: that step is saved too
+    assert f"step_{last + 2:06d} (the newest checkpoint)" in again.stdout
+    assert (out / "checkpoints" / f"step_{last + 2:06d}").is_dir()
 
 
 @pytest.mark.slow

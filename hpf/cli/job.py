@@ -95,8 +95,12 @@ class TrainJob:
         return bool(self.eval_every) and (i % self.eval_every == 0 or i == self.steps)
 
     def save_due(self, i: int) -> bool:
-        """--save-every N: after every N-th step and after the last one (a run ends with a checkpoint)."""
-        return bool(self.save_every) and (i % self.save_every == 0 or i == self.steps)
+        """After every --save-every N-th step, and after the last step of a run that checkpoints
+        (--save-every, --timeout, or a resumed run): a clean end always saves the step it ended at,
+        so --resume and hpf eval see it. (--timeout's own stop saves too: see train_rank.)"""
+        if self.save_every and i % self.save_every == 0:
+            return True
+        return i == self.steps and bool(self.save_every or self.stop_at is not None or self.resume)
 
     def stop_due(self) -> bool:
         """--timeout: whether its time is up, agreed by every rank (the latest clock decides), so

@@ -423,7 +423,8 @@ def _add_data_options(train) -> None:
                             "line, metrics.jsonl and the loss plot)")
     train.add_argument("--save-every", type=positive(int), metavar="N",
                        help="save a checkpoint every N steps into <out>/checkpoints (DCP format, async: the write "
-                            "overlaps the next steps)")
+                            "overlaps the next steps); a run with --save-every, --timeout or --resume also saves "
+                            "the step it ends at")
     train.add_argument("--keep-last", type=positive(int), default=3, metavar="K",
                        help="keep the newest K checkpoints (default: 3)")
     train.add_argument("--resume", nargs="?", const="latest", metavar="PATH",
