@@ -327,3 +327,19 @@ def test_metrics_have_lr_peak_memory_and_mfu_against_a_stated_peak(tmp_path):
     assert [r["mfu"] for r in rows] == pytest.approx([flops / r["step_s"] / peak for r in rows])
     assert f"MFU against {peak / 1e12:.3g} TFLOP/s per rank (this machine's calibration" in proc.stdout
     assert "MFU" in proc.stdout.split("done:")[1] and "memory      peak" in proc.stdout
+
+
+def test_waiting_on_communication_is_one_figure_in_every_summary_line():
+    # a --compile run: step 1 compiles for 40 s, the rest take 26.8 ms of which 17.5 ms wait on
+    # collectives. The summary's breakdown and its "waiting on communication" agree (65%), the
+    # compile step counted in neither, and the progress line's share of one step is the same rule
+    from hpf.cli.job import _shown
+    from hpf.cli.train import summary
+
+    row = dict(loss=4.0, grad_norm=1.0, skipped=False, optimizer_s=0.001, tokens_per_s=1.0, compile_s=0.0)
+    rows = [dict(row, step=1, step_s=40.0, comm_wait_s=0.02, compile_s=39.9)]
+    rows += [dict(row, step=i, step_s=0.0268, comm_wait_s=0.0175) for i in range(2, 12)]
+    text = summary(rows, 41.0, [])
+    assert "step time   26.8 ms median: compute 8.3, exposed comm 17.5, optimizer 1.0 ms" in text
+    assert f"waiting on communication {0.0175 / 0.0268:.0%} of the median step" in text  # 65%, not 1%
+    assert _shown(rows[5], rows[5], 0)["comm wait"] == f"{0.0175 / 0.0268:.0%}"

@@ -25,6 +25,7 @@ from hpf.cli.common import sharding_of, topology_of
 from hpf.comm.world import default_device
 from hpf.models import gpt, model_config
 from hpf.optim.schedules import Schedule
+from hpf.plots import comm_share
 from hpf.progress import Progress
 
 # Per config: AdamW lr (also Muon's AdamW fallback), Muon lr, linear warmup steps. Picked so the
@@ -328,7 +329,7 @@ def _shown(record: dict, m: dict, skipped: int) -> dict[str, str]:
     if "eval_loss" in record:
         shown["eval"] = f"{record['eval_loss']:.4f}"
     shown.update({"tokens/s": f"{record['tokens_per_s'] / 1e3:.1f}k",
-                  "comm wait": f"{m['comm_wait_s'] / m['step_s']:.0%}"})
+                  "comm wait": f"{comm_share([record]):.0%}"})
     if skipped:
         shown["skipped"] = str(skipped)
     if m["compile_s"] >= 0.05:

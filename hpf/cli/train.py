@@ -33,7 +33,7 @@ from hpf.memory import machine_memory, predict, size
 from hpf.models import MODELS, model_config
 from hpf.models.recompute import RECOMPUTE
 from hpf.optim.schedules import NAMES as SCHEDULES
-from hpf.plots import breakdown, missing_matplotlib, save_plots
+from hpf.plots import breakdown, comm_share, missing_matplotlib, save_plots
 from hpf.report import PlanReport, millions
 
 __all__ = ["cmd_train", "add_parser", "summary", "check_trained", "read_metrics", "TRAIN_DEFAULTS", "EVAL_BATCHES"]
@@ -308,7 +308,6 @@ def summary(records: list[dict], wall_s: float, files: list, resumed_at: int = 0
     records = ran
     median = {k: statistics.median(r[k] for r in records) for k in ("step_s", "tokens_per_s")}
     compute, comm, opt = (statistics.median(x) for x in zip(*map(breakdown, records)))
-    total_step = sum(r["step_s"] for r in records)
     tail = records[-min(10, len(records)):]
     return "\n".join([
         f"{ended}: {len(records)} steps in {wall_s:.1f} s" + (f" (steps {resumed_at + 1}-{last['step']}, resumed)"
@@ -320,7 +319,7 @@ def summary(records: list[dict], wall_s: float, files: list, resumed_at: int = 0
         f"  step time   {median['step_s'] * 1e3:.1f} ms median: compute {compute * 1e3:.1f}, "
         f"exposed comm {comm * 1e3:.1f}, optimizer {opt * 1e3:.1f} ms",
         f"  throughput  {median['tokens_per_s']:,.0f} tokens/s median; waiting on communication "
-        f"{sum(r['comm_wait_s'] for r in records) / total_step:.0%} of step time",
+        f"{comm_share(records):.0%} of the median step (exposed comm over step time)",
         *_compile_summary(records),
         *_usage_summary(records),
         "  files       " + "\n              ".join(str(f) for f in files),
