@@ -24,6 +24,7 @@ from hpf.comm import world as comm_world
 from hpf.cli.common import sharding_of, topology_of
 from hpf.comm.world import default_device
 from hpf.models import gpt, model_config
+from hpf.optim.muon_math import qk_clip_factors
 from hpf.optim.schedules import Schedule
 from hpf.plots import comm_share
 from hpf.progress import Progress
@@ -268,6 +269,8 @@ def train_rank(rank: int, job: TrainJob) -> int | None:
                     record["eval_loss"] = evaluate(step, state)
                 if balancer is not None:
                     record["expert_imbalance"] = balancer.update(m)
+                if job.qk_clip:
+                    record.update(qk_clip_record(m, job.qk_clip))
                 stop = job.stop_due()
                 if job.save_due(i) or stop:
                     _save(job, step, state, i, config, balancer, progress)
@@ -282,6 +285,13 @@ def train_rank(rank: int, job: TrainJob) -> int | None:
         if progress:
             progress.close()
     return stopped
+
+
+def qk_clip_record(metrics: dict, tau: float) -> dict:
+    """--qk-clip's metrics of a step: how many heads QK-Clip scaled (their max logit passed tau,
+    the rule hpf.optim.muon applies) and the largest max logit of any head."""
+    logits = metrics["aux"]["max_attn_logit"]
+    return {"qk_heads_clipped": int((qk_clip_factors(logits, tau) < 1).sum()), "qk_max_logit": float(logits.max())}
 
 
 def _held_out(job: TrainJob, module, config, rank: int, world: int) -> token_data.HeldOut:
@@ -334,6 +344,8 @@ def _shown(record: dict, m: dict, skipped: int) -> dict[str, str]:
         shown["skipped"] = str(skipped)
     if m["compile_s"] >= 0.05:
         shown["compile"] = f"{m['compile_s']:.1f}s"
+    if "qk_heads_clipped" in record:
+        shown["qk clipped"] = f"{record['qk_heads_clipped']} heads, max logit {record['qk_max_logit']:.3g}"
     if "expert_imbalance" in record:
         shown["experts max/mean"] = f"{record['expert_imbalance']:.2f}"
     return shown

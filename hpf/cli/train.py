@@ -321,6 +321,7 @@ def summary(records: list[dict], wall_s: float, files: list, resumed_at: int = 0
         f"  throughput  {median['tokens_per_s']:,.0f} tokens/s median; waiting on communication "
         f"{comm_share(records):.0%} of the median step (exposed comm over step time)",
         *_compile_summary(records),
+        *_qk_clip_summary(records),
         *_usage_summary(records),
         "  files       " + "\n              ".join(str(f) for f in files),
     ])
@@ -341,6 +342,14 @@ def _usage_summary(records: list[dict]) -> list[str]:
     mfu = [r["mfu"] for r in records if r.get("mfu") is not None]
     return [f"  memory      peak {size(max(r.get('peak_memory_bytes', 0) for r in records))} (rank 0)"
             + (f"; MFU {statistics.median(mfu):.1%} median" if mfu else "")]
+
+
+def _qk_clip_summary(records: list[dict]) -> list[str]:
+    clipped = [r["qk_heads_clipped"] for r in records if "qk_heads_clipped" in r]  # --qk-clip runs only
+    if not clipped:
+        return []
+    return [f"  qk-clip     fired in {sum(n > 0 for n in clipped)} of {len(clipped)} steps (up to {max(clipped)} "
+            f"heads a step); max attention logit {max(r['qk_max_logit'] for r in records):.3g}"]
 
 
 def _compile_summary(records: list[dict]) -> list[str]:
