@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import hpf
 from hpf.models import gpt
-from cli_helpers import REPO, CALIBRATION, records, calibrated_here, hpf_cmd, one_error_line, NO_MATPLOTLIB
+from cli_helpers import REPO, records, calibrated_here, hpf_cmd, one_error_line, NO_MATPLOTLIB
 
 
 @pytest.mark.slow
@@ -314,7 +314,8 @@ def test_ctrl_c_ends_hpf_train_on_its_own_line_and_says_how_to_go_on(tmp_path):
 
 
 @pytest.mark.slow
-def test_metrics_have_lr_peak_memory_and_mfu_against_a_stated_peak(tmp_path):
+def test_metrics_have_lr_peak_memory_and_no_mfu_on_a_cpu_even_with_a_calibration_cached(tmp_path):
+    # the README's run prints "no MFU": so does one whose cache holds this machine's calibration
     out = tmp_path / "run"
     proc = hpf_cmd("train", "--world-size", 1, "--steps", 4, "--warmup", 2, "--schedule", "linear", "--out", out,
                    env=calibrated_here(tmp_path))
@@ -322,11 +323,9 @@ def test_metrics_have_lr_peak_memory_and_mfu_against_a_stated_peak(tmp_path):
     rows = records(out)
     assert [r["lr"] for r in rows] == pytest.approx([0.005, 0.01, 0.005, 0.0])  # warmup, then linear to 0
     assert all(r["peak_memory_bytes"] > 10 * 2**20 for r in rows)
-    peak = json.loads(CALIBRATION.read_text())["peak_flops"]
-    flops = 3 * sum(gpt.unit_flops(gpt.CONFIGS["tiny"], 32).values())
-    assert [r["mfu"] for r in rows] == pytest.approx([flops / r["step_s"] / peak for r in rows])
-    assert f"MFU against {peak / 1e12:.3g} TFLOP/s per rank (this machine's calibration" in proc.stdout
-    assert "MFU" in proc.stdout.split("done:")[1] and "memory      peak" in proc.stdout
+    assert not any("mfu" in r for r in rows)
+    assert "no MFU: a CPU has no published peak" in proc.stdout
+    assert "MFU" not in proc.stdout.split("done:")[1] and "memory      peak" in proc.stdout
 
 
 def test_waiting_on_communication_is_one_figure_in_every_summary_line():

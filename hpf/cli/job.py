@@ -193,21 +193,17 @@ def step_flops(module, config, batch_size: int) -> float:
 
 def peak_flops() -> tuple[float | None, str]:
     """MFU's peak per rank and where it comes from: an accelerator's profile (hpf.sim's H100 and
-    H200: bf16 dense), else this machine's calibration (hpf plan --search caches it), else none."""
+    H200: bf16 dense), else none. A CPU has no published peak, and a calibration's matmul rate
+    moves with the load, so a CPU run prints no MFU, whatever is cached."""
     from hpf import sim
-    from hpf.cli.search import calibration_cache
 
-    if torch.accelerator.is_available():
-        name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
-        for key in ("h200", "h100"):
-            if key in name.lower():
-                return sim.hardware(key).peak_flops, f"the {key} profile's bf16 dense peak"
-        return None, f"no peak known for {name or 'this accelerator'}"
-    cache = calibration_cache()
-    try:
-        return sim.load_calibration(cache).peak_flops, f"this machine's calibration ({cache})"
-    except (OSError, ValueError):
-        return None, "no calibration of this machine (hpf plan --search makes one)"
+    if not torch.accelerator.is_available():
+        return None, "a CPU has no published peak"
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    for key in ("h200", "h100"):
+        if key in name.lower():
+            return sim.hardware(key).peak_flops, f"the {key} profile's bf16 dense peak"
+    return None, f"no peak known for {name or 'this accelerator'}"
 
 
 def peak_memory() -> int:
@@ -267,10 +263,7 @@ def train_rank(rank: int, job: TrainJob) -> int | None:
                 skipped += m["skipped"]
                 if evaluate and job.eval_due(i):
                     record["eval_loss"] = evaluate(step, state)
-                if balancer is not None:
-                    record["expert_imbalance"] = balancer.update(m)
-                if job.qk_clip:
-                    record.update(qk_clip_record(m, job.qk_clip))
+                record.update(_loop_metrics(m, job, balancer))
                 stop = job.stop_due()
                 if job.save_due(i) or stop:
                     _save(job, step, state, i, config, balancer, progress)
@@ -285,6 +278,12 @@ def train_rank(rank: int, job: TrainJob) -> int | None:
         if progress:
             progress.close()
     return stopped
+
+
+def _loop_metrics(m: dict, job: TrainJob, balancer) -> dict:
+    """A step's metrics of the loop's own state (moe: the experts' imbalance) and options (--qk-clip)."""
+    out = {} if balancer is None else {"expert_imbalance": balancer.update(m)}
+    return {**out, **(qk_clip_record(m, job.qk_clip) if job.qk_clip else {})}
 
 
 def qk_clip_record(metrics: dict, tau: float) -> dict:

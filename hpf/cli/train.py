@@ -27,7 +27,7 @@ from hpf.cli.common import CliError, job_parsers, mesh_of, mesh_text, positive
 from hpf.cli.job import (BATCH_SIZE, EVAL_BATCHES, TRAIN_DEFAULTS, TrainJob, defaults, make_step, read_metrics,
                          train_options, train_rank)
 from hpf.cli.plan import plan_of, report_of
-from hpf.cli.search import add_options as add_search_options, apply_plan, check_plan_flags
+from hpf.cli.search import add_options as add_search_options, apply_plan, check_plan_flags, check_prediction
 from hpf.launcher import Terminated, init_distributed, is_launched, launch, rank, shutdown, world_size
 from hpf.memory import machine_memory, predict, size
 from hpf.models import MODELS, model_config
@@ -238,6 +238,9 @@ def _finish(args, job: TrainJob, out: Path, plots: str | None, wall: float, stop
         files += save_plots(records, out, f"loss: {args.model} {args.config!r}, mesh {mesh_text(job.axes)}, "
                                           f"{args.optimizer}{', ' + args.mixed_precision if args.mixed_precision else ''}")
     print(summary(records, wall, files, resumed_at, "done" if stopped is None else "stopped"))
+    checked = check_prediction(args, [r for r in records if r["step"] > resumed_at + 1])  # (the first warms up)
+    if checked:
+        print(checked)
     if stopped is not None:
         print(f"  --timeout   {args.timeout:g} s ran out after step {stopped} of {job.steps}, which is saved; "
               f"go on with: hpf train --out {out} --resume")
