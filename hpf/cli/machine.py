@@ -78,17 +78,18 @@ def _not_here(model: str, config: str, ranks: int) -> str | None:
 
 
 def _cached(cache: Path) -> dict | None:
+    """The cached calibration, or None when there is none (a file that is not one is made again)."""
     try:
-        return json.loads(cache.read_text())
-    except OSError:
+        calib = json.loads(cache.read_text())
+    except (OSError, ValueError):
         return None
-    except ValueError as e:
-        raise CliError(f"the cached calibration {cache}: {e}; delete it (it is made again) or pass --hardware") from None
+    ok = isinstance(calib, dict) and all(isinstance(calib.get(k), dict) for k in ("links", "compute"))
+    return calib if ok else None
 
 
 def _covers(calib: dict | None, model: str, config: str, local_batch: int, world: int) -> bool:
     """Whether ``calib`` measured this shape's compute and this world's links."""
-    return bool(calib) and str(world) in calib["links"]["gloo"] and \
+    return calib is not None and str(world) in calib["links"].get("gloo", {}) and \
         compute_key(model, config, local_batch, world) in calib["compute"]
 
 
