@@ -274,3 +274,15 @@ def test_plan_prints_a_tiny_models_sizes_at_a_precision_that_shows_them(capsys):
                          ("padded total, all ranks", report.padded_total_bytes)):
         assert number(rf"{label}\s+([\d.]+) MiB") * 2**20 == pytest.approx(value, rel=0.01), label
     assert number(r"all_gather\s+([\d.]+) MiB") > 0
+
+
+def test_plan_auto_checks_its_prediction_against_the_measured_steps():
+    import argparse
+
+    from hpf.cli.search import TRUSTED, check_prediction
+    rows = [{"step_s": s} for s in (0.7, 0.8, 0.75)]  # median 0.75 s
+    near = check_prediction(argparse.Namespace(predicted_step_s=0.9), rows)
+    assert "900 ms a step predicted, 750 ms measured (1.20x)" in near and "off by" not in near
+    far = check_prediction(argparse.Namespace(predicted_step_s=16.879), rows)
+    assert f"off by more than {TRUSTED}x" in far and "hpf calibrate --out FILE" in far
+    assert check_prediction(argparse.Namespace(), rows) is None  # no --plan auto: nothing to check
