@@ -296,17 +296,23 @@ def test_ctrl_c_ends_hpf_train_on_its_own_line_and_says_how_to_go_on(tmp_path):
     import sys
     import time
     out = tmp_path / "run"
+    # SIGINT as a terminal delivers it, even where pytest runs as a background job (which ignores it,
+    # and a child inherits that); the run is killed if the test fails, not left training
     proc = subprocess.Popen([sys.executable, "-m", "hpf", "train", "--world-size", "1", "--steps", "1000000",
                              "--save-every", "5", "--out", str(out)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
-    deadline = time.monotonic() + 120
-    while not (out / "checkpoints").is_dir() or not any(p.name.startswith("step_") and not p.name.endswith(".tmp")
-                                                         for p in (out / "checkpoints").iterdir()):
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.2)
-    time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "checkpoints").is_dir() or not any(p.name.startswith("step_") and not p.name.endswith(".tmp")
+                                                             for p in (out / "checkpoints").iterdir()):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.2)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
     assert proc.returncode == 130
     line = err.strip().splitlines()[-1]
     assert line.startswith("hpf: interrupted; go on from step_") and f"with: hpf train --out {out} --resume" in line
