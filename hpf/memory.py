@@ -38,7 +38,7 @@ from .engine.reduce import IN_FLIGHT
 from .engine.replay import loop_reads, replay
 from .models.recompute import Activations, recomputes
 from .planning import ROOT, Plan
-from .report import PlanReport
+from .report import PlanReport, size
 from .sharded_init import temporary_bytes
 from .types import MixedPrecision
 
@@ -62,11 +62,6 @@ class StepMemory:
 
     def format(self) -> str:
         return f"{size(self.total)} at {self.when}: " + ", ".join(f"{k} {size(v)}" for k, v in self.parts.items() if v)
-
-
-def size(nbytes: float) -> str:
-    """Bytes for people: GiB from 1 GiB up, else MiB."""
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def step_memory(report: PlanReport, plan: Plan, acts: Activations | None, *, compute_dtype=None,

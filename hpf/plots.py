@@ -8,7 +8,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-__all__ = ["breakdown", "loss_figure", "breakdown_figure", "save_plots", "missing_matplotlib"]
+__all__ = ["breakdown", "comm_share", "loss_figure", "breakdown_figure", "save_plots", "missing_matplotlib"]
 
 MAX_LABELLED_CUTS = 3  # clipped bars labelled with their value; more are counted in the title
 
@@ -16,6 +16,14 @@ MAX_LABELLED_CUTS = 3  # clipped bars labelled with their value; more are counte
 def breakdown(r: dict) -> tuple[float, float, float]:
     """(compute, exposed communication, optimizer) seconds of one step."""
     return r["step_s"] - r["comm_wait_s"] - r["optimizer_s"], r["comm_wait_s"], r["optimizer_s"]
+
+
+def comm_share(records: list[dict]) -> float:
+    """Waiting on communication, hpf's one definition (the progress line, the summary, the docs):
+    exposed communication, the seconds the compute thread waits on collectives (``comm_wait_s``),
+    as a share of the step time, both the median over ``records`` (one step's: its own). A
+    compile step is a step, its compile time compute; like any slow step it moves no median."""
+    return statistics.median(r["comm_wait_s"] for r in records) / statistics.median(r["step_s"] for r in records)
 
 
 def loss_figure(records: list[dict], title: str = "training loss"):

@@ -16,7 +16,24 @@ from .planning import OPS
 from .sharded_init import temporary_bytes
 from .tree import ROOT
 
-__all__ = ["PlanReport"]
+__all__ = ["PlanReport", "fixed", "size", "millions"]
+
+
+def fixed(value: float, least: int = 2, sep: str = "") -> str:
+    """``value`` with ``least`` decimals, or more where it needs them to show 3 significant digits:
+    a tiny model's megabytes are 0.0234, not 0.00. ``sep``: "," groups the thousands."""
+    places = max(least, 2 - math.floor(math.log10(abs(value)))) if value else least
+    return f"{value:{sep}.{places}f}"
+
+
+def size(nbytes: float) -> str:
+    """Bytes for people: GiB from 1 GiB up, else MiB, at a precision that shows them."""
+    return f"{fixed(nbytes / 2**30)} GiB" if nbytes >= 2**30 else f"{fixed(nbytes / 2**20, 1)} MiB"
+
+
+def millions(n: float) -> str:
+    """A count of params in millions, at a precision that shows it (a tiny model's 0.0737M)."""
+    return f"{fixed(n / 1e6, 1, ',')}M"
 
 
 @dataclass
@@ -95,9 +112,9 @@ class PlanReport:
 
     def format(self) -> str:
         def mib(n: int) -> str:
-            return f"{n / 2**20:12.2f} MiB"
+            return f"{fixed(n / 2**20):>12} MiB"
 
-        lines = [f"params {n / 1e6:14,.1f}M  {key}" for key, n in self.layouts.items()] + [
+        lines = [f"params {millions(n):>15}  {key}" for key, n in self.layouts.items()] + [
             f"per-rank memory ({self.world_size} ranks)",
             f"  params (shards)      {mib(self.params_bytes)}",
             f"  grads (shards)       {mib(self.grad_bytes)}",
@@ -105,8 +122,8 @@ class PlanReport:
             f"  peak gathered units  {mib(self.peak_gathered_bytes)}",
             *([f"  error feedback       {mib(self.feedback_bytes)}"] if self.feedback_bytes else []),
             f"  init peak            {mib(self.init_peak_bytes)}   (born sharded: the state and one chunk of "
-            f"draws; step.init(full params) adds the full params, {self.full_params_bytes / 2**20:,.2f} MiB)",
-            f"  padded total, all ranks {self.padded_total_bytes / 2**30:.3f} GiB",
+            f"draws; step.init(full params) adds the full params, {fixed(self.full_params_bytes / 2**20)} MiB)",
+            f"  padded total, all ranks {size(self.padded_total_bytes)}",
             "per-rank bytes sent per step         fast tier          slow tier",
         ]
         for name, tiers in self.comm.items():

@@ -24,7 +24,7 @@ def llama_run(tmp_path_factory):
     (root / "text" / "a.txt").write_text((REPO / "README.md").read_text() * 2)
     assert hpf_cmd("prepare", root / "text", "--out", root / "data").returncode == 0
     proc = hpf_cmd("train", "--model", "llama", "--data", root / "data", "--world-size", 1, "--steps", 3,
-                   "--save-every", 3, "--out", root / "run")
+                   "--save-every", 3, "--eval-every", 3, "--seed", 5, "--out", root / "run")
     assert proc.returncode == 0, proc.stderr
     return root
 
@@ -49,11 +49,25 @@ def test_hpf_eval_gives_the_held_out_loss_of_the_checkpoint(llama_run):
     ckpt = llama_run / "run" / "checkpoints" / "step_000003"
     config = llama.LlamaConfig(**checkpoint.meta(ckpt)["config"])
     params = checkpoint.load_params(ckpt)
-    batches = data.TokenData(llama_run / "data", "val").batches(4, config.seq_len, 0, state={"seed": 0, "step": 0},
-                                                                rank=0, world_size=1)
+    batches = data.TokenData(llama_run / "data", "val").batches(4, config.seq_len, 5, state={"seed": 5, "step": 0},
+                                                                rank=0, world_size=1)  # the run's seed
     with torch.no_grad():
         want = sum(float(llama.loss_for(config)(params, next(batches))) for _ in range(2)) / 2
     assert got == pytest.approx(want, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_hpf_eval_of_a_run_is_its_own_held_out_loss_at_that_step(llama_run):
+    # the run evaluated its held-out loss at step 3 (batch 32, seed 5) and saved step 3: hpf eval,
+    # given only the data, takes the run's settings and gets the same loss, and says which it used
+    import json
+    records = [json.loads(line) for line in (llama_run / "run" / "metrics.jsonl").read_text().splitlines()]
+    proc = hpf_cmd("eval", llama_run / "run", "--data", llama_run / "data")
+    assert proc.returncode == 0, proc.stderr
+    got = float(proc.stdout.split("held-out loss ")[1].split()[0])
+    assert got == pytest.approx(records[-1]["eval_loss"], abs=1e-4)
+    assert "4 batches of 32 x" in proc.stdout and "seed 5" in proc.stdout and "the run's held-out settings" in proc.stdout
+    assert float(hpf_cmd("eval", llama_run / "run").stdout.split("held-out loss ")[1].split()[0]) == got  # its data too
 
 
 @pytest.mark.slow
@@ -80,7 +94,10 @@ def test_hpf_generate_is_greedy_decoding_of_the_checkpoint(llama_run):
     tokens = torch.tensor([[65, 66]])
     for _ in range(4):
         tokens = torch.cat([tokens, llama.forward(params, tokens, config=config)[:, -1].argmax(-1, keepdim=True)], 1)
-    assert proc.stdout.strip() == ",".join(map(str, tokens[0, 2:].tolist()))
+    assert proc.stdout.strip() == ",".join(map(str, tokens[0].tolist()))  # the prompt first, as it was given
+    text = hpf_cmd("generate", llama_run / "run", "--prompt", "AB", "--tokens", 4)
+    assert text.returncode == 0 and text.stdout == bytes(t for t in tokens[0].tolist() if t < 256).decode(
+        errors="replace") + "\n"
 
 
 @pytest.mark.slow

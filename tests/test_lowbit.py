@@ -503,7 +503,8 @@ def test_plan_and_simulate_take_slow_precision(capsys):
     assert mib(out, "all_gather") / mib(full, "all_gather") == pytest.approx(0.516, abs=0.01)
     assert mib(out, "reduce_scatter") / mib(full, "reduce_scatter") == pytest.approx(0.133, abs=0.01)
     assert "error feedback" in out.split("per-rank bytes")[0]  # the residuals' memory
-    code, out, err = run_main(["simulate", "--config", "tiny", "--mesh", "node=2,local=2", "--slow-precision", "int8"],
+    code, out, err = run_main(["simulate", "--config", "tiny", "--mesh", "node=2,local=2", "--slow-precision", "int8",
+                               "--hardware", "cloudmatrix384"],
                           capsys)
     assert code == 0 and "(slow tier int8,int8)" in out, err
 

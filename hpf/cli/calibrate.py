@@ -55,7 +55,11 @@ def cmd_calibrate(args) -> int:
         print(f"calibrate  [{done[0]}/{total}] {what}  ({time.perf_counter() - started:.0f} s so far)", flush=True)
 
     if update is None:
-        result = cal.calibrate(args.world_sizes, args.shapes, reps=args.reps, launches=args.launches, stage=stage)
+        result, load = cal.with_load(lambda: cal.calibrate(args.world_sizes, args.shapes, reps=args.reps,
+                                                           launches=args.launches, stage=stage))
+        result["load"] = {"all": load}
+        print(f"calibrate  other processes used {load['others_cores']:.2f} of {load['cores']} cores while it ran "
+              "(recorded in the file: a busy machine's figures predict slower steps)", flush=True)
     else:
         result = update
         if "issue_when" not in result:

@@ -24,7 +24,9 @@ from hpf.comm import world as comm_world
 from hpf.cli.common import CliError, sharding_of, topology_of
 from hpf.comm.world import default_device
 from hpf.models import TP_AXIS, data_axes, gpt, model_config
+from hpf.optim.muon_math import qk_clip_factors
 from hpf.optim.schedules import Schedule
+from hpf.plots import comm_share
 from hpf.progress import Progress
 
 # Per config: AdamW lr (also Muon's AdamW fallback), Muon lr, linear warmup steps. Picked so the
@@ -33,6 +35,7 @@ from hpf.progress import Progress
 TRAIN_DEFAULTS = {"tiny": (1e-2, 0.02, 0), "small": (3e-3, 0.02, 20), "medium": (6e-4, 0.02, 100),
                   "1b": (3e-4, 0.02, 200)}
 STEP_METRICS = ("loss", "grad_norm", "skipped", "step_s", "comm_wait_s", "optimizer_s", "compile_s")  # from shard_step's metrics
+BATCH_SIZE = 32  # hpf train's global batch, in sequences, when --batch-size is not given
 EVAL_BATCHES = 4  # held-out batches (of --batch-size sequences) per evaluation, the same ones each time
 
 
@@ -94,8 +97,12 @@ class TrainJob:
         return bool(self.eval_every) and (i % self.eval_every == 0 or i == self.steps)
 
     def save_due(self, i: int) -> bool:
-        """--save-every N: after every N-th step and after the last one (a run ends with a checkpoint)."""
-        return bool(self.save_every) and (i % self.save_every == 0 or i == self.steps)
+        """After every --save-every N-th step, and after the last step of a run that checkpoints
+        (--save-every, --timeout, or a resumed run): a clean end always saves the step it ended at,
+        so --resume and hpf eval see it. (--timeout's own stop saves too: see train_rank.)"""
+        if self.save_every and i % self.save_every == 0:
+            return True
+        return i == self.steps and bool(self.save_every or self.stop_at is not None or self.resume)
 
     def stop_due(self) -> bool:
         """--timeout: whether its time is up, agreed by every rank (the latest clock decides), so
@@ -199,21 +206,17 @@ def step_flops(module, config, batch_size: int) -> float:
 
 def peak_flops() -> tuple[float | None, str]:
     """MFU's peak per rank and where it comes from: an accelerator's profile (hpf.sim's H100 and
-    H200: bf16 dense), else this machine's calibration (hpf plan --search caches it), else none."""
+    H200: bf16 dense), else none. A CPU has no published peak, and a calibration's matmul rate
+    moves with the load, so a CPU run prints no MFU, whatever is cached."""
     from hpf import sim
-    from hpf.cli.search import calibration_cache
 
-    if torch.accelerator.is_available():
-        name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
-        for key in ("h200", "h100"):
-            if key in name.lower():
-                return sim.hardware(key).peak_flops, f"the {key} profile's bf16 dense peak"
-        return None, f"no peak known for {name or 'this accelerator'}"
-    cache = calibration_cache()
-    try:
-        return sim.load_calibration(cache).peak_flops, f"this machine's calibration ({cache})"
-    except (OSError, ValueError):
-        return None, "no calibration of this machine (hpf plan --search makes one)"
+    if not torch.accelerator.is_available():
+        return None, "a CPU has no published peak"
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    for key in ("h200", "h100"):
+        if key in name.lower():
+            return sim.hardware(key).peak_flops, f"the {key} profile's bf16 dense peak"
+    return None, f"no peak known for {name or 'this accelerator'}"
 
 
 def peak_memory() -> int:
@@ -269,8 +272,7 @@ def train_rank(rank: int, job: TrainJob) -> int | None:
                 skipped += m["skipped"]
                 if evaluate and job.eval_due(i):
                     record["eval_loss"] = evaluate(step, state)
-                if balancer is not None:
-                    record["expert_imbalance"] = balancer.update(m)
+                record.update(_loop_metrics(m, job, balancer))
                 stop = job.stop_due()
                 if job.save_due(i) or stop:
                     _save(job, step, state, i, config, balancer, progress)
@@ -296,6 +298,19 @@ def _rank_data(job: TrainJob, module, config, mesh: hpf.Mesh, rank: int, done: i
         tokens = _with_example_keys(tokens, job, reader, readers, start=done)
     batches = tokens if balancer is None else map(balancer.batch, tokens)
     return batches, _held_out(job, module, config, reader, readers) if job.eval_every else None
+
+
+def _loop_metrics(m: dict, job: TrainJob, balancer) -> dict:
+    """A step's metrics of the loop's own state (moe: the experts' imbalance) and options (--qk-clip)."""
+    out = {} if balancer is None else {"expert_imbalance": balancer.update(m)}
+    return {**out, **(qk_clip_record(m, job.qk_clip) if job.qk_clip else {})}
+
+
+def qk_clip_record(metrics: dict, tau: float) -> dict:
+    """--qk-clip's metrics of a step: how many heads QK-Clip scaled (their max logit passed tau,
+    the rule hpf.optim.muon applies) and the largest max logit of any head."""
+    logits = metrics["aux"]["max_attn_logit"]
+    return {"qk_heads_clipped": int((qk_clip_factors(logits, tau) < 1).sum()), "qk_max_logit": float(logits.max())}
 
 
 def _held_out(job: TrainJob, module, config, rank: int, world: int) -> token_data.HeldOut:
@@ -343,11 +358,13 @@ def _shown(record: dict, m: dict, skipped: int) -> dict[str, str]:
     if "eval_loss" in record:
         shown["eval"] = f"{record['eval_loss']:.4f}"
     shown.update({"tokens/s": f"{record['tokens_per_s'] / 1e3:.1f}k",
-                  "comm wait": f"{m['comm_wait_s'] / m['step_s']:.0%}"})
+                  "comm wait": f"{comm_share([record]):.0%}"})
     if skipped:
         shown["skipped"] = str(skipped)
     if m["compile_s"] >= 0.05:
         shown["compile"] = f"{m['compile_s']:.1f}s"
+    if "qk_heads_clipped" in record:
+        shown["qk clipped"] = f"{record['qk_heads_clipped']} heads, max logit {record['qk_max_logit']:.3g}"
     if "expert_imbalance" in record:
         shown["experts max/mean"] = f"{record['expert_imbalance']:.2f}"
     return shown

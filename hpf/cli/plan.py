@@ -10,7 +10,7 @@ from hpf.cli.common import CliError, job_parsers, mesh_of, mesh_text, sharding_o
 from hpf.cli.search import add_options as add_search_options, cmd_search
 from hpf.models import has_experts, model_config
 from hpf.memory import state_report
-from hpf.report import PlanReport
+from hpf.report import PlanReport, fixed, millions
 from hpf.step import step_plan
 from hpf.types import MixedPrecision
 
@@ -57,7 +57,7 @@ def cmd_plan(args) -> int:
         return cmd_search(args, mesh)
     plan = plan_of(args, mesh)
     report, state = report_of(args, plan)
-    print(f"{args.model} {args.config!r}: {module.num_params(config) / 1e6:,.1f}M params in {len(plan.slots)} tensors, "
+    print(f"{args.model} {args.config!r}: {millions(module.num_params(config))} params in {len(plan.slots)} tensors, "
           f"{len(plan.units)} FSDP units, {len(plan.buckets)} flat buckets")
     print(f"mesh {mesh_text(dict(zip(mesh.axis_names, mesh.shape)))} ({mesh.size} ranks); "
           f"FSDP axes {','.join(plan.fsdp_axes) or '-'}; fast tier {','.join(mesh.fast_axes)}; "
@@ -70,7 +70,7 @@ def cmd_plan(args) -> int:
         ep = mesh.axis_size(args.ep_axis) if args.ep_axis else 1
         a2a = module.dispatch_bytes(config, ep, config.seq_len, dtype_bytes=report_dtype_bytes(args))
         tiers = {"fast": a2a, "slow": 0} if args.ep_axis in mesh.fast_axes else {"fast": 0, "slow": a2a}
-        print(f"  {'all_to_all (MoE)':<16}  {tiers['fast'] / 2**20:12.2f} MiB   {tiers['slow'] / 2**20:12.2f} MiB   "
+        print(f"  {'all_to_all (MoE)':<16}  {fixed(tiers['fast'] / 2**20):>12} MiB   {fixed(tiers['slow'] / 2**20):>12} MiB   "
               f"(one {config.seq_len}-token sequence per rank, uniform routing, ep={ep} over {args.ep_axis or '-'})")
     model = "" if args.model == "gpt" else f"--model {args.model} "
     ep = f" --ep-axis {args.ep_axis}" if args.ep_axis else ""

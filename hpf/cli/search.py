@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
-import os
 import re
-import socket
-import time
-from pathlib import Path
+import statistics
 
-from hpf import memory, search, sim
+from hpf import memory, search
 from hpf.cli.common import CliError, mesh_text, positive
+from hpf.cli.machine import HELP, hardware_of
 from hpf.search import Candidate
 from hpf.types import SlowPrecision
 
@@ -91,9 +88,7 @@ def add_options(parser, *, train: bool) -> None:
                              "its ranks). Default: " +
                              ("auto" if train else "the --hardware profile's memory per rank, else auto"))
     parser.add_argument("--hardware", metavar="NAME|FILE",
-                        help="what hpf.sim prices the candidates on: a profile (cloudmatrix384, ascend910c-roce, h100, "
-                             "h200) or a calibration from `hpf calibrate` (default: this machine's calibration, "
-                             "cached in ~/.cache/hpf; the first time, a quick one of about a minute)")
+                        help="what hpf.sim prices the candidates on: " + HELP)
     if not train:
         parser.add_argument("--batch-size", type=positive(int), metavar="B",
                             help="with --search: the global batch in sequences, split evenly over the ranks "
@@ -112,50 +107,10 @@ def _cap(args, hw, local_ranks: int, machine: bool) -> int:
     return memory.machine_memory(local_ranks)[0]
 
 
-QUICK_REPS = 3  # a quick calibration: 3 reps, 1 launch, this job's world and shape (about a minute)
-
-
-def calibration_cache() -> Path:
-    """Where this machine's calibration is kept: the user's cache folder ($XDG_CACHE_HOME or ~/.cache)."""
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return root / "hpf" / f"calibration-{socket.gethostname()}.json"
-
-
-def hardware_of(args, mesh, batch_size: int):
-    """The one rule of --plan auto and hpf plan --search: ``--hardware`` if given; else this
-    machine's cached calibration; else a quick calibration (about a minute, with progress),
-    cached for the next run. Returns (the Hardware, a line that says which and why)."""
-    if args.hardware is not None:
-        try:
-            return sim.hardware(args.hardware), f"hardware {args.hardware} (--hardware)"
-        except ValueError as e:
-            raise CliError(f"--hardware: {e}") from None
-    cache = calibration_cache()
-    if not cache.is_file():
-        from hpf.sim import calibrate as cal
-
-        world = max(2, min(mesh.size, os.cpu_count() or 2, 8))
-        shape = (args.model, args.config, 1)  # one sequence per rank: the search scales it by FLOPs
-        started = time.perf_counter()
-        print(f"calibrate  no calibration of this machine yet: a quick one on {world} ranks ({args.model} "
-              f"{args.config}, about a minute, once; cached at {cache}; --hardware NAME|FILE skips it)", flush=True)
-
-        def stage(what: str) -> None:
-            print(f"calibrate  {what}  ({time.perf_counter() - started:.0f} s so far)", flush=True)
-        result = cal.calibrate((world,), (shape,), reps=QUICK_REPS, launches=1, stage=stage, quick=True)
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(result, indent=1) + "\n")
-    try:
-        hw = sim.load_calibration(cache)
-    except ValueError as e:
-        raise CliError(f"the cached calibration {cache}: {e}; delete it (it is made again) or pass --hardware") from None
-    return hw, f"this machine's calibration ({cache}; --hardware NAME|FILE for other hardware)"
-
-
 def run_search(args, mesh, *, batch_size: int, local_ranks: int, machine: bool = False):
     """hpf.search.search for the command line's job; its errors as one line. Returns (the result,
     the line that says which hardware priced it)."""
-    hw, where = hardware_of(args, mesh, batch_size)
+    hw, where = hardware_of(args, mesh.size, batch_size // mesh.size, runs_here=machine)
     fixed = {k: getattr(args, k) for k in ("mixed_precision", "ep_axis") if getattr(args, k, None) is not None}
     if getattr(args, "hsdp", False):
         fixed["hsdp"] = True
@@ -224,6 +179,7 @@ def apply_plan(args, mesh, local_ranks: int) -> str:
         choice, where = result.best.candidate, (f"searched {result.candidates} candidates in {result.seconds:.1f} s "
                                                 f"on {hw}, predicted {result.best.step_s * 1e3:.3g} ms "
                                                 f"per step, {memory.size(result.best.memory.total)} per rank")
+        args.predicted_step_s = result.best.step_s  # checked against the measured steps at the end (check_prediction)
     else:
         choice, where = Candidate(**args.plan_choice), f"from {args.plan}, searched on {args.plan_hardware}"
     for key, value in dataclasses.asdict(choice).items():
@@ -238,3 +194,22 @@ def apply_plan(args, mesh, local_ranks: int) -> str:
         sets.append(f"--mixed-precision {choice.mixed_precision}"
                     + (" (on a CPU, bf16 is emulated and slower than fp32)" if cpu else ""))
     return f"plan: {choice.label()} ({where}); it sets " + ", ".join(sets)
+
+
+TRUSTED = 1.5  # a prediction within this factor of the measured step is what hpf.sim promises here
+
+
+def check_prediction(args, records: list[dict]) -> str | None:
+    """--plan auto: the searched plan's predicted step against the run's measured median, and what to
+    do when they differ by more than ``TRUSTED``x (None for a run without one)."""
+    predicted = getattr(args, "predicted_step_s", None)
+    if predicted is None or not records:
+        return None
+    measured = statistics.median(r["step_s"] for r in records)
+    ratio = predicted / measured
+    line = (f"  prediction  {predicted * 1e3:.4g} ms a step predicted, {measured * 1e3:.4g} ms measured "
+            f"({ratio:.2f}x)")
+    if not 1 / TRUSTED <= ratio <= TRUSTED:
+        line += (f": off by more than {TRUSTED}x, so the plan may not be the fastest here; hpf calibrate --out FILE "
+                 "measures this machine at length (then --hardware FILE), on a quiet machine")
+    return line

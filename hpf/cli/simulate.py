@@ -6,6 +6,7 @@ from pathlib import Path
 
 from hpf import sim
 from hpf.cli.common import CliError, check_ep_axis, only_searched, job_parsers, mesh_of, positive
+from hpf.cli.machine import HELP, hardware_of
 from hpf.models import model_config
 from hpf.plots import missing_matplotlib
 
@@ -17,9 +18,7 @@ def add_parser(sub, help_: str):
                     "the plan alone (hpf.sim: alpha-beta links per tier, the step's schedule as an event "
                     "simulation). Example: hpf simulate --config 1b --mesh node=48,local=16 --hardware "
                     "cloudmatrix384 --mixed-precision bf16")
-    simulate.add_argument("--hardware", default="cloudmatrix384", metavar="NAME|FILE",
-                          help="a published profile (cloudmatrix384, ascend910c-roce, h100, h200) or a calibration "
-                               "JSON from `hpf calibrate` (default: cloudmatrix384)")
+    simulate.add_argument("--hardware", metavar="NAME|FILE", help=HELP)
     simulate.add_argument("--local-batch", type=positive(int), default=4, metavar="B",
                           help="sequences per rank per step (weak scaling; default: 4)")
     simulate.add_argument("--sweep", metavar="N,N,...",
@@ -40,7 +39,6 @@ def cmd_simulate(args) -> int:
         raise CliError(str(e)) from None
     check_ep_axis(args.model, args.ep_axis)
     only_searched(args.slow_precision)
-    hw = sim.hardware(args.hardware)
     kw = dict(local_batch=args.local_batch, mixed_precision=args.mixed_precision, topology=args.topology,
               bucket_bytes=args.bucket_bytes, slow_precision=args.slow_precision,
               fsdp_axes=args.fsdp_axes, pipeline=not args.no_pipeline, model=args.model, ep_axis=args.ep_axis,
@@ -54,9 +52,11 @@ def cmd_simulate(args) -> int:
             ranks = [int(n) for n in args.sweep.split(",")]
         except ValueError:
             raise CliError(f"--sweep {args.sweep!r}: give rank counts separated by commas, e.g. 16,32,64") from None
+        hw, where = hardware_of(args, max(ranks), args.local_batch)
         rows = sim.sweep(args.config, ranks, hw, strategies, **kw)
     else:
         mesh = mesh_of(args)
+        hw, where = hardware_of(args, mesh.size, args.local_batch)
         rows = [(mesh.size, sim.compare(args.config, mesh, hw, strategies, **kw))]
     print(f"hpf simulate: {args.model} {args.config!r}, {args.local_batch} x {config.seq_len} tokens per "
           f"rank, {args.mixed_precision or 'fp32'}, hardware {hw.name}, hpf {args.topology}"
@@ -74,6 +74,7 @@ def cmd_simulate(args) -> int:
                   f"{r.tokens_per_s / n:>11,.0f} {versus:>7} {r.busy_s['fast'] * 1e3:>12.2f} "
                   f"{r.busy_s['slow'] * 1e3:>12.2f}")
     print(f"  hpf vs: {strategies[0]}'s step time against that row's (-20%: a step 20% shorter than that strategy's)")
+    print(f"  assumed: {where}")
     for note in hw.notes:
         print(f"  note: {note}")
     for n, _ in rows:

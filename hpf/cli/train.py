@@ -24,17 +24,17 @@ from hpf import data as token_data
 from hpf.api import STEPS
 from hpf.cli import run_folder
 from hpf.cli.common import CliError, job_parsers, mesh_of, mesh_text, positive
-from hpf.cli.job import (EVAL_BATCHES, TRAIN_DEFAULTS, TrainJob, defaults, make_step, read_metrics, train_options,
-                         train_rank)
+from hpf.cli.job import (BATCH_SIZE, EVAL_BATCHES, TRAIN_DEFAULTS, TrainJob, defaults, make_step, read_metrics,
+                         train_options, train_rank)
 from hpf.cli.plan import plan_of, report_of
-from hpf.cli.search import add_options as add_search_options, apply_plan, check_plan_flags
+from hpf.cli.search import add_options as add_search_options, apply_plan, check_plan_flags, check_prediction
 from hpf.launcher import Terminated, init_distributed, is_launched, launch, rank, shutdown, world_size
 from hpf.memory import machine_memory, predict, size
 from hpf.models import data_axes, model_config, MODELS
 from hpf.models.recompute import RECOMPUTE
 from hpf.optim.schedules import NAMES as SCHEDULES
-from hpf.plots import breakdown, missing_matplotlib, save_plots
-from hpf.report import PlanReport
+from hpf.plots import breakdown, comm_share, missing_matplotlib, save_plots
+from hpf.report import PlanReport, millions
 
 __all__ = ["cmd_train", "add_parser", "summary", "check_trained", "read_metrics", "TRAIN_DEFAULTS", "EVAL_BATCHES"]
 
@@ -43,7 +43,7 @@ def _banner(job: TrainJob, n_units: int) -> str:
     """The first line of a run, the same under hpf.launch and torchrun."""
     module, config = job.model_config()
     warmup = f", {job.warmup} warmup steps" if job.warmup else ""
-    return (f"hpf train: {job.model} {job.config!r} ({module.num_params(config) / 1e6:.2f}M params, {n_units} FSDP units) "
+    return (f"hpf train: {job.model} {job.config!r} ({millions(module.num_params(config))} params, {n_units} FSDP units) "
             f"on {_ranks(math.prod(job.axes.values()))}, mesh {mesh_text(job.axes)}, "
             f"{job.topology}{' HSDP' if job.hsdp else ''}{f' (slow tier {job.slow_precision})' if job.slow_precision else ''}"
             f", {job.optimizer} lr {job.lr:g} ({job.schedule}{warmup}), "
@@ -237,6 +237,9 @@ def _finish(args, job: TrainJob, out: Path, plots: str | None, wall: float, stop
                                           f"{args.optimizer}{', ' + args.mixed_precision if args.mixed_precision else ''}")
     print(summary(records, wall, files, resumed_at, "done" if stopped is None else "stopped"))
     run_folder.set_status(out, "done" if stopped is None else "stopped")
+    checked = check_prediction(args, [r for r in records if r["step"] > resumed_at + 1])  # (the first warms up)
+    if checked:
+        print(checked)
     if stopped is not None:
         print(f"  --timeout   {args.timeout:g} s ran out after step {stopped} of {job.steps}, which is saved; "
               f"go on with: hpf train --out {out} --resume")
@@ -307,7 +310,6 @@ def summary(records: list[dict], wall_s: float, files: list, resumed_at: int = 0
     records = ran
     median = {k: statistics.median(r[k] for r in records) for k in ("step_s", "tokens_per_s")}
     compute, comm, opt = (statistics.median(x) for x in zip(*map(breakdown, records)))
-    total_step = sum(r["step_s"] for r in records)
     tail = records[-min(10, len(records)):]
     return "\n".join([
         f"{ended}: {len(records)} steps in {wall_s:.1f} s" + (f" (steps {resumed_at + 1}-{last['step']}, resumed)"
@@ -319,8 +321,9 @@ def summary(records: list[dict], wall_s: float, files: list, resumed_at: int = 0
         f"  step time   {median['step_s'] * 1e3:.1f} ms median: compute {compute * 1e3:.1f}, "
         f"exposed comm {comm * 1e3:.1f}, optimizer {opt * 1e3:.1f} ms",
         f"  throughput  {median['tokens_per_s']:,.0f} tokens/s median; waiting on communication "
-        f"{sum(r['comm_wait_s'] for r in records) / total_step:.0%} of step time",
+        f"{comm_share(records):.0%} of the median step (exposed comm over step time)",
         *_compile_summary(records),
+        *_qk_clip_summary(records),
         *_usage_summary(records),
         "  files       " + "\n              ".join(str(f) for f in files),
     ])
@@ -354,6 +357,14 @@ def _usage_summary(records: list[dict]) -> list[str]:
             + (f"; MFU {statistics.median(mfu):.1%} median" if mfu else "")]
 
 
+def _qk_clip_summary(records: list[dict]) -> list[str]:
+    clipped = [r["qk_heads_clipped"] for r in records if "qk_heads_clipped" in r]  # --qk-clip runs only
+    if not clipped:
+        return []
+    return [f"  qk-clip     fired in {sum(n > 0 for n in clipped)} of {len(clipped)} steps (up to {max(clipped)} "
+            f"heads a step); max attention logit {max(r['qk_max_logit'] for r in records):.3g}"]
+
+
 def _compile_summary(records: list[dict]) -> list[str]:
     compiled = [(r["step"], r["compile_s"]) for r in records if r.get("compile_s")]  # (older runs lack it)
     if not compiled:
@@ -379,8 +390,8 @@ def add_parser(sub, help_: str):
                     "and how the run ended: --out DIR --resume goes on from the newest checkpoint with no other "
                     "flag. Under torchrun (torchrun --nproc-per-node 8 -m hpf train ...) each process is one rank.")
     train.add_argument("--steps", type=positive(int), default=100, help="(default: 100)")
-    train.add_argument("--batch-size", type=positive(int), default=32, metavar="B",
-                       help="global batch in sequences, split over the ranks (default: 32)")
+    train.add_argument("--batch-size", type=positive(int), default=BATCH_SIZE, metavar="B",
+                       help=f"global batch in sequences, split over the ranks (default: {BATCH_SIZE})")
     defaults = "; ".join(f"{c} {a:g}/{m:g}, {w} warmup" for c, (a, m, w) in TRAIN_DEFAULTS.items())
     train.add_argument("--lr", type=positive(float),
                        help=f"peak learning rate (default per config, adamw/muon lr and warmup steps: {defaults}; "
@@ -433,7 +444,8 @@ def _add_data_options(train) -> None:
                             "line, metrics.jsonl and the loss plot)")
     train.add_argument("--save-every", type=positive(int), metavar="N",
                        help="save a checkpoint every N steps into <out>/checkpoints (DCP format, async: the write "
-                            "overlaps the next steps)")
+                            "overlaps the next steps); a run with --save-every, --timeout or --resume also saves "
+                            "the step it ends at")
     train.add_argument("--keep-last", type=positive(int), default=3, metavar="K",
                        help="keep the newest K checkpoints (default: 3)")
     train.add_argument("--resume", nargs="?", const="latest", metavar="PATH",

@@ -43,26 +43,45 @@ def load(source: Path):
     return ckpt, module, config, checkpoint.load_params(ckpt)
 
 
+def eval_settings(args, ckpt: Path) -> tuple[dict, str]:
+    """hpf eval's data, batch size, batches and seed: each given, else the run's own held-out
+    evaluation's (its run.json, two folders above the checkpoint), so the loss is the run's
+    eval_loss of that checkpoint; else hpf train's defaults. Also where they came from, in words."""
+    from hpf.cli import job, run_folder
+
+    run = run_folder.read_run(ckpt.resolve().parent.parent)
+    ran = {"data": None, "batch_size": job.BATCH_SIZE, "seed": 0, **(run or {}), "batches": job.EVAL_BATCHES}
+    given = [k for k in ("data", "batch_size", "batches", "seed") if getattr(args, k) is not None]
+    settings = {k: getattr(args, k) if k in given else ran[k] for k in ("data", "batch_size", "batches", "seed")}
+    if settings["data"] is None:
+        raise CliError(f"{ckpt}: its run names no token folder (the synthetic source, or no run.json two folders "
+                       "up); pass --data DIR")
+    source = ("the run's held-out settings" if run else "hpf train's defaults (no run.json two folders up)") + \
+        "".join(f", --{k.replace('_', '-')} as given" for k in given)
+    return settings, source
+
+
 def cmd_eval(args) -> int:
     import torch
 
     from hpf import data as token_data
 
     ckpt, module, config, params = load(args.source)
+    s, source = eval_settings(args, ckpt)
     try:
-        meta = token_data.read_meta(args.data)
+        meta = token_data.read_meta(s["data"])
     except (OSError, ValueError) as e:
         raise CliError(f"--data: {e}") from None
     if int(meta["vocab_size"]) != config.vocab_size:
-        raise CliError(f"--data {args.data} has a vocab of {meta['vocab_size']}, the model of {ckpt} one of "
+        raise CliError(f"--data {s['data']} has a vocab of {meta['vocab_size']}, the model of {ckpt} one of "
                        f"{config.vocab_size}: evaluate on the data it was trained on")
-    batches = token_data.TokenData(args.data, "val").batches(args.batch_size, config.seq_len, 0,
-                                                             state={"seed": 0, "step": 0}, rank=0, world_size=1)
+    batches = token_data.TokenData(s["data"], "val").batches(s["batch_size"], config.seq_len, s["seed"],
+                                                             state={"seed": s["seed"], "step": 0}, rank=0, world_size=1)
     loss_fn = module.loss_for(config)
     with torch.no_grad():
-        losses = [float(loss_fn(params, next(batches))) for _ in range(args.batches)]
-    print(f"eval: held-out loss {sum(losses) / len(losses):.4f} ({args.batches} batches of {args.batch_size} x "
-          f"{config.seq_len} tokens from {args.data}'s val split; {ckpt})")
+        losses = [float(loss_fn(params, next(batches))) for _ in range(s["batches"])]
+    print(f"eval: held-out loss {sum(losses) / len(losses):.4f} ({s['batches']} batches of {s['batch_size']} x "
+          f"{config.seq_len} tokens, seed {s['seed']}, from {s['data']}'s val split: {source}; {ckpt})")
     return 0
 
 
@@ -101,11 +120,11 @@ def cmd_generate(args) -> int:
         for _ in range(args.tokens):  # greedy, over the last seq_len tokens
             logits = module.forward(params, tokens[:, -config.seq_len:], **kw)
             tokens = torch.cat([tokens, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    new = tokens[0, len(ids):].tolist()
+    every = tokens[0].tolist()  # the prompt, then its continuation, as other generate commands show them
     if args.prompt_ids:
-        print(",".join(map(str, new)))
+        print(",".join(map(str, every)))
     else:
-        print(bytes(t for t in new if t < 256).decode(errors="replace"))
+        print(bytes(t for t in every if t < 256).decode(errors="replace"))
     return 0
 
 
@@ -116,11 +135,16 @@ def _source(parser) -> None:
 
 def add_eval_parser(sub, help_: str):
     p = sub.add_parser("eval", help=help_, description="The held-out loss of a checkpoint on a token folder's val "
-                                                       "split, in this process (no ranks).")
+                                                       "split, in this process (no ranks), with the run's own "
+                                                       "evaluation settings unless given: the run's eval_loss of "
+                                                       "that step.")
     _source(p)
-    p.add_argument("--data", type=Path, required=True, metavar="DIR", help="a token folder from hpf prepare")
-    p.add_argument("--batches", type=positive(int), default=4, metavar="N", help="held-out batches (default: 4)")
-    p.add_argument("--batch-size", type=positive(int), default=8, metavar="B", help="sequences a batch (default: 8)")
+    run = "(default: the run's, from its run.json, as its held-out loss used"
+    p.add_argument("--data", type=Path, metavar="DIR", help=f"a token folder from hpf prepare {run})")
+    p.add_argument("--batches", type=positive(int), metavar="N", help=f"held-out batches {run}: 4)")
+    p.add_argument("--batch-size", type=positive(int), metavar="B", help=f"sequences a batch {run}: --batch-size)")
+    p.add_argument("--seed", type=positive(int, least=0), metavar="S",
+                   help=f"which held-out windows are drawn {run}: --seed)")
     p.set_defaults(run=cmd_eval)
     return p
 
@@ -137,7 +161,8 @@ def add_export_parser(sub, help_: str):
 
 def add_generate_parser(sub, help_: str):
     p = sub.add_parser("generate", help=help_, description="Greedy text from a checkpoint of gpt or llama, in this "
-                                                           "process.")
+                                                           "process: prints the prompt followed by the tokens it "
+                                                           "generates.")
     _source(p)
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", metavar="TEXT", help="text, for a model of bytes (hpf prepare's default)")

@@ -18,6 +18,7 @@ import dataclasses
 import datetime
 import os
 import queue
+import resource
 import socket
 import statistics
 import threading
@@ -35,7 +36,8 @@ from ..models import MODELS, gpt
 from ..planning import plan
 from .hardware import compute_key, parse_compute_key
 
-__all__ = ["calibrate", "fit_alpha_beta", "stages", "add_issue_costs", "add_fsdp2_comm", "add_sync_terms", "as_shape"]
+__all__ = ["calibrate", "fit_alpha_beta", "stages", "add_issue_costs", "add_fsdp2_comm", "add_sync_terms", "as_shape",
+           "check_layers_fit", "with_load"]
 
 
 def fit_alpha_beta(p: int, sizes: list[int], seconds: list[float]) -> tuple[float, float]:
@@ -203,7 +205,7 @@ def _comm_rank(rank, sizes, reps):
     return out
 
 
-def _compute_rank(rank, shapes, reps):
+def _compute_rank(rank, shapes, reps, precisions=(None, "bf16")):
     """Seconds of forward + backward of a 1- and an up-to-4-layer model at each (model, config,
     local batch), in fp32 and in bf16 (params cast, as mixed precision's gathers hand them to the
     loss); the median rep of each, because runs are judged by their median step under the same
@@ -212,7 +214,7 @@ def _compute_rank(rank, shapes, reps):
     for model, name, batch in shapes:
         mod = MODELS[model]
         depth = min(max(mod.CONFIGS[name].n_layers, 2), 4)  # up to 4 blocks: less noise per block, bounded time
-        for precision in (None, "bf16"):
+        for precision in precisions:
             fns = []
             for layers in (1, depth):
                 cfg = _with_layers(mod.CONFIGS[name], layers)
@@ -309,7 +311,7 @@ def _with_layers(config, layers: int):
     return dataclasses.replace(config, n_layers=layers, **cut)
 
 
-def _check_layers_fit(shapes) -> None:
+def check_layers_fit(shapes) -> None:
     """Compute is timed on a 1-block model of each shape's width: refuse, before any rank starts,
     one this machine cannot hold (its params, grads and moments at fp32, 16 bytes each)."""
     room = _room_mib() * 2 ** 20
@@ -498,15 +500,40 @@ def add_sync_terms(calib: dict, reps: int = 7, nbytes: int = 256 << 10, launches
     return calib
 
 
+def _cpu_seconds() -> tuple[float, float]:
+    """(the busy seconds of every core since boot, /proc/stat's; this process's and its reaped
+    children's CPU seconds)."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    mine = me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK"), mine
+
+
+def with_load(fn):
+    """``fn()`` (which forks and reaps its ranks, as ``launch`` does) and the machine's load while it
+    ran: {"others_cores": the cores other processes kept busy on average (the machine's busy time
+    less this process's and its ranks'; a VM's stolen time counts), "own_cores": the cores it and
+    its ranks used, "cores", "loadavg"}. Other work on the cores slows every figure measured."""
+    started, (busy0, mine0) = time.perf_counter(), _cpu_seconds()
+    out = fn()
+    wall, (busy1, mine1) = time.perf_counter() - started, _cpu_seconds()
+    own = (mine1 - mine0) / wall
+    return out, {"others_cores": round(max(0.0, (busy1 - busy0) / wall - own), 3), "own_cores": round(own, 3),
+                 "cores": len(os.sched_getaffinity(0)), "loadavg": [round(x, 2) for x in os.getloadavg()]}
+
+
 def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)),
-              sizes_mib=None, reps: int = 7, launches: int = 3, stage=_quiet, quick: bool = False) -> dict:
+              sizes_mib=None, reps: int = 7, launches: int = 3, stage=_quiet, quick: bool = False,
+              precisions=(None, "bf16")) -> dict:
     """Measure and fit; returns the calibration dict (``json.dump`` it; hardware() loads the file).
     Every term is the median of ``launches`` launches; collectives at ``sizes_mib`` (default
-    ``sizes_for(shapes)``). ``stage(what)`` is called as each of ``stages(world_sizes)`` parts begins.
-    ``quick``: only the links, the compute and the per-unit overhead (what the plan search ranks
-    hpf's candidates by; not FSDP2's path, the issue costs or the sync terms: those stay 0)."""
+    ``sizes_for(shapes)``); compute in each of ``precisions``. ``stage(what)`` is called as each of
+    ``stages(world_sizes)`` parts begins. ``quick``: only the links, the compute and the per-unit
+    overhead (what the plan search ranks hpf's candidates by; not FSDP2's path, the issue costs or
+    the sync terms: those stay 0)."""
     shapes = [as_shape(s) for s in shapes]
-    _check_layers_fit(shapes)
+    check_layers_fit(shapes)
     sizes_mib = sizes_mib or sizes_for(shapes)
     sizes = [int(m * 2 ** 20) for m in sizes_mib]
     links: dict = {"gloo": {}, "shm": {}}
@@ -524,9 +551,10 @@ def calibrate(world_sizes=(2, 4), shapes=(("tiny", 4), ("small", 2)),
             link["source"] = (f"fitted on {len(sizes)} sizes {sizes_mib} MiB, {w} ranks, median of {reps}+ "
                               f"calls, median of {launches} launches")
             links[transport][w] = link
-        stage(f"compute of {', '.join(compute_key(m, n, b, w) for m, n, b in shapes)} in fp32 and bf16, AdamW and "
+        named = " and ".join(p or "fp32" for p in precisions)
+        stage(f"compute of {', '.join(compute_key(m, n, b, w) for m, n, b in shapes)} in {named}, AdamW and "
               "matmul rates")
-        comp, bw, pk = _median_of_launches(_compute_rank, w, list(shapes), reps, launches=launches)
+        comp, bw, pk = _median_of_launches(_compute_rank, w, list(shapes), reps, tuple(precisions), launches=launches)
         compute.update(comp)
         mem_bw.append(bw)
         peak.append(pk)
