@@ -140,12 +140,19 @@ def test_two_ranks_with_dropout_train_as_one_process_with_the_same_keys(name, ho
     assert want[-1] < want[0] - 0.5  # it learns, through the masks
 
 
-@pytest.mark.slow
-def test_a_compiled_block_draws_the_masks_an_eager_one_does():
+def _compiled_vs_eager(rank):
     module, config = MODELS["gpt"]
     params, batch = module.init(config, R.key(0)), keyed_batch(config, 0)
     eager = grads(module.loss_for(config), params, batch)
     compiled = grads(module.loss_for(config, compile=True), params, batch)
+    return eager, compiled
+
+
+@pytest.mark.slow
+def test_a_compiled_block_draws_the_masks_an_eager_one_does():
+    # in a process of its own: inductor's compile workers, once started in the test process, are
+    # not there in the ranks later tests fork from it (their compiles then wait forever)
+    eager, compiled = launch(_compiled_vs_eager, 1, timeout=240)[0]
     torch.testing.assert_close(compiled[0], eager[0], rtol=1e-6, atol=0)
     for a, b in zip(compiled[1], eager[1]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
