@@ -216,7 +216,7 @@ class _Evaluator:
         if target in _CONSTANTS:
             return torch.full((n,), _CONSTANTS[target], dtype=val.dtype)
         if target in _FILLS:
-            return torch.full((n,), float(node.args[_FILLS[target]]), dtype=val.dtype).to(val.dtype)
+            return torch.full((n,), float(node.args[_FILLS[target]]), dtype=val.dtype)
         if target in _SAME_ORDER:
             return self.at(node.args[0], at)
         if target == aten._to_copy.default:

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from .. import random as hpf_random
+from ..comm.collectives import all_gather, psum
 from ..losses import token_cross_entropy
 from . import recompute as recompute_
 
@@ -91,8 +93,6 @@ def param_makers(key, device, dtype: torch.dtype):
     then cast and moved, so every device and every sharding gets the same bits
     (``step.init(init_fn, key=...)`` draws each rank's shards alone); on the meta device they draw
     nothing."""
-    from .. import random as hpf_random
-
     on_meta = device is not None and torch.device(device).type == "meta"
     if isinstance(key, torch.Generator):
         raise TypeError("the models draw from hpf.random keys: pass hpf.random.key(seed) (a torch.Generator "
@@ -168,7 +168,6 @@ def dropout(x: torch.Tensor, p: float, keys: torch.Tensor | None, site: int) -> 
     """Inverted dropout of x [B, ...] with example b's mask drawn from ``fold_in(keys[b], site)``."""
     if not p or keys is None:
         return x
-    from .. import random as hpf_random
     keep = hpf_random.bernoulli(hpf_random.fold_in(keys, site), 1.0 - p, x.shape[1:])
     return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
 
@@ -205,7 +204,6 @@ def tp_sum(x: torch.Tensor, tp_axis: str | None) -> torch.Tensor:
     """A row-parallel product's partial sums, summed over the tensor-parallel axis."""
     if tp_axis is None:
         return x
-    from ..comm.collectives import psum
     return psum(x, tp_axis)
 
 
@@ -213,7 +211,6 @@ def tp_heads(per_head: torch.Tensor, tp_axis: str | None) -> torch.Tensor:
     """A per-head value [H_local] of every rank's heads, in head order [H]."""
     if tp_axis is None:
         return per_head
-    from ..comm.collectives import all_gather
     return all_gather(per_head, tp_axis)
 
 
@@ -241,7 +238,6 @@ def param_specs(config, tp_axis: str | None = None, data_axes=("dp",), column=()
 
 
 def embedding_dropout(x: torch.Tensor, p: float, keys: torch.Tensor | None) -> torch.Tensor:
-    from .. import random as hpf_random
     return dropout(x, p, hpf_random.fold_in(keys, 0) if p and keys is not None else None, 0)
 
 
@@ -251,7 +247,6 @@ def block_dropout(p: float, keys: torch.Tensor | None, i: int) -> tuple:
     inputs."""
     if not p or keys is None:
         return 0.0, None
-    from .. import random as hpf_random
     return p, hpf_random.fold_in(keys, i + 1)
 
 
