@@ -45,7 +45,7 @@ def one(config: str, ranks: int, local: int, steps: int, folder: Path) -> dict:
     predicted = float(re.search(r"^\s+\d+ hpf\s+([\d.]+)", hpf("simulate", "--hardware", str(path), *job,
                                                                "--local-batch", str(local)), re.M)[1])
     load_before = os.getloadavg()[0]
-    out = hpf("train", *job, "--batch-size", str(ranks * local), "--steps", str(steps), "--out", str(folder / config))
+    out = hpf("train", *job, "--batch-size", str(ranks * local), "--steps", str(steps), "--out", str(folder / f"{config}_{ranks}"))
     measured = float(re.search(r"step time\s+([\d.]+) ms median", out)[1])
     return {"job": f"{config}, {ranks} ranks x {local}", "calibration_s": round(seconds),
             "others_cores": load["others_cores"], "predicted_ms": predicted, "measured_ms": measured,
