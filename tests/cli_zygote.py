@@ -19,10 +19,10 @@ import traceback
 def main() -> None:
     import importlib
 
-    from hpf.cli import _MODULES, COMMANDS
+    from hpf.cli.command import COMMANDS, SHARED_MODULES
 
     for name in COMMANDS:  # every command's module, and through them torch, hpf and DCP
-        importlib.import_module(f"hpf.cli.{_MODULES.get(name, name)}")
+        importlib.import_module(f"hpf.cli.{SHARED_MODULES.get(name, name)}")
     for line in sys.stdin:
         request = json.loads(line)
         pid = os.fork()

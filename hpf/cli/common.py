@@ -8,16 +8,12 @@ import os
 from pathlib import Path
 
 import hpf
-from hpf.cli import Parser
+from hpf.cli.command import CliError, Parser
 from hpf.launcher import is_launched, world_size
 from hpf.models import MODELS, TP_AXIS, data_axes, has_experts, specs_for
 from hpf.types import PRECISIONS
 
 DEFAULT_MESH = {"node": 2, "local": 2}  # 2 "hosts" x 2 local ranks: exercises both tiers
-
-
-class CliError(Exception):
-    """A mistake in the command line or a missing optional part; printed as one line."""
 
 
 # ------------------------------------------------------------------ argument types
