@@ -3,7 +3,7 @@
 Models are pure functions over pytrees of plain tensors; sharding is written as
 PartitionSpecs and resolved once into a plan. The module map is in docs/architecture.md.
 
-Every public name, and the submodules ``checkpoint``, ``data``, ``models``, ``optim``,
+Every public name, and the submodules ``checkpoint``, ``data``, ``errors``, ``models``, ``optim``,
 ``random``, ``sim`` and ``tree``, loads on first use (PEP 562): ``import hpf`` does not import torch,
 so the ``hpf`` command answers ``--help`` at once.
 """
@@ -15,15 +15,14 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _NAMES = {
-    "Mesh": "mesh", "MeshError": "mesh",
+    "Mesh": "mesh",
     "Plan": "planning", "plan": "planning",
-    "P": "spec", "SpecError": "spec", "rules": "spec",
+    "P": "spec", "rules": "spec",
     "MixedPrecision": "types", "StepStats": "types", "TrainState": "types",
-    "DonatedStateError": "checks", "NonFiniteError": "checks", "ParamsMismatchError": "checks",
-    "UnevenBatchError": "checks", "StaleParamError": "checks", "UnusedParamsError": "checks",
-    "CapturedTensorError": "checks",
+    "MeshError": "errors", "SpecError": "errors", "DonatedStateError": "errors", "NonFiniteError": "errors",
+    "ParamsMismatchError": "errors", "UnevenBatchError": "errors", "StaleParamError": "errors",
+    "UnusedParamsError": "errors", "CapturedTensorError": "errors", "ScheduleMismatchError": "errors",
     "hvp": "func", "per_example_grads": "func",
-    "ScheduleMismatchError": "comm.schedule",
     "LossScale": "losses", "weighted": "losses",
     "StepConfig": "config",
     "ShardStep": "step",
@@ -35,7 +34,7 @@ _NAMES = {
     "launch": "launcher",
     "from_module": "module", "to_module": "module",
 }
-_SUBMODULES = ("checkpoint", "data", "models", "optim", "random", "sim", "tree")
+_SUBMODULES = ("checkpoint", "data", "errors", "models", "optim", "random", "sim", "tree")
 
 __all__ = sorted([*_NAMES, *_SUBMODULES])
 

@@ -26,18 +26,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
+from .errors import CheckpointError
 
 __all__ = ["CheckpointError", "Reader", "sums", "seal", "load_data", "not_data", "save_failed", "read_failed", "HEADER",
            "TMP_SUFFIX"]
 
 HEADER = "hpf.json"
 TMP_SUFFIX = ".tmp"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be saved or restored; the message names the path and the key."""
-
-    __module__ = "hpf.checkpoint"  # its public home, as error messages and tracebacks name it
 
 
 _METADATA_CLASSES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
@@ -204,7 +199,6 @@ def not_data(extra: Any) -> CheckpointError | None:
                                "arrays, numbers, strings, lists, tuples and dicts (a checkpoint is data, never code: "
                                "it loads with torch.load(weights_only=True)); convert other objects to those")
     return None
-
 
 
 def _causes(error: BaseException) -> list[BaseException]:

@@ -16,37 +16,13 @@ import torch
 
 from . import tree as tree_util
 from .comm import world
-from .losses import NonFiniteError
+from .errors import (CapturedTensorError, DonatedStateError, NonFiniteError, ParamsMismatchError, StaleParamError,
+                     UnevenBatchError, UnusedParamsError)
 
 __all__ = ["NonFiniteError", "DonatedStateError", "ParamsMismatchError", "StaleParamError", "UnevenBatchError",
            "UnusedParamsError", "CapturedTensorError",
            "CATALOGUE",
            "clean_params", "frozen_paths", "check_same_on_all_ranks", "finite_or_none"]
-
-
-class DonatedStateError(RuntimeError):
-    """A train state already passed to ``step`` (its buffers were donated) was used again."""
-
-
-class ParamsMismatchError(ValueError):
-    """Ranks were given different params (paths, shapes, dtypes or values) at ``init``."""
-
-
-class StaleParamError(RuntimeError):
-    """loss_fn used a param tensor kept from an earlier step or micro-batch: its grads would be wrong."""
-
-
-class CapturedTensorError(RuntimeError):
-    """A block rematerialized under grad="torch.func" computed with a tensor that needs grad but
-    is not one of its inputs (a closure, a global): its grad would be lost."""
-
-
-class UnevenBatchError(ValueError):
-    """Local batches of different shapes on different ranks: a mean of per-rank means is not the global mean."""
-
-
-class UnusedParamsError(ValueError):
-    """The loss reached none of the params it was given: nothing would train."""
 
 
 #: (error class, when, what the message tells you to do): the README's troubleshooting table.

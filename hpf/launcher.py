@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from .comm import schedule
 from .comm.world import COLLECTIVE_TIMEOUT_S
+from .errors import RankError, Terminated
 
 __all__ = ["RankError", "Terminated", "launch", "init_distributed", "shutdown", "at_shutdown", "is_launched", "rank", "world_size",
            "COLLECTIVE_TIMEOUT_S"]
@@ -45,31 +46,8 @@ _TERMINATE_GRACE_S = 2.0  # SIGTERM first, SIGKILL after this
 _DEATH_ECHO_S = 1.0  # after a rank's error, how long to watch for a peer's death that caused it
 
 
-class Terminated(SystemExit):
-    """SIGTERM reached the process running :func:`launch` (a scheduler's stop): the ranks were
-    stopped and their files removed; exits with 143 (128 + SIGTERM) unless caught."""
-
-    def __init__(self):
-        super().__init__(128 + signal.SIGTERM)
-
-
 def _on_sigterm(signum, frame):
     raise Terminated()
-
-
-class RankError(RuntimeError):
-    """A rank raised, died, or a launch timed out; `rank` is the rank blamed (None on timeout).
-
-    When the rank raised, ``cause`` is its exception (None if it could not travel by pickle),
-    and the RankError is also an instance of that exception's class where Python can make one
-    class of both, so ``except hpf.ParamsMismatchError`` works across ``hpf.launch``."""
-
-    def __init__(self, message: str, rank: int | None = None, child_traceback: str = "",
-                 cause: BaseException | None = None):
-        super().__init__(message)
-        self.rank = rank
-        self.child_traceback = child_traceback
-        self.cause = cause
 
 
 _TYPED: dict[type, type] = {}  # the rank's exception class -> RankError and it, made once

@@ -24,6 +24,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .errors import NonFiniteError
+
 __all__ = ["NonFiniteError", "Weighted", "weighted", "token_cross_entropy", "LossOut", "parse", "LossScale", "LossScaleState",
            "terms_divisor"]
 
@@ -110,12 +112,6 @@ def _check_value(x: Any, what: str) -> None:
 
 
 # -- fp16 loss scaling ---------------------------------------------------------------------------------------------
-class NonFiniteError(FloatingPointError):
-    """A non-finite loss or grad norm, found before any update (the state stays finite); under
-    fp16, ``LossScale.max_skipped`` overflowed steps in a row."""
-
-    __module__ = "hpf.checks"  # its public home (hpf.NonFiniteError), as messages and tracebacks name it
-
 
 class LossScaleState(NamedTuple):
     """The running loss scale (float64) and the steps in a row since it last changed (int64):

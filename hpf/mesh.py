@@ -16,11 +16,9 @@ from typing import Mapping, Sequence
 # helpers would make the two import each other.
 import torch.distributed as dist
 
+from .errors import MeshError
+
 __all__ = ["Mesh", "MeshError", "as_axes"]
-
-
-class MeshError(ValueError):
-    """A mesh that does not fit the run or the request; the message says what to change."""
 
 
 class Mesh:

@@ -33,6 +33,7 @@ from .models import MODELS, has_experts, model_config, specs_for
 from .models.recompute import RECOMPUTE
 from .sim import Hardware, SimResult
 from .types import SlowPrecision
+from .errors import NoFeasiblePlan
 
 __all__ = ["Candidate", "Ranked", "SearchResult", "search", "candidates", "simulate", "DIMENSIONS",
            "NoFeasiblePlan", "load", "SAME_WITHIN", "prefer_simpler"]
@@ -182,10 +183,6 @@ def prefer_simpler(ranked: list[Ranked]) -> list[Ranked]:
         return ranked
     first = min(tied, key=lambda r: (r.candidate.changes(), r.step_s, r.memory.total))
     return [first] + [r for r in ranked if r is not first]
-
-
-class NoFeasiblePlan(ValueError):
-    """Every candidate needs more memory per rank than the cap."""
 
 
 @dataclass

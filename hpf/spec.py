@@ -13,20 +13,9 @@ import optree
 import torch
 
 from . import tree as tree_util
+from .errors import IndivisibleSpecError, SpecError, SpecTreeError
 
 __all__ = ["P", "Rules", "rules", "SpecError", "SpecTreeError", "IndivisibleSpecError", "resolve_specs"]
-
-
-class SpecError(ValueError):
-    """A spec, rule or mesh that cannot describe the parameters; the message names the path."""
-
-
-class SpecTreeError(SpecError):
-    """A pytree of specs that does not have the params' structure."""
-
-
-class IndivisibleSpecError(SpecError):
-    """A non-FSDP axis that does not divide the dim it splits (only FSDP axes are padded)."""
 
 
 class P(tuple):

@@ -156,7 +156,7 @@ def test_an_error_inside_a_rank_is_one_line_and_its_traceback_is_kept(tmp_path):
     proc = hpf_cmd("train", "--world-size", 1, "--steps", 2, "--resume", tmp_path / "not-a-checkpoint", "--out", out)
     assert proc.returncode == 1
     line = one_error_line(proc)
-    assert "rank 0 failed: hpf.checkpoint.CheckpointError" in line and f"(traceback: {out / 'error.log'})" in line
+    assert "rank 0 failed: hpf.errors.CheckpointError" in line and f"(traceback: {out / 'error.log'})" in line
     assert "Traceback" in (out / "error.log").read_text()
     assert json.loads((out / "run.json").read_text())["status"] == "failed: CheckpointError"  # the rank's, by type
     debug = hpf_cmd("train", "--world-size", 1, "--steps", 2, "--resume", tmp_path / "not-a-checkpoint",

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from . import world
 from .transport import wait_for
+from ..errors import PeerTimeoutError, ScheduleMismatchError, StoreValueError
 
 __all__ = ["ScheduleMismatchError", "PeerTimeoutError", "StoreValueError", "LOG", "ScheduleLog", "wait", "check_digests",
            "digest_parts", "rendezvous", "causes", "SUSPECT_S", "DIGEST_MASK", "DIGEST_LEN"]
@@ -42,12 +43,6 @@ DIGEST_MASK = (1 << 51) - 1  # a digest's bits: 3 x 17, see digest_parts
 _SHIFTS = (0, 17, 34)
 DIGEST_LEN = 2 * len(_SHIFTS)  # floats in digest_parts: (part, part^2) per 17 bits
 _PREFIX = "hpf/schedule/"
-
-
-class ScheduleMismatchError(RuntimeError):
-    """Ranks issued different collectives: the loss function read different units on
-    different ranks, or one rank skipped a collective call (a save, ``full_params``) the
-    others made. Raised on every rank, before any update; the job cannot go on."""
 
 
 class ScheduleLog:
@@ -209,15 +204,6 @@ def wait(handle: Any, what: Callable[[], str] | str = "a collective", timeout_s:
                 store.delete_key(here)
 
 
-class PeerTimeoutError(TimeoutError):
-    """A wait outlasted the timeout; ``missing``: the ranks that were not waiting alongside (the
-    ones to blame: hpf.launch names them)."""
-
-    def __init__(self, message: str, missing: list[int]):
-        super().__init__(message)
-        self.missing = missing
-
-
 def causes(error: BaseException | None, implicit: bool = True) -> Iterator[BaseException]:
     """``error``, then what it was raised from (``inner_exception``, ``__cause__``, and with
     ``implicit`` ``__context__``), each once: a chain may loop (``raise e from e``)."""
@@ -242,13 +228,6 @@ def _absent(store, n: int) -> list[int]:
         return [r for r in range(n) if not store.check([f"{_PREFIX}here/{r}"])]
     except RuntimeError:  # (the store went with a peer)
         return []
-
-
-class StoreValueError(ValueError):
-    """A value in the process group's store that no hpf rank wrote: too big, too deep, or not a
-    schedule log. The store may be reachable by others (a TCPStore listens on every interface),
-    so its values are read as bounded JSON data, never unpickled; the message names the key and
-    the rank whose key it is."""
 
 
 _MAX_VALUE_BYTES = 4 << 20  # a log of _KEEP events with long unit paths is well under 1 MiB
