@@ -73,7 +73,6 @@ class UnitEngine:
         self.view = ParamsView(plan, {u: plan.slot_paths(u) for u in self.units}, self._entry)
         self.stats: MemoryStats = self.buffers.stats
         self.in_backward = False
-        self._reduce_order = list(reversed(self.reducer.units))  # the first step's guess: backward of tree order
         self.broken: BaseException | None = None  # an error that left the ranks out of step
         self._prefetched: list | None = None  # (bucket, master, version) the next step's gathers were made from
         self._root = None
@@ -124,7 +123,7 @@ class UnitEngine:
         if self.reducer.holds_sums():  # a later micro-batch: prefetch its first units
             self.buffers.new_phase()
             self.buffers.apply(self.residency.resume(), "forward")
-        self.reducer.start(grad_shards, self._reduce_order, hold)
+        self.reducer.start(grad_shards, hold)
         self.anchor = torch.empty(0, device=self.device, requires_grad=True)
         self.micro_batches += 1  # stamps this micro-batch's entries (``entry_done`` refuses older ones)
         self._root, self.in_backward = None, False
@@ -162,9 +161,8 @@ class UnitEngine:
         self.buffers.land_all()
 
     def end_step(self) -> None:
-        """The step's reads are over: learn them for the next step, free what is gathered."""
-        if self.reducer.landed_order and set(self.reducer.landed_order) == set(self.reducer.units):
-            self._reduce_order = list(self.reducer.landed_order)
+        """The step's reads are over: the residency policy learns them for the next step; free
+        what is gathered."""
         self.residency.end_step()
         self.buffers.settle()
 

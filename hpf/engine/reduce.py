@@ -2,8 +2,8 @@
 
 Each read of a unit is one autograd entry; backward hands each entry's grads here, and they
 add up in one flat buffer per bucket. A unit is complete when every entry's backward has run.
-Reductions are issued strictly in ``order`` (the last step's order; the first step the
-reverse of the first reads), the head of the queue as soon as it is complete, so every rank
+Reductions are issued strictly in one fixed order, the reverse of the plan's tree order
+(``reduction_order``), the head of the queue as soon as it is complete, so every rank
 issues the same reductions in the same order whatever backward's timing, and a unit whose
 entry never runs backward (a read the loss does not use) only delays the queue to the end.
 For loop-style code that order is backward's own, so reductions overlap the rest of backward.
@@ -41,13 +41,19 @@ from ..comm.transport import DONE, StreamWork, is_done, wait_for
 from ..planning import Plan
 from ..trace import span
 
-__all__ = ["Reducer", "IN_FLIGHT", "issuable", "to_wait"]
+__all__ = ["Reducer", "IN_FLIGHT", "issuable", "reduction_order", "to_wait"]
 
 #: reductions holding memory at once, the unit summed next included (the module doc; hpf.memory counts it)
 IN_FLIGHT = 2
 
 
 # -- the policy, as pure functions (hpf.engine.replay replays them for hpf.sim and hpf.memory) ----------------
+def reduction_order(trained: list[str]) -> list[str]:
+    """The order reductions are issued in, every step: the units with grads (``trained``, in tree
+    order) reversed, which is backward's own order for loop-style code."""
+    return list(reversed(trained))
+
+
 def issuable(order: list[str], start: int, complete) -> int:
     """Reductions are issued strictly in ``order``, the head as soon as it is ``complete``: the
     position after the last one issuable now, the ones from ``start`` issued already."""
@@ -79,8 +85,7 @@ class Reducer:
         self.units = [u for u, bs in self.trained.items() if bs]
         self.compute_sums = compute_sums  # (bucket, group): partial grads summed over non-FSDP axes
         self.grad_shards: list[torch.Tensor] = []
-        self.order: list[str] = []
-        self.landed_order: list[str] = []  # the order units were reduced in this step
+        self.order = reduction_order(self.units)
         self._outstanding: Counter = Counter()
         self._sums: dict[str, list[torch.Tensor]] = {}
         self._complete: set[str] = set()
@@ -97,14 +102,13 @@ class Reducer:
         self.landed_s = 0.0  # seconds spent in on_landed, ever (not counted as waiting)
         self._to_tell: list[str] = []  # units landed, on_landed not yet run
 
-    def start(self, grad_shards: list[torch.Tensor], order: list[str], hold: bool) -> None:
+    def start(self, grad_shards: list[torch.Tensor], hold: bool) -> None:
         """A micro-batch starts; ``hold``: keep its sums for the next one instead of reducing."""
-        self.grad_shards, self.order, self.hold = grad_shards, order, hold
+        self.grad_shards, self.hold = grad_shards, hold
         self._outstanding.clear()
         self._sums.clear()
         self._complete.clear()
         self._next = 0
-        self.landed_order = []
         self._to_tell.clear()
 
     def entry(self, unit: str) -> None:
@@ -249,7 +253,6 @@ class Reducer:
         if flats is None:  # never read this step (or its params never reached the loss): zero grads
             flats = [flat.zero_() for flat in self._take(unit)]
         buckets = self.trained[unit]
-        self.landed_order.append(unit)
         if self.hold:  # an earlier micro-batch: keep the sums here, communicate nothing
             for b, flat in zip(buckets, flats):
                 if b in self._held:

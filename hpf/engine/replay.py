@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..tree import ROOT
-from .reduce import issuable
+from .reduce import issuable, reduction_order
 from .residency import Actions, Residency
 
 __all__ = ["Event", "StepEvents", "replay", "loop_reads", "pinned_units"]
@@ -82,7 +82,7 @@ def replay(units: list[str], pinned: set[str], reads: list[list[str]], trained: 
     micro-batches; ``trained``: the units with grads, in tree order; ``recompute``: units whose
     forward runs again in backward; ``capacity``: the residency bound (``resident_units``)."""
     policy = Residency(units, pinned, capacity)
-    order = list(reversed(trained))  # the reduction order (hpf.engine.reduce; the engine's first guess)
+    order = reduction_order(trained)
     out: list[StepEvents] = []
     acts = policy.begin()
     for _ in range(steps):
