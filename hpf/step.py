@@ -34,7 +34,7 @@ from .optim.base import EarlyUpdate, ForPlan, PartialUpdate, ReadsAux
 from .planning import Plan, plan as make_plan
 from .state_io import StateIO
 from .trace import span
-from .types import StepStats, TrainState
+from .types import GATHER_STATS, StepStats, TrainState
 
 __all__ = ["ShardStep", "step_plan"]
 
@@ -430,9 +430,7 @@ def _join_world(mesh: Mesh) -> None:
 def _stats(timed: dict, engine: UnitEngine | None) -> StepStats:
     if engine is None:
         return StepStats(**timed)
-    mem = engine.stats
-    return StepStats(**timed, bytes=Counter(engine.comm.bytes), gathers=mem.gathers, extra_gathers=mem.extra_gathers,
-                     peak_blocks=mem.peak_blocks, peak_bytes=mem.peak_bytes)
+    return StepStats(**timed, bytes=Counter(engine.comm.bytes), **{f: getattr(engine.stats, f) for f in GATHER_STATS})
 
 
 def _add_timings(timed: dict, metrics: dict) -> dict:

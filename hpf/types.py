@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["MixedPrecision", "SlowPrecision", "StepStats", "TrainState"]
+__all__ = ["MixedPrecision", "SlowPrecision", "StepStats", "TrainState", "GATHER_STATS"]
 
 
 @dataclass(frozen=True)
@@ -188,4 +188,7 @@ class StepStats:
         return {op: n for (op, tier), n in self.bytes.items() if tier == "slow"}
 
 
+#: the fields of StepStats that are the engine's own gather counts (hpf.engine.gather.MemoryStats has
+#: each, by the same name: ``step.stats()`` takes them from there)
+GATHER_STATS = ("gathers", "extra_gathers", "peak_blocks", "peak_bytes")
 _SUMMED = ("steps", "step_s", "optimizer_s", "comm_wait_s", "compile_s", "gathers", "extra_gathers")
