@@ -81,7 +81,7 @@ def replay(units: list[str], pinned: set[str], reads: list[list[str]], trained: 
     units it reads: the owners of its tied leaves, then itself) in each of ``accumulate``
     micro-batches; ``trained``: the units with grads, in tree order; ``recompute``: units whose
     forward runs again in backward; ``capacity``: the residency bound (``resident_units``)."""
-    policy = Residency(units, pinned, capacity)
+    policy = Residency.of(units, pinned, capacity)
     order = reduction_order(trained)
     out: list[StepEvents] = []
     acts = policy.begin()
@@ -125,7 +125,7 @@ def _micro_batch(events: list[Event], policy: Residency, units: list[str], reads
         if unit in train:
             events.append(Event("grads", unit))
             complete.add(unit)
-            end = issuable(order, issued, complete)
+            end = issuable(order, issued, complete.__contains__)
             events.extend(Event("hold" if hold else "reduce", u) for u in order[issued:end])
             issued = end
         events.extend(Event("evict", u) for u in policy.done(unit))

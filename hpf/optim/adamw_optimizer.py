@@ -12,7 +12,6 @@ eps added after the square root), so a sharded run can be checked against it. In
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, NamedTuple
@@ -20,7 +19,9 @@ from typing import Any, Callable, NamedTuple
 import optree
 import torch
 
+from .base import Capabilities
 from .schedules import check_rate
+from .transforms import Chain, add_decayed_weights, chain, inject, scale_by_adam
 
 from hpf import tree as tree_util
 
@@ -45,7 +46,7 @@ class AdamWState(NamedTuple):
 def schedule_value(lr: float | Callable[[int], float], step: int, what: str = "lr") -> float:
     """A learning rate that is a constant or a function of the (1-based) step; ValueError
     (naming the step) unless it is finite and >= 0."""
-    return check_rate(lr(step), f"{what} schedule", step) if callable(lr) else check_rate(lr, what)
+    return inject(lr, step, what).lr
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,14 @@ class AdamW:
     weight_decay_mask: Any = None  # None: all; mask(path, tensor) -> bool; or a pytree of bools
     _shard_decay: Any = field(default=None, repr=False, compare=False)  # per flat shard: slices (for_plan)
     _frozen: Any = field(default=None, repr=False, compare=False)  # per flat shard: not trained (for_plan)
+
+    #: elementwise, so updated a few shards at a time; set up per plan (the decay mask, frozen buckets)
+    capabilities = Capabilities(partial=True, for_plan=True)
+
+    @property
+    def transform(self) -> Chain:
+        """The math as stages (hpf.optim.transforms): decoupled weight decay, then Adam's step."""
+        return chain(add_decayed_weights(self.weight_decay), scale_by_adam(self.betas, self.eps))
 
     def for_plan(self, plan, rank: int) -> "AdamW":
         """This optimizer on ``plan``'s flat shards (``hpf.shard_step`` calls it): the mask
@@ -157,21 +166,9 @@ class AdamW:
         if not p:
             return
         p, g, m, v = (list(map(_real, x)) for x in (p, g, m, v))
-        decay = None if decay is None else list(map(_real, decay))
-        lr = schedule_value(self.lr, step) * lr_scale
-        b1, b2 = self.betas
-        decay = p if decay is None else decay
-        if self.weight_decay and decay:
-            torch._foreach_mul_(decay, 1.0 - lr * self.weight_decay)
-        torch._foreach_lerp_(m, g, 1.0 - b1)
-        torch._foreach_mul_(v, b2)
-        torch._foreach_addcmul_(v, g, g, 1.0 - b2)
-        bias1 = 1.0 - b1 ** step
-        bias2_sqrt = math.sqrt(1.0 - b2 ** step)
-        denom = torch._foreach_sqrt(v)
-        torch._foreach_div_(denom, bias2_sqrt)
-        torch._foreach_add_(denom, self.eps)
-        torch._foreach_addcdiv_(p, m, denom, -lr / bias1)
+        h = inject(self.lr, step)
+        h = h._replace(lr=h.lr * lr_scale)
+        self.transform.apply(h, p, g, {"exp_avg": m, "exp_avg_sq": v}, p if decay is None else list(map(_real, decay)))
 
 
 def _real(t: torch.Tensor) -> torch.Tensor:
