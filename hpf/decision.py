@@ -20,6 +20,7 @@ from . import batching, losses
 from .checks import UnevenBatchError
 from .comm import schedule, world
 from .comm.schedule import LOG
+from .optim.transforms import ClipByGlobalNorm, clip_by_global_norm
 from .trace import span
 
 __all__ = ["Decision", "Decider"]
@@ -51,20 +52,22 @@ class Decider:
         world: ranks in the mesh; dp_size: ranks of one replica's data parallelism (FSDP axes);
         n_compute: ranks that compute one replica's loss together (non-FSDP axes);
         replicas: per bucket, how many ranks hold each of its shards (counted once in the norm);
-        max_grad_norm: the clip (None: none).
+        clip: clipping by the global grad norm, a stage of hpf.optim.transforms whose factor the
+            decision folds into ``grad_scale`` (None: no clipping).
     """
 
     world: int
     dp_size: int
     n_compute: int
     replicas: torch.Tensor
-    max_grad_norm: float | None
+    clip: ClipByGlobalNorm | None
 
     @classmethod
     def of(cls, plan, world: int, max_grad_norm: float | None) -> "Decider":
-        """The decider of a step over ``plan`` on ``world`` ranks."""
+        """The decider of a step over ``plan`` on ``world`` ranks (``max_grad_norm``: the clip)."""
         replicas = torch.tensor([float(plan.replicas(b)) for b in plan.buckets], dtype=torch.float64)
-        return cls(world, plan.dp_size, plan.compute_size, replicas, max_grad_norm)
+        return cls(world, plan.dp_size, plan.compute_size, replicas,
+                   None if max_grad_norm is None else clip_by_global_norm(max_grad_norm))
 
     def normalizer(self, n_micro: int, count: float | None = None) -> float:
         """What the summed grads are divided by: the global count of an hpf.weighted loss (each
@@ -113,8 +116,8 @@ class Decider:
         grad_norm = math.sqrt(tv[3]) / (normalizer * scale) if normalizer else 0.0
         finite = not tv[2] and math.isfinite(grad_norm) and math.isfinite(loss)
         coef = 1.0
-        if clip and finite and self.max_grad_norm is not None:
-            coef = min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
+        if clip and finite and self.clip is not None:
+            coef = self.clip.factor(grad_norm)
         out_aux = None
         if aux is not None:
             flat = torch.tensor(tv[_SHAPES.stop:], dtype=torch.float64)

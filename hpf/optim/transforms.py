@@ -7,6 +7,10 @@ hpf's optimizers donate their buffers, so a stage writes where optax's would ret
 updates. AdamW is ``chain(add_decayed_weights(wd), scale_by_adam(betas, eps))``: the weight
 decay multiplies the params it is handed (a mask picks them: ``decay``, views into the params)
 before the Adam step, the same foreach ops in the same order as ``torch.optim.AdamW``.
+
+Clipping by the global grad norm is a stage too (``clip_by_global_norm``), but the norm is the
+step's (one all-reduce, hpf.decision), so the step asks it for its ``factor`` and folds that into
+the one scale that turns summed grads into the update's: one multiply, not two roundings.
 """
 from __future__ import annotations
 
@@ -18,8 +22,8 @@ import torch
 
 from .schedules import check_rate
 
-__all__ = ["Hyper", "inject", "chain", "add_decayed_weights", "scale_by_adam", "Chain", "AddDecayedWeights",
-           "ScaleByAdam"]
+__all__ = ["Hyper", "inject", "chain", "add_decayed_weights", "scale_by_adam", "clip_by_global_norm", "Chain",
+           "AddDecayedWeights", "ScaleByAdam", "ClipByGlobalNorm"]
 
 
 class Hyper(NamedTuple):
@@ -76,6 +80,21 @@ class Chain:
     def apply(self, h: Hyper, p: list, g: list, moments: dict, decay: list) -> None:
         for stage in self.stages:
             stage.apply(h, p, g, moments, decay)
+
+
+@dataclass(frozen=True)
+class ClipByGlobalNorm:
+    """Scale the grads so that their global norm is at most ``max_norm`` (see the module doc)."""
+
+    max_norm: float
+
+    def factor(self, grad_norm: float) -> float:
+        """What the grads are multiplied by, for a global norm of ``grad_norm``."""
+        return min(1.0, self.max_norm / (grad_norm + 1e-6))
+
+
+def clip_by_global_norm(max_norm: float) -> ClipByGlobalNorm:
+    return ClipByGlobalNorm(max_norm)
 
 
 def chain(*stages) -> Chain:
