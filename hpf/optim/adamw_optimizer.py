@@ -21,9 +21,8 @@ import torch
 
 from .base import Capabilities
 from .schedules import check_rate
-from .transforms import Chain, add_decayed_weights, chain, inject, scale_by_adam
+from .transforms import AddDecayedWeights, Chain, add_decayed_weights, chain, inject, scale_by_adam
 
-from hpf import tree as tree_util
 
 __all__ = ["adamw", "AdamW", "AdamWState", "schedule_value", "default_weight_decay_mask"]
 
@@ -71,7 +70,8 @@ class AdamW:
     eps: float = 1e-8
     weight_decay: float = 0.01
     weight_decay_mask: Any = None  # None: all; mask(path, tensor) -> bool; or a pytree of bools
-    _shard_decay: Any = field(default=None, repr=False, compare=False)  # per flat shard: slices (for_plan)
+    #: the decay stage with its mask resolved per flat shard (``for_plan``); None: made from the fields
+    decay: AddDecayedWeights | None = field(default=None, repr=False, compare=False)
     _frozen: Any = field(default=None, repr=False, compare=False)  # per flat shard: not trained (for_plan)
 
     #: elementwise, so updated a few shards at a time; set up per plan (the decay mask, frozen buckets)
@@ -79,8 +79,13 @@ class AdamW:
 
     @property
     def transform(self) -> Chain:
-        """The math as stages (hpf.optim.transforms): decoupled weight decay, then Adam's step."""
-        return chain(add_decayed_weights(self.weight_decay), scale_by_adam(self.betas, self.eps))
+        """The math as stages (hpf.optim.transforms): decoupled weight decay (with its mask),
+        then Adam's step."""
+        return chain(self.decay_stage, scale_by_adam(self.betas, self.eps))
+
+    @property
+    def decay_stage(self) -> AddDecayedWeights:
+        return self.decay or add_decayed_weights(self.weight_decay, self.weight_decay_mask)
 
     def for_plan(self, plan, rank: int) -> "AdamW":
         """This optimizer on ``plan``'s flat shards (``hpf.shard_step`` calls it): the mask
@@ -92,34 +97,7 @@ class AdamW:
         return self.for_plan_mask(plan, rank)
 
     def for_plan_mask(self, plan, rank: int) -> "AdamW":
-        if self.weight_decay_mask is None:
-            return self
-        decays = self._mask_by_path(plan.tree({p: torch.empty(s.global_shape, dtype=s.dtype, device="meta")
-                                               for p, s in plan.slots.items()}))
-        shards = []
-        for b in plan.buckets:
-            pieces = [b.local_range(s, plan.shard_index(b, rank)) for s in b.slots if decays[s.path]]
-            shards.append(tuple(p.held for p in pieces if p.numel))
-        return replace(self, _shard_decay=tuple(shards))
-
-    def _mask_by_path(self, params: Any) -> dict[str, bool]:
-        paths, leaves, treedef = tree_util.flatten(params)
-        mask = self.weight_decay_mask
-        if callable(mask):
-            return {p: bool(mask(p, x)) for p, x in zip(paths, leaves)}
-        if tree_util.structure(mask) != treedef:
-            raise ValueError(f"weight_decay_mask must be a callable(path, tensor) or a pytree of bools shaped "
-                             f"like the params; got {tree_util.structure(mask)}, params are {treedef}")
-        return dict(zip(paths, (bool(m) for m in tree_util.flatten(mask)[1])))
-
-    def _decay_views(self, params: Any, leaves: list) -> list[list[torch.Tensor]]:
-        """Per leaf, the tensors weight decay multiplies: all, none, or a shard's decayed ranges."""
-        if self._shard_decay is not None:
-            return [[leaf[s] for s in slices] for leaf, slices in zip(leaves, self._shard_decay)]
-        if self.weight_decay_mask is None:
-            return [[leaf] for leaf in leaves]
-        decays = self._mask_by_path(params)
-        return [[leaf] if d else [] for leaf, d in zip(leaves, decays.values())]
+        return self if self.weight_decay_mask is None else replace(self, decay=self.decay_stage.for_plan(plan, rank))
 
     def init(self, params: Any) -> AdamWState:
         if self._frozen is not None:  # flat shards of a plan: frozen ones keep no moments
@@ -145,7 +123,7 @@ class AdamW:
         p = optree.tree_leaves(params)
         m = optree.tree_leaves(state.exp_avg)
         v = optree.tree_leaves(state.exp_avg_sq)
-        decay = self._decay_views(params, p) if self.weight_decay else None
+        decay = self.decay_stage.views(params, p) if self.weight_decay else None
         schedule_value(self.lr, int(state.count) + 1)  # a bad lr raises before anything changes
         state.count.add_(1)
         step = int(state.count)

@@ -15,11 +15,12 @@ the one scale that turns summed grads into the update's: one multiply, not two r
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, NamedTuple
 
 import torch
 
+from .. import tree as tree_util
 from .schedules import check_rate
 
 __all__ = ["Hyper", "inject", "chain", "add_decayed_weights", "scale_by_adam", "clip_by_global_norm", "Chain",
@@ -41,9 +42,43 @@ def inject(lr: float | Callable[[int], float], step: int, what: str = "lr") -> H
 
 @dataclass(frozen=True)
 class AddDecayedWeights:
-    """Decoupled weight decay: ``decay *= 1 - lr * weight_decay`` (``decay``: the params it picks)."""
+    """Decoupled weight decay: ``decay *= 1 - lr * weight_decay``, ``decay`` the params its
+    ``mask`` picks (``views``): None, every param; ``mask(path, tensor) -> bool``; or a pytree of
+    bools shaped like the params. On a plan's flat shards (``for_plan``) the mask becomes, per
+    shard, the element ``ranges`` of the params that decay."""
 
     weight_decay: float
+    mask: Any = None
+    ranges: tuple | None = field(default=None, repr=False, compare=False)
+
+    def for_plan(self, plan, rank: int) -> "AddDecayedWeights":
+        if self.mask is None:
+            return self
+        decays = self.by_path(plan.tree({p: torch.empty(s.global_shape, dtype=s.dtype, device="meta")
+                                         for p, s in plan.slots.items()}))
+        shards = []
+        for b in plan.buckets:
+            pieces = [b.local_range(s, plan.shard_index(b, rank)) for s in b.slots if decays[s.path]]
+            shards.append(tuple(p.held for p in pieces if p.numel))
+        return replace(self, ranges=tuple(shards))
+
+    def by_path(self, params: Any) -> dict[str, bool]:
+        """Param path -> whether it decays."""
+        paths, leaves, treedef = tree_util.flatten(params)
+        if callable(self.mask):
+            return {p: bool(self.mask(p, x)) for p, x in zip(paths, leaves)}
+        if tree_util.structure(self.mask) != treedef:
+            raise ValueError(f"weight_decay_mask must be a callable(path, tensor) or a pytree of bools shaped "
+                             f"like the params; got {tree_util.structure(self.mask)}, params are {treedef}")
+        return dict(zip(paths, (bool(m) for m in tree_util.flatten(self.mask)[1])))
+
+    def views(self, params: Any, leaves: list) -> list[list[torch.Tensor]]:
+        """Per leaf of ``params``, the tensors the decay multiplies: all, none, or a shard's ranges."""
+        if self.ranges is not None:
+            return [[leaf[s] for s in slices] for leaf, slices in zip(leaves, self.ranges)]
+        if self.mask is None:
+            return [[leaf] for leaf in leaves]
+        return [[leaf] if d else [] for leaf, d in zip(leaves, self.by_path(params).values())]
 
     def apply(self, h: Hyper, p: list, g: list, moments: dict, decay: list) -> None:  # noqa: ARG002
         if self.weight_decay and decay:
@@ -101,8 +136,8 @@ def chain(*stages) -> Chain:
     return Chain(tuple(stages))
 
 
-def add_decayed_weights(weight_decay: float) -> AddDecayedWeights:
-    return AddDecayedWeights(weight_decay)
+def add_decayed_weights(weight_decay: float, mask: Any = None) -> AddDecayedWeights:
+    return AddDecayedWeights(weight_decay, mask)
 
 
 def scale_by_adam(betas: tuple[float, float], eps: float) -> ScaleByAdam:
