@@ -15,7 +15,6 @@ holds) -> per micro-batch ``micro_batch`` (read, backward) -> ``land`` -> ``end_
 from __future__ import annotations
 
 import contextlib
-import enum
 import functools
 import time
 from typing import Any, Callable, Iterator
@@ -32,32 +31,10 @@ from .entry import Recompute, entry, rematerialized
 from .gather import MemoryStats, UnitBuffers, Waits
 from .reduce import Reducer
 from .residency import Residency
+from .unit_state import Phase
 from .views import ParamsView
 
 __all__ = ["UnitEngine", "MemoryStats", "Phase", "explain"]
-
-
-class Phase(enum.Enum):
-    """Where the engine is in a step (``UnitEngine.phase``); ``_MOVES`` lists the legal moves."""
-
-    IDLE = "idle"  # between steps: nothing gathered for a step, nothing in flight
-    PREFETCHED = "prefetched"  # the next step's first gathers are in flight (``prefetch``)
-    STEP = "step"  # a step began: between its micro-batches, or its reductions landing
-    FORWARD = "forward"  # a micro-batch's forward: each read is decided by the residency policy
-    BACKWARD = "backward"  # its backward: a read is a checkpoint recomputing
-    BROKEN = "broken"  # the ranks may be out of step: any use raises (``broken`` names why)
-
-    def to(self, phase: "Phase") -> "Phase":
-        """``phase``, if a step may move there from this one (``abort`` moves from any)."""
-        if phase not in _MOVES[self]:
-            raise RuntimeError(f"hpf engine: {self.name} -> {phase.name} is not a step's order of phases "
-                               "(an hpf bug: please report it)")
-        return phase
-
-
-_MOVES = {Phase.IDLE: {Phase.STEP, Phase.PREFETCHED}, Phase.PREFETCHED: {Phase.STEP},
-          Phase.STEP: {Phase.FORWARD, Phase.IDLE}, Phase.FORWARD: {Phase.BACKWARD}, Phase.BACKWARD: {Phase.STEP},
-          Phase.BROKEN: set()}
 
 
 def _outside_transforms(method: Callable) -> Callable:

@@ -1,5 +1,6 @@
-"""One FSDP unit's runtime state, all of it in one object (FSDP2's ``FSDPParamGroup`` holds its
-group's unshard and reduce state together the same way).
+"""The engine's runtime states: its ``Phase`` in a step (one enum, its legal moves in ``_MOVES``),
+and each FSDP unit's runtime state, all of it in one object (FSDP2's ``FSDPParamGroup`` holds its
+group's unshard and reduce state together the same way):
 
 - gathered side: ``state`` and the gathers in flight (``handles``), moved only along ``MOVES``:
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-__all__ = ["State", "UnitState", "MOVES"]
+__all__ = ["Phase", "State", "UnitState", "MOVES"]
 
 
 class State(enum.Enum):
@@ -63,3 +64,26 @@ class UnitState:
             raise RuntimeError(f"hpf engine: unit {self.name!r} cannot move from {self.state.name} to {state.name}"
                                f"{' with gathers in flight' if self.handles else ''} (an hpf bug: please report it)")
         self.state = state
+
+
+class Phase(enum.Enum):
+    """Where the engine is in a step (``UnitEngine.phase``); ``_MOVES`` lists the legal moves."""
+
+    IDLE = "idle"  # between steps: nothing gathered for a step, nothing in flight
+    PREFETCHED = "prefetched"  # the next step's first gathers are in flight (``prefetch``)
+    STEP = "step"  # a step began: between its micro-batches, or its reductions landing
+    FORWARD = "forward"  # a micro-batch's forward: each read is decided by the residency policy
+    BACKWARD = "backward"  # its backward: a read is a checkpoint recomputing
+    BROKEN = "broken"  # the ranks may be out of step: any use raises (``broken`` names why)
+
+    def to(self, phase: "Phase") -> "Phase":
+        """``phase``, if a step may move there from this one (``abort`` moves from any)."""
+        if phase not in _MOVES[self]:
+            raise RuntimeError(f"hpf engine: {self.name} -> {phase.name} is not a step's order of phases "
+                               "(an hpf bug: please report it)")
+        return phase
+
+
+_MOVES = {Phase.IDLE: {Phase.STEP, Phase.PREFETCHED}, Phase.PREFETCHED: {Phase.STEP},
+          Phase.STEP: {Phase.FORWARD, Phase.IDLE}, Phase.FORWARD: {Phase.BACKWARD}, Phase.BACKWARD: {Phase.STEP},
+          Phase.BROKEN: set()}
