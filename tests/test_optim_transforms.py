@@ -2,6 +2,7 @@
 (hpf.optim.Capabilities). In process, no ranks."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 import hpf
@@ -53,6 +54,8 @@ def test_capabilities_are_declared_not_probed():
             raise AssertionError
 
     assert hpf.optim.capabilities(HasMethodsOnly()) == hpf.optim.Capabilities()
+    with pytest.raises(TypeError, match="HasMethodsOnly has partial_update, for_plan but declares no capabilities"):
+        hpf.shard_step(lambda p, b: p["w"].sum(), mesh=hpf.Mesh({"dp": 1}), optimizer=HasMethodsOnly())
     assert hpf.optim.capabilities(hpf.optim.adamw()).partial
     muon = hpf.optim.muon(qk_clip=10.0, qk_heads={})
     assert hpf.optim.capabilities(muon).for_plan and hpf.optim.capabilities(muon).aux == ("max_attn_logit",)

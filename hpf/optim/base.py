@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
-__all__ = ["Capabilities", "capabilities", "Optimizer", "PartialUpdate", "ForPlan", "EarlyUpdate"]
+__all__ = ["Capabilities", "capabilities", "undeclared", "Optimizer", "PartialUpdate", "ForPlan", "EarlyUpdate"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,20 @@ def capabilities(optimizer: Any) -> Capabilities:
     """``optimizer``'s declared capabilities (its ``capabilities``); none when it declares none."""
     caps = getattr(optimizer, "capabilities", None)
     return caps if isinstance(caps, Capabilities) else Capabilities()
+
+
+#: the methods a capability promises: an optimizer with one of them declares its capabilities
+_PROMISED = ("partial_update", "for_plan", "early", "state_layout", "aux_names")
+
+
+def undeclared(optimizer: Any) -> None:
+    """TypeError for an optimizer with a capability's method but no ``capabilities``: the step
+    would never call it (for_plan unset: it would run on the flat shards as they are)."""
+    has = [m for m in _PROMISED if callable(getattr(optimizer, m, None))]
+    if has and getattr(optimizer, "capabilities", None) is None:
+        raise TypeError(f"optimizer {type(optimizer).__name__} has {', '.join(has)} but declares no capabilities, so "
+                        "the step would not use them; declare what it supports, e.g. `capabilities = "
+                        "hpf.optim.Capabilities(partial=True, for_plan=True)` (hpf.optim.Capabilities)")
 
 
 @runtime_checkable
