@@ -65,7 +65,7 @@ from .checkpoint_files import (HEADER, TMP_SUFFIX, CheckpointError, Reader, load
                                save_failed, seal, sums)
 from .comm import schedule, world
 from .launcher import at_shutdown
-from .optim.base import StateLayout
+from .optim.base import capabilities
 
 
 __all__ = ["CheckpointError", "Layout", "save", "restore", "load_params", "meta", "wait_pending", "boxes", "latest", "rng_state",
@@ -183,7 +183,7 @@ def key_of(path: str) -> str:
 def _add_chunks(sd: dict, plan, bucket, rank: int, flat: torch.Tensor, key: str, only: frozenset | None) -> None:
     """Add the chunks of every param ``flat`` (this rank's state tensor of ``bucket``) holds.
     ``only=None``: flat is laid out as the param shard; else it packs just the params in
-    ``only``, back to back (hpf.optim.StateLayout; DistMuon's AdamW second moment)."""
+    ``only``, back to back (hpf.optim.Capabilities.state_layout; DistMuon's AdamW second moment)."""
     position = plan.shard_index(bucket, rank)
     at = 0
     for s in bucket.slots:
@@ -220,7 +220,7 @@ def _state_dict(layout: Layout, state) -> dict[str, Any]:
     if not hasattr(opt_state, "_asdict"):
         raise CheckpointError(f"optimizer state {type(opt_state).__name__} is not a NamedTuple of fields; "
                               "hpf.checkpoint saves AdamWState and MuonState")
-    layouts = optimizer.state_layout() if isinstance(optimizer, StateLayout) else {}  # packed fields' params
+    layouts = capabilities(optimizer).state_layout  # packed fields' params
     for name, value in opt_state._asdict().items():
         if isinstance(value, torch.Tensor) and value.dim() == 0:
             sd[f"optimizer.{name}"] = value

@@ -13,7 +13,7 @@ import torch
 from .comm.tiered import Topology
 from .losses import LossScale
 from .mesh import Mesh, as_axes
-from .optim.base import Optimizer
+from .optim.base import Optimizer, undeclared
 from .types import MixedPrecision
 
 __all__ = ["StepConfig", "MODES"]
@@ -105,6 +105,7 @@ class StepConfig:
             raise TypeError(f"optimizer {self.optimizer!r} is not an hpf.optim.Optimizer (it needs init() and "
                             "update()): pass hpf.optim.adamw(...) or another object with init(params) and "
                             "update(grads, state, params)")
+        undeclared(self.optimizer)
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r}: use one of {list(MODES)}")
         if self.grad not in ("autograd", "torch.func"):

@@ -20,6 +20,7 @@ from . import batching, losses
 from .checks import UnevenBatchError
 from .comm import schedule, world
 from .comm.schedule import LOG
+from .optim.transforms import ClipByGlobalNorm, clip_by_global_norm
 from .trace import span
 
 __all__ = ["Decision", "Decider"]
@@ -51,26 +52,32 @@ class Decider:
         world: ranks in the mesh; dp_size: ranks of one replica's data parallelism (FSDP axes);
         n_compute: ranks that compute one replica's loss together (non-FSDP axes);
         replicas: per bucket, how many ranks hold each of its shards (counted once in the norm);
-        max_grad_norm: the clip (None: none).
+        clip: clipping by the global grad norm, a stage of hpf.optim.transforms whose factor the
+            decision folds into ``grad_scale`` (None: no clipping).
     """
 
     world: int
     dp_size: int
     n_compute: int
     replicas: torch.Tensor
-    max_grad_norm: float | None
+    clip: ClipByGlobalNorm | None
 
     @classmethod
     def of(cls, plan, world: int, max_grad_norm: float | None) -> "Decider":
-        """The decider of a step over ``plan`` on ``world`` ranks."""
+        """The decider of a step over ``plan`` on ``world`` ranks (``max_grad_norm``: the clip)."""
         replicas = torch.tensor([float(plan.replicas(b)) for b in plan.buckets], dtype=torch.float64)
-        return cls(world, plan.dp_size, plan.compute_size, replicas, max_grad_norm)
+        return cls(world, plan.dp_size, plan.compute_size, replicas,
+                   None if max_grad_norm is None else clip_by_global_norm(max_grad_norm))
+
+    def normalizer(self, n_micro: int, count: float | None = None) -> float:
+        """What the summed grads are divided by: the global count of an hpf.weighted loss (each
+        replica along non-FSDP axes repeats it), else the data-parallel micro-batches."""
+        return count / self.n_compute if count is not None else float(self.dp_size * n_micro)
 
     def unclipped_scale(self, n_micro: int, scale: float, count: float | None = None) -> float:
-        """``decide``'s grad_scale when the clip does not fire, known before it: the same float
-        (coef 1.0 over the same normalizer). ``count``: an hpf.weighted loss's global count."""
-        normalizer = count / self.n_compute if count is not None else float(self.dp_size * n_micro)
-        return 1.0 / (normalizer * scale) if normalizer else 0.0
+        """``decide``'s grad_scale when the clip does not fire, known before it (the same code:
+        the early optimizer work compares the two floats). ``count``: hpf.weighted's global count."""
+        return _grad_scale(self.normalizer(n_micro, count), scale)
 
     def decide(self, outs: list[losses.LossOut], grads: list[torch.Tensor], batch: Any, scale: float = 1.0,
                clip: bool = True) -> Decision:
@@ -104,22 +111,27 @@ class Decider:
                 "mean of the ranks' means, which is the global mean only for equal local batches. Split the global "
                 "batch evenly, or return hpf.weighted(sum, count) from loss_fn (the step then divides by the global "
                 "count)")
-        # weighted: sums over every rank (replicas along non-FSDP axes repeat theirs) / the global count
-        normalizer = tv[1] / self.n_compute if weighted else float(self.dp_size * len(outs))
+        normalizer = self.normalizer(len(outs), tv[1] if weighted else None)
         loss = (tv[0] / tv[1] if tv[1] else math.nan) if weighted else tv[0] / (self.world * len(outs))
         grad_norm = math.sqrt(tv[3]) / (normalizer * scale) if normalizer else 0.0
         finite = not tv[2] and math.isfinite(grad_norm) and math.isfinite(loss)
         coef = 1.0
-        if clip and finite and self.max_grad_norm is not None:
-            coef = min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
+        if clip and finite and self.clip is not None:
+            coef = self.clip.factor(grad_norm)
         out_aux = None
         if aux is not None:
             flat = torch.tensor(tv[_SHAPES.stop:], dtype=torch.float64)
             out_aux = {k: x.view(v.shape).to(v.dtype) for (k, v), x in
                        zip(summed.items(), torch.split(flat, [v.numel() for v in summed.values()]))}
             out_aux.update(_max_aux({k: v for k, v in aux.items() if k not in summed}, self.world))
-        return Decision(loss, grad_norm, coef / (normalizer * scale) if normalizer else 0.0, finite, out_aux, waited,
+        return Decision(loss, grad_norm, _grad_scale(normalizer, scale, coef), finite, out_aux, waited,
                         tv[1] if weighted else None)
+
+
+def _grad_scale(normalizer: float, scale: float, coef: float = 1.0) -> float:
+    """The factor that turns summed grads into the update's: the clip's ``coef`` over the
+    normalizer and the loss scale (0 when nothing was counted)."""
+    return coef / (normalizer * scale) if normalizer else 0.0
 
 
 def _local_aux(outs: list[losses.LossOut]) -> dict | None:

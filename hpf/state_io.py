@@ -1,7 +1,8 @@
 """Collective I/O of a step's train state: checkpoints (hpf.checkpoint) and the full params.
 
-``StateIO`` is the part of :class:`hpf.ShardStep` that moves a whole state in or out; every
-rank calls each method (a rank that skips one makes the others raise ScheduleMismatchError).
+``StateIO`` is the part of :class:`hpf.ShardStep` that moves a whole state in or out, a part the
+step holds (made by its ``init``) and calls after its own checks; every rank calls each method
+(a rank that skips one makes the others raise ScheduleMismatchError).
 """
 from __future__ import annotations
 
@@ -18,69 +19,63 @@ __all__ = ["StateIO"]
 
 
 class StateIO:
-    """Checkpoints and full params of a :class:`hpf.ShardStep`'s state (its base class)."""
+    """Checkpoints and full params of the states of one step (see the module doc).
 
-    def fresh_state(self) -> TrainState:
-        """A zero train state of this plan's layout (what ``restore`` loads into)."""
-        master = self.mp.master_dtype if self.mp else None
-        shards = [torch.zeros(b.shard_numel, dtype=master or b.dtype, device=self.device) for b in self.plan.buckets]
-        scale = self.config.loss_scale
-        return TrainState(shards, self.plan_optimizer.init(shards), scale.init() if scale else None,
-                          self.fresh_feedback())
+    Args:
+        plan, rank, device: the step's plan, this process's global rank, its device.
+        optimizer: the optimizer on the plan's flat shards (the step's ``plan_optimizer``).
+        master_dtype: the dtype of the master shards (None: the params' own).
+        loss_scale: fp16's hpf.LossScale (None: none).
+        feedback_numel: the error-feedback residuals' sizes per bucket (None: none kept).
+    """
 
-    def fresh_feedback(self) -> list[torch.Tensor] | None:
-        """Zero error-feedback residuals, one per bucket (empty where none crosses the slow tier);
-        None when the step's slow tier keeps none."""
-        lowbit = self.engine.comm.lowbit if self.engine else None
-        numel = lowbit.feedback_numel if lowbit else None
-        if not numel or not any(numel):
-            return None
-        return [torch.zeros(n, dtype=torch.float32, device=self.device) for n in numel]
+    def __init__(self, plan: Plan, rank: int, device: torch.device, optimizer: Any, *,
+                 master_dtype: torch.dtype | None = None, loss_scale: Any = None, feedback_numel: list | None = None):
+        self.plan, self.rank, self.device, self.optimizer = plan, rank, device, optimizer
+        self.master_dtype, self.loss_scale = master_dtype, loss_scale
+        self.feedback_numel = feedback_numel if feedback_numel and any(feedback_numel) else None
+        self.pending = None  # an async save in flight (hpf.checkpoint.SaveHandle)
+
+    def new_state(self, shards: list[torch.Tensor]) -> TrainState:
+        """A train state over ``shards``: fresh optimizer state, loss scale and error-feedback residuals."""
+        feedback = self.feedback_numel and [torch.zeros(n, dtype=torch.float32, device=self.device)
+                                            for n in self.feedback_numel]
+        return TrainState(shards, self.optimizer.init(shards), self.loss_scale.init() if self.loss_scale else None,
+                          feedback)
+
+    def fresh(self) -> TrainState:
+        """A zero train state of the plan's layout (what ``restore`` loads into)."""
+        return self.new_state([torch.zeros(b.shard_numel, dtype=self.master_dtype or b.dtype, device=self.device)
+                               for b in self.plan.buckets])
 
     def layout(self):
         """What a checkpoint reads of this step (:class:`hpf.checkpoint.Layout`)."""
         from .checkpoint import Layout
 
-        return Layout(self.plan, self.rank, self.plan_optimizer)
+        return Layout(self.plan, self.rank, self.optimizer)
 
-    def save(self, state: TrainState, path, extra: Any = None, *, keep_last: int | None = None,
-             async_save: bool = False, meta: dict | None = None):
-        """Collective: write a DCP checkpoint of ``state`` to ``path`` (see hpf.checkpoint.save)."""
+    def save(self, state: TrainState, path, extra: Any = None, **options):
+        """Write a DCP checkpoint of ``state`` to ``path`` (options: hpf.checkpoint.save's)."""
         from . import checkpoint
 
-        self._check_live(state, "step.save(state, path)")
         self.wait_save()
-        self._pending_save = checkpoint.save(self.layout(), state, path, extra, keep_last=keep_last,
-                                             async_save=async_save, meta=meta)
-        return self._pending_save
+        self.pending = checkpoint.save(self.layout(), state, path, extra, **options)
+        return self.pending
 
     def wait_save(self):
         """Block until an async save is published; re-raises its error. Returns its path or None."""
-        pending, self._pending_save = self._pending_save, None
+        pending, self.pending = self.pending, None
         return pending.wait() if pending is not None else None
 
     def restore(self, path, state: TrainState | None = None, *, strict: bool = True) -> tuple[TrainState, Any]:
-        """Collective: ``(state, extra)`` from the checkpoint at ``path``, whatever mesh saved it
-        (``strict``: see hpf.checkpoint.restore)."""
+        """``(state, extra)`` from the checkpoint at ``path``, whatever mesh saved it."""
         from . import checkpoint
 
-        self._check_open("step.restore(path)")
-        if self.plan is None:
-            raise RuntimeError("call step.init(params) first (meta params are fine), then step.restore(path)")
         self.wait_save()
-        state, extra = checkpoint.restore(self.layout(), path, self.fresh_state() if state is None else state,
-                                          strict=strict)
-        self._donation.unloaded = False
-        return self._donation.donate(state), extra
+        return checkpoint.restore(self.layout(), path, self.fresh() if state is None else state, strict=strict)
 
     def full_params(self, state: TrainState, rank: int | None = None) -> Any:
-        """The gathered full params, as a plain pytree of fresh tensors.
-
-        A collective: every rank must call it (a rank that skips it makes the others raise
-        ScheduleMismatchError). ``rank=None`` returns the tree on every rank; ``rank=r`` returns it
-        on rank r and None elsewhere (every rank still calls). One-off (checkpoints,
-        evaluation): it uses plain all-gathers, not the step's transports."""
-        self._check_live(state, "full_params(state)")
+        """The gathered full params, as a plain pytree of fresh tensors (see ShardStep.full_params)."""
         schedule.rendezvous("step.full_params")
         plan = self.plan
         local = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -24,24 +25,25 @@ from .comm.world import default_device
 from .comm.collectives import SPMD, spmd
 from .comm.flat import BucketComm
 from .comm.tiered import TieredComm, Topology
+from .comm.transport import UnitComm
 from .config import StepConfig
 from .decision import Decider, Decision
 from .engine import UnitEngine, explain, refuses_hooks
 from .engine.compiled import compile_seconds
 from .launcher import init_distributed, is_launched
 from .mesh import Mesh, MeshError
-from .optim.base import EarlyUpdate, ForPlan, PartialUpdate, ReadsAux
+from .optim.base import EarlyUpdate, PartialUpdate, capabilities
 from .planning import Plan, plan as make_plan
 from .state_io import StateIO
 from .trace import span
-from .types import StepStats, TrainState
+from .types import GATHER_STATS, StepStats, TrainState
 
 __all__ = ["ShardStep", "step_plan"]
 
 _TIMED = ("step_s", "optimizer_s", "comm_wait_s", "compile_s")  # metrics StepStats sums over the steps
 
 
-class ShardStep(StateIO):
+class ShardStep:
     """The production step: the callable :func:`hpf.shard_step` returns for ``mode="production"``.
 
     Subclasses (validation mode) extend three documented hooks: :meth:`forward_backward` (one
@@ -62,9 +64,10 @@ class ShardStep(StateIO):
         self.loss_fn, self.config = loss_fn, config
         self.mesh, self.optimizer, self.mp = config.mesh, config.optimizer, config.mixed_precision
         self.plan: Plan | None = None
-        self.engine: UnitEngine | None = None
+        self.engine: UnitEngine | None = None  # (the step's own: nothing outside it reaches in)
+        self.comm: UnitComm | None = None  # the step's collectives, made by init: to measure or instrument them
         self._donation = Donation()
-        self._pending_save = None  # an async save in flight (hpf.checkpoint.SaveHandle)
+        self._io: StateIO | None = None  # checkpoints and full params (made by init)
         self._terms = 1.0  # fp16: a weighted loss's terms per micro-batch, last seen (losses.terms_divisor)
         self._timed = dict.fromkeys(("steps",) + _TIMED, 0)  # the steps' count and summed timings (for stats())
         self._closed: StepStats | None = None  # the stats at close(); set once the step is closed
@@ -74,7 +77,7 @@ class ShardStep(StateIO):
         """This rank's sharded train state, from the full params (the same on every rank), or from
         ``init_fn`` and ``key``: only this rank's shards of ``init_fn(key)``, bit for bit (hpf.sharded_init).
         Under torchrun with no process group yet, this starts one. ``nn.Parameter`` leaves are detached."""
-        self._check_open("step.init(params)")
+        self._donation.check_open("step.init(params)")
         cfg, born = self.config, _born_sharded(params, key)
         full_params = born.meta_params if born else params
         _join_world(self.mesh)
@@ -87,15 +90,16 @@ class ShardStep(StateIO):
         checks.check_same_on_all_ranks(self.plan, full_params, self.device, born.digest() if born else None)
         shards = _first_shards(self.plan, born or full_params, self.rank, self.mp.master_dtype if self.mp else None,
                                self.device)
-        self.grad_shards, self.engine = _engine(cfg, self.plan, shards, self.device, self.on_extra_gather)
+        self.grad_shards, self.comm, self.engine = _engine(cfg, self.plan, shards, self.device, self.on_extra_gather)
         # Axes a param computes sharded over (experts on a borrowed data axis) allow collectives.
         self._spmd = SPMD(self.mesh, self.rank, tuple(a for a in self.plan.fsdp_axes if a not in self.plan.split_axes))
         self.decider = Decider.of(self.plan, self.mesh.size, cfg.max_grad_norm)
         opt = self.optimizer
-        self.plan_optimizer = opt.for_plan(self.plan, self.rank) if isinstance(opt, ForPlan) else opt
-        state = TrainState(shards, self.plan_optimizer.init(shards), cfg.loss_scale.init() if cfg.loss_scale else None,
-                           self.fresh_feedback())
-        return self._donation.donate(state)
+        self.plan_optimizer = opt.for_plan(self.plan, self.rank) if capabilities(opt).for_plan else opt
+        self._io = StateIO(self.plan, self.rank, self.device, self.plan_optimizer, loss_scale=cfg.loss_scale,
+                           master_dtype=self.mp.master_dtype if self.mp else None,
+                           feedback_numel=self.comm.lowbit and self.comm.lowbit.feedback_numel)
+        return self._donation.donate(self._io.new_state(shards))
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         """One step on this rank's local batch. The state's buffers are updated in place
@@ -115,7 +119,8 @@ class ShardStep(StateIO):
             if decision.finite:
                 try:
                     with span("hpf/optimizer", "all"):
-                        state = self._update(state, decision)
+                        state = _update(state, decision, self.grad_shards, self.engine, self.comm,
+                                        self.plan_optimizer, self._early, self.config)
                 except BaseException as err:
                     self._early.forget()
                     self.engine.abort(err)
@@ -124,16 +129,8 @@ class ShardStep(StateIO):
                 self.config.loss_scale.update(state.loss_scale, finite=False)
             elif self.config.on_nonfinite == "raise":
                 raise _nonfinite_error(decision)
-        t1 = time.perf_counter()
-        metrics = {"loss": decision.loss, "grad_norm": decision.grad_norm, "step_s": t1 - t0,
-                   "optimizer_s": t1 - t_opt, "comm_wait_s": self.engine.take_wait_s(),
-                   "compile_s": compile_seconds() - compiled_s,
-                   "skipped": not decision.finite}
+        metrics = _metrics(decision, state, t0, t_opt, self.engine.take_wait_s(), compile_seconds() - compiled_s)
         self._timed = _add_timings(self._timed, metrics)
-        if decision.aux is not None:
-            metrics["aux"] = decision.aux
-        if state.loss_scale is not None:
-            metrics["loss_scale"] = float(state.loss_scale.scale)
         return self._donation.donate(state), metrics
 
     def grads(self, state: TrainState, batch: Any) -> list[torch.Tensor]:
@@ -145,7 +142,7 @@ class ShardStep(StateIO):
 
     def _compute(self, state: TrainState, batch: Any, clip: bool = True) -> Decision:
         """Every phase but the update: micro-batches, forward and backward, reductions, decision."""
-        self._check_live(state, "step(state, batch)")
+        self._donation.check(state, "step(state, batch)")
         if self.engine is None:
             raise RuntimeError("call step.init(full_params) first, and pass the state it returns")
         self.check_state(state)
@@ -155,8 +152,8 @@ class ShardStep(StateIO):
         # fp16: backward's seed is the loss scale, per term for hpf.weighted (whose sum has many)
         scale = float(state.loss_scale.scale) / self._terms if state.loss_scale is not None else 1.0
         if state.error_feedback is not None:
-            eng.comm.lowbit.use_feedback(state.error_feedback, scale)
-        added = eng.reducer.added
+            self.comm.lowbit.use_feedback(state.error_feedback, scale)
+        mark = eng.grads_mark()
         try:
             self._early.start(self.plan_optimizer, eng, self.decider, self.grad_shards, state.opt_state,
                               len(micro), scale)
@@ -168,7 +165,7 @@ class ShardStep(StateIO):
             eng.end_step()
             decision = self.decider.decide(outs, self.grad_shards, batch, scale, clip)
             eng.add_wait(decision.waited_s)
-            if decision.grad_norm == 0.0 and eng.reducer.added == added and eng.reducer.units:
+            if decision.grad_norm == 0.0 and eng.no_grads_since(mark):
                 raise UnusedParamsError(_UNUSED)
             if decision.finite:
                 self._retune(state, decision)
@@ -196,13 +193,11 @@ class ShardStep(StateIO):
         try:
             return self._run(batch, hold, scale)
         except RuntimeError as err:
-            if not (refuses_hooks(err) and not self.engine.reducer.holds_sums()):
+            if not (refuses_hooks(err) and not self.engine.holds_sums()):
                 raise explain(err)
         # torch.func.grad/vjp inside loss_fn refuse saved-tensor hooks: every rank gets here at
         # the same read; keep units gathered from read to backward instead, and run it again.
-        self.engine.abort()
-        self.engine.keep_gathered()
-        self.engine.begin(state.params)
+        self.engine.keep_gathered(state.params)
         return self._run(batch, hold, scale)
 
     def _run(self, batch: Any, hold: bool, scale) -> losses.LossOut:
@@ -234,29 +229,38 @@ class ShardStep(StateIO):
     def after_reductions(self) -> None:
         """A hook: the step's grads have landed in ``self.grad_shards`` (summed, not yet divided)."""
 
-    def _update(self, state: TrainState, d: Decision) -> TrainState:
-        """Divide and clip the grads, update, and start the next step's first gathers: with the
-        overlap, the units it reads first are updated first and gather while the rest update."""
-        grads, eng, opt = self.grad_shards, self.engine, self.plan_optimizer
-        if state.error_feedback is not None:
-            eng.comm.lowbit.commit_feedback()
-        torch._foreach_mul_(grads, d.grad_scale)
-        if self.config.overlap_optimizer and isinstance(opt, PartialUpdate):
-            params, opt_state = _update_first_units_first(opt, eng, self.plan, state, grads)
-        else:
-            params, opt_state = self._early.update(opt, d, grads, state)
-            eng.prefetch(params)
-        if state.loss_scale is not None:
-            self.config.loss_scale.update(state.loss_scale, finite=True)
-        return state._replace(params=params, opt_state=opt_state)
+    # -- the state in and out (hpf.state_io.StateIO, after this step's checks) ------------------------------
+    def save(self, state: TrainState, path, extra: Any = None, *, keep_last: int | None = None,
+             async_save: bool = False, meta: dict | None = None):
+        """Collective: write a DCP checkpoint of ``state`` to ``path`` (see hpf.checkpoint.save)."""
+        self._donation.check(state, "step.save(state, path)")
+        return self._io.save(state, path, extra, keep_last=keep_last, async_save=async_save, meta=meta)
+
+    def wait_save(self):
+        """Block until an async save is published; re-raises its error. Returns its path or None."""
+        return self._io.wait_save() if self._io is not None else None
+
+    def restore(self, path, state: TrainState | None = None, *, strict: bool = True) -> tuple[TrainState, Any]:
+        """Collective: ``(state, extra)`` from the checkpoint at ``path``, whatever mesh saved it (hpf.checkpoint.restore)."""
+        self._donation.check_open("step.restore(path)")
+        if self.plan is None:
+            raise RuntimeError("call step.init(params) first (meta params are fine), then step.restore(path)")
+        state, extra = self._io.restore(path, state, strict=strict)
+        self._donation.unloaded = False
+        return self._donation.donate(state), extra
+
+    def full_params(self, state: TrainState, rank: int | None = None) -> Any:
+        """The gathered full params, as a plain pytree of fresh tensors. A collective every rank calls;
+        ``rank=r``: the tree on rank r only (None elsewhere). One-off (checkpoints, evaluation):
+        plain all-gathers, not the step's transports."""
+        self._donation.check(state, "full_params(state)")
+        return self._io.full_params(state, rank)
 
     # -- the step's boundary ----------------------------------------------------------------------------------
     def stats(self) -> StepStats:
         """Bytes sent, waits, timings and gathers since ``init``, as a :class:`hpf.StepStats`
         (subtract an earlier snapshot for what happened in between). Local: no collective."""
-        if self._closed is not None:
-            return self._closed
-        return _stats(self._timed, self.engine)
+        return self._closed or _stats(self._timed, self.engine, self.comm)
 
     def close(self) -> None:
         """Release what the step holds: its comm's worker threads, process groups and shared
@@ -270,36 +274,43 @@ class ShardStep(StateIO):
         try:
             self.wait_save()
         finally:
-            engine, self.engine, self._donation = self.engine, None, Donation()
+            engine, comm, self.engine, self.comm = self.engine, self.comm, None, None
+            self._donation.close()
             if engine is not None:
-                _release(engine)
-                del engine
+                try:
+                    engine.release()
+                    self._closed = _stats(self._timed, engine, comm)  # (what it left held: nothing)
+                finally:
+                    comm.close()
+                del engine, comm
                 gc.collect()  # the engine's callbacks make cycles: free its shared memory now, not at some later gc
 
     def __enter__(self) -> "ShardStep":
-        self._check_open("with step")
+        self._donation.check_open("with step")
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _check_open(self, op: str) -> None:
-        if self._closed is not None:
-            raise RuntimeError(f"{op}: this step was closed (step.close(), or the end of its `with` block), which "
-                               "released its threads, process groups and memory; make a new one with hpf.shard_step")
-
-    def _check_live(self, state: Any, op: str) -> None:
-        self._check_open(op)
-        self._donation.check(state, op)
 
 
 class Donation:
     """Donation, as in JAX: a step updates its state's buffers in place, so the state passed in
-    is spent; using it again raises instead of training on updated values."""
+    is spent; using it again raises instead of training on updated values. A closed step's
+    states are all spent."""
 
     def __init__(self):
         self.params: list | None = None  # the params list of the state the step last returned
         self.unloaded = False  # init had meta params and no restore has filled them yet
+        self.closed = False
+
+    def close(self) -> None:
+        self.params, self.closed = None, True
+
+    def check_open(self, op: str) -> None:
+        if self.closed:
+            raise RuntimeError(f"{op}: this step was closed (step.close(), or the end of its `with` block), which "
+                               "released its threads, process groups and memory; make a new one with hpf.shard_step")
 
     def donate(self, state: TrainState) -> TrainState:
         """Make ``state`` the live one: a fresh params list over the same buffers, so the state
@@ -309,6 +320,7 @@ class Donation:
         return state
 
     def check(self, state: Any, op: str) -> None:
+        self.check_open(op)
         if self.unloaded:
             raise RuntimeError(f"{op}: step.init was given meta params (shapes only), so the state holds no values "
                                "yet; call state, extra = step.restore(path) first")
@@ -321,6 +333,21 @@ class Donation:
                 "in JAX). Use the state the step returned: state, metrics = step(state, batch)")
 
 
+@dataclass
+class Attempt:
+    """What one step attempt's early optimizer work is begun from (``EarlyWork.start``)."""
+
+    opt: EarlyUpdate
+    engine: UnitEngine
+    decider: Decider
+    grads: list
+    opt_state: Any
+    n_micro: int
+    scale: float  # the loss scale backward's seed carries
+    counts: list = field(default_factory=list)  # each micro-batch's hpf.weighted count
+    count: Any = None  # their global sum: a tensor, or (tensor, its all-reduce in flight)
+
+
 class EarlyWork:
     """The optimizer's work begun while backward runs (hpf.optim.EarlyUpdate), for one step.
 
@@ -330,46 +357,47 @@ class EarlyWork:
     written). ``attempts`` counts the step's attempts, the same on every rank."""
 
     def __init__(self):
-        self.work, self.scale, self.attempts, self._start = None, None, 0, None
+        self.work, self.scale, self.attempts = None, None, 0
+        self.attempt: Attempt | None = None
 
     def start(self, opt, engine: UnitEngine, decider: Decider, grads: list, opt_state, n_micro: int,
               scale: float) -> None:
         """A step attempt begins (its micro-batches next)."""
         self.drop()
         self.attempts += 1
-        self._start = None
-        if isinstance(opt, EarlyUpdate) and not engine.reducer.compute_sums:
-            self._start = [opt, engine, decider, grads, opt_state, n_micro, scale, [], None]  # (+ counts, count)
+        self.attempt = None
+        if capabilities(opt).early and engine.tell_landed(None):  # (False: grads land too late for it)
+            self.attempt = Attempt(opt, engine, decider, grads, opt_state, n_micro, scale)
 
     def loss_known(self, out: losses.LossOut, hold: bool, world_size: int) -> None:
         """A micro-batch's loss is computed (its backward is next). At the last one the scale is
         known, but for hpf.weighted's global count: one all-reduce of it, started here, lands
         while backward runs (every rank issues it at the same point)."""
-        if self._start is None:
+        a = self.attempt
+        if a is None:
             return
-        counts, engine = self._start[7], self._start[1]
-        counts.append(out.count)
+        a.counts.append(out.count)
         if hold:
             return
         if out.count is not None:
-            count = torch.tensor([sum(float(c) for c in counts)], dtype=torch.float64)
+            count = torch.tensor([sum(float(c) for c in a.counts)], dtype=torch.float64)
             if world.is_distributed() and world_size > 1:
                 LOG.record("all-reduce", "the step's count, early")
                 count = (count, world.all_reduce_async(count))
-            self._start[8] = count
-        engine.reducer.on_landed = lambda unit: self._landed(engine.reducer.trained[unit])
+            a.count = count
+        a.engine.tell_landed(self._landed)
 
     def _landed(self, buckets: list[int]) -> None:
-        """Reducer.on_landed: start these buckets' work (on the first, the work itself)."""
+        """The engine's ``tell_landed``: start these buckets' work (on the first, the work itself)."""
         if self.work is None:
-            opt, engine, decider, grads, opt_state, n_micro, scale, _, count = self._start
-            if isinstance(count, tuple):
-                schedule.wait(count[1], "the step's count all-reduce")
-                count = count[0]
-            self.scale = decider.unclipped_scale(n_micro, scale, None if count is None else float(count[0]))
-            self.work = opt.early(grads, opt_state, self.scale, self.attempts)
+            a = self.attempt
+            if isinstance(a.count, tuple):
+                schedule.wait(a.count[1], "the step's count all-reduce")
+                a.count = a.count[0]
+            self.scale = a.decider.unclipped_scale(a.n_micro, a.scale, None if a.count is None else float(a.count[0]))
+            self.work = a.opt.early(a.grads, a.opt_state, self.scale, self.attempts)
             if self.work is None:
-                engine.reducer.on_landed = None
+                a.engine.tell_landed(None)
                 return
         self.work.landed(buckets)
 
@@ -384,7 +412,7 @@ class EarlyWork:
     def update(self, opt, d: Decision, grads: list, state: TrainState) -> tuple:
         """(params, opt_state) after the update: the work begun in backward, if it assumed the
         decision's grad scale and applies, else ``opt.update`` (with the step's aux if it reads it)."""
-        reads_aux = isinstance(opt, ReadsAux) and opt.aux_names()
+        reads_aux = bool(capabilities(opt).aux)
         work = self.take(d.grad_scale)
         if work is not None and work.apply(grads, state.params, d.aux if reads_aux else None):
             return state.params, state.opt_state
@@ -399,16 +427,32 @@ class EarlyWork:
 
     def forget(self) -> None:
         """Forget the work, in flight or not (after an error: its pieces carry this attempt's tags)."""
-        if self._start is not None:
-            self._start[1].reducer.on_landed = None
-        self.work = self._start = None
+        if self.attempt is not None:
+            self.attempt.engine.tell_landed(None)
+        self.work = self.attempt = None
 
 
-def _update_first_units_first(opt: PartialUpdate, engine: UnitEngine, plan: Plan, state: TrainState,
-                              grads: list) -> tuple:
+def _update(state: TrainState, d: Decision, grads: list, eng: UnitEngine, comm: UnitComm, opt, early: EarlyWork,
+            cfg: StepConfig) -> TrainState:
+    """Divide and clip the grads, update, and start the next step's first gathers: with the
+    overlap, the units it reads first are updated first and gather while the rest update."""
+    if state.error_feedback is not None:
+        comm.lowbit.commit_feedback()
+    torch._foreach_mul_(grads, d.grad_scale)
+    if cfg.overlap_optimizer and capabilities(opt).partial:
+        params, opt_state = _update_first_units_first(opt, eng, state, grads)
+    else:
+        params, opt_state = early.update(opt, d, grads, state)
+        eng.prefetch(params)
+    if state.loss_scale is not None:
+        cfg.loss_scale.update(state.loss_scale, finite=True)
+    return state._replace(params=params, opt_state=opt_state)
+
+
+def _update_first_units_first(opt: PartialUpdate, engine: UnitEngine, state: TrainState, grads: list) -> tuple:
     """``overlap_optimizer``: update the buckets of the units the next step reads first, start
     their gathers, then update the rest while they travel."""
-    first = sorted({b for u in engine.first_units() for b in plan.units[u].buckets})
+    first = engine.first_buckets()
     rest = [b for b in range(len(grads)) if b not in set(first)]
     apply = opt.partial_update(state.opt_state, state.params)
     apply(first, grads)
@@ -427,25 +471,26 @@ def _join_world(mesh: Mesh) -> None:
     mesh.check_world()
 
 
-def _stats(timed: dict, engine: UnitEngine | None) -> StepStats:
+def _stats(timed: dict, engine: UnitEngine | None, comm: UnitComm | None) -> StepStats:
     if engine is None:
         return StepStats(**timed)
-    mem = engine.stats
-    return StepStats(**timed, bytes=Counter(engine.comm.bytes), gathers=mem.gathers, extra_gathers=mem.extra_gathers,
-                     peak_blocks=mem.peak_blocks, peak_bytes=mem.peak_bytes)
+    return StepStats(**timed, bytes=Counter(comm.bytes), **{f: getattr(engine.stats, f) for f in GATHER_STATS})
+
+
+def _metrics(d: Decision, state: TrainState, t0: float, t_opt: float, wait_s: float, compile_s: float) -> dict:
+    """A step's metrics (``ShardStep.__call__``'s), from its decision and its clock."""
+    t1 = time.perf_counter()
+    metrics = {"loss": d.loss, "grad_norm": d.grad_norm, "step_s": t1 - t0, "optimizer_s": t1 - t_opt,
+               "comm_wait_s": wait_s, "compile_s": compile_s, "skipped": not d.finite}
+    if d.aux is not None:
+        metrics["aux"] = d.aux
+    if state.loss_scale is not None:
+        metrics["loss_scale"] = float(state.loss_scale.scale)
+    return metrics
 
 
 def _add_timings(timed: dict, metrics: dict) -> dict:
     return {"steps": timed["steps"] + 1, **{k: timed[k] + metrics[k] for k in _TIMED}}
-
-
-def _release(engine: UnitEngine) -> None:
-    """Free what ``engine`` holds (after waiting for the next step's first gathers), then close its comm."""
-    try:
-        if engine.broken is None:  # (a broken one's collectives may never land)
-            engine.abort()
-    finally:
-        engine.comm.close()
 
 
 def _nonfinite_error(d: Decision) -> NonFiniteError:
@@ -496,8 +541,8 @@ def _func_grads(engine: UnitEngine, call_loss: Callable, batch: Any, seed: float
 
 
 def _engine(cfg: StepConfig, plan: Plan, shards: list[torch.Tensor], device: torch.device,
-            on_extra_gather) -> tuple[list[torch.Tensor], UnitEngine]:
-    """The step's grad shards, and its engine over a comm for ``cfg``'s topology and precision."""
+            on_extra_gather) -> tuple[list[torch.Tensor], UnitComm, UnitEngine]:
+    """The step's grad shards, its comm for ``cfg``'s topology and precision, and its engine over it."""
     mp = cfg.mixed_precision
     grad_shards = [torch.zeros_like(s[:0] if b.frozen else s, dtype=mp.reduce_dtype if mp else s.dtype)
                    for b, s in zip(plan.buckets, shards)]  # (frozen buckets: none)
@@ -507,7 +552,7 @@ def _engine(cfg: StepConfig, plan: Plan, shards: list[torch.Tensor], device: tor
             else TieredComm(plan, cfg.topology, device, cdts, rdts))
     # Buckets replicated over non-FSDP axes hold partial grads there (see hpf.comm.collectives).
     partial = [(b.index, tuple(a for a in plan.compute_axes if a not in b.split_axes)) for b in plan.buckets]
-    return grad_shards, UnitEngine(
+    return grad_shards, comm, UnitEngine(
         plan, comm, mp.compute_dtype if mp else None, device, pipeline=cfg.topology is None or cfg.topology.pipeline,
         capacity=cfg.resident_units, compute_sums=[(b, cfg.mesh.group(axes)) for b, axes in partial
                                                    if cfg.mesh.axis_size(axes) > 1],

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["MixedPrecision", "SlowPrecision", "StepStats", "TrainState"]
+__all__ = ["MixedPrecision", "SlowPrecision", "StepStats", "TrainState", "GATHER_STATS"]
 
 
 @dataclass(frozen=True)
@@ -162,6 +162,8 @@ class StepStats:
         gathers: unit gathers; ``extra_gathers`` those beyond loop-style use (each unit once in
             forward and at most once in backward).
         peak_blocks, peak_bytes: the most block units gathered at once, and their bytes.
+        live_blocks, live_bytes: the block units, and the bytes, gathered now (a closed step's:
+            what its close left held, nothing unless a param tensor outlived it).
 
     Raises:
         Nothing.
@@ -177,15 +179,21 @@ class StepStats:
     extra_gathers: int = 0
     peak_blocks: int = 0
     peak_bytes: int = 0
+    live_blocks: int = 0
+    live_bytes: int = 0
 
     def __sub__(self, earlier: "StepStats") -> "StepStats":
         delta = {f: getattr(self, f) - getattr(earlier, f) for f in _SUMMED}
         return StepStats(bytes=Counter({k: n - earlier.bytes.get(k, 0) for k, n in self.bytes.items()}), **delta,
-                         peak_blocks=self.peak_blocks, peak_bytes=self.peak_bytes)
+                         peak_blocks=self.peak_blocks, peak_bytes=self.peak_bytes, live_blocks=self.live_blocks,
+                         live_bytes=self.live_bytes)
 
     def slow_bytes(self) -> dict[str, int]:
         """op -> bytes this rank sent across the slow tier."""
         return {op: n for (op, tier), n in self.bytes.items() if tier == "slow"}
 
 
+#: the fields of StepStats that are the engine's own gather counts (hpf.engine.gather.MemoryStats has
+#: each, by the same name: ``step.stats()`` takes them from there)
+GATHER_STATS = ("gathers", "extra_gathers", "peak_blocks", "peak_bytes", "live_blocks", "live_bytes")
 _SUMMED = ("steps", "step_s", "optimizer_s", "comm_wait_s", "compile_s", "gathers", "extra_gathers")

@@ -35,7 +35,7 @@ def no_threads_left_behind():
     for t in left:
         t.join(timeout=2.0)  # (a closed comm's workers finish their last job and return)
     left = sorted(t.name for t in left if t.is_alive())
-    assert not left, f"the test left hpf threads running: {left}; close the step (step.engine.comm.close())"
+    assert not left, f"the test left hpf threads running: {left}; close the step (step.close(), or `with hpf.shard_step(...) as step:`)"
 
 
 def pytest_sessionstart(session):

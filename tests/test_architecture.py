@@ -139,7 +139,7 @@ def test_models_never_import_validation_code():
 
 
 def test_checkpoint_never_imports_an_optimizer_implementation():
-    """Checkpoints place optimizer state by what the optimizer says (hpf.optim.StateLayout)."""
+    """Checkpoints place optimizer state by what the optimizer says (its capabilities' state_layout)."""
     imports = import_graph()["hpf.checkpoint"]
     assert not {i for i in imports if i.startswith("hpf.optim.") and i != "hpf.optim.base"}, imports
 
@@ -149,6 +149,7 @@ def test_checkpoint_never_imports_an_optimizer_implementation():
 LAYERS = [
     ("foundation", ("hpf_kernels", "hpf.errors", "hpf.tree", "hpf.types", "hpf.mesh", "hpf.spec", "hpf.trace", "hpf.progress",
                     "hpf.plots", "hpf.losses", "hpf.checkpoint_files", "hpf.models.recompute", "hpf.engine.residency",
+                    "hpf.engine.unit_state",
                     "hpf.validate.layout", "hpf.sim.hardware", "hpf.optim.base", "hpf.optim.schedules", "hpf.random")),
     ("planning", ("hpf.planning",)),
     ("comm", ("hpf.comm", "hpf.launcher")),

@@ -310,7 +310,7 @@ def hpf_losses(steps=3, p=None, loss=loss_fn, batches=batch, **kw):
         state, m = step(state, batches(s))
         out.append(m["loss"])
     full = step.full_params(state)
-    step.engine.comm.close()
+    step.close()
     return out, full
 
 

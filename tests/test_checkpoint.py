@@ -392,16 +392,15 @@ class _HeadState(NamedTuple):
 
 class _HeadMomentum:
     """A user's optimizer on flat shards whose state packs one param's elements, as DistMuon's
-    exp_avg_sq packs its AdamW params: it says so through hpf.optim.StateLayout."""
+    exp_avg_sq packs its AdamW params: it says so in its capabilities (state_layout)."""
+
+    capabilities = hpf.optim.Capabilities(for_plan=True, state_layout={"buf": frozenset({"head"})})
 
     def __init__(self, plan=None, rank=0):
         self.plan, self.rank = plan, rank
 
     def for_plan(self, plan, rank):
         return _HeadMomentum(plan, rank)
-
-    def state_layout(self):
-        return {"buf": frozenset({"head"})}
 
     def init(self, shards):
         sizes = []
@@ -415,8 +414,8 @@ class _HeadMomentum:
 
 
 def test_an_optimizer_describes_its_packed_state_to_checkpoints(tmp_path):
-    """Checkpoints place optimizer state by hpf.optim.StateLayout, not by knowing DistMuon."""
-    assert isinstance(_HeadMomentum(), hpf.optim.StateLayout)
+    """Checkpoints place optimizer state by its declared state_layout, not by knowing DistMuon."""
+    assert hpf.optim.capabilities(_HeadMomentum()).state_layout
     step = make_step({"dp": 1}, optimizer=_HeadMomentum())
     full = gpt.init(CFG)
     state = step.init(full)

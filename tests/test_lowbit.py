@@ -78,7 +78,7 @@ def _variant(rank: int, name: str, kw: dict, ckpt: str) -> dict:
     seen: dict = {}
     step = _make(_recording_loss(seen), **kw)
     state = step.init(gpt.init(CONFIG))
-    comm = step.engine.comm
+    comm = step.comm
     grads = [g.clone() for g in step.grads(state, _batch(0, rank))]  # no update: residuals untouched
     out = {"seen": seen, "grads": grads, "residual_after_grads": [float(r.abs().max()) if r.numel() else 0.0
                                                                   for r in state.error_feedback or ()]}
@@ -96,7 +96,7 @@ def _variant(rank: int, name: str, kw: dict, ckpt: str) -> dict:
     out["losses"] = losses
     out["masters"] = [p.clone() for p in state.params]
     out["feedback"] = None if state.error_feedback is None else [r.clone() for r in state.error_feedback]
-    out["report"] = PlanReport.of(step.plan, hierarchical=True, regather=not all(step.engine.buffers.shared))
+    out["report"] = PlanReport.of(step.plan, hierarchical=True, regather=not all(step.comm.is_shared(b.index) for b in step.plan.buckets))
     if state.error_feedback is not None:  # resume from step 1 on a new step: bitwise the same run
         again = _make(**kw)
         again.init(gpt.init(CONFIG, device="meta"))

@@ -40,7 +40,7 @@ def _most_held(rank, world, tiered):
     mesh = hpf.Mesh({"node": 2, "local": world // 2} if tiered else {"dp": world})
     step = hpf.shard_step(gpt.loss_for(CONFIG), mesh=mesh, optimizer=hpf.optim.adamw(lr=LR), topology=topology)
     state = step.init(gpt.init(CONFIG))
-    comm, unit_of = step.engine.comm, {b.index: b.unit for b in step.plan.buckets}
+    comm, unit_of = step.comm, {b.index: b.unit for b in step.plan.buckets}
     issued: list[tuple[str, weakref.ref]] = []  # (unit, its flat) of each reduction issued
     most = [0]
     grad_buffer, reduce = comm.grad_buffer, comm.reduce

@@ -27,7 +27,7 @@ def run(policy: Residency, reads: list[list[str]], backward: list[str] | None = 
 
 
 def test_loop_style_gathers_each_block_once_forward_and_all_but_the_last_two_backward():
-    policy = Residency(["<root>"] + BLOCKS, pinned={"<root>"}, capacity=2)
+    policy = Residency.of(["<root>"] + BLOCKS, pinned={"<root>"}, capacity=2)
     gathers, peak = run(policy, [[b] for b in BLOCKS], list(reversed(BLOCKS)))
     assert peak <= 2
     forward, backward = gathers[:len(BLOCKS) + 1], gathers[len(BLOCKS) + 1:]
@@ -36,7 +36,7 @@ def test_loop_style_gathers_each_block_once_forward_and_all_but_the_last_two_bac
 
 
 def test_the_next_step_prefetches_what_this_step_read_first_and_next():
-    policy = Residency(BLOCKS, pinned=set(), capacity=2)
+    policy = Residency.of(BLOCKS, pinned=set(), capacity=2)
     order = list(reversed(BLOCKS))
     run(policy, [[b] for b in order], BLOCKS)  # step 1: the first guess (tree order) was wrong
     gathers, peak = run(policy, [[b] for b in order], BLOCKS)  # step 2: learned
@@ -45,13 +45,13 @@ def test_the_next_step_prefetches_what_this_step_read_first_and_next():
 
 def test_the_same_reads_give_the_same_gathers_whatever_else_happens():
     reads = [[BLOCKS[i]] for i in (0, 1, 2, 0, 3, 1, 4, 5, 2)]
-    one = run(Residency(BLOCKS, set(), 2), reads, BLOCKS[::-1])
-    two = run(Residency(BLOCKS, set(), 2), reads, BLOCKS[::-1])
+    one = run(Residency.of(BLOCKS, set(), 2), reads, BLOCKS[::-1])
+    two = run(Residency.of(BLOCKS, set(), 2), reads, BLOCKS[::-1])
     assert one == two
 
 
 def test_units_read_together_are_never_evicted_by_that_read():
-    policy = Residency(BLOCKS, set(), capacity=2)
+    policy = Residency.of(BLOCKS, set(), capacity=2)
     policy.begin()
     for b in BLOCKS[:4]:
         policy.read([b])
@@ -60,7 +60,7 @@ def test_units_read_together_are_never_evicted_by_that_read():
 
 
 def test_a_bound_of_one_never_prefetches():
-    policy = Residency(BLOCKS, set(), capacity=1)
+    policy = Residency.of(BLOCKS, set(), capacity=1)
     policy.begin()
     for b in BLOCKS:
         acts = policy.read([b])
@@ -68,7 +68,7 @@ def test_a_bound_of_one_never_prefetches():
 
 
 def test_a_later_micro_batch_starts_from_the_steps_first_reads():
-    policy = Residency(BLOCKS, set(), capacity=2)
+    policy = Residency.of(BLOCKS, set(), capacity=2)
     policy.begin()
     for b in BLOCKS:
         policy.read([b])

@@ -119,8 +119,8 @@ def accumulated(rank, mesh, k=2, **kwargs):
     calls = []
 
     def counting(step):
-        reduce = step.engine.comm.reduce
-        step.engine.comm.reduce = lambda b, *a: (calls.append(b), reduce(b, *a))[1]
+        reduce = step.comm.reduce
+        step.comm.reduce = lambda b, *a: (calls.append(b), reduce(b, *a))[1]
     out = train(rank, mesh, accumulate=k, on_init=counting, **kwargs)
     return {**out, "reductions_per_bucket_step": Counter(Counter(calls).values())}
 

@@ -9,7 +9,6 @@ import torch
 
 import hpf
 from hpf import Topology
-from hpf.engine.gather import State
 from hpf.launcher import launch
 from toy_models import lm_batch, lm_loss, lm_params
 
@@ -117,15 +116,11 @@ def _many_steps(rank):
             sent[str(shape)] = dict((step.stats() - before).bytes)
             peak = (step.stats().peak_blocks, step.stats().peak_bytes)  # (the last mesh's: gloo)
             in_use = (len(_hpf_threads()), _shm_maps())
-            units = step.engine.buffers.units.values()
-            busy = {u.name: u.state.name for u in units if u.state is not State.SHARDED}  # the next step's prefetch
-            step.engine.abort()  # (what close does first)
-            left = {u.name: u.state.name for u in units if u.state is not State.SHARDED}
-            left_bytes = step.engine.stats.live_bytes
-            del units
+            busy = _gathers_after_the_decision()  # the next step's first units, gathered during the update
             step.close()
+            left = step.stats().live_bytes  # what close left held of the gathered memory
             held.append({"threads": threading.active_count(), "fds": _fds(), "shm_maps": _shm_maps(),
-                         "groups": len(mesh._groups), "in_use": in_use, "busy": busy, "left": (left, left_bytes)})
+                         "groups": len(mesh._groups), "in_use": in_use, "busy": busy, "left": left})
     return held, sent, peak
 
 
@@ -135,8 +130,8 @@ def test_closed_steps_leave_no_threads_groups_or_shared_memory():
         shm_in_use, pg_in_use = held[0]["in_use"], held[1]["in_use"]
         assert shm_in_use[0] == 4 and shm_in_use[1] > 0 and pg_in_use[0] == 4  # what close has to release
         assert all(h["groups"] == 0 and h["shm_maps"] == 0 for h in held), held
-        # every unit ends SHARDED, holding no memory; before, the next step's first units were on their way
-        assert all(h["busy"] and h["left"] == ({}, 0) for h in held), [(h["busy"], h["left"]) for h in held]
+        # close frees every unit's gathered memory; before, the next step's first units were on their way
+        assert all(h["busy"] and h["left"] == 0 for h in held), [(h["busy"], h["left"]) for h in held]
         steady = held[2:]  # (the first round warms up the default group's own threads)
         assert len({(h["threads"], h["fds"]) for h in steady}) == 1, held
         # {node: 1}: nothing crosses a slow tier; {local: 1}: everything does, one gather and reduction a step
@@ -146,6 +141,15 @@ def test_closed_steps_leave_no_threads_groups_or_shared_memory():
         # sharded over gloo, block units are gathered and freed: stats() reports the engine's count of them
         # (not bounded here: on two tiers it reaches 3 blocks on some runs, resident_units=2; see test_contract)
         assert peak[0] >= 1, peak
+
+
+def _gathers_after_the_decision() -> list[str]:
+    """The units whose all-gathers the last step started after its one all-reduce (its prefetch)."""
+    from hpf.comm.schedule import LOG
+
+    events = list(LOG.events)
+    last = max(i for i, e in enumerate(events) if e[2:4] == ("all-reduce", "the step's totals"))
+    return [e[3] for e in events[last:] if e[2] == "all-gather"]
 
 
 def _process_resources() -> tuple[int, int, int]:

@@ -67,13 +67,13 @@ def _run_variants(rank):
         step = _make_step(**kwargs)
         state = step.init(gpt.init(CONFIG))
         gathers = [0] * len(step.plan.buckets)  # all-gather calls per bucket, counted at the comm
-        all_gather = step.engine.comm.all_gather
+        all_gather = step.comm.all_gather
 
         def counted(b, out_, shard, all_gather=all_gather, gathers=gathers):
             gathers[b] += 1
             return all_gather(b, out_, shard)
 
-        step.engine.comm.all_gather = counted
+        step.comm.all_gather = counted
         losses, norms = [], []
         for s in range(STEPS):
             state, metrics = step(state, _local_batch(s, rank))
@@ -233,7 +233,7 @@ def _fail_on_step_2(rank, pid_dir, how, timeout_s):
 
     step = _make_step(failing_loss, topology=Topology(fast_transport="shm", timeout_s=timeout_s))
     state = step.init(gpt.init(CONFIG))
-    assert all(step.engine.buffers.shared), "the fast tier should be shared memory"
+    assert all(step.comm.is_shared(b.index) for b in step.plan.buckets), "the fast tier should be shared memory"
     for s in range(STEPS):
         state, _ = step(state, _local_batch(s, rank))
     return "finished"
@@ -298,22 +298,34 @@ class _GatedLink(SlowLink):
         return 0.0
 
 
+class _Hooked(hpf.ShardStep):
+    """A step that calls ``before``/``after`` around each micro-batch's forward and backward, and
+    ``landed`` once the step's reductions have landed (ShardStep's documented hooks)."""
+
+    before = after = landed = staticmethod(lambda: None)
+
+    def forward_backward(self, *args, **kwargs):
+        self.before()
+        try:
+            return super().forward_backward(*args, **kwargs)
+        finally:
+            self.after()
+
+    def after_reductions(self):
+        self.landed()
+
+
+def _hooked_step(**options) -> _Hooked:
+    return _Hooked(gpt.loss_for(CONFIG), hpf.StepConfig(mesh=hpf.Mesh(MESH), **options))
+
+
 def _stalls_in_backward(rank, pipeline, patience):
     link = _GatedLink(patience=patience)
-    step = _make_step(topology=Topology(fast_transport="shm", pipeline=pipeline, slow_link=link))
+    step = _hooked_step(optimizer=hpf.optim.adamw(lr=LR, weight_decay=WEIGHT_DECAY),
+                        topology=Topology(fast_transport="shm", pipeline=pipeline, slow_link=link))
     state = step.init(gpt.init(CONFIG))
-    engine = step.engine
-    begin, land = engine.begin, engine.land
-
-    def shut_then_begin(*args):  # a step starts: hold slow reductions
-        link.gate.clear()
-        return begin(*args)
-
-    def open_then_land():  # backward has ended: the step now waits for reductions
-        link.gate.set()
-        return land()
-
-    engine.begin, engine.land = shut_then_begin, open_then_land
+    step.before = link.gate.clear  # the micro-batch starts: hold slow reductions
+    step.after = link.gate.set  # its backward has ended: the step now waits for reductions
     for s in range(2):
         state, _ = step(state, _local_batch(s, rank))
     step.close()
@@ -322,6 +334,8 @@ def _stalls_in_backward(rank, pipeline, patience):
 
 class _RecordingAdamW:
     """AdamW that logs which buckets each partial update touches, next to the engine's events."""
+
+    capabilities = hpf.optim.Capabilities(partial=True)  # (no for_plan: nothing to set up)
 
     def __init__(self, events):
         self.inner, self.events = hpf.optim.adamw(lr=LR, weight_decay=WEIGHT_DECAY), events
@@ -344,13 +358,12 @@ class _RecordingAdamW:
 def _overlap_schedule(rank, overlap):
     """Step 2's updates, all-gathers and the landing of its reductions, by unit (one bucket each)."""
     events = []
-    step = hpf.shard_step(gpt.loss_for(CONFIG), mesh=hpf.Mesh(MESH), optimizer=_RecordingAdamW(events),
-                          topology=Topology(fast_transport="pg"), overlap_optimizer=overlap)
+    step = _hooked_step(optimizer=_RecordingAdamW(events), topology=Topology(fast_transport="pg"),
+                        overlap_optimizer=overlap)
     state = step.init(gpt.init(CONFIG))
-    engine = step.engine
-    all_gather, land = engine.comm.all_gather, engine.land
-    engine.comm.all_gather = lambda b, *args: (events.append(("gather", (b,))), all_gather(b, *args))[1]
-    engine.land = lambda: (events.append(("land",)), land())[1]
+    all_gather = step.comm.all_gather
+    step.comm.all_gather = lambda b, *args: (events.append(("gather", (b,))), all_gather(b, *args))[1]
+    step.landed = lambda: events.append(("land",))
     state, _ = step(state, _local_batch(0, rank))
     events.clear()
     step(state, _local_batch(1, rank))

@@ -67,9 +67,8 @@ class LowBitTier:
         transport.all_gather_into(recv.view(-1), payload.view(-1))
         dequantize(recv, fmt, k, rows)
         if self.capture is not None:  # this rank's shard as every peer now holds it
-            bucket = self.plan.buckets[b]
-            at = self.plan.shard_index(bucket, self._rank) * bucket.shard_numel
-            self.capture["weights", b] = [(at, shard.float().clone(), rows[self._slow_index[b]].float().clone())]
+            self.capture["weights", b] = [(self._own_start(b), shard.float().clone(),
+                                           rows[self._slow_index[b]].float().clone())]
 
     def reduce_scatter(self, b: int, shard: torch.Tensor, block: torch.Tensor, transport: Transport) -> None:
         """shard <- the fp32 sum of row i of every slow peer's block: each row bound for a peer
@@ -87,9 +86,9 @@ class LowBitTier:
     def all_reduce(self, b: int, shard: torch.Tensor, group) -> None:
         """shard <- the fp32 sum of every replica's shard, each dequantized from its payload, its
         own too: every replica sums the same rows in the same order, so all stay equal."""
-        fmt, bucket, m = self.formats[b]["all_reduce"], self.plan.buckets[b], dist.get_world_size(group)
+        fmt, m = self.formats[b]["all_reduce"], dist.get_world_size(group)
         _, payload = self._send_rows(b, shard.view(1, -1), self.feedback_numel[b] - shard.numel(), fmt, None,
-                                     [self.plan.shard_index(bucket, self._rank) * bucket.shard_numel])
+                                     [self._own_start(b)])
         recv = torch.empty(m, payload.shape[1], dtype=torch.uint8, device=shard.device)
         dist.all_gather_into_tensor(recv.view(-1), payload.view(-1), group=group)
         sum_rows(dequantize(recv, fmt, self.slow.block,
@@ -100,11 +99,16 @@ class LowBitTier:
         shards where they are numbered fast axes first, shard (n, this rank's l) of each node n
         where node-major (Plan.stage_blocks)."""
         bucket = self.plan.buckets[b]
-        f, k = self._fast_index[b], bucket.shard_numel
+        f = self._fast_index[b]
         if self.plan.stage_blocks(bucket) == 1:
-            return [(f * n_rows + r) * k for r in range(n_rows)]
+            return [bucket.shard_range(f * n_rows + r)[0] for r in range(n_rows)]
         fast = bucket.shard_size // n_rows
-        return [(r * fast + f) * k for r in range(n_rows)]
+        return [bucket.shard_range(r * fast + f)[0] for r in range(n_rows)]
+
+    def _own_start(self, b: int) -> int:
+        """Where this rank's shard of bucket b starts in the full buffer."""
+        bucket = self.plan.buckets[b]
+        return bucket.shard_range(self.plan.shard_index(bucket, self._rank))[0]
 
     def _send_rows(self, b: int, rows: torch.Tensor, at: int, fmt: str, own: int | None, offsets: list[int]):
         """(rows + this rank's residual of them, in fp32; their payloads). Row ``own`` never leaves

@@ -238,8 +238,9 @@ class UnitComm(Protocol):
     bytes: Counter  # (op, tier) -> bytes this rank sent, by hpf.comm.cost's model
     #: the low-bit slow tier's format choice (None: full precision, or no slow tier)
     slow: SlowPrecision | None
-    #: the slow tier's hpf.comm.lowbit.LowBitTier: quantized stages, error-feedback residuals (None: no slow tier)
-    lowbit: Any
+    #: the slow tier's quantized stages and error-feedback residuals (None: no low-bit slow tier);
+    #: named, not imported: hpf.comm.lowbit imports this module
+    lowbit: "LowBitTier | None"
 
     def is_shared(self, b: int) -> bool:
         """Whether bucket b's full buffer is transport-owned shared memory (never freed)."""

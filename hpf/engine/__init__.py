@@ -28,13 +28,13 @@ from ..planning import ROOT, Plan
 from ..trace import Ranges
 from .compiled import hide_from_compiler, refused_fullgraph
 from .entry import Recompute, entry, rematerialized
-from .gather import MemoryStats, UnitBuffers
+from .gather import MemoryStats, UnitBuffers, Waits
 from .reduce import Reducer
-from .replay import pinned_units
 from .residency import Residency
+from .unit_state import Phase
 from .views import ParamsView
 
-__all__ = ["UnitEngine", "MemoryStats", "explain"]
+__all__ = ["UnitEngine", "MemoryStats", "Phase", "explain"]
 
 
 def _outside_transforms(method: Callable) -> Callable:
@@ -64,22 +64,24 @@ class UnitEngine:
                  on_extra_gather: Callable[[str, str], None] | None = None, rematerialize: bool = False):
         self.plan, self.comm, self.device = plan, comm, device
         self.units = list(plan.units)
-        self._wait_s = 0.0  # seconds compute spent blocked on collectives (``take_wait_s``)
+        waits = Waits()  # seconds compute spent blocked on the step's collectives: add_wait(s), take_wait_s()
+        self.add_wait, self.take_wait_s = waits.add, waits.take
         self.buffers = UnitBuffers(plan, comm, compute_dtype, capacity, self.add_wait, on_extra_gather)
-        pinned = pinned_units({u: plan.units[u].buckets for u in self.units}, self.buffers.kept)
-        self.residency = Residency(self.units, pinned, capacity)
-        self.reducer = Reducer(plan, comm, self.buffers.shared, pipeline, list(compute_sums),
+        units = list(self.buffers.units.values())  # each unit's one runtime object, which the policies share
+        self.residency = Residency(units, capacity)
+        self.reducer = Reducer(plan, comm, units, self.buffers.shared, pipeline, list(compute_sums),
                                before_issue=self.buffers.start_queued, on_wait=self.add_wait)
+        r = self.reducer  # what the step asks of the reductions (hpf.engine.reduce), and nothing more:
+        self.holds_sums, self.grads_mark, self.no_grads_since, self.tell_landed = (
+            r.holds_sums, r.grads_mark, r.no_grads_since, r.tell_landed)
         self.view = ParamsView(plan, {u: plan.slot_paths(u) for u in self.units}, self._entry)
         self.stats: MemoryStats = self.buffers.stats
-        self.in_backward = False
-        self._reduce_order = list(reversed(self.reducer.units))  # the first step's guess: backward of tree order
-        self.broken: BaseException | None = None  # an error that left the ranks out of step
+        self.phase = Phase.IDLE
+        self.broken: BaseException | None = None  # the error that left the ranks out of step (Phase.BROKEN)
         self._prefetched: list | None = None  # (bucket, master, version) the next step's gathers were made from
         self._root = None
         self.anchor = None  # the micro-batch's: every entry hangs off it (grad="torch.func" differentiates by it)
-        self._reads = 0  # reads of this micro-batch (the schedule log numbers them)
-        self._phase = Ranges()  # trace: each unit's forward and backward
+        self._trace = Ranges()  # trace: each unit's forward and backward
         self.micro_batches = 0
         self.rematerialize = rematerialize  # UnitList.apply keeps only a block's inputs (grad="torch.func")
         self._hidden = False  # whether compiled code sees the entry points as graph breaks (hpf.engine.compiled)
@@ -92,6 +94,7 @@ class UnitEngine:
         LOG.failed = None
         snap = self._prefetched
         self._prefetched = None
+        self.phase = self.phase.to(Phase.STEP)
         if snap is not None and _untouched(snap, masters):
             self.buffers.set_shards(masters, keep={self.plan.buckets[b].unit for b, _, _ in snap})
             return
@@ -102,10 +105,10 @@ class UnitEngine:
     def prefetch(self, masters: list[torch.Tensor]) -> None:
         """Start the next step's first gathers (``first_units``) from ``masters``, already updated."""
         first = self.first_units()
-        buckets = [b for u in first for b in self.plan.units[u].buckets]
         self.buffers.set_shards(masters, keep=set(self.units) - set(first))
         self._first_gathers()
-        self._prefetched = [(b, masters[b], masters[b]._version) for b in buckets]
+        self._prefetched = [(b, masters[b], masters[b]._version) for b in self.first_buckets()]
+        self.phase = self.phase.to(Phase.PREFETCHED)
 
     def _first_gathers(self) -> None:
         self.buffers.new_phase()
@@ -114,6 +117,10 @@ class UnitEngine:
     def first_units(self) -> list[str]:
         """The units a step gathers before its first read: pinned ones, then the predicted first reads."""
         return list(dict.fromkeys([u for u in self.units if u in self.residency.pinned] + self.residency.predicted_first()))
+
+    def first_buckets(self) -> list[int]:
+        """The buckets of ``first_units``, in plan order."""
+        return sorted({b for u in self.first_units() for b in self.plan.units[u].buckets})
 
     @contextlib.contextmanager
     def micro_batch(self, grad_shards: list[torch.Tensor], hold: bool) -> Iterator[None]:
@@ -124,34 +131,34 @@ class UnitEngine:
         if self.reducer.holds_sums():  # a later micro-batch: prefetch its first units
             self.buffers.new_phase()
             self.buffers.apply(self.residency.resume(), "forward")
-        self.reducer.start(grad_shards, self._reduce_order, hold)
+        self.reducer.start(grad_shards, hold)
         self.anchor = torch.empty(0, device=self.device, requires_grad=True)
         self.micro_batches += 1  # stamps this micro-batch's entries (``entry_done`` refuses older ones)
-        self._root, self.in_backward = None, False
+        self._root, self._reads = None, 0  # (``_reads``: the schedule log numbers this micro-batch's reads)
+        self.phase = self.phase.to(Phase.FORWARD)
         self.buffers.new_phase()
-        self._reads = 0
         try:
             yield
         finally:
-            self._phase.end()
+            self._trace.end()
             self._root = self.anchor = None
         self.reducer.finish()
-        self.in_backward = False
+        self.phase = self.phase.to(Phase.STEP)
 
     def params_tree(self, anchor: torch.Tensor | None = None) -> Any:
         """The loss function's params: root params as views, unit lists read when reached.
         ``anchor``: the tensor this call's entries hang off (a torch.func transform's input)."""
         if anchor is not None:
             self.anchor = anchor
-        self._phase.switch("hpf/forward", ROOT)
+        self._trace.switch("hpf/forward", ROOT)
         return self.view.tree(self._read, self._apply if self.rematerialize else None)
 
     def start_backward(self) -> None:
         """The loss is computed: from here a read is a checkpoint recomputing."""
-        self.in_backward = True
+        self.phase = self.phase.to(Phase.BACKWARD)
         self.buffers.new_phase()
         self.residency.start_backward()
-        self._phase.switch("hpf/backward", ROOT)
+        self._trace.switch("hpf/backward", ROOT)
 
     def land(self) -> None:
         """Wait for every reduction of the step (then the grad shards are final)."""
@@ -162,20 +169,19 @@ class UnitEngine:
         self.buffers.land_all()
 
     def end_step(self) -> None:
-        """The step's reads are over: learn them for the next step, free what is gathered."""
-        if self.reducer.landed_order and set(self.reducer.landed_order) == set(self.reducer.units):
-            self._reduce_order = list(self.reducer.landed_order)
+        """The step's reads are over: the residency policy learns them for the next step; free
+        what is gathered."""
         self.residency.end_step()
         self.buffers.settle()
+        self.phase = self.phase.to(Phase.IDLE)
 
     def abort(self, err: BaseException | None = None) -> None:
         """After an error anywhere in a step: wait for what is in flight, free, forget the step.
 
         After ranks fell out of step (ScheduleMismatchError), or when what was in flight cannot
         land, the engine is broken: its next use raises, naming the first error."""
-        self._phase.end()
+        self._trace.end()
         self._root = self.anchor = None
-        self.in_backward = False
         self._prefetched = None
         self.buffers.drop_queue()
         self.reducer.drop_held()
@@ -183,11 +189,12 @@ class UnitEngine:
             LOG.failed = _one_line(err)  # (a waiting peer names it)
         if isinstance(err, schedule.ScheduleMismatchError):
             self.broken = err
-            return
-        try:
-            self._settle()
-        except Exception as e:  # noqa: BLE001 - the step's own error is the one raised
-            self.broken = e
+        if self.broken is None:
+            try:
+                self._settle()
+            except Exception as e:  # noqa: BLE001 - the step's own error is the one raised
+                self.broken = e
+        self.phase = Phase.IDLE if self.broken is None else Phase.BROKEN  # (from any phase)
 
     def _read(self, unit: str) -> Any:
         """The loss function reads list element ``unit``."""
@@ -197,7 +204,7 @@ class UnitEngine:
     def _apply(self, unit: str, fn: Callable, args: tuple) -> Any:
         """``UnitList.apply`` with ``rematerialize``: ``fn`` on the unit, keeping only ``args`` for
         backward (``rematerialized``). A unit with tied leaves of another unit's is read plainly."""
-        if self.in_backward or self.view.needs(unit) != [unit]:
+        if self.phase is Phase.BACKWARD or self.view.needs(unit) != [unit]:
             return fn(self._read(unit), *args)
         self._reach(unit)
         self.reducer.entry(unit)
@@ -221,14 +228,14 @@ class UnitEngine:
     @_outside_transforms
     def _reach(self, unit: str) -> None:
         """The residency policy's actions for one read of ``unit``, recorded in forward."""
-        needs = self.view.needs(unit)
-        if not self.in_backward:
+        needs, backward = self.view.needs(unit), self.phase is Phase.BACKWARD
+        if not backward:
             self._reads += 1
             LOG.record("read", unit, self._reads)
-        acts = self.residency.need(needs) if self.in_backward else self.residency.read(needs)
-        self.buffers.apply(acts, "backward" if self.in_backward else "forward")
-        if not self.in_backward:
-            self._phase.switch("hpf/forward", unit)
+        acts = self.residency.need(needs) if backward else self.residency.read(needs)
+        self.buffers.apply(acts, "backward" if backward else "forward")
+        if not backward:
+            self._trace.switch("hpf/forward", unit)
 
     def _entry(self, unit: str) -> tuple:
         """The param views of one read of ``unit`` (an autograd entry, except while recomputing)."""
@@ -236,7 +243,7 @@ class UnitEngine:
             return self._root
         self.buffers.wait(unit)
         u = self.buffers.units[unit]
-        if self.in_backward and unit != ROOT:  # a checkpoint recomputing: the forward's entries take the grads,
+        if self.phase is Phase.BACKWARD and unit != ROOT:  # a checkpoint recomputing: the forward's entries take the grads,
             return tuple(v if i in u.frozen else v.detach().requires_grad_()  # these only need to save what
                          for i, v in enumerate(u.views()))  # forward saved (requires_grad)
         views = entry(self.anchor, u, self.micro_batches, self.entry_done)
@@ -254,17 +261,13 @@ class UnitEngine:
         An entry of an earlier micro-batch (a param tensor kept across steps: in a global, a
         closure, a compiled function's constants) would add grads of stale values to this one's."""
         if stamp != self.micro_batches or self.anchor is None:
-            raise StaleParamError(
-                f"loss_fn used a param of unit {unit!r} that it kept from an earlier step or micro-batch (in a "
-                "global, a closure, a cache, or a torch.compile'd function that captured it as a constant); its "
-                "values are stale and its grads would be wrong. Read params only from the `params` argument of "
-                "the current call, and pass them to compiled functions as arguments")
+            raise StaleParamError(_STALE.format(unit=unit))
         if self.reducer.add(unit, tuple(g.detach() for g in grads)):  # (a torch.func transform's grads track)
             for u in self.residency.done(unit):
                 self.buffers.evict(u)
             self.buffers.start_queued(when_free=True)
             pos = self.units.index(unit)
-            self._phase.switch("hpf/backward", self.units[pos - 1] if pos > 0 else ROOT)
+            self._trace.switch("hpf/backward", self.units[pos - 1] if pos > 0 else ROOT)
 
     def saved_tensor_hooks(self):
         """Autograd's saved params as descriptions (``Saved``), only while some unit's memory can be freed."""
@@ -277,26 +280,30 @@ class UnitEngine:
     def _unpack(self, saved: Any) -> Any:
         return self.buffers.unpack(saved, self.regather)
 
-    def keep_gathered(self) -> None:
-        """From now on keep every unit gathered from its read to the end of its backward, with no
-        saved-tensor hooks: for loss functions that run torch.func.grad/vjp inside, which refuse
-        them (``refuses_hooks``)."""
+    def keep_gathered(self, masters: list[torch.Tensor]) -> None:
+        """Start the step again on ``masters``, from now on keeping each unit gathered from read to backward,
+        with no saved-tensor hooks: torch.func.grad/vjp inside loss_fn refuse them (``refuses_hooks``)."""
+        self.abort()
         self.buffers.capacity = len(self.units)
-        self.residency = Residency(self.units, self.residency.pinned, len(self.units))
+        self.residency = Residency(list(self.residency.by_name.values()), len(self.units))
+        self.begin(masters)
+
+    def release(self) -> None:
+        """The step closes: free what is held (in flight lands first; not when broken: it may never land)."""
+        if self.broken is None:
+            self.abort()
 
     def _settle(self) -> None:
         """Wait for every gather in flight and free every buffer: the engine holds nothing."""
         self.residency.end_step(learn=False)
         self.buffers.settle()
 
-    def add_wait(self, seconds: float) -> None:
-        """Count ``seconds`` the step spent blocked on a collective of its own."""
-        self._wait_s += seconds
 
-    def take_wait_s(self) -> float:
-        """Seconds compute spent waiting on collectives since the last call."""
-        out, self._wait_s = self._wait_s, 0.0
-        return out
+
+_STALE = ("loss_fn used a param of unit {unit!r} that it kept from an earlier step or micro-batch (in a global, a "
+          "closure, a cache, or a torch.compile'd function that captured it as a constant); its values are stale and "
+          "its grads would be wrong. Read params only from the `params` argument of the current call, and pass them "
+          "to compiled functions as arguments")
 
 
 def _refuse_if_broken(broken: BaseException | None) -> None:

@@ -1,5 +1,6 @@
-"""The gathered side of FSDP units: each unit is one object (``Unit``) that owns its full flat
-buffers, its gathers in flight, the param tensors handed out for it, and its state:
+"""The gathered side of FSDP units: each unit is one object (``Unit``, its runtime state an
+hpf.engine.unit_state.UnitState) that also owns its full flat buffers and the param tensors
+handed out for it. Its state moves only along ``unit_state.MOVES``:
 
     SHARDED --(prefetch decided, no memory yet)--> QUEUED --> GATHERING --(landed)--> GATHERED
     GATHERING/GATHERED --(evicted)--> RELEASING --(nothing references its memory)--> SHARDED
@@ -26,7 +27,6 @@ it. The hooks run only while some unit can be freed.
 """
 from __future__ import annotations
 
-import enum
 import time
 import weakref
 from dataclasses import dataclass
@@ -37,9 +37,11 @@ import torch
 from ..comm.schedule import LOG, wait
 from ..planning import ROOT, Plan
 from ..trace import span
+from .replay import pinned_units
 from .residency import Actions
+from .unit_state import State, UnitState
 
-__all__ = ["UnitBuffers", "Unit", "State", "MemoryStats", "Saved"]
+__all__ = ["UnitBuffers", "Unit", "State", "MemoryStats", "Saved", "Waits"]
 
 
 @dataclass
@@ -55,6 +57,21 @@ class MemoryStats:
     extra_gathers: int = 0
 
 
+class Waits:
+    """Seconds compute spent blocked on the step's own collectives (a step's ``comm_wait_s``)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.seconds += seconds
+
+    def take(self) -> float:
+        """The seconds since the last call."""
+        out, self.seconds = self.seconds, 0.0
+        return out
+
+
 @dataclass
 class Saved:
     """A saved param tensor (or alias) of a unit that may be freed: where it lies in the unit's
@@ -67,19 +84,11 @@ class Saved:
     offset: int
 
 
-class State(enum.Enum):
-    SHARDED = "sharded"  # this step's values are not gathered (a plain buffer holds no memory)
-    QUEUED = "queued"  # a prefetch is decided; it starts when there is memory for it
-    GATHERING = "gathering"  # its gathers are in flight
-    GATHERED = "gathered"  # its buffers hold this step's values
-    RELEASING = "releasing"  # evicted; its memory waits until nothing outside the engine references it
-
-
 _RESIDENT = (State.GATHERING, State.GATHERED)
 
 
-class Unit:
-    """One FSDP unit's gathered side (see the module doc).
+class Unit(UnitState):
+    """One FSDP unit: its runtime state (``UnitState``) and its gathered side (see the module doc).
 
     ``buffer[b]`` is bucket ``b``'s full flat buffer (views read it); ``target[b]`` is the same
     memory as a tensor with a version counter of its own, which collectives write: a re-gather
@@ -87,13 +96,13 @@ class Unit:
     count as an in-place change of those views. ``plain`` lists the buckets whose memory is
     allocated per gather (the others are master shards or shared memory, always there)."""
 
-    def __init__(self, name: str, buckets: list[int], plain: list[int], layout: list[tuple], frozen: list[int]):
-        self.name, self.buckets, self.plain = name, buckets, plain
+    def __init__(self, name: str, buckets: list[int], plain: list[int], layout: list[tuple], frozen: list[int],
+                 trained: list[int]):
+        super().__init__(name, trained=trained)
+        self.buckets, self.plain = buckets, plain
         self.layout, self.frozen = layout, frozen  # each param's (bucket, shape, stride, offset); frozen positions
         self.buffer: dict[int, torch.Tensor] = {}
         self.target: dict[int, torch.Tensor] = {}
-        self.state = State.SHARDED
-        self.handles: list = []  # gathers in flight
         self.landed_at = 0.0  # when its last gather landed (``unreferenced``)
         self.handed: list[weakref.ref] = []  # the param tensors handed out (only their liveness matters)
         self.holds_memory = False  # whether its gathered memory is counted as held (``MemoryStats``)
@@ -129,7 +138,7 @@ class Unit:
                     st.resize_(nbytes[b])
                     allocated += nbytes[b]
                 self.handles.append(comm.all_gather(b, self.target[b], shards[b]))
-        self.state = State.GATHERING if self.handles else State.GATHERED
+        self.to(State.GATHERING if self.handles else State.GATHERED)
         return allocated
 
     def land(self) -> float:
@@ -143,13 +152,17 @@ class Unit:
         self.handles.clear()
         self.landed_at = time.perf_counter()
         if self.state is State.GATHERING:
-            self.state = State.GATHERED
+            self.to(State.GATHERED)
         return self.landed_at - t
 
-    def evict(self) -> None:
-        """Its values are no longer this step's: a plain unit's memory waits to be freed."""
-        if self.state in _RESIDENT:
-            self.state = State.RELEASING if self.freeable else State.SHARDED
+    def evict(self) -> float:
+        """Its values are no longer this step's: a plain unit's memory waits to be freed. Its
+        gathers in flight land first (every rank issued them), so none writes released memory;
+        returns the seconds that took."""
+        waited = self.land() if self.state is State.GATHERING else 0.0
+        if self.state is State.GATHERED:
+            self.to(State.RELEASING if self.freeable else State.SHARDED)
+        return waited
 
     def unreferenced(self, own_refs: dict[int, int]) -> bool:
         """Whether nothing outside the engine references its plain memory. A gather that has
@@ -172,7 +185,7 @@ class Unit:
                 freed += st.nbytes()
                 st.resize_(0)
         self.handed.clear()
-        self.state = State.SHARDED
+        self.to(State.SHARDED)
         return freed
 
 
@@ -197,7 +210,8 @@ class UnitBuffers:
             layout = [(s.bucket, s.local_shape, _strides(s.local_shape), s.offset) for b in u.buckets for s in bks[b].slots]
             self.units[name] = Unit(name, list(u.buckets),
                                     [b for b in u.buckets if not self._master[b] and not self.shared[b]],
-                                    layout, [i for i, (b, *_) in enumerate(layout) if bks[b].frozen])
+                                    layout, [i for i, (b, *_) in enumerate(layout) if bks[b].frozen],
+                                    [b for b in u.buckets if not bks[b].frozen])
         for b in bks:  # each plain buffer freed as soon as it is made: never the whole model at once
             if self._master[b.index]:
                 continue
@@ -219,6 +233,8 @@ class UnitBuffers:
         self._queue: list[Unit] = []  # QUEUED units, in the order their prefetches were decided
         self.stats = MemoryStats()
         self._plain_held = 0  # block units (not the root) with plain memory held: what ``capacity`` bounds
+        for name in pinned_units({u.name: u.buckets for u in self.units.values()}, self.kept):
+            self.units[name].pinned = True  # (the residency policy never evicts them)
 
     def kept(self, b: int) -> bool:
         """Whether bucket ``b``'s memory stays for good (a master shard, or shared memory)."""
@@ -254,7 +270,8 @@ class UnitBuffers:
         for u in acts.prefetch:
             LOG.record("all-gather", u, phase == "backward")
             unit = self.units[u]
-            unit.state, unit.queued_phase = State.QUEUED, phase
+            unit.to(State.QUEUED)
+            unit.queued_phase = phase
             self._queue.append(unit)
         self.start_queued(when_free=True)
 
@@ -271,7 +288,7 @@ class UnitBuffers:
     def drop_queue(self) -> None:
         """Forget the queued prefetches (after an error)."""
         for unit in self._queue:
-            unit.state = State.RELEASING if unit.holds_memory and unit.freeable else State.SHARDED
+            unit.to(State.RELEASING if unit.holds_memory and unit.freeable else State.SHARDED)
         self._queue.clear()
 
     def new_phase(self) -> None:
@@ -306,7 +323,7 @@ class UnitBuffers:
         """Evict unit ``name``. Its plain memory is freed now, or, while a param tensor handed out
         for it is alive, the first time ``free_released`` finds them all dead."""
         unit = self.units[name]
-        unit.evict()
+        self.on_wait(unit.evict())
         if unit.state is State.RELEASING:
             self.free_released()
 
@@ -319,8 +336,7 @@ class UnitBuffers:
                 continue
             if force:
                 _poison([ref() for ref in unit.handed])
-            self.on_wait(unit.land())  # (a gather still writing into it: every rank issued it, so it lands)
-            if unit.unreferenced(self._own_refs):
+            if unit.unreferenced(self._own_refs):  # (a RELEASING unit has no gathers in flight: Unit.evict)
                 self.stats.live_bytes -= unit.free()
                 self._hold(unit, False)
 
@@ -334,10 +350,9 @@ class UnitBuffers:
         (the engine holds nothing)."""
         self.land_all()
         for unit in self.units.values():
-            if unit.state in _RESIDENT:
-                unit.evict()
+            unit.evict()
             if unit.freeable and unit.holds_memory:
-                unit.state = State.RELEASING
+                unit.to(State.RELEASING)
         self.free_released(force=True)
 
     def _hold(self, unit: Unit, held: bool) -> None:

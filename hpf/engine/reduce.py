@@ -2,8 +2,8 @@
 
 Each read of a unit is one autograd entry; backward hands each entry's grads here, and they
 add up in one flat buffer per bucket. A unit is complete when every entry's backward has run.
-Reductions are issued strictly in ``order`` (the last step's order; the first step the
-reverse of the first reads), the head of the queue as soon as it is complete, so every rank
+Reductions are issued strictly in one fixed order, the reverse of the plan's tree order
+(``reduction_order``), the head of the queue as soon as it is complete, so every rank
 issues the same reductions in the same order whatever backward's timing, and a unit whose
 entry never runs backward (a read the loss does not use) only delays the queue to the end.
 For loop-style code that order is backward's own, so reductions overlap the rest of backward.
@@ -31,7 +31,8 @@ for the partial-sum all-reduce of ``compute_sums``: those are final only after `
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import deque
+from typing import Callable
 
 import torch
 
@@ -40,18 +41,25 @@ from ..comm.schedule import LOG
 from ..comm.transport import DONE, StreamWork, is_done, wait_for
 from ..planning import Plan
 from ..trace import span
+from .unit_state import UnitState
 
-__all__ = ["Reducer", "IN_FLIGHT", "issuable", "to_wait"]
+__all__ = ["Reducer", "IN_FLIGHT", "issuable", "reduction_order", "to_wait"]
 
 #: reductions holding memory at once, the unit summed next included (the module doc; hpf.memory counts it)
 IN_FLIGHT = 2
 
 
 # -- the policy, as pure functions (hpf.engine.replay replays them for hpf.sim and hpf.memory) ----------------
-def issuable(order: list[str], start: int, complete) -> int:
+def reduction_order(trained: list[str]) -> list[str]:
+    """The order reductions are issued in, every step: the units with grads (``trained``, in tree
+    order) reversed, which is backward's own order for loop-style code."""
+    return list(reversed(trained))
+
+
+def issuable(order: list[str], start: int, complete: Callable[[str], bool]) -> int:
     """Reductions are issued strictly in ``order``, the head as soon as it is ``complete``: the
     position after the last one issuable now, the ones from ``start`` issued already."""
-    while start < len(order) and order[start] in complete:
+    while start < len(order) and complete(order[start]):
         start += 1
     return start
 
@@ -68,22 +76,19 @@ def to_wait(holding: list[bool], bound: int = IN_FLIGHT) -> int:
 
 
 class Reducer:
-    """One step's grad sums and reductions (see the module doc)."""
+    """One step's grad sums and reductions over ``units``, in tree order (see the module doc): the
+    policy, reading and counting on each unit's runtime object (hpf.engine.unit_state: its
+    ``trained`` buckets, ``outstanding`` entries, ``sums`` and whether ``complete``)."""
 
-    def __init__(self, plan: Plan, comm, shared: list[bool], pipeline: bool, compute_sums: list,
-                 before_issue=lambda: None, on_wait=lambda seconds: None):
+    def __init__(self, plan: Plan, comm, units: list[UnitState], shared: list[bool], pipeline: bool,
+                 compute_sums: list, before_issue=lambda: None, on_wait=lambda seconds: None):
         self.plan, self.comm, self.shared, self.pipeline = plan, comm, shared, pipeline
-        self.unit_buckets = {u: plan.units[u].buckets for u in plan.units}
-        # the buckets each unit trains (frozen ones have no grads); units with none are never reduced
-        self.trained = {u: [b for b in bs if not plan.buckets[b].frozen] for u, bs in self.unit_buckets.items()}
-        self.units = [u for u, bs in self.trained.items() if bs]
+        self.by_name = {u.name: u for u in units}
+        self.units = [u.name for u in units if u.trained]  # units with no trained buckets are never reduced
         self.compute_sums = compute_sums  # (bucket, group): partial grads summed over non-FSDP axes
         self.grad_shards: list[torch.Tensor] = []
-        self.order: list[str] = []
-        self.landed_order: list[str] = []  # the order units were reduced in this step
-        self._outstanding: Counter = Counter()
-        self._sums: dict[str, list[torch.Tensor]] = {}
-        self._complete: set[str] = set()
+        self.order = reduction_order(self.units)
+        self._complete = lambda unit: self.by_name[unit].complete
         self._next = 0
         # per unit reduced, oldest first: whether its flat grads are its own memory (not shared memory's),
         # its buckets' handles not yet landed, and the unit
@@ -97,33 +102,33 @@ class Reducer:
         self.landed_s = 0.0  # seconds spent in on_landed, ever (not counted as waiting)
         self._to_tell: list[str] = []  # units landed, on_landed not yet run
 
-    def start(self, grad_shards: list[torch.Tensor], order: list[str], hold: bool) -> None:
+    def start(self, grad_shards: list[torch.Tensor], hold: bool) -> None:
         """A micro-batch starts; ``hold``: keep its sums for the next one instead of reducing."""
-        self.grad_shards, self.order, self.hold = grad_shards, order, hold
-        self._outstanding.clear()
-        self._sums.clear()
-        self._complete.clear()
+        self.grad_shards, self.hold = grad_shards, hold
+        for u in self.by_name.values():
+            u.outstanding, u.sums, u.complete = 0, None, False
         self._next = 0
-        self.landed_order = []
         self._to_tell.clear()
 
     def entry(self, unit: str) -> None:
         """A read of ``unit`` created an autograd entry whose backward is to come (none for a
         unit whose params are all frozen)."""
-        if self.trained[unit]:
-            self._outstanding[unit] += 1
+        u = self.by_name[unit]
+        if u.trained:
+            u.outstanding += 1
 
     def add(self, unit: str, grads: tuple) -> bool:
         """One entry's grads (in slot order); True if that completed the unit."""
         self.added += 1
-        flats = self._sums.get(unit)
+        u = self.by_name[unit]
+        flats = u.sums
         first = flats is None
         if first:
-            flats = self._sums[unit] = self._take(unit)
+            flats = u.sums = self._take(unit)
         i = 0
         flats_of = iter(flats)
         with span("hpf/copy grads", unit):
-            for b in self.unit_buckets[unit]:
+            for b in u.buckets:
                 bucket = self.plan.buckets[b]
                 n = len(bucket.slots)
                 i += n
@@ -138,11 +143,11 @@ class Reducer:
                     packed.copy_(torch.cat(parts))
                 else:
                     packed.add_(torch.cat(parts))
-        self._outstanding[unit] -= 1
-        if self._outstanding[unit]:
+        u.outstanding -= 1
+        if u.outstanding:
             self._tell()
             return False
-        self._complete.add(unit)
+        u.complete = True
         self._issue_ready()
         self._tell()
         return True
@@ -155,7 +160,8 @@ class Reducer:
 
     def finish(self) -> None:
         """Backward is over: reduce every unit not yet reduced (zero grads if never read), in order."""
-        self._complete.update(self.order)
+        for unit in self.order:
+            self.by_name[unit].complete = True
         self._issue_ready()
 
     def wait(self) -> None:
@@ -182,6 +188,23 @@ class Reducer:
         """Whether earlier micro-batches' sums are held for this step."""
         return bool(self._held)
 
+    def grads_mark(self) -> int:
+        """A mark for ``no_grads_since``: the autograd entries whose grads have arrived, ever."""
+        return self.added
+
+    def no_grads_since(self, mark: int) -> bool:
+        """Whether some unit trains but no entry's grads arrived since ``mark`` (``grads_mark``)."""
+        return bool(self.units) and self.added == mark
+
+    def tell_landed(self, fn) -> bool:
+        """Call ``fn(buckets)`` with each unit's trained buckets once its reductions land (the
+        module doc's ``on_landed``); None stops. False, setting nothing, when grads are final
+        only after the partial-sum all-reduce of ``compute_sums`` (then nobody is ever told)."""
+        if self.compute_sums:
+            return False
+        self.on_landed = None if fn is None else (lambda unit: fn(self.by_name[unit].trained))
+        return True
+
     def drop_held(self) -> None:
         """Forget sums held from earlier micro-batches (a step that raised or was skipped)."""
         self._held.clear()
@@ -190,7 +213,7 @@ class Reducer:
     def _take(self, unit: str) -> list[torch.Tensor]:
         """``unit``'s flat grad buffers, once fewer than IN_FLIGHT reductions hold theirs (module doc)."""
         self._make_room()
-        return [self._grad_flat(b) for b in self.trained[unit]]
+        return [self._grad_flat(b) for b in self.by_name[unit].trained]
 
     def _make_room(self) -> None:
         """Wait for the oldest reductions in flight until fewer than IN_FLIGHT hold memory (a
@@ -245,11 +268,11 @@ class Reducer:
         return flat
 
     def _reduce(self, unit: str) -> None:
-        flats = self._sums.pop(unit, None)
+        u = self.by_name[unit]
+        flats, u.sums = u.sums, None
         if flats is None:  # never read this step (or its params never reached the loss): zero grads
             flats = [flat.zero_() for flat in self._take(unit)]
-        buckets = self.trained[unit]
-        self.landed_order.append(unit)
+        buckets = u.trained
         if self.hold:  # an earlier micro-batch: keep the sums here, communicate nothing
             for b, flat in zip(buckets, flats):
                 if b in self._held:

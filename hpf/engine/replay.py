@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..tree import ROOT
-from .reduce import issuable
+from .reduce import issuable, reduction_order
 from .residency import Actions, Residency
 
 __all__ = ["Event", "StepEvents", "replay", "loop_reads", "pinned_units"]
@@ -81,8 +81,8 @@ def replay(units: list[str], pinned: set[str], reads: list[list[str]], trained: 
     units it reads: the owners of its tied leaves, then itself) in each of ``accumulate``
     micro-batches; ``trained``: the units with grads, in tree order; ``recompute``: units whose
     forward runs again in backward; ``capacity``: the residency bound (``resident_units``)."""
-    policy = Residency(units, pinned, capacity)
-    order = list(reversed(trained))  # the reduction order (hpf.engine.reduce; the engine's first guess)
+    policy = Residency.of(units, pinned, capacity)
+    order = reduction_order(trained)
     out: list[StepEvents] = []
     acts = policy.begin()
     for _ in range(steps):
@@ -125,7 +125,7 @@ def _micro_batch(events: list[Event], policy: Residency, units: list[str], reads
         if unit in train:
             events.append(Event("grads", unit))
             complete.add(unit)
-            end = issuable(order, issued, complete)
+            end = issuable(order, issued, complete.__contains__)
             events.extend(Event("hold" if hold else "reduce", u) for u in order[issued:end])
             issued = end
         events.extend(Event("evict", u) for u in policy.done(unit))

@@ -7,8 +7,10 @@ and on the bound alone, never on references, gc or timing, so every rank (whose 
 function makes the same reads) issues the same gathers at the same points. Local facts may
 only decide whether an evicted unit's memory can be freed at once (hpf.engine.gather).
 
-The bound is ``capacity`` units gathered at once besides the ``pinned`` ones (the root, and
-units in shared memory, gathered for the whole step). A unit read is made most recent; a
+The policy reads and counts on the units' own runtime objects (hpf.engine.unit_state: ``pinned``,
+this micro-batch's ``reads`` and ``visits``); which units are resident, least recent first, and
+the predictions are its own. The bound is ``capacity`` units gathered at once besides the
+``pinned`` ones (the root, and units in shared memory, gathered for the whole step). A unit read is made most recent; a
 prefetch of the unit predicted next (from the last micro-batch's reads, the first step from tree
 order) comes after it; the least recent units are evicted past the bound. Loop-style code
 thus gathers each unit once in forward with at most ``capacity`` of them live, and backward
@@ -17,6 +19,8 @@ walks the forward reads in reverse the same way.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from .unit_state import UnitState
 
 __all__ = ["Residency", "Actions"]
 
@@ -32,22 +36,26 @@ class Actions:
 
 
 class Residency:
-    """The residency policy of one step at a time (see the module doc)."""
+    """The residency policy of one step at a time over ``units``, in tree order (see the module doc)."""
 
-    def __init__(self, units: list[str], pinned: set[str], capacity: int = 2):
+    def __init__(self, units: list[UnitState], capacity: int = 2):
         if capacity < 1:
             raise ValueError(f"capacity={capacity}: at least one unit must fit (the one being read)")
-        self.units, self.pinned, self.capacity = list(units), set(pinned), capacity
+        self.by_name = {u.name: u for u in units}
+        self.units, self.capacity = list(self.by_name), capacity
+        self.pinned = {u.name for u in units if u.pinned}
         order = [u for u in self.units if u not in self.pinned]
         self._next = _successors(order)  # the first step's guess: tree order
         self.resident: dict[str, None] = {}  # non-pinned units gathered now, least recent first
         self.reads: list[str] = []  # this micro-batch's forward reads (non-pinned)
-        self.backward: bool = False
-        self._seen: dict[str, int] = {}  # unit -> its reads so far this micro-batch
-        self._visits: dict[str, int] = {}  # unit -> its backward visits so far this backward
         self._back_next: dict = {}
         self._last_need: str | None = None
         self.first = order[:1]  # the first read, as predicted
+
+    @classmethod
+    def of(cls, units: list[str], pinned: set[str], capacity: int = 2) -> "Residency":
+        """The policy over bare unit states named ``units`` (hpf.engine.replay's, and tests')."""
+        return cls([UnitState(u, pinned=u in pinned) for u in units], capacity)
 
     # -- a step's phases ----------------------------------------------------------------------
     def begin(self) -> Actions:
@@ -57,12 +65,12 @@ class Residency:
         for u in self.predicted_first():
             self.resident[u] = None
             acts.prefetch.append(u)
-        self.reads, self.backward, self._seen, self._last_need = [], False, {}, None
+        self._new_micro_batch()
         return acts
 
     def resume(self) -> Actions:
         """Another micro-batch of the step starts: its reads are predicted as the last micro-batch's were."""
-        self.reads, self.backward, self._seen, self._last_need = [], False, {}, None
+        self._new_micro_batch()
         first = self.predicted_first()
         acts = Actions()
         for u in first:
@@ -84,12 +92,16 @@ class Residency:
             return Actions()
         for unit in units:
             self.reads.append(unit)
-            k = self._seen[unit] = self._seen.get(unit, 0) + 1
+            u = self.by_name[unit]
+            u.reads += 1
+            k = u.reads
         return self._use(units, self._next.get((unit, k)) or self._next.get((unit, 1)))
 
     def start_backward(self) -> None:
         """Forward is over: backward walks its reads in reverse."""
-        self.backward, self._visits, self._last_need = True, {}, None
+        self._last_need = None
+        for u in self.by_name.values():
+            u.visits = 0
         back = [u for i, u in enumerate(reversed(self.reads)) if i == 0 or u != self.reads[-i]]
         self._back_next = _successors(back)
 
@@ -99,7 +111,9 @@ class Residency:
         if not units or (len(units) == 1 and units[0] == self._last_need and units[0] in self.resident):
             return Actions()
         for unit in units:
-            k = self._visits[unit] = self._visits.get(unit, 0) + 1
+            u = self.by_name[unit]
+            u.visits += 1
+            k = u.visits
         self._last_need = unit
         return self._use(units, self._back_next.get((unit, k)) or self._back_next.get((unit, 1)))
 
@@ -125,6 +139,11 @@ class Residency:
         return gone
 
     # -- the rule ------------------------------------------------------------------------------
+    def _new_micro_batch(self) -> None:
+        self.reads, self._last_need = [], None
+        for u in self.by_name.values():
+            u.reads = 0
+
     def _use(self, units: list[str], predicted: str | None) -> Actions:
         """Make ``units`` the most recent (gathering those not resident), then prefetch
         ``predicted`` if the bound leaves room beside them; evict the least recent others."""

@@ -12,7 +12,6 @@ eps added after the square root), so a sharded run can be checked against it. In
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, NamedTuple
@@ -20,9 +19,10 @@ from typing import Any, Callable, NamedTuple
 import optree
 import torch
 
+from .base import Capabilities
 from .schedules import check_rate
+from .transforms import AddDecayedWeights, Chain, add_decayed_weights, chain, inject, scale_by_adam
 
-from hpf import tree as tree_util
 
 __all__ = ["adamw", "AdamW", "AdamWState", "schedule_value", "default_weight_decay_mask"]
 
@@ -45,7 +45,7 @@ class AdamWState(NamedTuple):
 def schedule_value(lr: float | Callable[[int], float], step: int, what: str = "lr") -> float:
     """A learning rate that is a constant or a function of the (1-based) step; ValueError
     (naming the step) unless it is finite and >= 0."""
-    return check_rate(lr(step), f"{what} schedule", step) if callable(lr) else check_rate(lr, what)
+    return inject(lr, step, what).lr
 
 
 @dataclass(frozen=True)
@@ -70,8 +70,22 @@ class AdamW:
     eps: float = 1e-8
     weight_decay: float = 0.01
     weight_decay_mask: Any = None  # None: all; mask(path, tensor) -> bool; or a pytree of bools
-    _shard_decay: Any = field(default=None, repr=False, compare=False)  # per flat shard: slices (for_plan)
+    #: the decay stage with its mask resolved per flat shard (``for_plan``); None: made from the fields
+    decay: AddDecayedWeights | None = field(default=None, repr=False, compare=False)
     _frozen: Any = field(default=None, repr=False, compare=False)  # per flat shard: not trained (for_plan)
+
+    #: elementwise, so updated a few shards at a time; set up per plan (the decay mask, frozen buckets)
+    capabilities = Capabilities(partial=True, for_plan=True)
+
+    @property
+    def transform(self) -> Chain:
+        """The math as stages (hpf.optim.transforms): decoupled weight decay (with its mask),
+        then Adam's step."""
+        return chain(self.decay_stage, scale_by_adam(self.betas, self.eps))
+
+    @property
+    def decay_stage(self) -> AddDecayedWeights:
+        return self.decay or add_decayed_weights(self.weight_decay, self.weight_decay_mask)
 
     def for_plan(self, plan, rank: int) -> "AdamW":
         """This optimizer on ``plan``'s flat shards (``hpf.shard_step`` calls it): the mask
@@ -83,34 +97,7 @@ class AdamW:
         return self.for_plan_mask(plan, rank)
 
     def for_plan_mask(self, plan, rank: int) -> "AdamW":
-        if self.weight_decay_mask is None:
-            return self
-        decays = self._mask_by_path(plan.tree({p: torch.empty(s.global_shape, dtype=s.dtype, device="meta")
-                                               for p, s in plan.slots.items()}))
-        shards = []
-        for b in plan.buckets:
-            pieces = [b.local_range(s, plan.shard_index(b, rank)) for s in b.slots if decays[s.path]]
-            shards.append(tuple(p.held for p in pieces if p.numel))
-        return replace(self, _shard_decay=tuple(shards))
-
-    def _mask_by_path(self, params: Any) -> dict[str, bool]:
-        paths, leaves, treedef = tree_util.flatten(params)
-        mask = self.weight_decay_mask
-        if callable(mask):
-            return {p: bool(mask(p, x)) for p, x in zip(paths, leaves)}
-        if tree_util.structure(mask) != treedef:
-            raise ValueError(f"weight_decay_mask must be a callable(path, tensor) or a pytree of bools shaped "
-                             f"like the params; got {tree_util.structure(mask)}, params are {treedef}")
-        return dict(zip(paths, (bool(m) for m in tree_util.flatten(mask)[1])))
-
-    def _decay_views(self, params: Any, leaves: list) -> list[list[torch.Tensor]]:
-        """Per leaf, the tensors weight decay multiplies: all, none, or a shard's decayed ranges."""
-        if self._shard_decay is not None:
-            return [[leaf[s] for s in slices] for leaf, slices in zip(leaves, self._shard_decay)]
-        if self.weight_decay_mask is None:
-            return [[leaf] for leaf in leaves]
-        decays = self._mask_by_path(params)
-        return [[leaf] if d else [] for leaf, d in zip(leaves, decays.values())]
+        return self if self.weight_decay_mask is None else replace(self, decay=self.decay_stage.for_plan(plan, rank))
 
     def init(self, params: Any) -> AdamWState:
         if self._frozen is not None:  # flat shards of a plan: frozen ones keep no moments
@@ -136,7 +123,7 @@ class AdamW:
         p = optree.tree_leaves(params)
         m = optree.tree_leaves(state.exp_avg)
         v = optree.tree_leaves(state.exp_avg_sq)
-        decay = self._decay_views(params, p) if self.weight_decay else None
+        decay = self.decay_stage.views(params, p) if self.weight_decay else None
         schedule_value(self.lr, int(state.count) + 1)  # a bad lr raises before anything changes
         state.count.add_(1)
         step = int(state.count)
@@ -157,21 +144,9 @@ class AdamW:
         if not p:
             return
         p, g, m, v = (list(map(_real, x)) for x in (p, g, m, v))
-        decay = None if decay is None else list(map(_real, decay))
-        lr = schedule_value(self.lr, step) * lr_scale
-        b1, b2 = self.betas
-        decay = p if decay is None else decay
-        if self.weight_decay and decay:
-            torch._foreach_mul_(decay, 1.0 - lr * self.weight_decay)
-        torch._foreach_lerp_(m, g, 1.0 - b1)
-        torch._foreach_mul_(v, b2)
-        torch._foreach_addcmul_(v, g, g, 1.0 - b2)
-        bias1 = 1.0 - b1 ** step
-        bias2_sqrt = math.sqrt(1.0 - b2 ** step)
-        denom = torch._foreach_sqrt(v)
-        torch._foreach_div_(denom, bias2_sqrt)
-        torch._foreach_add_(denom, self.eps)
-        torch._foreach_addcdiv_(p, m, denom, -lr / bias1)
+        h = inject(self.lr, step)
+        h = h._replace(lr=h.lr * lr_scale)
+        self.transform.apply(h, p, g, {"exp_avg": m, "exp_avg_sq": v}, p if decay is None else list(map(_real, decay)))
 
 
 def _real(t: torch.Tensor) -> torch.Tensor:

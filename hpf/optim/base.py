@@ -1,26 +1,62 @@
-"""The optimizer protocols hpf.shard_step relies on, as optax's base.py declares its own.
+"""The optimizer interface hpf.shard_step relies on, as optax's base.py declares its own.
 
 An optimizer is functional: ``init(params) -> state`` and ``update(grads, state, params) ->
 (new params, new state)``; hpf's optimizers update params and state in place (donated) and
-return them. Two optional capabilities, each its own protocol that the step checks with
-``isinstance``:
+return them. What else the step may do with one, it declares as data, ``capabilities`` (a
+:class:`Capabilities`; none for a plain ``init``/``update`` object), and the step reads that
+instead of probing for methods. Each capability promises the methods of its protocol below:
 
-- `PartialUpdate`: an elementwise optimizer can update a few leaves at a time, so the step
-  updates each FSDP unit as soon as its grads have landed (optimizer overlap).
-- `ForPlan`: an optimizer that needs the plan's layout (distributed Muon) returns the form
-  that runs on the step's flat shards.
-- `StateLayout`: an optimizer on flat shards whose state has a per-bucket field that is not
-  laid out as the param shard says which params it covers, so checkpoints can place it.
-- `ReadsAux`: an optimizer whose update reads the step's aux (Muon's QK-Clip reads the max
-  attention logits); the step passes ``update(..., aux=metrics["aux"])``.
-- `EarlyUpdate`: an optimizer on flat shards that starts computing during backward, bucket by
+- ``partial`` (`PartialUpdate`): an elementwise optimizer can update a few leaves at a time, so
+  the step updates the next step's first units first (optimizer overlap).
+- ``for_plan`` (`ForPlan`): one that needs the plan's layout (Muon, AdamW's decay mask) returns
+  the form that runs on the step's flat shards.
+- ``early`` (`EarlyUpdate`): one on flat shards that starts computing during backward, bucket by
   bucket as grads land (distributed Muon's Newton-Schulz), and writes only after the decision.
+- ``aux``: the step's aux names ``update(..., aux=...)`` reads (Muon's QK-Clip reads the max
+  attention logits); () and the step calls ``update`` without aux.
+- ``state_layout``: the per-bucket state fields that do not lie as the param shard does, each
+  with the params it packs, so checkpoints can place them (distributed Muon's AdamW moment).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
-__all__ = ["Optimizer", "PartialUpdate", "ForPlan", "StateLayout", "ReadsAux", "EarlyUpdate"]
+__all__ = ["Capabilities", "capabilities", "undeclared", "Optimizer", "PartialUpdate", "ForPlan", "EarlyUpdate"]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an optimizer declares the step may do with it (see the module doc)."""
+
+    partial: bool = False
+    for_plan: bool = False
+    early: bool = False
+    aux: tuple[str, ...] = ()
+    #: field -> the params it packs: such a field's tensor for a bucket holds this rank's elements
+    #: of those params only, back to back in the bucket's param order (every other per-bucket
+    #: field is laid out as the param shard, as AdamW's moments are)
+    state_layout: Mapping[str, frozenset[str]] = field(default_factory=dict)
+
+
+def capabilities(optimizer: Any) -> Capabilities:
+    """``optimizer``'s declared capabilities (its ``capabilities``); none when it declares none."""
+    caps = getattr(optimizer, "capabilities", None)
+    return caps if isinstance(caps, Capabilities) else Capabilities()
+
+
+#: the methods a capability promises: an optimizer with one of them declares its capabilities
+_PROMISED = ("partial_update", "for_plan", "early", "state_layout", "aux_names")
+
+
+def undeclared(optimizer: Any) -> None:
+    """TypeError for an optimizer with a capability's method but no ``capabilities``: the step
+    would never call it (for_plan unset: it would run on the flat shards as they are)."""
+    has = [m for m in _PROMISED if callable(getattr(optimizer, m, None))]
+    if has and getattr(optimizer, "capabilities", None) is None:
+        raise TypeError(f"optimizer {type(optimizer).__name__} has {', '.join(has)} but declares no capabilities, so "
+                        "the step would not use them; declare what it supports, e.g. `capabilities = "
+                        "hpf.optim.Capabilities(partial=True, for_plan=True)` (hpf.optim.Capabilities)")
 
 
 @runtime_checkable
@@ -34,7 +70,6 @@ class Optimizer(Protocol):
         ...
 
 
-@runtime_checkable
 class PartialUpdate(Protocol):
     def partial_update(self, state: Any, params: Any) -> Callable[[list[int], list], None]:
         """Start one step; returns ``apply(indices, grads)``, which updates the leaves at
@@ -43,34 +78,12 @@ class PartialUpdate(Protocol):
         ...
 
 
-@runtime_checkable
 class ForPlan(Protocol):
     def for_plan(self, plan: Any, rank: int) -> Optimizer:
         """This optimizer on the flat shards of ``plan`` (an hpf.Plan) as ``rank`` holds them."""
         ...
 
 
-@runtime_checkable
-class StateLayout(Protocol):
-    def state_layout(self) -> dict[str, frozenset[str]]:
-        """The per-bucket state fields that pack only some params: field -> their paths.
-
-        Such a field's tensor for a bucket holds this rank's elements of those params only,
-        back to back in the bucket's param order. Every per-bucket field not named here is laid
-        out as the param shard (AdamW's moments: no method needed). hpf.checkpoint reads this
-        to save and restore the state on any mesh."""
-        ...
-
-
-@runtime_checkable
-class ReadsAux(Protocol):
-    def aux_names(self) -> tuple[str, ...]:
-        """The aux names (hpf.losses) ``update(grads, state, params, aux=...)`` reads; () when none,
-        and then the step calls ``update`` without aux."""
-        ...
-
-
-@runtime_checkable
 class EarlyUpdate(Protocol):
     def early(self, grads: list, state: Any, scale: float, attempt: int) -> Any:
         """This step's work, or None: an object with ``landed(buckets)`` (those buckets' grads in

@@ -34,6 +34,7 @@ from hpf_kernels import dequantize, newton_schulz_flops, payload_bytes, quantize
 from ..comm import world
 from ..planning import Bucket, ParamSlot, Plan
 from .adamw_optimizer import schedule_value
+from .base import Capabilities
 from .muon_math import (MuonState, apply_muon_updates_, check_qk_heads, muon_momentum_, orthogonalize, qk_clip_,
                         update_scale)
 
@@ -295,8 +296,12 @@ class DistMuon:
                          [s.new_zeros(0) if b.frozen else torch.zeros_like(s) for b, s in zip(self.plan.buckets, shards)],
                          [s.new_zeros(n) for s, n in zip(shards, self.adamw_numel)])
 
-    def aux_names(self) -> tuple[str, ...]:
-        return self.muon.aux_names()
+    @property
+    def capabilities(self) -> Capabilities:
+        """Work begun in backward (``overlap``, off under a low-bit slow tier); the step's aux
+        under QK-Clip; ``exp_avg_sq`` holds AdamW's second moment of the AdamW params only."""
+        return Capabilities(early=self.muon.overlap and self.slow is None, aux=self.muon.aux_names(),
+                            state_layout={"exp_avg_sq": self.adamw_paths})
 
     def update(self, grads: Sequence[torch.Tensor], state: MuonState, params: Sequence[torch.Tensor],
                aux: dict | None = None) -> tuple[list[torch.Tensor], MuonState]:
@@ -322,10 +327,6 @@ class DistMuon:
         if not self.muon.overlap or self.slow is not None:
             return None
         return EarlyMuon(self, grads, state, scale, epoch=1 + attempt % 64, in_place=False)
-
-    def state_layout(self) -> dict[str, frozenset[str]]:
-        """``exp_avg_sq`` holds AdamW's second moment of the AdamW params only (hpf.optim.StateLayout)."""
-        return {"exp_avg_sq": self.adamw_paths}
 
     # -- helpers -------------------------------------------------------------------------------
     def _assemble(self, x: _Matrix, own_piece: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

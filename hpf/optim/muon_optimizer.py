@@ -17,6 +17,7 @@ import torch
 
 from hpf_kernels import pick_variant, resolve_coefficients
 
+from .base import Capabilities
 from .schedules import check_rate
 from .adamw_optimizer import AdamW, adamw, schedule_value
 from .dist_muon import DistMuon
@@ -86,8 +87,13 @@ class Muon:
     def on_muon(self, path: str, p: torch.Tensor) -> bool:
         return p.ndim >= 2 and not self.use_adamw(path, p)
 
+    @property
+    def capabilities(self) -> Capabilities:
+        """Set up per plan (distributed Muon); reads the max attention logits under QK-Clip."""
+        return Capabilities(for_plan=True, aux=self.aux_names())
+
     def aux_names(self) -> tuple[str, ...]:
-        """The aux ``update`` reads (hpf.optim.ReadsAux): the max attention logits under QK-Clip."""
+        """The aux ``update`` reads: the max attention logits under QK-Clip."""
         return ("max_attn_logit",) if self.qk_clip is not None else ()
 
     def qk_gamma(self, aux: dict | None) -> torch.Tensor | None:

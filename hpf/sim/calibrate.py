@@ -422,7 +422,7 @@ def _issue_rank(rank, two_tier: bool, reps: int) -> float:
     step = hpf.shard_step(gpt.loss_for(cfg), mesh=mesh, optimizer=hpf.optim.adamw(lr=1e-3),
                           topology=hpf.Topology() if two_tier else None)
     step.init(gpt.init(cfg))
-    comm = step.engine.comm
+    comm = step.comm
     bufs = [(b.index, comm.full_buffer(b.index, torch.float32), torch.randn(b.padded_numel // b.shard_size),
              comm.grad_buffer(b.index, torch.float32), torch.empty(b.padded_numel // b.shard_size))
             for b in step.plan.buckets]

@@ -62,7 +62,7 @@ def check_grads(step: ShardStep, state: TrainState, batch: Any, *, rtol: float =
         RuntimeError: ``step.init`` was not called.
         GradientMismatchError: some path is beyond the tolerance (the message lists them).
     """
-    if step.engine is None:
+    if step.plan is None:
         raise RuntimeError("check_grads: call step.init(full_params) first")
     grads = step.grads(state, batch)
     sharded = step.full_params(TrainState(grads, None))

@@ -59,8 +59,8 @@ class ValidateStep(ShardStep):
         self._state_sig = [(tuple(s.shape), s.dtype) for s in state.params]
         self._spmd = dataclasses.replace(self._spmd, validate=True)  # models' own checks (MoE dispatch) on
         self.quantization: dict[str, dict[str, float]] = {}
-        if self.engine.comm.slow is not None:
-            self.engine.comm.lowbit.capture = {}  # the slow tier keeps what it sent and what arrived
+        if self.comm.slow is not None:
+            self.comm.lowbit.capture = {}  # the slow tier keeps what it sent and what arrived
         return state
 
     def __call__(self, state: TrainState, batch: Any):
@@ -204,7 +204,7 @@ class ValidateStep(ShardStep):
         every peer dequantized it, against the shard) and grads (each row as its peer received
         it, against what was sent), and that over the param's max abs value; the max over
         ranks, in one all-reduce. QuantizationError past the tolerance, before any update."""
-        lowbit = self.engine.comm.lowbit
+        lowbit = self.comm.lowbit
         capture = lowbit and lowbit.capture
         if capture is None:
             return
