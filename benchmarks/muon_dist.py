@@ -41,7 +41,7 @@ class GatherAllMuon:
             position = plan.shard_index(b, rank)
             matrices = []
             for s in b.slots:
-                piece = b.local_range(s, position)
+                piece = b.local_piece(s, position)
                 is_muon = muon.on_muon(s.path, torch.empty(s.global_shape, device="meta"))
                 matrices += [s] if is_muon else []
                 if piece.numel:

@@ -190,7 +190,7 @@ def _add_chunks(sd: dict, plan, bucket, rank: int, flat: torch.Tensor, key: str,
         if only is not None and s.path not in only:
             continue
         entry = sd.setdefault(key.format(key_of(s.path)), _Chunks(torch.Size(s.global_shape), flat.dtype, {}))
-        piece = bucket.local_range(s, position)
+        piece = bucket.local_piece(s, position)
         if not piece.numel:
             continue
         first = piece.held.start if only is None else at

@@ -20,7 +20,7 @@ from .spec import IndivisibleSpecError, P, SpecError, resolve_specs
 from .tree import ROOT
 from .types import SlowPrecision
 
-__all__ = ["Plan", "Bucket", "ParamSlot", "Piece", "Unit", "plan", "unit_names", "low_bit", "OPS", "ROOT"]
+__all__ = ["Plan", "Bucket", "ParamSlot", "Piece", "UnitLayout", "plan", "unit_names", "low_bit", "OPS", "ROOT"]
 
 # A bucket's collectives in one step: gather params and reduce-scatter grads over its shard
 # axes, all-reduce its grad shard over its replicate axes (HSDP).
@@ -99,7 +99,7 @@ class Bucket:
     def shard_range(self, shard_index: int) -> tuple[int, int]:
         return shard_index * self.shard_numel, (shard_index + 1) * self.shard_numel
 
-    def local_range(self, slot: ParamSlot, shard_index: int) -> Piece:
+    def local_piece(self, slot: ParamSlot, shard_index: int) -> Piece:
         """The part of ``slot`` that shard ``shard_index`` holds (``Plan.shard_index`` of a rank)."""
         return slot.piece(*self.shard_range(shard_index))
 
@@ -113,7 +113,7 @@ class Bucket:
 
 
 @dataclass
-class Unit:
+class UnitLayout:
     """An FSDP unit: gathered together, just before use, and freed together."""
 
     name: str  # ROOT or the path of a list element, e.g. "blocks/3"
@@ -144,7 +144,7 @@ class Plan:
     specs: dict[str, P]
     slots: dict[str, ParamSlot]  # in params-tree order
     buckets: list[Bucket]
-    units: dict[str, Unit]  # ROOT first, then list elements in tree order
+    units: dict[str, UnitLayout]  # ROOT first, then list elements in tree order
     treedef: optree.PyTreeSpec
     # Tied weights: one tensor at several paths is one parameter. Its slot is the owner's;
     # every other path (an alias) maps to the owner here. All leaf paths, in tree order.
@@ -314,7 +314,7 @@ def _place(params, specs: dict, ties: dict, frozen: set, mesh: Mesh, fsdp: tuple
            fast_major: bool, slow_precision: SlowPrecision | None):
     """Each (path, leaf, unit) into a bucket and offset: (buckets, units, slots)."""
     buckets: list[Bucket] = []
-    units: dict[str, Unit] = {ROOT: Unit(ROOT, [])}
+    units: dict[str, UnitLayout] = {ROOT: UnitLayout(ROOT, [])}
     by_key: dict[tuple, Bucket] = {}
     slots: dict[str, ParamSlot] = {}
     for path, leaf, unit in params:
@@ -332,7 +332,7 @@ def _place(params, specs: dict, ties: dict, frozen: set, mesh: Mesh, fsdp: tuple
                          (b.numel + math.prod(local_shape)) * leaf.element_size() > bucket_bytes):
             b = by_key[key] = _new_bucket(len(buckets), key, mesh, fsdp, fast_major, slow_precision)
             buckets.append(b)
-            units.setdefault(unit, Unit(unit, [])).buckets.append(b.index)
+            units.setdefault(unit, UnitLayout(unit, [])).buckets.append(b.index)
         slot = ParamSlot(path, spec, tuple(leaf.shape), local_shape, leaf.dtype, unit, b.index, b.numel)
         b.slots.append(slot)
         b.numel += slot.numel

@@ -150,7 +150,7 @@ LAYERS = [
     ("foundation", ("hpf_kernels", "hpf.errors", "hpf.tree", "hpf.types", "hpf.mesh", "hpf.spec", "hpf.trace", "hpf.progress",
                     "hpf.plots", "hpf.losses", "hpf.checkpoint_files", "hpf.models.recompute", "hpf.engine.residency",
                     "hpf.engine.unit_state",
-                    "hpf.validate.layout", "hpf.sim.hardware", "hpf.optim.base", "hpf.optim.schedules", "hpf.random")),
+                    "hpf.validate.layout", "hpf.sim.hardware", "hpf.optim.base", "hpf.optim.lr_schedules", "hpf.random")),
     ("planning", ("hpf.planning",)),
     ("comm", ("hpf.comm", "hpf.launcher")),
     ("optimizers and models", ("hpf.optim", "hpf.models")),

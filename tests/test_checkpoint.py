@@ -406,7 +406,7 @@ class _HeadMomentum:
         sizes = []
         for b in self.plan.buckets:
             position = self.plan.shard_index(b, self.rank)
-            sizes.append(sum(b.local_range(s, position).numel for s in b.slots if s.path == "head"))
+            sizes.append(sum(b.local_piece(s, position).numel for s in b.slots if s.path == "head"))
         return _HeadState(torch.zeros((), dtype=torch.int64), [s.new_zeros(n) for s, n in zip(shards, sizes)])
 
     def update(self, grads, state, params):

@@ -204,7 +204,7 @@ def test_tiny_trains_on_cpu():
 STEPS, BATCH, SEED = 4, 8, 0
 ADAMW = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 LR = 1e-2
-SCHEDULE = hpf.optim.schedules.cosine(LR, total_steps=STEPS, warmup=2, min_lr=1e-3)
+SCHEDULE = hpf.optim.lr_schedules.cosine(LR, total_steps=STEPS, warmup=2, min_lr=1e-3)
 SHARDED = llama.CONFIGS["tiny"]  # untied: tied weights in shard_step are another change's subject
 
 

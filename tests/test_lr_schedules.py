@@ -7,7 +7,7 @@ import torch
 
 import hpf
 from hpf.models import gpt, llama
-from hpf.optim.schedules import Schedule, constant, cosine, linear
+from hpf.optim.lr_schedules import Schedule, constant, cosine, linear
 
 LR, WD = 1e-2, 0.1
 TINY = llama.CONFIGS["tiny"]

@@ -29,7 +29,7 @@ def split_matrices(plan, paths):
                 if slot.path in paths and len(holders) > 1:
                     held = Counter()
                     for i in holders:
-                        held[node(ranks[i])] += b.local_range(slot, i).numel
+                        held[node(ranks[i])] += b.local_piece(slot, i).numel
                     yield b, ranks, slot, held
 
 

@@ -12,7 +12,7 @@ from hpf.optim.transforms import add_decayed_weights, chain, clip_by_global_norm
 def test_adamw_is_its_chain_of_stages_bit_for_bit_and_torchs_arithmetic():
     g = torch.Generator().manual_seed(0)
     p0, grads = [torch.randn(7, generator=g), torch.randn(3, 4, generator=g)], []
-    opt = hpf.optim.adamw(lr=hpf.optim.schedules.cosine(1e-2, 5, warmup=1), weight_decay=0.1)
+    opt = hpf.optim.adamw(lr=hpf.optim.lr_schedules.cosine(1e-2, 5, warmup=1), weight_decay=0.1)
     mine = [p.clone() for p in p0]
     state = opt.init(mine)
     by_hand = [p.clone() for p in p0]

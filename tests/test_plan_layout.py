@@ -28,14 +28,14 @@ def test_local_ranges_tile_every_param_exactly(axes):
         for slot in b.slots:
             rebuilt = torch.full((slot.numel,), float("nan"))
             for position in range(b.shard_size):
-                piece = b.local_range(slot, position)
+                piece = b.local_piece(slot, position)
                 shard = full[b.shard_range(position)[0]:b.shard_range(position)[1]]
                 assert piece.numel == piece.param.stop - piece.param.start >= 0
                 assert torch.isnan(rebuilt[piece.param]).all(), "an element held by two shards"
                 rebuilt[piece.param] = shard[piece.held]
             assert torch.equal(rebuilt, params_at(params, slot.path).reshape(-1)), slot.path
-            assert sum(b.local_range(slot, i).numel for i in range(b.shard_size)) == slot.numel
-            assert [i for i in range(b.shard_size) if b.local_range(slot, i).numel] == b.holders(slot)
+            assert sum(b.local_piece(slot, i).numel for i in range(b.shard_size)) == slot.numel
+            assert [i for i in range(b.shard_size) if b.local_piece(slot, i).numel] == b.holders(slot)
 
 
 def params_at(params, path):

@@ -25,7 +25,7 @@ from hpf.cli.common import CliError, sharding_of, topology_of
 from hpf.comm.world import default_device
 from hpf.models import TP_AXIS, data_axes, gpt, model_config
 from hpf.optim.muon_math import qk_clip_factors
-from hpf.optim.schedules import Schedule
+from hpf.optim.lr_schedules import Schedule
 from hpf.plots import comm_share
 from hpf.progress import Progress
 

@@ -32,7 +32,7 @@ from hpf.launcher import Terminated, init_distributed, is_launched, launch, rank
 from hpf.memory import machine_memory, predict, size
 from hpf.models import data_axes, model_config, MODELS
 from hpf.models.recompute import RECOMPUTE
-from hpf.optim.schedules import NAMES as SCHEDULES
+from hpf.optim.lr_schedules import NAMES as SCHEDULES
 from hpf.plots import breakdown, comm_share, missing_matplotlib, save_plots
 from hpf.report import PlanReport, millions
 

@@ -28,7 +28,7 @@ from ..planning import ROOT, Plan
 from ..trace import Ranges
 from .compiled import hide_from_compiler, refused_fullgraph
 from .entry import Recompute, entry, rematerialized
-from .gather import MemoryStats, UnitBuffers, Waits
+from .gather import MemoryStats, Gatherer, Waits
 from .reduce import Reducer
 from .residency import Residency
 from .unit_state import Phase
@@ -66,7 +66,7 @@ class UnitEngine:
         self.units = list(plan.units)
         waits = Waits()  # seconds compute spent blocked on the step's collectives: add_wait(s), take_wait_s()
         self.add_wait, self.take_wait_s = waits.add, waits.take
-        self.buffers = UnitBuffers(plan, comm, compute_dtype, capacity, self.add_wait, on_extra_gather)
+        self.buffers = Gatherer(plan, comm, compute_dtype, capacity, self.add_wait, on_extra_gather)
         units = list(self.buffers.units.values())  # each unit's one runtime object, which the policies share
         self.residency = Residency(units, capacity)
         self.reducer = Reducer(plan, comm, units, self.buffers.shared, pipeline, list(compute_sums),

@@ -9,10 +9,10 @@ eager read. The engine itself stays eager and opaque to the compiler:
   compiler cannot hoist, merge or reorder them;
 - AOTAutograd saves what a compiled backward needs through ``ctx.save_for_backward`` with the
   engine's saved-tensor hooks in force. A saved param, or a view of it (which AOTAutograd
-  detaches), is recognized by its memory (``UnitBuffers.pack``), so the unit is freed after
+  detaches), is recognized by its memory (``Gatherer.pack``), so the unit is freed after
   its forward use and gathered again before the compiled backward unpacks it, as in eager;
 - compiled kernels read memory unchecked, so a unit's memory is freed only when nothing
-  outside the engine references it (``UnitBuffers.free_released``).
+  outside the engine references it (``Gatherer.free_released``).
 
 docs/architecture.md ("How a compiled region and the engine share a unit") says why.
 

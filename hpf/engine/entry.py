@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from ..checks import CapturedTensorError
-from .gather import Unit
+from .gather import LiveUnit
 
 __all__ = ["entry", "Recompute", "rematerialized"]
 
@@ -25,7 +25,7 @@ class _Entry(torch.autograd.Function):
     """One read of a unit. The plain form: no per-call signature binding (half the cost)."""
 
     @staticmethod
-    def forward(ctx, anchor, unit: Unit, stamp: int, done: Done):  # noqa: ARG004 - anchor only makes backward run
+    def forward(ctx, anchor, unit: LiveUnit, stamp: int, done: Done):  # noqa: ARG004 - anchor only makes backward run
         ctx.name, ctx.stamp, ctx.done = unit.name, stamp, done
         views = tuple(unit.views())
         if unit.frozen:
@@ -45,7 +45,7 @@ class _FuncEntry(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(anchor, unit: Unit, stamp: int, done: Done):  # noqa: ARG004
+    def forward(anchor, unit: LiveUnit, stamp: int, done: Done):  # noqa: ARG004
         return tuple(unit.views())
 
     @staticmethod
@@ -65,7 +65,7 @@ class _FuncEntry(torch.autograd.Function):
         return tuple(torch.zeros_like(v) for v in ctx.unit.views())
 
 
-def entry(anchor: torch.Tensor, unit: Unit, stamp: int, done: Done) -> tuple:
+def entry(anchor: torch.Tensor, unit: LiveUnit, stamp: int, done: Done) -> tuple:
     """A new autograd entry of ``unit`` (gathered): its params as views; ``stamp`` numbers the
     micro-batch, and ``done(unit, grads, stamp)`` receives the grads."""
     fn = _FuncEntry if torch._C._are_functorch_transforms_active() else _Entry

@@ -1,4 +1,4 @@
-"""The gathered side of FSDP units: each unit is one object (``Unit``, its runtime state an
+"""The gathered side of FSDP units: each unit is one object (``LiveUnit``, its runtime state an
 hpf.engine.unit_state.UnitState) that also owns its full flat buffers and the param tensors
 handed out for it. Its state moves only along ``unit_state.MOVES``:
 
@@ -6,7 +6,7 @@ handed out for it. Its state moves only along ``unit_state.MOVES``:
     GATHERING/GATHERED --(evicted)--> RELEASING --(nothing references its memory)--> SHARDED
 
 The residency policy (hpf.engine.residency) decides every transition but the last from the
-reads alone; ``UnitBuffers`` carries its actions out. The last one is a local fact, which only
+reads alone; ``Gatherer`` carries its actions out. The last one is a local fact, which only
 keeps memory: an evicted unit whose param tensors the loss function still holds (a loop
 variable, a view, a compiled region's input) stays RELEASING until they die, and a later
 gather of it reuses that memory. Nothing can read freed memory, which compiled kernels would
@@ -41,7 +41,7 @@ from .replay import pinned_units
 from .residency import Actions
 from .unit_state import State, UnitState
 
-__all__ = ["UnitBuffers", "Unit", "State", "MemoryStats", "Saved", "Waits"]
+__all__ = ["Gatherer", "LiveUnit", "State", "MemoryStats", "Saved", "Waits"]
 
 
 @dataclass
@@ -87,7 +87,7 @@ class Saved:
 _RESIDENT = (State.GATHERING, State.GATHERED)
 
 
-class Unit(UnitState):
+class LiveUnit(UnitState):
     """One FSDP unit: its runtime state (``UnitState``) and its gathered side (see the module doc).
 
     ``buffer[b]`` is bucket ``b``'s full flat buffer (views read it); ``target[b]`` is the same
@@ -189,8 +189,8 @@ class Unit(UnitState):
         return freed
 
 
-class UnitBuffers:
-    """The units' gathered side: carries out the residency policy's actions on the ``Unit``s, and
+class Gatherer:
+    """The units' gathered side: carries out the residency policy's actions on the ``LiveUnit``s, and
     accounts their memory (``stats``). ``capacity``: block units whose plain memory a prefetch
     may allocate while others are held; ``on_wait``: told each wait on a gather, in seconds;
     ``on_extra_gather``: told (unit, phase) of each gather beyond loop-style use."""
@@ -205,10 +205,10 @@ class UnitBuffers:
         self._master = [b.shard_size == 1 and (compute_dtype is None or compute_dtype == b.dtype)
                         and not self.shared[b.index] for b in bks]
         self.nbytes = [0] * len(bks)
-        self.units: dict[str, Unit] = {}
+        self.units: dict[str, LiveUnit] = {}
         for name, u in plan.units.items():
             layout = [(s.bucket, s.local_shape, _strides(s.local_shape), s.offset) for b in u.buckets for s in bks[b].slots]
-            self.units[name] = Unit(name, list(u.buckets),
+            self.units[name] = LiveUnit(name, list(u.buckets),
                                     [b for b in u.buckets if not self._master[b] and not self.shared[b]],
                                     layout, [i for i, (b, *_) in enumerate(layout) if bks[b].frozen],
                                     [b for b in u.buckets if not bks[b].frozen])
@@ -230,7 +230,7 @@ class UnitBuffers:
         # any more are the loss function's, and keep the memory
         self._own_refs = {b: _use_count(u.buffer[b]) for u in self.units.values() for b in u.plain}
         self.shards: list[torch.Tensor] = []
-        self._queue: list[Unit] = []  # QUEUED units, in the order their prefetches were decided
+        self._queue: list[LiveUnit] = []  # QUEUED units, in the order their prefetches were decided
         self.stats = MemoryStats()
         self._plain_held = 0  # block units (not the root) with plain memory held: what ``capacity`` bounds
         for name in pinned_units({u.name: u.buckets for u in self.units.values()}, self.kept):
@@ -297,7 +297,7 @@ class UnitBuffers:
         for u in self.units.values():
             u.gathered_in_phase = u.state in _RESIDENT
 
-    def _start(self, unit: Unit, phase: str) -> None:
+    def _start(self, unit: LiveUnit, phase: str) -> None:
         if unit.gathered_in_phase:
             self.stats.extra_gathers += 1
             if self.on_extra_gather is not None:
@@ -336,7 +336,7 @@ class UnitBuffers:
                 continue
             if force:
                 _poison([ref() for ref in unit.handed])
-            if unit.unreferenced(self._own_refs):  # (a RELEASING unit has no gathers in flight: Unit.evict)
+            if unit.unreferenced(self._own_refs):  # (a RELEASING unit has no gathers in flight: LiveUnit.evict)
                 self.stats.live_bytes -= unit.free()
                 self._hold(unit, False)
 
@@ -355,7 +355,7 @@ class UnitBuffers:
                 unit.to(State.RELEASING)
         self.free_released(force=True)
 
-    def _hold(self, unit: Unit, held: bool) -> None:
+    def _hold(self, unit: LiveUnit, held: bool) -> None:
         """Count ``unit``'s memory as held or not (``MemoryStats.live_blocks``, ``capacity``)."""
         if unit.holds_memory == held or unit.name == ROOT:
             unit.holds_memory = held
@@ -390,7 +390,7 @@ class UnitBuffers:
         return self.units[saved.unit].buffer[saved.bucket].as_strided(saved.shape, saved.stride, saved.offset)
 
 
-_SETTLE_S = 0.005  # how long a landed collective's backend may hold a buffer (``Unit.unreferenced``)
+_SETTLE_S = 0.005  # how long a landed collective's backend may hold a buffer (``LiveUnit.unreferenced``)
 
 
 def _use_count(t: torch.Tensor) -> int:

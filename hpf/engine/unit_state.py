@@ -14,7 +14,7 @@ group's unshard and reduce state together the same way):
   flat grads summed so far (``sums``) and whether they are ``complete``.
 
 The policies (hpf.engine.residency, hpf.engine.reduce) read and move these objects; the
-engine's ``hpf.engine.gather.Unit`` adds the buffers. ``hpf.engine.replay`` drives the same
+engine's ``hpf.engine.gather.LiveUnit`` adds the buffers. ``hpf.engine.replay`` drives the same
 policies over bare ``UnitState``s, without tensors.
 """
 from __future__ import annotations

@@ -20,7 +20,7 @@ import optree
 import torch
 
 from .base import Capabilities
-from .schedules import check_rate
+from .lr_schedules import check_rate
 from .transforms import AddDecayedWeights, Chain, add_decayed_weights, chain, inject, scale_by_adam
 
 
@@ -158,7 +158,7 @@ def adamw(lr: float | Callable[[int], float] = 1e-3, betas: tuple[float, float] 
     """``hpf.optim.adamw``: an optax-style AdamW with ``init``, ``update`` and ``partial_update``.
 
     Args:
-        lr: learning rate, or a function of the 1-based step (see hpf.optim.schedules).
+        lr: learning rate, or a function of the 1-based step (see hpf.optim.lr_schedules).
         betas: decay rates of the first and second moments, each in [0, 1).
         eps: added to the square root of the second moment, >= 0.
         weight_decay: decoupled weight decay, >= 0.

@@ -66,7 +66,7 @@ def muon_plan_state(muon, plan: Plan) -> tuple[int, Counter, int]:
         for b in plan.buckets:
             key = (b.index, plan.shard_index(b, r))
             if key not in adamw:
-                adamw[key] = sum(b.local_range(s, key[1]).numel for s in b.slots if s.path not in paths)
+                adamw[key] = sum(b.local_piece(s, key[1]).numel for s in b.slots if s.path not in paths)
             n += b.shard_numel + adamw[key]
         most = max(most, n)
     return most, assign_owners(plan, paths, muon.ns_steps, muon.ns_variant)[1], len(paths)
@@ -85,7 +85,7 @@ def muon_sends(muon, plan: Plan, owners: dict | None = None) -> dict[int, Counte
             for slot in b.slots:
                 owner = owners.get((b.index, ranks, slot.path))
                 for i in b.holders(slot) if owner is not None else ():
-                    n, holder = b.local_range(slot, i).numel, ranks[i]
+                    n, holder = b.local_piece(slot, i).numel, ranks[i]
                     if holder != owner:
                         tier = "slow" if nodes[holder] != nodes[owner] else "fast"
                         sends[holder][tier] += 4 * n
@@ -123,7 +123,7 @@ def _near_ranks(b: Bucket, slot: ParamSlot, ranks: tuple[int, ...], nodes: dict[
     holders = [ranks[i] for i in b.holders(slot)]
     held: Counter = Counter()
     for i, r in zip(b.holders(slot), holders):
-        held[nodes[r]] += b.local_range(slot, i).numel
+        held[nodes[r]] += b.local_piece(slot, i).numel
     most = max(held.values())
     return sorted(r for r in (ranks if len(held) > 1 else holders) if held.get(nodes[r], -1) == most)
 
@@ -256,7 +256,7 @@ class DistMuon:
             ranks = tuple(plan.shard_ranks(b, rank))
             n_adamw = 0
             for slot in b.slots:
-                piece = b.local_range(slot, position)
+                piece = b.local_piece(slot, position)
                 mine, held = piece.held, piece.numel > 0
                 if slot.path not in on_muon:
                     if held:
@@ -275,7 +275,7 @@ class DistMuon:
                         self.local.append(_Matrix(**common))
                     continue
                 owner = self.owners[key]
-                others = tuple((ranks[i], b.local_range(slot, i).param) for i in b.holders(slot) if ranks[i] != owner)
+                others = tuple((ranks[i], b.local_piece(slot, i).param) for i in b.holders(slot) if ranks[i] != owner)
                 m = _Matrix(**common, owner=owner, tag=tag, others=others)
                 if owner == rank:
                     self.owned.append(m)

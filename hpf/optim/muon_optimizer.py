@@ -18,7 +18,7 @@ import torch
 from hpf_kernels import pick_variant, resolve_coefficients
 
 from .base import Capabilities
-from .schedules import check_rate
+from .lr_schedules import check_rate
 from .adamw_optimizer import AdamW, adamw, schedule_value
 from .dist_muon import DistMuon
 from .muon_math import (MuonState, apply_muon_updates_, check_qk_heads, max_attn_logits, muon_direction, qk_clip_,

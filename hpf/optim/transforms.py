@@ -21,7 +21,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from .. import tree as tree_util
-from .schedules import check_rate
+from .lr_schedules import check_rate
 
 __all__ = ["Hyper", "inject", "chain", "add_decayed_weights", "scale_by_adam", "clip_by_global_norm", "Chain",
            "AddDecayedWeights", "ScaleByAdam", "ClipByGlobalNorm"]
@@ -58,7 +58,7 @@ class AddDecayedWeights:
                                          for p, s in plan.slots.items()}))
         shards = []
         for b in plan.buckets:
-            pieces = [b.local_range(s, plan.shard_index(b, rank)) for s in b.slots if decays[s.path]]
+            pieces = [b.local_piece(s, plan.shard_index(b, rank)) for s in b.slots if decays[s.path]]
             shards.append(tuple(p.held for p in pieces if p.numel))
         return replace(self, ranges=tuple(shards))
 

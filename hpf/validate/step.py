@@ -184,7 +184,7 @@ class ValidateStep(ShardStep):
             position = plan.shard_index(bucket, self.rank)
             bad = ~torch.isfinite(shard)
             for slot in bucket.slots:
-                piece = bucket.local_range(slot, position)
+                piece = bucket.local_piece(slot, position)
                 flags.append(bad[piece.held].any() if piece.numel else bad.new_zeros(()))
                 paths.append(slot.path)
         if not flags:
