@@ -160,7 +160,7 @@ class ShardStep:
             eng.begin(state.params)
             outs = [self.forward_backward(state, mb, hold=i < len(micro) - 1, scale=scale)
                     for i, mb in enumerate(micro)]
-            eng.land()
+            eng.wait_reductions()
             self.after_reductions()
             eng.end_step()
             decision = self.decider.decide(outs, self.grad_shards, batch, scale, clip)
@@ -399,7 +399,7 @@ class EarlyWork:
             if self.work is None:
                 a.engine.tell_landed(None)
                 return
-        self.work.landed(buckets)
+        self.work.grads_final(buckets)
 
     def take(self, grad_scale: float):
         """The work, if it assumed the decision's ``grad_scale``; else None (dropped)."""

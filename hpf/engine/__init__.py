@@ -160,13 +160,13 @@ class UnitEngine:
         self.residency.start_backward()
         self._trace.switch("hpf/backward", ROOT)
 
-    def land(self) -> None:
+    def wait_reductions(self) -> None:
         """Wait for every reduction of the step (then the grad shards are final)."""
         self.buffers.start_queued()
         t = time.perf_counter()
         self.reducer.wait()
         self.add_wait(time.perf_counter() - t)
-        self.buffers.land_all()
+        self.buffers.wait_gathers()
 
     def end_step(self) -> None:
         """The step's reads are over: the residency policy learns them for the next step; free

@@ -141,7 +141,7 @@ class LiveUnit(UnitState):
         self.to(State.GATHERING if self.handles else State.GATHERED)
         return allocated
 
-    def land(self) -> float:
+    def wait_gathers(self) -> float:
         """Wait for its gathers in flight; the seconds spent waiting."""
         if not self.handles:
             return 0.0
@@ -159,7 +159,7 @@ class LiveUnit(UnitState):
         """Its values are no longer this step's: a plain unit's memory waits to be freed. Its
         gathers in flight land first (every rank issued them), so none writes released memory;
         returns the seconds that took."""
-        waited = self.land() if self.state is State.GATHERING else 0.0
+        waited = self.wait_gathers() if self.state is State.GATHERING else 0.0
         if self.state is State.GATHERED:
             self.to(State.RELEASING if self.freeable else State.SHARDED)
         return waited
@@ -317,7 +317,7 @@ class Gatherer:
         unit = self.units[name]
         if unit.state is State.QUEUED:
             self.start_queued()
-        self.on_wait(unit.land())
+        self.on_wait(unit.wait_gathers())
 
     def evict(self, name: str) -> None:
         """Evict unit ``name``. Its plain memory is freed now, or, while a param tensor handed out
@@ -340,15 +340,15 @@ class Gatherer:
                 self.stats.live_bytes -= unit.free()
                 self._hold(unit, False)
 
-    def land_all(self) -> None:
+    def wait_gathers(self) -> None:
         """Start every queued gather and wait for every gather in flight."""
         self.start_queued()
-        self.on_wait(sum(u.land() for u in self.units.values()))
+        self.on_wait(sum(u.wait_gathers() for u in self.units.values()))
 
     def settle(self) -> None:
         """The step is over: land every gather, then evict and free every unit, held or not
         (the engine holds nothing)."""
-        self.land_all()
+        self.wait_gathers()
         for unit in self.units.values():
             unit.evict()
             if unit.freeable and unit.holds_memory:

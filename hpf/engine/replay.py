@@ -36,7 +36,7 @@ class Event:
     - "grads": ``unit``'s grads are complete: its flat grads are taken (the in-flight bound);
     - "reduce": ``unit``'s reduction is issued (the engine's "reduce-scatter" records, one per
       trained bucket); "hold": an earlier micro-batch keeps its sums instead;
-    - "land": every reduction of the step is waited for.
+    - "reduced": every reduction of the step is waited for (has landed).
 
     ``resident``: the non-pinned units gathered at that moment (on "loss" and "backward")."""
 
@@ -92,7 +92,7 @@ def replay(units: list[str], pinned: set[str], reads: list[list[str]], trained: 
             if micro and trained:  # a later micro-batch: its first reads predicted as the step's were
                 _take(step.events, policy.resume(), False)
             _micro_batch(step.events, policy, units, reads, trained, order, recompute, hold=micro < accumulate - 1)
-        step.events.append(Event("land"))
+        step.events.append(Event("reduced"))
         step.events += [Event("evict", u) for u in policy.end_step()]
         step.next_first = list(policy.begin().prefetch)  # (begin only prefetches)
         acts = Actions()

@@ -313,7 +313,7 @@ class DistMuon:
         self.muon.check_rates(int(state.count) + 1)
         self.muon.qk_gamma(aux)  # (raises before anything is sent)
         work = EarlyMuon(self, grads, state, scale=1.0, epoch=0, in_place=True)
-        work.landed(range(len(self.plan.buckets)))
+        work.grads_final(range(len(self.plan.buckets)))
         work.apply(grads, params, aux)
         return params, state
 
@@ -349,22 +349,22 @@ class DistMuon:
         return quantize(torch.nn.functional.pad(piece.float(), (0, -piece.numel() % self.slow.block)), fmt,
                         self.slow.block).view(-1)
 
-    def _arrival(self, peer: int, side: str, dest: torch.Tensor, landing: list) -> torch.Tensor:
+    def _arrival(self, peer: int, side: str, dest: torch.Tensor, arrivals: list) -> torch.Tensor:
         """The receive buffer for a piece from ``peer`` that lands in ``dest`` (a low-bit payload
-        is noted in ``landing``, to unpack once it lands)."""
+        is noted in ``arrivals``, to unpack once it arrives)."""
         fmt = self._format(peer, side)
         if fmt is None:
             return dest
         k = self.slow.block
         buf = torch.empty(payload_bytes(dest.numel() + (-dest.numel() % k), fmt, k), dtype=torch.uint8,
                           device=dest.device)
-        landing.append((buf, fmt, dest))
+        arrivals.append((buf, fmt, dest))
         return buf
 
-    def _land(self, pending: list, landing: list) -> None:
-        """Wait for an exchange; unpack its low-bit pieces (``landing``) into their destinations."""
+    def _unpack(self, pending: list, arrivals: list) -> None:
+        """Wait for an exchange; unpack its low-bit pieces (``arrivals``) into their destinations."""
         world.wait_all(pending)
-        for buf, fmt, dest in landing:
+        for buf, fmt, dest in arrivals:
             n, k = dest.numel(), self.slow.block
             dest.copy_(dequantize(buf, fmt, k, torch.empty(n + (-n % k), dtype=torch.float32, device=dest.device))[:n])
 
@@ -439,13 +439,13 @@ class EarlyMuon:
         self.tag0 = epoch * (2 * dm._n_tags + 2)
         self.bufs: dict[int, torch.Tensor] = {}  # matrix -> its new momentum piece
         self.dirs: dict[int, torch.Tensor] = {}  # matrix -> its direction (flat; a held piece for held ones)
-        self.waiting: list[tuple[int, torch.Tensor, list, list]] = []  # owned: (matrix, whole, receives, landing)
+        self.waiting: list[tuple[int, torch.Tensor, list, list]] = []  # owned: (matrix, whole, receives, arrivals)
         self.posted: list = []  # sends, and the held pieces' results
-        self.landing: list = []  # the held pieces' low-bit results (dm._arrival)
+        self.arrivals: list = []  # the held pieces' low-bit results (dm._arrival)
         self.todo: list[tuple[int, torch.Tensor]] = []  # matrices wholly here, not yet orthogonalized
         self.finished = False
 
-    def landed(self, buckets) -> None:
+    def grads_final(self, buckets) -> None:
         """The grads of ``buckets`` are final (summed and reduced): start their matrices."""
         dm, m = self.dm, self.dm.muon
         idx = [i for b in buckets for i in dm._by_bucket.get(b, ())]
@@ -465,14 +465,14 @@ class EarlyMuon:
             sends, recvs = [], []
             for i, x, u in zip(idx, xs, ups):
                 if x.owner == dm.rank:
-                    whole, landing = dm._assemble(x, u, dtype), []
+                    whole, arrivals = dm._assemble(x, u, dtype), []
                     self.waiting.append((i, whole, dm._exchange([], [
-                        (r, dm._arrival(r, "grads", whole[part], landing), self.tag0 + 2 * x.tag)
-                        for r, part in x.others]), landing))
+                        (r, dm._arrival(r, "grads", whole[part], arrivals), self.tag0 + 2 * x.tag)
+                        for r, part in x.others]), arrivals))
                 elif x.owner != -1:
                     self.dirs[i] = torch.empty(x.mine.stop - x.mine.start, dtype=dtype, device=u.device)
                     sends.append((x.owner, dm._wire(x.owner, "grads", u, dtype), self.tag0 + 2 * x.tag))
-                    recvs.append((x.owner, dm._arrival(x.owner, "weights", self.dirs[i], self.landing),
+                    recvs.append((x.owner, dm._arrival(x.owner, "weights", self.dirs[i], self.arrivals),
                                   self.tag0 + 2 * x.tag + 1))
             self.posted += dm._exchange(sends, recvs)
         if not self.in_place:  # (in place, after the decision: one batched NS in finish, as many as can)
@@ -482,8 +482,8 @@ class EarlyMuon:
         """Wait for every piece: owners orthogonalize what is left, every rank's results land."""
         if not self.finished:
             self._owners(wait=True)
-            self.dm._land(self.posted, self.landing)
-            self.posted, self.landing, self.finished = [], [], True
+            self.dm._unpack(self.posted, self.arrivals)
+            self.posted, self.arrivals, self.finished = [], [], True
 
     def apply(self, grads, params, aux: dict | None = None) -> bool:
         """Write the step (after the decision: ``grads`` already scaled by the step); False,
@@ -519,8 +519,8 @@ class EarlyMuon:
         if not ready and not self.todo:
             return
         self.waiting = [w for w in self.waiting if not any(w is r for r in ready)]
-        for _, _, reqs, landing in ready:
-            dm._land(reqs, landing)
+        for _, _, reqs, arrivals in ready:
+            dm._unpack(reqs, arrivals)
         order = dm._momentum_order
         mats = self.todo + [(i, whole.view(order[i].shape).to(self.bufs[i].dtype)) for i, whole, _, _ in ready]
         self.todo = []

@@ -443,7 +443,7 @@ class _InFlight:
             tl.wait_until(tl.t + u.land_s)
         self.items.append((u.holds_grads, end, u.land_s if self.opts.pipeline else 0.0))
 
-    def land(self) -> None:
+    def wait_all(self) -> None:
         for _, end, land in self.items:
             self.tl.wait_until(end)
             self.tl.wait_until(self.tl.t + land)
@@ -490,8 +490,8 @@ def _hpf_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float, 
                 tl.run(u.reduce_copy_s)
             elif e.kind == "reduce":
                 reductions.issue(u)
-            elif e.kind == "land":
-                reductions.land()
+            elif e.kind == "reduced":
+                reductions.wait_all()
         tl.sync(norm_s)  # the decision: one all-reduce
         tl.run(opts.muon_s, optimizer=True)  # Muon: pieces to owners, Newton-Schulz, pieces back
         first = set(step.next_first)
