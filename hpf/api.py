@@ -25,10 +25,8 @@ def shard_step(loss_fn: Callable, **options) -> ShardStep:
     Args:
         loss_fn: a pure function ``(params, batch) ->`` a scalar mean, ``hpf.weighted(sum, count)``,
             or either with a dict of aux tensors (hpf.losses says what each means).
-        **options: the fields of :class:`hpf.StepConfig` (``mesh`` and ``optimizer`` are required;
-            ``param_specs``, ``fsdp_axes``, ``mode``, ``mixed_precision``, ``max_grad_norm``,
-            ``topology``, ``hsdp``, ``overlap_optimizer``, ``grad``, ``on_nonfinite``,
-            ``accumulate``, ``batch_axes``, ``loss_scale``, ``resident_units``).
+        **options: the fields of :class:`hpf.StepConfig`, each with its default and meaning
+            there (``mesh`` and ``optimizer`` are required).
 
     Returns:
         A :class:`ShardStep` (a :class:`hpf.validate.ValidateStep` for ``mode="validate"``).

@@ -144,3 +144,15 @@ def test_the_error_table_covers_every_error_class_the_tests_raise():
     table = gen.errors()
     for kind in {kind.__name__ for _, kind, _ in CASES.values()}:
         assert f"`{kind}`" in table, kind
+
+
+def test_every_step_option_is_documented_where_shard_step_points():
+    """shard_step's options are StepConfig's fields, documented in StepConfig's docstring (one
+    home: shard_step's own docstring points there instead of keeping a list that drifts)."""
+    import dataclasses
+
+    import hpf
+    doc = hpf.StepConfig.__doc__
+    missing = [f.name for f in dataclasses.fields(hpf.StepConfig) if not re.search(rf"^\s+{f.name}[:,]", doc, re.M)]
+    assert missing == [], f"StepConfig fields missing from its docstring: {missing}"
+    assert "StepConfig" in hpf.shard_step.__doc__
