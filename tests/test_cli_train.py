@@ -361,6 +361,7 @@ def test_a_tp_axis_in_the_mesh_trains_tensor_parallel_and_falls_like_data_parall
         losses[mesh] = [r["loss"] for r in records(tmp_path / mesh)]
     assert losses["dp=2,tp=2"] == pytest.approx(losses["dp=4"], rel=1e-5)
     proc = hpf_cmd("plan", "--config", "small", "--mesh", "dp=2,tp=2")
-    assert "computed split over (tp)" in proc.stdout and "FSDP axes dp;" in proc.stdout
+    assert "computed split over (tp)" in proc.stdout and "FSDP axes dp; tensor parallel over tp" in proc.stdout
+    assert "all_reduce (TP)" in proc.stdout and "predicted peak per rank" in proc.stdout
     refused = hpf_cmd("train", "--config", "tiny", "--mesh", "dp=2,tp=2", "--out", tmp_path / "tiny")
     assert refused.returncode == 2 and "do not divide" in one_error_line(refused)  # tiny's 25 columns
