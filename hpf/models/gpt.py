@@ -331,7 +331,7 @@ def forward(params: dict, tokens: torch.Tensor, *, n_heads: int | None = None, r
     x = embedding_dropout(F.embedding(tokens, params["embed"]) + params["pos"][:t], dropout_p, keys)
     x = seq_split(x, tp_axis, sequence_parallel)
     logits = []
-    for i, run in recompute_.each_block(params["blocks"], recompute, compile):
+    for i, run in recompute_.each_block(params["blocks"], recompute, compile, cache=tp_axis is None):
         drop = block_dropout(dropout_p, keys, i)
         if max_logits:
             x, s = run(block, x, n_heads, True, *drop, tp_axis, sequence_parallel)

@@ -191,7 +191,7 @@ def forward(params: dict, tokens: torch.Tensor, *, config: LlamaConfig | None = 
     cos, sin = rope_cos_sin(c, tokens.shape[1], x.device, x.dtype)
     x = seq_split(x, tp_axis, sequence_parallel)
     logits = []
-    for i, run in recompute_.each_block(params["blocks"], recompute, compile):
+    for i, run in recompute_.each_block(params["blocks"], recompute, compile, cache=tp_axis is None):
         drop = block_dropout(c.dropout, keys, i)
         if max_logits:
             x, s = run(block, x, cos, sin, c, True, *drop, tp_axis, sequence_parallel)

@@ -274,7 +274,7 @@ def loss(params: dict, batch, *, config: MoEConfig, ep_axis: str | None = None, 
     tokens, bias = (batch["tokens"], batch.get("expert_bias")) if isinstance(batch, dict) else (batch, None)
     x = F.embedding(tokens[:, :-1], params["embed"])
     counts, balance = [], 0.0
-    for i, run in recompute_.each_block(params["blocks"], recompute, compile):
+    for i, run in recompute_.each_block(params["blocks"], recompute, compile, cache=tp_axis is None):
         moe_bias = None if bias is None or i < c.n_dense_layers else bias[i - c.n_dense_layers]
         x, cnt, bal = run(block, x, moe_bias, c, ep_axis, None, tp_axis)
         balance = balance + bal
