@@ -227,10 +227,14 @@ def _psum_time(hw: Hardware, opts: Options, plan: Plan, nbytes: int, axes: tuple
 
 def partial_sums_s(plan: Plan, hw: Hardware, opts: Options) -> float:
     """The all-reduces, after every reduction landed, of the grad shards of params replicated over
-    non-FSDP axes (their grads are partial sums there: hpf.comm.collectives), one after another."""
-    return sum(_psum_time(hw, opts, plan, b.shard_numel * opts.reduce_bytes, axes)
-               for b in plan.buckets if not b.frozen
-               for axes in [tuple(a for a in plan.compute_axes if a not in b.split_axes)] if axes)
+    non-FSDP axes (their grads are partial sums there: hpf.comm.collectives): one fused all-reduce
+    per group of axes (hpf.engine.reduce.sum_partials)."""
+    fused: dict[tuple, int] = {}
+    for b in plan.buckets:
+        axes = tuple(a for a in plan.compute_axes if a not in b.split_axes)
+        if axes and not b.frozen:
+            fused[axes] = fused.get(axes, 0) + b.shard_numel * opts.reduce_bytes
+    return sum(_psum_time(hw, opts, plan, n, axes) for axes, n in fused.items())
 
 
 def _dtype(nbytes: int):
