@@ -77,7 +77,8 @@ def add_options(parser, *, train: bool) -> None:
                                  "--save FILE. It sets " + ", ".join("--" + o.replace("_", "-") for o in PLANNED))
     else:
         parser.add_argument("--search", action="store_true",
-                            help="search the plan instead: FSDP layout, experts' axis, bucket bytes, precision, "
+                            help="search the plan instead: tensor-parallel size (gpt, llama: a tp axis split off "
+                                 "the mesh's last axis), FSDP layout, experts' axis, bucket bytes, precision, "
                                  "recomputation and micro-batches, under --memory-per-rank, ranked by hpf.sim's "
                                  "predicted step time on --hardware; --mixed-precision, --ep-axis, --hsdp and "
                                  "--slow-precision, when given, hold theirs (--slow-precision auto: search the low-bit "
