@@ -368,8 +368,9 @@ def test_cli_train_plan_auto_searches_this_machine(tmp_path):
     line = next(x for x in proc.stdout.splitlines() if x.startswith("plan: "))
     assert "searched" in line and "on hardware h100 (--hardware)" in line and "per rank" in line
     options = json.loads((tmp_path / "run" / "run.json").read_text())["options"]
-    fields = [f.name for f in dataclasses.fields(search.Candidate)]
-    assert search.Candidate(**{k: options[k] for k in fields}).label() in line
+    fields = [f.name for f in dataclasses.fields(search.Candidate) if f.name != "tp"]  # (tp: the mesh's tp axis)
+    tp = options["mesh"].get("tp", 1)
+    assert search.Candidate(tp=tp, **{k: options[k] for k in fields}).label() in line
 
 
 @pytest.mark.parametrize("key, value, said", [("accumulate", 0, "must be positive"), ("accumulate", "2", "a str"),

@@ -193,18 +193,22 @@ def _reduce_scatter0(x: torch.Tensor, group, n: int) -> torch.Tensor:
     return out
 
 
-class _AllGather(torch.autograd.Function):
+class _AlongDim(torch.autograd.Function):
+    """An all-gather (``gather``) or a reduce-scatter of x along ``dim``; backward runs the other on
+    the cotangent (each is the other's adjoint)."""
+
     @staticmethod
-    def forward(x, group, n, dim):
-        return gather_dim0(x.movedim(dim, 0), group, n).movedim(0, dim)
+    def forward(x, group, n, dim, gather):
+        return (gather_dim0 if gather else _reduce_scatter0)(x.movedim(dim, 0), group, n).movedim(0, dim)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _, ctx.group, ctx.n, ctx.dim = inputs
+        _, ctx.group, ctx.n, ctx.dim, ctx.gather = inputs
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter0(grad.movedim(ctx.dim, 0), ctx.group, ctx.n).movedim(0, ctx.dim), None, None, None
+        other = _reduce_scatter0 if ctx.gather else gather_dim0
+        return other(grad.movedim(ctx.dim, 0), ctx.group, ctx.n).movedim(0, ctx.dim), None, None, None, None
 
 
 def all_gather(x: torch.Tensor, axis: str | Sequence[str], dim: int = 0) -> torch.Tensor:
@@ -229,24 +233,10 @@ def all_gather(x: torch.Tensor, axis: str | Sequence[str], dim: int = 0) -> torc
         return x.view_as(x)
     if virtual:
         return torch.cat([x] * n, dim)
-    return _AllGather.apply(x, group, n, dim)
+    return _AlongDim.apply(x, group, n, dim, True)
 
 
 # -- psum_scatter --------------------------------------------------------------------------------------
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(x, group, n, dim):
-        return _reduce_scatter0(x.movedim(dim, 0), group, n).movedim(0, dim)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, ctx.group, ctx.n, ctx.dim = inputs
-
-    @staticmethod
-    def backward(ctx, grad):
-        return gather_dim0(grad.movedim(ctx.dim, 0), ctx.group, ctx.n).movedim(0, ctx.dim), None, None, None
-
-
 def psum_scatter(x: torch.Tensor, axis: str | Sequence[str], dim: int = 0) -> torch.Tensor:
     """Sum ``x`` over the ranks of ``axis`` and keep this rank's block of the sum along ``dim``
     (reduce-scatter: block i of n to the rank at position i). Sequence parallelism's exit from a
@@ -270,7 +260,7 @@ def psum_scatter(x: torch.Tensor, axis: str | Sequence[str], dim: int = 0) -> to
                          f"must divide it; use a size divisible by {n}")
     if virtual:
         return x.narrow(dim, 0, x.shape[dim] // n).clone()
-    return _ReduceScatter.apply(x, group, n, dim)
+    return _AlongDim.apply(x, group, n, dim, False)
 
 
 # -- all_to_all ----------------------------------------------------------------------------------------
