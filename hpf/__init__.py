@@ -29,7 +29,7 @@ _NAMES = {
     "shard_step": "api",
     "SlowLink": "comm.tiered", "Topology": "comm.tiered",
     "all_gather": "comm.collectives", "all_to_all": "comm.collectives", "axis_index": "comm.collectives",
-    "psum": "comm.collectives",
+    "psum": "comm.collectives", "psum_scatter": "comm.collectives",
     "check_plan": "validate",
     "launch": "launcher",
     "from_module": "module", "to_module": "module",

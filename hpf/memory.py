@@ -18,6 +18,9 @@ residency policy decides what is gathered at each moment), and takes the peak of
   (``step.init(init_fn, key=...)``, hpf.sharded_init: no rank builds the full params; a
   ``step.init(full_params)`` of your own adds those full params on every rank).
 
+A bucket every rank holds whole (a shard group of one: tensor parallelism with no data axis) is
+its own gathered buffer in the params' dtype, and its grads go straight to its grad shard.
+
 Reductions: the engine frees each one's flat grad buffer (and gloo's receive buffer beside it on
 CPU ranks: ``reduce_copies`` 2) when it lands, and before it takes a unit's flat grads it waits
 for the oldest until fewer than ``IN_FLIGHT`` are in flight (hpf.engine.reduce). So whatever the
@@ -78,11 +81,12 @@ def step_memory(report: PlanReport, plan: Plan, acts: Activations | None, *, com
     for b in plan.buckets:
         c = dtype_bytes(compute_dtype or b.dtype)
         u = units.setdefault(b.unit, dict(gathered=0, grads=0, flat=0, shard=0))
-        u["gathered"] += b.padded_numel * c
+        whole = b.shard_size == 1 and comm != "shm"  # held whole (tensor parallel alone): nothing gathered or reduced
+        u["gathered"] += 0 if whole and compute_dtype in (None, b.dtype) else b.padded_numel * c
         u["shard"] += b.shard_numel * c if compute_dtype not in (None, b.dtype) else 0
         if not b.frozen:
             u["grads"] += b.numel * c
-            u["flat"] += b.padded_numel * dtype_bytes(reduce_dtype or b.dtype)
+            u["flat"] += 0 if whole and accumulate == 1 else b.padded_numel * dtype_bytes(reduce_dtype or b.dtype)
     root = units.get(ROOT, dict(gathered=0, grads=0, flat=0, shard=0))
     blocks = [units[u] for u in plan.units if u != ROOT]
     state = {"params": report.params_bytes, "grads": report.grad_bytes, "optimizer": report.optimizer_bytes,
@@ -144,10 +148,14 @@ def predict(module, config, plan: Plan, report: PlanReport, *, local_batch: int,
     it has one) at ``local_batch`` sequences per rank in ``accumulate`` micro-batches, on
     ``plan`` (its ``report`` from :func:`state_report`), with hpf train's ``topology`` ("flat" or
     "two-tier"). ``cpu``: CPU ranks of one host (gloo's reduce-scatter keeps a receive buffer;
-    two-tier collectives use shared memory there)."""
+    two-tier collectives use shared memory there). A plan computed split over non-FSDP axes
+    (tensor parallel: ``plan.compute_size`` > 1) counts one rank's share of each block's
+    activations (the hook's ``tp``); its params are the plan's local blocks already.
+    ``local_batch``: the sequences one rank reads (a tensor-parallel group reads the same ones)."""
     mp = MixedPrecision.parse(mixed_precision)
     compute = mp.compute_dtype if mp else None
-    acts = (module.activations(config, local_batch // accumulate, dtype_bytes(compute) if compute else 4)
+    tp = {"tp": plan.compute_size} if plan.compute_size > 1 else {}  # a tensor-parallel rank's share
+    acts = (module.activations(config, local_batch // accumulate, dtype_bytes(compute) if compute else 4, **tp)
             if hasattr(module, "activations") else None)
     comm = "flat" if topology == "flat" else "shm" if cpu else "tiered"
     return step_memory(report, plan, acts, compute_dtype=compute, reduce_dtype=mp.reduce_dtype if mp else None,

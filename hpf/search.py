@@ -5,9 +5,11 @@ memory cap, chosen by hpf.sim's predicted step time (``hpf plan --search``, ``hp
     print(result.format())
     step = hpf.shard_step(result.loss_fn(), optimizer=hpf.optim.adamw(lr=3e-4), **result.step_args())
 
-Every candidate is a point of ``DIMENSIONS``: the layout (flat or two-tier collectives, HSDP),
-the expert-parallel axis (MoE), the fused-collective cap, mixed precision, activation
-recomputation, the micro-batches of the global batch and the low-bit slow tier. Each is priced twice:
+Every candidate is a point of ``DIMENSIONS``: the tensor-parallel size (gpt, llama: a ``tp`` axis
+split off the mesh's last axis, hpf.models.carve_tp; 1 is always a candidate), the layout (flat
+or two-tier collectives, HSDP), the expert-parallel axis (MoE), the fused-collective cap, mixed
+precision, activation recomputation, the micro-batches of the global batch and the low-bit slow
+tier. Each is priced twice:
 
 - **memory** by hpf.memory on the plan (meta tensors; a plan per layout, cached, shared by the
   candidates that differ only in precision, recomputation or micro-batches): over the cap, out;
@@ -29,7 +31,7 @@ from typing import Any
 
 from . import memory, sim
 from .mesh import Mesh
-from .models import MODELS, has_experts, model_config, specs_for
+from .models import MODELS, TP_AXIS, carve_tp, data_axes, has_experts, layout, mesh_for, model_config, tp_sizes
 from .models.recompute import RECOMPUTE
 from .sim import Hardware, SimResult
 from .types import SlowPrecision
@@ -48,6 +50,7 @@ class Candidate:
     means "as before", its values in ``DIMENSIONS``, and what it sets in :meth:`step_args` and
     :meth:`sim_args`."""
 
+    tp: int = 1  # tensor-parallel ranks split off the mesh's last axis (hpf.models.carve_tp); 1: none
     topology: str = "two-tier"  # "two-tier" (hpf.Topology) or "flat" (one collective over all ranks)
     hsdp: bool = False  # shard over the fast tier only, replicate across the slow one
     ep_axis: str | None = None  # MoE: the data axis experts are split over
@@ -65,7 +68,8 @@ class Candidate:
 
     def label(self) -> str:
         """A short name: what differs from the defaults."""
-        parts = [self.topology + (" HSDP" if self.hsdp else "")]
+        parts = [f"tensor parallel over {self.tp}"] if self.tp > 1 else []
+        parts.append(self.topology + (" HSDP" if self.hsdp else ""))
         if self.ep_axis:
             parts.append(f"experts over {self.ep_axis}")
         if self.bucket_bytes:
@@ -79,22 +83,29 @@ class Candidate:
             parts.append(f"slow tier {self.slow_precision}")
         return ", ".join(parts)
 
+    def mesh(self, mesh: Mesh) -> Mesh:
+        """The mesh this candidate runs on: ``mesh`` with its tensor-parallel axis split off."""
+        return carve_tp(mesh, self.tp)
+
     def step_args(self, model: str, config, mesh: Mesh) -> dict[str, Any]:
-        """The keyword arguments of ``hpf.shard_step`` (all but the loss function and optimizer)."""
+        """The keyword arguments of ``hpf.shard_step`` (all but the loss function and optimizer) on the
+        job's ``mesh``."""
         from .comm.tiered import Topology
 
-        module = MODELS[model]
-        data = tuple(mesh.axis_names)
-        return {"mesh": mesh, "param_specs": specs_for(module, config, self.ep_axis, data), "fsdp_axes": data,
+        module, mesh = MODELS[model], self.mesh(mesh)
+        specs, data = layout(module, config, mesh.axis_names, None, self.ep_axis)
+        return {"mesh": mesh, "param_specs": specs, "fsdp_axes": data or tuple(mesh.axis_names),
                 "hsdp": self.hsdp,
                 "topology": Topology.with_slow(SlowPrecision.parse(self.slow_precision), bucket_bytes=self.bucket_bytes)
                 if self.topology == "two-tier" else None,
                 "mixed_precision": self.mixed_precision, "accumulate": self.accumulate,
                 "batch_axes": getattr(module, "BATCH_AXES", None)}
 
-    def loss_args(self, model: str) -> dict[str, Any]:
-        """The keyword arguments of the model's ``loss_for`` beside the config."""
-        return {"recompute": self.recompute, **({"ep_axis": self.ep_axis} if has_experts(MODELS[model]) else {})}
+    def loss_args(self, model: str, mesh: Mesh | None = None) -> dict[str, Any]:
+        """The keyword arguments of the model's ``loss_for`` beside the config (on the job's ``mesh``)."""
+        tp = self.tp > 1 or (mesh is not None and TP_AXIS in mesh.axis_names)
+        return {"recompute": self.recompute, **({"ep_axis": self.ep_axis} if has_experts(MODELS[model]) else {}),
+                **({"tp_axis": TP_AXIS} if tp else {})}
 
     def sim_args(self) -> dict[str, Any]:
         """The keyword arguments of ``hpf.sim.simulate``."""
@@ -104,9 +115,15 @@ class Candidate:
 
 
 def _layouts(job: "_Job", c: Candidate) -> list[tuple[str, bool]]:
-    two_tiers = len(job.mesh.fast_axes) < len(job.mesh.axis_names)  # HSDP needs a slow tier to replicate over
+    mesh = c.mesh(job.mesh)
+    two_tiers = _slow_tier(mesh)  # HSDP needs a slow tier to replicate over
     out = [("two-tier", False), ("flat", False)] + ([("two-tier", True), ("flat", True)] if two_tiers else [])
     return [(t, h) for t, h in out if t == "two-tier" or not c.slow_precision]  # (a held low-bit tier is two-tier's)
+
+
+def _slow_tier(mesh: Mesh) -> bool:
+    """Whether some data axis of ``mesh`` crosses its slow tier (ranks > 1 outside the fast tier)."""
+    return bool(mesh.slow_axes_of(data_axes(mesh.axis_names)))
 
 
 def _ep_axes(job: "_Job") -> list[str | None]:
@@ -118,7 +135,7 @@ def _bucket_caps(job: "_Job", c: Candidate) -> list[int]:
     """0 (a bucket per unit) and the powers-of-4 MiB caps that split the largest unit into 2-16."""
     if c.topology != "two-tier":
         return [0]
-    plan = sim.plan_for(job.module, job.config, job.mesh, None, c.ep_axis, c.hsdp)
+    plan = sim.plan_for(job.module, job.config, c.mesh(job.mesh), None, c.ep_axis, c.hsdp)
     largest = max((sum(plan.buckets[b].padded_numel for b in u.buckets) * 4 for u in plan.units.values()), default=0)
     return [0] + [4**k * MiB for k in range(6) if largest / 16 <= 4**k * MiB < largest]
 
@@ -127,7 +144,7 @@ def _slow_precisions(job: "_Job", c: Candidate) -> list[str | None]:
     """With ``low_bit`` (asked for: it rounds weights and grads, which no step-time ranking can
     weigh), two-tier on a mesh with a slow tier: full precision, int8 both ways, and int8 weights
     with int4 grads (ZeRO++'s qwZ and qgZ): slow-tier bytes traded for quantize passes."""
-    if not job.low_bit or c.topology != "two-tier" or len(job.mesh.fast_axes) == len(job.mesh.axis_names):
+    if not job.low_bit or c.topology != "two-tier" or not _slow_tier(c.mesh(job.mesh)):
         return [None]
     return [None, "int8,int8", "int8,int4"]
 
@@ -146,6 +163,7 @@ def _divisors(n: int) -> list[int]:
 #: The searched dimensions in Candidate's field order: name -> the values for a job (and the
 #: candidate so far, for dimensions that depend on earlier ones).
 DIMENSIONS = {
+    "tp": lambda job, c: [dict(tp=k) for k in tp_sizes(job.module, job.config, job.mesh)],
     "layout": lambda job, c: [dict(topology=t, hsdp=h) for t, h in _layouts(job, c)],
     "ep_axis": lambda job, c: [dict(ep_axis=a) for a in _ep_axes(job)],
     "bucket_bytes": lambda job, c: [dict(bucket_bytes=b) for b in _bucket_caps(job, c)],
@@ -213,12 +231,12 @@ class SearchResult:
 
     def step_args(self) -> dict[str, Any]:
         """The best candidate's ``hpf.shard_step`` keyword arguments (add ``optimizer=``)."""
-        return self.best.candidate.step_args(self.model, self.config, Mesh(self.mesh))
+        return self.best.candidate.step_args(self.model, self.config, mesh_for(self.mesh))
 
     def loss_fn(self, **kw):
         """The model's loss function for the best candidate (``kw``: e.g. ``aux=True`` for MoE)."""
         module = MODELS[self.model]
-        return module.loss_for(self.config, **self.best.candidate.loss_args(self.model), **kw)
+        return module.loss_for(self.config, **self.best.candidate.loss_args(self.model, mesh_for(self.mesh)), **kw)
 
     def tokens_per_s(self, r: Ranked) -> float:
         return r.sim.tokens_per_s if r.sim else 0.0
@@ -318,7 +336,7 @@ def search(model: str, config: str, mesh, hw: Hardware | str, *, global_batch: i
         NoFeasiblePlan: no candidate fits ``memory_per_rank``; it names the smallest one's memory.
     """
     started = time.perf_counter()
-    mesh = mesh if isinstance(mesh, Mesh) else Mesh(dict(mesh))
+    mesh = mesh if isinstance(mesh, Mesh) else mesh_for(dict(mesh))
     hw = sim.hardware(hw) if isinstance(hw, str) else hw
     global_batch = mesh.size if global_batch is None else global_batch
     priced, plans = _priced(model, config, mesh, hw, global_batch, optimizer, fixed, low_bit)
@@ -346,7 +364,7 @@ def search(model: str, config: str, mesh, hw: Hardware | str, *, global_batch: i
 def candidates(model: str, config: str, mesh, hw: Hardware | str, *, global_batch: int | None = None,
                optimizer: str = "adamw", fixed: dict | None = None, low_bit: bool = False) -> list[Ranked]:
     """Every candidate :func:`search` considers, priced (memory, compute floor) but not simulated."""
-    mesh = mesh if isinstance(mesh, Mesh) else Mesh(dict(mesh))
+    mesh = mesh if isinstance(mesh, Mesh) else mesh_for(dict(mesh))
     return _priced(model, config, mesh, sim.hardware(hw) if isinstance(hw, str) else hw,
                    mesh.size if global_batch is None else global_batch, optimizer, fixed, low_bit)[0]
 
@@ -354,9 +372,14 @@ def candidates(model: str, config: str, mesh, hw: Hardware | str, *, global_batc
 def simulate(c: Candidate, model: str, config: str, mesh, hw: Hardware | str, global_batch: int,
              optimizer: str = "adamw") -> SimResult:
     """hpf.sim's prediction of one candidate's step (with ``optimizer``'s cost: Muon's tax)."""
-    mesh = mesh if isinstance(mesh, Mesh) else Mesh(dict(mesh))
-    return sim.simulate(config, mesh, hw, local_batch=global_batch // mesh.size, model=model, optimizer=optimizer,
+    mesh = c.mesh(mesh if isinstance(mesh, Mesh) else mesh_for(dict(mesh)))
+    return sim.simulate(config, mesh, hw, local_batch=global_batch // readers(mesh), model=model, optimizer=optimizer,
                         **c.sim_args())
+
+
+def readers(mesh: Mesh) -> int:
+    """The ranks that read their own share of the batch (a tensor-parallel group reads one)."""
+    return mesh.axis_size(data_axes(mesh.axis_names))
 
 
 def _priced(model: str, config: str, mesh: Mesh, hw: Hardware, global_batch: int, optimizer: str,
@@ -371,13 +394,14 @@ def _priced(model: str, config: str, mesh: Mesh, hw: Hardware, global_batch: int
     if unknown:
         raise ValueError(f"fixed: {sorted(unknown)} are not search dimensions; use some of "
                          f"{[f.name for f in dataclasses.fields(Candidate)]}")
-    job = _Job(model, cfg, module, mesh, hw, global_batch // mesh.size, optimizer, low_bit)
+    job = _Job(model, cfg, module, mesh, hw, global_batch // readers(mesh), optimizer, low_bit)
     priced, seen = [], set()
     for c in _candidates(job, fixed):
         r = _price(job, config, c)
         plan = job.reports[_plan_key(c)][0]
-        same = (c.topology, c.mixed_precision, c.recompute, c.accumulate, c.slow_precision,  # what runs: HSDP on a MoE's
-                tuple((b.shard_axes, b.replicate_axes, b.numel) for b in plan.buckets))  # explicit specs is a no-op
+        same = (c.tp, c.topology, c.mixed_precision, c.recompute, c.accumulate, c.slow_precision,  # what runs: HSDP
+                # on a MoE's explicit specs is a no-op
+                tuple((b.shard_axes, b.replicate_axes, b.numel) for b in plan.buckets))
         if same not in seen:
             seen.add(same)
             priced.append(r)
@@ -395,21 +419,22 @@ def _candidates(job: _Job, fixed: dict) -> list[Candidate]:
 
 
 def _plan_key(c: Candidate) -> tuple:
-    return c.topology, c.hsdp, c.ep_axis, c.bucket_bytes, c.mixed_precision, c.slow_precision
+    return c.tp, c.topology, c.hsdp, c.ep_axis, c.bucket_bytes, c.mixed_precision, c.slow_precision
 
 
 def _price(job: _Job, config: str, c: Candidate) -> Ranked:
     """Memory on the candidate's plan (one per layout, cached) and the compute floor of its step."""
-    key = _plan_key(c)
+    key, mesh = _plan_key(c), c.mesh(job.mesh)
+    local_batch = job.local_batch * c.tp  # (a tensor-parallel group reads tp ranks' shares)
     if key not in job.reports:
-        plan = sim.plan_for(job.module, job.config, job.mesh, None, c.ep_axis, c.hsdp,
+        plan = sim.plan_for(job.module, job.config, mesh, None, c.ep_axis, c.hsdp,
                             c.bucket_bytes if c.topology == "two-tier" else 0, SlowPrecision.parse(c.slow_precision))
         job.reports[key] = (plan, memory.state_report(plan, c.mixed_precision, job.optimizer,
                                                       hierarchical=c.topology == "two-tier")[0])
     plan, report = job.reports[key]
-    mem = memory.predict(job.module, job.config, plan, report, local_batch=job.local_batch,
+    mem = memory.predict(job.module, job.config, plan, report, local_batch=local_batch,
                          mixed_precision=c.mixed_precision, recompute=c.recompute, accumulate=c.accumulate,
                          topology=c.topology, cpu=job.hw.shared_links)
-    floor = sim.compute_floor(config, job.mesh, job.hw, local_batch=job.local_batch, model=job.model,
+    floor = sim.compute_floor(config, mesh, job.hw, local_batch=local_batch, model=job.model,
                               optimizer=job.optimizer, **c.sim_args())
     return Ranked(c, mem, floor)

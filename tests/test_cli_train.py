@@ -354,13 +354,18 @@ def test_a_tp_axis_in_the_mesh_trains_tensor_parallel_and_falls_like_data_parall
     """--mesh dp=2,tp=2: heads and MLP columns split over tp, the batch over dp alone; the same
     global batch and init as --mesh dp=4, so the same losses (fp32 sums split otherwise: 1e-5)."""
     losses = {}
-    for mesh in ("dp=2,tp=2", "dp=4"):
-        proc = hpf_cmd("train", "--config", "small", "--mesh", mesh, "--steps", 3, "--batch-size", 8,
-                       "--out", tmp_path / mesh)
+    for mesh, *flags in (("dp=2,tp=2",), ("dp=4",), ("dp=2,tp=2", "--sequence-parallel")):
+        out = tmp_path / "-".join([mesh, *flags])
+        proc = hpf_cmd("train", "--config", "small", "--mesh", mesh, "--steps", 3, "--batch-size", 8, *flags,
+                       "--out", out)
         assert proc.returncode == 0, proc.stderr
-        losses[mesh] = [r["loss"] for r in records(tmp_path / mesh)]
+        losses[out.name] = [r["loss"] for r in records(out)]
     assert losses["dp=2,tp=2"] == pytest.approx(losses["dp=4"], rel=1e-5)
+    assert losses["dp=2,tp=2---sequence-parallel"] == pytest.approx(losses["dp=4"], rel=1e-5)
+    refused = hpf_cmd("train", "--config", "small", "--mesh", "dp=4", "--sequence-parallel", "--out", tmp_path / "sp")
+    assert refused.returncode == 2 and "give --mesh a tp axis" in one_error_line(refused)
     proc = hpf_cmd("plan", "--config", "small", "--mesh", "dp=2,tp=2")
-    assert "computed split over (tp)" in proc.stdout and "FSDP axes dp;" in proc.stdout
+    assert "computed split over (tp)" in proc.stdout and "FSDP axes dp; tensor parallel over tp" in proc.stdout
+    assert "all_reduce (TP)" in proc.stdout and "predicted peak per rank" in proc.stdout
     refused = hpf_cmd("train", "--config", "tiny", "--mesh", "dp=2,tp=2", "--out", tmp_path / "tiny")
     assert refused.returncode == 2 and "do not divide" in one_error_line(refused)  # tiny's 25 columns

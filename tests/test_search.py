@@ -333,10 +333,16 @@ def test_cli_train_replays_a_saved_plan_and_refuses_another_job(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert f"plan: {search.Candidate(**choice).label()} (from {saved}, searched on h100)" in proc.stdout
     options = json.loads((tmp_path / "run" / "run.json").read_text())["options"]
+    tp = choice.pop("tp")  # (the mesh says it: a tp axis split off the last one)
     assert {k: options[k] for k in choice} == choice
-    assert options["batch_size"] == 8 and options["mesh"] == {"dp": 2}
+    assert options["batch_size"] == 8 and options["mesh"] == {"dp": 2} and tp == 1  # (tiny's 5 heads: no tp=2)
     proc = hpf_cmd("train", "--plan", saved, "--config", "small", "--out", tmp_path / "other")
     assert proc.returncode == 2 and "was searched for --config tiny" in proc.stderr
+    tampered = json.loads(saved.read_text())
+    tampered["choice"]["options"]["tp"] = 3  # a tp size that does not divide the mesh's last axis
+    saved.write_text(json.dumps(tampered))
+    proc = hpf_cmd("train", "--plan", saved, "--out", tmp_path / "tp3")
+    assert proc.returncode == 2 and "tp=3 cannot split --mesh dp=2" in proc.stderr, proc.stderr
 
 
 @pytest.mark.slow
@@ -362,8 +368,9 @@ def test_cli_train_plan_auto_searches_this_machine(tmp_path):
     line = next(x for x in proc.stdout.splitlines() if x.startswith("plan: "))
     assert "searched" in line and "on hardware h100 (--hardware)" in line and "per rank" in line
     options = json.loads((tmp_path / "run" / "run.json").read_text())["options"]
-    fields = [f.name for f in dataclasses.fields(search.Candidate)]
-    assert search.Candidate(**{k: options[k] for k in fields}).label() in line
+    fields = [f.name for f in dataclasses.fields(search.Candidate) if f.name != "tp"]  # (tp: the mesh's tp axis)
+    tp = options["mesh"].get("tp", 1)
+    assert search.Candidate(tp=tp, **{k: options[k] for k in fields}).label() in line
 
 
 @pytest.mark.parametrize("key, value, said", [("accumulate", 0, "must be positive"), ("accumulate", "2", "a str"),

@@ -3,6 +3,7 @@ split over a ``tp`` axis, the row-parallel products summed over it, each weight 
 FSDP-sharded over the data axes. Every run is checked against plain torch autograd on the whole
 model in one process; checkpoints move between tp sizes by each param's place."""
 import functools
+import math
 
 import pytest
 import torch
@@ -11,6 +12,8 @@ import hpf
 from hpf import random as R
 from hpf.launcher import RankError, launch
 from hpf.models import gpt, llama, moe, specs_for
+from hpf import memory, search, sim
+from hpf.report import PlanReport
 from hpf.step import step_plan
 from references import adamw_training
 
@@ -21,30 +24,33 @@ MODELS = {"gpt": (gpt, gpt.GPTConfig(67, 16, 24, 3, 4, 38)),
 BATCH, STEPS, LR = 8, 20, 1e-2
 
 
-def _step(name, mesh, two_tier=False):
+def _step(name, mesh, two_tier=False, **how):
     module, config = MODELS[name]
     data = tuple(a for a in mesh.axis_names if a != "tp")
-    return hpf.shard_step(module.loss_for(config, tp_axis="tp"), mesh=mesh, optimizer=hpf.optim.adamw(lr=LR),
+    return hpf.shard_step(module.loss_for(config, tp_axis="tp", **how), mesh=mesh, optimizer=hpf.optim.adamw(lr=LR),
                           param_specs=module.param_specs(config, "tp", data), fsdp_axes=data,
                           topology=hpf.Topology() if two_tier else None)
 
 
 def _train(rank, axes, two_tier, root):
-    """Both models for STEPS steps on this mesh; the last tp=2 x dp=2 run saves its state."""
+    """Both models for STEPS steps on this mesh; the tp=2 x dp=2 runs save their state, and train
+    again sequence parallel (``name/sp``)."""
     mesh, out = hpf.Mesh(axes), {}
     data = tuple(a for a in mesh.axis_names if a != "tp")
     index, readers = mesh.group_index(data, rank), mesh.axis_size(data)
     rows = BATCH // readers
-    for name, (module, config) in MODELS.items():
-        with _step(name, mesh, two_tier) as step:
+    runs = [(name, {}) for name in MODELS] + ([(name, {"sequence_parallel": True}) for name in MODELS] if root else [])
+    for name, how in runs:
+        module, config = MODELS[name]
+        with _step(name, mesh, two_tier, **how) as step:
             state = step.init(functools.partial(module.init, config), key=R.key(0))
             losses = []
             for s in range(STEPS):
                 state, m = step(state, gpt.global_batch(config, BATCH, 0, s)[index * rows:(index + 1) * rows])
                 losses.append(m["loss"])
-            if root is not None:
+            if root is not None and not how:
                 step.save(state, f"{root}/{name}")
-            out[name] = (losses, step.full_params(state))
+            out[name + ("/sp" if how else "")] = (losses, step.full_params(state))
     return out
 
 
@@ -64,13 +70,14 @@ def test_tensor_parallel_training_equals_one_process(axes, two_tier, tmp_path):
     for n in axes.values():
         world *= n
     runs = launch(_train, world, axes, two_tier, root, timeout=280)
-    for name in MODELS:
-        want_losses, _, want_params = _reference(name)
+    for name in runs[0]:  # (name/sp: sequence parallel, the same model)
+        want_losses, _, want_params = _reference(name.partition("/")[0])
         for got in runs:  # every rank reports the global loss
             # the same fp32 math, its sums split over ranks: a few ulps a step (1e-5 relative after 20)
-            torch.testing.assert_close(torch.tensor(got[name][0]), torch.tensor(want_losses), rtol=1e-5, atol=0)
+            torch.testing.assert_close(torch.tensor(got[name][0]), torch.tensor(want_losses), rtol=1e-5, atol=0,
+                                       msg=name)
         for path, x in zip(*hpf.tree.flatten(runs[0][name][1])[:2]):
-            torch.testing.assert_close(x, want_params[path], rtol=0, atol=LR * 5e-3, msg=path)  # (test_topology's bound)
+            torch.testing.assert_close(x, want_params[path], rtol=0, atol=LR * 5e-3, msg=f"{name} {path}")
     if root is None:
         return
     for name, (module, config) in MODELS.items():  # the tp=2 checkpoint onto tp=1 and onto dp=4: every element
@@ -108,10 +115,23 @@ def test_the_plan_splits_heads_and_mlp_columns_and_stores_them_fsdp_sharded():
 
 
 def test_tensor_parallelism_is_refused_where_it_cannot_act():
-    with pytest.raises(ValueError, match="expert parallelism instead"):
-        specs_for(moe, moe.CONFIGS["tiny"], None, ("dp",), "tp")
     with pytest.raises(ValueError, match="one of the data axes"):
         gpt.param_specs(MODELS["gpt"][1], "dp", ("dp",))
+    with pytest.raises(ValueError, match="tp_axis too"):
+        gpt.loss_for(MODELS["gpt"][1], sequence_parallel=True)
+    with pytest.raises(ValueError, match="dropout"):
+        gpt.loss_for(gpt.GPTConfig(67, 16, 24, 3, 4, 38, dropout=0.1), tp_axis="tp", sequence_parallel=True)
+
+
+def test_moe_splits_its_attention_over_tp_and_its_experts_over_ep():
+    config = moe.CONFIGS["tiny"]
+    mesh = hpf.Mesh({"dp": 2, "tp": 2})
+    plan = step_plan(moe.init(config, device="meta"), mesh, specs_for(moe, config, "dp", ("dp",), "tp"),
+                     fsdp_axes=("dp",))
+    d = config.d_model
+    assert plan.slots["blocks/1/wq"].local_shape == (d // 2, d) and plan.slots["blocks/1/wo"].local_shape == (d, d // 2)
+    assert plan.slots["blocks/1/experts/w1"].local_shape[0] == config.n_experts // 2  # (over ep = dp)
+    assert plan.slots["blocks/1/router"].local_shape == (config.n_experts, d)  # whole on every tp rank
 
 
 def _odd_heads(rank):
@@ -128,3 +148,145 @@ def _odd_heads(rank):
 def test_a_tp_size_that_splits_a_head_is_a_named_error():
     with pytest.raises(RankError, match="splits the 5 heads of w_qkv mid-head"):
         launch(_odd_heads, 2, timeout=120)
+
+
+# -- the planner, the memory model, the simulator and the search know the tp axis -------------------
+def _plans(config="small"):
+    """gpt ``config``'s plan on dp=2 x tp=2 (tensor parallel) and on dp=2 alone."""
+    cfg = gpt.CONFIGS[config]
+    params = gpt.init(cfg, device="meta")
+    tp = step_plan(params, hpf.Mesh({"dp": 2, "tp": 2}), gpt.param_specs(cfg, "tp", ("dp",)), fsdp_axes=("dp",))
+    return cfg, tp, step_plan(params, hpf.Mesh({"dp": 2}))
+
+
+def test_no_unit_is_gathered_along_the_tp_axis():
+    """Every bucket is gathered over dp alone, and holds a rank's tp block of each split param: a
+    block unit gathers half its split weights (and its norms whole), never the full unit."""
+    cfg, tp, dp = _plans()
+    assert all("tp" not in b.shard_axes + b.replicate_axes and b.shard_axes == ("dp",) for b in tp.buckets)
+
+    def gathered(plan, unit):
+        return sum(plan.buckets[b].padded_numel for b in plan.units[unit].buckets)
+    split = sum(math.prod(dp.slots[p].local_shape) for p in dp.slot_paths("blocks/0") if tp.buckets[
+        tp.slots[p].bucket].split_axes)
+    assert split and gathered(tp, "blocks/0") == gathered(dp, "blocks/0") - split // 2  # (both pad to even)
+    assert gathered(tp, "<root>") == gathered(dp, "<root>")  # embedding, head: replicated over tp
+    report_tp, report_dp = PlanReport.of(tp), PlanReport.of(dp)
+    assert report_tp.peak_gathered_bytes < report_dp.peak_gathered_bytes
+    assert report_tp.comm["all_gather"]["fast"] + report_tp.comm["all_gather"]["slow"] < \
+        report_dp.comm["all_gather"]["fast"] + report_dp.comm["all_gather"]["slow"]
+
+
+def test_the_memory_model_counts_a_tp_rank_s_share():
+    """hpf.memory on a tp plan: the activations of a block are one rank's heads and MLP columns (the
+    norms and the residual stream whole), the params its local blocks."""
+    cfg, tp, dp = _plans()
+    whole, share = gpt.activations(cfg, 4), gpt.activations(cfg, 4, tp=2)
+    n, d, f = 4 * cfg.seq_len, cfg.d_model, cfg.d_ff
+    assert whole.blocks[0][0] - share.blocks[0][0] == n * ((4 * d + 2 * f) * 4 // 2 + 4 * cfg.n_heads // 2)
+    assert share.blocks[0][1] == whole.blocks[0][1] and share.root_saved == whole.root_saved
+    mem_tp = memory.predict(gpt, cfg, tp, memory.state_report(tp)[0], local_batch=4, topology="flat")
+    mem_dp = memory.predict(gpt, cfg, dp, memory.state_report(dp)[0], local_batch=4, topology="flat")
+    assert mem_tp.total < mem_dp.total and mem_tp.parts["params"] < mem_dp.parts["params"]
+    assert memory.step_memory(memory.state_report(tp)[0], tp, share, comm="flat").total == mem_tp.total
+
+
+def test_the_simulator_and_the_search_know_the_tp_axis():
+    """hpf.sim on dp=2 x tp=2: a block's compute is half a rank's (the global batch split over 2 data
+    ranks, not 4), its psums run forward and backward; the search carves tp off the last axis and
+    can always keep tp=1 (its plans are a superset of those without tensor parallelism)."""
+    kw = dict(model="gpt", topology="flat")
+    tp = sim.simulate("1b", {"dp": 2, "tp": 2}, "h100", local_batch=2, **kw)  # 2 sequences per tp group
+    dp = sim.simulate("1b", {"dp": 4}, "h100", local_batch=1, **kw)  # the same 4 global sequences
+    assert tp.tokens == dp.tokens
+    assert tp.compute_s == pytest.approx(dp.compute_s, rel=0.15)  # the same FLOPs per rank but the root's
+    plan = sim.plan_for(gpt, gpt.CONFIGS["1b"], hpf.Mesh({"dp": 2, "tp": 2}))
+    assert plan.compute_axes == ("tp",) and all(b.shard_axes == ("dp",) for b in plan.buckets)
+    result = search.search("gpt", "small", {"dp": 4}, "h100", global_batch=8)
+    tried = {r.candidate.tp for r in search.candidates("gpt", "small", {"dp": 4}, "h100", global_batch=8)}
+    assert tried == {1, 2, 4}
+    held = search.search("gpt", "small", {"dp": 4}, "h100", global_batch=8, fixed={"tp": 1})
+    assert result.best.step_s <= held.best.step_s * (1 + search.SAME_WITHIN)
+    two = next(r for r in result.ranked if r.candidate.tp == 2) if any(r.candidate.tp == 2 for r in result.ranked) \
+        else None
+    if two is not None:
+        args = two.candidate.step_args("gpt", gpt.CONFIGS["small"], hpf.Mesh({"dp": 4}))
+        assert args["mesh"].axis_names == ("dp", "tp") and args["fsdp_axes"] == ("dp",)
+        assert "tensor parallel over 2" in two.candidate.label()
+
+
+def test_the_tp_psums_are_in_the_simulated_step():
+    """A tp axis adds each block's psums (forward and backward) to the compute thread, and the
+    all-reduce of the grads replicated over tp after the reductions: a slower link makes the step
+    slower by their time alone."""
+    import dataclasses as dc
+
+    hw = sim.hardware("h100")  # tp is the fast tier there: only the psums use its link (FSDP runs over dp)
+    slow = hw.replace(fast=dc.replace(hw.fast, beta=hw.fast.beta / 100))
+    kw = dict(model="gpt", topology="flat", local_batch=2)
+    fast_step, slow_step = (sim.simulate("1b", {"dp": 2, "tp": 2}, h, **kw).step_s for h in (hw, slow))
+    cfg = gpt.CONFIGS["1b"]
+    psums = 4 * cfg.n_layers * (2 * cfg.seq_len * cfg.d_model * 4)  # 4 per block a step, [2 x T x D] fp32 each
+    plan = sim.plan_for(gpt, cfg, hpf.Mesh({"dp": 2, "tp": 2}))
+    partial = sum(b.shard_numel * 4 for b in plan.buckets if not b.split_axes)  # embed, head, norms: fp32 grads
+    assert slow_step - fast_step == pytest.approx((psums + partial) * (99 / hw.fast.beta), rel=0.02)  # 2(p-1)/p = 1
+
+
+def _compose(rank):
+    """GPT on dp=2 x tp=2 with each option the issue names, a few steps each against the one-process
+    reference; validation mode on the built-in model run without its psums (tp_axis dropped)."""
+    from hpf.models import mesh_for
+    from hpf.types import SlowPrecision
+
+    module, config = MODELS["gpt"]
+    mesh, out = hpf.Mesh({"dp": 2, "tp": 2}), {}
+    rows = slice(rank // 2 * BATCH // 2, (rank // 2 + 1) * BATCH // 2)  # (rank = dp x 2 + tp)
+    specs = module.param_specs(config, "tp", ("dp",))
+
+    def run(steps, loss_fn, mesh=mesh, specs=specs, fsdp=("dp",), model=(module, config), **kw):
+        with hpf.shard_step(loss_fn, mesh=mesh, optimizer=hpf.optim.adamw(lr=LR), param_specs=specs, fsdp_axes=fsdp,
+                            **kw) as step:
+            state = step.init(functools.partial(model[0].init, model[1]), key=R.key(0))
+            losses = []
+            for s in range(steps):
+                state, m = step(state, gpt.global_batch(model[1], BATCH, 0, s)[rows])
+                losses.append(m["loss"])
+            return losses
+    out["recompute+accumulate"] = run(4, module.loss_for(config, "all", tp_axis="tp"), accumulate=2)
+    out["sequence parallel+recompute"] = run(4, module.loss_for(config, "every_other", tp_axis="tp",
+                                                                sequence_parallel=True))
+    out["bf16"] = run(4, module.loss_for(config, tp_axis="tp"), mixed_precision="bf16")
+    out["compile"] = run(2, module.loss_for(config, compile=True, tp_axis="tp"))
+    two_tier = mesh_for({"node": 2, "local": 1, "tp": 2})  # tp in the fast tier with local, node the slow one
+    out["int8 slow tier"] = run(4, module.loss_for(config, tp_axis="tp"), mesh=two_tier,
+                                specs=module.param_specs(config, "tp", ("node", "local")), fsdp=("node", "local"),
+                                topology=hpf.Topology.with_slow(SlowPrecision.parse("int8")))
+    tiny = moe.CONFIGS["tiny"]  # its attention over tp, its experts over ep = dp
+    out["moe"] = run(4, moe.loss_for(tiny, "dp", tp_axis="tp"), specs=specs_for(moe, tiny, "dp", ("dp",), "tp"),
+                     model=(moe, tiny))
+    try:
+        run(1, module.loss_for(config), mode="validate")  # (tp_axis dropped: the row-parallel sums are missing)
+        out["validate"] = "no error"
+    except Exception as e:  # noqa: BLE001 - the test names the type
+        out["validate"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+@pytest.mark.slow
+def test_tensor_parallelism_composes_with_the_step_s_options():
+    got = launch(_compose, 4, timeout=280)[0]
+    module, config = MODELS["gpt"]
+    ref = lambda dtype: adamw_training(module.loss_for(config), module.init(config, R.key(0)),  # noqa: E731
+                                       lambda s: gpt.global_batch(config, BATCH, 0, s), 4, lr=LR, compute_dtype=dtype)[0]
+    fp32, bf16 = ref(torch.float32), ref(torch.bfloat16)
+    for name in ("recompute+accumulate", "sequence parallel+recompute"):
+        torch.testing.assert_close(torch.tensor(got[name]), torch.tensor(fp32), rtol=1e-5, atol=0, msg=name)
+    torch.testing.assert_close(torch.tensor(got["compile"]), torch.tensor(fp32[:2]), rtol=1e-4, atol=0)
+    torch.testing.assert_close(torch.tensor(got["bf16"]), torch.tensor(bf16), rtol=1e-2, atol=0)  # bf16's sums
+    torch.testing.assert_close(torch.tensor(got["int8 slow tier"]), torch.tensor(fp32), rtol=1e-2, atol=0)
+    assert got["int8 slow tier"] != fp32  # (int8 gathers do round)
+    assert got["validate"].startswith("PartialSumError") and "psum" in got["validate"], got["validate"]
+    tiny = moe.CONFIGS["tiny"]
+    want = adamw_training(moe.loss_for(tiny), moe.init(tiny, R.key(0)), lambda s: moe.global_batch(tiny, BATCH, 0, s),
+                          4, lr=LR)[0]
+    torch.testing.assert_close(torch.tensor(got["moe"]), torch.tensor(want), rtol=1e-5, atol=0)

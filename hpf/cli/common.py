@@ -10,7 +10,7 @@ from pathlib import Path
 import hpf
 from hpf.cli.command import CliError, Parser
 from hpf.launcher import is_launched, world_size
-from hpf.models import MODELS, TP_AXIS, data_axes, has_experts, specs_for
+from hpf.models import MODELS, TP_AXIS, data_axes, has_experts, mesh_for, specs_for
 from hpf.types import PRECISIONS
 
 DEFAULT_MESH = {"node": 2, "local": 2}  # 2 "hosts" x 2 local ranks: exercises both tiers
@@ -72,7 +72,7 @@ def positive(kind, least=None):
 
 def mesh_of(args) -> hpf.Mesh:
     axes = args.mesh or ({"dp": args.world_size} if args.world_size else default_axes())
-    mesh = hpf.Mesh(axes)
+    mesh = mesh_for(axes)  # (node=2,local=2,tp=2: tp shares the fast tier with local)
     if args.world_size is not None and mesh.size != args.world_size:
         raise CliError(f"--mesh {mesh_text(axes)} has {mesh.size} ranks but --world-size is "
                        f"{args.world_size}; make them agree or give only one")
@@ -95,18 +95,19 @@ def mesh_text(axes) -> str:
 
 def sharding_of(model: str, config, mesh: hpf.Mesh, fsdp_axes, ep_axis: str | None) -> dict:
     """shard_step's ``param_specs`` and ``fsdp_axes`` for --model: a mesh axis named ``tp`` runs
-    gpt and llama tensor parallel over it (FSDP over the others); a model with experts (moe)
-    places them on --ep-axis; the others shard every param over the FSDP axes."""
+    gpt and llama tensor parallel over it, moe's attention (FSDP over the others); a model with
+    experts (moe) places them on --ep-axis; the others shard every param over the FSDP axes."""
     module = MODELS[model]
     check_ep_axis(model, ep_axis)
     if TP_AXIS in mesh.axis_names:
         data = tuple(fsdp_axes or data_axes(mesh.axis_names))
-        if TP_AXIS in data or has_experts(module):
+        if TP_AXIS in data:
             raise CliError(f"--mesh {mesh_text(dict(zip(mesh.axis_names, mesh.shape)))}: the axis {TP_AXIS} runs tensor "
-                           "parallelism, for gpt and llama, and is no FSDP axis" + (
-                               f"; --model {model} has experts (--ep-axis) instead" if has_experts(module) else
-                               f"; leave it out of --fsdp-axes"))
-        return {"param_specs": specs_for(module, config, None, data, TP_AXIS), "fsdp_axes": data}
+                           "parallelism and is no FSDP axis; leave it out of --fsdp-axes")
+        if ep_axis is not None and ep_axis not in data:
+            raise CliError(f"--ep-axis {ep_axis} is not one of the data axes ({', '.join(data)}) of --mesh "
+                           f"{mesh_text(dict(zip(mesh.axis_names, mesh.shape)))}: expert parallelism borrows a data axis")
+        return {"param_specs": specs_for(module, config, ep_axis, data, TP_AXIS), "fsdp_axes": data}
     if not has_experts(module):
         return {"param_specs": None, "fsdp_axes": fsdp_axes}
     data = tuple(fsdp_axes or mesh.axis_names)

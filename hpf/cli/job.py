@@ -23,7 +23,7 @@ from hpf.checks import finite_or_none
 from hpf.comm import world as comm_world
 from hpf.cli.common import CliError, sharding_of, topology_of
 from hpf.comm.world import default_device
-from hpf.models import TP_AXIS, data_axes, gpt, model_config
+from hpf.models import TP_AXIS, data_axes, gpt, mesh_for, model_config
 from hpf.optim.muon_math import qk_clip_factors
 from hpf.optim.lr_schedules import Schedule
 from hpf.plots import comm_share
@@ -82,6 +82,7 @@ class TrainJob:
     tensorboard: str | None = None  # --tensorboard: the event folder rank 0 writes the metrics to
     recompute: str = _option(INHERITED, "none")  # blocks that run their forward again in backward
     compile: bool = _option(INHERITED, False)  # each block torch.compile'd
+    sequence_parallel: bool = _option(INHERITED, False)  # with a tp axis: norms and residual split along the sequence
     bucket_bytes: int = _option(INHERITED, 0)  # two-tier's cap on one fused collective
     slow_precision: str | None = _option(INHERITED, None)  # "W,G" of the low-bit slow tier
     ns_variant: str = _option(FIXED, "standard")  # Muon's Newton-Schulz iteration
@@ -151,8 +152,13 @@ def make_step(job: TrainJob, mesh: hpf.Mesh):
     how = dict(recompute=job.recompute, weighted=True, compile=job.compile, **({"max_logits": True} if qk else {}))
     if job.dropout:  # the training loss alone: held-out loss, eval and generate run without dropout
         config = dataclasses.replace(config, dropout=job.dropout)
+    if job.sequence_parallel and (not tp or hasattr(module, "Balancer")):
+        raise CliError("--sequence-parallel splits gpt's and llama's sequence over the tensor-parallel axis: give "
+                       "--mesh a tp axis (e.g. dp=2,tp=2)" + (f"; --model {job.model} runs tp in its attention only"
+                                                              if tp else ""))
     if tp:
         how["tp_axis"] = TP_AXIS
+        how.update({"sequence_parallel": True} if job.sequence_parallel else {})
     loss_fn = (module.loss_for(config, job.ep_axis, aux=True, **how) if hasattr(module, "Balancer")
                else module.loss_for(config, **how))
     return hpf.shard_step(loss_fn, mesh=mesh, optimizer=optimizer, accumulate=job.accumulate,
@@ -236,7 +242,7 @@ def train_rank(rank: int, job: TrainJob) -> int | None:
     """One rank of ``hpf train``; rank 0 also shows progress and writes the metrics. Returns the
     step --timeout stopped the run after (its checkpoint saved), or None when it ran to the end."""
     module, config = job.model_config()
-    mesh = hpf.Mesh(job.axes)
+    mesh = mesh_for(job.axes)
     progress = Progress(job.steps, label="train") if rank == 0 else None
     if progress:  # a big config's first step can take minutes: say it has begun, and that it runs
         progress.start(f"restore {job.resume}, first gathers and warm-up" if job.resume else

@@ -9,7 +9,7 @@ import hpf
 from hpf.cli.common import CliError, job_parsers, mesh_of, mesh_text, sharding_of, topology_of
 from hpf.cli.search import add_options as add_search_options, cmd_search
 from hpf.models import has_experts, model_config
-from hpf.memory import state_report
+from hpf.memory import predict, state_report
 from hpf.report import PlanReport, fixed, millions
 from hpf.step import step_plan
 from hpf.types import MixedPrecision
@@ -50,6 +50,39 @@ def report_dtype_bytes(args) -> int:
     return torch.finfo(mp.compute_dtype if mp else torch.float32).bits // 8
 
 
+def readers_batch(args, plan: hpf.Plan) -> tuple[int, int]:
+    """(ranks that read their own share of the batch, the global batch): a tensor-parallel group
+    reads one share; --batch-size, or one sequence per reader."""
+    readers = plan.mesh.size // plan.compute_size
+    return readers, args.batch_size or readers
+
+
+def tp_bytes(module, config, plan: hpf.Plan, args) -> str:
+    """The tensor-parallel traffic per rank and step: each block's psums forward and backward, and
+    the partial grads of the params replicated over the tp axes, all-reduced once."""
+    readers, batch = readers_batch(args, plan)
+    p = plan.compute_size
+    ring = 2 * (p - 1) / p  # what one rank sends in a ring all-reduce, per byte of the buffer
+    psums = sum(sum(v) for v in module.unit_psums(config, batch // readers, report_dtype_bytes(args)).values())
+    partial = sum(b.shard_numel * 4 for b in plan.buckets if not b.frozen and not b.split_axes)
+    tier = "fast" if set(plan.compute_axes) <= set(plan.mesh.fast_axes) else "slow"
+    return (f"  {'all_reduce (TP)':<16}  {fixed(2 * ring * psums / 2**20):>12} MiB on the {tier} tier: each block's "
+            f"psums forward and backward ({batch // readers} sequences per tp group), and "
+            f"{fixed(ring * partial / 2**20)} MiB of partial grads of the params replicated over "
+            f"{','.join(plan.compute_axes)}")
+
+
+def peak_line(module, config, plan: hpf.Plan, report: PlanReport, args) -> str:
+    """hpf.memory's predicted peak per rank for this job run here (CPU ranks without an accelerator)."""
+    readers, batch = readers_batch(args, plan)
+    cpu = not torch.accelerator.is_available()
+    mem = predict(module, config, plan, report, local_batch=batch // readers, mixed_precision=args.mixed_precision,
+                  topology=args.topology, cpu=cpu)
+    return (f"predicted peak per rank, global batch {batch} ({batch // readers} sequences per "
+            f"{'tp group' if plan.compute_size > 1 else 'rank'}), on {'CPU' if cpu else 'accelerator'} ranks: "
+            f"{mem.format()}")
+
+
 def cmd_plan(args) -> int:
     module, config = model_config(args.model, args.config)
     mesh = mesh_of(args)
@@ -60,12 +93,17 @@ def cmd_plan(args) -> int:
     print(f"{args.model} {args.config!r}: {millions(module.num_params(config))} params in {len(plan.slots)} tensors, "
           f"{len(plan.units)} FSDP units, {len(plan.buckets)} flat buckets")
     print(f"mesh {mesh_text(dict(zip(mesh.axis_names, mesh.shape)))} ({mesh.size} ranks); "
-          f"FSDP axes {','.join(plan.fsdp_axes) or '-'}; fast tier {','.join(mesh.fast_axes)}; "
+          f"FSDP axes {','.join(plan.fsdp_axes) or '-'}; "
+          + (f"tensor parallel over {','.join(plan.compute_axes)} (heads and MLP columns split, never gathered "
+             "there); " if plan.compute_size > 1 else "") + f"fast tier {','.join(mesh.fast_axes)}; "
           f"{args.topology} collectives{', HSDP' if args.hsdp else ''}; precision {args.mixed_precision or 'fp32'}")
     print(state)
     if args.optimizer == "muon" and args.topology == "two-tier":
         print(muon_by_order(args, mesh, plan))
     print(report.format())
+    if plan.compute_size > 1:
+        print(tp_bytes(module, config, plan, args))
+    print(peak_line(module, config, plan, report, args))
     if hasattr(module, "dispatch_bytes"):  # MoE token all-to-alls: 0 without --ep-axis
         ep = mesh.axis_size(args.ep_axis) if args.ep_axis else 1
         a2a = module.dispatch_bytes(config, ep, config.seq_len, dtype_bytes=report_dtype_bytes(args))

@@ -77,7 +77,8 @@ def add_options(parser, *, train: bool) -> None:
                                  "--save FILE. It sets " + ", ".join("--" + o.replace("_", "-") for o in PLANNED))
     else:
         parser.add_argument("--search", action="store_true",
-                            help="search the plan instead: FSDP layout, experts' axis, bucket bytes, precision, "
+                            help="search the plan instead: tensor-parallel size (gpt, llama: a tp axis split off "
+                                 "the mesh's last axis), FSDP layout, experts' axis, bucket bytes, precision, "
                                  "recomputation and micro-batches, under --memory-per-rank, ranked by hpf.sim's "
                                  "predicted step time on --hardware; --mixed-precision, --ep-axis, --hsdp and "
                                  "--slow-precision, when given, hold theirs (--slow-precision auto: search the low-bit "
@@ -91,8 +92,9 @@ def add_options(parser, *, train: bool) -> None:
                         help="what hpf.sim prices the candidates on: " + HELP)
     if not train:
         parser.add_argument("--batch-size", type=positive(int), metavar="B",
-                            help="with --search: the global batch in sequences, split evenly over the ranks "
-                                 "(default: one per rank)")
+                            help="the global batch in sequences, split evenly over the ranks that read data (a "
+                                 "tensor-parallel group reads one share): the one --search searches for, else the "
+                                 "one the predicted peak assumes (default: one per rank)")
         parser.add_argument("--save", metavar="FILE",
                             help="with --search: write the result as JSON for hpf train --plan FILE")
 
@@ -142,7 +144,7 @@ def cmd_search(args, mesh) -> int:
 def check_plan_flags(args) -> None:
     """Before the run folder fills defaults: --plan sets these options, so giving both is an error;
     --plan FILE also gives the job (model, config, mesh, batch) where the command line does not."""
-    given = [o for o in PLANNED if getattr(args, o) not in (None, False, "auto")]
+    given = [o for o in PLANNED if getattr(args, o, None) not in (None, False, "auto")]  # (tp: the mesh's, no flag)
     if given:
         raise CliError(f"--plan {args.plan} chooses {', '.join('--' + o.replace('_', '-') for o in given)}; "
                        "drop them, or drop --plan")
@@ -172,8 +174,9 @@ def check_plan_flags(args) -> None:
     args.plan_hardware = saved.get("hardware", "unknown hardware")
 
 
-def apply_plan(args, mesh, local_ranks: int) -> str:
-    """Set the run's options from the plan (searched now for --plan auto); returns the line that says so."""
+def apply_plan(args, mesh, local_ranks: int) -> tuple[str, object]:
+    """Set the run's options from the plan (searched now for --plan auto); returns the line that says
+    so, and the mesh it runs on (a tensor-parallel choice splits a ``tp`` axis off the last one)."""
     if args.plan == "auto":
         result, hw = run_search(args, mesh, batch_size=args.batch_size, local_ranks=local_ranks, machine=True)
         choice, where = result.best.candidate, (f"searched {result.candidates} candidates in {result.seconds:.1f} s "
@@ -184,6 +187,11 @@ def apply_plan(args, mesh, local_ranks: int) -> str:
         choice, where = Candidate(**args.plan_choice), f"from {args.plan}, searched on {args.plan_hardware}"
     for key, value in dataclasses.asdict(choice).items():
         setattr(args, key, value)
+    try:
+        mesh = choice.mesh(mesh)
+    except (ValueError, TypeError) as e:
+        raise CliError(f"--plan: tp={choice.tp!r} cannot split --mesh {mesh_text(args.mesh)} ({e}); search again") from None
+    args.mesh = dict(zip(mesh.axis_names, mesh.shape))
     note = getattr(args, "plan_batch_note", None)
     sets = [f"--batch-size {args.batch_size}" + (f" (the plan's; {note})" if note else "")]
     if choice.mixed_precision is None:
@@ -193,7 +201,9 @@ def apply_plan(args, mesh, local_ranks: int) -> str:
         cpu = choice.mixed_precision == "bf16" and not torch.accelerator.is_available()
         sets.append(f"--mixed-precision {choice.mixed_precision}"
                     + (" (on a CPU, bf16 is emulated and slower than fp32)" if cpu else ""))
-    return f"plan: {choice.label()} ({where}); it sets " + ", ".join(sets)
+    if choice.tp > 1:
+        sets.append(f"--mesh {mesh_text(args.mesh)}")
+    return f"plan: {choice.label()} ({where}); it sets " + ", ".join(sets), mesh
 
 
 TRUSTED = 1.5  # a prediction within this factor of the measured step is what hpf.sim promises here

@@ -20,7 +20,7 @@ def add_parser(sub, help_: str):
                     "cloudmatrix384 --mixed-precision bf16")
     simulate.add_argument("--hardware", metavar="NAME|FILE", help=HELP)
     simulate.add_argument("--local-batch", type=positive(int), default=4, metavar="B",
-                          help="sequences per rank per step (weak scaling; default: 4)")
+                          help="sequences per rank per step, per tp group with a tp axis (weak scaling; default: 4)")
     simulate.add_argument("--sweep", metavar="N,N,...",
                           help="rank counts for a scaling curve, e.g. 16,32,64,128,256,512,768 (meshes of whole "
                                "fast domains: node=N/fast,local=fast)")
@@ -58,8 +58,9 @@ def cmd_simulate(args) -> int:
         mesh = mesh_of(args)
         hw, where = hardware_of(args, mesh.size, args.local_batch)
         rows = [(mesh.size, sim.compare(args.config, mesh, hw, strategies, **kw))]
+    reader = "tp group" if args.mesh and "tp" in args.mesh else "rank"  # (a tp group reads one share)
     print(f"hpf simulate: {args.model} {args.config!r}, {args.local_batch} x {config.seq_len} tokens per "
-          f"rank, {args.mixed_precision or 'fp32'}, hardware {hw.name}, hpf {args.topology}"
+          f"{reader}, {args.mixed_precision or 'fp32'}, hardware {hw.name}, hpf {args.topology}"
           f"{' HSDP' if args.hsdp else ''}{f' (slow tier {args.slow_precision})' if args.slow_precision else ''}"
           f"{f', experts over {args.ep_axis}' if args.ep_axis else ''}"
           f"{', Muon (its tax in hpf rows only; the baselines with AdamW)' if args.optimizer == 'muon' else ''}; "

@@ -124,7 +124,7 @@ def cmd_train(args) -> int:
     mesh = mesh_of(args)
     args.mesh = dict(zip(mesh.axis_names, mesh.shape))
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", mesh.size)) if torchrun else mesh.size
-    plan_note = apply_plan(args, mesh, local_ranks) if args.plan else None
+    plan_note, mesh = apply_plan(args, mesh, local_ranks) if args.plan else (None, mesh)
     vocab_size = _check_data_options(args)
     _check_muon_options(args)
     _check_dropout(args)
@@ -412,6 +412,10 @@ def add_parser(sub, help_: str):
                        help="dropout on the embeddings and every residual branch (gpt, llama), with masks drawn "
                             "from per-example keys (hpf.random.example_keys), so they do not depend on the world "
                             "size and recomputed blocks see the same ones (default: 0)")
+    train.add_argument("--sequence-parallel", action="store_true", default=False,
+                       help="with a tp axis in --mesh: the norms and the residual stream split along the sequence "
+                            "over it too (all-gather and reduce-scatter instead of each psum; Megatron's sequence "
+                            "parallelism)")
     train.add_argument("--compile", action="store_true", default=False,
                        help="torch.compile each block (compiled once, on the first step: its compile time is "
                             "in the progress line and metrics.jsonl's compile_s)")

@@ -12,6 +12,7 @@ for any program with no layout types at run time (production sees plain tensors)
 
 * ``psum``: all-reduce forward, all-reduce of the cotangent backward.
 * ``all_gather``: reduce-scatter (sum) backward.
+* ``psum_scatter``: reduce-scatter forward, all-gather backward.
 * ``all_to_all``: the inverse all-to-all backward.
 
 The convention that makes these adjoints correct: a value replicated over an axis carries a
@@ -38,7 +39,7 @@ from torch.overrides import handle_torch_function, has_torch_function
 from ..mesh import Mesh, MeshError
 from .transport import reduce_scatter_async
 
-__all__ = ["psum", "all_gather", "all_to_all", "axis_index", "SPMD", "spmd", "current", "validating", "register_check",
+__all__ = ["psum", "psum_scatter", "all_gather", "all_to_all", "axis_index", "SPMD", "spmd", "current", "validating", "register_check",
            "run_check"]
 
 
@@ -192,18 +193,22 @@ def _reduce_scatter0(x: torch.Tensor, group, n: int) -> torch.Tensor:
     return out
 
 
-class _AllGather(torch.autograd.Function):
+class _AlongDim(torch.autograd.Function):
+    """An all-gather (``gather``) or a reduce-scatter of x along ``dim``; backward runs the other on
+    the cotangent (each is the other's adjoint)."""
+
     @staticmethod
-    def forward(x, group, n, dim):
-        return gather_dim0(x.movedim(dim, 0), group, n).movedim(0, dim)
+    def forward(x, group, n, dim, gather):
+        return (gather_dim0 if gather else _reduce_scatter0)(x.movedim(dim, 0), group, n).movedim(0, dim)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _, ctx.group, ctx.n, ctx.dim = inputs
+        _, ctx.group, ctx.n, ctx.dim, ctx.gather = inputs
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter0(grad.movedim(ctx.dim, 0), ctx.group, ctx.n).movedim(0, ctx.dim), None, None, None
+        other = _reduce_scatter0 if ctx.gather else gather_dim0
+        return other(grad.movedim(ctx.dim, 0), ctx.group, ctx.n).movedim(0, ctx.dim), None, None, None, None
 
 
 def all_gather(x: torch.Tensor, axis: str | Sequence[str], dim: int = 0) -> torch.Tensor:
@@ -228,7 +233,34 @@ def all_gather(x: torch.Tensor, axis: str | Sequence[str], dim: int = 0) -> torc
         return x.view_as(x)
     if virtual:
         return torch.cat([x] * n, dim)
-    return _AllGather.apply(x, group, n, dim)
+    return _AlongDim.apply(x, group, n, dim, True)
+
+
+# -- psum_scatter --------------------------------------------------------------------------------------
+def psum_scatter(x: torch.Tensor, axis: str | Sequence[str], dim: int = 0) -> torch.Tensor:
+    """Sum ``x`` over the ranks of ``axis`` and keep this rank's block of the sum along ``dim``
+    (reduce-scatter: block i of n to the rank at position i). Sequence parallelism's exit from a
+    row-parallel product, where ``psum`` would give every rank the whole sum.
+
+    Backward all-gathers the cotangent (the exact adjoint). Outside a step it returns ``x``.
+
+    Raises:
+        MeshError: ``axis`` is empty, not an axis of the step's mesh, or an FSDP axis.
+        IndexError: ``dim`` is out of range for ``x``.
+        ValueError: the axis size does not divide ``x``'s ``dim``.
+    """
+    if has_torch_function((x,)):
+        return handle_torch_function(psum_scatter, (x,), x, axis, dim=dim)
+    group, n, virtual = _setup(axis, "psum_scatter")
+    dim = normalize_dim(x, dim, "psum_scatter", "dim")
+    if n == 1:
+        return x.view_as(x)
+    if x.shape[dim] % n:
+        raise ValueError(f"hpf.psum_scatter over {axis!r} ({n} ranks) of dim {dim} of size {x.shape[dim]}: the ranks "
+                         f"must divide it; use a size divisible by {n}")
+    if virtual:
+        return x.narrow(dim, 0, x.shape[dim] // n).clone()
+    return _AlongDim.apply(x, group, n, dim, False)
 
 
 # -- all_to_all ----------------------------------------------------------------------------------------

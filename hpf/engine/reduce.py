@@ -180,9 +180,7 @@ class Reducer:
             if on_device:  # (an accelerator: the waits above ordered streams; now the CPU, so a hang is named here)
                 schedule.wait(StreamWork.settled(on_device), "the step's gradient reductions")
         self._on_wait(busy - self.landed_s)  # (the caller times this wait: on_landed's work is not waiting)
-        for b, group in self.compute_sums:
-            LOG.record("all-reduce", f"partial grads of bucket {b}")
-            schedule.wait(world.all_reduce_async(self.grad_shards[b], group), "a partial-grad all-reduce")
+        sum_partials(self.grad_shards, self.compute_sums)
 
     def holds_sums(self) -> bool:
         """Whether earlier micro-batches' sums are held for this step."""
@@ -303,3 +301,19 @@ def _landed(handle) -> bool:
         return False
     wait_for(handle)
     return True
+
+
+def sum_partials(grad_shards: list[torch.Tensor], compute_sums: list) -> None:
+    """All-reduce the partial grads of ``compute_sums``' buckets over their groups: one fused
+    all-reduce per group and dtype (tensor parallelism: the root's and every block's replicated
+    params in one collective, not one each)."""
+    fused: dict[tuple, list[int]] = {}
+    for b, group in compute_sums:
+        fused.setdefault((group, grad_shards[b].dtype), []).append(b)
+    for (group, _), buckets in fused.items():
+        shards = [grad_shards[b] for b in buckets]
+        flat = shards[0] if len(shards) == 1 else torch.cat(shards)
+        LOG.record("all-reduce", f"partial grads of buckets {buckets}")
+        schedule.wait(world.all_reduce_async(flat, group), "a partial-grad all-reduce")
+        for shard, part in zip(shards if len(shards) > 1 else (), flat.split([x.numel() for x in shards])):
+            shard.copy_(part)

@@ -23,14 +23,14 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from .. import random as hpf_random
-from ..comm.collectives import all_gather, psum
+from ..comm.collectives import all_gather, axis_index, current, psum, psum_scatter
 from ..losses import token_cross_entropy
 from . import recompute as recompute_
 
 __all__ = [
     "GPTConfig", "CONFIGS", "num_params", "init", "forward", "loss", "loss_for",
     "global_batch", "synthetic_batches", "unit_flops", "activations", "block", "max_attention_logit", "qk_heads",
-    "param_specs",
+    "param_specs", "unit_psums",
 ]
 
 NORM_EPS = 1e-5
@@ -181,30 +181,62 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = NORM_EPS) -> to
 
 
 def block(blk: dict, x: torch.Tensor, n_heads: int, max_logits: bool = False, p: float = 0.0,
-          keys: torch.Tensor | None = None, tp_axis: str | None = None):
+          keys: torch.Tensor | None = None, tp_axis: str | None = None, seq: bool = False):
     """One pre-norm transformer block on the residual stream x [B, T, D]; with ``max_logits``,
     (x, its heads' max attention logits [H]); ``p``, ``keys``: dropout on both residual branches.
     ``w_qkv``'s columns are head-major, ``(h three e)``, so a contiguous block of them holds whole
     heads: under tensor parallelism (``tp_axis``, param_specs) each rank computes its heads and its
-    columns of the MLP, and the two row-parallel products are summed over the axis (Megatron)."""
+    columns of the MLP, and the two row-parallel products are summed over the axis (Megatron).
+    ``seq``: sequence parallel, x is this rank's block of T/tp positions (``seq_split``): the norms
+    run on it, gathered along T before each column-parallel product, and each row-parallel sum is
+    reduce-scattered back along T (``tp_sum``)."""
     e = x.shape[-1] // n_heads
     if blk["w_qkv"].shape[1] % (3 * e):
         raise ValueError(f"tensor parallelism splits the {n_heads} heads of w_qkv mid-head (a rank's block has "
                          f"{blk['w_qkv'].shape[1]} columns, not whole heads of 3 x {e}): use a tp size that divides "
                          "n_heads")
-    q, k, v = rearrange(rms_norm(x, blk["norm1"]) @ blk["w_qkv"], "b t (h three e) -> three b h t e", three=3, e=e)
+    h = seq_gather(rms_norm(x, blk["norm1"]), tp_axis, seq)
+    q, k, v = rearrange(h @ blk["w_qkv"], "b t (h three e) -> three b h t e", three=3, e=e)
     attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    x = x + dropout(tp_sum(rearrange(attn, "b h t e -> b t (h e)") @ blk["w_o"], tp_axis), p, keys, 0)
-    h = F.gelu(rms_norm(x, blk["norm2"]) @ blk["w_up"], approximate="tanh")
-    x = x + dropout(tp_sum(h @ blk["w_down"], tp_axis), p, keys, 1)
+    x = x + dropout(tp_sum(rearrange(attn, "b h t e -> b t (h e)") @ blk["w_o"], tp_axis, seq), p, keys, 0)
+    h = F.gelu(seq_gather(rms_norm(x, blk["norm2"]), tp_axis, seq) @ blk["w_up"], approximate="tanh")
+    x = x + dropout(tp_sum(h @ blk["w_down"], tp_axis, seq), p, keys, 1)
     return (x, tp_heads(max_attention_logit(q, k), tp_axis)) if max_logits else x
 
 
-def tp_sum(x: torch.Tensor, tp_axis: str | None) -> torch.Tensor:
-    """A row-parallel product's partial sums, summed over the tensor-parallel axis."""
+def tp_sum(x: torch.Tensor, tp_axis: str | None, seq: bool = False) -> torch.Tensor:
+    """A row-parallel product's partial sums [B, T, D], summed over the tensor-parallel axis; with
+    ``seq`` (sequence parallel) each rank keeps its block of T/tp positions of the sum."""
     if tp_axis is None:
         return x
-    return psum(x, tp_axis)
+    return psum_scatter(x, tp_axis, dim=1) if seq else psum(x, tp_axis)
+
+
+def seq_gather(x: torch.Tensor, tp_axis: str | None, seq: bool) -> torch.Tensor:
+    """Sequence parallel: every rank's block of positions [B, T/tp, D], gathered along T."""
+    return all_gather(x, tp_axis, dim=1) if seq and tp_axis is not None else x
+
+
+def seq_split(x: torch.Tensor, tp_axis: str | None, seq: bool) -> torch.Tensor:
+    """Sequence parallel: this rank's block of T/tp positions of a replicated x [B, T, D]."""
+    if not seq or tp_axis is None:
+        return x
+    ctx = current()
+    ranks = ctx.mesh.axis_size(ctx.axes(tp_axis, "sequence parallelism")) if ctx is not None else 1
+    if x.shape[1] % ranks:
+        raise ValueError(f"sequence parallelism splits the {x.shape[1]} positions over {tp_axis!r} ({ranks} ranks): "
+                         f"use a sequence length divisible by {ranks}")
+    n = x.shape[1] // ranks
+    return x.narrow(1, axis_index(tp_axis) * n, n)
+
+
+def check_sequence_parallel(seq: bool, tp_axis: str | None, dropout_p: float) -> None:
+    if seq and tp_axis is None:
+        raise ValueError("sequence_parallel=True splits the norms' positions over the tensor-parallel axis: give "
+                         "tp_axis too")
+    if seq and dropout_p:
+        raise ValueError(f"sequence_parallel=True with dropout={dropout_p}: the masks would be drawn per block of "
+                         "positions, not as the whole sequence's; train with dropout 0 or without sequence parallelism")
 
 
 def tp_heads(per_head: torch.Tensor, tp_axis: str | None) -> torch.Tensor:
@@ -275,14 +307,15 @@ def qk_heads(config: GPTConfig) -> dict:
 
 def forward(params: dict, tokens: torch.Tensor, *, n_heads: int | None = None, recompute: str = "none",
             compile: bool = False, max_logits: bool = False, dropout_p: float = 0.0,
-            keys: torch.Tensor | None = None, tp_axis: str | None = None):
+            keys: torch.Tensor | None = None, tp_axis: str | None = None, sequence_parallel: bool = False):
     """Logits [B, T, V] for int64 tokens [B, T]; computes in the params' dtype. ``recompute``:
     which blocks recompute their forward in backward; ``compile``: each block runs
     ``torch.compile``'d (hpf.models.recompute); ``max_logits``: (logits, every head's max
     attention logit [n_layers, n_heads]); ``dropout_p`` with ``keys`` [B, 2] (one per example,
     ``tokens_and_keys``): dropout on the embeddings (site 0 of ``fold_in(keys, 0)``) and on block
     i's residual branches (sites 0 and 1 of ``fold_in(keys, i + 1)``); ``tp_axis``: the blocks
-    run tensor parallel over it (``param_specs``)."""
+    run tensor parallel over it (``param_specs``); ``sequence_parallel``: the residual stream and
+    the norms between the blocks' products split along T over it too (``block``'s ``seq``)."""
     if n_heads is None:
         raise TypeError(
             "gpt.forward/gpt.loss need n_heads= (the head count is not visible in the param shapes); "
@@ -294,22 +327,24 @@ def forward(params: dict, tokens: torch.Tensor, *, n_heads: int | None = None, r
     max_t = params["pos"].shape[0]
     if t > max_t:
         raise ValueError(f"sequence length {t} exceeds params['pos'] length {max_t} (config.seq_len)")
+    check_sequence_parallel(sequence_parallel, tp_axis, dropout_p)
     x = embedding_dropout(F.embedding(tokens, params["embed"]) + params["pos"][:t], dropout_p, keys)
+    x = seq_split(x, tp_axis, sequence_parallel)
     logits = []
-    for i, run in recompute_.each_block(params["blocks"], recompute, compile):
+    for i, run in recompute_.each_block(params["blocks"], recompute, compile, cache=tp_axis is None):
         drop = block_dropout(dropout_p, keys, i)
         if max_logits:
-            x, s = run(block, x, n_heads, True, *drop, tp_axis)
+            x, s = run(block, x, n_heads, True, *drop, tp_axis, sequence_parallel)
             logits.append(s)
         else:
-            x = run(block, x, n_heads, False, *drop, tp_axis)
-    out = rms_norm(x, params["norm_f"]) @ params["head"]
+            x = run(block, x, n_heads, False, *drop, tp_axis, sequence_parallel)
+    out = rms_norm(seq_gather(x, tp_axis, sequence_parallel), params["norm_f"]) @ params["head"]
     return (out, torch.stack(logits)) if max_logits else out
 
 
 def loss(params: dict, batch, *, n_heads: int | None = None, recompute: str = "none",
          weighted: bool = False, compile: bool = False, max_logits: bool = False, dropout: float = 0.0,
-         tp_axis: str | None = None):
+         tp_axis: str | None = None, sequence_parallel: bool = False):
     """Next-token cross-entropy of ``batch`` [B, T+1] (targets of -100 are padding); the softmax
     runs in fp32 for any param dtype. The mean, or (``weighted``) ``hpf.weighted(sum, count)``:
     the step then divides by the global count of real targets (hpf.losses). ``max_logits``: with
@@ -319,21 +354,25 @@ def loss(params: dict, batch, *, n_heads: int | None = None, recompute: str = "n
     if batch.dim() != 2 or batch.shape[1] < 2:
         raise ValueError(f"batch must be [batch, time+1] token ids with time+1 >= 2, got shape {list(batch.shape)}")
     out = forward(params, batch[:, :-1], n_heads=n_heads, recompute=recompute, compile=compile, max_logits=max_logits,
-                  dropout_p=dropout, keys=keys, tp_axis=tp_axis)
+                  dropout_p=dropout, keys=keys, tp_axis=tp_axis, sequence_parallel=sequence_parallel)
     if max_logits:
         return token_cross_entropy(out[0], batch[:, 1:], weighted=weighted), {"max_attn_logit": out[1]}
     return token_cross_entropy(out, batch[:, 1:], weighted=weighted)
 
 
 def loss_for(config: GPTConfig, recompute: str = "none", weighted: bool = False, compile: bool = False,
-             max_logits: bool = False, tp_axis: str | None = None):
+             max_logits: bool = False, tp_axis: str | None = None, sequence_parallel: bool = False):
     """``loss_fn(params, batch)`` for ``config``: what ``hpf.shard_step`` takes. ``recompute``:
     "none", "all" or "every_other" block recomputes its forward in backward (less memory);
     ``weighted``: return ``hpf.weighted(sum, count)``; ``compile``: each block is ``torch.compile``'d;
     ``max_logits``: also return the heads' max attention logits as an aux (for QK-Clip);
-    ``tp_axis``: tensor parallel over that mesh axis, with ``param_specs(config, tp_axis, ...)``."""
+    ``tp_axis``: tensor parallel over that mesh axis, with ``param_specs(config, tp_axis, ...)``;
+    ``sequence_parallel``: the norms and residual stream split along the sequence over it too
+    (all-gather and reduce-scatter along T instead of each psum; no dropout)."""
+    check_sequence_parallel(sequence_parallel, tp_axis, config.dropout)
     return functools.partial(loss, n_heads=config.n_heads, recompute=recompute_.check(recompute), weighted=weighted,
-                             compile=compile, max_logits=max_logits, dropout=config.dropout, tp_axis=tp_axis)
+                             compile=compile, max_logits=max_logits, dropout=config.dropout, tp_axis=tp_axis,
+                             sequence_parallel=sequence_parallel)
 
 
 # ---------------------------------------------------------------- synthetic data
@@ -392,25 +431,37 @@ def synthetic_batches(config: GPTConfig, batch_size: int, seed: int, *, rank: in
         step += 1
 
 
-def unit_flops(config: GPTConfig, local_batch: int) -> dict[str, float]:
+def unit_flops(config: GPTConfig, local_batch: int, tp: int = 1) -> dict[str, float]:
     """Forward FLOPs per FSDP unit for ``local_batch`` sequences (the hook ``hpf simulate`` reads;
     backward counts twice these). A block: its matmuls, 2 x tokens x params, and attention's
-    QK^T and AV, 4 x tokens x seq_len x d_model; the root: the head (the embedding is a lookup)."""
+    QK^T and AV, 4 x tokens x seq_len x d_model; the root: the head (the embedding is a lookup).
+    ``tp``: a tensor-parallel rank's share (its heads and MLP columns: 1/tp of a block's)."""
     c = config
     tokens = local_batch * c.seq_len
     d, f = c.d_model, c.d_ff
     block = 2 * tokens * (4 * d * d + 2 * d * f) + 4 * tokens * c.seq_len * d
-    return {"<root>": 2.0 * tokens * d * c.vocab_size, **{f"blocks/{i}": float(block) for i in range(c.n_layers)}}
+    return {"<root>": 2.0 * tokens * d * c.vocab_size, **{f"blocks/{i}": block / tp for i in range(c.n_layers)}}
 
 
-def activations(config: GPTConfig, local_batch: int, dtype_bytes: int = 4) -> recompute_.Activations:
+def unit_psums(config, local_batch: int, dtype_bytes: int = 4) -> dict[str, tuple[int, ...]]:
+    """The bytes of each psum a tensor-parallel block runs in one pass on ``local_batch`` sequences
+    (hpf simulate's and hpf plan's hook): the attention's and the MLP's row-parallel sums, each the
+    residual stream [tokens, d_model]; backward runs as many on their cotangents. Any config with
+    ``seq_len``, ``d_model`` and ``n_layers`` (llama's too)."""
+    n = local_batch * config.seq_len * config.d_model * dtype_bytes
+    return {f"blocks/{i}": (n, n) for i in range(config.n_layers)}
+
+
+def activations(config: GPTConfig, local_batch: int, dtype_bytes: int = 4, tp: int = 1) -> recompute_.Activations:
     """What ``loss`` keeps for backward on ``local_batch`` sequences (hpf.memory's hook), counted
     op by op: per block, both norms' fp32 input and rsqrt and their output before and after the weight, q/k/v (3d), the
     attention output (d) and its fp32 logsumexp per head (flash attention: no T x T scores),
-    the MLP's GELU input and output (2f); its backward holds about f + d more at once."""
+    the MLP's GELU input and output (2f); its backward holds about f + d more at once. ``tp``: a
+    tensor-parallel rank's (``param_specs``): its heads and MLP columns, 1/tp of those; the norms
+    and the residual stream whole."""
     c = config
     n = local_batch * c.seq_len
     norm = recompute_.norm_bytes(c.d_model, dtype_bytes)
-    saved = n * (2 * norm + (4 * c.d_model + 2 * c.d_ff) * dtype_bytes + 4 * c.n_heads)
+    saved = n * (2 * norm + (4 * c.d_model + 2 * c.d_ff) * dtype_bytes // tp + 4 * c.n_heads // tp)
     return recompute_.Activations.of(n, c.d_model, c.vocab_size, dtype_bytes, [saved] * c.n_layers,
-                                     [n * (c.d_ff + c.d_model) * dtype_bytes] * c.n_layers)
+                                     [n * (c.d_ff // tp + c.d_model) * dtype_bytes] * c.n_layers)

@@ -30,13 +30,14 @@ from einops import rearrange
 
 from ..losses import token_cross_entropy
 from . import recompute as recompute_
-from hpf.models.gpt import (INIT_STD, tp_sum, block_dropout, check_dropout, dropout, embedding_dropout,
-                            max_attention_logit, param_makers, rms_norm, synthetic_batches, tokens_and_keys, tp_heads)
+from hpf.models.gpt import (INIT_STD, tp_sum, unit_psums, block_dropout, check_dropout, check_sequence_parallel,
+                            dropout, embedding_dropout, max_attention_logit, param_makers, rms_norm, seq_gather,
+                            seq_split, synthetic_batches, tokens_and_keys, tp_heads)
 from hpf.models.gpt import param_specs as gpt_param_specs
 
 __all__ = [
     "LlamaConfig", "CONFIGS", "num_params", "init", "forward", "loss", "loss_for",
-    "from_hf", "to_hf", "synthetic_batches", "activations", "block", "qk_heads", "param_specs",
+    "from_hf", "to_hf", "synthetic_batches", "activations", "block", "qk_heads", "param_specs", "unit_psums",
 ]
 
 
@@ -125,25 +126,25 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def block(blk: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, c: LlamaConfig, max_logits: bool = False,
-          p: float = 0.0, keys: torch.Tensor | None = None, tp_axis: str | None = None):
+          p: float = 0.0, keys: torch.Tensor | None = None, tp_axis: str | None = None, seq: bool = False):
     """One block on the residual stream x [B, T, D]: RoPE grouped-query attention, then SwiGLU;
     with ``max_logits``, (x, its heads' max attention logits [H]); ``p``, ``keys``: dropout on
     both residual branches (gpt.dropout). Head counts come from the weights' shapes, so under
     tensor parallelism (``tp_axis``, ``param_specs``) each rank runs its own heads and MLP columns,
-    and the row-parallel outputs are summed over the axis (Megatron)."""
+    and the row-parallel outputs are summed over the axis (Megatron); ``seq``: sequence parallel (gpt.block)."""
     if blk["wk"].shape[0] % c.head_dim or blk["wq"].shape[0] // c.head_dim % (blk["wk"].shape[0] // c.head_dim or 1):
         raise ValueError(f"tensor parallelism splits a key head: n_kv_heads={c.n_kv_heads} over a tp axis that does "
                          "not divide it; use a tp size that divides n_kv_heads (and n_heads)")
-    h = rms_norm(x, blk["attn_norm"], c.norm_eps)
+    h = seq_gather(rms_norm(x, blk["attn_norm"], c.norm_eps), tp_axis, seq)
     q = rearrange(F.linear(h, blk["wq"]), "b t (h e) -> b h t e", e=c.head_dim)
     k = rearrange(F.linear(h, blk["wk"]), "b t (h e) -> b h t e", e=c.head_dim)
     v = rearrange(F.linear(h, blk["wv"]), "b t (h e) -> b h t e", e=c.head_dim)
     q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
     attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
-    x = x + dropout(tp_sum(F.linear(rearrange(attn, "b h t e -> b t (h e)"), blk["wo"]), tp_axis), p, keys, 0)
-    h = rms_norm(x, blk["mlp_norm"], c.norm_eps)
+    x = x + dropout(tp_sum(F.linear(rearrange(attn, "b h t e -> b t (h e)"), blk["wo"]), tp_axis, seq), p, keys, 0)
+    h = seq_gather(rms_norm(x, blk["mlp_norm"], c.norm_eps), tp_axis, seq)
     up = F.silu(F.linear(h, blk["w_gate"])) * F.linear(h, blk["w_up"])
-    x = x + dropout(tp_sum(F.linear(up, blk["w_down"]), tp_axis), p, keys, 1)
+    x = x + dropout(tp_sum(F.linear(up, blk["w_down"]), tp_axis, seq), p, keys, 1)
     return (x, tp_heads(max_attention_logit(q, k), tp_axis)) if max_logits else x
 
 
@@ -173,34 +174,37 @@ def qk_heads(config: LlamaConfig) -> dict:
 
 def forward(params: dict, tokens: torch.Tensor, *, config: LlamaConfig | None = None,
             recompute: str = "none", compile: bool = False, max_logits: bool = False,
-            keys: torch.Tensor | None = None, tp_axis: str | None = None):
+            keys: torch.Tensor | None = None, tp_axis: str | None = None, sequence_parallel: bool = False):
     """Logits [B, T, V] for int64 tokens [B, T]; computes in the params' dtype. ``recompute``:
     which blocks recompute their forward in backward; ``compile``: each block runs
     ``torch.compile``'d (hpf.models.recompute); ``max_logits``: (logits, every head's max
     attention logit [n_layers, n_heads]); ``keys``: the examples' keys for ``config.dropout``
-    (drawn as gpt.forward draws them)."""
+    (drawn as gpt.forward draws them); ``tp_axis``, ``sequence_parallel``: as gpt.forward's."""
     if config is None:
         raise TypeError("llama.forward/llama.loss need config= (head counts are not all visible in the shapes); "
                         "use llama.loss_for(config) as the loss_fn")
     if tokens.dim() != 2 or tokens.dtype != torch.int64:
         raise ValueError(f"tokens must be an int64 tensor [batch, time], got {tokens.dtype} {list(tokens.shape)}")
     c = config
+    check_sequence_parallel(sequence_parallel, tp_axis, c.dropout)
     x = embedding_dropout(F.embedding(tokens, params["embed"]), c.dropout, keys)
     cos, sin = rope_cos_sin(c, tokens.shape[1], x.device, x.dtype)
+    x = seq_split(x, tp_axis, sequence_parallel)
     logits = []
-    for i, run in recompute_.each_block(params["blocks"], recompute, compile):
+    for i, run in recompute_.each_block(params["blocks"], recompute, compile, cache=tp_axis is None):
         drop = block_dropout(c.dropout, keys, i)
         if max_logits:
-            x, s = run(block, x, cos, sin, c, True, *drop, tp_axis)
+            x, s = run(block, x, cos, sin, c, True, *drop, tp_axis, sequence_parallel)
             logits.append(s)
         else:
-            x = run(block, x, cos, sin, c, False, *drop, tp_axis)
-    out = F.linear(rms_norm(x, params["norm"], c.norm_eps), params["head"])
+            x = run(block, x, cos, sin, c, False, *drop, tp_axis, sequence_parallel)
+    out = F.linear(rms_norm(seq_gather(x, tp_axis, sequence_parallel), params["norm"], c.norm_eps), params["head"])
     return (out, torch.stack(logits)) if max_logits else out
 
 
 def loss(params: dict, batch, *, config: LlamaConfig | None = None, recompute: str = "none",
-         weighted: bool = False, compile: bool = False, max_logits: bool = False, tp_axis: str | None = None):
+         weighted: bool = False, compile: bool = False, max_logits: bool = False, tp_axis: str | None = None,
+         sequence_parallel: bool = False):
     """Next-token cross-entropy of ``batch`` [B, T+1] over ``batch[:, 1:]`` (transformers'
     ``labels=batch``; -100 is padding); the softmax runs in fp32 for any param dtype. The mean,
     or (``weighted``) ``hpf.weighted(sum, count)`` for the step to divide by the global count.
@@ -209,34 +213,38 @@ def loss(params: dict, batch, *, config: LlamaConfig | None = None, recompute: s
     if batch.dim() != 2 or batch.shape[1] < 2:
         raise ValueError(f"batch must be [batch, time+1] token ids with time+1 >= 2, got shape {list(batch.shape)}")
     out = forward(params, batch[:, :-1], config=config, recompute=recompute, compile=compile, max_logits=max_logits,
-                  keys=keys, tp_axis=tp_axis)
+                  keys=keys, tp_axis=tp_axis, sequence_parallel=sequence_parallel)
     if max_logits:  # the aux of gpt.loss(max_logits=True)
         return token_cross_entropy(out[0], batch[:, 1:], weighted=weighted), {"max_attn_logit": out[1]}
     return token_cross_entropy(out, batch[:, 1:], weighted=weighted)
 
 
 def loss_for(config: LlamaConfig, recompute: str = "none", weighted: bool = False, compile: bool = False,
-             max_logits: bool = False, tp_axis: str | None = None):
+             max_logits: bool = False, tp_axis: str | None = None, sequence_parallel: bool = False):
     """``loss_fn(params, batch)`` for ``config``: what ``hpf.shard_step`` takes. ``recompute``:
     "none", "all" or "every_other" block recomputes its forward in backward (less memory);
     ``weighted``: return ``hpf.weighted(sum, count)``; ``compile``: each block is ``torch.compile``'d;
-    ``max_logits``: also return the heads' max attention logits as an aux (for QK-Clip)."""
+    ``max_logits``: also return the heads' max attention logits as an aux (for QK-Clip); ``tp_axis``,
+    ``sequence_parallel``: as gpt.loss_for's."""
+    check_sequence_parallel(sequence_parallel, tp_axis, config.dropout)
     return functools.partial(loss, config=config, recompute=recompute_.check(recompute), weighted=weighted,
-                             compile=compile, max_logits=max_logits, tp_axis=tp_axis)
+                             compile=compile, max_logits=max_logits, tp_axis=tp_axis,
+                             sequence_parallel=sequence_parallel)
 
 
-def activations(config: LlamaConfig, local_batch: int, dtype_bytes: int = 4) -> recompute_.Activations:
+def activations(config: LlamaConfig, local_batch: int, dtype_bytes: int = 4, tp: int = 1) -> recompute_.Activations:
     """What ``loss`` keeps for backward on ``local_batch`` sequences (hpf.memory's hook): per block,
     both norms' fp32 input and rsqrt and their output before and after the weight, q and k after
     RoPE and v, the attention output and its fp32 logsumexp per head, SwiGLU's gate, up, SiLU and
-    product (4f); its backward holds about f + d more at once."""
+    product (4f); its backward holds about f + d more at once. ``tp``: a tensor-parallel rank's
+    (``param_specs``): 1/tp of the heads and MLP columns, the norms whole."""
     c, b = config, dtype_bytes
     n = local_batch * c.seq_len
     q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     norm = recompute_.norm_bytes(c.d_model, b)
-    saved = n * (2 * norm + (2 * q + 2 * kv + 4 * c.d_ff) * b + 4 * c.n_heads)
+    saved = n * (2 * norm + (2 * q + 2 * kv + 4 * c.d_ff) * b // tp + 4 * c.n_heads // tp)
     return recompute_.Activations.of(n, c.d_model, c.vocab_size, b, [saved] * c.n_layers,
-                                     [n * (c.d_ff + c.d_model) * b] * c.n_layers)
+                                     [n * (c.d_ff // tp + c.d_model) * b] * c.n_layers)
 
 
 # ---------------------------------------------------------------- transformers checkpoints

@@ -37,7 +37,7 @@ from . import recompute as recompute_
 __all__ = ["MoEConfig", "CONFIGS", "num_params", "init", "loss", "loss_for", "param_specs", "update_bias",
            "imbalance", "Balancer", "synthetic_batches", "global_batch", "batch_with_bias", "BATCH_AXES",
            "dispatch_bytes",
-           "unit_flops", "unit_a2a", "activations"]
+           "unit_flops", "unit_a2a", "activations", "unit_psums"]
 
 EXPERTS = True  # its experts split over an expert-parallel axis (hpf.models.has_experts)
 NORM_EPS = 1e-6
@@ -128,9 +128,11 @@ def init(config: MoEConfig, key: torch.Tensor | None = None, *, device=None,
     return {"embed": normal(c.vocab_size, d), "blocks": blocks, "norm_f": ones(d), "head": normal(c.vocab_size, d)}
 
 
-def param_specs(config: MoEConfig, ep_axis: str | None = None, data_axes=("dp",)):
+def param_specs(config: MoEConfig, ep_axis: str | None = None, data_axes=("dp",), tp_axis: str | None = None):
     """Rules: experts split on dim 0 over ``ep_axis`` and FSDP-sharded over the other data axes;
     everything else FSDP-sharded over all ``data_axes`` (``ep_axis`` included: no replication).
+    ``tp_axis``: the attention's heads split over it too (Megatron: wq, wk, wv by rows, wo by
+    columns; ``loss_for(tp_axis=...)`` sums wo's products); the FFNs and experts stay whole there.
     Use with ``shard_step(..., fsdp_axes=data_axes)``."""
     from ..spec import P, rules
 
@@ -139,7 +141,9 @@ def param_specs(config: MoEConfig, ep_axis: str | None = None, data_axes=("dp",)
         raise ValueError(f"ep_axis={ep_axis!r} must be one of the data axes {data}: expert parallelism "
                          "borrows a data axis (each EP rank still reads its own batch)")
     expert = P(data) if ep_axis is None else P(ep_axis, fsdp=tuple(a for a in data if a != ep_axis))
-    return rules([(r"blocks/\d+/experts/w\d", expert), (r".*", P(data))])
+    heads = [] if tp_axis is None else [(r"blocks/\d+/(wq|wk|wv)", P(tp_axis, None, fsdp=data)),
+                                        (r"blocks/\d+/wo", P(None, tp_axis, fsdp=data))]
+    return rules([*heads, (r"blocks/\d+/experts/w\d", expert), (r".*", P(data))])
 
 
 # -- the model --------------------------------------------------------------------------------------
@@ -153,12 +157,14 @@ def _rope(x: torch.Tensor, theta: float) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
 
 
-def _attention(x, blk, c: MoEConfig):
+def _attention(x, blk, c: MoEConfig, tp_axis: str | None = None):
+    """Attention on x [B, T, D] with the heads of ``wq``'s rows (a tp rank's under ``tp_axis``),
+    wo's products summed over the axis."""
     b, t, d = x.shape
-    q, k, v = (F.linear(x, blk[w]).view(b, t, c.n_heads, d // c.n_heads) for w in ("wq", "wk", "wv"))
+    q, k, v = (F.linear(x, blk[w]).view(b, t, -1, d // c.n_heads) for w in ("wq", "wk", "wv"))
     q, k = _rope(q, c.rope_theta), _rope(k, c.rope_theta)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-    return F.linear(out.transpose(1, 2).reshape(b, t, d), blk["wo"])
+    return gpt.tp_sum(F.linear(out.transpose(1, 2).reshape(b, t, -1), blk["wo"]), tp_axis)
 
 
 def _swiglu(x, w):
@@ -231,11 +237,13 @@ def _balance_loss(scores, idx, b: int, c: MoEConfig):
     return (f * p).sum(-1).mean()
 
 
-def block(blk: dict, x: torch.Tensor, bias, c: MoEConfig, ep_axis: str | None = None, experts=None):
+def block(blk: dict, x: torch.Tensor, bias, c: MoEConfig, ep_axis: str | None = None, experts=None,
+          tp_axis: str | None = None):
     """One block on x [B, T, D] -> (x, tokens per expert or None, balance loss). ``experts(h, idx,
-    gates)`` overrides the routed-expert call (default: ``routed_experts`` on ``blk["experts"]``)."""
+    gates)`` overrides the routed-expert call (default: ``routed_experts`` on ``blk["experts"]``);
+    ``tp_axis``: the attention's heads split over it (``param_specs``)."""
     b, t, _ = x.shape
-    x = x + _attention(gpt.rms_norm(x, blk["attn_norm"], NORM_EPS), blk, c)
+    x = x + _attention(gpt.rms_norm(x, blk["attn_norm"], NORM_EPS), blk, c, tp_axis)
     h = gpt.rms_norm(x, blk["ffn_norm"], NORM_EPS)
     if "router" not in blk:
         return x + _swiglu(h, blk["ffn"]), None, 0.0
@@ -253,21 +261,22 @@ def block(blk: dict, x: torch.Tensor, bias, c: MoEConfig, ep_axis: str | None = 
 
 
 def loss(params: dict, batch, *, config: MoEConfig, ep_axis: str | None = None, aux: bool = False,
-         recompute: str = "none", weighted: bool = False, compile: bool = False):
+         recompute: str = "none", weighted: bool = False, compile: bool = False, tp_axis: str | None = None):
     """Next-token cross-entropy (+ aux_loss_coeff * balance loss) of ``batch``: tokens
     [B, T+1], or {"tokens": ..., "expert_bias": [n_moe_layers, E]} (``BATCH_AXES``: the bias is
     not per-example). The mean, or (``weighted``) ``hpf.weighted(sum, count)``, the balance loss
     weighted by this micro-batch's count. ``aux=True`` returns
     ``(loss, {"expert_counts": [n_moe_layers, E] float})``. ``recompute``: which blocks recompute
     their forward (and their all-to-alls) in backward; ``compile``: each block runs ``torch.compile``'d
-    (hpf.models.recompute)."""
+    (hpf.models.recompute); ``tp_axis``: the attention tensor parallel over it (``param_specs``;
+    the tp ranks of a group route the same tokens, so ``expert_counts`` sum tp copies of each)."""
     c = config
     tokens, bias = (batch["tokens"], batch.get("expert_bias")) if isinstance(batch, dict) else (batch, None)
     x = F.embedding(tokens[:, :-1], params["embed"])
     counts, balance = [], 0.0
-    for i, run in recompute_.each_block(params["blocks"], recompute, compile):
+    for i, run in recompute_.each_block(params["blocks"], recompute, compile, cache=tp_axis is None):
         moe_bias = None if bias is None or i < c.n_dense_layers else bias[i - c.n_dense_layers]
-        x, cnt, bal = run(block, x, moe_bias, c, ep_axis)
+        x, cnt, bal = run(block, x, moe_bias, c, ep_axis, None, tp_axis)
         balance = balance + bal
         if cnt is not None:
             counts.append(cnt)
@@ -289,12 +298,13 @@ BATCH_AXES = {"tokens": 0, "expert_bias": None}
 
 
 def loss_for(config: MoEConfig, ep_axis: str | None = None, aux: bool = False, recompute: str = "none",
-             weighted: bool = False, compile: bool = False):
+             weighted: bool = False, compile: bool = False, tp_axis: str | None = None):
     """``loss_fn(params, batch)`` for ``hpf.shard_step``; ``ep_axis``: the mesh axis experts are split
     over; ``recompute``: "none", "all" or "every_other" block recomputes its forward in backward;
-    ``weighted``: return ``hpf.weighted(sum, count)``; ``compile``: each block is ``torch.compile``'d."""
+    ``weighted``: return ``hpf.weighted(sum, count)``; ``compile``: each block is ``torch.compile``'d;
+    ``tp_axis``: the attention's heads split over that axis (``param_specs(..., tp_axis=)``)."""
     return functools.partial(loss, config=config, ep_axis=ep_axis, aux=aux, recompute=recompute_.check(recompute),
-                             weighted=weighted, compile=compile)
+                             weighted=weighted, compile=compile, tp_axis=tp_axis)
 
 
 # -- balancing --------------------------------------------------------------------------------------
@@ -346,20 +356,27 @@ def dispatch_bytes(config: MoEConfig, ep: int, tokens_per_rank: int, dtype_bytes
 
 
 # -- hpf simulate's hooks ---------------------------------------------------------------------------
-def unit_flops(config: MoEConfig, local_batch: int) -> dict[str, float]:
+def unit_flops(config: MoEConfig, local_batch: int, tp: int = 1) -> dict[str, float]:
     """Forward FLOPs per FSDP unit for ``local_batch`` sequences (backward counts twice these):
     attention's projections (2 x tokens x 4d^2) and QK^T, AV (4 x tokens x seq_len x d); a dense
     FFN's 3 matrices; in a MoE block the router, the ``top_k`` routed experts a token visits and
     the shared experts: the active params, not all of them. Under uniform routing expert
-    parallelism moves tokens, not FLOPs: each rank runs as many token-experts as it sends."""
+    parallelism moves tokens, not FLOPs: each rank runs as many token-experts as it sends. ``tp``:
+    a tensor-parallel rank's share, 1/tp of the attention (the FFNs run whole on each)."""
     c = config
     tokens = local_batch * c.seq_len
     d = c.d_model
-    attn = 2 * tokens * 4 * d * d + 4 * tokens * c.seq_len * d
+    attn = (2 * tokens * 4 * d * d + 4 * tokens * c.seq_len * d) / tp
     dense = 2 * tokens * 3 * d * c.d_ff
     moe = 2 * tokens * (d * c.n_experts + (c.top_k + c.n_shared) * 3 * d * c.d_expert)
     return {"<root>": 2.0 * tokens * d * c.vocab_size,
             **{f"blocks/{i}": float(attn + (dense if i < c.n_dense_layers else moe)) for i in range(c.n_layers)}}
+
+
+def unit_psums(config: MoEConfig, local_batch: int, dtype_bytes: int = 4) -> dict[str, tuple[int, ...]]:
+    """The bytes of each psum a tensor-parallel block runs in one pass (gpt.unit_psums): the
+    attention's, the residual stream [tokens, d_model]."""
+    return {f"blocks/{i}": (local_batch * config.seq_len * config.d_model * dtype_bytes,) for i in range(config.n_layers)}
 
 
 def unit_a2a(config: MoEConfig, local_batch: int, mesh, ep_axis: str | None = None,
@@ -373,18 +390,18 @@ def unit_a2a(config: MoEConfig, local_batch: int, mesh, ep_axis: str | None = No
     return {f"blocks/{i}": (nbytes, (ep_axis,)) for i in range(config.n_dense_layers, config.n_layers)}
 
 
-def activations(config: MoEConfig, local_batch: int, dtype_bytes: int = 4) -> recompute_.Activations:
+def activations(config: MoEConfig, local_batch: int, dtype_bytes: int = 4, tp: int = 1) -> recompute_.Activations:
     """What ``loss`` keeps for backward on ``local_batch`` sequences (hpf.memory's hook), under
     uniform routing (each rank's experts get as many token copies as it sends). Per block: both
     norms (6d + 2), q/k/v after RoPE, the attention output and its fp32 logsumexp per head; a
     dense FFN's SwiGLU (4 d_ff); a MoE FFN's fp32 router scores (and its fp32 input in a lower
     compute dtype), top-k ids and gates, the k token copies in, out and gated (3kd), the routed
     and shared SwiGLUs (4 d_expert per copy). Its backward holds about h + d more, h the
-    hidden width a token meets."""
+    hidden width a token meets. ``tp``: a tensor-parallel rank's, its heads' share of the attention."""
     c, b = config, dtype_bytes
     n = local_batch * c.seq_len
     d, k, de = c.d_model, c.top_k, c.d_expert
-    attn = 2 * recompute_.norm_bytes(d, b) + 4 * d * b + 4 * c.n_heads
+    attn = 2 * recompute_.norm_bytes(d, b) + (4 * d * b + 4 * c.n_heads) // tp
     dense = n * (attn + 4 * c.d_ff * b)
     routed = n * (attn + (3 * k * d + 4 * (k + c.n_shared) * de) * b + 4 * (c.n_experts + 2 * k + 1)
                   + (4 * d if b != 4 else 0) + 8 * 3 * k)

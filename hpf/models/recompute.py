@@ -31,23 +31,34 @@ def recomputes(i: int, recompute: str) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def compiled(fn: Callable) -> Callable:
+def compiled(fn: Callable, cache: bool = True) -> Callable:
     """``torch.compile(fn)``, once per process: a model's block compiled, torchtitan's habit (every
-    block has the same shapes, so one graph serves them all)."""
+    block has the same shapes, so one graph serves them all). ``cache=False``: without AOTAutograd's
+    on-disk cache: a tensor-parallel block (hpf collectives inside it, graph breaks around them)
+    loaded from that cache replays an output view with garbage sizes (torch 2.13: "invalid shape
+    dimension" on the second run of the same program), so it compiles afresh in each process."""
     import torch
-    return torch.compile(fn)
+    fast = torch.compile(fn)
+    if cache:
+        return fast
+    from torch._functorch import config
+
+    def uncached(*args):
+        with config.patch(enable_autograd_cache=False):
+            return fast(*args)
+    return uncached
 
 
-def each_block(blocks, recompute: str, compile: bool = False):
+def each_block(blocks, recompute: str, compile: bool = False, cache: bool = True):
     """Yields ``(i, run)`` per block, where ``run(fn, *args)`` is ``fn(block_i, *args)``,
-    checkpointed where ``recompute`` says so, and with ``fn`` compiled (``compiled``) if
-    ``compile``. A list of blocks (hpf.shard_step passes one) is
+    checkpointed where ``recompute`` says so, and with ``fn`` compiled (``compiled``, with
+    ``cache``) if ``compile``. A list of blocks (hpf.shard_step passes one) is
     indexed inside the checkpoint, so a recomputed block is gathered again for its backward
     instead of held by the checkpoint from forward to backward (hpf.shard_step frees it between).
     Any other iterable is iterated once, in order (a recomputed block is then held)."""
     def runner(i: int, read: Callable):
         def run(fn: Callable, *args):
-            fn = compiled(fn) if compile else fn
+            fn = compiled(fn, cache) if compile else fn
             if getattr(blocks, "rematerializes", False):  # hpf under grad="torch.func": keeps only args
                 return blocks.apply(i, fn, *args)
             if recomputes(i, recompute):

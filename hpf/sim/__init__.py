@@ -17,7 +17,7 @@ import functools
 import math
 from types import ModuleType
 
-from ..models import specs_for
+from ..models import layout, mesh_for
 from ..models.recompute import recomputes
 from ..planning import ROOT, plan as make_plan
 from ..mesh import Mesh
@@ -139,7 +139,7 @@ def _inputs(config, mesh, hw, strategy, *, local_batch=1, model="gpt", mixed_pre
     mod = _model(model)
     cfg_name = config if isinstance(config, str) else None
     cfg = mod.CONFIGS[config] if isinstance(config, str) else config
-    mesh = mesh if isinstance(mesh, Mesh) else Mesh(dict(mesh))
+    mesh = mesh if isinstance(mesh, Mesh) else mesh_for(dict(mesh))
     hw = hardware(hw) if isinstance(hw, str) else hw
     is_hpf = strategy in ("hpf", "hsdp")
     tiered = is_hpf and topology == "two-tier"
@@ -150,9 +150,11 @@ def _inputs(config, mesh, hw, strategy, *, local_batch=1, model="gpt", mixed_pre
     plan = plan_for(mod, cfg, mesh, fsdp_axes, ep_axis, strategy == "hsdp", bucket_bytes if tiered else 0,
                     slow)
     micro = local_batch // accumulate  # compute, all-to-alls and a calibrated shape are a micro-batch's
-    flops = mod.unit_flops(cfg, micro) if hasattr(mod, "unit_flops") else default_unit_flops(
-        plan, micro * getattr(cfg, "seq_len", 1))
+    tp = plan.compute_size  # > 1: tensor parallel, each rank computes 1/tp of a block (local_batch: per tp group)
+    flops = (mod.unit_flops(cfg, micro, **({"tp": tp} if tp > 1 else {})) if hasattr(mod, "unit_flops")
+             else default_unit_flops(plan, micro * getattr(cfg, "seq_len", 1)))
     a2a = mod.unit_a2a(cfg, micro, mesh, ep_axis, _BYTES[mixed_precision]) if hasattr(mod, "unit_a2a") else None
+    psums = mod.unit_psums(cfg, micro, _BYTES[mixed_precision]) if tp > 1 else None
     blocks = [u for u in plan.units if u != ROOT]
     opts = Options(strategy="hpf" if is_hpf else strategy, topology=tiered, hierarchical=tiered,
                    pipeline=pipeline, overlap_optimizer=overlap_optimizer,
@@ -162,24 +164,30 @@ def _inputs(config, mesh, hw, strategy, *, local_batch=1, model="gpt", mixed_pre
                    recompute=frozenset(u for i, u in enumerate(blocks) if is_hpf and recomputes(i, recompute)),
                    muon_s=muon_tax(plan, hw) if is_hpf and optimizer == "muon" else 0.0, resident_units=resident_units)
     measured = calibrated_compute(hw, mod, cfg_name, micro, mesh.size, mixed_precision) if cfg_name else None
-    tokens = local_batch * getattr(cfg, "seq_len", 1) * mesh.size
-    return plan, hw, opts, flops, dict(tokens=tokens, measured=measured, a2a=a2a)
+    if measured is not None and tp > 1:  # a calibrated block, its tp share by FLOPs (no calibration runs split)
+        whole = mod.unit_flops(cfg, micro) if hasattr(mod, "unit_flops") else None
+        share = sum(flops.values()) / sum(whole.values()) if whole else 1 / tp
+        measured = {**measured, "block_s": measured["block_s"] * share}
+    tokens = local_batch * getattr(cfg, "seq_len", 1) * mesh.size // tp
+    return plan, hw, opts, flops, dict(tokens=tokens, measured=measured, a2a=a2a, psums=psums)
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(mod: ModuleType, cfg, axes: tuple, fsdp_axes, ep_axis, hsdp: bool, bucket_bytes: int,
+def _plan(mod: ModuleType, cfg, axes: tuple, fast: tuple, fsdp_axes, ep_axis, hsdp: bool, bucket_bytes: int,
           slow: SlowPrecision | None):
-    mesh = Mesh(dict(axes))
-    specs = specs_for(mod, cfg, ep_axis, fsdp_axes or mesh.axis_names)
+    mesh = Mesh(dict(axes), fast_axes=fast)
+    specs, fsdp_axes = layout(mod, cfg, mesh.axis_names, fsdp_axes, ep_axis)
     return make_plan(mod.init(cfg, device="meta"), mesh, specs, fsdp_axes=fsdp_axes, hsdp=hsdp,
                      bucket_bytes=bucket_bytes, slow_precision=slow)  # (node-major: Topology's default)
 
 
 def plan_for(mod: ModuleType, cfg, mesh: Mesh, fsdp_axes=None, ep_axis: str | None = None,
              hsdp: bool = False, bucket_bytes: int = 0, slow: SlowPrecision | None = None):
-    """The plan hpf.shard_step makes for this model on ``mesh`` (the experts over ``ep_axis``), cached:
+    """The plan hpf.shard_step makes for this model on ``mesh`` (the experts over ``ep_axis``; a
+    ``tp`` axis: tensor parallel over it, hpf.models.layout), cached:
     a search simulates many candidates on few plans. Read it, do not change it."""
-    return _plan(mod, cfg, tuple(zip(mesh.axis_names, mesh.shape)), None if fsdp_axes is None else tuple(fsdp_axes),
+    return _plan(mod, cfg, tuple(zip(mesh.axis_names, mesh.shape)), mesh.fast_axes,
+                 None if fsdp_axes is None else tuple(fsdp_axes),
                  ep_axis, hsdp, bucket_bytes, slow)
 
 

@@ -129,7 +129,7 @@ class _Unit:
     gather_copy_s: float = 0.0  # FSDP2's copy-out of the gathered buffer into params
     reduce_copy_s: float = 0.0  # packing grads into the flat reduce buffer (both)
     full_grad_bytes: int = 0
-    a2a_s: float = 0.0  # per pass (forward, backward): blocking all-to-alls (MoE dispatch + combine)
+    a2a_s: float = 0.0  # per pass (forward, backward): blocking collectives (MoE dispatch + combine, TP psums)
     recompute: bool = False  # its forward runs again in backward (compute_floor counts it)
     issue_s: float = 0.0  # compute-thread seconds to issue one of its gathers or reductions (all buckets)
     land_s: float = 0.0  # compute-thread seconds when its reductions land (the gloo reduce-scatter's local sum)
@@ -138,7 +138,7 @@ class _Unit:
 
 # -- per-unit costs from the plan ----------------------------------------------------------------
 def _unit_costs(plan: Plan, hw: Hardware, opts: Options, flops: dict, measured: dict | None,
-                a2a: dict | None = None) -> list[_Unit]:
+                a2a: dict | None = None, psums: dict | None = None) -> list[_Unit]:
     mesh = plan.mesh
     world = mesh.size
     emu = Link(alpha=0.0, beta=opts.emulated_slow[1], latency=opts.emulated_slow[0]) if opts.emulated_slow else None
@@ -191,7 +191,8 @@ def _unit_costs(plan: Plan, hw: Hardware, opts: Options, flops: dict, measured: 
             update_s=numel * ADAMW_BYTES_PER_ELEMENT / hw.mem_bw,
             gather_copy_s=copy(sum(plan.buckets[bi].padded_numel for bi in unit.buckets) * opts.compute_bytes),
             reduce_copy_s=copy(full_grad), full_grad_bytes=full_grad, issue_s=issue, land_s=land,
-            a2a_s=_a2a_time(hw, opts, plan, *a2a[name]) if a2a and name in a2a else 0.0,
+            a2a_s=(_a2a_time(hw, opts, plan, *a2a[name]) if a2a and name in a2a else 0.0)
+            + sum(_psum_time(hw, opts, plan, n, plan.compute_axes) for n in (psums or {}).get(name, ())),
             recompute=name in opts.recompute,
             holds_grads=not all(_shared(plan, opts, b) for b in unit.buckets if not plan.buckets[b].frozen)))
     return units
@@ -209,6 +210,31 @@ def _a2a_time(hw: Hardware, opts: Options, plan: Plan, nbytes: int, axes: tuple[
     tier = "fast" if all(a in mesh.fast_axes for a in axes) else "slow"
     link = _fast_link(hw, opts, p, mesh.size) if tier == "fast" else hw.link("slow", p, mesh.size)
     return 2 * stage_time(link, p, (p - 1) / p * nbytes, "all_to_all")
+
+
+def _psum_time(hw: Hardware, opts: Options, plan: Plan, nbytes: int, axes: tuple[str, ...]) -> float:
+    """One blocking all-reduce of ``nbytes`` over ``axes`` (a tensor-parallel psum): a ring, 2(p-1)
+    steps, each rank sending 2(p-1)/p of the buffer."""
+    mesh = plan.mesh
+    p = mesh.axis_size(axes)
+    if p <= 1:
+        return 0.0
+    fast = all(a in mesh.fast_axes for a in axes)
+    link = _fast_link(hw, opts, p, mesh.size) if fast else hw.link("slow", p, mesh.size)
+    alpha, beta = link.figures("all_reduce")
+    return link.latency + 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes / beta
+
+
+def partial_sums_s(plan: Plan, hw: Hardware, opts: Options) -> float:
+    """The all-reduces, after every reduction landed, of the grad shards of params replicated over
+    non-FSDP axes (their grads are partial sums there: hpf.comm.collectives): one fused all-reduce
+    per group of axes (hpf.engine.reduce.sum_partials)."""
+    fused: dict[tuple, int] = {}
+    for b in plan.buckets:
+        axes = tuple(a for a in plan.compute_axes if a not in b.split_axes)
+        if axes and not b.frozen:
+            fused[axes] = fused.get(axes, 0) + b.shard_numel * opts.reduce_bytes
+    return sum(_psum_time(hw, opts, plan, n, axes) for axes, n in fused.items())
 
 
 def _dtype(nbytes: int):
@@ -450,13 +476,15 @@ class _InFlight:
         self.items.clear()
 
 
-def _hpf_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float, schedule: list[StepEvents]) -> None:
+def _hpf_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float, schedule: list[StepEvents],
+               partial_s: float = 0.0) -> None:
     """hpf.engine + ShardStep's phases, step after step, timing the engine's own schedule
     (``hpf_schedule``): gathers issued where the residency policy decides them; a unit's
     forward, recompute and backward wait for its gather; its grads packed once fewer than the
     in-flight bound of reductions hold memory (``to_wait``: the compute thread waits for the
     oldest), its reduction issued in the reduction order, overlapping the rest of backward
-    (pipeline) or waited at once; after they land, one all-reduce decides; then the units the
+    (pipeline) or waited at once; after they land (and ``partial_s``: the partial grads' sums over
+    non-FSDP axes, blocking), one all-reduce decides; then the units the
     next step reads first are updated and gathered while the rest update (``overlap_optimizer``)."""
     by = {u.name: u for u in units}
     live: dict[str, float] = {}
@@ -492,6 +520,7 @@ def _hpf_steps(units: list[_Unit], tl: _Timeline, opts: Options, norm_s: float, 
                 reductions.issue(u)
             elif e.kind == "reduced":
                 reductions.wait_all()
+                tl.wait_until(tl.t + partial_s)
         tl.sync(norm_s)  # the decision: one all-reduce
         tl.run(opts.muon_s, optimizer=True)  # Muon: pieces to owners, Newton-Schulz, pieces back
         first = set(step.next_first)
@@ -605,23 +634,25 @@ def _ddp_steps(units: list[_Unit], tl: _Timeline, opts: Options, plan: Plan, hw:
 
 
 def compute_floor(plan: Plan, hw: Hardware, opts: Options, unit_flops: dict[str, float], *, tokens: int = 0,
-                  measured: dict | None = None, a2a: dict | None = None) -> float:
+                  measured: dict | None = None, a2a: dict | None = None, psums: dict | None = None) -> float:
     """A lower bound of ``simulate_plan``'s step time: the work hpf's compute thread does alone
     (each micro-batch's forward, recompute and backward with their all-to-alls, the update),
     none of which a schedule overlaps or contention shortens."""
-    units = _unit_costs(plan, hw, opts, unit_flops, measured, a2a)
+    units = _unit_costs(plan, hw, opts, unit_flops, measured, a2a, psums)
     passes = sum(u.fwd_s * (1 + u.recompute) + u.bwd_s + u.a2a_s * (2 + u.recompute) for u in units)
     return opts.accumulate * passes + sum(u.update_s for u in units) + opts.muon_s
 
 
 def simulate_plan(plan: Plan, hw: Hardware, opts: Options, unit_flops: dict[str, float], *, tokens: int = 0,
-                  measured: dict | None = None, a2a: dict | None = None) -> SimResult:
+                  measured: dict | None = None, a2a: dict | None = None, psums: dict | None = None) -> SimResult:
     """Simulate steps of ``plan`` on ``hw``; ``unit_flops`` is the forward FLOPs per unit on one
     rank's local batch; ``measured`` replaces them with calibrated seconds per unit (the slowest
     rank's; its ``skew``: the mean rank's lead on that rank, a fraction of its time); ``a2a``:
-    unit -> (bytes one rank sends per all-to-all, mesh axes), for MoE dispatch and combine."""
+    unit -> (bytes one rank sends per all-to-all, mesh axes), for MoE dispatch and combine;
+    ``psums``: unit -> the bytes of each psum over the plan's non-FSDP axes in one pass (tensor
+    parallelism: forward and backward run them, blocking the compute thread)."""
     world = plan.mesh.size
-    units = _unit_costs(plan, hw, opts, unit_flops, measured, a2a)
+    units = _unit_costs(plan, hw, opts, unit_flops, measured, a2a, psums)
     norm = hw.link("slow", world, world)
     norm_s = 2 * ring_time(world, 8 * world, norm.alpha, norm.beta) + norm.latency if world > 1 else 0.0
     if opts.strategy not in ("hpf", "fsdp2", "ddp"):
@@ -630,7 +661,7 @@ def simulate_plan(plan: Plan, hw: Hardware, opts: Options, unit_flops: dict[str,
     def replay(history=(), **rank) -> _Timeline:
         tl = _Timeline(history, **rank)
         if opts.strategy == "hpf":
-            _hpf_steps(units, tl, opts, norm_s, hpf_schedule(plan, opts))
+            _hpf_steps(units, tl, opts, norm_s, hpf_schedule(plan, opts), partial_sums_s(plan, hw, opts))
         elif opts.strategy == "fsdp2":
             _fsdp2_steps(units, tl, opts, norm_s, hw.overhead(hw.fsdp2_unit_overhead_s, world),
                          run_ahead=not hw.shared_links)

@@ -153,6 +153,10 @@ class Propagator:
         """The layout entry over ``axis`` of hpf.{all_gather, all_to_all, psum}'s output, from its input's ``e``."""
         if call.op == "psum":
             return None, None
+        if call.op == "psum_scatter":  # summed, then split along dim: this rank's block
+            dim = collectives.normalize_dim(x, call.kwargs.get("dim", call.args[2] if len(call.args) > 2 else 0),
+                                            "psum_scatter", "dim")
+            return (dim, 0), f"hpf.psum_scatter over {axis!r} along dim {dim}"
         if call.op == "all_gather":
             dim = collectives.normalize_dim(x, call.kwargs.get("dim", call.args[2] if len(call.args) > 2 else 0),
                                             "all_gather", "dim")

@@ -603,8 +603,9 @@ def _sdpa(call, operands):
     return _align(operands, pairs)
 
 
-_COLLECTIVES = {collectives.psum: "psum", collectives.all_gather: "all_gather",
-                collectives.all_to_all: "all_to_all", collectives.axis_index: "axis_index"}
+_COLLECTIVES = {collectives.psum: "psum", collectives.psum_scatter: "psum_scatter",
+                collectives.all_gather: "all_gather", collectives.all_to_all: "all_to_all",
+                collectives.axis_index: "axis_index"}
 _REFLECTED = {"radd": "add", "rmul": "mul", "rsub": "rsub", "rtruediv": "rdiv", "rdiv": "rdiv", "rpow": "rpow",
               "rmatmul": "rmatmul", "rand": "and", "ror": "or", "rxor": "xor", "rfloordiv": "floor_divide",
               "rmod": "mod", "rlshift": "lshift", "rrshift": "rshift", "truediv": "true_divide",

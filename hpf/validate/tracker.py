@@ -255,7 +255,7 @@ class Tracker(TorchFunctionMode):
         for axis in axes:
             a = self.axes.index(axis)
             e = info.layout[a]
-            if e == PARTIAL and call.op != "psum":
+            if e == PARTIAL and call.op not in ("psum", "psum_scatter"):
                 raise PartialSumError(partial_msg(call, axis, info, a, f" (hpf.{call.op} moves blocks, it "
                                                                                  f"does not sum)"))
             if e is None:
