@@ -24,7 +24,7 @@ from .comm.schedule import LOG
 from .comm.world import default_device
 from .comm.collectives import SPMD, spmd
 from .comm.flat import BucketComm
-from .comm.tiered import TieredComm, Topology
+from .comm.tiered import TieredComm, Topology, step_plan
 from .comm.transport import UnitComm
 from .config import StepConfig
 from .decision import Decider, Decision
@@ -33,7 +33,7 @@ from .engine.compiled import compile_seconds
 from .launcher import init_distributed, is_launched
 from .mesh import Mesh, MeshError
 from .optim.base import EarlyUpdate, PartialUpdate, capabilities
-from .planning import Plan, plan as make_plan
+from .planning import Plan
 from .state_io import StateIO
 from .trace import span
 from .types import GATHER_STATS, StepStats, TrainState
@@ -577,11 +577,3 @@ def _born_sharded(params: Any, key):
                         "params tree; pass step.init(init_fn, key=key), or the params alone")
     from .sharded_init import trace_init
     return trace_init(params, key)
-
-
-def step_plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes=None, *,
-              topology: Topology | None = None, hsdp: bool = False, frozen=()) -> Plan:
-    """The plan :func:`hpf.shard_step` makes for these arguments (the CLI's ``hpf plan`` prints it):
-    :func:`hpf.plan` with ``topology``'s layout options. Raises as :func:`hpf.plan`."""
-    return make_plan(params, mesh, param_specs, fsdp_axes, hsdp=hsdp, frozen=frozen,
-                     **(topology.plan_options() if topology else {}))

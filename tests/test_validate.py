@@ -47,6 +47,30 @@ def test_plan_check_of_the_gpt_on_768_ranks():
     assert report.plan.mesh.size == 768 and report.unused == []
 
 
+def test_check_plan_checks_the_plan_the_step_makes_with_its_topology():
+    """One plan recipe: a topology that shapes the plan (shard order, bucket cap, a low-bit slow
+    tier) gives check_plan the plan shard_step makes, not the default one (issue 49)."""
+    from hpf.step import step_plan
+    config = gpt.CONFIGS["tiny"]
+    params, mesh = gpt.init(config, device="meta"), hpf.Mesh({"node": 2, "local": 2})
+    batch = torch.empty(1, config.seq_len + 1, dtype=torch.int64, device="meta")
+    topology = hpf.Topology(fast_major=True, bucket_bytes=4096, slow_grads="int8")
+
+    def layout(plan):
+        return [(b.unit, [s.path for s in b.slots], b.shard_numel, b.shard_order) for b in plan.buckets], plan.slow_precision
+    checked = check_plan(gpt.loss_for(config), params, mesh, batch, topology=topology).plan
+    assert layout(checked) == layout(step_plan(params, mesh, topology=topology))
+    assert layout(checked) != layout(check_plan(gpt.loss_for(config), params, mesh, batch).plan)
+
+
+def test_hpf_plan_check_checks_the_tensor_parallel_step(capsys):
+    """``hpf plan --mesh dp=2,tp=2 --check`` checks the tensor-parallel loss on the tp plan (the
+    psums seen, the loss replicated over tp), as hpf train runs it."""
+    from hpf.cli import main
+    assert main(["plan", "--config", "small", "--mesh", "dp=2,tp=2", "--check"]) == 0
+    assert "tp: replicated" in capsys.readouterr().out
+
+
 # ============================================================================ the fail-fast checks
 def test_the_checks_are_the_documented_error_classes():
     assert [c.__name__ for c in CHECKS] == [

@@ -8,7 +8,7 @@ import torch
 import hpf
 from hpf.cli.common import CliError, job_parsers, mesh_of, mesh_text, sharding_of, topology_of
 from hpf.cli.search import add_options as add_search_options, cmd_search
-from hpf.models import has_experts, model_config
+from hpf.models import TP_AXIS, has_experts, model_config
 from hpf.memory import predict, state_report
 from hpf.report import PlanReport, fixed, millions
 from hpf.step import step_plan
@@ -19,12 +19,17 @@ def plan_of(args, mesh: hpf.Mesh, fast_major: bool = False) -> hpf.Plan:
     """The plan shard_step makes for these arguments, from meta tensors (shapes only);
     ``fast_major``: with ``Topology(fast_major=True)``'s shard order."""
     module, config = model_config(args.model, args.config)
+    return step_plan(module.init(config, device="meta"), mesh, **plan_arguments(args, mesh, config, fast_major))
+
+
+def plan_arguments(args, mesh: hpf.Mesh, config, fast_major: bool = False) -> dict:
+    """shard_step's plan arguments for this job (sharding, topology, hsdp): ``hpf plan`` prints
+    and ``--check`` checks the plan of these."""
     topology = topology_of(args.topology, args.bucket_bytes, args.slow_precision)
     if fast_major:
         topology = dataclasses.replace(topology, fast_major=True)
-    return step_plan(module.init(config, device="meta"), mesh,
-                     **sharding_of(args.model, config, mesh, args.fsdp_axes, args.ep_axis),
-                     topology=topology, hsdp=args.hsdp)
+    return {**sharding_of(args.model, config, mesh, args.fsdp_axes, args.ep_axis), "topology": topology,
+            "hsdp": args.hsdp}
 
 
 def muon_by_order(args, mesh: hpf.Mesh, plan: hpf.Plan) -> str:
@@ -120,8 +125,9 @@ def cmd_plan(args) -> int:
                        "depends on values); validate it with hpf train --mode validate on a small mesh instead")
     if args.check:
         one_sequence = torch.empty(1, config.seq_len + 1, dtype=torch.int64, device="meta")
-        print(hpf.check_plan(module.loss_for(config), module.init(config, device="meta"), mesh, one_sequence,
-                             fsdp_axes=args.fsdp_axes, mixed_precision=args.mixed_precision))
+        loss_fn = module.loss_for(config, **({"tp_axis": TP_AXIS} if TP_AXIS in mesh.axis_names else {}))
+        print(hpf.check_plan(loss_fn, module.init(config, device="meta"), mesh, one_sequence,
+                             mixed_precision=args.mixed_precision, **plan_arguments(args, mesh, config)))
     return 0
 
 

@@ -32,14 +32,16 @@ from collections import Counter
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from hpf_kernels import payload_bytes
 
+from ..mesh import Mesh
 from ..planning import Plan, check_bucket_bytes
+from ..planning import plan as make_plan
 from ..trace import span
 from ..types import SlowPrecision
 from . import world
@@ -146,6 +148,15 @@ class Topology:
         if self.slow_weights is None and self.slow_grads is None and not self.slow_error_feedback:
             return None
         return SlowPrecision(self.slow_weights, self.slow_grads, self.slow_block, self.slow_error_feedback)
+
+
+def step_plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes=None, *,
+              topology: Topology | None = None, hsdp: bool = False, frozen=()) -> Plan:
+    """The plan :func:`hpf.shard_step` makes for these arguments, the one recipe that the step,
+    :func:`hpf.check_plan`, ``hpf plan`` and the simulator use: :func:`hpf.plan` with
+    ``topology``'s layout options. Raises as :func:`hpf.plan`."""
+    return make_plan(params, mesh, param_specs, fsdp_axes, hsdp=hsdp, frozen=frozen,
+                     **(topology.plan_options() if topology else {}))
 
 
 class _Handle:

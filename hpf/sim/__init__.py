@@ -19,7 +19,8 @@ from types import ModuleType
 
 from ..models import layout, mesh_for
 from ..models.recompute import recomputes
-from ..planning import ROOT, plan as make_plan
+from ..comm.tiered import Topology, step_plan
+from ..planning import ROOT
 from ..mesh import Mesh
 from ..types import SlowPrecision
 from .hardware import (PROFILES, Hardware, Link, compute_key, hardware, load_calibration, model_prefix,
@@ -177,8 +178,8 @@ def _plan(mod: ModuleType, cfg, axes: tuple, fast: tuple, fsdp_axes, ep_axis, hs
           slow: SlowPrecision | None):
     mesh = Mesh(dict(axes), fast_axes=fast)
     specs, fsdp_axes = layout(mod, cfg, mesh.axis_names, fsdp_axes, ep_axis)
-    return make_plan(mod.init(cfg, device="meta"), mesh, specs, fsdp_axes=fsdp_axes, hsdp=hsdp,
-                     bucket_bytes=bucket_bytes, slow_precision=slow)  # (node-major: Topology's default)
+    return step_plan(mod.init(cfg, device="meta"), mesh, specs, fsdp_axes, hsdp=hsdp,
+                     topology=Topology.with_slow(slow, bucket_bytes=bucket_bytes))  # (node-major: the default)
 
 
 def plan_for(mod: ModuleType, cfg, mesh: Mesh, fsdp_axes=None, ep_axis: str | None = None,

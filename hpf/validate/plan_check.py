@@ -10,7 +10,8 @@ import torch
 
 from ..comm.collectives import SPMD, spmd
 from ..mesh import Mesh
-from ..planning import Plan, plan as make_plan
+from ..comm.tiered import Topology, step_plan
+from ..planning import Plan
 from ..types import MixedPrecision
 from .errors import as_layout_errors
 from .layout import describe
@@ -38,7 +39,8 @@ class PlanCheck:
 
 def check_plan(loss_fn: Callable, params_meta: Any, mesh: Mesh, batch_meta: Any, *, param_specs: Any = None,
                fsdp_axes: Sequence[str] | None = None, rank: int = 0,
-               mixed_precision: MixedPrecision | str | None = None, backward: bool = True) -> PlanCheck:
+               mixed_precision: MixedPrecision | str | None = None, backward: bool = True,
+               topology: Topology | None = None, hsdp: bool = False, frozen=()) -> PlanCheck:
     """Check a plan at any scale in one process, starting nothing: validation mode for ``rank``'s
     view of a (virtual) ``mesh``, on meta tensors.
 
@@ -50,7 +52,8 @@ def check_plan(loss_fn: Callable, params_meta: Any, mesh: Mesh, batch_meta: Any,
         params_meta: the full params (meta tensors are enough).
         mesh: the mesh to check, of any size (no process group is needed).
         batch_meta: one rank's local batch (meta or real; it is moved to meta).
-        param_specs, fsdp_axes, mixed_precision: as for :func:`hpf.shard_step`.
+        param_specs, fsdp_axes, mixed_precision, topology, hsdp, frozen: as for
+            :func:`hpf.shard_step`: the plan checked is the one the step makes (one recipe).
         rank: whose view of the mesh to check.
         backward: also run backward (lists params the loss does not use).
 
@@ -68,7 +71,7 @@ def check_plan(loss_fn: Callable, params_meta: Any, mesh: Mesh, batch_meta: Any,
     if not 0 <= rank < mesh.size:
         raise ValueError(f"check_plan: rank={rank} is outside {mesh} ({mesh.size} ranks)")
     with as_layout_errors("check_plan"):
-        plan = make_plan(params_meta, mesh, param_specs, fsdp_axes)
+        plan = step_plan(params_meta, mesh, param_specs, fsdp_axes, topology=topology, hsdp=hsdp, frozen=frozen)
     cdt = mixed_precision.compute_dtype if mixed_precision else None
     tracker = Tracker(mesh, plan.fsdp_axes, cdt, check_finite=False)
     local = {p: torch.empty(s.local_shape, dtype=cdt or s.dtype, device="meta", requires_grad=True)
