@@ -196,17 +196,15 @@ def _qk_pieces(muon, plan: Plan, rank: int) -> list[tuple[int, slice, tuple, int
     check_qk_heads(muon.qk_heads, {path: s.global_shape for path, s in plan.slots.items()})
     out = []
     for b in plan.buckets:
-        lo, hi = b.shard_range(plan.shard_index(b, rank))
         for slot in b.slots:
             if slot.path not in muon.qk_heads:
                 continue
             if tuple(slot.local_shape) != tuple(slot.global_shape):
                 raise ValueError(f"muon(qk_clip=...): {slot.path!r} is split over the non-FSDP axes "
                                  f"{tuple(plan.compute_axes)}; QK-Clip needs whole q/k weights per shard group")
-            start, stop = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
-            if start < stop:
-                out.append((b.index, slice(start - lo, stop - lo), tuple(slot.global_shape), start - slot.offset,
-                            muon.qk_heads[slot.path]))
+            piece = b.local_range(slot, plan.shard_index(b, rank))
+            if piece.numel:
+                out.append((b.index, piece.held, tuple(slot.global_shape), piece.param.start, muon.qk_heads[slot.path]))
     return out
 
 
