@@ -24,9 +24,9 @@ its own gathered buffer in the params' dtype, and its grads go straight to its g
 Reductions: the engine frees each one's flat grad buffer (and gloo's receive buffer beside it on
 CPU ranks: ``reduce_copies`` 2) when it lands, and before it takes a unit's flat grads it waits
 for the oldest until fewer than ``IN_FLIGHT`` are in flight (hpf.engine.reduce). So whatever the
-link, at most ``IN_FLIGHT`` reductions hold memory at once, the unit summed next included, and
-the model counts the ``IN_FLIGHT`` largest of those issued, for the flat and the two-tier
-collectives alike. The shared-memory fast tier (CPU ranks of one host) keeps every bucket's full
+link, at most ``IN_FLIGHT`` reductions hold memory at once, the unit summed next included; the
+model keeps the same window with the engine's own rule (``to_wait``) over the replayed
+reductions, assuming none lands sooner, for the flat and the two-tier collectives alike. The shared-memory fast tier (CPU ranks of one host) keeps every bucket's full
 buffer in one segment per host and every rank's grad row for good. Gradient accumulation keeps
 every bucket's summed grads between micro-batches.
 """
@@ -37,8 +37,8 @@ import os
 from dataclasses import dataclass
 
 from .comm.cost import dtype_bytes
-from .engine.reduce import IN_FLIGHT
-from .engine.replay import loop_reads, replay
+from .engine.reduce import to_wait
+from .engine.replay import ScheduleInputs, whole_in
 from .models.recompute import Activations, recomputes
 from .planning import ROOT, Plan
 from .report import PlanReport, size
@@ -98,17 +98,20 @@ def step_memory(report: PlanReport, plan: Plan, acts: Activations | None, *, com
         fast = plan.mesh.axis_size(plan.mesh.fast_axes)
         state["shared memory"] = sum(u["gathered"] for u in units.values()) // fast + flats
     gathered = (lambda *us: 0) if comm == "shm" else (lambda *us: sum(u["gathered"] for u in us))
-    held = (lambda done: 0) if comm == "shm" else (  # reductions still holding memory: IN_FLIGHT of those issued
-        lambda done: reduce_copies * sum(sorted((u["flat"] for u in done), reverse=True)[:IN_FLIGHT]))
+    held = (lambda flats: 0) if comm == "shm" else (lambda flats: reduce_copies * sum(flats))  # reductions in flight
     if acts is None:
         acts = Activations(((0, 0, 0),) * len(blocks), 0, 0)
-    moments = _moments(plan, root, blocks, acts, gathered, held, resident_units, recompute)
+    names = [u for u in plan.units if u != ROOT]
+    inputs = ScheduleInputs.of(  # what the engine keeps gathered for good: shared memory, or held whole
+        plan, lambda b: comm == "shm" or whole_in(plan.buckets[b], dtype_bytes(compute_dtype or plan.buckets[b].dtype)),
+        resident_units=resident_units, recompute={u for k, u in enumerate(names) if recomputes(k, recompute)})
+    moments = _moments(plan, root, blocks, acts, gathered, held, inputs, recompute)
     moments.append(("init", {"init temporaries": temporary_bytes(plan)}))
     when, parts = max(moments, key=lambda m: sum(m[1].values()))
     return StepMemory({**state, **parts}, when)
 
 
-def _moments(plan: Plan, root: dict, blocks: list[dict], acts: Activations, gathered, held, resident_units: int,
+def _moments(plan: Plan, root: dict, blocks: list[dict], acts: Activations, gathered, held, inputs: ScheduleInputs,
              recompute: str) -> list[tuple[str, dict]]:
     """The step's moments (the module doc) along the engine's own schedule of one step
     (hpf.engine.replay): what is gathered and which reductions were issued at each."""
@@ -120,9 +123,8 @@ def _moments(plan: Plan, root: dict, blocks: list[dict], acts: Activations, gath
 
     def gathered_with(resident):  # the root and the blocks gathered then
         return gathered(root, *(blocks[index[u]] for u in resident))
-    (step,) = replay(list(plan.units), {ROOT}, loop_reads(list(plan.units)), list(plan.units),
-                     capacity=resident_units, recompute={u for k, u in enumerate(names) if recomputes(k, recompute)})
-    moments, issued = [], []
+    (step,) = inputs.replay()
+    moments, in_flight = [], []  # the flat grads of the reductions in flight, oldest first
     for e in step.events:
         if e.kind == "loss":
             moments.append(("the start of backward", {
@@ -134,11 +136,12 @@ def _moments(plan: Plan, root: dict, blocks: list[dict], acts: Activations, gath
                 "gathered": gathered_with(e.resident),
                 "activations": sum(kept[:k]) + saved[k] + acts.blocks[k][2],
                 "param grads": root["grads"] + blocks[k]["grads"],
-                "reductions": held(issued)}))
-        elif e.kind == "reduce":
-            issued.append(units[e.unit])
+                "reductions": held(in_flight)}))
+        elif e.kind == "reduce":  # the engine's in-flight bound first, then the issue (hpf.engine.reduce)
+            del in_flight[:to_wait([flat > 0 for flat in in_flight])]
+            in_flight.append(units[e.unit]["flat"])
     return moments + [("the end of backward", {"gathered": gathered_with(()), "param grads": root["grads"],
-                                               "reductions": held(issued)})]
+                                               "reductions": held(in_flight)})]
 
 
 def predict(module, config, plan: Plan, report: PlanReport, *, local_batch: int, mixed_precision=None,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .comm.cost import TIERS, bucket_comm_bytes, codec_bytes, dtype_bytes, feedback_numel
-from .engine.replay import loop_reads, replay
+from .engine.replay import ScheduleInputs
 from .planning import OPS
 from .sharded_init import temporary_bytes
 from .tree import ROOT
@@ -62,7 +62,7 @@ class PlanReport:
         unit stays gathered through the step (a shared-memory fast tier)."""
         mesh = plan.mesh
         units = list(plan.units)  # each unit's gathers in a step: the engine's schedule (hpf.engine.replay)
-        (step,) = replay(units, {ROOT} if regather else set(units), loop_reads(units), units, capacity=resident_units)
+        (step,) = ScheduleInputs.of(plan, lambda b: not regather, resident_units=resident_units).replay()
         gathers_of = Counter(e.unit for e in step.events if e.kind == "gather")
         params = grads = opt = padded_total = full = 0
         unit_bytes: dict[str, int] = {}

@@ -19,7 +19,7 @@ from ..tree import ROOT
 from .reduce import issuable, reduction_order
 from .residency import Actions, Residency
 
-__all__ = ["Event", "StepEvents", "replay", "loop_reads", "pinned_units"]
+__all__ = ["Event", "StepEvents", "ScheduleInputs", "replay", "loop_reads", "pinned_units", "whole_in"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,43 @@ def loop_reads(units: list[str]) -> list[list[str]]:
     """The reads of a loop-style loss function (hpf.models'): each block once, in tree order
     (the root's params are taken at the start, not read as a unit)."""
     return [[u] for u in units if u != ROOT]
+
+
+def whole_in(bucket, compute_bytes: int) -> bool:
+    """Whether every rank holds ``bucket`` whole in the compute dtype (a bucket no FSDP axis
+    splits, tensor parallel alone, kept in the bytes per element compute runs in): its master
+    shard is its gathered buffer, so it is gathered for good (hpf.engine.gather's ``kept``)."""
+    return bucket.shard_size == 1 and bucket.dtype.itemsize == compute_bytes
+
+
+@dataclass(frozen=True)
+class ScheduleInputs:
+    """What the schedule of a loop-style step depends on, made once from a plan (``of``) and read
+    by hpf.sim, hpf.memory and the plan report, so none derives its own: the units in tree
+    order, those never evicted, those with grads, and the step's options."""
+
+    units: tuple[str, ...]
+    pinned: frozenset
+    trained: tuple[str, ...]
+    capacity: int = 2
+    recompute: frozenset = frozenset()
+    accumulate: int = 1
+
+    @classmethod
+    def of(cls, plan, kept: Callable[[int], bool], *, resident_units: int = 2, recompute=frozenset(),
+           accumulate: int = 1) -> "ScheduleInputs":
+        """``plan``'s inputs; ``kept(bucket index)``: whether that bucket stays gathered for good
+        (``whole_in``, or in shared memory), as the engine decides it for its pinned units."""
+        units = list(plan.units)
+        return cls(tuple(units), frozenset(pinned_units({u: plan.units[u].buckets for u in units}, kept)),
+                   tuple(u for u in units if any(not plan.buckets[b].frozen for b in plan.units[u].buckets)),
+                   resident_units, frozenset(recompute), accumulate)
+
+    def replay(self, steps: int = 1) -> list[StepEvents]:
+        """``steps`` steps of the engine on these inputs (``replay``)."""
+        units = list(self.units)
+        return replay(units, set(self.pinned), loop_reads(units), list(self.trained), capacity=self.capacity,
+                      recompute=self.recompute, accumulate=self.accumulate, steps=steps)
 
 
 def pinned_units(units: dict[str, list[int]], kept: Callable[[int], bool]) -> set[str]:

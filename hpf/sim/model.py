@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from ..planning import ROOT, Plan
 from ..comm.cost import bucket_comm_bytes, codec_bytes, collective_bytes, dtype_bytes
 from ..engine.reduce import to_wait
-from ..engine.replay import StepEvents, loop_reads, pinned_units, replay
+from ..engine.replay import ScheduleInputs, StepEvents, whole_in
 from .hardware import Hardware, Link
 
 __all__ = ["ring_time", "allreduce_time", "two_tier_time", "Options", "SimResult", "simulate_plan",
@@ -426,13 +426,9 @@ def hpf_schedule(plan: Plan, opts: Options) -> list[StepEvents]:
     """The engine's schedule of ``opts.steps`` steps of ``plan`` for a loop-style loss function:
     hpf.engine's residency and reduction policies replayed on its reads (hpf.engine.replay)."""
     def kept(b: int) -> bool:  # gathered for good: whole in the compute dtype, or the shared-memory fast tier
-        bucket = plan.buckets[b]
-        return (bucket.shard_size == 1 and dtype_bytes(bucket.dtype) == opts.compute_bytes) or _shared(plan, opts, b)
-    units = list(plan.units)
-    pinned = pinned_units({u: plan.units[u].buckets for u in units}, kept)
-    trained = [u for u in units if any(not plan.buckets[b].frozen for b in plan.units[u].buckets)]
-    return replay(units, pinned, loop_reads(units), trained, capacity=opts.resident_units, recompute=opts.recompute,
-                  accumulate=opts.accumulate, steps=opts.steps)
+        return whole_in(plan.buckets[b], opts.compute_bytes) or _shared(plan, opts, b)
+    return ScheduleInputs.of(plan, kept, resident_units=opts.resident_units, recompute=opts.recompute,
+                             accumulate=opts.accumulate).replay(opts.steps)
 
 
 def _shared(plan: Plan, opts: Options, b: int) -> bool:
