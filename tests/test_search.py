@@ -13,6 +13,7 @@ import torch
 
 import hpf
 from hpf import memory, search, sim
+from hpf.report import PlanReport
 from hpf.engine.reduce import IN_FLIGHT
 from hpf.cli.job import run_keys
 from hpf.models import gpt, llama, moe
@@ -91,6 +92,20 @@ def _memory(config="small", ranks=4, local_batch=4, **kw):
     plan = sim.plan_for(gpt, cfg, hpf.Mesh({"dp": ranks}))
     report = memory.state_report(plan, kw.get("mixed_precision"))[0]
     return memory.predict(gpt, cfg, plan, report, local_batch=local_batch, **kw), plan, report
+
+
+def test_memory_counts_the_reductions_the_engines_in_flight_bound_keeps():
+    """The engine waits for the oldest reduction before it issues one past the bound (to_wait),
+    so a big block reduced first no longer holds memory two reductions later: by blocks/0's
+    backward only blocks/2's and blocks/1's flat grads are in flight, and the peak is at
+    blocks/1's (the model counted the largest ever issued, and put a 32 MB higher peak at blocks/0)."""
+    sizes = [10_000_000, 1_000_000, 1_000_000, 5_000_000]  # blocks/3, issued first, is the big one
+    params = {"embed": torch.empty(100, device="meta"), "blocks": [{"w": torch.empty(n, device="meta")} for n in sizes]}
+    plan = hpf.plan(params, hpf.Mesh({"dp": 2}))
+    peak = memory.step_memory(PlanReport.of(plan), plan, None, comm="flat")
+    flat = {b.unit: b.padded_numel * 4 for b in plan.buckets}
+    assert peak.when == "the backward of blocks/1"
+    assert peak.parts["reductions"] == 2 * (flat["blocks/3"] + flat["blocks/2"])  # gloo: a receive buffer beside each
 
 
 def test_memory_terms_follow_the_engine():
