@@ -17,7 +17,7 @@ def _params():
 
 
 @pytest.mark.parametrize("axes", [{"dp": 3}, {"node": 2, "local": 2}, {"dp": 4}])
-def test_local_ranges_tile_every_param_exactly(axes):
+def test_local_pieces_tile_every_param_exactly(axes):
     """Each shard's pieces, put where ``param`` says, rebuild every param's flat from the full
     buffer: no element lost, none held twice; the shard side indexes the rank's shard."""
     params = _params()

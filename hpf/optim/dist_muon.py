@@ -202,7 +202,7 @@ def _qk_pieces(muon, plan: Plan, rank: int) -> list[tuple[int, slice, tuple, int
             if tuple(slot.local_shape) != tuple(slot.global_shape):
                 raise ValueError(f"muon(qk_clip=...): {slot.path!r} is split over the non-FSDP axes "
                                  f"{tuple(plan.compute_axes)}; QK-Clip needs whole q/k weights per shard group")
-            piece = b.local_range(slot, plan.shard_index(b, rank))
+            piece = b.local_piece(slot, plan.shard_index(b, rank))
             if piece.numel:
                 out.append((b.index, piece.held, tuple(slot.global_shape), piece.param.start, muon.qk_heads[slot.path]))
     return out
