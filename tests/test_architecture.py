@@ -129,6 +129,33 @@ def test_the_size_scan_finds_a_long_function_inside_a_class():
     assert oversized(f"class A:\n    def f(self):\n{body}\n") == ["f (61 lines)"]
 
 
+def package_code(source: str) -> list[str]:
+    """What a package file holds besides its docstring, imports, ``__all__`` and a lazy
+    ``__getattr__`` (re-exports): the names of its other top-level statements."""
+    import ast
+    out = []
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):  # the docstring
+            continue
+        if isinstance(node, ast.Assign) and [getattr(t, "id", "") for t in node.targets] in (["__all__"], ["_LAZY"]):
+            continue
+        if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
+            continue
+        out.append(getattr(node, "name", None) or ast.unparse(node).split("\n")[0][:40])
+    return out
+
+
+def test_subpackage_files_only_re_export():
+    """A package file says what the package is and re-exports its names; the code lives in the
+    modules named for it (hpf/__init__.py, the public surface, is the exception)."""
+    found = {str(p.relative_to(ROOT)): (len(p.read_text().splitlines()), package_code(p.read_text()))
+             for p in sorted([*(ROOT / "hpf").glob("*/__init__.py"), ROOT / "hpf_kernels" / "__init__.py"])}
+    assert {f: v for f, v in found.items() if v[0] >= 40 or v[1]} == {}
+    assert package_code("import x\nSIZE = 2\ndef f(): pass\n") == ["SIZE = 2", "f"]
+
+
 def test_models_never_import_validation_code():
     """Models run validation mode's checks by name (hpf.comm.collectives.run_check), so the
     dependency points from validate to models' hooks, never from models to validate."""

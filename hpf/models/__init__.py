@@ -6,101 +6,12 @@ A model with experts (``moe``) also provides ``param_specs(config, ep_axis, data
 ``dispatch_bytes`` (its all-to-all bytes, for ``hpf plan``) and ``Balancer`` (loop state that
 rides in each batch and moves by ``metrics["aux"]``); its ``loss_for`` takes ``ep_axis, aux``.
 Synthetic token batches (``gpt.synthetic_batches``) fit any config with ``vocab_size`` and
-``seq_len``."""
-import dataclasses
+``seq_len``.
 
-from hpf.mesh import Mesh
+The registry of models and their layouts is registry.py; this file only re-exports."""
 from hpf.models import gpt, llama, moe
+from hpf.models.registry import (MODELS, TP_AXIS, carve_tp, data_axes, has_experts, layout, mesh_for, model_config,
+                                 specs_for, tp_sizes)
 
 __all__ = ["gpt", "llama", "moe", "MODELS", "model_config", "has_experts", "specs_for", "TP_AXIS", "data_axes",
            "layout", "mesh_for", "carve_tp", "tp_sizes"]
-
-#: The models by name: what `hpf train --model` picks.
-MODELS = {"gpt": gpt, "llama": llama, "moe": moe}
-
-
-def model_config(model: str, config: str, vocab_size: int | None = None):
-    """(model module, config) for a model name and a config name, or a ValueError saying which
-    exist. ``vocab_size`` replaces the config's (a token folder's vocab, ``hpf train --data``)."""
-    if model not in MODELS:
-        raise ValueError(f"model {model!r} is not one of {', '.join(MODELS)}")
-    module = MODELS[model]
-    if config not in module.CONFIGS:
-        raise ValueError(f"config {config!r} is not a {model} config; pick one of {', '.join(module.CONFIGS)}")
-    found = module.CONFIGS[config]
-    return module, (dataclasses.replace(found, vocab_size=vocab_size) if vocab_size else found)
-
-
-TP_AXIS = "tp"  # a mesh axis of this name runs the models tensor parallel (hpf train --mesh dp=2,tp=2)
-
-
-def has_experts(module) -> bool:
-    """Whether a model module places experts on an expert-parallel axis (its ``EXPERTS``)."""
-    return getattr(module, "EXPERTS", False)
-
-
-def data_axes(axis_names) -> tuple[str, ...]:
-    """The axes that split the data: every axis but the tensor-parallel one."""
-    return tuple(a for a in axis_names if a != TP_AXIS)
-
-
-def specs_for(module, config, ep_axis: str | None, data_axes, tp_axis: str | None = None) -> object:
-    """shard_step's ``param_specs`` for a model: its experts on ``ep_axis``, its blocks tensor
-    parallel over ``tp_axis`` (a model with experts: its attention), or None (every param sharded
-    over the FSDP axes ``data_axes``).
-
-    Raises:
-        ValueError: ``ep_axis`` for a model that has no experts."""
-    if tp_axis is not None and not has_experts(module):
-        if ep_axis is not None:
-            specs_for(module, config, ep_axis, data_axes)  # (raises: no experts)
-        return module.param_specs(config, tp_axis, tuple(data_axes))
-    if tp_axis is not None:
-        return module.param_specs(config, ep_axis, tuple(data_axes), tp_axis=tp_axis)
-    if not has_experts(module):
-        if ep_axis is not None:
-            name = getattr(module, "__name__", str(module)).rpartition(".")[2]
-            raise ValueError(f"ep_axis={ep_axis!r}: model {name} has no experts; use the moe model")
-        return None
-    return module.param_specs(config, ep_axis, tuple(data_axes))
-
-
-def layout(module, config, axis_names, fsdp_axes=None, ep_axis: str | None = None) -> tuple[object, tuple | None]:
-    """(param_specs, fsdp_axes) of shard_step for a built-in model on a mesh of ``axis_names``: an
-    axis named ``TP_AXIS`` runs it tensor parallel, FSDP over the others (``fsdp_axes`` default: the
-    data axes); with ``ep_axis`` too for a model with experts. Raises as ``specs_for``."""
-    if TP_AXIS in axis_names:
-        data = tuple(fsdp_axes or data_axes(axis_names))
-        return specs_for(module, config, ep_axis, data, TP_AXIS), data
-    return specs_for(module, config, ep_axis, fsdp_axes or axis_names), fsdp_axes
-
-
-def mesh_for(axes: dict[str, int]) -> Mesh:
-    """The Mesh of ``axes`` (outer to inner) as hpf train and the plan search build it: the fast tier
-    is the last axis, and a last axis ``TP_AXIS`` below two others shares it with the axis before
-    (node=2,local=2,tp=2: local and tp in the fast tier, tensor parallelism inside a host)."""
-    names = list(axes)
-    fast = names[-2:] if len(names) >= 3 and names[-1] == TP_AXIS else names[-1:]
-    return Mesh(dict(axes), fast_axes=fast)
-
-
-def carve_tp(mesh: Mesh, tp: int) -> Mesh:
-    """``mesh`` with a ``TP_AXIS`` of ``tp`` ranks split off its last axis (``mesh_for``'s tiers);
-    itself for ``tp`` 1."""
-    if tp == 1:
-        return mesh
-    *outer, (last, n) = zip(mesh.axis_names, mesh.shape)
-    if n % tp:
-        raise ValueError(f"tp={tp} does not divide the last axis {last}={n} of {mesh}")
-    return mesh_for({**dict(outer), **({last: n // tp} if n > tp or not outer else {}), TP_AXIS: tp})
-
-
-def tp_sizes(module, config, mesh: Mesh) -> list[int]:
-    """The tensor-parallel sizes a plan search may carve off ``mesh``'s last axis for this model: 1,
-    and the divisors of that axis that divide the heads (key heads too) and the MLP, for a model with
-    ``param_specs`` and no experts, on a mesh with no ``TP_AXIS`` yet."""
-    if TP_AXIS in mesh.axis_names or has_experts(module) or not hasattr(module, "param_specs"):
-        return [1]
-    heads = [getattr(config, k) for k in ("n_heads", "n_kv_heads", "d_ff") if getattr(config, k, None)]
-    n = mesh.shape[-1]
-    return [k for k in range(1, n + 1) if not n % k and all(h % k == 0 for h in heads)]
