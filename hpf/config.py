@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .comm.tiered import Topology
+from .engine.residency import RESIDENT_UNITS
 from .losses import LossScale
 from .mesh import Mesh, as_axes
 from .optim.base import Optimizer, undeclared
@@ -94,7 +95,7 @@ class StepConfig:
     accumulate: int = 1
     batch_axes: Any = None
     loss_scale: Any = "auto"
-    resident_units: int = 2
+    resident_units: int = RESIDENT_UNITS
     frozen: Any = None
     quantization_tolerance: float | None = None
 

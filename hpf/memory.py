@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from .comm.cost import dtype_bytes
 from .engine.reduce import to_wait
 from .engine.replay import ScheduleInputs, whole_in
+from .engine.residency import RESIDENT_UNITS
 from .models.recompute import Activations, recomputes
 from .planning import ROOT, Plan
 from .report import PlanReport, size
@@ -69,7 +70,7 @@ class StepMemory:
 
 def step_memory(report: PlanReport, plan: Plan, acts: Activations | None, *, compute_dtype=None,
                 reduce_dtype=None, recompute: str = "none", accumulate: int = 1, comm: str = "flat",
-                reduce_copies: int = 2, resident_units: int = 2) -> StepMemory:
+                reduce_copies: int = 2, resident_units: int = RESIDENT_UNITS) -> StepMemory:
     """The peak per rank of a step of ``plan`` (see the module doc). ``report``: its plan report
     (the state: shards, grad shards, optimizer state); ``acts``: the model's activations on one
     micro-batch (None: not counted); ``compute_dtype``/``reduce_dtype``: the mixed precision's
@@ -146,7 +147,7 @@ def _moments(plan: Plan, root: dict, blocks: list[dict], acts: Activations, gath
 
 def predict(module, config, plan: Plan, report: PlanReport, *, local_batch: int, mixed_precision=None,
             recompute: str = "none", accumulate: int = 1, topology: str = "two-tier", cpu: bool = True,
-            resident_units: int = 2) -> StepMemory:
+            resident_units: int = RESIDENT_UNITS) -> StepMemory:
     """The peak per rank of a job: ``module`` (an hpf.models module; its ``activations`` hook, if
     it has one) at ``local_batch`` sequences per rank in ``accumulate`` micro-batches, on
     ``plan`` (its ``report`` from :func:`state_report`), with hpf train's ``topology`` ("flat" or

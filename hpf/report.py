@@ -12,6 +12,7 @@ import torch
 
 from .comm.cost import TIERS, bucket_comm_bytes, codec_bytes, dtype_bytes, feedback_numel
 from .engine.replay import ScheduleInputs
+from .engine.residency import RESIDENT_UNITS
 from .planning import OPS
 from .sharded_init import temporary_bytes
 from .tree import ROOT
@@ -55,7 +56,7 @@ class PlanReport:
     @classmethod
     def of(cls, plan, *, compute_dtype: torch.dtype | None = None, master_dtype: torch.dtype | None = None,
            reduce_dtype: torch.dtype | None = None, optimizer_states: int = 2,
-           hierarchical: bool = False, regather: bool = True, resident_units: int = 2) -> "PlanReport":
+           hierarchical: bool = False, regather: bool = True, resident_units: int = RESIDENT_UNITS) -> "PlanReport":
         """``plan``: an hpf.Plan. A loop-style loss function is assumed, and the engine's
         schedule for it (hpf.engine.replay): backward re-gathers every block but the last
         ``resident_units``, which are still gathered when it starts; ``regather=False``: every

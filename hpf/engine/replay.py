@@ -17,7 +17,7 @@ from typing import Callable
 
 from ..tree import ROOT
 from .reduce import issuable, reduction_order
-from .residency import Actions, Residency
+from .residency import RESIDENT_UNITS, Actions, Residency
 
 __all__ = ["Event", "StepEvents", "ScheduleInputs", "replay", "loop_reads", "pinned_units", "whole_in"]
 
@@ -84,12 +84,12 @@ class ScheduleInputs:
     units: tuple[str, ...]
     pinned: frozenset
     trained: tuple[str, ...]
-    capacity: int = 2
+    capacity: int = RESIDENT_UNITS
     recompute: frozenset = frozenset()
     accumulate: int = 1
 
     @classmethod
-    def of(cls, plan, kept: Callable[[int], bool], *, resident_units: int = 2, recompute=frozenset(),
+    def of(cls, plan, kept: Callable[[int], bool], *, resident_units: int = RESIDENT_UNITS, recompute=frozenset(),
            accumulate: int = 1) -> "ScheduleInputs":
         """``plan``'s inputs; ``kept(bucket index)``: whether that bucket stays gathered for good
         (``whole_in``, or in shared memory), as the engine decides it for its pinned units."""
@@ -112,7 +112,7 @@ def pinned_units(units: dict[str, list[int]], kept: Callable[[int], bool]) -> se
     return {u for u, bs in units.items() if u == ROOT or all(kept(b) for b in bs)}
 
 
-def replay(units: list[str], pinned: set[str], reads: list[list[str]], trained: list[str], *, capacity: int = 2,
+def replay(units: list[str], pinned: set[str], reads: list[list[str]], trained: list[str], *, capacity: int = RESIDENT_UNITS,
            recompute=frozenset(), accumulate: int = 1, steps: int = 1) -> list[StepEvents]:
     """``steps`` steps of the engine on a loss function that makes ``reads`` (per read, the
     units it reads: the owners of its tied leaves, then itself) in each of ``accumulate``

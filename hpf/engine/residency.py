@@ -22,7 +22,11 @@ from dataclasses import dataclass, field
 
 from .unit_state import UnitState
 
-__all__ = ["Residency", "Actions"]
+__all__ = ["Residency", "Actions", "RESIDENT_UNITS"]
+
+#: the default residency bound: block units gathered at once (hpf.StepConfig's ``resident_units``):
+#: a loop-style loss function's current block and the prefetched next one
+RESIDENT_UNITS = 2
 
 
 @dataclass
@@ -38,7 +42,7 @@ class Actions:
 class Residency:
     """The residency policy of one step at a time over ``units``, in tree order (see the module doc)."""
 
-    def __init__(self, units: list[UnitState], capacity: int = 2):
+    def __init__(self, units: list[UnitState], capacity: int = RESIDENT_UNITS):
         if capacity < 1:
             raise ValueError(f"capacity={capacity}: at least one unit must fit (the one being read)")
         self.by_name = {u.name: u for u in units}
@@ -53,7 +57,7 @@ class Residency:
         self.first = order[:1]  # the first read, as predicted
 
     @classmethod
-    def of(cls, units: list[str], pinned: set[str], capacity: int = 2) -> "Residency":
+    def of(cls, units: list[str], pinned: set[str], capacity: int = RESIDENT_UNITS) -> "Residency":
         """The policy over bare unit states named ``units`` (hpf.engine.replay's, and tests')."""
         return cls([UnitState(u, pinned=u in pinned) for u in units], capacity)
 

@@ -30,7 +30,7 @@ from .compiled import hide_from_compiler, refused_fullgraph
 from .entry import Recompute, entry, rematerialized
 from .gather import MemoryStats, Gatherer, Waits
 from .reduce import Reducer
-from .residency import Residency
+from .residency import RESIDENT_UNITS, Residency
 from .unit_state import Phase
 from .views import ParamsView
 
@@ -60,7 +60,7 @@ class UnitEngine:
     """
 
     def __init__(self, plan: Plan, comm, compute_dtype: torch.dtype | None, device: torch.device, *,
-                 pipeline: bool = True, capacity: int = 2, compute_sums=(),
+                 pipeline: bool = True, capacity: int = RESIDENT_UNITS, compute_sums=(),
                  on_extra_gather: Callable[[str, str], None] | None = None, rematerialize: bool = False):
         self.plan, self.comm, self.device = plan, comm, device
         self.units = list(plan.units)

@@ -30,6 +30,7 @@ from ..planning import ROOT, Plan
 from ..comm.cost import bucket_comm_bytes, codec_bytes, collective_bytes, dtype_bytes
 from ..engine.reduce import to_wait
 from ..engine.replay import ScheduleInputs, StepEvents, whole_in
+from ..engine.residency import RESIDENT_UNITS
 from .hardware import Hardware, Link
 
 __all__ = ["ring_time", "allreduce_time", "two_tier_time", "Options", "SimResult", "simulate_plan",
@@ -87,7 +88,7 @@ class Options:
     accumulate: int = 1  # hpf: micro-batches per step (each gathers again; one reduction, after the last)
     recompute: frozenset = frozenset()  # hpf: units that recompute their forward in backward (checkpointed)
     muon_s: float = 0.0  # hpf: distributed Muon's tax after the decision (hpf.sim.muon_tax); 0: AdamW
-    resident_units: int = 2  # hpf: the residency bound (hpf.StepConfig's)
+    resident_units: int = RESIDENT_UNITS  # hpf: the residency bound (hpf.StepConfig's)
 
 
 @dataclass

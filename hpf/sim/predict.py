@@ -16,6 +16,7 @@ from ..types import SlowPrecision
 from .hardware import (PROFILES, Hardware, Link, compute_key, hardware, load_calibration, model_prefix,
                        parse_compute_key)
 from ..engine.replay import StepEvents
+from ..engine.residency import RESIDENT_UNITS
 from .model import (Options, SimResult, allreduce_time, compute_floor as model_floor, default_unit_flops, hpf_schedule,
                     ring_time, simulate_plan, two_tier_time)
 
@@ -117,7 +118,7 @@ def _muon_work_of(plan, muon) -> tuple:
 def _inputs(config, mesh, hw, strategy, *, local_batch=1, model="gpt", mixed_precision=None, topology="two-tier",
             fsdp_axes=None, pipeline=True, overlap_optimizer=True, emulated_slow=None, shm=None, steps=3,
             ep_axis=None, bucket_bytes=0, slow_precision=None, accumulate=1, recompute="none", optimizer="adamw",
-            resident_units=2):
+            resident_units=RESIDENT_UNITS):
     """simulate_plan's arguments for simulate's (see there)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy {strategy!r}: use one of {STRATEGIES}")
