@@ -51,6 +51,10 @@ def rank_main(rank: int, config_name: str, rounds: int, root: str):
     params = gpt.init(config)
     step = hpf.shard_step(gpt.loss_for(config), mesh=hpf.Mesh({"dp": WORLD}), optimizer=hpf.optim.adamw())
     state = step.init(params)
+
+    def restore(path):  # restore donates the state it restores into: go on with the one it returns
+        nonlocal state
+        state = step.restore(path, state)[0]
     model = fsdp2_gpt(params, config, (WORLD,))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     for p in model.parameters():  # materialize AdamW's moments, as hpf's exist from init
@@ -70,7 +74,7 @@ def rank_main(rank: int, config_name: str, rounds: int, root: str):
     # one untimed save and restore of each first: the process's first DCP save pays one-off costs
     # (thread pools, planner caches, first writes) that would land on whichever contender goes first
     step.save(state, f"{root}/warm_hpf")
-    step.restore(f"{root}/warm_hpf", state)
+    restore(f"{root}/warm_hpf")
     dcp.save(fsdp2_sd(), checkpoint_id=f"{root}/warm_fsdp2")
     dcp.load(fsdp2_sd(), checkpoint_id=f"{root}/warm_fsdp2")
     dist.barrier()
@@ -84,12 +88,12 @@ def rank_main(rank: int, config_name: str, rounds: int, root: str):
                 vars(checkpoint).update(plain)
                 try:
                     times["hpf save, no checksums"].append(_timed(lambda: step.save(state, path)))
-                    times["hpf restore, no checksums"].append(_timed(lambda: step.restore(path, state)))
+                    times["hpf restore, no checksums"].append(_timed(lambda: restore(path)))
                 finally:
                     vars(checkpoint).update(checked)
             elif name == "hpf":
                 times["hpf save"].append(_timed(lambda: step.save(state, path)))
-                times["hpf restore"].append(_timed(lambda: step.restore(path, state)))
+                times["hpf restore"].append(_timed(lambda: restore(path)))
                 t = time.perf_counter()
                 step.save(state, path + "_async", async_save=True)
                 times["hpf async exposed"].append(time.perf_counter() - t)
