@@ -36,6 +36,7 @@ from .models.recompute import RECOMPUTE
 from .sim import Hardware, SimResult
 from .types import SlowPrecision
 from .errors import NoFeasiblePlan
+from .jobspec import inputs, searched
 
 __all__ = ["Candidate", "Ranked", "SearchResult", "search", "candidates", "simulate", "DIMENSIONS",
            "NoFeasiblePlan", "load", "SAME_WITHIN", "prefer_simpler"]
@@ -45,20 +46,19 @@ MiB = 2**20
 
 @dataclass(frozen=True)
 class Candidate:
-    """One point of the search space. The fields are named as ``hpf train``'s options, so a
-    candidate is also the options that run it. A new dimension is a field here with the value that
-    means "as before", its values in ``DIMENSIONS``, and what it sets in :meth:`step_args` and
-    :meth:`sim_args`."""
+    """One point of the search space: ``tp`` and the searched options of the job, each declared (with
+    its default, the value that means "as before") in hpf.jobspec. A new dimension is a field here,
+    its values in ``DIMENSIONS``, and, where shard_step takes it, what it sets in :meth:`step_args`."""
 
     tp: int = 1  # tensor-parallel ranks split off the mesh's last axis (hpf.models.carve_tp); 1: none
-    topology: str = "two-tier"  # "two-tier" (hpf.Topology) or "flat" (one collective over all ranks)
-    hsdp: bool = False  # shard over the fast tier only, replicate across the slow one
-    ep_axis: str | None = None  # MoE: the data axis experts are split over
-    bucket_bytes: int = 0  # two-tier: the cap on one fused collective (0: a bucket per unit)
-    mixed_precision: str | None = None  # None (fp32) or "bf16"
-    recompute: str = "none"  # activation checkpointing: "none", "every_other" or "all" blocks
-    accumulate: int = 1  # micro-batches per step
-    slow_precision: str | None = None  # two-tier: the low-bit slow tier, "W,G" as --slow-precision (None: off)
+    topology: str = searched("topology")
+    hsdp: bool = searched("hsdp")
+    ep_axis: str | None = searched("ep_axis")
+    bucket_bytes: int = searched("bucket_bytes")
+    mixed_precision: str | None = searched("mixed_precision")
+    recompute: str = searched("recompute")
+    accumulate: int = searched("accumulate")
+    slow_precision: str | None = searched("slow_precision")
 
     def changes(self) -> int:
         """How many options differ from the defaults, the measure of simpler in a tie; precision
@@ -109,9 +109,7 @@ class Candidate:
 
     def sim_args(self) -> dict[str, Any]:
         """The keyword arguments of ``hpf.sim.simulate``."""
-        return {"strategy": "hsdp" if self.hsdp else "hpf", "topology": self.topology, "ep_axis": self.ep_axis,
-                "bucket_bytes": self.bucket_bytes, "mixed_precision": self.mixed_precision,
-                "recompute": self.recompute, "accumulate": self.accumulate, "slow_precision": self.slow_precision}
+        return {"strategy": "hsdp" if self.hsdp else "hpf", **inputs(self, "sim")}
 
 
 def _layouts(job: "_Job", c: Candidate) -> list[tuple[str, bool]]:
@@ -432,9 +430,8 @@ def _price(job: _Job, config: str, c: Candidate) -> Ranked:
         job.reports[key] = (plan, memory.state_report(plan, c.mixed_precision, job.optimizer,
                                                       hierarchical=c.topology == "two-tier")[0])
     plan, report = job.reports[key]
-    mem = memory.predict(job.module, job.config, plan, report, local_batch=local_batch,
-                         mixed_precision=c.mixed_precision, recompute=c.recompute, accumulate=c.accumulate,
-                         topology=c.topology, cpu=job.hw.shared_links)
+    mem = memory.predict(job.module, job.config, plan, report, local_batch=local_batch, cpu=job.hw.shared_links,
+                         **inputs(c, "memory"))
     floor = sim.compute_floor(config, mesh, job.hw, local_batch=local_batch, model=job.model,
                               optimizer=job.optimizer, **c.sim_args())
     return Ranked(c, mem, floor)

@@ -185,7 +185,7 @@ LAYERS = [
                           "hpf.config", "hpf.sharded_init")),
     ("the step", ("hpf.step", "hpf.state_io", "hpf.checkpoint", "hpf.func", "hpf.memory", "hpf.validate", "hpf.api",
                   "hpf.module")),
-    ("tools", ("hpf.sim", "hpf.search", "hpf.cli", "hpf.__main__")),
+    ("tools", ("hpf.jobspec", "hpf.sim", "hpf.search", "hpf.cli", "hpf.__main__")),
 ]
 
 

@@ -95,15 +95,17 @@ def test_each_checkpoint_is_announced_and_the_summary_lists_the_newest(finished)
 
 
 def test_every_train_option_is_a_flag_and_a_run_records_it():
-    """TrainJob declares each option once, with what --resume does with it: each is a flag of
+    """hpf.jobspec declares each option once, with what --resume does with it: each is a flag of
     `hpf train`, and a run's run.json (options_of) records each, so a resume can keep or refuse it."""
+    from hpf import jobspec
     from hpf.cli import build_parser, run_folder
-    from hpf.cli.job import FIXED, INHERITED, train_options
 
     train = build_parser("train")
     args = train.parse_args(["train", "--mesh", "dp=2"])
     flags = {a.dest for a in train._subparsers._group_actions[0].choices["train"]._actions}
-    assert set(train_options()) <= flags, set(train_options()) - flags
-    assert set(train_options(FIXED)) | set(train_options(INHERITED)) == set(train_options())
-    assert {"lr", "steps", "data"} <= set(train_options(FIXED)) and "compile" in train_options(INHERITED)
-    assert set(run_folder.options_of(args)) == {"mesh", *train_options()}, run_folder.options_of(args)
+    options = set(jobspec.defaults("train"))
+    assert options <= flags, options - flags
+    assert set(jobspec.resumed(jobspec.FIXED)) | set(jobspec.resumed(jobspec.INHERITED)) == set(jobspec.resumed())
+    assert set(jobspec.resumed()) == options
+    assert {"lr", "steps", "data"} <= set(jobspec.resumed(jobspec.FIXED)) and "compile" in jobspec.resumed(jobspec.INHERITED)
+    assert set(run_folder.options_of(args)) == {"mesh", *options}, run_folder.options_of(args)

@@ -8,7 +8,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from hpf.cli.common import CliError, positive, write_atomic
+from hpf.cli.common import CliError, write_atomic
+from hpf.jobspec import positive
 
 
 def _shape(text: str) -> tuple[str, str, int]:

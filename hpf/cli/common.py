@@ -3,7 +3,6 @@ options that describe a job (config, mesh, precision, topology, optimizer)."""
 from __future__ import annotations
 
 import argparse
-import math
 import os
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import hpf
 from hpf.cli.command import CliError, Parser
 from hpf.launcher import is_launched, world_size
 from hpf.models import MODELS, TP_AXIS, data_axes, has_experts, mesh_for, specs_for
-from hpf.types import PRECISIONS
+from hpf.jobspec import add_arguments, positive
 
 DEFAULT_MESH = {"node": 2, "local": 2}  # 2 "hosts" x 2 local ranks: exercises both tiers
 
@@ -34,13 +33,6 @@ def parse_mesh(text: str) -> dict[str, int]:
     return axes
 
 
-def axes_list(text: str) -> tuple[str, ...]:
-    axes = tuple(a.strip() for a in text.split(",") if a.strip())
-    if not axes:
-        raise argparse.ArgumentTypeError("give mesh axis names separated by commas, e.g. node,local")
-    return axes
-
-
 def write_atomic(path: Path, text: str) -> None:
     """Write ``path`` whole or not at all: a temporary file beside it, then a rename, so an
     interrupted write (Ctrl-C, a kill) never leaves an empty or partial file at ``path``."""
@@ -50,22 +42,6 @@ def write_atomic(path: Path, text: str) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-
-
-def positive(kind, least=None):
-    """An argparse type: a finite number > 0 (or >= ``least``)."""
-    def check(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
-        if value <= 0 if least is None else value < least:
-            raise argparse.ArgumentTypeError(f"{text!r} must be " + ("positive" if least is None else f">= {least}"))
-        return value
-    return check
-
 
 
 # ------------------------------------------------------------------ shared: mesh and optional parts
@@ -123,20 +99,6 @@ def check_ep_axis(model: str, ep_axis: str | None) -> None:
         raise CliError(f"--ep-axis {ep_axis}: --model {model} has no experts; use --model moe")
 
 
-def slow_precision(text: str) -> str:
-    """``--slow-precision W[,G[,ef]]``: "int8" (both sides), "int8,int4", "none,int8,ef" -> "W,G,ef" (checked);
-    "auto": the plan search chooses (see :func:`only_searched`)."""
-    from hpf.types import SlowPrecision
-
-    if text == "auto":
-        return text
-    try:
-        slow = SlowPrecision.parse(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return slow.text() if slow else "none,none"
-
-
 def only_searched(slow: str | None) -> None:
     """``--slow-precision auto`` outside a plan search: a one-line error."""
     if slow == "auto":
@@ -161,42 +123,14 @@ def topology_of(name: str, bucket_bytes: int = 0, slow: str | None = None) -> hp
     return hpf.Topology.with_slow(low, bucket_bytes=bucket_bytes)
 
 
-def job_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
-    """The parent parsers: the job (train, plan, simulate) and the optimizer (train, plan, simulate)."""
+def job_parser(command: str, *, resumable: bool = False, own: dict[str, dict] | None = None) -> Parser:
+    """The parent parser of ``command`` (train, plan, simulate): the mesh, then the options hpf.jobspec
+    declares for it (their defaults, help and types are there; ``own``: see add_arguments)."""
     job = Parser(add_help=False)
-    job.add_argument("--model", choices=sorted(MODELS), default="gpt",
-                     help="the pure-function model from hpf.models (default: gpt)")
-    job.add_argument("--config", choices=sorted(set().union(*(m.CONFIGS for m in MODELS.values()))), default="tiny",
-                     help="a config of --model, from hpf.models.<model>.CONFIGS (default: tiny)")
     job.add_argument("--world-size", type=positive(int), metavar="N",
                      help="number of ranks; alone it gives a 1-D mesh dp=N (default: 4 as node=2,local=2)")
     job.add_argument("--mesh", type=parse_mesh, metavar="AXES",
                      help="named mesh axes, outer to inner; the last one is the fast tier (default: "
                           "node=2,local=2; under torchrun node=<machines>,local=<ranks per machine>)")
-    job.add_argument("--fsdp-axes", type=axes_list, metavar="AXES",
-                     help="axes params are sharded and gathered over, e.g. local (default: all)")
-    job.add_argument("--mixed-precision", choices=sorted(PRECISIONS),
-                     help="compute dtype, with fp32 master shards and fp32 grad reduction (default: off)")
-    job.add_argument("--topology", choices=("two-tier", "flat"), default="two-tier",
-                     help="two-tier: fast-tier collectives first (shared memory between local CPU ranks), "
-                          "1/fast-size of the bytes over the slow tier, reductions overlapping backward; "
-                          "flat: one collective over all ranks (default: two-tier)")
-    job.add_argument("--slow-precision", type=slow_precision, metavar="W[,G[,ef]]",
-                     help="a low-bit slow tier: the format weights are gathered in and grads exchanged in across the "
-                          "slow tier (W: bf16, fp8, int8; G: also int4; none: full precision; W alone sets both), "
-                          "block-quantized with fp32 masters and fp32 sums; ef: grad error feedback (default: off); auto: "
-                          "with hpf plan --search or hpf train --plan auto, the search tries int8 and int8,int4 too "
-                          "(lossy: off unless asked) (default: none)")
-    job.add_argument("--ep-axis", metavar="AXIS",
-                     help="--model moe: the data axis experts are split over (expert parallelism); dense params "
-                          "still shard over every FSDP axis, experts over the others (default: none)")
-    job.add_argument("--hsdp", action="store_true",
-                     help="shard params within the fast tier only and replicate them across the slow tier")
-    job.add_argument("--bucket-bytes", type=positive(int, least=0), default=0, metavar="BYTES",
-                     help="two-tier: split each unit into fused collectives of at most this many bytes, so one's slow "
-                          "stage overlaps the next one's fast stage (default: 0, one per unit)")
-    optimizer = Parser(add_help=False)  # train, plan (its state and owners), simulate (Muon's tax)
-    optimizer.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
-                           help="muon: Muon for weight matrices (one momentum each; owners balanced by "
-                                "Newton-Schulz FLOPs), AdamW for embeddings, head and vectors (default: adamw)")
-    return job, optimizer
+    add_arguments(job, command, resumable=resumable, own=own)
+    return job

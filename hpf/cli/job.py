@@ -23,6 +23,7 @@ from hpf.checks import finite_or_none
 from hpf.comm import world as comm_world
 from hpf.cli.common import CliError, sharding_of, topology_of
 from hpf.comm.world import default_device
+from hpf.jobspec import JobSpec
 from hpf.models import TP_AXIS, data_axes, gpt, mesh_for, model_config
 from hpf.optim.muon_math import qk_clip_factors
 from hpf.optim.lr_schedules import Schedule
@@ -35,59 +36,20 @@ from hpf.progress import Progress
 TRAIN_DEFAULTS = {"tiny": (1e-2, 0.02, 0), "small": (3e-3, 0.02, 20), "medium": (6e-4, 0.02, 100),
                   "1b": (3e-4, 0.02, 200)}
 STEP_METRICS = ("loss", "grad_norm", "skipped", "step_s", "comm_wait_s", "optimizer_s", "compile_s")  # from shard_step's metrics
-BATCH_SIZE = 32  # hpf train's global batch, in sequences, when --batch-size is not given
 EVAL_BATCHES = 4  # held-out batches (of --batch-size sequences) per evaluation, the same ones each time
 
 
-FIXED, INHERITED = "fixed", "inherited"
-
-
-def _option(resume: str, default=dataclasses.MISSING):
-    """A field set from the ``hpf train`` flag of the same name. ``resume`` says what --resume
-    does with it: FIXED (what the run computes) keeps run.json's value and refuses another, but
-    --steps, which may extend the run; INHERITED (how it runs) takes run.json's unless given again."""
-    return dataclasses.field(default=default, metadata={"resume": resume})
-
-
 @dataclass(frozen=True, kw_only=True)
-class TrainJob:
-    """Everything a rank needs; plain data, so it travels to forked ranks unchanged. The one
-    declaration of ``hpf train``'s options besides their flags (``train_options``)."""
+class TrainJob(JobSpec):
+    """Everything a rank needs: the job's options (hpf.jobspec declares each, with its flag) and what
+    the driver settled; plain data, so it travels to forked ranks unchanged."""
 
-    config: str = _option(FIXED)
     axes: dict  # the mesh's axes (--mesh, --world-size: a resumed run inherits the mesh)
-    fsdp_axes: tuple | None = _option(INHERITED)
-    optimizer: str = _option(FIXED)
-    lr: float = _option(FIXED)
-    steps: int = _option(FIXED)
-    batch_size: int = _option(FIXED)
-    mode: str = _option(INHERITED)
-    seed: int = _option(FIXED)
-    mixed_precision: str | None = _option(INHERITED)
-    topology: str = _option(INHERITED)
-    hsdp: bool = _option(INHERITED)
     metrics_path: str
-    warmup: int = _option(FIXED, 0)
-    model: str = _option(FIXED, "gpt")
-    schedule: str = _option(FIXED, "constant")
-    data: str | None = _option(FIXED, None)  # a folder `hpf prepare` wrote; None: the synthetic Markov source
     vocab_size: int | None = None  # the data's (meta.json)
-    eval_every: int = _option(INHERITED, 0)
-    save_every: int = _option(INHERITED, 0)
-    keep_last: int = _option(INHERITED, 3)
     resume: str | None = None  # a checkpoint folder, resolved by the driver
-    accumulate: int = _option(INHERITED, 1)  # micro-batches per step (gradient accumulation)
     trace_dir: str | None = None  # --trace: Chrome traces of a few steps, one per rank and a merged one
-    ep_axis: str | None = _option(INHERITED, None)  # the mesh axis experts are split over (moe)
     tensorboard: str | None = None  # --tensorboard: the event folder rank 0 writes the metrics to
-    recompute: str = _option(INHERITED, "none")  # blocks that run their forward again in backward
-    compile: bool = _option(INHERITED, False)  # each block torch.compile'd
-    sequence_parallel: bool = _option(INHERITED, False)  # with a tp axis: norms and residual split along the sequence
-    bucket_bytes: int = _option(INHERITED, 0)  # two-tier's cap on one fused collective
-    slow_precision: str | None = _option(INHERITED, None)  # "W,G" of the low-bit slow tier
-    ns_variant: str = _option(FIXED, "standard")  # Muon's Newton-Schulz iteration
-    qk_clip: float | None = _option(FIXED, None)  # Muon's QK-Clip threshold
-    dropout: float = _option(FIXED, 0.0)  # the models' dropout, masks from per-example keys (run_keys)
     stop_at: float | None = None  # --timeout: the wall-clock time (time.time()) after which the run stops cleanly
 
     def model_config(self):
@@ -117,12 +79,6 @@ class TrainJob:
     @property
     def checkpoints(self) -> Path:
         return Path(self.metrics_path).parent / "checkpoints"
-
-
-def train_options(resume: str | None = None) -> tuple[str, ...]:
-    """The ``TrainJob`` fields set from flags of the same name (``resume``: only FIXED or INHERITED ones)."""
-    return tuple(f.name for f in dataclasses.fields(TrainJob)
-                 if f.metadata.get("resume") and resume in (None, f.metadata["resume"]))
 
 
 def defaults(config: str) -> tuple[float, float, int]:

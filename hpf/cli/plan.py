@@ -6,13 +6,20 @@ import dataclasses
 import torch
 
 import hpf
-from hpf.cli.common import CliError, job_parsers, mesh_of, mesh_text, sharding_of, topology_of
+from hpf.cli.common import CliError, job_parser, mesh_of, mesh_text, sharding_of, topology_of
+from hpf.jobspec import inputs
 from hpf.cli.search import add_options as add_search_options, cmd_search
 from hpf.models import TP_AXIS, has_experts, model_config
 from hpf.memory import predict, state_report
 from hpf.report import PlanReport, fixed, millions
 from hpf.step import step_plan
 from hpf.types import MixedPrecision
+
+
+# hpf plan's --batch-size: the batch the search searches for, else the one the predicted peak assumes
+BATCH_SIZE_FLAG = dict(default=None, shown="one per rank", help="the global batch in sequences, split evenly over the "
+                       "ranks that read data (a tensor-parallel group reads one share): the one --search searches "
+                       "for, else the one the predicted peak assumes")
 
 
 def plan_of(args, mesh: hpf.Mesh, fast_major: bool = False) -> hpf.Plan:
@@ -81,8 +88,7 @@ def peak_line(module, config, plan: hpf.Plan, report: PlanReport, args) -> str:
     """hpf.memory's predicted peak per rank for this job run here (CPU ranks without an accelerator)."""
     readers, batch = readers_batch(args, plan)
     cpu = not torch.accelerator.is_available()
-    mem = predict(module, config, plan, report, local_batch=batch // readers, mixed_precision=args.mixed_precision,
-                  topology=args.topology, cpu=cpu)
+    mem = predict(module, config, plan, report, local_batch=batch // readers, cpu=cpu, **inputs(args, "memory"))
     return (f"predicted peak per rank, global batch {batch} ({batch // readers} sequences per "
             f"{'tp group' if plan.compute_size > 1 else 'rank'}), on {'CPU' if cpu else 'accelerator'} ranks: "
             f"{mem.format()}")
@@ -133,7 +139,7 @@ def cmd_plan(args) -> int:
 
 def add_parser(sub, help_: str):
     plan = sub.add_parser(
-        "plan", parents=job_parsers(), help=help_,
+        "plan", parents=[job_parser("plan", own={"batch_size": BATCH_SIZE_FLAG})], help=help_,
         description="Print the plan report of a GPT config on a virtual mesh of any size, from meta "
                     "tensors; starts no process. Example: hpf plan --config 1b --mesh node=96,local=8 "
                     "(also how to size a config too big to train here)")

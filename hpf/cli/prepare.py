@@ -5,7 +5,8 @@ import time
 from pathlib import Path
 
 from hpf import data as token_data
-from hpf.cli.common import CliError, positive
+from hpf.cli.common import CliError
+from hpf.jobspec import positive
 
 
 def cmd_prepare(args) -> int:

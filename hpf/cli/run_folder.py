@@ -10,14 +10,13 @@ import socket
 from pathlib import Path
 
 from hpf import checkpoint
-from hpf.cli import job
+from hpf import jobspec
 from hpf.cli.common import CliError, write_atomic
-from hpf.cli.job import train_options
 
 RUN_FILE = "run.json"
-# What --resume does with each option: hpf.cli.job's TrainJob declares it (the mesh is inherited).
-FIXED = train_options(job.FIXED)
-INHERITED = ("mesh",) + train_options(job.INHERITED)
+# What --resume does with each option: hpf.jobspec declares it (the mesh is inherited).
+FIXED = jobspec.resumed(jobspec.FIXED)
+INHERITED = ("mesh",) + jobspec.resumed(jobspec.INHERITED)
 OPTIONS = FIXED + INHERITED
 
 

@@ -9,7 +9,8 @@ import re
 import statistics
 
 from hpf import memory, search
-from hpf.cli.common import CliError, mesh_text, positive
+from hpf.cli.common import CliError, mesh_text
+from hpf.jobspec import positive
 from hpf.cli.machine import HELP, hardware_of
 from hpf.search import Candidate
 from hpf.types import SlowPrecision
@@ -91,10 +92,6 @@ def add_options(parser, *, train: bool) -> None:
     parser.add_argument("--hardware", metavar="NAME|FILE",
                         help="what hpf.sim prices the candidates on: " + HELP)
     if not train:
-        parser.add_argument("--batch-size", type=positive(int), metavar="B",
-                            help="the global batch in sequences, split evenly over the ranks that read data (a "
-                                 "tensor-parallel group reads one share): the one --search searches for, else the "
-                                 "one the predicted peak assumes (default: one per rank)")
         parser.add_argument("--save", metavar="FILE",
                             help="with --search: write the result as JSON for hpf train --plan FILE")
 

@@ -5,7 +5,8 @@ import sys
 from pathlib import Path
 
 from hpf import sim
-from hpf.cli.common import CliError, check_ep_axis, only_searched, job_parsers, mesh_of, positive
+from hpf.cli.common import CliError, check_ep_axis, only_searched, job_parser, mesh_of
+from hpf.jobspec import inputs, positive
 from hpf.cli.machine import HELP, hardware_of
 from hpf.models import model_config
 from hpf.plots import missing_matplotlib
@@ -13,7 +14,7 @@ from hpf.plots import missing_matplotlib
 
 def add_parser(sub, help_: str):
     simulate = sub.add_parser(
-        "simulate", parents=job_parsers(), help=help_,
+        "simulate", parents=[job_parser("simulate")], help=help_,
         description="Predict step time, exposed communication and tokens/s of hpf, FSDP2 and Megatron DDP from "
                     "the plan alone (hpf.sim: alpha-beta links per tier, the step's schedule as an event "
                     "simulation). Example: hpf simulate --config 1b --mesh node=48,local=16 --hardware "
@@ -39,10 +40,8 @@ def cmd_simulate(args) -> int:
         raise CliError(str(e)) from None
     check_ep_axis(args.model, args.ep_axis)
     only_searched(args.slow_precision)
-    kw = dict(local_batch=args.local_batch, mixed_precision=args.mixed_precision, topology=args.topology,
-              bucket_bytes=args.bucket_bytes, slow_precision=args.slow_precision,
-              fsdp_axes=args.fsdp_axes, pipeline=not args.no_pipeline, model=args.model, ep_axis=args.ep_axis,
-              optimizer=args.optimizer)
+    kw = dict(local_batch=args.local_batch, fsdp_axes=args.fsdp_axes, pipeline=not args.no_pipeline,
+              model=args.model, optimizer=args.optimizer, **inputs(args, "sim"))
     # Megatron DDP keeps full replicas: no baseline for a model whose experts only fit split
     strategies = ("hsdp" if args.hsdp else "hpf", "fsdp2") + (() if args.ep_axis else ("ddp",))
     if args.plot and not args.sweep:

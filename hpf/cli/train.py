@@ -21,18 +21,16 @@ import hpf
 from hpf import checkpoint
 from hpf.checks import NonFiniteError
 from hpf import data as token_data
-from hpf.api import STEPS
 from hpf.cli import run_folder
-from hpf.cli.common import CliError, job_parsers, mesh_of, mesh_text, positive
-from hpf.cli.job import (BATCH_SIZE, EVAL_BATCHES, TRAIN_DEFAULTS, TrainJob, defaults, make_step, read_metrics,
-                         train_options, train_rank)
+from hpf import jobspec
+from hpf.cli.common import CliError, job_parser, mesh_of, mesh_text
+from hpf.jobspec import positive
+from hpf.cli.job import EVAL_BATCHES, TRAIN_DEFAULTS, TrainJob, defaults, make_step, read_metrics, train_rank
 from hpf.cli.plan import plan_of, report_of
 from hpf.cli.search import add_options as add_search_options, apply_plan, check_plan_flags, check_prediction
 from hpf.launcher import Terminated, init_distributed, is_launched, launch, rank, shutdown, world_size
 from hpf.memory import machine_memory, predict, size
 from hpf.models import data_axes, model_config, MODELS
-from hpf.models.recompute import RECOMPUTE
-from hpf.optim.lr_schedules import NAMES as SCHEDULES
 from hpf.plots import breakdown, comm_share, missing_matplotlib, save_plots
 from hpf.report import PlanReport, millions
 
@@ -66,9 +64,7 @@ def _check_memory(job: TrainJob, plan: hpf.Plan, report: PlanReport, local_ranks
     available, where = machine_memory(local_ranks)
     on_device = not where.startswith("host")
     mem = predict(module, config, plan, report, local_batch=job.batch_size // plan.mesh.axis_size(data_axes(
-                      plan.mesh.axis_names)),
-                  mixed_precision=job.mixed_precision, recompute=job.recompute, accumulate=job.accumulate,
-                  topology=job.topology, cpu=not on_device)
+                      plan.mesh.axis_names)), cpu=not on_device, **jobspec.inputs(job, "memory"))
     if mem.total <= available:
         return
     raise CliError(
@@ -129,8 +125,8 @@ def cmd_train(args) -> int:
     _check_muon_options(args)
     _check_dropout(args)
     warmup_note, plots = _check_run_options(args, mesh, vocab_size, torchrun, lead)
-    job = TrainJob(**{**{k: getattr(args, k) for k in train_options()}, "data": str(args.data) if args.data else None,
-                      "eval_every": args.eval_every or 0, "save_every": args.save_every or 0},
+    job = TrainJob(**{**{k: getattr(args, k) for k in jobspec.defaults("train")},
+                      "data": str(args.data) if args.data else None},
                    axes=args.mesh, metrics_path=str(out / "metrics.jsonl"), vocab_size=vocab_size, resume=resume,
                    trace_dir=None if args.trace is None else str(args.trace or out / "trace"),
                    tensorboard=None if args.tensorboard is None else str(args.tensorboard or out / "tensorboard"),
@@ -382,79 +378,25 @@ def _eval_summary(records: list[dict]) -> list[str]:
 
 
 def add_parser(sub, help_: str):
+    defaults = "; ".join(f"{c} {a:g}/{m:g}, {w} warmup" for c, (a, m, w) in TRAIN_DEFAULTS.items())
+    lr_help = (f"peak learning rate (default per config, adamw/muon lr and warmup steps: {defaults}; picked so the "
+               "first 10 steps fall steadily. Muon's AdamW part keeps the adamw default)")
     train = sub.add_parser(
-        "train", parents=job_parsers(), help=help_,
+        "train", parents=[job_parser("train", resumable=True, own={"lr": {"help": lr_help}})], help=help_,
         description="Train a pure-function model (hpf.models) on local processes (hpf.launch), on synthetic "
                     "data from a fixed random Markov source or on a token folder (--data). Rank 0 shows progress "
                     "and writes <out>/metrics.jsonl, one JSON object per step, and <out>/run.json, every option "
                     "and how the run ended: --out DIR --resume goes on from the newest checkpoint with no other "
                     "flag. Under torchrun (torchrun --nproc-per-node 8 -m hpf train ...) each process is one rank.")
-    train.add_argument("--steps", type=positive(int), default=100, help="(default: 100)")
-    train.add_argument("--batch-size", type=positive(int), default=BATCH_SIZE, metavar="B",
-                       help=f"global batch in sequences, split over the ranks (default: {BATCH_SIZE})")
-    defaults = "; ".join(f"{c} {a:g}/{m:g}, {w} warmup" for c, (a, m, w) in TRAIN_DEFAULTS.items())
-    train.add_argument("--lr", type=positive(float),
-                       help=f"peak learning rate (default per config, adamw/muon lr and warmup steps: {defaults}; "
-                            "picked so the first 10 steps fall steadily. Muon's AdamW part keeps the adamw default)")
-    train.add_argument("--warmup", type=positive(int, least=0), metavar="STEPS",
-                       help="steps of linear lr warmup from 0 (default: per config, see --lr)")
-    train.add_argument("--schedule", choices=SCHEDULES, default="constant",
-                       help="learning rate over the run, after --warmup: cosine or linear decay to 0 at --steps, "
-                            "or constant (default: constant)")
-    _add_data_options(train)
-    train.add_argument("--accumulate", type=positive(int), default=1, metavar="K",
-                       help="gradient accumulation: each rank runs its share of --batch-size as K micro-batches "
-                            "(activations of one micro-batch), reducing grads once per step (default: 1)")
-    train.add_argument("--recompute", choices=RECOMPUTE, default="none",
-                       help="activation checkpointing: every_other or all blocks keep only their input and run "
-                            "their forward again in backward (less activation memory, more compute; default: none)")
-    train.add_argument("--dropout", type=positive(float, least=0.0), default=0.0, metavar="P",
-                       help="dropout on the embeddings and every residual branch (gpt, llama), with masks drawn "
-                            "from per-example keys (hpf.random.example_keys), so they do not depend on the world "
-                            "size and recomputed blocks see the same ones (default: 0)")
-    train.add_argument("--sequence-parallel", action="store_true", default=False,
-                       help="with a tp axis in --mesh: the norms and the residual stream split along the sequence "
-                            "over it too (all-gather and reduce-scatter instead of each psum; Megatron's sequence "
-                            "parallelism)")
-    train.add_argument("--compile", action="store_true", default=False,
-                       help="torch.compile each block (compiled once, on the first step: its compile time is "
-                            "in the progress line and metrics.jsonl's compile_s)")
-    train.add_argument("--ns-variant", choices=("standard", "gram", "auto"), default="standard",
-                       help="with --optimizer muon: Newton-Schulz's iteration; gram has fewer FLOPs on rectangular "
-                            "matrices, auto picks per shape (hpf.optim.muon's ns_variant; default: standard)")
-    train.add_argument("--qk-clip", type=positive(float), metavar="TAU",
-                       help="with --optimizer muon: QK-Clip (Kimi K2's MuonClip): after each update, scale the query "
-                            "and key weights of every head whose max attention logit exceeded TAU (gpt, llama; "
-                            "default: off)")
-    add_search_options(train, train=True)
-    train.add_argument("--mode", choices=tuple(STEPS), default="production",
-                       help="validate runs the same plan with layout checks on every op (default: production)")
-    train.add_argument("--seed", type=positive(int, least=0), default=0,
-                       help="seeds the init and the data (default: 0)")
-    _add_output_options(train)
-    # Options a resumed run takes from its run.json: None until run_folder.resolve fills them.
-    fresh = {k: train.get_default(k) for k in run_folder.OPTIONS}
-    train.set_defaults(run=cmd_train, fresh=fresh, **{k: None for k in run_folder.OPTIONS})
-    return train
-
-
-def _add_data_options(train) -> None:
-    """Where the tokens come from, held-out evaluation, checkpoints and resuming."""
-    train.add_argument("--data", type=Path, metavar="DIR",
-                       help="train on a token folder from `hpf prepare` (its vocab sets the model's) instead of "
-                            "the synthetic Markov source")
-    train.add_argument("--eval-every", type=positive(int), metavar="N",
-                       help="with --data: held-out loss every N steps and at the end (eval_loss in the progress "
-                            "line, metrics.jsonl and the loss plot)")
-    train.add_argument("--save-every", type=positive(int), metavar="N",
-                       help="save a checkpoint every N steps into <out>/checkpoints (DCP format, async: the write "
-                            "overlaps the next steps); a run with --save-every, --timeout or --resume also saves "
-                            "the step it ends at")
-    train.add_argument("--keep-last", type=positive(int), default=3, metavar="K",
-                       help="keep the newest K checkpoints (default: 3)")
     train.add_argument("--resume", nargs="?", const="latest", metavar="PATH",
                        help="go on from a checkpoint (default: the newest complete one in <out>/checkpoints), on "
                             "any mesh; losses match the uninterrupted run")
+    add_search_options(train, train=True)
+    _add_output_options(train)
+    # Options a resumed run takes from its run.json: None until run_folder.resolve fills them
+    # (hpf.jobspec's defaults where the run has none).
+    train.set_defaults(run=cmd_train, fresh={"mesh": None, **jobspec.defaults("train")}, mesh=None)
+    return train
 
 
 def _add_output_options(train) -> None:

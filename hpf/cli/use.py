@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hpf.cli.common import CliError, positive
+from hpf.cli.common import CliError
+from hpf.jobspec import defaults, positive
 
 __all__ = ["cmd_eval", "cmd_export", "cmd_generate", "add_eval_parser", "add_export_parser", "add_generate_parser",
            "load"]
@@ -50,7 +51,7 @@ def eval_settings(args, ckpt: Path) -> tuple[dict, str]:
     from hpf.cli import job, run_folder
 
     run = run_folder.read_run(ckpt.resolve().parent.parent)
-    ran = {"data": None, "batch_size": job.BATCH_SIZE, "seed": 0, **(run or {}), "batches": job.EVAL_BATCHES}
+    ran = {**defaults("train"), **(run or {}), "batches": job.EVAL_BATCHES}
     given = [k for k in ("data", "batch_size", "batches", "seed") if getattr(args, k) is not None]
     settings = {k: getattr(args, k) if k in given else ran[k] for k in ("data", "batch_size", "batches", "seed")}
     if settings["data"] is None:
