@@ -24,7 +24,7 @@ from .optim.lr_schedules import NAMES as SCHEDULES
 from .types import PRECISIONS, SlowPrecision
 
 __all__ = ["JobSpec", "FIXED", "INHERITED", "TRAIN", "JOB", "add_arguments", "defaults", "resumed", "inputs",
-           "searched", "positive", "axes_list", "slow_precision", "BATCH_SIZE"]
+           "searched", "step_topology", "positive", "axes_list", "slow_precision", "BATCH_SIZE"]
 
 FIXED, INHERITED = "fixed", "inherited"  # --resume: keep run.json's value (refuse another) / take it unless given
 TRAIN, JOB = ("train",), ("train", "plan", "simulate")  # the commands that take an option
@@ -204,6 +204,26 @@ def inputs(job: Any, feeds: str) -> dict[str, Any]:
     read from ``job`` (a JobSpec, a search Candidate, parsed flags); one it lacks (a command without
     that flag) has its default."""
     return {f.name: getattr(job, f.name, f.default) for f in _fields() if feeds in f.metadata["feeds"]}
+
+
+def step_topology(job: Any):
+    """shard_step's ``topology`` for ``job``'s topology, bucket_bytes and slow_precision (a JobSpec,
+    a search Candidate, parsed flags): ``hpf.Topology`` for "two-tier", None (the flat ring) for "flat".
+
+    Raises:
+        ValueError: a bucket cap or a low-bit slow tier with the flat ring, which has neither."""
+    from .comm.tiered import Topology
+
+    low = SlowPrecision.parse(job.slow_precision)
+    if job.topology == "two-tier":
+        return Topology.with_slow(low, bucket_bytes=job.bucket_bytes)
+    if job.bucket_bytes:
+        raise ValueError(f"--bucket-bytes {job.bucket_bytes} needs --topology two-tier: the flat ring runs one "
+                         "collective per unit")
+    if low:
+        raise ValueError(f"--slow-precision {job.slow_precision} needs --topology two-tier: the flat ring has no "
+                         "slow stage of its own (the fast tier stays at full precision)")
+    return None
 
 
 def searched(name: str) -> Any:

@@ -36,7 +36,7 @@ from .models.recompute import RECOMPUTE
 from .sim import Hardware, SimResult
 from .types import SlowPrecision
 from .errors import NoFeasiblePlan
-from .jobspec import inputs, searched
+from .jobspec import inputs, searched, step_topology
 
 __all__ = ["Candidate", "Ranked", "SearchResult", "search", "candidates", "simulate", "DIMENSIONS",
            "NoFeasiblePlan", "load", "SAME_WITHIN", "prefer_simpler"]
@@ -90,14 +90,10 @@ class Candidate:
     def step_args(self, model: str, config, mesh: Mesh) -> dict[str, Any]:
         """The keyword arguments of ``hpf.shard_step`` (all but the loss function and optimizer) on the
         job's ``mesh``."""
-        from .comm.tiered import Topology
-
         module, mesh = MODELS[model], self.mesh(mesh)
         specs, data = layout(module, config, mesh.axis_names, None, self.ep_axis)
         return {"mesh": mesh, "param_specs": specs, "fsdp_axes": data or tuple(mesh.axis_names),
-                "hsdp": self.hsdp,
-                "topology": Topology.with_slow(SlowPrecision.parse(self.slow_precision), bucket_bytes=self.bucket_bytes)
-                if self.topology == "two-tier" else None,
+                "hsdp": self.hsdp, "topology": step_topology(self),
                 "mixed_precision": self.mixed_precision, "accumulate": self.accumulate,
                 "batch_axes": getattr(module, "BATCH_AXES", None)}
 

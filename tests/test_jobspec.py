@@ -88,3 +88,12 @@ def test_shard_steps_options_of_the_same_name_have_the_same_defaults():
     step = {f.name: f.default for f in dataclasses.fields(StepConfig)}
     shared = ("mixed_precision", "hsdp", "accumulate", "mode")
     assert {k: step[k] for k in shared} == {k: jobspec.defaults("train")[k] for k in shared}
+
+
+def test_the_step_topology_of_a_job_refuses_what_the_flat_ring_lacks():
+    two = jobspec.step_topology(search.Candidate(bucket_bytes=4096, slow_precision="int8,int4"))
+    assert two.bucket_bytes == 4096 and two.slow_precision.text() == "int8,int4"
+    assert jobspec.step_topology(search.Candidate(topology="flat")) is None
+    for bad in (dict(bucket_bytes=4096), dict(slow_precision="int8")):
+        with pytest.raises(ValueError, match="needs --topology two-tier"):
+            jobspec.step_topology(search.Candidate(topology="flat", **bad))

@@ -10,6 +10,7 @@ import hpf
 from hpf.cli.command import CliError, Parser
 from hpf.launcher import is_launched, world_size
 from hpf.models import MODELS, TP_AXIS, data_axes, has_experts, mesh_for, specs_for
+from hpf import jobspec
 from hpf.jobspec import add_arguments, positive
 
 DEFAULT_MESH = {"node": 2, "local": 2}  # 2 "hosts" x 2 local ranks: exercises both tiers
@@ -106,21 +107,14 @@ def only_searched(slow: str | None) -> None:
                        "hpf plan --search or hpf train --plan auto, or give a precision (e.g. int8,int4)")
 
 
-def topology_of(name: str, bucket_bytes: int = 0, slow: str | None = None) -> hpf.Topology | None:
-    """--topology, --bucket-bytes and --slow-precision as shard_step's ``topology``."""
-    from hpf.types import SlowPrecision
-
-    only_searched(slow)
-    low = SlowPrecision.parse(slow)
-    if name != "two-tier":
-        if bucket_bytes:
-            raise CliError(f"--bucket-bytes {bucket_bytes} needs --topology two-tier: the flat ring runs one "
-                           "collective per unit")
-        if low:
-            raise CliError(f"--slow-precision {slow} needs --topology two-tier: the flat ring has no slow stage of "
-                           "its own (the fast tier stays at full precision)")
-        return None
-    return hpf.Topology.with_slow(low, bucket_bytes=bucket_bytes)
+def topology_of(job) -> hpf.Topology | None:
+    """--topology, --bucket-bytes and --slow-precision (of parsed flags or a TrainJob) as shard_step's
+    ``topology`` (hpf.jobspec.step_topology), a mistake as one line."""
+    only_searched(job.slow_precision)
+    try:
+        return jobspec.step_topology(job)
+    except ValueError as e:
+        raise CliError(str(e)) from None
 
 
 def job_parser(command: str, *, resumable: bool = False, own: dict[str, dict] | None = None) -> Parser:

@@ -121,7 +121,7 @@ def make_step(job: TrainJob, mesh: hpf.Mesh):
                           batch_axes=getattr(module, "BATCH_AXES", None),
                           **sharding, mode=job.mode,
                           mixed_precision=job.mixed_precision, hsdp=job.hsdp,
-                          topology=topology_of(job.topology, job.bucket_bytes, job.slow_precision))
+                          topology=topology_of(job))
 
 
 def run_keys(seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,7 +32,7 @@ def plan_of(args, mesh: hpf.Mesh, fast_major: bool = False) -> hpf.Plan:
 def plan_arguments(args, mesh: hpf.Mesh, config, fast_major: bool = False) -> dict:
     """shard_step's plan arguments for this job (sharding, topology, hsdp): ``hpf plan`` prints
     and ``--check`` checks the plan of these."""
-    topology = topology_of(args.topology, args.bucket_bytes, args.slow_precision)
+    topology = topology_of(args)
     if fast_major:
         topology = dataclasses.replace(topology, fast_major=True)
     return {**sharding_of(args.model, config, mesh, args.fsdp_axes, args.ep_axis), "topology": topology,
