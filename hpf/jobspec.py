@@ -24,7 +24,7 @@ from .optim.lr_schedules import NAMES as SCHEDULES
 from .types import PRECISIONS, SlowPrecision
 
 __all__ = ["JobSpec", "FIXED", "INHERITED", "TRAIN", "JOB", "add_arguments", "defaults", "resumed", "inputs",
-           "searched", "step_topology", "positive", "axes_list", "slow_precision", "BATCH_SIZE"]
+           "searched", "checked", "step_topology", "positive", "axes_list", "slow_precision", "BATCH_SIZE"]
 
 FIXED, INHERITED = "fixed", "inherited"  # --resume: keep run.json's value (refuse another) / take it unless given
 TRAIN, JOB = ("train",), ("train", "plan", "simulate")  # the commands that take an option
@@ -70,7 +70,8 @@ def slow_precision(text: str) -> str:
 def option(default, help: str, *, commands=TRAIN, resume: str | None = INHERITED, feeds: tuple[str, ...] = (),
            shown: str | None = None, **flag) -> Any:
     """A JobSpec field. ``help`` gets "(default: ``shown`` or the default)" unless ``shown`` is "";
-    ``feeds``: "sim" (a keyword of hpf.sim.simulate) and "memory" (of hpf.memory.predict); ``flag``:
+    ``feeds``: "step" (an hpf.shard_step option as it is), "sim" (a keyword of hpf.sim.simulate) and
+    "memory" (of hpf.memory.predict); ``flag``:
     argparse's type, choices and metavar (a bool default is a store_true flag)."""
     return dataclasses.field(default=default, metadata=dict(help=help, commands=commands, resume=resume, feeds=feeds,
                                                             shown=shown, flag=flag))
@@ -94,7 +95,7 @@ class JobSpec:
                                      shown="all", type=axes_list, metavar="AXES")
     mixed_precision: str | None = option(
         None, "compute dtype, with fp32 master shards and fp32 grad reduction", commands=JOB, shown="off",
-        feeds=("sim", "memory"), choices=sorted(PRECISIONS))
+        feeds=("step", "sim", "memory"), choices=sorted(PRECISIONS))
     topology: str = option(
         "two-tier", "two-tier: fast-tier collectives first (shared memory between local CPU ranks), 1/fast-size of "
         "the bytes over the slow tier, reductions overlapping backward; flat: one collective over all ranks",
@@ -109,7 +110,7 @@ class JobSpec:
         None, "--model moe: the data axis experts are split over (expert parallelism); dense params still shard "
         "over every FSDP axis, experts over the others", commands=JOB, shown="none", feeds=("sim",), metavar="AXIS")
     hsdp: bool = option(False, "shard params within the fast tier only and replicate them across the slow tier",
-                        commands=JOB, shown="")
+                        commands=JOB, shown="", feeds=("step",))
     bucket_bytes: int = option(
         0, "two-tier: split each unit into fused collectives of at most this many bytes, so one's slow stage "
         "overlaps the next one's fast stage", commands=JOB, shown="0, one per unit", feeds=("sim",),
@@ -136,7 +137,7 @@ class JobSpec:
     keep_last: int = option(3, "keep the newest K checkpoints", type=positive(int), metavar="K")
     accumulate: int = option(
         1, "gradient accumulation: each rank runs its share of --batch-size as K micro-batches (activations of one "
-        "micro-batch), reducing grads once per step", feeds=("sim", "memory"), type=positive(int), metavar="K")
+        "micro-batch), reducing grads once per step", feeds=("step", "sim", "memory"), type=positive(int), metavar="K")
     recompute: str = option(
         "none", "activation checkpointing: every_other or all blocks keep only their input and run their forward "
         "again in backward (less activation memory, more compute)", feeds=("sim", "memory"), choices=RECOMPUTE)
@@ -156,7 +157,7 @@ class JobSpec:
         None, "with --optimizer muon: QK-Clip (Kimi K2's MuonClip): after each update, scale the query and key "
         "weights of every head whose max attention logit exceeded TAU (gpt, llama)", resume=FIXED, shown="off",
         type=positive(float), metavar="TAU")
-    mode: str = option("production", "validate runs the same plan with layout checks on every op",
+    mode: str = option("production", "validate runs the same plan with layout checks on every op", feeds=("step",),
                        choices=tuple(STEPS))
     seed: int = option(0, "seeds the init and the data", resume=FIXED, type=positive(int, least=0))
 
@@ -200,10 +201,33 @@ def resumed(policy: str | None = None) -> tuple[str, ...]:
 
 
 def inputs(job: Any, feeds: str) -> dict[str, Any]:
-    """The options that ``feeds`` "sim" (hpf.sim.simulate's keywords) or "memory" (hpf.memory.predict's),
-    read from ``job`` (a JobSpec, a search Candidate, parsed flags); one it lacks (a command without
+    """The options that ``feeds`` "step" (hpf.shard_step's options), "sim" (hpf.sim.simulate's keywords) or
+    "memory" (hpf.memory.predict's), read from ``job`` (a JobSpec, a search Candidate, parsed flags); one it lacks (a command without
     that flag) has its default."""
     return {f.name: getattr(job, f.name, f.default) for f in _fields() if feeds in f.metadata["feeds"]}
+
+
+def checked(name: str, value: Any) -> Any:
+    """``value`` of option ``name`` as its flag would take it (a saved plan file's, say): None where the
+    default is None, a bool for a switch, else the flag's type and choices on its text.
+
+    Raises:
+        ValueError: a value the flag would refuse, saying why."""
+    f = next(f for f in _fields() if f.name == name)
+    if isinstance(f.default, bool) or value is None:
+        if not (isinstance(value, bool) if isinstance(f.default, bool) else f.default is None):
+            raise ValueError("not a value of this option")
+        return value
+    flag = f.metadata["flag"]
+    try:
+        out = flag["type"](str(value)) if "type" in flag else str(value)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(str(e)) from None
+    if type(out) is not type(value):
+        raise ValueError(f"a {type(value).__name__}")
+    if "choices" in flag and out not in flag["choices"]:
+        raise ValueError(f"not one of {sorted(flag['choices'])}")
+    return out
 
 
 def step_topology(job: Any):

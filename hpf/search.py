@@ -93,9 +93,8 @@ class Candidate:
         module, mesh = MODELS[model], self.mesh(mesh)
         specs, data = layout(module, config, mesh.axis_names, None, self.ep_axis)
         return {"mesh": mesh, "param_specs": specs, "fsdp_axes": data or tuple(mesh.axis_names),
-                "hsdp": self.hsdp, "topology": step_topology(self),
-                "mixed_precision": self.mixed_precision, "accumulate": self.accumulate,
-                "batch_axes": getattr(module, "BATCH_AXES", None)}
+                "topology": step_topology(self), "batch_axes": getattr(module, "BATCH_AXES", None),
+                **inputs(self, "step")}
 
     def loss_args(self, model: str, mesh: Mesh | None = None) -> dict[str, Any]:
         """The keyword arguments of the model's ``loss_for`` beside the config (on the job's ``mesh``)."""

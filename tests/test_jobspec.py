@@ -83,11 +83,14 @@ def test_inputs_read_a_job_and_default_what_it_lacks():
     assert jobspec.inputs(argparse.Namespace(topology="flat"), "memory")["topology"] == "flat"
 
 
-def test_shard_steps_options_of_the_same_name_have_the_same_defaults():
-    """(``topology`` and ``optimizer`` are objects there: shard_step's default is no Topology, the flat ring.)"""
+def test_shard_step_takes_the_options_it_is_fed_with_the_same_defaults():
+    """(``topology`` is an object there, None the flat ring: hpf.jobspec.step_topology makes it.)"""
     step = {f.name: f.default for f in dataclasses.fields(StepConfig)}
-    shared = ("mixed_precision", "hsdp", "accumulate", "mode")
-    assert {k: step[k] for k in shared} == {k: jobspec.defaults("train")[k] for k in shared}
+    fed = jobspec.inputs(JobSpec(), "step")
+    assert set(fed) == {"mixed_precision", "hsdp", "accumulate", "mode"}
+    assert fed == {k: step[k] for k in fed}
+    assert search.Candidate(accumulate=2).step_args("gpt", search.model_config("gpt", "tiny")[1],
+                                                     search.mesh_for({"dp": 2}))["accumulate"] == 2
 
 
 def test_the_step_topology_of_a_job_refuses_what_the_flat_ring_lacks():

@@ -276,7 +276,7 @@ def test_the_api_choice_runs_and_trains_like_the_reference():
     result = search.search("gpt", "tiny", {"dp": 2}, "h100", global_batch=8, fixed={"mixed_precision": None})
     choice = result.best.candidate
     assert set(result.step_args()) == {"mesh", "param_specs", "fsdp_axes", "hsdp", "topology", "mixed_precision",
-                                       "accumulate", "batch_axes"}
+                                       "accumulate", "batch_axes", "mode"}
     fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
     losses = hpf.launch(_run_searched, 2, fields, timeout=280)[0]
     config = gpt.CONFIGS["tiny"]

@@ -23,7 +23,7 @@ from hpf.checks import finite_or_none
 from hpf.comm import world as comm_world
 from hpf.cli.common import CliError, sharding_of, topology_of
 from hpf.comm.world import default_device
-from hpf.jobspec import JobSpec
+from hpf.jobspec import JobSpec, inputs
 from hpf.models import TP_AXIS, data_axes, gpt, mesh_for, model_config
 from hpf.optim.muon_math import qk_clip_factors
 from hpf.optim.lr_schedules import Schedule
@@ -117,11 +117,8 @@ def make_step(job: TrainJob, mesh: hpf.Mesh):
         how.update({"sequence_parallel": True} if job.sequence_parallel else {})
     loss_fn = (module.loss_for(config, job.ep_axis, aux=True, **how) if hasattr(module, "Balancer")
                else module.loss_for(config, **how))
-    return hpf.shard_step(loss_fn, mesh=mesh, optimizer=optimizer, accumulate=job.accumulate,
-                          batch_axes=getattr(module, "BATCH_AXES", None),
-                          **sharding, mode=job.mode,
-                          mixed_precision=job.mixed_precision, hsdp=job.hsdp,
-                          topology=topology_of(job))
+    return hpf.shard_step(loss_fn, mesh=mesh, optimizer=optimizer, batch_axes=getattr(module, "BATCH_AXES", None),
+                          topology=topology_of(job), **sharding, **inputs(job, "step"))
 
 
 def run_keys(seed: int) -> tuple[torch.Tensor, torch.Tensor]:

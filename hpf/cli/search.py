@@ -8,7 +8,7 @@ import math
 import re
 import statistics
 
-from hpf import memory, search
+from hpf import jobspec, memory, search
 from hpf.cli.common import CliError, mesh_text
 from hpf.jobspec import positive
 from hpf.cli.machine import HELP, hardware_of
@@ -37,41 +37,23 @@ def memory_bytes(text: str):
     return int(value)
 
 
-_TRAIN_PARSER: list = []  # hpf train's parser, once built
-
-
 def _as_options(saved: dict, where: str) -> None:
-    """Check a plan file's job and choice as the command line's options are checked (the same
-    argparse types and choices): a tampered value is one line naming it, not a crash or a
-    run that records it."""
-    actions = {a.dest: a for a in _TRAIN_PARSER[0]._actions} if _TRAIN_PARSER else {}
-    values = [(saved, k) for k in ("model", "config", "batch_size")] + [(saved["choice"]["options"], k) for k in PLANNED]
+    """Check a plan file's job and choice as the command line's options are checked (hpf.jobspec's
+    types and choices): a tampered value is one line naming it, not a crash or a run that records it."""
+    values = [(saved, k) for k in ("model", "config", "batch_size")] + [(saved["choice"]["options"], k) for k in PLANNED
+                                                                           if k != "tp"]
     for holder, key in values:
-        action, value = actions.get(key), holder.get(key)
-        if action is None:
-            continue
-        flag = "--" + key.replace("_", "-")
-        if isinstance(action, argparse._StoreTrueAction) or value is None:
-            if not (isinstance(value, bool) if isinstance(action, argparse._StoreTrueAction) else action.default is None):
-                raise CliError(f"--plan {where}: {key} is {value!r}, which {flag} does not take; write the file with "
-                               "hpf plan --search --save FILE")
-            continue
         try:
-            checked = action.type(str(value)) if action.type else str(value)
-            if type(checked) is not type(value) or (action.choices is not None and checked not in action.choices):
-                raise argparse.ArgumentTypeError(f"not one of {sorted(action.choices)}" if action.choices and
-                                                 checked not in action.choices else f"a {type(value).__name__}")
-        except (argparse.ArgumentTypeError, ValueError) as e:
-            raise CliError(f"--plan {where}: {key} is {value!r} ({e}), which {flag} does not take; write the file "
-                           "with hpf plan --search --save FILE") from None
-        holder[key] = checked
+            holder[key] = jobspec.checked(key, holder.get(key))
+        except ValueError as e:
+            raise CliError(f"--plan {where}: {key} is {holder.get(key)!r} ({e}), which --{key.replace('_', '-')} does "
+                           "not take; write the file with hpf plan --search --save FILE") from None
 
 
 def add_options(parser, *, train: bool) -> None:
     """The search's options: hpf train's --plan or hpf plan's --search, the cap, the hardware that
     prices the candidates (plan also: the batch, --save)."""
     if train:
-        _TRAIN_PARSER[:] = [parser]  # a plan file's options are checked by its actions (_as_options)
         parser.add_argument("--plan", metavar="auto|FILE",
                             help="run a searched plan: auto searches now (hpf plan --search on --hardware, capped at "
                                  "--memory-per-rank, default this machine's memory); FILE replays hpf plan --search "
