@@ -22,6 +22,7 @@ import hpf
 from hpf import SlowLink, Topology
 from hpf.launcher import launch
 from hpf.models import gpt
+from hpf.precision import SlowPrecision
 from hpf.step import step_plan
 from hpf.report import PlanReport
 
@@ -35,7 +36,7 @@ BYTES = {"bf16 weights, fp32 grads": None, "int8 weights, int8 grads": "int8,int
 
 
 def topology(slow: str | None, **kw) -> Topology:
-    low = hpf.types.SlowPrecision.parse(slow)
+    low = SlowPrecision.parse(slow)
     return Topology(fast_transport="shm", slow_weights=low and low.weights, slow_grads=low and low.grads, **kw)
 
 

@@ -56,9 +56,9 @@ def _literal(text: str) -> str:
 
 
 def errors() -> str:
-    """hpf.checks.CATALOGUE: what the step refuses, and what it accepts and handles instead."""
+    """hpf.misuse.CATALOGUE: what the step refuses, and what it accepts and handles instead."""
     import hpf
-    from hpf.checks import CATALOGUE
+    from hpf.misuse import CATALOGUE
 
     def named(kind: str) -> str:  # hpf's own error classes with their subclasses, which the same rows cover
         subclasses = getattr(getattr(hpf, kind, None), "__subclasses__", lambda: [])()

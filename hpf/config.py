@@ -15,11 +15,11 @@ from .engine.residency import RESIDENT_UNITS
 from .losses import LossScale
 from .mesh import Mesh, as_axes
 from .optim.base import Optimizer, undeclared
-from .types import MixedPrecision
+from .precision import MixedPrecision
 
 __all__ = ["StepConfig", "MODES"]
 
-#: ``mode=`` values (hpf.api maps each to its step class).
+#: ``mode=`` values (hpf.modes maps each to its step class).
 MODES = ("production", "validate")
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from . import batching, losses
-from .checks import UnevenBatchError
+from .errors import UnevenBatchError
 from .comm import schedule, world
 from .comm.schedule import LOG
 from .optim.transforms import ClipByGlobalNorm, clip_by_global_norm

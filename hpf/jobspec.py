@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from .api import STEPS
+from .modes import STEPS
 from .models import MODELS
 from .models.recompute import RECOMPUTE
 from .optim.lr_schedules import NAMES as SCHEDULES
-from .types import PRECISIONS, SlowPrecision
+from .precision import PRECISIONS, SlowPrecision
 
 __all__ = ["JobSpec", "FIXED", "INHERITED", "TRAIN", "JOB", "add_arguments", "defaults", "resumed", "inputs",
            "searched", "checked", "step_topology", "positive", "axes_list", "slow_precision", "BATCH_SIZE"]

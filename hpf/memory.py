@@ -44,7 +44,7 @@ from .models.recompute import Activations, recomputes
 from .planning import ROOT, Plan
 from .report import PlanReport, size
 from .sharded_init import temporary_bytes
-from .types import MixedPrecision
+from .precision import MixedPrecision
 
 __all__ = ["StepMemory", "COMMS", "step_memory", "predict", "state_report", "machine_memory", "size"]
 

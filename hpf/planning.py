@@ -18,7 +18,7 @@ from . import tree as tree_util
 from .mesh import Mesh, as_axes
 from .spec import IndivisibleSpecError, P, SpecError, resolve_specs
 from .tree import ROOT
-from .types import SlowPrecision
+from .precision import SlowPrecision
 
 __all__ = ["Plan", "Bucket", "ParamSlot", "Piece", "UnitLayout", "plan", "unit_names", "low_bit", "OPS", "ROOT"]
 
@@ -269,7 +269,7 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
     of one layout and dtype fill buckets in tree order, a new one starting where the next
     param would pass the cap (0: one bucket each; a param bigger than the cap gets its own).
     ``frozen`` params (paths) go to buckets of their own, which are gathered but never reduced.
-    ``slow_precision`` (:class:`hpf.types.SlowPrecision`) pads the shards of buckets with a
+    ``slow_precision`` (:class:`hpf.precision.SlowPrecision`) pads the shards of buckets with a
     low-bit collective (``low_bit``) to whole quantization blocks, and rides with
     the plan.
 

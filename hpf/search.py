@@ -34,7 +34,7 @@ from .mesh import Mesh
 from .models import MODELS, TP_AXIS, carve_tp, data_axes, has_experts, layout, mesh_for, model_config, tp_sizes
 from .models.recompute import RECOMPUTE
 from .sim import Hardware, SimResult
-from .types import SlowPrecision
+from .precision import SlowPrecision
 from .errors import NoFeasiblePlan
 from .jobspec import inputs, searched, step_topology
 

@@ -13,7 +13,7 @@ import torch
 from .comm import schedule, world
 from .comm.collectives import gather_dim0
 from .planning import Plan
-from .types import TrainState
+from .train_state import TrainState
 
 __all__ = ["StateIO"]
 

@@ -18,7 +18,7 @@ import torch
 
 from . import batching, checks, losses
 from . import tree as tree_util
-from .checks import DonatedStateError, NonFiniteError, UnusedParamsError
+from .errors import DonatedStateError, NonFiniteError, UnusedParamsError
 from .comm import schedule, world
 from .comm.schedule import LOG
 from .comm.world import default_device
@@ -36,7 +36,7 @@ from .optim.base import EarlyUpdate, PartialUpdate, capabilities
 from .planning import Plan
 from .state_io import StateIO
 from .trace import span
-from .types import GATHER_STATS, StepStats, TrainState
+from .train_state import GATHER_STATS, StepStats, TrainState
 
 __all__ = ["ShardStep", "step_plan"]
 

@@ -174,16 +174,16 @@ def test_checkpoint_never_imports_an_optimizer_implementation():
 # The layers, lowest first: a module may import from its own layer and the layers below, never
 # from one above (docs/architecture.md, "Layers"). A module is in the layer of its longest prefix.
 LAYERS = [
-    ("foundation", ("hpf_kernels", "hpf.errors", "hpf.tree", "hpf.types", "hpf.mesh", "hpf.spec", "hpf.trace", "hpf.progress",
+    ("foundation", ("hpf_kernels", "hpf.errors", "hpf.tree", "hpf.precision", "hpf.train_state", "hpf.mesh", "hpf.spec", "hpf.trace", "hpf.progress",
                     "hpf.plots", "hpf.losses", "hpf.checkpoint_files", "hpf.models.recompute", "hpf.engine.residency",
                     "hpf.engine.unit_state",
                     "hpf.validate.layout", "hpf.sim.hardware", "hpf.optim.base", "hpf.optim.lr_schedules", "hpf.random")),
     ("planning", ("hpf.planning",)),
     ("comm", ("hpf.comm", "hpf.launcher")),
     ("optimizers and models", ("hpf.optim", "hpf.models")),
-    ("the step's parts", ("hpf.engine", "hpf.checks", "hpf.batching", "hpf.decision", "hpf.report", "hpf.data",
+    ("the step's parts", ("hpf.engine", "hpf.misuse", "hpf.batching", "hpf.decision", "hpf.report", "hpf.data",
                           "hpf.config", "hpf.sharded_init")),
-    ("the step", ("hpf.step", "hpf.state_io", "hpf.checkpoint", "hpf.func", "hpf.memory", "hpf.validate", "hpf.api",
+    ("the step", ("hpf.step", "hpf.state_io", "hpf.checkpoint", "hpf.func", "hpf.memory", "hpf.validate", "hpf.modes",
                   "hpf.module")),
     ("tools", ("hpf.jobspec", "hpf.sim", "hpf.search", "hpf.cli", "hpf.__main__")),
 ]

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import hpf
 from hpf import P
-from hpf.checks import clean_params, finite_or_none
+from hpf.misuse import clean_params, finite_or_none
 from hpf.launcher import launch
 from hpf.spec import SpecTreeError
 from references import adamw_training

@@ -62,7 +62,7 @@ def test_hpf_train_fp16_trains_as_fp32_does_and_records_skipped_steps(tmp_path):
 
 
 def test_skipped_steps_are_in_the_summary_and_a_run_of_only_skipped_steps_is_an_error():
-    from hpf.checks import NonFiniteError
+    from hpf.errors import NonFiniteError
     from hpf.cli.train import check_trained, summary
 
     row = dict(grad_norm=None, step_s=0.1, comm_wait_s=0.0, optimizer_s=0.0, compile_s=0.0, tokens_per_s=1.0,
@@ -105,7 +105,7 @@ def test_an_fp16_weighted_run_resumes_bitwise(tmp_path):
 def test_the_loss_scale_has_a_floor_and_overflows_in_a_row_stop_with_a_named_error():
     """The scale halved to 0 after about 1,090 overflows (then a ZeroDivisionError); nothing stopped a
     run that skipped every step."""
-    from hpf.checks import NonFiniteError
+    from hpf.errors import NonFiniteError
 
     scale = hpf.LossScale()
     state = scale.init()

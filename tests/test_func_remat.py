@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hpf
-from hpf.types import TrainState
+from hpf.train_state import TrainState
 
 D, N = 4, 2
 TOL = dict(rtol=1e-5, atol=1e-6)  # fp32: the same ops in another order (vjp), a few ulps apart

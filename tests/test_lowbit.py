@@ -24,7 +24,7 @@ from hpf import Topology
 from hpf.launcher import launch
 from hpf.models import gpt
 from hpf.step import step_plan
-from hpf.types import SlowPrecision
+from hpf.precision import SlowPrecision
 from hpf.validate import QuantizationError
 from hpf_kernels import dequantize, quantize
 from hpf_kernels.formats import FORMATS

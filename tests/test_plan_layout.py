@@ -7,7 +7,7 @@ import hpf
 from hpf import P, Topology
 from hpf.models import gpt, has_experts, moe, specs_for
 from hpf.step import step_plan
-from hpf.types import SlowPrecision
+from hpf.precision import SlowPrecision
 
 
 def _params():

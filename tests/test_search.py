@@ -233,7 +233,7 @@ def test_the_low_bit_slow_tier_is_searched_only_when_asked_and_held_when_given()
     """Low-bit slow tiers round weights and grads, so a search tries them only with ``low_bit``;
     where the slow link bounds the step (GPT small on 2 nodes of H100s) they win, and a held
     precision is held (two-tier layouts only: the flat ring has no slow stage)."""
-    from hpf.types import SlowPrecision
+    from hpf.precision import SlowPrecision
 
     mesh = {"node": 2, "local": 2}
     plain = search.candidates("gpt", "small", mesh, "h100", global_batch=16)

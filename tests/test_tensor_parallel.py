@@ -236,7 +236,7 @@ def _compose(rank):
     """GPT on dp=2 x tp=2 with each option the issue names, a few steps each against the one-process
     reference; validation mode on the built-in model run without its psums (tp_axis dropped)."""
     from hpf.models import mesh_for
-    from hpf.types import SlowPrecision
+    from hpf.precision import SlowPrecision
 
     module, config = MODELS["gpt"]
     mesh, out = hpf.Mesh({"dp": 2, "tp": 2}), {}

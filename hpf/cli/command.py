@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(command if command in COMMANDS else None).parse_args(argv)
-    from hpf.checks import NonFiniteError
+    from hpf.errors import NonFiniteError
     from hpf.launcher import RankError, Terminated, rank
 
     args.log_dir = None  # a command that has a run folder sets it: tracebacks go to <log_dir>/error.log

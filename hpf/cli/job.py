@@ -19,7 +19,7 @@ import torch
 import hpf
 from hpf import checkpoint
 from hpf import data as token_data
-from hpf.checks import finite_or_none
+from hpf.misuse import finite_or_none
 from hpf.comm import world as comm_world
 from hpf.cli.common import CliError, sharding_of, topology_of
 from hpf.comm.world import default_device

@@ -13,7 +13,7 @@ from hpf.models import TP_AXIS, has_experts, model_config
 from hpf.memory import predict, state_report
 from hpf.report import PlanReport, fixed, millions
 from hpf.step import step_plan
-from hpf.types import MixedPrecision
+from hpf.precision import MixedPrecision
 
 
 # hpf plan's --batch-size: the batch the search searches for, else the one the predicted peak assumes

@@ -13,7 +13,7 @@ from hpf.cli.common import CliError, mesh_text
 from hpf.jobspec import positive
 from hpf.cli.machine import HELP, hardware_of
 from hpf.search import Candidate
-from hpf.types import SlowPrecision
+from hpf.precision import SlowPrecision
 
 # hpf train's options a plan sets: hpf.search.Candidate's fields
 PLANNED = tuple(f.name for f in dataclasses.fields(Candidate))

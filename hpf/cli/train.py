@@ -19,7 +19,7 @@ import torch
 
 import hpf
 from hpf import checkpoint
-from hpf.checks import NonFiniteError
+from hpf.errors import NonFiniteError
 from hpf import data as token_data
 from hpf.cli import run_folder
 from hpf import jobspec

@@ -11,7 +11,7 @@ total). Hierarchical collectives exchange along the slow axes only the 1/n_fast 
 data that the fast tier has already gathered or reduced. An all-reduce is a reduce-scatter
 plus an all-gather: twice the bytes.
 
-A low-bit slow tier (``hpf.types.SlowPrecision``, the plan's ``slow_precision``) sends the slow
+A low-bit slow tier (``hpf.precision.SlowPrecision``, the plan's ``slow_precision``) sends the slow
 stage's data as payloads (hpf_kernels.formats: codes and block scales): ``hpf.planning.low_bit`` says which
 collectives of a bucket do, ``codec_bytes`` what their quantize and dequantize passes move
 through memory. An HSDP replica all-reduce across the slow tier, low-bit, is an all-gather of
@@ -27,7 +27,7 @@ from hpf_kernels.formats import payload_bytes
 
 from ..mesh import Mesh
 from ..planning import OPS, low_bit  # (a layout fact: which of a bucket's collectives cross the slow tier low-bit)
-from ..types import SlowPrecision
+from ..precision import SlowPrecision
 
 __all__ = ["TIERS", "BucketLayout", "bucket_comm_bytes", "codec_bytes", "collective_bytes", "count_bytes",
            "dtype_bytes", "feedback_numel", "ring_bytes"]

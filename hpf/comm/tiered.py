@@ -43,7 +43,7 @@ from ..mesh import Mesh
 from ..planning import Plan, check_bucket_bytes
 from ..planning import plan as make_plan
 from ..trace import span
-from ..types import SlowPrecision
+from ..precision import SlowPrecision
 from . import world
 from .cost import bucket_comm_bytes, count_bytes, dtype_bytes
 from .lowbit import LowBitTier
@@ -97,7 +97,7 @@ class Topology:
         slow_weights, slow_grads, slow_block, slow_error_feedback: the low-bit slow tier (None:
             full precision): the formats weights are gathered in and grads exchanged in across
             the slow tier, values per scale, and error feedback for the grads
-            (:class:`hpf.types.SlowPrecision` says what each allows).
+            (:class:`hpf.precision.SlowPrecision` says what each allows).
 
     Raises:
         ValueError: ``fast_transport`` is not "auto", "shm" or "pg", ``bucket_bytes`` is not an

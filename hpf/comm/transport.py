@@ -26,7 +26,7 @@ from typing import Any, Protocol, Union, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from ..types import SlowPrecision
+from ..precision import SlowPrecision
 from .cost import ring_bytes
 
 __all__ = ["OwnedGroups", "Transport", "ProcessGroupTransport", "UnitComm", "Handle", "DONE", "is_done", "wait_for", "StreamWork", "on_device",

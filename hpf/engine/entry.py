@@ -13,7 +13,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-from ..checks import CapturedTensorError
+from ..errors import CapturedTensorError
 from .gather import LiveUnit
 
 __all__ = ["entry", "Recompute", "rematerialized"]

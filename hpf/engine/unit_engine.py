@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..comm import schedule
-from ..checks import StaleParamError
+from ..errors import StaleParamError
 from ..comm.schedule import LOG
 from ..planning import ROOT, Plan
 from ..trace import Ranges

@@ -12,7 +12,7 @@ from ..models.recompute import recomputes
 from ..comm.tiered import Topology, step_plan
 from ..planning import ROOT
 from ..mesh import Mesh
-from ..types import SlowPrecision
+from ..precision import SlowPrecision
 from .hardware import (PROFILES, Hardware, Link, compute_key, hardware, load_calibration, model_prefix,
                        parse_compute_key)
 from ..engine.replay import StepEvents
@@ -53,7 +53,7 @@ def simulate(config, mesh, hw: Hardware | str, strategy: str = "hpf", **kw) -> S
     model's expert-parallel axis: experts split over it, tokens exchanged); hpf only:
     ``bucket_bytes`` (two-tier: hpf.Topology's cap on one fused collective), ``slow_precision``
     (two-tier: the low-bit slow tier, "W[,G]" as ``hpf simulate --slow-precision`` or an
-    hpf.types.SlowPrecision: fewer slow-tier bytes plus the quantize cost), ``accumulate``
+    hpf.precision.SlowPrecision: fewer slow-tier bytes plus the quantize cost), ``accumulate``
     micro-batches of ``local_batch / accumulate`` sequences, ``recompute`` ("none", "all",
     "every_other": the blocks whose forward runs again in backward), ``resident_units`` (the residency
     bound, as hpf.shard_step's), ``optimizer`` ("adamw"; "muon":

@@ -13,7 +13,7 @@ from ..comm import world
 from .. import tree as tree_util
 from ..comm.collectives import spmd
 from ..step import ShardStep
-from ..types import TrainState
+from ..train_state import TrainState
 from .errors import GradientMismatchError
 
 __all__ = ["GradReport", "check_grads"]

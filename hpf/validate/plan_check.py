@@ -12,7 +12,7 @@ from ..comm.collectives import SPMD, spmd
 from ..mesh import Mesh
 from ..comm.tiered import Topology, step_plan
 from ..planning import Plan
-from ..types import MixedPrecision
+from ..precision import MixedPrecision
 from .errors import as_layout_errors
 from .layout import describe
 from .tracker import Tracker

@@ -14,7 +14,7 @@ from .. import tree as tree_util
 from ..config import StepConfig
 from ..engine.compiled import eager_stance
 from ..step import ShardStep
-from ..types import TrainState
+from ..train_state import TrainState
 from .errors import (BatchMismatchError, LossNotReplicatedError, NonFiniteError, ParamsTreeError, QuantizationError,
                      as_layout_errors)
 from .grads import GradReport, check_grads

@@ -19,10 +19,7 @@ from .comm import world
 from .errors import (CapturedTensorError, DonatedStateError, NonFiniteError, ParamsMismatchError, StaleParamError,
                      UnevenBatchError, UnusedParamsError)
 
-__all__ = ["NonFiniteError", "DonatedStateError", "ParamsMismatchError", "StaleParamError", "UnevenBatchError",
-           "UnusedParamsError", "CapturedTensorError",
-           "CATALOGUE",
-           "clean_params", "frozen_paths", "check_same_on_all_ranks", "finite_or_none"]
+__all__ = ["CATALOGUE", "clean_params", "frozen_paths", "check_same_on_all_ranks", "finite_or_none"]
 
 
 #: (error class, when, what the message tells you to do): the README's troubleshooting table.
