@@ -122,10 +122,11 @@ def fsdp2_gpt(params, config, shape: tuple, names: tuple | None = None) -> GPTMo
     return model
 
 
-def adamw_step(model: nn.Module, adamw: dict, loss_value=global_mean):
-    """A plain PyTorch training step with foreach AdamW: ``step(batch) -> loss_value(loss)``
-    (by default the global mean loss)."""
-    opt = torch.optim.AdamW(model.parameters(), foreach=True, **adamw)
+def adamw_step(model, adamw: dict, loss_value=global_mean, params=None):
+    """A plain PyTorch training step with foreach AdamW: ``step(batch) -> loss_value(model(batch))``
+    (by default the global mean loss). ``model``: an nn.Module, or a loss of the batch over
+    plain tensors ``params`` (the leaves it trains)."""
+    opt = torch.optim.AdamW(model.parameters() if params is None else params, foreach=True, **adamw)
 
     def step(batch):
         loss = model(batch)

@@ -105,17 +105,9 @@ def _limit(params, config, adamw, tp_index):
                         "w_up": b["w_up"][:, tp_index * rows:(tp_index + 1) * rows].clone(),
                         "w_down": b["w_down"][tp_index * rows:(tp_index + 1) * rows].clone()} for b in params["blocks"]]
     leaves = [x.requires_grad_() for x in hpf.tree.flatten(local)[1]]
-    opt = torch.optim.AdamW(leaves, foreach=True, **adamw)
     loss_fn = gpt.loss_for(config)
-
-    def step(batch):
-        loss = loss_fn(local, batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
     assert e * config.n_heads == d
-    return step
+    return adamw_step(lambda batch: loss_fn(local, batch), adamw, lambda loss: float(loss.detach()), leaves)
 
 
 def rank_main(rank, args):

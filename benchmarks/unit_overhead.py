@@ -33,16 +33,8 @@ def replica(params, config):
     """Plain torch on the full params: the no-framework step the others are measured against."""
     leaves = [p.clone().requires_grad_() for p in hpf.tree.flatten(params)[1]]
     tree = hpf.tree.unflatten(hpf.tree.flatten(params)[2], leaves)
-    opt = torch.optim.AdamW(leaves, foreach=True, **ADAMW)
     loss_fn = gpt.loss_for(config)
-
-    def step(batch):
-        loss = loss_fn(tree, batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
-    return step
+    return adamw_step(lambda batch: loss_fn(tree, batch), ADAMW, lambda loss: float(loss.detach()), leaves)
 
 
 def hpf_step(params, config, **kwargs):

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import batching, checks, losses
+from . import batching, losses, misuse
 from . import tree as tree_util
 from .errors import DonatedStateError, NonFiniteError, UnusedParamsError
 from .comm import schedule, world
@@ -81,13 +81,13 @@ class ShardStep:
         cfg, born = self.config, _born_sharded(params, key)
         full_params = born.meta_params if born else params
         _join_world(self.mesh)
-        frozen = checks.frozen_paths(full_params, cfg.frozen)
-        full_params = checks.clean_params(full_params, allow_meta=True)
+        frozen = misuse.frozen_paths(full_params, cfg.frozen)
+        full_params = misuse.clean_params(full_params, allow_meta=True)
         self._donation.unloaded = not born and any(x.is_meta for x in tree_util.flatten(full_params)[1])
         self.rank, self.device = world.rank(), default_device()
         self.plan = step_plan(full_params, self.mesh, cfg.param_specs, cfg.fsdp_axes, topology=cfg.topology,
                               hsdp=cfg.hsdp, frozen=frozen)
-        checks.check_same_on_all_ranks(self.plan, full_params, self.device, born.digest() if born else None)
+        misuse.check_same_on_all_ranks(self.plan, full_params, self.device, born.digest() if born else None)
         shards = _first_shards(self.plan, born or full_params, self.rank, self.mp.master_dtype if self.mp else None,
                                self.device)
         self.grad_shards, self.comm, self.engine = _engine(cfg, self.plan, shards, self.device, self.on_extra_gather)

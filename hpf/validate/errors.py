@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from .. import checks, spec
+from .. import errors, spec
 
 __all__ = [
     "LayoutError", "PartialSumError", "ShardingMismatchError", "ShardedContractionError",
@@ -68,7 +68,7 @@ class PrecisionError(LayoutError):
     """An op silently leaves the mixed-precision compute dtype."""
 
 
-class NonFiniteError(LayoutError, checks.NonFiniteError):
+class NonFiniteError(LayoutError, errors.NonFiniteError):
     """A non-finite loss or grad; the message names where it first appeared (production
     mode's :class:`hpf.NonFiniteError`, with the origin named)."""
 
