@@ -43,7 +43,7 @@ class PlanReport:
     params_bytes: int  # per rank: the stored shards (master dtype)
     grad_bytes: int  # per rank: flat shard grads (reduce dtype)
     optimizer_bytes: int  # per rank
-    peak_gathered_bytes: int  # per rank: root + the two largest block units, full, compute dtype
+    peak_gathered_bytes: int  # per rank: root + the largest ``resident_units`` block units, full, compute dtype
     padded_total_bytes: int  # stored over all ranks: each bucket's padded buffer once per replica
     comm: dict[str, dict[str, int]] = field(default_factory=dict)  # collective -> tier -> bytes/step
     layouts: dict[str, int] = field(default_factory=dict)  # "FSDP over .. / split over .." -> params (global)
@@ -96,7 +96,7 @@ class PlanReport:
                 codec += (gathers if op == "all_gather" else 1) * n
             feedback += 4 * feedback_numel(mesh, b, slow)
         blocks = sorted((v for k, v in unit_bytes.items() if k != ROOT), reverse=True)
-        peak = unit_bytes.get(ROOT, 0) + sum(blocks[:2])
+        peak = unit_bytes.get(ROOT, 0) + sum(blocks[:resident_units])  # (the engine's residency bound)
         return cls(mesh.size, params, grads, opt, peak, padded_total, comm, layouts,
                    slow.describe() if slow else "", codec, feedback, full, temporary_bytes(plan))
 

@@ -125,6 +125,7 @@ def test_768_rank_plan_of_1b_gpt_adds_up():
     root = sum(b.padded_numel for b in plan.buckets if b.unit == "<root>") * 4
     block = sum(b.padded_numel for b in plan.buckets if b.unit == "blocks/0") * 4
     assert report.peak_gathered_bytes == root + 2 * block
+    assert PlanReport.of(plan, resident_units=3).peak_gathered_bytes == root + 3 * block  # the residency bound
     # all-gather: each rank sends its shard to 767 peers per gather; blocks are gathered
     # twice (forward, backward), except the last two (the residency bound), which backward
     # finds still gathered
