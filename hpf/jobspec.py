@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from .modes import STEPS
+from .config import MODES
 from .models import MODELS
 from .models.recompute import RECOMPUTE
 from .optim.lr_schedules import NAMES as SCHEDULES
@@ -158,7 +158,7 @@ class JobSpec:
         "weights of every head whose max attention logit exceeded TAU (gpt, llama)", resume=FIXED, shown="off",
         type=positive(float), metavar="TAU")
     mode: str = option("production", "validate runs the same plan with layout checks on every op", feeds=("step",),
-                       choices=tuple(STEPS))
+                       choices=MODES)
     seed: int = option(0, "seeds the init and the data", resume=FIXED, type=positive(int, least=0))
 
 
