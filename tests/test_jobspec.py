@@ -100,3 +100,11 @@ def test_the_step_topology_of_a_job_refuses_what_the_flat_ring_lacks():
     for bad in (dict(bucket_bytes=4096), dict(slow_precision="int8")):
         with pytest.raises(ValueError, match="needs --topology two-tier"):
             jobspec.step_topology(search.Candidate(topology="flat", **bad))
+
+
+def test_the_mode_names_are_the_step_classes_modes():
+    from hpf.config import MODES
+    from hpf.modes import STEPS
+
+    mode = next(f for f in dataclasses.fields(JobSpec) if f.name == "mode")
+    assert MODES == tuple(STEPS) == mode.metadata["flag"]["choices"]
