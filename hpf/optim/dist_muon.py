@@ -13,8 +13,10 @@ says which ranks hold which elements of every matrix, so:
   of the result. Ranks in other shard groups (HSDP or non-FSDP replicas) never take part.
 - An owner's same-shape matrices (MoE experts included) go into one batched NS call.
 
-The math is hpf.optim.muon_math's (muon_momentum_, orthogonalize, apply_muon_updates_, and
-AdamW.apply), so a sharded run matches the single-device optimizer on the full params. Pieces
+The math is the stages of ``Muon.transform`` (hpf.optim.transforms): ``scale_by_muon``'s
+momentum, Newton-Schulz and scaled step on the Muon pieces, the AdamW chain on the rest, so a
+sharded run matches the single-device optimizer on the full params. This is that partition's
+plan form: the layout decides who holds, owns and sends what. Pieces
 travel point-to-point through hpf.comm.world.exchange, in ``comm_dtype``; with a low-bit slow
 tier (the plan's ``slow_precision``) a piece bound for a rank across the slow tier travels
 block-quantized like the FSDP collectives: momentum pieces to the owner in the grads' format,
@@ -35,8 +37,8 @@ from ..comm import world
 from ..planning import Bucket, ParamSlot, Plan
 from .adamw_optimizer import schedule_value
 from .base import Capabilities
-from .muon_math import (MuonState, apply_muon_updates_, check_qk_heads, muon_momentum_, orthogonalize, qk_clip_,
-                        update_scale)
+from .muon_math import MuonState, check_qk_heads, qk_clip_, update_scale
+from .transforms import Hyper, run
 
 __all__ = ["DistMuon", "assign_owners", "ns_flops", "muon_paths", "muon_plan_state", "muon_sends", "muon_traffic"]
 
@@ -232,6 +234,7 @@ class DistMuon:
 
     def __init__(self, muon, plan: Plan, rank: int, comm_dtype: torch.dtype | None = None):
         self.muon, self.plan, self.rank, self.comm_dtype = muon, plan, rank, comm_dtype
+        self.stage, self.rest = muon.muon_stage, muon.transform.transforms["adamw"]  # the stages it runs on pieces
         on_muon = muon_paths(muon, plan)
         self.adamw_paths = frozenset(plan.slots) - on_muon
         for path in sorted(on_muon):
@@ -383,7 +386,7 @@ class DistMuon:
             by_scale[x.scale][0].append(p.view(1, -1))
             by_scale[x.scale][1].append(d.to(p.dtype).view(1, -1))
         for scale, (ps, ds) in by_scale.items():
-            apply_muon_updates_(ps, ds, lr=lr, weight_decay=self.muon.weight_decay, scale=scale)
+            self.stage.apply_(ps, ds, lr, self.muon.weight_decay, scale)
 
     def _check(self, shards: Sequence[torch.Tensor], what: str, trained: bool = False) -> None:
         """One flat shard per bucket (``trained``: empty for frozen buckets, which have no grads or state)."""
@@ -445,7 +448,7 @@ class EarlyMuon:
 
     def grads_final(self, buckets) -> None:
         """The grads of ``buckets`` are final (summed and reduced): start their matrices."""
-        dm, m = self.dm, self.dm.muon
+        dm = self.dm
         idx = [i for b in buckets for i in dm._by_bucket.get(b, ())]
         order = dm._momentum_order
         xs = [order[i] for i in idx]
@@ -456,7 +459,7 @@ class EarlyMuon:
             bufs = [self.state.exp_avg[x.bucket][x.mine] for x in xs]
             if not self.in_place:
                 bufs = [b.clone() for b in bufs]
-            ups = muon_momentum_(gs, bufs, m.momentum, m.nesterov)
+            ups = dm.stage.momentum_(gs, bufs)
             self.bufs.update(zip(idx, bufs))
             dtype = dm.comm_dtype or ups[0].dtype
             self.todo += [(i, u) for i, x, u in zip(idx, xs, ups) if x.owner == -1]
@@ -495,9 +498,9 @@ class EarlyMuon:
         gamma = m.qk_gamma(aux)
         state.count.add_(1)
         step = int(state.count)
-        m.adamw.apply([params[b][s] for b, s, _ in dm.adamw], [grads[b][s] for b, s, _ in dm.adamw],
-                      [state.exp_avg[b][s] for b, s, _ in dm.adamw],
-                      [state.exp_avg_sq[b][c] for b, _, c in dm.adamw], step)  # (while pieces travel)
+        run(dm.rest, [grads[b][s] for b, s, _ in dm.adamw], {"exp_avg": [state.exp_avg[b][s] for b, s, _ in dm.adamw],
+            "exp_avg_sq": [state.exp_avg_sq[b][c] for b, _, c in dm.adamw]}, [params[b][s] for b, s, _ in dm.adamw],
+            Hyper(step))  # (AdamW's part, while pieces travel)
         self.finish()
         if not self.in_place and order:
             torch._foreach_copy_([state.exp_avg[x.bucket][x.mine] for x in order], [self.bufs[i] for i in range(len(order))])
@@ -533,7 +536,4 @@ class EarlyMuon:
 
     def _orthogonalize(self, mats: list) -> list[torch.Tensor]:
         """Newton-Schulz of (matrix, values) pairs, same shapes batched; flat directions."""
-        m = self.dm.muon
-        return [d.reshape(-1) for d in orthogonalize(
-            [u.view(x.shape) for x, u in mats], ns_steps=m.ns_steps, coefficients=m.coefficients,
-            compute_dtype=m.ns_compute_dtype, variant=m.ns_variant)]
+        return [d.reshape(-1) for d in self.dm.stage.orthogonalize([u.view(x.shape) for x, u in mats])]
