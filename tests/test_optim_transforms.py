@@ -262,3 +262,28 @@ def test_a_user_chain_under_shard_step_is_adamw_with_max_grad_norm_bit_for_bit()
     assert chained[0] == adamw[0]
     assert all(torch.equal(a, b) for a, b in zip(chained[1], adamw[1]))
     assert chained[0][1:] != unclipped[0][1:], "the clip must act for this test to mean anything"
+
+
+def test_a_stage_field_injected_as_a_schedule_is_its_value_each_step():
+    wd = lambda step: 0.1 * step  # noqa: E731
+    opt = as_optimizer(chain(inject_hyperparams(add_decayed_weights(0.0), weight_decay=wd), scale_by_adam()))
+    opt = as_optimizer(inject_hyperparams(opt.transform, lr=0.5))
+    params, by_hand = [torch.full((3,), 2.0)], [torch.full((3,), 2.0)]
+    state = opt.init(params)
+    m, v = [torch.zeros(3)], [torch.zeros(3)]
+    for step in range(1, 4):
+        g = [torch.full((3,), float(step))]
+        opt.update(g, state, params)
+        chain(add_decayed_weights(wd(step)), scale_by_adam()).update(g, {"exp_avg": m, "exp_avg_sq": v}, by_hand,
+                                                                     Hyper(step, 0.5))
+    assert torch.equal(params[0], by_hand[0])  # (with the injection ignored, weight decay 0: they differ)
+    with pytest.raises(ValueError, match="Chain has no hyper-parameter 'weight_decay'; inject a stage's own field"):
+        inject_hyperparams(chain(add_decayed_weights(0.1)), weight_decay=0.2)
+    with pytest.raises(ValueError, match="max_norm is fixed"):
+        inject_hyperparams(clip_by_global_norm(1.0), max_norm=lambda s: 2.0)
+    with pytest.raises(ValueError, match="weight_decay schedule .* step 2"):
+        bad = as_optimizer(inject_hyperparams(inject_hyperparams(add_decayed_weights(0.0), weight_decay=lambda s: 1.0
+                                                                 if s < 2 else float("nan")), lr=0.1))
+        st = bad.init([torch.ones(1)])
+        for _ in range(2):
+            bad.update([torch.ones(1)], st, [torch.ones(1)])

@@ -11,7 +11,9 @@ in place (the same fused foreach ops as ``torch.optim.AdamW``, hence bit for bit
 
 - ``hyper`` (:class:`Hyper`) is one step's hyper-parameters: the step and the learning rate.
   ``inject_hyperparams(t, lr=schedule)`` sets the lr ``t`` sees from the step (optax's
-  ``inject_hyperparams``); an inner one overrides an outer one for its part.
+  ``inject_hyperparams``); an inner one overrides an outer one for its part. A stage's own
+  fields are injected the same way: ``inject_hyperparams(add_decayed_weights(0.1),
+  weight_decay=schedule)``.
 - ``chain(*stages)`` applies stages in order; ``partition(transforms, labels)`` gives each
   param to the transform its label names (optax's ``multi_transform``): Muon's matrices to
   ``scale_by_muon``, the rest to AdamW's chain.
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import math
 from collections import namedtuple
+import dataclasses
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, Callable, NamedTuple
@@ -277,25 +280,38 @@ class Chain(Transform):
 
 @dataclass(frozen=True)
 class InjectHyperparams(Transform):
-    """``inner`` with its learning rate set from the step: ``lr`` a number or a schedule of the
-    1-based step (``what`` names it in errors)."""
+    """``inner`` with hyper-parameters set from the step, each a number or a schedule of the
+    1-based step: ``lr``, the learning rate every stage inside reads (None: the outer one's;
+    ``what`` names it in errors), and ``others``, (field, value) pairs of ``inner``'s own fields
+    (e.g. ``add_decayed_weights``' ``weight_decay``), set on it for each step."""
 
     inner: Transform
-    lr: float | Callable[[int], float]
+    lr: float | Callable[[int], float] | None = None
     what: str = "lr"
+    others: tuple = ()
 
     fields = property(lambda self: self.inner.fields)
     elementwise = property(lambda self: self.inner.elementwise)
     max_grad_norm = property(lambda self: self.inner.max_grad_norm)
 
+    def at(self, hyper: Hyper) -> tuple[Transform, Hyper]:
+        """The inner transform and the hyper-parameters it sees at ``hyper``'s step."""
+        inner = self.inner
+        if self.others:
+            inner = replace(inner, **{k: check_rate(v(hyper.step), f"{k} schedule", hyper.step) if callable(v) else v
+                                      for k, v in self.others})
+        return inner, hyper if self.lr is None else inject(self.lr, hyper.step, self.what)
+
     def init(self, params):
         return self.inner.init(params)
 
     def update(self, grads, state, params, hyper):
-        return self.inner.update(grads, state, params, inject(self.lr, hyper.step, self.what))
+        inner, hyper = self.at(hyper)
+        return inner.update(grads, state, params, hyper)
 
     def check(self, hyper):
-        self.inner.check(inject(self.lr, hyper.step, self.what))
+        inner, hyper = self.at(hyper)
+        inner.check(hyper)
 
     def for_plan(self, plan, rank):
         return replace(self, inner=self.inner.for_plan(plan, rank))
@@ -480,10 +496,26 @@ def partition(transforms: dict, labels: Any) -> Partition:
     return Partition(dict(transforms), labels)
 
 
-def inject_hyperparams(transform: Transform, lr: float | Callable[[int], float], what: str = "lr") -> InjectHyperparams:
-    if not callable(lr):
+def inject_hyperparams(transform: Transform, lr: float | Callable[[int], float] | None = None, what: str = "lr",
+                       **others) -> InjectHyperparams:
+    """``transform`` with its hyper-parameters given per step (optax's ``inject_hyperparams``):
+    ``lr`` for every stage inside, and any field of ``transform`` itself by name, e.g.
+    ``inject_hyperparams(add_decayed_weights(0.1), weight_decay=schedule)``; each a number or a
+    function of the 1-based step, whose values must be finite and >= 0."""
+    if lr is not None and not callable(lr):
         check_rate(lr, what)
-    return InjectHyperparams(transform, lr, what)
+    names = {f.name for f in dataclasses.fields(transform)} if dataclasses.is_dataclass(transform) else set()
+    for k, v in others.items():
+        if k not in names or k in ("mask", "ranges", "folded", "stages", "inner", "transforms", "labels"):
+            raise ValueError(f"inject_hyperparams: {type(transform).__name__} has no hyper-parameter {k!r}; inject a "
+                             f"stage's own field into that stage (e.g. chain(inject_hyperparams(add_decayed_weights(0.1), "
+                             f"weight_decay=schedule), ...)), or lr into any transform")
+        if isinstance(transform, ClipByGlobalNorm):
+            raise ValueError("inject_hyperparams: clip_by_global_norm's max_norm is fixed (under hpf.shard_step the "
+                             "step clips to it in its one all-reduce); give it a number")
+        if not callable(v):
+            check_rate(v, k)
+    return InjectHyperparams(transform, lr, what, tuple(others.items()))
 
 
 def add_decayed_weights(weight_decay: float, mask: Any = None) -> AddDecayedWeights:
