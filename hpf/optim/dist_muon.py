@@ -35,7 +35,6 @@ from hpf_kernels import dequantize, newton_schulz_flops, payload_bytes, quantize
 
 from ..comm import world
 from ..planning import Bucket, ParamSlot, Plan
-from .adamw_optimizer import schedule_value
 from .base import Capabilities
 from .muon_math import MuonState, check_qk_heads, qk_clip_, update_scale
 from .transforms import Hyper, run
@@ -49,8 +48,9 @@ def ns_flops(shape: Sequence[int], steps: int, variant: str = "standard") -> int
 
 
 def muon_paths(muon, plan: Plan) -> set[str]:
-    """Paths of the params ``muon`` (an hpf.optim.Muon) orthogonalizes; the rest take its AdamW fallback."""
-    return {path for path, s in plan.slots.items() if muon.on_muon(path, _meta(s))}
+    """Paths of the params ``muon`` (an hpf.optim.Muon) orthogonalizes: those its partition labels
+    "muon" (``Muon.label``); the rest take its AdamW fallback."""
+    return {path for path, s in plan.slots.items() if muon.label(path, _meta(s)) == "muon"}
 
 
 def muon_plan_state(muon, plan: Plan) -> tuple[int, Counter, int]:
@@ -234,7 +234,10 @@ class DistMuon:
 
     def __init__(self, muon, plan: Plan, rank: int, comm_dtype: torch.dtype | None = None):
         self.muon, self.plan, self.rank, self.comm_dtype = muon, plan, rank, comm_dtype
-        self.stage, self.rest = muon.muon_stage, muon.transform.transforms["adamw"]  # the stages it runs on pieces
+        # the stages it runs on pieces: the partition's Muon part (decay, scale_by_muon at Muon's lr) and the rest
+        parts = muon.transform.transforms
+        self.matrices, self.rest = parts["muon"], parts["adamw"]
+        self.stage = self.matrices.inner.stages[-1]
         on_muon = muon_paths(muon, plan)
         self.adamw_paths = frozenset(plan.slots) - on_muon
         for path in sorted(on_muon):
@@ -377,7 +380,8 @@ class DistMuon:
                                     if _node(self.plan.mesh, peer) != here)
         return world.exchange(sends, recvs)
 
-    def _apply(self, params, matrices: list[_Matrix], directions: list[torch.Tensor], lr: float) -> None:
+    def _apply(self, params, matrices: list[_Matrix], directions: list[torch.Tensor], lr: float,
+               weight_decay: float) -> None:
         """apply_muon_updates_ on flat pieces (as [1, k] views): the scale of each piece's whole
         matrix is passed as a number, so the piece's own shape plays no part."""
         by_scale: dict[float, tuple[list, list]] = defaultdict(lambda: ([], []))
@@ -386,7 +390,7 @@ class DistMuon:
             by_scale[x.scale][0].append(p.view(1, -1))
             by_scale[x.scale][1].append(d.to(p.dtype).view(1, -1))
         for scale, (ps, ds) in by_scale.items():
-            self.stage.apply_(ps, ds, lr, self.muon.weight_decay, scale)
+            self.stage.apply_(ps, ds, lr, weight_decay, scale)
 
     def _check(self, shards: Sequence[torch.Tensor], what: str, trained: bool = False) -> None:
         """One flat shard per bucket (``trained``: empty for frozen buckets, which have no grads or state)."""
@@ -504,10 +508,11 @@ class EarlyMuon:
         self.finish()
         if not self.in_place and order:
             torch._foreach_copy_([state.exp_avg[x.bucket][x.mine] for x in order], [self.bufs[i] for i in range(len(order))])
-        lr = schedule_value(m.lr, step)
+        part, h = dm.matrices.at(Hyper(step))  # (its lr this step, and its decay stage's weight decay)
+        lr, wd = h.lr, part.stages[0].weight_decay
         n_here = len(dm.local) + len(dm.owned)
-        dm._apply(params, order[:n_here], [self.dirs[i][x.in_matrix] for i, x in enumerate(order[:n_here])], lr)
-        dm._apply(params, order[n_here:], [self.dirs[i] for i in range(n_here, len(order))], lr)
+        dm._apply(params, order[:n_here], [self.dirs[i][x.in_matrix] for i, x in enumerate(order[:n_here])], lr, wd)
+        dm._apply(params, order[n_here:], [self.dirs[i] for i in range(n_here, len(order))], lr, wd)
         if gamma is not None:  # each rank its own pieces: no communication
             qk_clip_([(params[b][mine], shape, first, heads) for b, mine, shape, first, heads in dm.qk], gamma)
         return True

@@ -1,4 +1,4 @@
-"""Optimizers as composable transforms, as optax composes its ``GradientTransformation``s.
+"""Optimizers as composable transforms, as optax composes its ``GradientTransformation`` objects.
 
 Every stage and every combinator has one shape (:class:`Transform`): ``init(params) -> state``
 and ``update(grads, state, params, hyper) -> (updates, state)``. ``params`` and ``grads`` are
@@ -12,8 +12,7 @@ in place (the same fused foreach ops as ``torch.optim.AdamW``, hence bit for bit
 - ``hyper`` (:class:`Hyper`) is one step's hyper-parameters: the step and the learning rate.
   ``inject_hyperparams(t, lr=schedule)`` sets the lr ``t`` sees from the step (optax's
   ``inject_hyperparams``); an inner one overrides an outer one for its part. A stage's own
-  fields are injected the same way: ``inject_hyperparams(add_decayed_weights(0.1),
-  weight_decay=schedule)``.
+  fields are injected the same way (``weight_decay=schedule`` into ``add_decayed_weights``).
 - ``chain(*stages)`` applies stages in order; ``partition(transforms, labels)`` gives each
   param to the transform its label names (optax's ``multi_transform``): Muon's matrices to
   ``scale_by_muon``, the rest to AdamW's chain.
