@@ -220,7 +220,8 @@ def test_misuse_names_the_stage_the_param_and_the_fix():
 def misplaced_rank(rank, which):
     """A stage that needs whole params, under shard_step: refused at init, with the fix."""
     opt = {"muon": inject_hyperparams(scale_by_muon(), lr=0.02),
-           "partition": partition({"a": scale_by_adam()}, lambda path, p: "a")}[which]
+           "partition": inject_hyperparams(partition({"m": scale_by_muon(), "a": scale_by_adam()},
+                                                     lambda path, p: "m" if p.ndim == 2 else "a"), lr=0.02)}[which]
     step = hpf.shard_step(gpt.loss_for(TINY), mesh=hpf.Mesh({"dp": 2}), optimizer=opt)
     try:
         step.init(gpt.init(TINY))
@@ -232,7 +233,7 @@ def misplaced_rank(rank, which):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("which, fix", [("muon", "use hpf.optim.muon"), ("partition", "only as hpf.optim.muon")])
+@pytest.mark.parametrize("which, fix", [("muon", "use hpf.optim.muon"), ("partition", "'m' needs whole params")])
 def test_stages_that_need_whole_params_are_refused_on_flat_shards(which, fix):
     assert all(fix in e for e in launch(misplaced_rank, 2, which))
 
@@ -241,8 +242,13 @@ def chain_rank(rank, which):
     """GPT tiny on 2 ranks: the user's chain (its clip folded into the step's grad scale), or
     hpf.optim.adamw with shard_step(max_grad_norm=...)."""
     adamw = hpf.optim.adamw(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    mask = hpf.optim.default_weight_decay_mask
+    masked = hpf.optim.adamw(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, weight_decay_mask=mask)
+    by_label = partition({"decay": chain(add_decayed_weights(0.1), scale_by_adam((0.9, 0.95))),
+                          "keep": scale_by_adam((0.9, 0.95))}, lambda path, x: "decay" if mask(path, x) else "keep")
     kw = {"chain": dict(optimizer=user_chain(0.05, 1e-2)), "adamw": dict(optimizer=adamw, max_grad_norm=0.05),
-          "unclipped": dict(optimizer=adamw)}[which]
+          "unclipped": dict(optimizer=adamw), "masked": dict(optimizer=masked, max_grad_norm=0.05),
+          "partition": dict(optimizer=inject_hyperparams(chain(clip_by_global_norm(0.05), by_label), lr=1e-2))}[which]
     step = hpf.shard_step(gpt.loss_for(TINY), mesh=hpf.Mesh({"dp": 2}), **kw)
     state = step.init(gpt.init(TINY, hpf.random.key(0)))
     losses = []
@@ -287,3 +293,19 @@ def test_a_stage_field_injected_as_a_schedule_is_its_value_each_step():
         st = bad.init([torch.ones(1)])
         for _ in range(2):
             bad.update([torch.ones(1)], st, [torch.ones(1)])
+
+
+@pytest.mark.slow
+def test_a_partition_runs_on_the_pieces_of_flat_shards_as_a_mask_does_bit_for_bit():
+    """Under shard_step each label's transform runs on the pieces of its params (PlannedPartition),
+    first units first (the step's partial update): decay for matrices, none for the rest, is
+    exactly AdamW with the default decay mask."""
+    by_label, masked, unmasked = (launch(chain_rank, 2, which)[0] for which in ("partition", "masked", "adamw"))
+    assert by_label[0] == masked[0]
+    assert all(torch.equal(a, b) for a, b in zip(by_label[1], masked[1]))
+    assert not all(torch.equal(a, b) for a, b in zip(by_label[1], unmasked[1])), "the labels must matter"
+
+
+def test_a_clip_inside_a_partition_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"put clip_by_global_norm before the partition"):
+        partition({"a": chain(clip_by_global_norm(1.0), scale_by_adam())}, lambda path, p: "a")

@@ -15,7 +15,8 @@ in place (the same fused foreach ops as ``torch.optim.AdamW``, hence bit for bit
   fields are injected the same way (``weight_decay=schedule`` into ``add_decayed_weights``).
 - ``chain(*stages)`` applies stages in order; ``partition(transforms, labels)`` gives each
   param to the transform its label names (optax's ``multi_transform``): Muon's matrices to
-  ``scale_by_muon``, the rest to AdamW's chain.
+  ``scale_by_muon``, the rest to AdamW's chain. On a plan's flat shards a partition of
+  elementwise transforms runs each on the pieces of its params (``PlannedPartition``).
 - :class:`TransformOptimizer` (``as_optimizer``) is a transform as an hpf optimizer: it keeps the
   step count, evaluates the schedules, and declares its capabilities as data. ``hpf.shard_step``
   wraps a transform passed as ``optimizer=`` in it.
@@ -46,7 +47,7 @@ from .lr_schedules import check_rate
 
 __all__ = ["Hyper", "inject", "Transform", "chain", "partition", "inject_hyperparams", "as_optimizer",
            "add_decayed_weights", "scale_by_adam", "clip_by_global_norm", "Chain", "Partition",
-           "InjectHyperparams", "TransformOptimizer", "AddDecayedWeights", "ScaleByAdam", "ClipByGlobalNorm",
+           "InjectHyperparams", "PlannedPartition", "TransformOptimizer", "AddDecayedWeights", "ScaleByAdam", "ClipByGlobalNorm",
            "run", "state_type"]
 
 
@@ -333,6 +334,13 @@ class Partition(Transform):
     labels: Any
     leaf_labels: tuple | None = field(default=None, repr=False, compare=False)
 
+    def __post_init__(self):
+        clipped = [k for k, t in self.transforms.items() if t.max_grad_norm is not None]
+        if clipped:
+            raise ValueError(f"partition: {', '.join(map(repr, clipped))} clips by the global grad norm, which is "
+                             "every param's: put clip_by_global_norm before the partition, chain(clip_by_global_norm(...), "
+                             "partition(...))")
+
     @property
     def fields(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(f for t in self.transforms.values() for f in t.fields))
@@ -391,16 +399,61 @@ class Partition(Transform):
         for t in self.transforms.values():
             t.check(hyper)
 
-    def for_plan(self, plan, rank):
-        raise ValueError("partition on a plan's flat shards: a shard mixes params of different labels, and "
-                         "hpf.shard_step runs a partition only as hpf.optim.muon (its plan form, DistMuon, splits the "
-                         "shards by param); for elementwise stages pick params with add_decayed_weights(mask=...)")
+    def for_plan(self, plan, rank) -> "PlannedPartition":
+        """On ``plan``'s flat shards: each label's transform runs on the pieces of its params this
+        rank holds (every transform elementwise; one that is not needs whole params: refused)."""
+        whole = [k for k, t in self.transforms.items() if not t.elementwise]
+        if whole:
+            raise ValueError(f"partition: {', '.join(map(repr, whole))} needs whole params (e.g. scale_by_muon's "
+                             "Newton-Schulz), and on a plan's flat shards a rank holds pieces; for Muon use "
+                             "hpf.optim.muon(...), whose plan form (hpf.optim.DistMuon) orthogonalizes each split matrix "
+                             "once at its owner")
+        meta = plan.tree({p: torch.empty(s.global_shape, dtype=s.dtype, device="meta") for p, s in plan.slots.items()})
+        at = {p: i for i, p in enumerate(tree_util.flatten(meta)[0])}
+        pieces = []
+        for b in plan.buckets:
+            for s in b.slots:
+                piece = b.local_piece(s, plan.shard_index(b, rank))
+                if piece.numel:
+                    pieces.append((b.index, piece.held, at[s.path]))
+        return PlannedPartition(self.for_params(meta), tuple(pieces))
 
     def take(self, indices):
         if self.leaf_labels is None:
             return self
         return replace(self, leaf_labels=tuple(self.leaf_labels[i] for i in indices),
                        transforms={k: t.take(indices) for k, t in self.transforms.items()})
+
+
+@dataclass(frozen=True)
+class PlannedPartition(Transform):
+    """A :class:`Partition` on a plan's flat shards (its ``for_plan``): the leaves are the shards,
+    and each label's transform runs on the pieces (views) of its params in them. ``pieces``: per
+    piece, (its shard's place in the leaves, its elements there, its param's leaf index in the
+    partition's params). Every field is kept shard-shaped, so checkpoints place it as the params;
+    a field only some labels keep is zeros on the others' elements."""
+
+    partition: Partition  # resolved on the full params (meta tensors): labels and per-param parts
+    pieces: tuple
+
+    fields = property(lambda self: self.partition.fields)
+
+    def update(self, grads, state, params, hyper):
+        p = self.partition
+        for label, t in p.transforms.items():
+            mine = [(b, sl, j) for b, sl, j in self.pieces if p.leaf_labels[j] == label]
+            if mine:
+                pick = lambda xs: [xs[b][sl] for b, sl, _ in mine]  # noqa: E731
+                run(t.take([j for _, _, j in mine]), pick(grads), {f: pick(state[f]) for f in t.fields}, pick(params),
+                    hyper)
+        return grads, state
+
+    def check(self, hyper):
+        self.partition.check(hyper)
+
+    def take(self, indices):
+        place = {b: k for k, b in enumerate(indices)}
+        return replace(self, pieces=tuple((place[b], sl, j) for b, sl, j in self.pieces if b in place))
 
 
 @lru_cache(maxsize=None)
