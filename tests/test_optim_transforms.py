@@ -309,3 +309,26 @@ def test_a_partition_runs_on_the_pieces_of_flat_shards_as_a_mask_does_bit_for_bi
 def test_a_clip_inside_a_partition_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"put clip_by_global_norm before the partition"):
         partition({"a": chain(clip_by_global_norm(1.0), scale_by_adam())}, lambda path, p: "a")
+
+
+def test_a_user_chain_state_checkpoints_by_its_field_names_and_resumes(tmp_path):
+    def make():
+        return hpf.shard_step(gpt.loss_for(TINY), mesh=hpf.Mesh({"dp": 1}), optimizer=user_chain(1.0, 1e-3))
+
+    step = make()
+    state = step.init(gpt.init(TINY, hpf.random.key(0)))
+    for s in range(2):
+        state, _ = step(state, gpt.global_batch(TINY, 4, 0, s))
+    assert state.opt_state._fields == ("count", "exp_avg", "exp_avg_sq")
+    step.save(state, tmp_path / "ck")
+    other = make()
+    other.init(gpt.init(TINY, device="meta"))
+    restored, _ = other.restore(tmp_path / "ck")
+    assert int(restored.opt_state.count) == 2
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert all(torch.equal(a, b) for a, b in zip(getattr(state.opt_state, name), getattr(restored.opt_state, name)))
+    _, m = step(state, gpt.global_batch(TINY, 4, 0, 2))
+    _, m2 = other(restored, gpt.global_batch(TINY, 4, 0, 2))
+    assert m["loss"] == m2["loss"] and m["grad_norm"] == m2["grad_norm"]
+    step.close()
+    other.close()
