@@ -44,8 +44,9 @@ class Muon:
 
     update(grads, state, params) changes params and state in place (donated, as with
     hpf.optim.adamw: no copy of the model, FSDP shards stay views into their buffers) and
-    returns them. Build it with :func:`muon`, which checks the hyper-parameters; under
-    hpf.shard_step, ``for_plan`` turns it into the layout-driven :class:`DistMuon`.
+    returns them. Build it with :func:`muon`, which checks the hyper-parameters. Its math is
+    ``transform``, a partition of stages (hpf.optim.transforms); under hpf.shard_step,
+    ``for_plan`` runs that partition as the layout-driven :class:`DistMuon`.
 
     Args:
         lr: Muon's learning rate, or a function of the 1-based step.

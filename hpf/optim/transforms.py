@@ -48,7 +48,7 @@ from .lr_schedules import check_rate
 __all__ = ["Hyper", "inject", "Transform", "chain", "partition", "inject_hyperparams", "as_optimizer",
            "add_decayed_weights", "scale_by_adam", "clip_by_global_norm", "Chain", "Partition",
            "InjectHyperparams", "PlannedPartition", "TransformOptimizer", "AddDecayedWeights", "ScaleByAdam", "ClipByGlobalNorm",
-           "run", "state_type"]
+           "meta_params", "run", "state_type"]
 
 
 class Hyper(NamedTuple):
@@ -85,6 +85,8 @@ class Transform:
         return {f: [torch.zeros_like(p) for p in leaves] for f in self.fields}
 
     def update(self, grads: list, state: dict, params: list, hyper: Hyper) -> tuple[list, dict]:
+        """One step: update ``state`` (its ``fields``) and ``params`` in place, and return (the
+        updates the next stage reads as its grads, the state)."""
         raise NotImplementedError
 
     @property
@@ -96,13 +98,21 @@ class Transform:
         """Raise before a step changes anything if a hyper-parameter of ``hyper``'s step is bad."""
 
     def for_plan(self, plan, rank: int) -> "Transform":
+        """This transform on ``plan``'s flat shards as ``rank`` holds them."""
         return self
 
     def for_params(self, params: Any) -> "Transform":
+        """What depends on the params' paths (a mask, labels) resolved against the pytree ``params``."""
         return self
 
     def take(self, indices: list[int]) -> "Transform":
+        """This transform on the leaves at ``indices`` alone (an elementwise one's part of an update)."""
         return self
+
+
+def meta_params(plan) -> Any:
+    """The full params of ``plan`` as meta tensors (shapes, dtypes and paths only), for masks and labels."""
+    return plan.tree({p: torch.empty(s.global_shape, dtype=s.dtype, device="meta") for p, s in plan.slots.items()})
 
 
 def _leaves(params: Any) -> list:
@@ -132,8 +142,7 @@ class AddDecayedWeights(Transform):
     def for_plan(self, plan, rank: int) -> "AddDecayedWeights":
         if self.mask is None:
             return self
-        decays = self.by_path(plan.tree({p: torch.empty(s.global_shape, dtype=s.dtype, device="meta")
-                                         for p, s in plan.slots.items()}))
+        decays = self.by_path(meta_params(plan))
         shards = []
         for b in plan.buckets:
             pieces = [b.local_piece(s, plan.shard_index(b, rank)) for s in b.slots if decays[s.path]]
@@ -408,7 +417,7 @@ class Partition(Transform):
                              "Newton-Schulz), and on a plan's flat shards a rank holds pieces; for Muon use "
                              "hpf.optim.muon(...), whose plan form (hpf.optim.DistMuon) orthogonalizes each split matrix "
                              "once at its owner")
-        meta = plan.tree({p: torch.empty(s.global_shape, dtype=s.dtype, device="meta") for p, s in plan.slots.items()})
+        meta = meta_params(plan)
         at = {p: i for i, p in enumerate(tree_util.flatten(meta)[0])}
         pieces = []
         for b in plan.buckets:
