@@ -24,6 +24,7 @@ from hpf.models import gpt
 from hpf.optim.adamw_optimizer import schedule_value
 from hpf.optim.muon_math import MuonState, apply_muon_updates_, muon_momentum_, orthogonalize, update_scale
 from hpf.optim.muon_optimizer import muon
+from hpf.optim.transforms import Hyper, run
 
 from common import interleaved, median_ms, mib, print_table, report_ratio, parse_step_args, step_bench_parser
 
@@ -73,8 +74,8 @@ class GatherAllMuon:
                 continue
             self.bytes_sent += (b.shard_size - 1) * sendbuf[b.index].nbytes
             handles.append(dist.all_gather_single(full[b.index], sendbuf[b.index], group=group, async_op=True))
-        m.adamw.apply(*([t[b][s] for b, s in self.adamw] for t in (params, grads, state.exp_avg, state.exp_avg_sq)),
-                      step)
+        p, g, avg, avg_sq = ([t[b][s] for b, s in self.adamw] for t in (params, grads, state.exp_avg, state.exp_avg_sq))
+        run(m.transform.transforms["adamw"], g, {"exp_avg": avg, "exp_avg_sq": avg_sq}, p, Hyper(step))
         for h in handles:
             h.wait()
         slots = [s for b, matrices, _ in self.buckets for s in matrices]

@@ -14,7 +14,8 @@ from .comm.tiered import Topology
 from .engine.residency import RESIDENT_UNITS
 from .losses import LossScale
 from .mesh import Mesh, as_axes
-from .optim.base import Optimizer, undeclared
+from .optim.base import Optimizer, capabilities, undeclared
+from .optim.transforms import Transform, as_optimizer
 from .precision import MixedPrecision
 
 __all__ = ["StepConfig", "MODES"]
@@ -29,7 +30,8 @@ class StepConfig:
 
     Args:
         mesh: the :class:`hpf.Mesh` of the running job (its size is the world size).
-        optimizer: a functional optimizer, e.g. ``hpf.optim.adamw(...)`` or ``hpf.optim.muon(...)``.
+        optimizer: a functional optimizer, e.g. ``hpf.optim.adamw(...)`` or ``hpf.optim.muon(...)``,
+            or a transform of stages (``hpf.optim.transforms.chain(...)``, run by ``as_optimizer``).
         param_specs: None (shard every param over all FSDP axes), ``hpf.rules([...])`` or a pytree of ``P``.
         fsdp_axes: the data-parallel axes params are sharded and gathered over (default: all mesh
             axes); other axes are stored and computed sharded.
@@ -38,7 +40,8 @@ class StepConfig:
         mixed_precision: None, "bf16", "fp16", a dtype or :class:`hpf.MixedPrecision`. The
             per-example floating batch leaves (``batch_axes``) are cast to the compute dtype.
             "fp16" scales the loss dynamically (``loss_scale``).
-        max_grad_norm: clip the global grad norm to this (None: no clipping).
+        max_grad_norm: clip the global grad norm to this (None: no clipping, unless the optimizer
+            has a ``clip_by_global_norm`` stage; both is an error).
         topology: None (flat collectives) or :class:`hpf.Topology` for two-tier collectives.
         hsdp: shard params only over the fast-tier FSDP axes and replicate across the slow tier.
         overlap_optimizer: after the step's one global decision, update the units the next step
@@ -99,14 +102,24 @@ class StepConfig:
     frozen: Any = None
     quantization_tolerance: float | None = None
 
+    @property
+    def grad_clip(self) -> float | None:
+        """The max global grad norm the step clips to: ``max_grad_norm``, or the optimizer's clip stage's."""
+        return self.max_grad_norm if self.max_grad_norm is not None else capabilities(self.optimizer).max_grad_norm
+
     def __post_init__(self):
         if not isinstance(self.mesh, Mesh):
             raise TypeError(f"mesh={self.mesh!r}: pass an hpf.Mesh, e.g. hpf.Mesh({{'dp': 4}})")
+        if isinstance(self.optimizer, Transform):  # a chain of stages, optax style: the optimizer that runs it
+            object.__setattr__(self, "optimizer", as_optimizer(self.optimizer))
         if not isinstance(self.optimizer, Optimizer):
             raise TypeError(f"optimizer {self.optimizer!r} is not an hpf.optim.Optimizer (it needs init() and "
                             "update()): pass hpf.optim.adamw(...) or another object with init(params) and "
                             "update(grads, state, params)")
         undeclared(self.optimizer)
+        if self.max_grad_norm is not None and capabilities(self.optimizer).max_grad_norm is not None:
+            raise ValueError(f"max_grad_norm={self.max_grad_norm} and the optimizer's clip_by_global_norm("
+                             f"{capabilities(self.optimizer).max_grad_norm}) both clip: keep one")
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r}: use one of {list(MODES)}")
         if self.grad not in ("autograd", "torch.func"):

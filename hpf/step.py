@@ -93,7 +93,7 @@ class ShardStep:
         self.grad_shards, self.comm, self.engine = _engine(cfg, self.plan, shards, self.device, self.on_extra_gather)
         # Axes a param computes sharded over (experts on a borrowed data axis) allow collectives.
         self._spmd = SPMD(self.mesh, self.rank, tuple(a for a in self.plan.fsdp_axes if a not in self.plan.split_axes))
-        self.decider = Decider.of(self.plan, self.mesh.size, cfg.max_grad_norm)
+        self.decider = Decider.of(self.plan, self.mesh.size, cfg.grad_clip)
         opt = self.optimizer
         self.plan_optimizer = opt.for_plan(self.plan, self.rank) if capabilities(opt).for_plan else opt
         self._io = StateIO(self.plan, self.rank, self.device, self.plan_optimizer, loss_scale=cfg.loss_scale,

@@ -14,6 +14,9 @@ instead of probing for methods. Each capability promises the methods of its prot
   bucket as grads land (distributed Muon's Newton-Schulz), and writes only after the decision.
 - ``aux``: the step's aux names ``update(..., aux=...)`` reads (Muon's QK-Clip reads the max
   attention logits); () and the step calls ``update`` without aux.
+- ``max_grad_norm``: a clip stage's max global grad norm (hpf.optim.transforms.clip_by_global_norm):
+  the step takes the global norm in its one all-reduce and folds the clip's factor into its grad
+  scale, as ``shard_step(max_grad_norm=...)`` does (None: no clip stage).
 - ``state_layout``: the per-bucket state fields that do not lie as the param shard does, each
   with the params it packs, so checkpoints can place them (distributed Muon's AdamW moment).
 """
@@ -33,6 +36,7 @@ class Capabilities:
     for_plan: bool = False
     early: bool = False
     aux: tuple[str, ...] = ()
+    max_grad_norm: float | None = None
     #: field -> the params it packs: such a field's tensor for a bucket holds this rank's elements
     #: of those params only, back to back in the bucket's param order (every other per-bucket
     #: field is laid out as the param shard, as AdamW's moments are)

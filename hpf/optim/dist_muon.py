@@ -13,8 +13,10 @@ says which ranks hold which elements of every matrix, so:
   of the result. Ranks in other shard groups (HSDP or non-FSDP replicas) never take part.
 - An owner's same-shape matrices (MoE experts included) go into one batched NS call.
 
-The math is hpf.optim.muon_math's (muon_momentum_, orthogonalize, apply_muon_updates_, and
-AdamW.apply), so a sharded run matches the single-device optimizer on the full params. Pieces
+The math is the stages of ``Muon.transform`` (hpf.optim.transforms): ``scale_by_muon``'s
+momentum, Newton-Schulz and scaled step on the Muon pieces, the AdamW chain on the rest, so a
+sharded run matches the single-device optimizer on the full params. This is that partition's
+plan form: the layout decides who holds, owns and sends what. Pieces
 travel point-to-point through hpf.comm.world.exchange, in ``comm_dtype``; with a low-bit slow
 tier (the plan's ``slow_precision``) a piece bound for a rank across the slow tier travels
 block-quantized like the FSDP collectives: momentum pieces to the owner in the grads' format,
@@ -33,10 +35,9 @@ from hpf_kernels import dequantize, newton_schulz_flops, payload_bytes, quantize
 
 from ..comm import world
 from ..planning import Bucket, ParamSlot, Plan
-from .adamw_optimizer import schedule_value
 from .base import Capabilities
-from .muon_math import (MuonState, apply_muon_updates_, check_qk_heads, muon_momentum_, orthogonalize, qk_clip_,
-                        update_scale)
+from .muon_math import MuonState, check_qk_heads, qk_clip_, update_scale
+from .transforms import Hyper, run
 
 __all__ = ["DistMuon", "assign_owners", "ns_flops", "muon_paths", "muon_plan_state", "muon_sends", "muon_traffic"]
 
@@ -47,8 +48,9 @@ def ns_flops(shape: Sequence[int], steps: int, variant: str = "standard") -> int
 
 
 def muon_paths(muon, plan: Plan) -> set[str]:
-    """Paths of the params ``muon`` (an hpf.optim.Muon) orthogonalizes; the rest take its AdamW fallback."""
-    return {path for path, s in plan.slots.items() if muon.on_muon(path, _meta(s))}
+    """Paths of the params ``muon`` (an hpf.optim.Muon) orthogonalizes: those its partition labels
+    "muon" (``Muon.label``); the rest take its AdamW fallback."""
+    return {path for path, s in plan.slots.items() if muon.label(path, _meta(s)) == "muon"}
 
 
 def muon_plan_state(muon, plan: Plan) -> tuple[int, Counter, int]:
@@ -232,6 +234,10 @@ class DistMuon:
 
     def __init__(self, muon, plan: Plan, rank: int, comm_dtype: torch.dtype | None = None):
         self.muon, self.plan, self.rank, self.comm_dtype = muon, plan, rank, comm_dtype
+        # the stages it runs on pieces: the partition's Muon part (decay, scale_by_muon at Muon's lr) and the rest
+        parts = muon.transform.transforms
+        self.matrices, self.rest = parts["muon"], parts["adamw"]
+        self.stage = self.matrices.inner.stages[-1]
         on_muon = muon_paths(muon, plan)
         self.adamw_paths = frozenset(plan.slots) - on_muon
         for path in sorted(on_muon):
@@ -374,7 +380,8 @@ class DistMuon:
                                     if _node(self.plan.mesh, peer) != here)
         return world.exchange(sends, recvs)
 
-    def _apply(self, params, matrices: list[_Matrix], directions: list[torch.Tensor], lr: float) -> None:
+    def _apply(self, params, matrices: list[_Matrix], directions: list[torch.Tensor], lr: float,
+               weight_decay: float) -> None:
         """apply_muon_updates_ on flat pieces (as [1, k] views): the scale of each piece's whole
         matrix is passed as a number, so the piece's own shape plays no part."""
         by_scale: dict[float, tuple[list, list]] = defaultdict(lambda: ([], []))
@@ -383,7 +390,7 @@ class DistMuon:
             by_scale[x.scale][0].append(p.view(1, -1))
             by_scale[x.scale][1].append(d.to(p.dtype).view(1, -1))
         for scale, (ps, ds) in by_scale.items():
-            apply_muon_updates_(ps, ds, lr=lr, weight_decay=self.muon.weight_decay, scale=scale)
+            self.stage.apply_(ps, ds, lr, weight_decay, scale)
 
     def _check(self, shards: Sequence[torch.Tensor], what: str, trained: bool = False) -> None:
         """One flat shard per bucket (``trained``: empty for frozen buckets, which have no grads or state)."""
@@ -445,7 +452,7 @@ class EarlyMuon:
 
     def grads_final(self, buckets) -> None:
         """The grads of ``buckets`` are final (summed and reduced): start their matrices."""
-        dm, m = self.dm, self.dm.muon
+        dm = self.dm
         idx = [i for b in buckets for i in dm._by_bucket.get(b, ())]
         order = dm._momentum_order
         xs = [order[i] for i in idx]
@@ -456,7 +463,7 @@ class EarlyMuon:
             bufs = [self.state.exp_avg[x.bucket][x.mine] for x in xs]
             if not self.in_place:
                 bufs = [b.clone() for b in bufs]
-            ups = muon_momentum_(gs, bufs, m.momentum, m.nesterov)
+            ups = dm.stage.momentum_(gs, bufs)
             self.bufs.update(zip(idx, bufs))
             dtype = dm.comm_dtype or ups[0].dtype
             self.todo += [(i, u) for i, x, u in zip(idx, xs, ups) if x.owner == -1]
@@ -495,16 +502,17 @@ class EarlyMuon:
         gamma = m.qk_gamma(aux)
         state.count.add_(1)
         step = int(state.count)
-        m.adamw.apply([params[b][s] for b, s, _ in dm.adamw], [grads[b][s] for b, s, _ in dm.adamw],
-                      [state.exp_avg[b][s] for b, s, _ in dm.adamw],
-                      [state.exp_avg_sq[b][c] for b, _, c in dm.adamw], step)  # (while pieces travel)
+        run(dm.rest, [grads[b][s] for b, s, _ in dm.adamw], {"exp_avg": [state.exp_avg[b][s] for b, s, _ in dm.adamw],
+            "exp_avg_sq": [state.exp_avg_sq[b][c] for b, _, c in dm.adamw]}, [params[b][s] for b, s, _ in dm.adamw],
+            Hyper(step))  # (AdamW's part, while pieces travel)
         self.finish()
         if not self.in_place and order:
             torch._foreach_copy_([state.exp_avg[x.bucket][x.mine] for x in order], [self.bufs[i] for i in range(len(order))])
-        lr = schedule_value(m.lr, step)
+        part, h = dm.matrices.at(Hyper(step))  # (its lr this step, and its decay stage's weight decay)
+        lr, wd = h.lr, part.stages[0].weight_decay
         n_here = len(dm.local) + len(dm.owned)
-        dm._apply(params, order[:n_here], [self.dirs[i][x.in_matrix] for i, x in enumerate(order[:n_here])], lr)
-        dm._apply(params, order[n_here:], [self.dirs[i] for i in range(n_here, len(order))], lr)
+        dm._apply(params, order[:n_here], [self.dirs[i][x.in_matrix] for i, x in enumerate(order[:n_here])], lr, wd)
+        dm._apply(params, order[n_here:], [self.dirs[i] for i in range(n_here, len(order))], lr, wd)
         if gamma is not None:  # each rank its own pieces: no communication
             qk_clip_([(params[b][mine], shape, first, heads) for b, mine, shape, first, heads in dm.qk], gamma)
         return True
@@ -533,7 +541,4 @@ class EarlyMuon:
 
     def _orthogonalize(self, mats: list) -> list[torch.Tensor]:
         """Newton-Schulz of (matrix, values) pairs, same shapes batched; flat directions."""
-        m = self.dm.muon
-        return [d.reshape(-1) for d in orthogonalize(
-            [u.view(x.shape) for x, u in mats], ns_steps=m.ns_steps, coefficients=m.coefficients,
-            compute_dtype=m.ns_compute_dtype, variant=m.ns_variant)]
+        return [d.reshape(-1) for d in self.dm.stage.orthogonalize([u.view(x.shape) for x, u in mats])]

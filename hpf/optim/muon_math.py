@@ -2,19 +2,23 @@
 
 Momentum is elementwise and runs on shards; only ``orthogonalize`` needs whole matrices.
 The momentum and update rules are torch.optim.Muon's (torch 2.13), so results match it.
-A leaf module: it imports neither optimizer.
+``scale_by_muon`` is the same math as a stage (hpf.optim.transforms), which ``hpf.optim.muon``
+chains and partitions with AdamW's. It imports neither optimizer.
 """
 from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence, Union
 
 import torch
 
 from hpf_kernels import newton_schulz
 
-__all__ = ["MuonState", "SCALES", "apply_muon_updates_", "check_qk_heads", "max_attn_logits", "muon_direction",
+from .transforms import Transform
+
+__all__ = ["MuonState", "ScaleByMuon", "scale_by_muon", "SCALES", "apply_muon_updates_", "check_qk_heads", "max_attn_logits", "muon_direction",
            "muon_momentum_", "orthogonalize", "qk_clip_", "qk_clip_factors", "update_scale"]
 
 SCALES = ("keller", "original", "moonlight", "match_rms_adamw")
@@ -138,3 +142,50 @@ class MuonState(NamedTuple):
     count: torch.Tensor  # steps taken, a 0-dim int64 tensor (checkpointable, same on every rank)
     exp_avg: Any  # Muon params: momentum buffer; AdamW params: first moment
     exp_avg_sq: Any  # AdamW params: second moment; Muon params: an empty tensor (same tree everywhere)
+
+
+@dataclass(frozen=True)
+class ScaleByMuon(Transform):
+    """Muon's step as a stage: momentum (torch.optim.Muon's lerp form, Nesterov or not), then
+    Newton-Schulz of each matrix (same shapes batched), then ``params -= lr * scale(m, n) *
+    direction``. Not elementwise: Newton-Schulz needs whole matrices, so on a plan's flat shards
+    it runs as hpf.optim.DistMuon (``Muon.for_plan``), which calls this stage's ``momentum_``,
+    ``orthogonalize`` and ``apply_`` on the pieces each rank holds or owns."""
+
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    coefficients: Any = "keller"
+    scale: Union[str, float] = "keller"
+    compute_dtype: torch.dtype | None = None
+    variant: str = "standard"
+    fields = ("exp_avg",)  # the momentum buffer
+    elementwise = False
+
+    def momentum_(self, grads: Sequence[torch.Tensor], bufs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return muon_momentum_(grads, bufs, self.momentum, self.nesterov)
+
+    def orthogonalize(self, matrices: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return orthogonalize(matrices, ns_steps=self.ns_steps, coefficients=self.coefficients,
+                             compute_dtype=self.compute_dtype, variant=self.variant)
+
+    def apply_(self, params: Sequence[torch.Tensor], directions: Sequence[torch.Tensor], lr: float,
+               weight_decay: float = 0.0, scale: Union[str, float, None] = None) -> None:
+        apply_muon_updates_(params, directions, lr=lr, weight_decay=weight_decay,
+                            scale=self.scale if scale is None else scale)
+
+    def for_plan(self, plan, rank: int):
+        raise ValueError("scale_by_muon on a plan's flat shards: Newton-Schulz needs whole matrices, and a shard "
+                         "holds pieces; use hpf.optim.muon(...), whose plan form (hpf.optim.DistMuon) orthogonalizes "
+                         "each split matrix once at its owner")
+
+    def update(self, grads, state, params, hyper):
+        directions = self.orthogonalize(self.momentum_(grads, state["exp_avg"]))
+        self.apply_(params, directions, hyper.rate("scale_by_muon"))
+        return grads, state
+
+
+def scale_by_muon(momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5, coefficients="keller",
+                  scale: Union[str, float] = "keller", compute_dtype: torch.dtype | None = None,
+                  variant: str = "standard") -> ScaleByMuon:
+    return ScaleByMuon(momentum, nesterov, ns_steps, coefficients, scale, compute_dtype, variant)

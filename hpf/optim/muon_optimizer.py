@@ -2,14 +2,16 @@
 
 Matrices (ndim >= 2; ndim > 2 is a batch of matrices over the leading dims, e.g. MoE experts
 [E, m, n]) step along the orthogonalized momentum; vectors, embeddings and the head use AdamW.
-The math lives in hpf.optim.muon_math (AdamW.apply for the rest), so the distributed Muon
-(hpf.optim.dist_muon, which ``Muon.for_plan`` returns) runs the same code on flat shards.
+Muon is built from the stages AdamW is (hpf.optim.transforms): ``partition`` gives matrices
+``chain(add_decayed_weights, scale_by_muon)`` at Muon's lr and the rest AdamW's chain at its
+own (``Muon.transform``). On a plan's flat shards (``for_plan``) the partition runs as the
+distributed Muon (hpf.optim.dist_muon), which calls the same stages on the pieces it holds.
 This module is hpf/optim/muon_optimizer.py, not muon.py: ``hpf.optim.muon`` is the factory.
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Union
 
 import optree
@@ -21,8 +23,9 @@ from .base import Capabilities
 from .lr_schedules import check_rate
 from .adamw_optimizer import AdamW, adamw, schedule_value
 from .dist_muon import DistMuon
-from .muon_math import (MuonState, apply_muon_updates_, check_qk_heads, max_attn_logits, muon_direction, qk_clip_,
-                        qk_clip_factors, update_scale)
+from .muon_math import (MuonState, ScaleByMuon, check_qk_heads, max_attn_logits, qk_clip_, qk_clip_factors,
+                        scale_by_muon, update_scale)
+from .transforms import Chain, Hyper, InjectHyperparams, Partition, add_decayed_weights, chain, partition, run
 
 __all__ = ["muon", "Muon", "MuonState", "default_use_adamw"]
 
@@ -41,8 +44,9 @@ class Muon:
 
     update(grads, state, params) changes params and state in place (donated, as with
     hpf.optim.adamw: no copy of the model, FSDP shards stay views into their buffers) and
-    returns them. Build it with :func:`muon`, which checks the hyper-parameters; under
-    hpf.shard_step, ``for_plan`` turns it into the layout-driven :class:`DistMuon`.
+    returns them. Build it with :func:`muon`, which checks the hyper-parameters. Its math is
+    ``transform``, a partition of stages (hpf.optim.transforms); under hpf.shard_step,
+    ``for_plan`` runs that partition as the layout-driven :class:`DistMuon`.
 
     Args:
         lr: Muon's learning rate, or a function of the 1-based step.
@@ -80,6 +84,30 @@ class Muon:
     qk_heads: Any = None  # path -> (dim, head per index, power): the model's qk_heads(config)
     overlap: bool = False  # under hpf.shard_step: start momentum and Newton-Schulz as units' grads land
 
+    @property
+    def muon_stage(self) -> ScaleByMuon:
+        """Momentum, Newton-Schulz and the scaled step of the matrices, as a stage."""
+        return scale_by_muon(self.momentum, self.nesterov, self.ns_steps, self.coefficients, self.scale,
+                             self.ns_compute_dtype, self.ns_variant)
+
+    @property
+    def adamw_stages(self) -> Chain:
+        """The AdamW fallback's math without its lr (its mask unused: every fallback param decays)."""
+        return replace(self.adamw, weight_decay_mask=None).stages
+
+    @property
+    def transform(self) -> Partition:
+        """Muon as stages: matrices (``on_muon``) take decoupled weight decay then ``scale_by_muon``
+        at ``lr``; the rest AdamW's chain at the fallback's lr."""
+        return partition({"muon": InjectHyperparams(chain(add_decayed_weights(self.weight_decay), self.muon_stage),
+                                                    self.lr, "muon: lr"),
+                          "adamw": InjectHyperparams(self.adamw_stages, self.adamw.lr, "muon: adamw_lr")},
+                         labels=self.label)
+
+    def label(self, path: str, p: torch.Tensor) -> str:
+        """The partition a param goes to: "muon" or "adamw"."""
+        return "muon" if self.on_muon(path, p) else "adamw"
+
     def for_plan(self, plan, rank: int) -> DistMuon:
         """This optimizer on the flat shards of ``plan`` (hpf.shard_step calls it): distributed Muon."""
         return DistMuon(self, plan, rank, self.comm_dtype)
@@ -113,12 +141,10 @@ class Muon:
         schedule_value(self.adamw.lr, step, "muon: adamw_lr")
 
     def init(self, params: Any) -> MuonState:
-        paths, leaves, treedef = _flatten(params, "params")
-        exp_avg = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in leaves]
-        exp_avg_sq = [p.new_empty(0) if self.on_muon(path, p) else torch.zeros_like(p)
-                      for path, p in zip(paths, leaves)]
-        return MuonState(torch.zeros((), dtype=torch.int64), treedef.unflatten(exp_avg),
-                         treedef.unflatten(exp_avg_sq))
+        _, leaves, treedef = _flatten(params, "params")
+        fields = self.transform.init(params)  # momentum or first moment; the second moment, AdamW's only
+        return MuonState(torch.zeros((), dtype=torch.int64), treedef.unflatten(fields["exp_avg"]),
+                         treedef.unflatten(fields["exp_avg_sq"]))
 
     def update(self, grads: Any, state: MuonState, params: Any, aux: dict | None = None) -> tuple[Any, MuonState]:
         """One step in place; ``aux``: the step's aux (hpf.losses), read only under QK-Clip."""
@@ -131,20 +157,8 @@ class Muon:
         if gamma is not None:
             check_qk_heads(self.qk_heads, dict(zip(paths, (p.shape for p in leaves))))
         state.count.add_(1)
-        step = int(state.count)
-        is_muon = [self.on_muon(path, p) for path, p in zip(paths, leaves)]
-
-        def pick(xs, want):
-            return [x for x, m in zip(xs, is_muon) if m == want]
-
-        directions = muon_direction(pick(grad_leaves, True), pick(avg, True), momentum=self.momentum,
-                                    nesterov=self.nesterov, ns_steps=self.ns_steps,
-                                    coefficients=self.coefficients, compute_dtype=self.ns_compute_dtype,
-                                    variant=self.ns_variant)
-        apply_muon_updates_(pick(leaves, True), directions, lr=schedule_value(self.lr, step),
-                            weight_decay=self.weight_decay, scale=self.scale)
-        self.adamw.apply(pick(leaves, False), pick(grad_leaves, False), pick(avg, False),
-                         pick(avg_sq, False), step)
+        run(self.transform.for_params(params), grad_leaves, {"exp_avg": avg, "exp_avg_sq": avg_sq}, leaves,
+            Hyper(int(state.count)))
         if gamma is not None:  # after the update, as MuonClip
             by_path = dict(zip(paths, leaves))
             qk_clip_([(by_path[path].view(-1), by_path[path].shape, 0, heads) for path, heads in self.qk_heads.items()],
