@@ -67,8 +67,9 @@ LONGEST = ("test_docs.py", "test_cli_train.py", "test_tensor_parallel.py", "test
 
 def pytest_collection_modifyitems(items):
     """The longest files first, longest first, then the other files with slow tests, then the fast
-    ones, each file's tests kept together: the two workers (pyproject's ``-n 2 --dist loadfile``)
-    take files in this order, so the fast files fill the end instead of one long file running alone."""
+    ones, each file's tests kept together: the two workers (pyproject's ``-n 2 --dist loadfile
+    --no-loadscope-reorder``) take files in this order, so the fast files fill the end instead of
+    one long file running alone."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     rank = {name: i for i, name in enumerate(LONGEST)}
     items.sort(key=lambda item: (rank.get(item.path.name, len(LONGEST)), item.path not in slow_files))  # stable
