@@ -5,7 +5,7 @@ scales the loss (hpf.LossScale, torch.amp.GradScaler's rules): a step whose grad
 skipped and the scale halves; 2000 clean steps double it (here: ``--growth-interval``). Prints
 the two curves' largest gap over the last 50 steps, how many fp16 steps were skipped, and
 writes docs/results/fp16_curve.json and a PNG of both curves.
-Usage: python benchmarks/fp16_curve.py [--steps 200] [--batch 8] [--png fp16_curve.png]
+Usage: python benchmarks/fp16_curve.py [--steps 200] [--batch 8] [--png docs/fp16_curve.png]
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--growth-interval", type=int, default=50)
-    ap.add_argument("--png", default="fp16_curve.png")
+    ap.add_argument("--png", default=os.path.join(os.path.dirname(__file__), "..", "docs", "fp16_curve.png"))
     ap.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "..", "docs", "results",
                                                    "fp16_curve.json"))
     args = ap.parse_args()

@@ -81,7 +81,6 @@ def main() -> None:
                 runs.append(train(hpf, data, Path(scratch) / f"{name}-{seed}", name, seed, args))
                 print(f"{name} seed {seed}: held-out {runs[-1]['eval_losses'][-1][1]:.4f} "
                       f"({runs[-1]['wall_s']:.0f} s)", flush=True)
-    plot(runs, args.png)
     print("final held-out loss per seed, and mean:")
     mean = {}
     for name in OPTIMIZERS:
@@ -89,7 +88,8 @@ def main() -> None:
         mean[name] = statistics.mean(finals)
         print(f"  {name:6s} " + "  ".join(f"{x:.4f}" for x in finals) + f"   mean {mean[name]:.4f}")
     report_ratio("muon/adamw_final_held_out_loss", mean["muon"] / mean["adamw"])
-    write_results(args.json, {"runs": runs})
+    write_results(args.json, {"runs": runs})  # (before the plot: its environment must not count the plot)
+    plot(runs, args.png)
     print(f"wrote {args.png}")
 
 

@@ -337,7 +337,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float |
                   **_meeting_env(workdir, master_port, timeout), **(env or {})}
     procs, conns = [], []
     try:
-        with _sigterm_unwinds():  # (through the finally below: the ranks stop, the folder and shared memory go)
+        with _sigterm_unwinds(), _heap_frozen():  # (the finally below: the ranks stop, the folder and shared memory go)
             for r in range(world_size):
                 child_env = {**_torchrun_env(r, world_size, port), **shared_env}
                 recv, send = ctx.Pipe(duplex=False)
@@ -350,6 +350,20 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float |
             return _collect(procs, conns, timeout, workdir)
     finally:
         _clean_up(procs, conns, workdir)
+
+
+@contextlib.contextmanager
+def _heap_frozen():
+    """The objects this process holds now stay out of the ranks' garbage collections (Python's
+    advice for fork without exec, ``gc.freeze``): a rank's full collection, as ``step.close()``
+    and ``shutdown`` run, then scans only what the rank made, not the caller's whole heap (0.6 s
+    a collection forked from a pytest process that imported the test suite). The caller's
+    objects are unfrozen again when the launch ends."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 @contextlib.contextmanager

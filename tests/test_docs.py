@@ -22,8 +22,10 @@ def blocks(language: str) -> list[str]:
 
 @pytest.mark.slow
 def test_the_docs_build_with_warnings_as_errors_and_run_the_notebooks(tmp_path):
+    # (one compute thread, as in this process (conftest.py): the notebooks' one-process references
+    # ran 3-10x slower on two threads with the other test worker on the second core)
     proc = subprocess.run([sys.executable, "-m", "sphinx", "-W", "-q", "-b", "html", "docs", str(tmp_path / "html")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+                          cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     for page in ("contract", "topology", "validation", "muon", "moe", "checkpoints", "simulate", "plan_search", "benchmarks",
                  "architecture", "cli", "api", "modules", "notebooks/quickstart", "notebooks/muon",
