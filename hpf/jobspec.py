@@ -15,8 +15,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+from .comm.tiered import Topology
 from .config import MODES
 from .models import MODELS
 from .models.recompute import RECOMPUTE
@@ -168,6 +169,14 @@ def _fields(command: str | None = None) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(JobSpec) if command is None or command in f.metadata["commands"]]
 
 
+def _field(name: str) -> dataclasses.Field:
+    """The option ``name``'s field (TypeError, naming where to declare it, for one JobSpec lacks)."""
+    found = [f for f in _fields() if f.name == name]
+    if not found:
+        raise TypeError(f"{name!r} is no JobSpec option: declare it in hpf.jobspec first")
+    return found[0]
+
+
 def _help(f: dataclasses.Field, mine: dict) -> str:
     text, shown = mine.get("help", f.metadata["help"]), mine.get("shown", f.metadata["shown"])
     default = shown if shown is not None else mine.get("default", f.default)
@@ -201,9 +210,9 @@ def resumed(policy: str | None = None) -> tuple[str, ...]:
 
 
 def inputs(job: Any, feeds: str) -> dict[str, Any]:
-    """The options that ``feeds`` "step" (hpf.shard_step's options), "sim" (hpf.sim.simulate's keywords) or
-    "memory" (hpf.memory.predict's), read from ``job`` (a JobSpec, a search Candidate, parsed flags); one it lacks (a command without
-    that flag) has its default."""
+    """The options that ``feeds`` "step" (hpf.shard_step's options), "sim" (hpf.sim.simulate's keywords)
+    or "memory" (hpf.memory.predict's), read from ``job`` (a JobSpec, a search Candidate, parsed flags);
+    one it lacks (a command without that flag) has its default."""
     return {f.name: getattr(job, f.name, f.default) for f in _fields() if feeds in f.metadata["feeds"]}
 
 
@@ -213,7 +222,7 @@ def checked(name: str, value: Any) -> Any:
 
     Raises:
         ValueError: a value the flag would refuse, saying why."""
-    f = next(f for f in _fields() if f.name == name)
+    f = _field(name)
     if isinstance(f.default, bool) or value is None:
         if not (isinstance(value, bool) if isinstance(f.default, bool) else f.default is None):
             raise ValueError("not a value of this option")
@@ -236,8 +245,6 @@ def step_topology(job: Any):
 
     Raises:
         ValueError: a bucket cap or a low-bit slow tier with the flat ring, which has neither."""
-    from .comm.tiered import Topology
-
     low = SlowPrecision.parse(job.slow_precision)
     if job.topology == "two-tier":
         return Topology.with_slow(low, bucket_bytes=job.bucket_bytes)
@@ -252,7 +259,4 @@ def step_topology(job: Any):
 
 def searched(name: str) -> Any:
     """A plan search dimension's field (hpf.search.Candidate): the option ``name``, with its default."""
-    found = [f for f in _fields() if f.name == name]
-    if not found:
-        raise TypeError(f"{name!r} is no JobSpec option: declare it in hpf.jobspec first")
-    return dataclasses.field(default=found[0].default)
+    return dataclasses.field(default=_field(name).default)

@@ -395,7 +395,7 @@ def add_parser(sub, help_: str):
     _add_output_options(train)
     # Options a resumed run takes from its run.json: None until run_folder.resolve fills them
     # (hpf.jobspec's defaults where the run has none).
-    train.set_defaults(run=cmd_train, fresh={"mesh": None, **jobspec.defaults("train")}, mesh=None)
+    train.set_defaults(run=cmd_train, fresh={"mesh": None, **jobspec.defaults("train")})
     return train
 
 
