@@ -79,6 +79,25 @@ def micro_batches(batch: Any, k: int, axes: list[int | None]) -> list[Any]:
     return [tree_util.unflatten(treedef, [c[j] for c in parts]) for j in range(k)]
 
 
+def atoms(batch: Any, atom_size: int, axes: list[int | None]) -> list[Any]:
+    """The invariant mode's micro-batches: the local batch cut into atoms of ``atom_size`` examples
+    each, contiguous, so every kernel sees the same shapes and strides at any world size.
+
+    Raises:
+        ValueError: a per-example leaf whose batch dim is not a whole number of atoms.
+    """
+    paths, leaves, _ = tree_util.flatten(batch)
+    for p, x, a in zip(paths, leaves, axes):
+        if a is not None and (x.shape[a] % atom_size or not x.shape[a]):
+            raise ValueError(f"invariant=True, atom_size={atom_size}: batch leaf {p or '<root>'!r} has {x.shape[a]} "
+                             f"examples along its batch dim {a} (shape {tuple(x.shape)}), not a whole number of atoms. "
+                             f"Give each rank a multiple of {atom_size} examples (the global batch / the world size), "
+                             "or pick an atom_size that divides every rank's share")
+    n = next((x.shape[a] for x, a in zip(leaves, axes) if a is not None), atom_size) // atom_size
+    parts = micro_batches(batch, n, axes)
+    return [optree.tree_map(lambda x: x.contiguous() if isinstance(x, torch.Tensor) else x, mb) for mb in parts]
+
+
 def cast(batch: Any, dtype: torch.dtype, axes: list[int | None]) -> Any:
     """Per-example floating leaves in ``dtype`` (as FSDP2's MixedPrecisionPolicy casts inputs)."""
     _, leaves, treedef = tree_util.flatten(batch)

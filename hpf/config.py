@@ -73,6 +73,14 @@ class StepConfig:
             param's weights or grads, relative to the param's largest value; past it the step
             raises :class:`hpf.validate.QuantizationError` before any update (None: report only,
             in ``metrics["quantization"]``).
+        invariant: the same bits at any scale (docs/invariant.md): the step's losses, grads and
+            params are a function of the params, the global batch and the options alone, not of
+            the world size, the mesh's shape, the topology, ``accumulate`` or ``recompute``. Each
+            rank's local batch is cut into atoms of ``atom_size`` examples, summed in one
+            canonical tree over the global atom index; rank r (its index over the FSDP axes, in
+            mesh order) passes atoms ``[r * n, (r + 1) * n)`` of the global batch, contiguous.
+        atom_size: with ``invariant``, the examples per atom: the same at every mesh (the global
+            batch over the largest world size the job will run on is a good choice).
 
     Raises:
         ValueError: an unknown ``mode``, ``grad``, ``mixed_precision`` or ``on_nonfinite``; a
@@ -101,6 +109,8 @@ class StepConfig:
     resident_units: int = RESIDENT_UNITS
     frozen: Any = None
     quantization_tolerance: float | None = None
+    invariant: bool = False
+    atom_size: int | None = None
 
     @property
     def grad_clip(self) -> float | None:
@@ -146,6 +156,7 @@ class StepConfig:
             raise ValueError(f"quantization_tolerance={self.quantization_tolerance!r} is checked in mode='validate' "
                              f"(mode={self.mode!r} measures no quantization error); use mode='validate'")
         object.__setattr__(self, "fsdp_axes", as_axes(self.fsdp_axes))
+        self._check_invariant()
         mp = MixedPrecision.parse(self.mixed_precision)
         object.__setattr__(self, "mixed_precision", mp)
         scale = self.loss_scale
@@ -154,6 +165,28 @@ class StepConfig:
         if scale is not None and not isinstance(scale, LossScale):
             raise TypeError(f"loss_scale={scale!r}: pass hpf.LossScale(...), or None for no loss scaling")
         object.__setattr__(self, "loss_scale", scale)
+        if self.invariant and scale is not None:
+            raise ValueError("invariant=True with fp16 loss scaling: the loss scale's per-term divisor depends on the "
+                             "world size; use mixed_precision='bf16' (no loss scale), or fp32")
+
+    def _check_invariant(self) -> None:
+        """The options the invariant mode covers (docs/invariant.md); the others are refused by name."""
+        if not isinstance(self.invariant, bool):
+            raise TypeError(f"invariant={self.invariant!r}: pass True or False")
+        if not self.invariant:
+            if self.atom_size is not None:
+                raise ValueError(f"atom_size={self.atom_size!r} is the invariant mode's: pass invariant=True too")
+            return
+        a = self.atom_size
+        if isinstance(a, bool) or not isinstance(a, int) or a < 1:
+            raise ValueError(f"invariant=True needs atom_size=<examples per atom> (an int >= 1, the same at every "
+                             f"mesh; e.g. the global batch over the largest world size), not {a!r}")
+        refused = {"hsdp": self.hsdp, "topology with a low-bit slow tier":
+                   self.topology is not None and self.topology.slow_precision is not None}
+        for name, on in refused.items():
+            if on:
+                raise ValueError(f"invariant=True does not cover {name} yet (its replica or low-bit sums follow "
+                                 "the mesh); drop it, or run without invariant=True")
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

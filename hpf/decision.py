@@ -19,6 +19,7 @@ import torch
 from . import batching, losses
 from .errors import UnevenBatchError
 from .comm import schedule, world
+from .comm.canonical import exact_parts, exact_square_sum, exact_total, tree_sum
 from .comm.schedule import LOG
 from .optim.transforms import ClipByGlobalNorm, clip_by_global_norm
 from .trace import span
@@ -54,6 +55,8 @@ class Decider:
         replicas: per bucket, how many ranks hold each of its shards (counted once in the norm);
         clip: clipping by the global grad norm, a stage of hpf.optim.transforms whose factor the
             decision folds into ``grad_scale`` (None: no clipping).
+        dp_index: the invariant mode (None: off): this rank's index over the FSDP axes, whose
+            atoms' losses it places in the canonical sum; the grad norm is summed exactly.
     """
 
     world: int
@@ -61,13 +64,14 @@ class Decider:
     n_compute: int
     replicas: torch.Tensor
     clip: ClipByGlobalNorm | None
+    dp_index: int | None = None
 
     @classmethod
-    def of(cls, plan, world: int, max_grad_norm: float | None) -> "Decider":
+    def of(cls, plan, world: int, max_grad_norm: float | None, dp_index: int | None = None) -> "Decider":
         """The decider of a step over ``plan`` on ``world`` ranks (``max_grad_norm``: the clip)."""
         replicas = torch.tensor([float(plan.replicas(b)) for b in plan.buckets], dtype=torch.float64)
         return cls(world, plan.dp_size, plan.compute_size, replicas,
-                   None if max_grad_norm is None else clip_by_global_norm(max_grad_norm))
+                   None if max_grad_norm is None else clip_by_global_norm(max_grad_norm), dp_index)
 
     def normalizer(self, n_micro: int, count: float | None = None) -> float:
         """What the summed grads are divided by: the global count of an hpf.weighted loss (each
@@ -88,14 +92,18 @@ class Decider:
                             "others; return one form every time")
         values = torch.stack([o.value.detach().to(torch.float64).cpu() for o in outs])
         count = sum(float(o.count) for o in outs) if weighted else float(len(outs))
-        sq = float((torch.stack(torch._foreach_norm(grads)).to(torch.float64).cpu().square() / self.replicas).sum())
+        invariant = self._invariant_parts(values, grads) if self.dp_index is not None else None
+        sq = 0.0 if invariant else float(
+            (torch.stack(torch._foreach_norm(grads)).to(torch.float64).cpu().square() / self.replicas).sum())
         aux = _local_aux(outs)
         shape = 0 if weighted else batching.shape_signature(batch)
-        local = [float(values.sum()), count, float(not bool(torch.isfinite(values).all())), sq,
+        bad = not bool(torch.isfinite(values).all()) or bool(invariant and not math.isfinite(invariant[0]))
+        local = [float(values.sum()), count, float(bad), sq,
                  *schedule.digest_parts(LOG.digest()), *schedule.digest_parts(shape)]
         summed = {k: v for k, v in (aux or {}).items() if not k.startswith(losses.MAX_AUX)}
         totals = torch.cat([torch.tensor(local, dtype=torch.float64)]
-                           + [v.detach().to(torch.float64).cpu().reshape(-1) for v in summed.values()])
+                           + [v.detach().to(torch.float64).cpu().reshape(-1) for v in summed.values()]
+                           + ([invariant[1]] if invariant else []))
         waited = 0.0
         if world.is_distributed() and self.world > 1:
             with span("hpf/all-reduce the step's totals"):
@@ -104,6 +112,12 @@ class Decider:
                 schedule.wait(world.all_reduce_async(totals), "the step's all-reduce")
                 waited = time.perf_counter() - t
         tv = totals.tolist()
+        if invariant:  # the loss sum in the canonical tree over atoms, the squares' exact sum
+            top, tail = invariant[0], tv[len(tv) - len(invariant[1]):]
+            tv = tv[:len(tv) - len(tail)]
+            n = len(tail) - _EXACT
+            tv[0] = tree_sum(dict(((i, 1), v) for i, v in enumerate(tail[_EXACT:])), n, lambda a, b: a + b)
+            tv[3] = exact_total(tail[:_EXACT], top) if math.isfinite(top) else math.nan
         schedule.check_digests(schedule.parts_agree(tv[_LOG], self.world))
         if not weighted and not schedule.parts_agree(tv[_SHAPES], self.world):
             raise UnevenBatchError(
@@ -126,6 +140,30 @@ class Decider:
             out_aux.update(_max_aux({k: v for k, v in aux.items() if k not in summed}, self.world))
         return Decision(loss, grad_norm, _grad_scale(normalizer, scale, coef), finite, out_aux, waited,
                         tv[1] if weighted else None)
+
+
+    def _invariant_parts(self, values: torch.Tensor, grads: list[torch.Tensor]) -> tuple[float, torch.Tensor]:
+        """The invariant mode's part of the step's all-reduce: the exact sum of squares (over the
+        shards this rank counts) and each atom's loss at its place among all ``dp_size * k``, 0
+        elsewhere (adding zeros is exact). First the largest square over the ranks, which fixes
+        the exact sum's scale: one small all-reduce."""
+        counted = [g for g, r in zip(grads, self.replicas.tolist()) if r == 1 or self.dp_index == 0]
+        maxima = [g.detach().abs().max().to(torch.float64).cpu() for g in counted if g.numel()]
+        top = (torch.stack(maxima).max() if maxima else torch.zeros((), dtype=torch.float64)).square().reshape(1)
+        mine = float(top[0])
+        if world.is_distributed() and self.world > 1:
+            LOG.record("all-reduce", "the largest square of the grads")
+            schedule.wait(world.all_reduce_async(top, op="max"), "the grads' largest square")
+        top = float(top[0]) if math.isfinite(mine) else math.nan  # (this rank's non-finite grads: counted as such)
+        k = len(values)
+        losses_at = torch.zeros(self.dp_size * k, dtype=torch.float64)
+        losses_at[self.dp_index * k:(self.dp_index + 1) * k] = values
+        exact = exact_parts(exact_square_sum(counted, top)) if math.isfinite(top) else [0.0] * _EXACT
+        return top, torch.cat([torch.tensor(exact, dtype=torch.float64), losses_at])
+
+
+#: entries of the exact sum of squares in the all-reduce (hpf.comm.canonical.exact_parts)
+_EXACT = 9
 
 
 def _grad_scale(normalizer: float, scale: float, coef: float = 1.0) -> float:

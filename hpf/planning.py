@@ -254,7 +254,7 @@ class Plan:
 
 def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[str] | None = None, *,
          hsdp: bool = False, fast_major: bool = False, bucket_bytes: int = 0, frozen: Collection[str] = (),
-         slow_precision: SlowPrecision | None = None) -> Plan:
+         slow_precision: SlowPrecision | None = None, align: int = 1) -> Plan:
     """Resolve the sharding of ``params`` on ``mesh`` once: the plan :func:`hpf.shard_step` makes
     (it passes its ``topology``'s ``fast_major``, ``bucket_bytes`` and ``slow_precision``).
 
@@ -271,7 +271,9 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
     ``frozen`` params (paths) go to buckets of their own, which are gathered but never reduced.
     ``slow_precision`` (:class:`hpf.precision.SlowPrecision`) pads the shards of buckets with a
     low-bit collective (``low_bit``) to whole quantization blocks, and rides with
-    the plan.
+    the plan. ``align`` makes every bucket's shards whole multiples of it (the invariant mode's
+    vector-aligned shards: an elementwise kernel then treats each element as the whole
+    buffer's would).
 
     Args:
         params: the full params pytree (meta tensors are enough).
@@ -279,7 +281,7 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
         param_specs: None, a ``P`` for every param, ``hpf.rules([...])`` / any ``path -> P``
             callable, or a pytree of ``P`` (None leaves mean ``P()``) with the params' structure.
         fsdp_axes: the axes params are stored sharded over and gathered for compute.
-        hsdp, fast_major, bucket_bytes, frozen, slow_precision: as above.
+        hsdp, fast_major, bucket_bytes, frozen, slow_precision, align: as above.
 
     Raises:
         SpecError: a spec naming a non-axis or an axis twice, more entries than dims, no
@@ -303,7 +305,7 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
     frozen = set(frozen) | {ties[p] for p in frozen if p in ties}  # a frozen alias freezes its tie
 
     buckets, units, slots = _place(zip(paths, leaves, units_of), specs, ties, frozen, mesh, fsdp, bucket_bytes,
-                                   fast_major, slow_precision)
+                                   fast_major, slow_precision, align)
     if not units[ROOT].buckets:
         del units[ROOT]
     _check_slow_used(mesh, buckets, slow_precision)
@@ -311,7 +313,7 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
 
 
 def _place(params, specs: dict, ties: dict, frozen: set, mesh: Mesh, fsdp: tuple[str, ...], bucket_bytes: int,
-           fast_major: bool, slow_precision: SlowPrecision | None):
+           fast_major: bool, slow_precision: SlowPrecision | None, align: int = 1):
     """Each (path, leaf, unit) into a bucket and offset: (buckets, units, slots)."""
     buckets: list[Bucket] = []
     units: dict[str, UnitLayout] = {ROOT: UnitLayout(ROOT, [])}
@@ -330,7 +332,7 @@ def _place(params, specs: dict, ties: dict, frozen: set, mesh: Mesh, fsdp: tuple
         b = by_key.get(key)
         if b is None or (bucket_bytes and b.numel and
                          (b.numel + math.prod(local_shape)) * leaf.element_size() > bucket_bytes):
-            b = by_key[key] = _new_bucket(len(buckets), key, mesh, fsdp, fast_major, slow_precision)
+            b = by_key[key] = _new_bucket(len(buckets), key, mesh, fsdp, fast_major, slow_precision, align)
             buckets.append(b)
             units.setdefault(unit, UnitLayout(unit, [])).buckets.append(b.index)
         slot = ParamSlot(path, spec, tuple(leaf.shape), local_shape, leaf.dtype, unit, b.index, b.numel)
@@ -353,15 +355,16 @@ def _fsdp_axes(mesh: Mesh, fsdp_axes, hsdp: bool) -> tuple[str, ...]:
 
 
 def _new_bucket(index: int, key: tuple, mesh: Mesh, fsdp: tuple[str, ...], fast_major: bool,
-                slow_precision: SlowPrecision | None) -> Bucket:
+                slow_precision: SlowPrecision | None, align: int = 1) -> Bucket:
     """An empty bucket for ``key`` = (unit, shard axes, split axes, dtype, frozen)."""
     unit, shard_axes, split_axes, dtype, frozen = key
     order = tuple(sorted(shard_axes, key=lambda a: (a in mesh.fast_axes) != fast_major))  # (stable: mesh order within)
     replicate = tuple(a for a in fsdp if a not in shard_axes + split_axes)
     b = Bucket(index=index, unit=unit, shard_axes=shard_axes, replicate_axes=replicate, dtype=dtype,
-               shard_size=mesh.axis_size(shard_axes), split_axes=split_axes, shard_order=order, frozen=frozen)
+               shard_size=mesh.axis_size(shard_axes), split_axes=split_axes, shard_order=order, frozen=frozen,
+               align=align)
     if any(low_bit(mesh, b, slow_precision).values()):  # its slow-tier messages are whole blocks
-        b.align = slow_precision.block
+        b.align = math.lcm(align, slow_precision.block)
     return b
 
 

@@ -72,6 +72,7 @@ class ShardStep:
         self._timed = dict.fromkeys(("steps",) + _TIMED, 0)  # the steps' count and summed timings (for stats())
         self._closed: StepStats | None = None  # the stats at close(); set once the step is closed
         self._early = EarlyWork()  # the optimizer's work begun in backward (hpf.optim.EarlyUpdate)
+        self._atom: tuple[int, int] | None = None  # invariant mode: (the micro-batch's atom, atoms per rank)
 
     def init(self, params: Any, *, key: torch.Tensor | None = None) -> TrainState:
         """This rank's sharded train state, from the full params (the same on every rank), or from
@@ -85,15 +86,18 @@ class ShardStep:
         full_params = misuse.clean_params(full_params, allow_meta=True)
         self._donation.unloaded = not born and any(x.is_meta for x in tree_util.flatten(full_params)[1])
         self.rank, self.device = world.rank(), default_device()
-        self.plan = step_plan(full_params, self.mesh, cfg.param_specs, cfg.fsdp_axes, topology=cfg.topology,
-                              hsdp=cfg.hsdp, frozen=frozen)
+        self.plan = step_plan(full_params, self.mesh, cfg.param_specs, cfg.fsdp_axes, hsdp=cfg.hsdp, frozen=frozen,
+                              **({"align": INVARIANT_ALIGN} if cfg.invariant else {"topology": cfg.topology}))
+        if cfg.invariant:
+            _check_invariant_plan(self.plan)
         misuse.check_same_on_all_ranks(self.plan, full_params, self.device, born.digest() if born else None)
         shards = _first_shards(self.plan, born or full_params, self.rank, self.mp.master_dtype if self.mp else None,
                                self.device)
         self.grad_shards, self.comm, self.engine = _engine(cfg, self.plan, shards, self.device, self.on_extra_gather)
         # Axes a param computes sharded over (experts on a borrowed data axis) allow collectives.
         self._spmd = SPMD(self.mesh, self.rank, tuple(a for a in self.plan.fsdp_axes if a not in self.plan.split_axes))
-        self.decider = Decider.of(self.plan, self.mesh.size, cfg.grad_clip)
+        self.decider = Decider.of(self.plan, self.mesh.size, cfg.grad_clip,
+                                  self.mesh.group_index(self.plan.fsdp_axes, self.rank) if cfg.invariant else None)
         opt = self.optimizer
         self.plan_optimizer = opt.for_plan(self.plan, self.rank) if capabilities(opt).for_plan else opt
         self._io = StateIO(self.plan, self.rank, self.device, self.plan_optimizer, loss_scale=cfg.loss_scale,
@@ -147,7 +151,8 @@ class ShardStep:
             raise RuntimeError("call step.init(full_params) first, and pass the state it returns")
         self.check_state(state)
         axes = batching.leaf_axes(batch, self.config.batch_axes)
-        micro = batching.micro_batches(batch, self.config.accumulate, axes)
+        micro = (batching.atoms(batch, self.config.atom_size, axes) if self.config.invariant
+                 else batching.micro_batches(batch, self.config.accumulate, axes))
         eng = self.engine
         # fp16: backward's seed is the loss scale, per term for hpf.weighted (whose sum has many)
         scale = float(state.loss_scale.scale) / self._terms if state.loss_scale is not None else 1.0
@@ -158,8 +163,10 @@ class ShardStep:
             self._early.start(self.plan_optimizer, eng, self.decider, self.grad_shards, state.opt_state,
                               len(micro), scale)
             eng.begin(state.params)
-            outs = [self.forward_backward(state, mb, hold=i < len(micro) - 1, scale=scale)
-                    for i, mb in enumerate(micro)]
+            outs = []
+            for i, mb in enumerate(micro):
+                self._atom = (self.decider.dp_index * len(micro) + i, len(micro)) if self.config.invariant else None
+                outs.append(self.forward_backward(state, mb, hold=i < len(micro) - 1, scale=scale))
             eng.wait_reductions()
             self.after_reductions()
             eng.end_step()
@@ -205,7 +212,7 @@ class ShardStep:
         if self.mp is not None:
             batch = batching.cast(batch, self.mp.compute_dtype, batching.leaf_axes(batch, cfg.batch_axes))
         seed = scale / self.plan.compute_size
-        with spmd(self._spmd), eng.micro_batch(self.grad_shards, hold):
+        with spmd(self._spmd), eng.micro_batch(self.grad_shards, hold, self._atom):
             if cfg.grad == "torch.func":
                 return _func_grads(eng, self.call_loss, batch, seed)
             with eng.saved_tensor_hooks():
@@ -548,15 +555,35 @@ def _engine(cfg: StepConfig, plan: Plan, shards: list[torch.Tensor], device: tor
                    for b, s in zip(plan.buckets, shards)]  # (frozen buckets: none)
     cdts = [mp.compute_dtype if mp else b.dtype for b in plan.buckets]
     rdts = [g.dtype for g in grad_shards]
-    comm = (BucketComm(plan, device, cdts, rdts) if cfg.topology is None
+    comm = (BucketComm(plan, device, cdts, rdts) if cfg.topology is None or cfg.invariant
             else TieredComm(plan, cfg.topology, device, cdts, rdts))
     # Buckets replicated over non-FSDP axes hold partial grads there (see hpf.comm.collectives).
     partial = [(b.index, tuple(a for a in plan.compute_axes if a not in b.split_axes)) for b in plan.buckets]
     return grad_shards, comm, UnitEngine(
-        plan, comm, mp.compute_dtype if mp else None, device, pipeline=cfg.topology is None or cfg.topology.pipeline,
+        plan, comm, mp.compute_dtype if mp else None, device,
+        pipeline=cfg.topology is None or cfg.invariant or cfg.topology.pipeline,
         capacity=cfg.resident_units, compute_sums=[(b, cfg.mesh.group(axes)) for b, axes in partial
                                                    if cfg.mesh.axis_size(axes) > 1],
         on_extra_gather=on_extra_gather, rematerialize=cfg.grad == "torch.func")
+
+
+#: the invariant mode's shards are whole multiples of this many elements: wider than any CPU or
+#: accelerator vector, so an elementwise kernel (the optimizer's) meets each element in the same
+#: lane and loop as on the whole buffer at any world size
+INVARIANT_ALIGN = 256
+
+
+def _check_invariant_plan(plan: Plan) -> None:
+    """The invariant mode covers data parallelism over the FSDP axes: refuse, naming the param,
+    what it does not cover yet (partial sums over tp or experts axes, replicated buckets)."""
+    for b in plan.buckets:
+        partly = b.shard_size > 1 and plan.mesh.axis_size(b.replicate_axes) > 1
+        if b.split_axes or plan.compute_axes or (partly and not b.frozen):
+            axes = b.split_axes or plan.compute_axes or b.replicate_axes
+            raise MeshError(f"invariant=True: parameter {b.slots[0].path!r} is computed or replicated over the axes "
+                            f"{axes} of {plan.mesh}, whose sums follow the mesh; the invariant mode covers data "
+                            "parallelism over the FSDP axes (tp, experts and HSDP are not covered yet): run them "
+                            "without invariant=True, or shard every param over every axis")
 
 
 def _first_shards(plan: Plan, made_from, rank: int, dtype, device) -> list[torch.Tensor]:

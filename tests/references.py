@@ -68,3 +68,40 @@ def functional_training(loss_fn: Callable, params: Any, batches: Callable[[int],
                                              hpf.tree.unflatten(treedef, [p.detach() for p in leaves]))
         losses.append(loss.item())
     return losses, params
+
+
+def pairwise_sum(values: list, add=lambda a, b: a + b):
+    """The canonical tree over atoms, written here independently of hpf.comm.canonical: pad the
+    atoms to a power of two, add neighbours level by level (a node whose right half is all padding
+    is its left half)."""
+    level = list(values)
+    while len(level) > 1:
+        level = [add(level[i], level[i + 1]) if i + 1 < len(level) else level[i] for i in range(0, len(level), 2)]
+    return level[0]
+
+
+def atom_training(loss_fn: Callable, params: Any, batches: Callable[[int], Any], steps: int, atom_size: int,
+                  **adamw) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """(losses, final params by path) of the invariant mode's arithmetic in plain torch: each
+    step's global batch (dim 0 of every leaf) cut into atoms, each atom's grads by autograd on the
+    full params, summed by ``pairwise_sum`` and divided by the atom count, then
+    ``torch.optim.AdamW(foreach=False)``; the loss is the pairwise sum of the atoms' losses over
+    their count."""
+    paths, leaves, treedef = hpf.tree.flatten(params)
+    leaves = [p.detach().clone().requires_grad_() for p in leaves]
+    tree = hpf.tree.unflatten(treedef, leaves)
+    opt = torch.optim.AdamW(leaves, foreach=False, **adamw)
+    losses = []
+    for s in range(steps):
+        batch = batches(s)
+        n = len(optree.tree_leaves(batch)[0]) // atom_size
+        atoms = [optree.tree_map(lambda x: x[i * atom_size:(i + 1) * atom_size].contiguous(), batch) for i in range(n)]
+        per_atom = []
+        for atom in atoms:
+            loss = loss_fn(tree, atom)
+            per_atom.append((float(loss.detach()), torch.autograd.grad(loss, leaves)))
+        for i, x in enumerate(leaves):
+            x.grad = pairwise_sum([g[i] for _, g in per_atom]).mul_(1.0 / n)
+        opt.step()
+        losses.append(pairwise_sum([v for v, _ in per_atom]) / n)
+    return losses, {p: x.detach() for p, x in zip(paths, leaves)}

@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from ..planning import Plan
 from .cost import bucket_comm_bytes, count_bytes, dtype_bytes
-from .transport import DONE, Handle, OwnedGroups, is_done, on_device, reduce_scatter_async, wait_for
+from .canonical import Node, aligned_blocks, ordered_sum_of_pieces, tree_sum
+from .transport import DONE, Handle, OwnedGroups, is_done, on_device, pieces_to_all_async, reduce_scatter_async, wait_for
 
 __all__ = ["BucketComm"]
 
@@ -107,6 +108,29 @@ class BucketComm:
             return handle
         count_bytes(self.bytes, "all_reduce", self._op_bytes[b]["all_reduce"])
         return _Chain(handle, lambda: on_device(dist.all_reduce(shard, group=rg, async_op=True), self.device))
+
+    def reduce_ordered(self, b: int, shard: torch.Tensor, nodes: list[tuple[Node, torch.Tensor]],
+                       per_rank: int) -> Handle:
+        """``reduce`` in the canonical order (hpf.comm.canonical): ``nodes`` are this rank's sums of
+        its ``per_rank`` atoms, group rank i holding atoms ``[i * per_rank, (i + 1) * per_rank)``.
+        A bucket replicated over every rank (no shard axes) gets every rank's nodes whole."""
+        group, replicated = self.reduce_groups[b], self.replica_groups[b]
+        if group is not None and replicated is not None:
+            raise ValueError("the canonical reduction covers sharded or wholly replicated buckets, not both (HSDP)")
+        group = group or replicated
+        size = self.plan.mesh.axis_size(self.plan.buckets[b].replicate_axes if replicated is not None
+                                        else self.plan.buckets[b].shard_axes)
+        n_atoms = per_rank * size
+        if group is None:
+            shard.copy_(tree_sum(dict(nodes), n_atoms))
+            return DONE
+        by_source = [aligned_blocks(i * per_rank, per_rank) for i in range(size)]
+        op = "all_reduce" if replicated is not None else "reduce_scatter"
+        count_bytes(self.bytes, op, {k: v * len(nodes) for k, v in self._op_bytes[b][op].items()})
+        sent = [t.repeat(size) if replicated is not None else t for _, t in nodes]
+        return on_device(pieces_to_all_async(shard, sent, [len(x) for x in by_source],
+                                             lambda out, recv: ordered_sum_of_pieces(out, recv, by_source, n_atoms),
+                                             group), self.device)
 
     def close(self) -> None:
         self._owned.close()

@@ -151,11 +151,11 @@ class Topology:
 
 
 def step_plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes=None, *,
-              topology: Topology | None = None, hsdp: bool = False, frozen=()) -> Plan:
+              topology: Topology | None = None, hsdp: bool = False, frozen=(), align: int = 1) -> Plan:
     """The plan :func:`hpf.shard_step` makes for these arguments, the one recipe that the step,
     :func:`hpf.check_plan`, ``hpf plan`` and the simulator use: :func:`hpf.plan` with
     ``topology``'s layout options. Raises as :func:`hpf.plan`."""
-    return make_plan(params, mesh, param_specs, fsdp_axes, hsdp=hsdp, frozen=frozen,
+    return make_plan(params, mesh, param_specs, fsdp_axes, hsdp=hsdp, frozen=frozen, align=align,
                      **(topology.plan_options() if topology else {}))
 
 

@@ -30,7 +30,7 @@ from ..precision import SlowPrecision
 from .cost import ring_bytes
 
 __all__ = ["OwnedGroups", "Transport", "ProcessGroupTransport", "UnitComm", "Handle", "DONE", "is_done", "wait_for", "StreamWork", "on_device",
-           "reduce_scatter_async"]
+           "reduce_scatter_async", "pieces_to_all_async"]
 
 REDUCE_OPS = ("sum", "mean")
 
@@ -180,21 +180,14 @@ def wait_for(handle: Handle, timeout: float | None = None) -> bool:
 class _SumOnArrival:
     """A reduce-scatter done as an all-to-all of the slices: on completion, sum the p slices
     that arrived into ``out`` (once, on the thread that first sees it done) and drop the
-    receive buffer."""
+    receive buffer. ``combine(out, recv)`` sums them (default: in rank order)."""
 
-    def __init__(self, work: dist.Work, recv: torch.Tensor, out: torch.Tensor):
-        self.work, self.recv, self.out = work, recv, out
+    def __init__(self, work: dist.Work, recv: torch.Tensor, out: torch.Tensor, combine=None):
+        self.work, self.recv, self.out, self.combine = work, recv, out, combine or _sum_in_rank_order
 
     def _finish(self) -> None:
-        if self.recv is not None:  # rank order, by elementwise adds (torch.sum over dim 0: 3-5x slower)
-            slices = self.recv.view(-1, self.out.numel())
-            out = self.out.view(-1)
-            if len(slices) == 1:
-                out.copy_(slices[0])
-            else:
-                torch.add(slices[0], slices[1], out=out)
-            for s in slices[2:]:
-                out.add_(s)
+        if self.recv is not None:
+            self.combine(self.out.view(-1), self.recv)
             self.recv = None
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -212,6 +205,17 @@ class _SumOnArrival:
         return True
 
 
+def _sum_in_rank_order(out: torch.Tensor, recv: torch.Tensor) -> None:
+    """By elementwise adds (torch.sum over dim 0: 3-5x slower)."""
+    slices = recv.view(-1, out.numel())
+    if len(slices) == 1:
+        out.copy_(slices[0])
+    else:
+        torch.add(slices[0], slices[1], out=out)
+    for s in slices[2:]:
+        out.add_(s)
+
+
 def reduce_scatter_async(out: torch.Tensor, full: torch.Tensor, group=None) -> Handle:
     """out <- this rank's slice of the sum over ``group`` of every rank's ``full``, async.
 
@@ -225,6 +229,19 @@ def reduce_scatter_async(out: torch.Tensor, full: torch.Tensor, group=None) -> H
     recv = torch.empty_like(full, memory_format=torch.contiguous_format)
     work = dist.all_to_all_single(recv, full, group=group, async_op=True)
     return _SumOnArrival(work, recv, out)
+
+
+def pieces_to_all_async(out: torch.Tensor, fulls: list[torch.Tensor], counts: list[int], combine, group) -> Handle:
+    """Send piece j of each of ``fulls`` (each ``out``-sized pieces, one per group rank) to group
+    rank j, and receive this rank's piece of the ``counts[i]`` fulls of each group rank i; on
+    arrival ``combine(out, recv)`` sums them in an order of its choosing (a reduce-scatter whose
+    summation order is the caller's: hpf.comm.canonical)."""
+    n, k = out.numel(), len(fulls)
+    send = fulls[0] if k == 1 else torch.stack([f.view(-1, n) for f in fulls], dim=1).reshape(-1)
+    recv = torch.empty(sum(counts) * n, dtype=out.dtype, device=out.device)
+    work = dist.all_to_all_single(recv, send, [c * n for c in counts], [k * n] * len(counts), group=group,
+                                  async_op=True)
+    return _SumOnArrival(work, recv, out, combine)
 
 
 @runtime_checkable

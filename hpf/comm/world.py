@@ -88,9 +88,9 @@ def barrier(group=None) -> None:
         dist.barrier(group=group)
 
 
-def all_reduce_async(tensor: torch.Tensor, group=None) -> dist.Work:
-    """Start tensor <- the sum of every rank's tensor, in place; wait on the returned work."""
-    return dist.all_reduce(tensor, group=group, async_op=True)
+def all_reduce_async(tensor: torch.Tensor, group=None, op: str = "sum") -> dist.Work:
+    """Start tensor <- the sum (or maximum) of every rank's tensor, in place; wait on the returned work."""
+    return dist.all_reduce(tensor, op=_OPS[op], group=group, async_op=True)
 
 
 def all_gather_list(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:

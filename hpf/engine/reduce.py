@@ -20,7 +20,10 @@ shared-memory grad buffer (CPU ranks of one host) do not count: that memory is m
 so backward never waits on them, however slow the slow tier.
 
 With gradient accumulation, every micro-batch but the last keeps its sums here (``hold``) and
-communicates nothing; the last adds them in and reduces once.
+communicates nothing; the last adds them in and reduces once. In the invariant mode each
+micro-batch is one atom of the global batch, and the sums are kept as nodes of the canonical
+tree over the atoms (hpf.comm.canonical.Partials), which the reduction meets with the other
+ranks' in the same tree (``UnitComm.reduce_ordered``).
 
 ``on_landed(unit)``, when set, is called once a unit's reductions have landed, in reduction
 order (the reductions are waited for oldest first), so an optimizer can start on that unit's
@@ -37,6 +40,7 @@ from typing import Callable
 import torch
 
 from ..comm import schedule, world
+from ..comm.canonical import Partials
 from ..comm.schedule import LOG
 from ..comm.transport import DONE, StreamWork, is_done, wait_for
 from ..planning import Plan
@@ -93,8 +97,9 @@ class Reducer:
         # per unit reduced, oldest first: whether its flat grads are its own memory (not shared memory's),
         # its buckets' handles not yet landed, and the unit
         self._in_flight: deque[tuple[bool, list, str]] = deque()
-        self._held: dict[int, torch.Tensor] = {}
+        self._held: dict[int, torch.Tensor | Partials] = {}
         self.hold = False
+        self.atom: tuple[int, int] | None = None  # invariant mode: (this micro-batch's atom, atoms per rank)
         self.added = 0  # entries whose grads arrived, ever (the step checks that a loss reached some param)
         self._before_issue = before_issue  # the engine's deferred gathers go first: one schedule
         self._on_wait = on_wait  # seconds blocked on a reduction in backward (the engine's comm wait)
@@ -102,9 +107,10 @@ class Reducer:
         self.landed_s = 0.0  # seconds spent in on_landed, ever (not counted as waiting)
         self._to_tell: list[str] = []  # units landed, on_landed not yet run
 
-    def start(self, grad_shards: list[torch.Tensor], hold: bool) -> None:
-        """A micro-batch starts; ``hold``: keep its sums for the next one instead of reducing."""
-        self.grad_shards, self.hold = grad_shards, hold
+    def start(self, grad_shards: list[torch.Tensor], hold: bool, atom: tuple[int, int] | None = None) -> None:
+        """A micro-batch starts; ``hold``: keep its sums for the next one instead of reducing;
+        ``atom``: (its atom's index in the global batch, atoms per rank) in the invariant mode."""
+        self.grad_shards, self.hold, self.atom = grad_shards, hold, atom
         for u in self.by_name.values():
             u.outstanding, u.sums, u.complete = 0, None, False
         self._next = 0
@@ -273,7 +279,9 @@ class Reducer:
         buckets = u.trained
         if self.hold:  # an earlier micro-batch: keep the sums here, communicate nothing
             for b, flat in zip(buckets, flats):
-                if b in self._held:
+                if self.atom is not None:
+                    self._held.setdefault(b, Partials()).push(self.atom[0], flat.clone())
+                elif b in self._held:
                     self._held[b].add_(flat)
                 else:
                     self._held[b] = flat.clone()  # (flat may be a comm buffer)
@@ -283,11 +291,15 @@ class Reducer:
         handles = []
         for b, flat in zip(buckets, flats):
             held = self._held.pop(b, None)
-            if held is not None:
+            if self.atom is not None:
+                held = held or Partials()
+                held.push(self.atom[0], flat)
+            elif held is not None:
                 flat.add_(held)
             LOG.record("reduce-scatter", unit, b)
             with span("hpf/reduce-scatter bucket", b):
-                handle = self.comm.reduce(b, self.grad_shards[b], flat)
+                handle = (self.comm.reduce(b, self.grad_shards[b], flat) if self.atom is None
+                          else self.comm.reduce_ordered(b, self.grad_shards[b], held.nodes, self.atom[1]))
             if not self.pipeline:
                 schedule.wait(handle, "a gradient reduction")
                 handle = DONE

@@ -123,15 +123,17 @@ class UnitEngine:
         return sorted({b for u in self.first_units() for b in self.plan.units[u].buckets})
 
     @contextlib.contextmanager
-    def micro_batch(self, grad_shards: list[torch.Tensor], hold: bool) -> Iterator[None]:
+    def micro_batch(self, grad_shards: list[torch.Tensor], hold: bool, atom: tuple[int, int] | None = None
+                    ) -> Iterator[None]:
         """One forward and backward (``params_tree``, ``start_backward``, autograd); on leaving,
-        every unit not yet reduced is (``hold``: kept for the next micro-batch instead)."""
+        every unit not yet reduced is (``hold``: kept for the next micro-batch instead). ``atom``:
+        (its index in the global batch, atoms per rank), summed in the canonical order (invariant mode)."""
         if not self._hidden:
             self._hidden = hide_from_compiler(self)
         if self.reducer.holds_sums():  # a later micro-batch: prefetch its first units
             self.buffers.new_phase()
             self.buffers.apply(self.residency.resume(), "forward")
-        self.reducer.start(grad_shards, hold)
+        self.reducer.start(grad_shards, hold, atom)
         self.anchor = torch.empty(0, device=self.device, requires_grad=True)
         self.micro_batches += 1  # stamps this micro-batch's entries (``entry_done`` refuses older ones)
         self._root, self._reads = None, 0  # (``_reads``: the schedule log numbers this micro-batch's reads)
