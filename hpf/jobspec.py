@@ -160,6 +160,13 @@ class JobSpec:
         type=positive(float), metavar="TAU")
     mode: str = option("production", "validate runs the same plan with layout checks on every op", feeds=("step",),
                        choices=MODES)
+    invariant: bool = option(
+        False, "the same bits at any scale: losses and params that do not depend on the world size, the mesh, "
+        "the topology, --accumulate or --recompute (docs/invariant.md); each rank's sequences run in atoms of "
+        "--atom-size, summed in one fixed order", resume=FIXED, shown="")
+    atom_size: int | None = option(
+        None, "with --invariant: sequences per atom, the same at every mesh", resume=FIXED,
+        shown="--batch-size over 8, or over its largest divisor up to 8", type=positive(int), metavar="N")
     seed: int = option(0, "seeds the init and the data", resume=FIXED, type=positive(int, least=0))
 
 

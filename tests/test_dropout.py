@@ -11,12 +11,12 @@ import hpf
 from hpf import random as R
 from hpf.launcher import launch
 from hpf.models import gpt, llama
-from references import adamw_training
+from references import atom_training
 
 P = 0.1
 MODELS = {"gpt": (gpt, dataclasses.replace(gpt.CONFIGS["tiny"], dropout=P)),
           "llama": (llama, dataclasses.replace(llama.CONFIGS["tiny"], dropout=P))}
-BATCH, STEPS, SEED = 8, 20, 0
+BATCH, STEPS, SEED, ATOM = 8, 20, 0, 2
 ADAMW = dict(lr=1e-2, weight_decay=0.01)
 
 
@@ -107,7 +107,8 @@ def _train(rank, mesh_axes, name, how):
     mesh = hpf.Mesh(mesh_axes)
     loss_fn = module.loss_for(config, recompute=how.get("recompute", "none"), compile=how.get("compile", False))
     step = hpf.shard_step(loss_fn, mesh=mesh, optimizer=hpf.optim.adamw(**ADAMW), grad=how.get("grad", "autograd"),
-                          mode=how.get("mode", "production"), accumulate=how.get("accumulate", 1))
+                          mode=how.get("mode", "production"), accumulate=how.get("accumulate", 1), invariant=True,
+                          atom_size=ATOM)
     rows = BATCH // mesh.size
     with step:
         state = step.init(functools.partial(module.init, config), key=R.key(SEED))
@@ -119,9 +120,10 @@ def _train(rank, mesh_axes, name, how):
 
 
 def _reference(name):
+    """Plain torch on one process, the invariant mode's arithmetic (atoms summed in the canonical tree)."""
     module, config = MODELS[name]
-    return adamw_training(module.loss_for(config), module.init(config, R.key(SEED)),
-                          lambda s: keyed_batch(config, s), STEPS, **ADAMW)[0]
+    return atom_training(module.loss_for(config), module.init(config, R.key(SEED)),
+                         lambda s: keyed_batch(config, s), STEPS, ATOM, **ADAMW)[0]
 
 
 @pytest.mark.slow
@@ -132,11 +134,11 @@ def _reference(name):
     ("llama", {"mode": "validate"}),
 ])
 def test_two_ranks_with_dropout_train_as_one_process_with_the_same_keys(name, how):
+    """Equal, not close: in the invariant mode two ranks give plain torch's bits on one process
+    (a tolerance here held on one MKL code path and not another)."""
     want = _reference(name)
     got = launch(_train, 2, {"dp": 2}, name, how, timeout=240)
-    for losses in got:
-        for a, b in zip(losses, want):
-            assert abs(a - b) <= 1e-6 * abs(b), (a, b)
+    assert got == [want, want]
     assert want[-1] < want[0] - 0.5  # it learns, through the masks
 
 

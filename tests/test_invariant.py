@@ -14,7 +14,7 @@ import hpf
 from hpf import random as R
 from hpf.comm.canonical import Partials, aligned_blocks, exact_parts, exact_square_sum, exact_total, tree_sum
 from hpf.launcher import launch
-from hpf.models import gpt
+from hpf.models import gpt, llama
 from references import atom_training, pairwise_sum
 
 ADAMW = dict(lr=1e-2, weight_decay=0.01)
@@ -131,10 +131,12 @@ def _run(rank, mesh_axes, options, steps=5):
     options = dict(options)
     recompute = options.pop("recompute", "none")
     opt = hpf.optim.muon(lr=1e-2) if options.pop("optimizer", "adamw") == "muon" else hpf.optim.adamw(**ADAMW)
+    module = MODELS[options.pop("model", "gpt")]
+    config = module.CONFIGS["tiny"]
     rows = BATCH // mesh.size
-    with hpf.shard_step(gpt.loss_for(CONFIG, recompute=recompute), mesh=mesh, optimizer=opt, invariant=True,
+    with hpf.shard_step(module.loss_for(config, recompute=recompute), mesh=mesh, optimizer=opt, invariant=True,
                         atom_size=ATOM, max_grad_norm=0.5, **options) as step:
-        state = step.init(functools.partial(gpt.init, CONFIG), key=R.key(0))
+        state = step.init(functools.partial(module.init, config), key=R.key(0))
         losses = []
         for s in range(steps):
             state, m = step(state, _batch(s, rank * rows, rows))
@@ -150,6 +152,7 @@ def _several(rank, mesh_axes, runs):
 
 
 TWO_TIER = {"topology": hpf.Topology()}
+MODELS = {"gpt": gpt, "llama": llama}
 
 
 @pytest.mark.slow
@@ -175,3 +178,39 @@ def test_recompute_and_torch_func_give_the_same_bits():
     got = launch(_several, 2, {"dp": 2}, runs, timeout=240)
     assert all(len(set(per_rank)) == 1 for per_rank in got), got
     assert got[0][0][:2] == _run(0, {"dp": 1}, {})[:2]
+
+
+def _resumed(rank, mesh_axes, folder, save_at, steps=6):
+    """Losses and params digests of steps [save_at, steps): trained from step 0 with a save at
+    ``save_at`` when the folder is empty, else restored from it onto this mesh."""
+    mesh = hpf.Mesh(mesh_axes)
+    rows = BATCH // mesh.size
+    with hpf.shard_step(gpt.loss_for(CONFIG), mesh=mesh, optimizer=hpf.optim.adamw(**ADAMW), invariant=True,
+                        atom_size=ATOM, max_grad_norm=0.5) as step:
+        state = step.init(functools.partial(gpt.init, CONFIG), key=R.key(0))
+        first = 0
+        if any(folder.iterdir()):
+            state, _ = step.restore(folder / "ckpt")
+            first = save_at
+        losses = []
+        for s in range(first, steps):
+            if s == save_at and first == 0:
+                step.save(state, folder / "ckpt")
+            state, m = step(state, _batch(s, rank * rows, rows))
+            losses.append(m["loss"])
+        full = hpf.tree.flatten(step.full_params(state))[1]
+    return losses[-(steps - save_at):], _digest(full)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_from_four_ranks_resumed_on_two_continues_the_same_bits(tmp_path):
+    uninterrupted = launch(_resumed, 4, {"dp": 4}, tmp_path, 3, timeout=240)[0]
+    resumed = launch(_resumed, 2, {"dp": 2}, tmp_path, 3, timeout=240)[0]
+    assert resumed == uninterrupted
+
+
+@pytest.mark.slow
+def test_llama_and_bf16_give_the_same_bits_on_one_and_three_ranks():
+    runs = [{"model": "llama"}, {"model": "llama", "optimizer": "muon"}, {"mixed_precision": "bf16"}]
+    got = launch(_several, 3, {"dp": 3}, runs, timeout=240)
+    assert [r[:2] for r in got[0]] == [_run(0, {"dp": 1}, options)[:2] for options in runs]

@@ -118,7 +118,18 @@ def make_step(job: TrainJob, mesh: hpf.Mesh):
     loss_fn = (module.loss_for(config, job.ep_axis, aux=True, **how) if hasattr(module, "Balancer")
                else module.loss_for(config, **how))
     return hpf.shard_step(loss_fn, mesh=mesh, optimizer=optimizer, batch_axes=getattr(module, "BATCH_AXES", None),
-                          topology=topology_of(job), **sharding, **inputs(job, "step"))
+                          topology=topology_of(job), **sharding, **inputs(job, "step"), **invariant_of(job))
+
+
+def invariant_of(job: TrainJob) -> dict:
+    """--invariant's options: the atom size given, else the global batch over 8 (or over its
+    largest divisor up to 8), so every world size that divides it runs the same atoms."""
+    if not job.invariant:
+        if job.atom_size is not None:
+            raise CliError(f"--atom-size {job.atom_size} is --invariant's: pass --invariant too")
+        return {}
+    return {"invariant": True, "atom_size": job.atom_size or job.batch_size // max(
+        d for d in range(1, 9) if job.batch_size % d == 0)}
 
 
 def run_keys(seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,7 @@ from hpf.cli import run_folder
 from hpf import jobspec
 from hpf.cli.common import CliError, job_parser, mesh_of, mesh_text
 from hpf.jobspec import positive
-from hpf.cli.job import EVAL_BATCHES, TRAIN_DEFAULTS, TrainJob, defaults, make_step, read_metrics, train_rank
+from hpf.cli.job import EVAL_BATCHES, TRAIN_DEFAULTS, TrainJob, defaults, invariant_of, make_step, read_metrics, train_rank
 from hpf.cli.plan import plan_of, report_of
 from hpf.cli.search import add_options as add_search_options, apply_plan, check_plan_flags, check_prediction
 from hpf.launcher import Terminated, init_distributed, is_launched, launch, rank, shutdown, world_size
@@ -48,7 +48,9 @@ def _banner(job: TrainJob, n_units: int) -> str:
             f"{job.mixed_precision or 'fp32'} compute, "
             + (f"{job.accumulate} micro-batches per step, " if job.accumulate > 1 else "")
             + (f"recompute {job.recompute}, " if job.recompute != "none" else "")
-            + ("compiled blocks, " if job.compile else "") + f"{job.mode} mode")
+            + ("compiled blocks, " if job.compile else "") + f"{job.mode} mode"
+            + (f", invariant (atoms of {invariant_of(job)['atom_size']} sequences, flat collectives)"
+               if job.invariant else ""))
 
 
 def _ranks(n: int) -> str:
