@@ -163,7 +163,7 @@ class Decider:
 
 
 #: entries of the exact sum of squares in the all-reduce (hpf.comm.canonical.exact_parts)
-_EXACT = 9
+_EXACT = 6
 
 
 def _grad_scale(normalizer: float, scale: float, coef: float = 1.0) -> float:

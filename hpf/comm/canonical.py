@@ -93,9 +93,10 @@ def ordered_sum_of_pieces(out: torch.Tensor, received: torch.Tensor, nodes_by_so
 
 
 # -- the exact sum of squares (the global grad norm) -----------------------------------------------------------
-_LIMB = 31  # bits per limb: an int64 sum of 2**32 limbs cannot overflow
-_LIMBS = 3  # 93 bits of fixed point below the largest square: a square smaller than 2**-93 of it counts 0
-_PIECE = 21  # an int64 is sent as 3 pieces of 21 bits, each summed exactly in float64 over up to 2**32 ranks
+_LIMB = 31  # bits per limb
+_LIMBS = 2  # 62 bits of fixed point below the largest square: a square under 2**-62 of it counts as 0
+_CHUNK = 1 << 17  # elements summed at once: in cache, and a float64 sum of 2**22 limbs < 2**31 is exact
+_PIECE = 21  # an integer is sent as 3 pieces of 21 bits, each summed exactly in float64 over up to 2**32 ranks
 
 
 def exact_square_sum(tensors: list[torch.Tensor], top: float) -> list[int]:
@@ -103,17 +104,17 @@ def exact_square_sum(tensors: list[torch.Tensor], top: float) -> list[int]:
     2**e, where ``top`` (the largest square over every rank) < 2**e: exact, so the ranks' sums
     add up to the same integers in any order (``exact_parts`` carries them through a float64 sum)."""
     e = math.frexp(top)[1] if top > 0 else 0
+    shift = _LIMB - e  # (two powers of two: each within float64's range, each product exact)
+    scales = (2.0 ** (shift // 2), 2.0 ** (shift - shift // 2))
     sums = [0] * _LIMBS
     for x in tensors:
-        if not x.numel():
-            continue
-        shift = _LIMB - e  # (two powers of two: each within float64's range, each product exact)
-        t = x.detach().to(torch.float64).square().mul_(2.0 ** (shift // 2)).mul_(2.0 ** (shift - shift // 2))
-        for k in range(_LIMBS):
-            limb = t.floor()
-            sums[k] += int(limb.to(torch.int64).sum())
-            if k + 1 < _LIMBS:
-                t = (t - limb).mul_(2.0 ** _LIMB)
+        for chunk in x.detach().reshape(-1).split(_CHUNK):
+            t = chunk.to(torch.float64).square_().mul_(scales[0]).mul_(scales[1])  # < 2**31
+            for k in range(_LIMBS):
+                limb = t.floor()
+                sums[k] += int(limb.sum())  # (integers < 2**31, fewer than 2**22: exact in any order)
+                if k + 1 < _LIMBS:
+                    t.sub_(limb).mul_(2.0 ** _LIMB)
     return sums
 
 
