@@ -10,6 +10,7 @@ over the global count. Each is a collective. Checked against plain torch on the 
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import optree
@@ -39,13 +40,10 @@ def hvp(step, state, batch: Any, v: Any) -> Any:
     with sdpa_kernel([SDPBackend.MATH]):  # (the fused attention kernels have no forward-mode derivative)
         try:
             _, local = torch.func.jvp(grad_of_local, (full,), (v,))
-        except RuntimeError as e:
-            if "ZeroTensors are immutable" not in str(e):
+        except (RuntimeError, NotImplementedError) as e:
+            if not _NO_FORWARD_MODE.search(str(e)):
                 raise
-            raise RuntimeError(
-                "hpf.hvp: torch's forward-mode derivative of the loss's backward failed inside torch ('ZeroTensors "
-                "are immutable'; F.mse_loss is one op that does this). Write that op out, e.g. "
-                "((pred - target) ** 2).mean() for F.mse_loss(pred, target)") from e
+            local = _reverse_over_reverse(step.loss_fn, full, batch, v)
     leaves, treedef = optree.tree_flatten(local)
     # one all-reduce: every rank's product, then the global count (weighted) or the rank count
     count = counted[0]
@@ -56,6 +54,23 @@ def hvp(step, state, batch: Any, v: Any) -> Any:
     flat = (flat[:-1] / flat[-1]).to(leaves[0].dtype)
     return optree.tree_unflatten(treedef, [x.view(t.shape) for x, t in zip(flat.split([t.numel() for t in leaves]),
                                                                           leaves)])
+
+
+#: torch's forward-mode derivative of some ops' backward fails (F.mse_loss: "ZeroTensors are immutable")
+_NO_FORWARD_MODE = re.compile(r"ZeroTensors are immutable|forward AD|forward-mode|jvp")
+
+
+def _reverse_over_reverse(loss_fn, full: Any, batch: Any, v: Any) -> Any:
+    """``hvp``'s product by double backward, for losses whose backward has no forward-mode
+    derivative: the grad of (grad(loss) . v), as JAX's ``grad(vdot(grad(f), v))``."""
+    paths, leaves, treedef = tree_util.flatten(full)
+    leaves = [p.detach().requires_grad_() for p in leaves]
+    with torch.enable_grad():
+        out = losses.parse(loss_fn(tree_util.with_apply(tree_util.unflatten(treedef, leaves)), batch))
+        grads = torch.autograd.grad(out.value, leaves, create_graph=True, allow_unused=True)
+        dot = sum((g * t).sum() for g, t in zip(grads, tree_util.flatten(v)[1]) if g is not None)
+        hv = torch.autograd.grad(dot, leaves, allow_unused=True) if torch.is_tensor(dot) else [None] * len(leaves)
+    return tree_util.unflatten(treedef, [torch.zeros_like(p) if h is None else h for p, h in zip(leaves, hv)])
 
 
 def per_example_grads(step, state, batch: Any) -> Any:
