@@ -35,6 +35,7 @@ ROWS = {
     "world 4": ({"dp": 4}, {}),
     "node=2,local=2 flat": ({"node": 2, "local": 2}, {}),
     "node=2,local=2 two-tier": ({"node": 2, "local": 2}, {"topology": "two-tier"}),
+    "node=2,local=2 HSDP": ({"node": 2, "local": 2}, {"hsdp": True}),
     "world 4 accumulate 2": ({"dp": 4}, {"accumulate": 2}),
     "world 2 accumulate 4": ({"dp": 2}, {"accumulate": 4}),
     "world 2 recompute all": ({"dp": 2}, {"recompute": "all"}),

@@ -181,12 +181,9 @@ class StepConfig:
         if isinstance(a, bool) or not isinstance(a, int) or a < 1:
             raise ValueError(f"invariant=True needs atom_size=<examples per atom> (an int >= 1, the same at every "
                              f"mesh; e.g. the global batch over the largest world size), not {a!r}")
-        refused = {"hsdp": self.hsdp, "topology with a low-bit slow tier":
-                   self.topology is not None and self.topology.slow_precision is not None}
-        for name, on in refused.items():
-            if on:
-                raise ValueError(f"invariant=True does not cover {name} yet (its replica or low-bit sums follow "
-                                 "the mesh); drop it, or run without invariant=True")
+        if self.topology is not None and self.topology.slow_precision is not None:
+            raise ValueError("invariant=True does not cover a low-bit slow tier yet (its quantization blocks and "
+                             "sums follow the mesh): drop slow_weights/slow_grads, or run without invariant=True")
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

@@ -56,7 +56,8 @@ class Decider:
         clip: clipping by the global grad norm, a stage of hpf.optim.transforms whose factor the
             decision folds into ``grad_scale`` (None: no clipping).
         dp_index: the invariant mode (None: off): this rank's index over the FSDP axes, whose
-            atoms' losses it places in the canonical sum; the grad norm is summed exactly.
+            atoms' losses it places in the canonical sum; the grad norm is summed exactly, each
+            bucket's shard counted on one of its replicas (``counted``: whether this rank's is).
     """
 
     world: int
@@ -65,13 +66,21 @@ class Decider:
     replicas: torch.Tensor
     clip: ClipByGlobalNorm | None
     dp_index: int | None = None
+    counted: tuple[bool, ...] = ()
 
     @classmethod
-    def of(cls, plan, world: int, max_grad_norm: float | None, dp_index: int | None = None) -> "Decider":
-        """The decider of a step over ``plan`` on ``world`` ranks (``max_grad_norm``: the clip)."""
+    def of(cls, plan, world: int, max_grad_norm: float | None, invariant_rank: int | None = None) -> "Decider":
+        """The decider of a step over ``plan`` on ``world`` ranks (``max_grad_norm``: the clip;
+        ``invariant_rank``: this rank, in the invariant mode)."""
         replicas = torch.tensor([float(plan.replicas(b)) for b in plan.buckets], dtype=torch.float64)
+        invariant = {}
+        if invariant_rank is not None:
+            mesh = plan.mesh
+            invariant = dict(dp_index=mesh.group_index(plan.fsdp_axes, invariant_rank),
+                             counted=tuple(not b.replicate_axes or mesh.group_index(b.replicate_axes, invariant_rank) == 0
+                                           for b in plan.buckets))
         return cls(world, plan.dp_size, plan.compute_size, replicas,
-                   None if max_grad_norm is None else clip_by_global_norm(max_grad_norm), dp_index)
+                   None if max_grad_norm is None else clip_by_global_norm(max_grad_norm), **invariant)
 
     def normalizer(self, n_micro: int, count: float | None = None) -> float:
         """What the summed grads are divided by: the global count of an hpf.weighted loss (each
@@ -147,7 +156,7 @@ class Decider:
         shards this rank counts) and each atom's loss at its place among all ``dp_size * k``, 0
         elsewhere (adding zeros is exact). First the largest square over the ranks, which fixes
         the exact sum's scale: one small all-reduce."""
-        counted = [g for g, r in zip(grads, self.replicas.tolist()) if r == 1 or self.dp_index == 0]
+        counted = [g for g, mine in zip(grads, self.counted) if mine]
         maxima = [g.detach().abs().max().to(torch.float64).cpu() for g in counted if g.numel()]
         top = (torch.stack(maxima).max() if maxima else torch.zeros((), dtype=torch.float64)).square().reshape(1)
         mine = float(top[0])

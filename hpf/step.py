@@ -96,8 +96,7 @@ class ShardStep:
         self.grad_shards, self.comm, self.engine = _engine(cfg, self.plan, shards, self.device, self.on_extra_gather)
         # Axes a param computes sharded over (experts on a borrowed data axis) allow collectives.
         self._spmd = SPMD(self.mesh, self.rank, tuple(a for a in self.plan.fsdp_axes if a not in self.plan.split_axes))
-        self.decider = Decider.of(self.plan, self.mesh.size, cfg.grad_clip,
-                                  self.mesh.group_index(self.plan.fsdp_axes, self.rank) if cfg.invariant else None)
+        self.decider = Decider.of(self.plan, self.mesh.size, cfg.grad_clip, self.rank if cfg.invariant else None)
         opt = self.optimizer
         self.plan_optimizer = opt.for_plan(self.plan, self.rank) if capabilities(opt).for_plan else opt
         self._io = StateIO(self.plan, self.rank, self.device, self.plan_optimizer, loss_scale=cfg.loss_scale,
@@ -574,16 +573,16 @@ INVARIANT_ALIGN = 256
 
 
 def _check_invariant_plan(plan: Plan) -> None:
-    """The invariant mode covers data parallelism over the FSDP axes: refuse, naming the param,
-    what it does not cover yet (partial sums over tp or experts axes, replicated buckets)."""
+    """The invariant mode covers data parallelism over the FSDP axes (sharded, replicated, or
+    both: HSDP): refuse, naming the param, what it does not cover yet (partial sums over tp or
+    experts axes)."""
     for b in plan.buckets:
-        partly = b.shard_size > 1 and plan.mesh.axis_size(b.replicate_axes) > 1
-        if b.split_axes or plan.compute_axes or (partly and not b.frozen):
-            axes = b.split_axes or plan.compute_axes or b.replicate_axes
-            raise MeshError(f"invariant=True: parameter {b.slots[0].path!r} is computed or replicated over the axes "
-                            f"{axes} of {plan.mesh}, whose sums follow the mesh; the invariant mode covers data "
-                            "parallelism over the FSDP axes (tp, experts and HSDP are not covered yet): run them "
-                            "without invariant=True, or shard every param over every axis")
+        axes = b.split_axes or tuple(a for a in plan.compute_axes if plan.mesh.axis_size(a) > 1)
+        if axes:
+            raise MeshError(f"invariant=True: parameter {b.slots[0].path!r} is computed over the axes {axes} of "
+                            f"{plan.mesh}, whose partial sums follow the mesh; the invariant mode covers data "
+                            "parallelism over the FSDP axes (tp and experts over an axis are not covered yet): run "
+                            "them without invariant=True")
 
 
 def _first_shards(plan: Plan, made_from, rank: int, dtype, device) -> list[torch.Tensor]:

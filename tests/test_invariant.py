@@ -92,7 +92,8 @@ def _loss(params, batch):
     ({"atom_size": 2}, "pass invariant=True too"),
     ({"invariant": 1, "atom_size": 2}, "pass True or False"),
     ({"invariant": True, "atom_size": 2, "mixed_precision": "fp16"}, "fp16 loss scaling"),
-    ({"invariant": True, "atom_size": 2, "mesh": hpf.Mesh({"node": 1, "local": 1}), "hsdp": True}, "HSDP|hsdp"),
+    ({"invariant": True, "atom_size": 2, "mesh": hpf.Mesh({"node": 2, "local": 2}),
+      "topology": hpf.Topology(slow_weights="int8")}, "low-bit slow tier"),
 ])
 def test_options_it_does_not_cover_are_refused_by_name(options, match):
     options = {"mesh": hpf.Mesh({"dp": 1}), "optimizer": hpf.optim.adamw(), **options}
@@ -160,13 +161,13 @@ MODELS = {"gpt": gpt, "llama": llama}
 def test_the_same_bits_at_every_world_size_and_layout(optimizer):
     base = {"optimizer": optimizer}
     want = _run(0, {"dp": 1}, base)
-    four = launch(_several, 4, {"node": 2, "local": 2}, [base, {**base, **TWO_TIER}, {**base, "accumulate": 3}],
-                  timeout=240)
+    four = launch(_several, 4, {"node": 2, "local": 2},
+                  [base, {**base, **TWO_TIER}, {**base, "accumulate": 3}, {**base, "hsdp": True}], timeout=240)
     others = [launch(_run, w, {"dp": w}, base, timeout=240) for w in (2, 3)]
     got = {"1": [want[:2]],
            **{f"{w}": [r[:2] for r in rs] for w, rs in zip((2, 3), others)},
            "2x2 flat": [r[0][:2] for r in four], "2x2 two-tier": [r[1][:2] for r in four],
-           "2x2 accumulate 3": [r[2][:2] for r in four]}
+           "2x2 accumulate 3": [r[2][:2] for r in four], "2x2 HSDP": [r[3][:2] for r in four]}
     for name, digests in got.items():
         assert digests == [want[:2]] * len(digests), name
     assert [r[0][2] for r in four] == [r[1][2] for r in four]  # same mesh: the same optimizer shards
