@@ -6,7 +6,7 @@ GPT (small by default) on 4 ranks, the same params and batches, interleaved time
                  the default's shapes; the tree's adds, the all-to-all of nodes, one more all-reduce);
   invariant/a2   atoms of half the local batch (two per rank: the mode on a smaller world);
   default-2tier  the mesh node=2,local=2 with hpf.Topology() (the two-tier collectives);
-  invariant-2tier  the same mesh invariant (it runs flat collectives: its slow-tier bytes are flat FSDP's).
+  invariant-2tier  the same, invariant (its reductions in two ordered stages: a machine's ranks, then machines).
 Prints the ratios of median step times, and the bytes each sends per step on each tier.
 Usage: python benchmarks/invariant_cost.py [--config small] [--batch 8] [--rounds 5]
 """

@@ -86,10 +86,7 @@ class ShardStep:
         full_params = misuse.clean_params(full_params, allow_meta=True)
         self._donation.unloaded = not born and any(x.is_meta for x in tree_util.flatten(full_params)[1])
         self.rank, self.device = world.rank(), default_device()
-        self.plan = step_plan(full_params, self.mesh, cfg.param_specs, cfg.fsdp_axes, hsdp=cfg.hsdp, frozen=frozen,
-                              **({"align": INVARIANT_ALIGN} if cfg.invariant else {"topology": cfg.topology}))
-        if cfg.invariant:
-            _check_invariant_plan(self.plan)
+        self.plan = _plan(cfg, full_params, frozen)
         misuse.check_same_on_all_ranks(self.plan, full_params, self.device, born.digest() if born else None)
         shards = _first_shards(self.plan, born or full_params, self.rank, self.mp.master_dtype if self.mp else None,
                                self.device)
@@ -149,9 +146,7 @@ class ShardStep:
         if self.engine is None:
             raise RuntimeError("call step.init(full_params) first, and pass the state it returns")
         self.check_state(state)
-        axes = batching.leaf_axes(batch, self.config.batch_axes)
-        micro = (batching.atoms(batch, self.config.atom_size, axes) if self.config.invariant
-                 else batching.micro_batches(batch, self.config.accumulate, axes))
+        micro = _micro_batches(self.config, batch)
         eng = self.engine
         # fp16: backward's seed is the loss scale, per term for hpf.weighted (whose sum has many)
         scale = float(state.loss_scale.scale) / self._terms if state.loss_scale is not None else 1.0
@@ -554,13 +549,13 @@ def _engine(cfg: StepConfig, plan: Plan, shards: list[torch.Tensor], device: tor
                    for b, s in zip(plan.buckets, shards)]  # (frozen buckets: none)
     cdts = [mp.compute_dtype if mp else b.dtype for b in plan.buckets]
     rdts = [g.dtype for g in grad_shards]
-    comm = (BucketComm(plan, device, cdts, rdts) if cfg.topology is None or cfg.invariant
+    comm = (BucketComm(plan, device, cdts, rdts) if cfg.topology is None
             else TieredComm(plan, cfg.topology, device, cdts, rdts))
     # Buckets replicated over non-FSDP axes hold partial grads there (see hpf.comm.collectives).
     partial = [(b.index, tuple(a for a in plan.compute_axes if a not in b.split_axes)) for b in plan.buckets]
     return grad_shards, comm, UnitEngine(
         plan, comm, mp.compute_dtype if mp else None, device,
-        pipeline=cfg.topology is None or cfg.invariant or cfg.topology.pipeline,
+        pipeline=cfg.topology is None or cfg.topology.pipeline,
         capacity=cfg.resident_units, compute_sums=[(b, cfg.mesh.group(axes)) for b, axes in partial
                                                    if cfg.mesh.axis_size(axes) > 1],
         on_extra_gather=on_extra_gather, rematerialize=cfg.grad == "torch.func")
@@ -572,17 +567,27 @@ def _engine(cfg: StepConfig, plan: Plan, shards: list[torch.Tensor], device: tor
 INVARIANT_ALIGN = 256
 
 
-def _check_invariant_plan(plan: Plan) -> None:
-    """The invariant mode covers data parallelism over the FSDP axes (sharded, replicated, or
-    both: HSDP): refuse, naming the param, what it does not cover yet (partial sums over tp or
-    experts axes)."""
-    for b in plan.buckets:
+def _plan(cfg: StepConfig, full_params, frozen) -> Plan:
+    """The step's plan. The invariant mode covers data parallelism over the FSDP axes (sharded,
+    replicated, or both: HSDP): it refuses, naming the param, what it does not cover yet
+    (partial sums over tp or experts axes)."""
+    plan = step_plan(full_params, cfg.mesh, cfg.param_specs, cfg.fsdp_axes, topology=cfg.topology, hsdp=cfg.hsdp,
+                     frozen=frozen, align=INVARIANT_ALIGN if cfg.invariant else 1)
+    for b in plan.buckets if cfg.invariant else ():
         axes = b.split_axes or tuple(a for a in plan.compute_axes if plan.mesh.axis_size(a) > 1)
         if axes:
             raise MeshError(f"invariant=True: parameter {b.slots[0].path!r} is computed over the axes {axes} of "
                             f"{plan.mesh}, whose partial sums follow the mesh; the invariant mode covers data "
                             "parallelism over the FSDP axes (tp and experts over an axis are not covered yet): run "
                             "them without invariant=True")
+    return plan
+
+
+def _micro_batches(cfg: StepConfig, batch) -> list:
+    """The step's micro-batches: ``accumulate`` equal parts, or in the invariant mode its atoms."""
+    axes = batching.leaf_axes(batch, cfg.batch_axes)
+    return (batching.atoms(batch, cfg.atom_size, axes) if cfg.invariant
+            else batching.micro_batches(batch, cfg.accumulate, axes))
 
 
 def _first_shards(plan: Plan, made_from, rank: int, dtype, device) -> list[torch.Tensor]:

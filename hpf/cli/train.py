@@ -49,7 +49,7 @@ def _banner(job: TrainJob, n_units: int) -> str:
             + (f"{job.accumulate} micro-batches per step, " if job.accumulate > 1 else "")
             + (f"recompute {job.recompute}, " if job.recompute != "none" else "")
             + ("compiled blocks, " if job.compile else "") + f"{job.mode} mode"
-            + (f", invariant (atoms of {invariant_of(job)['atom_size']} sequences, flat collectives)"
+            + (f", invariant (atoms of {invariant_of(job)['atom_size']} sequences)"
                if job.invariant else ""))
 
 

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["aligned_blocks", "Partials", "tree_sum", "ordered_sum_of_pieces", "exact_square_sum",
+__all__ = ["aligned_blocks", "Partials", "tree_sum", "exact_square_sum",
            "exact_parts", "exact_total"]
 
 Node = tuple[int, int]  # (first atom, number of atoms): a node of the canonical tree
@@ -79,19 +79,6 @@ def tree_sum(parts: dict[Node, torch.Tensor], n_atoms: int, add: Callable = torc
     return node(0, top)
 
 
-def ordered_sum_of_pieces(out: torch.Tensor, received: torch.Tensor, nodes_by_source: list[list[Node]],
-                          n_atoms: int) -> None:
-    """``out`` <- the canonical sum of the pieces an all-to-all delivered: ``received`` holds, source
-    by source, one ``out``-sized piece per node that source sent (``nodes_by_source``)."""
-    pieces = received.view(-1, out.numel())
-    parts, i = {}, 0
-    for nodes in nodes_by_source:
-        for node in nodes:
-            parts[node] = pieces[i]
-            i += 1
-    out.copy_(tree_sum(parts, n_atoms))
-
-
 # -- the exact sum of squares (the global grad norm) -----------------------------------------------------------
 _LIMB = 31  # bits per limb
 _LIMBS = 2  # 62 bits of fixed point below the largest square: a square under 2**-62 of it counts as 0
@@ -104,12 +91,14 @@ def exact_square_sum(tensors: list[torch.Tensor], top: float) -> list[int]:
     2**e, where ``top`` (the largest square over every rank) < 2**e: exact, so the ranks' sums
     add up to the same integers in any order (``exact_parts`` carries them through a float64 sum)."""
     e = math.frexp(top)[1] if top > 0 else 0
-    shift = _LIMB - e  # (two powers of two: each within float64's range, each product exact)
-    scales = (2.0 ** (shift // 2), 2.0 ** (shift - shift // 2))
+    shift = _LIMB - e  # (one power of two, or two where one would leave float64's range: each product exact)
+    scales = (2.0 ** shift,) if abs(shift) < 1000 else (2.0 ** (shift // 2), 2.0 ** (shift - shift // 2))
     sums = [0] * _LIMBS
     for x in tensors:
         for chunk in x.detach().reshape(-1).split(_CHUNK):
-            t = chunk.to(torch.float64).square_().mul_(scales[0]).mul_(scales[1])  # < 2**31
+            t = chunk.to(torch.float64).square_()
+            for scale in scales:
+                t.mul_(scale)  # < 2**31
             for k in range(_LIMBS):
                 limb = t.floor()
                 sums[k] += int(limb.sum())  # (integers < 2**31, fewer than 2**22: exact in any order)

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from ..planning import Plan
 from .cost import bucket_comm_bytes, count_bytes, dtype_bytes
-from .canonical import Node, aligned_blocks, ordered_sum_of_pieces, tree_sum
-from .transport import DONE, Handle, OwnedGroups, is_done, on_device, pieces_to_all_async, reduce_scatter_async, wait_for
+from .ordered import OrderedReduction
+from .transport import DONE, Handle, OwnedGroups, is_done, on_device, reduce_scatter_async, wait_for
 
 __all__ = ["BucketComm"]
 
@@ -42,31 +42,6 @@ class _Chain:
             return False
         self._start_second()
         return is_done(self.second)
-
-
-class _Route:
-    """How a bucket's canonical reduction travels: the process group over every FSDP axis of the
-    bucket (None: one rank), the shard position each group rank stores (``pieces``, by group
-    rank), and how many pieces this rank sends over each tier."""
-
-    def __init__(self, group, pieces: list[int], pieces_per_tier: dict[str, int]):
-        self.group, self.pieces, self.pieces_per_tier = group, pieces, pieces_per_tier
-        self.identity = pieces == list(range(len(pieces)))
-
-    @classmethod
-    def of(cls, plan: Plan, b: int, owned: OwnedGroups) -> "_Route":
-        bucket, mesh = plan.buckets[b], plan.mesh
-        axes = tuple(a for a in mesh.axis_names if a in bucket.shard_axes + bucket.replicate_axes)
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        ranks = mesh.group_ranks(axes, rank) if axes else [rank]
-        group = owned(axes, f"ordered/{b}") if len(ranks) > 1 else None
-        me, tiers = mesh.coords(rank), Counter()
-        for r in ranks:
-            if r != rank:
-                slow = any(mesh.coords(r)[mesh.axis_names.index(a)] != me[mesh.axis_names.index(a)]
-                           for a in mesh.slow_axes)
-                tiers["slow" if slow else "fast"] += 1
-        return cls(group, [plan.shard_index(bucket, r) for r in ranks], dict(tiers))
 
 
 class BucketComm:
@@ -102,7 +77,7 @@ class BucketComm:
         self.replica_groups = [None if b.frozen else group(b, b.replicate_axes, "replica", reduce_dtypes[b.index])
                                for b in plan.buckets]
         self.bytes: Counter = Counter()  # (op, tier) -> bytes this rank sent (hpf.comm.cost's model)
-        self._routes: dict[int, _Route] = {}  # the invariant mode's reduction of each bucket (made on first use)
+        self.reduce_ordered = OrderedReduction(plan, self._owned, False, self.bytes, device)  # (the invariant mode's)
         self._op_bytes = [bucket_comm_bytes(mesh, b, compute_dtypes[b.index], reduce_dtypes[b.index])
                           for b in plan.buckets]
 
@@ -134,27 +109,6 @@ class BucketComm:
             return handle
         count_bytes(self.bytes, "all_reduce", self._op_bytes[b]["all_reduce"])
         return _Chain(handle, lambda: on_device(dist.all_reduce(shard, group=rg, async_op=True), self.device))
-
-    def reduce_ordered(self, b: int, shard: torch.Tensor, nodes: list[tuple[Node, torch.Tensor]],
-                       per_rank: int) -> Handle:
-        """``reduce`` in the canonical order (hpf.comm.canonical): ``nodes`` are this rank's sums of
-        its ``per_rank`` atoms, the rank at index i over the FSDP axes (mesh order) holding atoms
-        ``[i * per_rank, (i + 1) * per_rank)``. One all-to-all over every FSDP rank sends each the
-        pieces of the shard it stores (the same to a bucket's replicas: HSDP, or an unsharded
-        param), and each sums what arrives in the tree, so replicas get the same bits."""
-        route = self._routes.get(b) or self._routes.setdefault(b, _Route.of(self.plan, b, self._owned))
-        n_atoms = per_rank * len(route.pieces)
-        if route.group is None:
-            shard.copy_(tree_sum(dict(nodes), n_atoms))
-            return DONE
-        by_source = [aligned_blocks(i * per_rank, per_rank) for i in range(len(route.pieces))]
-        count_bytes(self.bytes, "reduce_scatter", {t: n * shard.numel() * shard.element_size() * len(nodes)
-                                                   for t, n in route.pieces_per_tier.items()})
-        n_pieces = self.plan.buckets[b].shard_size
-        sent = [t if route.identity else t.view(n_pieces, -1)[route.pieces].reshape(-1) for _, t in nodes]
-        return on_device(pieces_to_all_async(shard, sent, [len(x) for x in by_source],
-                                             lambda out, recv: ordered_sum_of_pieces(out, recv, by_source, n_atoms),
-                                             route.group), self.device)
 
     def close(self) -> None:
         self._owned.close()

@@ -48,6 +48,7 @@ from . import world
 from .cost import bucket_comm_bytes, count_bytes, dtype_bytes
 from .lowbit import LowBitTier
 from .shm import ALIGN, ShmGroup
+from .ordered import OrderedReduction
 from .transport import DONE, Handle, OwnedGroups, ProcessGroupTransport, Transport
 
 __all__ = ["Topology", "SlowLink", "TieredComm"]
@@ -262,6 +263,8 @@ class TieredComm:
         # pairing them (gloo aborts the process on a size mismatch).
         self._transports: dict[tuple, Transport] = {}
         own_group = self._owned = OwnedGroups(mesh)  # process groups of its own, destroyed on close
+        # the invariant mode's reduction (hpf.comm.ordered): a machine's ranks first, then across machines
+        self.reduce_ordered = OrderedReduction(plan, own_group, True, self.bytes, device)
         self._route: dict[tuple[str, int, str], Transport] = {}  # (direction, bucket, tier) -> transport
         self.slow = plan.slow_precision
         self.lowbit = LowBitTier(plan, self._stages, rank)  # what crosses the slow tier low-bit, and the residuals

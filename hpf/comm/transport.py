@@ -30,7 +30,7 @@ from ..precision import SlowPrecision
 from .cost import ring_bytes
 
 __all__ = ["OwnedGroups", "Transport", "ProcessGroupTransport", "UnitComm", "Handle", "DONE", "is_done", "wait_for", "StreamWork", "on_device",
-           "reduce_scatter_async", "pieces_to_all_async"]
+           "reduce_scatter_async", "exchange_async"]
 
 REDUCE_OPS = ("sum", "mean")
 
@@ -177,23 +177,19 @@ def wait_for(handle: Handle, timeout: float | None = None) -> bool:
         return False
 
 
-class _SumOnArrival:
-    """A reduce-scatter done as an all-to-all of the slices: on completion, sum the p slices
-    that arrived into ``out`` (once, on the thread that first sees it done) and drop the
-    receive buffer. ``combine(out, recv)`` sums them (default: in rank order)."""
+class _OnArrival:
+    """An all-to-all in flight: once it has landed, ``finish(recv)`` runs once (on the thread
+    that first sees it done) and the receive buffer is dropped."""
 
-    def __init__(self, work: dist.Work, recv: torch.Tensor, out: torch.Tensor, combine=None):
-        self.work, self.recv, self.out, self.combine = work, recv, out, combine or _sum_in_rank_order
-
-    def _finish(self) -> None:
-        if self.recv is not None:
-            self.combine(self.out.view(-1), self.recv)
-            self.recv = None
+    def __init__(self, work: dist.Work, recv: torch.Tensor, finish):
+        self.work, self.recv, self.finish = work, recv, finish
 
     def wait(self, timeout: float | None = None) -> bool:
         if not wait_for(self.work, timeout):
             return False
-        self._finish()
+        if self.recv is not None:
+            recv, self.recv = self.recv, None
+            self.finish(recv)
         return True
 
     def done(self) -> bool:
@@ -201,8 +197,7 @@ class _SumOnArrival:
             return True
         if not work_done(self.work):
             return False
-        self.wait()
-        return True
+        return self.wait()
 
 
 def _sum_in_rank_order(out: torch.Tensor, recv: torch.Tensor) -> None:
@@ -228,20 +223,16 @@ def reduce_scatter_async(out: torch.Tensor, full: torch.Tensor, group=None) -> H
     # freed once summed (a pool of these would keep the peak of in-flight reductions for good)
     recv = torch.empty_like(full, memory_format=torch.contiguous_format)
     work = dist.all_to_all_single(recv, full, group=group, async_op=True)
-    return _SumOnArrival(work, recv, out)
+    return _OnArrival(work, recv, lambda arrived: _sum_in_rank_order(out.view(-1), arrived))
 
 
-def pieces_to_all_async(out: torch.Tensor, fulls: list[torch.Tensor], counts: list[int], combine, group) -> Handle:
-    """Send piece j of each of ``fulls`` (each ``out``-sized pieces, one per group rank) to group
-    rank j, and receive this rank's piece of the ``counts[i]`` fulls of each group rank i; on
-    arrival ``combine(out, recv)`` sums them in an order of its choosing (a reduce-scatter whose
-    summation order is the caller's: hpf.comm.canonical)."""
-    n, k = out.numel(), len(fulls)
-    send = fulls[0] if k == 1 else torch.stack([f.view(-1, n) for f in fulls], dim=1).reshape(-1)
-    recv = torch.empty(sum(counts) * n, dtype=out.dtype, device=out.device)
-    work = dist.all_to_all_single(recv, send, [c * n for c in counts], [k * n] * len(counts), group=group,
-                                  async_op=True)
-    return _SumOnArrival(work, recv, out, combine)
+def exchange_async(send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group, finish) -> Handle:
+    """An all-to-all of uneven parts (``send_splits[j]`` elements of ``send`` to group rank j,
+    ``recv_splits[i]`` from group rank i); ``finish(recv)`` runs on arrival (the invariant mode's
+    reductions sum what arrives in their own order: hpf.comm.ordered)."""
+    recv = torch.empty(sum(recv_splits), dtype=send.dtype, device=send.device)
+    work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group, async_op=True)
+    return _OnArrival(work, recv, finish)
 
 
 @runtime_checkable
@@ -258,6 +249,10 @@ class UnitComm(Protocol):
     #: the slow tier's quantized stages and error-feedback residuals (None: no low-bit slow tier);
     #: named, not imported: hpf.comm.lowbit imports this module
     lowbit: "LowBitTier | None"
+
+    #: the invariant mode's reduction in the canonical order (hpf.comm.ordered.OrderedReduction):
+    #: ``reduce_ordered(b, shard, nodes, per_rank) -> Handle``
+    reduce_ordered: "OrderedReduction"
 
     def is_shared(self, b: int) -> bool:
         """Whether bucket b's full buffer is transport-owned shared memory (never freed)."""

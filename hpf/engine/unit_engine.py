@@ -123,11 +123,9 @@ class UnitEngine:
         return sorted({b for u in self.first_units() for b in self.plan.units[u].buckets})
 
     @contextlib.contextmanager
-    def micro_batch(self, grad_shards: list[torch.Tensor], hold: bool, atom: tuple[int, int] | None = None
-                    ) -> Iterator[None]:
-        """One forward and backward (``params_tree``, ``start_backward``, autograd); on leaving,
-        every unit not yet reduced is (``hold``: kept for the next micro-batch instead). ``atom``:
-        (its index in the global batch, atoms per rank), summed in the canonical order (invariant mode)."""
+    def micro_batch(self, grad_shards: list[torch.Tensor], hold: bool, atom=None) -> Iterator[None]:
+        """One forward and backward (``params_tree``, ``start_backward``, autograd); on leaving, every unit
+        not yet reduced is (``hold``: kept for the next one instead; ``atom``: Reducer.start's)."""
         if not self._hidden:
             self._hidden = hide_from_compiler(self)
         if self.reducer.holds_sums():  # a later micro-batch: prefetch its first units
