@@ -1,6 +1,7 @@
 """The engine's reductions in flight (hpf.engine.reduce): however slow the link, at most
 ``IN_FLIGHT`` reductions hold their flat grad buffers at once, on the flat and the two-tier
 collectives, and the step still equals plain autograd + torch.optim.AdamW."""
+import time
 import weakref
 
 import numpy as np
@@ -21,16 +22,27 @@ BATCH, STEPS, LR = 4, 2, 1e-2
 
 class _LandsWhenWaited:
     """A reduction that never reports itself landed to a poll (a link slower than backward): it
-    lands only when the engine waits for it."""
+    lands only when the engine waits for it; ``waited[0]`` is set once it has."""
 
-    def __init__(self, handle):
-        self.handle = handle
+    def __init__(self, handle, waited: list):
+        self.handle, self.waited = handle, waited
 
     def done(self) -> bool:
         return False
 
     def wait(self, timeout=None) -> bool:
-        return wait_for(self.handle, timeout)
+        self.waited[0] = self.waited[0] or wait_for(self.handle, timeout)
+        return self.waited[0]
+
+
+def _alive(flat: weakref.ref, waited: list) -> bool:
+    """Whether a reduction's flat grads are still held. One the engine has waited for gets a
+    second to be freed: gloo's worker thread drops its own reference to a tensor just after the
+    work reports done (CI saw that race under load); a flat still held after that is held."""
+    deadline = time.monotonic() + (1.0 if waited[0] else 0.0)
+    while flat() is not None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return flat() is not None
 
 
 def _most_held(rank, world, tiered):
@@ -41,12 +53,12 @@ def _most_held(rank, world, tiered):
     step = hpf.shard_step(gpt.loss_for(CONFIG), mesh=mesh, optimizer=hpf.optim.adamw(lr=LR), topology=topology)
     state = step.init(gpt.init(CONFIG))
     comm, unit_of = step.comm, {b.index: b.unit for b in step.plan.buckets}
-    issued: list[tuple[str, weakref.ref]] = []  # (unit, its flat) of each reduction issued
+    issued: list[tuple[str, weakref.ref, list]] = []  # (unit, its flat, whether waited) per reduction issued
     most = [0]
     grad_buffer, reduce = comm.grad_buffer, comm.reduce
 
     def count(extra: set):
-        held = {u for u, flat in issued if flat() is not None} | extra
+        held = {u for u, flat, waited in issued if _alive(flat, waited)} | extra
         most[0] = max(most[0], len(held))
 
     def take(b, dtype):
@@ -54,9 +66,10 @@ def _most_held(rank, world, tiered):
         return grad_buffer(b, dtype)
 
     def slow_reduce(b, shard, flat):
-        issued.append((unit_of[b], weakref.ref(flat)))
+        waited = [False]
+        issued.append((unit_of[b], weakref.ref(flat), waited))
         count(set())
-        return _LandsWhenWaited(reduce(b, shard, flat))
+        return _LandsWhenWaited(reduce(b, shard, flat), waited)
 
     comm.grad_buffer, comm.reduce = take, slow_reduce
     rows = BATCH // world
