@@ -390,10 +390,12 @@ def test_cli_train_plan_auto_searches_this_machine(tmp_path):
 
 @pytest.mark.parametrize("key, value, said", [("accumulate", 0, "must be positive"), ("accumulate", "2", "a str"),
                                               ("topology", "bogus", "not one of"), ("hsdp", "yes", "does not take"),
-                                              ("batch_size", -8, "must be positive")])
+                                              ("batch_size", -8, "must be positive"),
+                                              *[("tp", tp, "positive int") for tp in (0, -2, True, 2.0, "2")]])
 def test_cli_train_checks_a_plan_file_as_it_checks_options(tmp_path, capsys, key, value, said):
     """A tampered --plan FILE is one line naming the value (it was a ZeroDivisionError, a TypeError,
-    or a flat run that recorded topology "bogus" in run.json)."""
+    or a flat run that recorded topology "bogus" in run.json; tp 0 a ZeroDivisionError, 2.0 a mesh
+    of float sizes)."""
     from hpf import cli
 
     options = dataclasses.asdict(search.Candidate())
@@ -423,3 +425,11 @@ def test_a_cpu_never_gets_bf16_and_a_tie_inside_the_error_bars_goes_to_the_simpl
     assert big.best.step_s <= fastest.step_s * (1 + search.SAME_WITHIN)
     assert big.best.candidate == search.Candidate(mixed_precision="bf16")
     assert "inside hpf.sim's error bars" in big.why()
+
+
+@pytest.mark.parametrize("tp", [0, -2, True, 2.0, "2", 3])
+def test_carve_tp_refuses_what_is_not_a_size_that_divides_the_last_axis(tp):
+    from hpf.models import carve_tp
+
+    with pytest.raises(ValueError, match=f"tp={tp!r}"):
+        carve_tp(hpf.Mesh({"dp": 2}), tp)

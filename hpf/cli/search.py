@@ -48,6 +48,10 @@ def _as_options(saved: dict, where: str) -> None:
         except ValueError as e:
             raise CliError(f"--plan {where}: {key} is {holder.get(key)!r} ({e}), which --{key.replace('_', '-')} does "
                            "not take; write the file with hpf plan --search --save FILE") from None
+    tp = saved["choice"]["options"].get("tp", 1)
+    if type(tp) is not int or tp < 1:  # (no flag to check it as: the mesh's tp axis; 0 was a ZeroDivisionError)
+        raise CliError(f"--plan {where}: tp is {tp!r}, not a tensor-parallel size (a positive int that divides the "
+                       "mesh's last axis); write the file with hpf plan --search --save FILE")
 
 
 def add_options(parser, *, train: bool) -> None:

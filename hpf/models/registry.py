@@ -82,6 +82,8 @@ def mesh_for(axes: dict[str, int]) -> Mesh:
 def carve_tp(mesh: Mesh, tp: int) -> Mesh:
     """``mesh`` with a ``TP_AXIS`` of ``tp`` ranks split off its last axis (``mesh_for``'s tiers);
     itself for ``tp`` 1."""
+    if type(tp) is not int or tp < 1:
+        raise ValueError(f"tp={tp!r} is not a tensor-parallel size: give a positive int that divides the last axis")
     if tp == 1:
         return mesh
     *outer, (last, n) = zip(mesh.axis_names, mesh.shape)
