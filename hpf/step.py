@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -165,6 +165,8 @@ class ShardStep:
             self.after_reductions()
             eng.end_step()
             decision = self.decider.decide(outs, self.grad_shards, batch, scale, clip)
+            if self._spmd.check_shapes and not self._spmd.validate:  # (every rank decided: one step checked them)
+                self._spmd = replace(self._spmd, check_shapes=False)
             eng.add_wait(decision.waited_s)
             if decision.grad_norm == 0.0 and eng.no_grads_since(mark):
                 raise UnusedParamsError(_UNUSED)

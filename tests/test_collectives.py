@@ -4,6 +4,7 @@ grads of a tensor-parallel step against plain autograd on the unsharded model.
 The two-rank checks run in one launched job per module fixture; the tests compare numbers.
 """
 import functools
+import time
 
 import numpy as np
 import optree
@@ -43,6 +44,14 @@ def _collectives_run(rank):
             y = op(x)
             (y * _weights(rank, y.shape)).sum().backward()
             out[name] = (y.detach().numpy(), x.grad.numpy())
+        out["refused"] = {}
+        for name, (op, _) in OPS.items():  # a rank-dependent shape, then dtype (gloo aborted the process)
+            for x in (torch.zeros(4, 6 + 2 * rank), torch.zeros(SHAPE, dtype=(torch.float32, torch.float64)[rank])):
+                t = time.monotonic()
+                with pytest.raises(ValueError, match="the ranks pass different tensors") as e:
+                    op(x)
+                out["refused"].setdefault(name, []).append((str(e.value), time.monotonic() - t))
+        out["after"] = psum(torch.ones(2), "tp").tolist()  # (the ranks are still in step)
     return out
 
 
@@ -54,6 +63,16 @@ def collectives_run():
 @pytest.mark.slow
 def test_axis_index_is_the_rank_position(collectives_run):
     assert [r["axis_index"] for r in collectives_run] == [0, 1]
+
+
+@pytest.mark.slow
+def test_ranks_that_pass_different_shapes_or_dtypes_get_one_named_error_and_stay_in_step(collectives_run):
+    for rank, run in enumerate(collectives_run):
+        assert set(run["refused"]) == set(OPS) and run["after"] == [2.0, 2.0]
+        for name, ((shapes, shapes_s), (dtypes, dtypes_s)) in run["refused"].items():
+            assert "rank 0: [4, 6] torch.float32, rank 1: [4, 8] torch.float32" in shapes, shapes
+            assert "rank 0: [4, 6] torch.float32, rank 1: [4, 6] torch.float64" in dtypes, dtypes
+            assert shapes_s < 5 and dtypes_s < 5
 
 
 @pytest.mark.slow
@@ -105,6 +124,37 @@ def _tp_grads(rank, identity_psum_backward):
     step(state, tp_mlp_batch())
     grads = step.full_params(hpf.TrainState(step.grad_shards, None))
     return optree.tree_map(lambda t: t.numpy(), grads)
+
+
+def _rank_dependent_shape(rank, mode, bad_at):
+    """A loss whose psum on rank 1 has an extra row at step ``bad_at``: (steps done, the error, seconds)."""
+    at = [0]
+
+    def loss_fn(params, batch):
+        h = torch.tanh(params["embed"][batch[:, :-1]] @ params["blocks"][0]["w_up"])  # (this rank's columns)
+        extra = at[0] == bad_at and rank == 1
+        return tp_mlp_loss(params, batch) + psum(torch.cat([h] + [h[:1]] * extra), "tp").mean()
+
+    step = hpf.shard_step(loss_fn, mesh=TP, optimizer=hpf.optim.adamw(lr=0.0), param_specs=TP_MLP_SPECS, fsdp_axes=(),
+                          mode=mode)
+    state, t = step.init(tp_mlp_params()), time.monotonic()
+    for done in range(bad_at + 1):
+        at[0] = done
+        try:
+            state, _ = step(state, tp_mlp_batch())
+        except ValueError as e:
+            return done, str(e), time.monotonic() - t
+    return bad_at + 1, None, time.monotonic() - t
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, bad_at", [("production", 0), ("validate", 2)])
+def test_a_rank_dependent_psum_shape_in_a_step_is_one_named_error_on_every_rank(mode, bad_at):
+    """Production mode checks the first step's collectives, validation mode every one (gloo aborted
+    rank 0 with SIGABRT)."""
+    for done, error, seconds in launch(_rank_dependent_shape, 2, mode, bad_at, timeout=120):
+        assert done == bad_at and error is not None and seconds < 30
+        assert "hpf.psum over 'tp'" in error and "rank 0: [3, 4," in error and "rank 1: [4, 4," in error, error
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,12 @@ for any program with no layout types at run time (production sees plain tensors)
 * ``psum_scatter``: reduce-scatter forward, all-gather backward.
 * ``all_to_all``: the inverse all-to-all backward.
 
+Sizes: every rank of the axis must pass the same shape and dtype (an uneven all-to-all: but
+its split dim). A tiny all-reduce of a digest checks that before the data moves and raises one
+ValueError naming each rank's shape, on every rank (gloo aborted the process; nccl may pair the
+buffers up wrong). Outside a step and in validation mode every call is checked; a production
+step checks its first step's calls only, so the steady state pays nothing.
+
 The convention that makes these adjoints correct: a value replicated over an axis carries a
 *partial* cotangent on each rank (the true cotangent is their sum). The step seeds each
 rank's backward with ``1/n`` for a loss replicated over ``n`` non-FSDP ranks, and sums the
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -37,6 +44,8 @@ import torch.distributed as dist
 from torch.overrides import handle_torch_function, has_torch_function
 
 from ..mesh import Mesh, MeshError
+from . import world
+from .schedule import digest_parts, parts_agree
 from .transport import reduce_scatter_async
 
 __all__ = ["psum", "psum_scatter", "all_gather", "all_to_all", "axis_index", "SPMD", "spmd", "current", "validating", "register_check",
@@ -56,6 +65,10 @@ class SPMD:
     fsdp_axes: tuple[str, ...]
     virtual: bool = False
     validate: bool = False  # validation mode: models check their data-dependent invariants (MoE dispatch)
+    # whether explicit collectives first check that the ranks agree on shapes (_same_on_every_rank): always
+    # outside a step and in validation mode; a production step checks its first step's (a shape that
+    # depends on the rank is a bug in the program, there from the first step), then saves the all-reduce
+    check_shapes: bool = True
 
     def axes(self, axis: str | Sequence[str], op: str) -> tuple[str, ...]:
         """``axis`` as a tuple of non-FSDP mesh axes, in mesh order; errors name the op."""
@@ -137,6 +150,28 @@ def _setup(axis, op: str):
     return group, n, ctx.virtual
 
 
+def _same_on_every_rank(op: str, axis, x: torch.Tensor, group, skip_dim: int | None = None) -> None:
+    """Before a collective whose sizes come from the caller: the ranks of ``group`` agree on ``x``'s
+    shape (but ``skip_dim``, an uneven all-to-all's split) and dtype, or all raise one ValueError
+    naming each rank's. Sizes that differ would abort the process in gloo or pair up wrong in nccl;
+    one all-reduce of a digest (``digest_parts``) finds them first. Not under torch.compile: a
+    traced graph's collectives are its own; and only while the context says so (``SPMD.check_shapes``)."""
+    ctx = _CURRENT.get()
+    if torch.compiler.is_compiling() or not ctx.check_shapes:
+        return
+    shape = [d for i, d in enumerate(x.shape) if i != skip_dim]
+    key = f"{shape} {x.dtype}"
+    sums = torch.tensor(digest_parts(zlib.crc32(key.encode())), dtype=torch.float64, device=x.device)
+    dist.all_reduce(sums, group=group)
+    if parts_agree(sums.tolist(), dist.get_world_size(group)):
+        return
+    keys = world.all_gather_object(key, group)
+    told = ", ".join(f"rank {r}: {k}" for r, k in enumerate(keys))
+    raise ValueError(f"hpf.{op} over {axis!r}: the ranks pass different tensors ({told}, by position along the axis"
+                     f"{'; the split dim aside' if skip_dim is not None else ''}); every rank of the axis must pass "
+                     "the same shape and dtype")
+
+
 # -- psum ------------------------------------------------------------------------------------------
 class _AllReduce(torch.autograd.Function):
     @staticmethod
@@ -168,6 +203,7 @@ def psum(x: torch.Tensor, axis: str | Sequence[str]) -> torch.Tensor:
 
     Raises:
         MeshError: ``axis`` is empty, not an axis of the step's mesh, or an FSDP axis.
+        ValueError: the ranks of the axis pass different shapes or dtypes (found before any data moves).
     """
     if has_torch_function((x,)):
         return handle_torch_function(psum, (x,), x, axis)
@@ -176,6 +212,7 @@ def psum(x: torch.Tensor, axis: str | Sequence[str]) -> torch.Tensor:
         return x.view_as(x)  # a new tensor, never the input itself (validation tracks tensors)
     if virtual:
         return x.clone()
+    _same_on_every_rank("psum", axis, x, group)
     return _AllReduce.apply(x, group)
 
 
@@ -223,6 +260,7 @@ def all_gather(x: torch.Tensor, axis: str | Sequence[str], dim: int = 0) -> torc
 
     Raises:
         MeshError: ``axis`` is empty, not an axis of the step's mesh, or an FSDP axis.
+        ValueError: the ranks of the axis pass different shapes or dtypes (found before any data moves).
         IndexError: ``dim`` is out of range for ``x``.
     """
     if has_torch_function((x,)):
@@ -233,6 +271,7 @@ def all_gather(x: torch.Tensor, axis: str | Sequence[str], dim: int = 0) -> torc
         return x.view_as(x)
     if virtual:
         return torch.cat([x] * n, dim)
+    _same_on_every_rank("all_gather", axis, x, group)
     return _AlongDim.apply(x, group, n, dim, True)
 
 
@@ -246,6 +285,7 @@ def psum_scatter(x: torch.Tensor, axis: str | Sequence[str], dim: int = 0) -> to
 
     Raises:
         MeshError: ``axis`` is empty, not an axis of the step's mesh, or an FSDP axis.
+        ValueError: the ranks of the axis pass different shapes or dtypes (found before any data moves).
         IndexError: ``dim`` is out of range for ``x``.
         ValueError: the axis size does not divide ``x``'s ``dim``.
     """
@@ -260,6 +300,7 @@ def psum_scatter(x: torch.Tensor, axis: str | Sequence[str], dim: int = 0) -> to
                          f"must divide it; use a size divisible by {n}")
     if virtual:
         return x.narrow(dim, 0, x.shape[dim] // n).clone()
+    _same_on_every_rank("psum_scatter", axis, x, group)
     return _AlongDim.apply(x, group, n, dim, False)
 
 
@@ -307,6 +348,7 @@ def all_to_all(x: torch.Tensor, axis: str | Sequence[str], split_dim: int, conca
 
     Raises:
         MeshError: ``axis`` is empty, not an axis of the step's mesh, or an FSDP axis.
+        ValueError: the ranks of the axis pass different shapes or dtypes (found before any data moves).
         IndexError: ``split_dim`` or ``concat_dim`` is out of range for ``x``.
         ValueError: n does not divide ``x.shape[split_dim]`` (pad it to a multiple of n, or
             pass ``send_sizes``), or the sizes are not n non-negative counts summing right.
@@ -332,6 +374,7 @@ def all_to_all(x: torch.Tensor, axis: str | Sequence[str], split_dim: int, conca
         return x.view_as(x)
     if virtual:
         return x.clone() if uneven else torch.cat(x.chunk(n, split_dim), concat_dim)
+    _same_on_every_rank("all_to_all", axis, x, group, split_dim if uneven else None)
     if not uneven:
         return _Exchange.apply(x, _exchange, (group, n, split_dim, concat_dim), (group, n, concat_dim, split_dim))
     if recv_sizes is None:  # counts first: every rank learns what it will receive (no hang on a guess)
