@@ -8,8 +8,11 @@ same collectives) -> the update -> the next step's first gathers.
 """
 from __future__ import annotations
 
+import atexit
 import gc
+import sys
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
@@ -99,6 +102,7 @@ class ShardStep:
         self._io = StateIO(self.plan, self.rank, self.device, self.plan_optimizer, loss_scale=cfg.loss_scale,
                            master_dtype=self.mp.master_dtype if self.mp else None,
                            feedback_numel=self.comm.lowbit and self.comm.lowbit.feedback_numel)
+        _OPEN.add(self)
         return self._donation.donate(self._io.new_state(shards))
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
@@ -273,6 +277,7 @@ class ShardStep:
         A pending async save is waited for (its error raised, after the release)."""
         if self._closed is not None:
             return
+        _OPEN.discard(self)
         self._closed = self.stats()
         try:
             self.wait_save()
@@ -472,6 +477,23 @@ def _join_world(mesh: Mesh) -> None:
                             "hpf.launch(fn, world_size), or call hpf.launch.init_distributed() first under torchrun")
         init_distributed()
     mesh.check_world()
+
+
+_OPEN: "weakref.WeakSet[ShardStep]" = weakref.WeakSet()  # steps initialized and not yet closed
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Close the steps a job left open. A job that ends with ``dist.destroy_process_group()`` and no
+    ``step.close()`` left its steps' process groups, with their gloo threads, to the interpreter's
+    teardown, where a thread still running aborts the process ("terminate called without an active
+    exception") and torchrun reports a finished job as failed. Closing here, while the interpreter is
+    whole, ends those threads in order (hpf's own atexit, so it runs after the user's)."""
+    for step in list(_OPEN):
+        try:
+            step.close()
+        except BaseException as e:  # (at exit: say it, and close the others)
+            print(f"hpf: closing a step at exit: {type(e).__name__}: {e}", file=sys.stderr)
 
 
 def _stats(timed: dict, engine: UnitEngine | None, comm: UnitComm | None) -> StepStats:
