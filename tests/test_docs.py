@@ -116,6 +116,9 @@ def test_the_readme_says_how_to_run_a_notebook_by_hand():
     notebooks = README.split("## Notebooks", 1)[1].split("\n## ", 1)[0]
     command = re.search(r"\.venv/bin/(\S+) notebooks/quickstart\.ipynb", notebooks)
     assert command and (Path(sys.executable).parent / command[1]).exists(), command
+    shipped = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
+    assert sorted(set(re.findall(r"notebooks/(\w+\.ipynb)", notebooks))) == shipped  # (it said three of four)
+    assert f"runs all {['one', 'two', 'three', 'four', 'five'][len(shipped) - 1]}" in " ".join(notebooks.split())
 
 
 @pytest.mark.slow
