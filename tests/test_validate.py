@@ -71,6 +71,16 @@ def test_hpf_plan_check_checks_the_tensor_parallel_step(capsys):
     assert "tp: replicated" in capsys.readouterr().out
 
 
+def test_hpf_plan_check_refuses_what_muon_refuses_of_the_plan(capsys):
+    """It said "plan check OK" for Muon on a tp mesh, and hpf train failed at step 1 (issue 60 item 6)."""
+    from hpf.cli import main
+    assert main(["plan", "--config", "small", "--mesh", "dp=2,tp=2", "--optimizer", "muon", "--check"]) == 2
+    err = capsys.readouterr().err
+    assert "muon refuses it" in err and "'blocks/0/w_down'" in err and "split along matrix dim 0" in err, err
+    assert main(["plan", "--config", "small", "--mesh", "dp=4", "--optimizer", "muon", "--check"]) == 0
+    assert "plan check OK" in capsys.readouterr().out
+
+
 # ============================================================================ the fail-fast checks
 def test_the_checks_are_the_documented_error_classes():
     assert [c.__name__ for c in CHECKS] == [

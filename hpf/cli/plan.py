@@ -132,8 +132,14 @@ def cmd_plan(args) -> int:
     if args.check:
         one_sequence = torch.empty(1, config.seq_len + 1, dtype=torch.int64, device="meta")
         loss_fn = module.loss_for(config, **({"tp_axis": TP_AXIS} if TP_AXIS in mesh.axis_names else {}))
-        print(hpf.check_plan(loss_fn, module.init(config, device="meta"), mesh, one_sequence,
-                             mixed_precision=args.mixed_precision, **plan_arguments(args, mesh, config)))
+        checked = hpf.check_plan(loss_fn, module.init(config, device="meta"), mesh, one_sequence,
+                                 mixed_precision=args.mixed_precision, **plan_arguments(args, mesh, config))
+        if args.optimizer == "muon":  # (what Muon refuses of a plan it refuses when bound to it, as the step binds it)
+            try:
+                hpf.optim.muon().for_plan(checked.plan, checked.rank)
+            except ValueError as e:
+                raise CliError(f"--check: the plan's layouts hold, but --optimizer muon refuses it: {e}") from None
+        print(checked)
     return 0
 
 
