@@ -94,8 +94,8 @@ class ShardStep:
         shards = _first_shards(self.plan, born or full_params, self.rank, self.mp.master_dtype if self.mp else None,
                                self.device)
         self.grad_shards, self.comm, self.engine = _engine(cfg, self.plan, shards, self.device, self.on_extra_gather)
-        # Axes a param computes sharded over (experts on a borrowed data axis) allow collectives.
-        self._spmd = SPMD(self.mesh, self.rank, tuple(a for a in self.plan.fsdp_axes if a not in self.plan.split_axes))
+        self._spmd = SPMD(self.mesh, self.rank,  # (collectives: on axes a param computes sharded over, too)
+                          tuple(a for a in self.plan.fsdp_axes if a not in self.plan.split_axes))
         self.decider = Decider.of(self.plan, self.mesh.size, cfg.grad_clip, self.rank if cfg.invariant else None)
         opt = self.optimizer
         self.plan_optimizer = opt.for_plan(self.plan, self.rank) if capabilities(opt).for_plan else opt
@@ -106,12 +106,11 @@ class ShardStep:
         return self._donation.donate(self._io.new_state(shards))
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
-        """One step on this rank's local batch. The state's buffers are updated in place
-        (donated): keep using the returned state; passing this one again raises DonatedStateError.
+        """One step on this rank's local batch. The state's buffers are updated in place (donated):
+        keep using the returned state; passing this one again raises DonatedStateError.
 
-        A non-finite loss or grad norm (on any rank) is found before any update: it raises
-        NonFiniteError with the state exactly as before the step, or, with ``on_nonfinite="skip"``
-        (and under fp16 loss scaling), leaves it unchanged and reports ``metrics["skipped"]``."""
+        A non-finite loss or grad norm (on any rank) is found before any update: it raises NonFiniteError with
+        the state as before, or (``on_nonfinite="skip"``, fp16 loss scaling) reports ``metrics["skipped"]``."""
         t0, compiled_s = time.perf_counter(), compile_seconds()
         with span("hpf/step"):
             decision = self._compute(state, batch)
@@ -169,8 +168,7 @@ class ShardStep:
             self.after_reductions()
             eng.end_step()
             decision = self.decider.decide(outs, self.grad_shards, batch, scale, clip)
-            if self._spmd.check_shapes and not self._spmd.validate:  # (every rank decided: one step checked them)
-                self._spmd = replace(self._spmd, check_shapes=False)
+            self._spmd = _checked_once(self._spmd)  # (every rank decided: a step's collectives agreed)
             eng.add_wait(decision.waited_s)
             if decision.grad_norm == 0.0 and eng.no_grads_since(mark):
                 raise UnusedParamsError(_UNUSED)
@@ -183,8 +181,7 @@ class ShardStep:
             raise
 
     def _retune(self, state: TrainState, decision: Decision) -> bool:
-        """Whether fp16's per-term divisor changed with this step's count of terms (then a
-        step that overflowed ran with a stale one: on the first step, or after a resume)."""
+        """Whether fp16's per-term divisor changed (an overflowed step ran with a stale one: a first step, a resume)."""
         old = self._terms
         if state.loss_scale is not None and decision.count is not None:
             self._terms = losses.terms_divisor(decision.count / (self.mesh.size * self.config.accumulate))
@@ -477,6 +474,12 @@ def _join_world(mesh: Mesh) -> None:
                             "hpf.launch(fn, world_size), or call hpf.launch.init_distributed() first under torchrun")
         init_distributed()
     mesh.check_world()
+
+
+def _checked_once(ctx: SPMD) -> SPMD:
+    """After a production step's first decision its explicit collectives stop checking the ranks' shapes
+    (hpf.comm.collectives: a rank-dependent shape is there from the first step); validation mode checks all."""
+    return replace(ctx, check_shapes=False) if ctx.check_shapes and not ctx.validate else ctx
 
 
 _OPEN: "weakref.WeakSet[ShardStep]" = weakref.WeakSet()  # steps initialized and not yet closed
