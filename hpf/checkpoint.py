@@ -401,7 +401,8 @@ def save(layout: Layout, state, path, extra: Any = None, *, keep_last: int | Non
     restore, or ``hpf.launch.shutdown()``) waits for it. ``keep_last=k`` then removes all but
     the newest k checkpoints of ``path``'s series: hpf checkpoints next to it whose names
     differ from its name only in the number that ends it (``step_100``: ``step_<n>``), so
-    other folders (``best``) are never touched.
+    other folders (``best``) are never touched. ``path`` is the newest (it is where the run
+    is); ones numbered above it are of an abandoned branch, and go first.
     """
     path = Path(path)
     if keep_last is not None:
@@ -488,10 +489,25 @@ def _publish(tmp: Path, path: Path, header: dict, keep_last: int | None) -> None
         shutil.rmtree(old)
     else:
         os.rename(tmp, path)
-    if keep_last:
-        series = _series(path, keep_last)
-        for stale in [p for p in _checkpoints(path.parent) if series.fullmatch(p.name)][:-keep_last]:
-            shutil.rmtree(stale, ignore_errors=True)
+    for stale in _stale(path, keep_last) if keep_last else ():
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _stale(path: Path, keep_last: int) -> list[Path]:
+    """The checkpoints of ``path``'s series that ``keep_last`` removes once ``path`` is saved: the
+    series runs in the order of the step the run is at, so ``path`` is its newest, never removed;
+    older ones (lower numbers) are kept up to ``keep_last`` in all, and those numbered above
+    ``path`` are of an abandoned branch (the run resumed from an earlier step): removed, so that
+    ``latest()`` never resumes them."""
+    series, at = _series(path, keep_last), _number(path)
+    others = [p for p in _checkpoints(path.parent) if series.fullmatch(p.name) and p.name != path.name]
+    behind = [p for p in others if _number(p) <= at]
+    return [p for p in others if _number(p) > at] + behind[:max(0, len(behind) - keep_last + 1)]
+
+
+def _number(p: Path) -> int:
+    m = re.search(r"(\d+)$", p.name)
+    return int(m.group(1)) if m else -1
 
 
 def _series(path: Path, keep_last: int) -> re.Pattern:
@@ -509,11 +525,8 @@ def _series(path: Path, keep_last: int) -> re.Pattern:
 
 def _checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints in ``root``, oldest first (by the number ending the name)."""
-    def order(p: Path):
-        m = re.search(r"(\d+)$", p.name)
-        return (int(m.group(1)) if m else -1, p.name)
     return sorted((p for p in root.iterdir() if (p / HEADER).is_file() and (p / ".metadata").is_file()
-                   and not p.name.endswith((TMP_SUFFIX, ".old"))), key=order)
+                   and not p.name.endswith((TMP_SUFFIX, ".old"))), key=lambda p: (_number(p), p.name))
 
 
 def latest(root) -> Path | None:

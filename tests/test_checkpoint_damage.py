@@ -366,3 +366,19 @@ def test_a_crafted_header_is_a_checkpoint_error_naming_file_and_field(plain, tmp
         with pytest.raises(ck.CheckpointError) as e:
             load(path)
         assert "hpf.json" in str(e.value) and f"field {field!r}" in str(e.value), str(e.value)
+
+
+# -- item 10: keep_last ----------------------------------------------------------------------------
+def test_keep_last_orders_the_series_by_the_step_the_run_is_at(tmp_path):
+    """Item 10: a run resumed from step_4 (step_9 was bad) saved step_5 and step_6 with
+    keep_last=1; save returned step_6's path, and the folder held only the abandoned step_9."""
+    step = _step()
+    state = step.init(_params(False))
+    for i in (3, 4, 9):
+        step.save(state, tmp_path / f"step_{i}")
+    state, _ = step.restore(tmp_path / "step_4", state)
+    assert step.save(state, tmp_path / "step_5", keep_last=2).wait() == tmp_path / "step_5"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_4", "step_5"]
+    assert step.save(state, tmp_path / "step_6", keep_last=1).wait() == tmp_path / "step_6"
+    assert [p.name for p in tmp_path.iterdir()] == ["step_6"] and ck.latest(tmp_path) == tmp_path / "step_6"
+    step.close()
