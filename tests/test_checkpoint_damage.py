@@ -382,3 +382,26 @@ def test_keep_last_orders_the_series_by_the_step_the_run_is_at(tmp_path):
     assert step.save(state, tmp_path / "step_6", keep_last=1).wait() == tmp_path / "step_6"
     assert [p.name for p in tmp_path.iterdir()] == ["step_6"] and ck.latest(tmp_path) == tmp_path / "step_6"
     step.close()
+
+
+# -- item 22: a full disk, however torch reports it ------------------------------------------------
+def _torch_short_write(*args, **kwargs):  # what torch's zip writer raises when the disk fills inside it
+    raise RuntimeError("[enforce fail at inline_container.cc:783] . unexpected pos 4416 vs 4308\n"
+                       "frame #0: c10::ThrowEnforceNotMet(char const*, int, char const*, std::string const&, void const*)")
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_full_disk_is_named_however_torch_reports_it(tmp_path, monkeypatch, async_save):
+    """Item 22: torch's 'enforce fail at inline_container.cc ... unexpected pos' is a full disk."""
+    step = _step()
+    state = step.init(_params(False))
+    step.save(state, tmp_path / "step_1")
+    monkeypatch.setattr(torch.distributed.checkpoint.FileSystemWriter, "write_data", _torch_short_write)
+    with pytest.raises(ck.CheckpointError, match=r"saving .*step_2: RuntimeError: \[enforce fail at inline_container"
+                                                 r"\.cc:783\] \. unexpected pos 4416 vs 4308: the disk is full \(no space "
+                                                 r"left, \d+ bytes free on .*\); free space or save elsewhere; nothing "
+                                                 r"was published$"):
+        step.save(state, tmp_path / "step_2", async_save=async_save)
+        step.wait_save()
+    assert ck.latest(tmp_path) == tmp_path / "step_1" and sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]
+    step.close()
