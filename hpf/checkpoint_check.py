@@ -68,6 +68,8 @@ def header_fields(path: Path, header: dict) -> list[str]:
     for name, kind in (("tree", (dict, list, str)), ("tensors", dict), ("optimizer", str), ("files", dict)):
         if not isinstance(header.get(name), kind):
             raise _bad(path, name, "is missing" if name not in header else f"is a {type(header[name]).__name__}")
+    if not isinstance(header.get("optimizer_structure"), (str, type(None))):
+        raise _bad(path, "optimizer_structure", f"is a {type(header['optimizer_structure']).__name__}, not a string")
     if not isinstance(header.get("meta", {}), dict):
         raise _bad(path, "meta", f"is a {type(header['meta']).__name__}, not a dict")
     for name, entry in header["files"].items():

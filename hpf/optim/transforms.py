@@ -109,6 +109,11 @@ class Transform:
         """This transform on the leaves at ``indices`` alone (an elementwise one's part of an update)."""
         return self
 
+    def structure(self) -> str:
+        """What this transform is, stage by stage, without hyper-parameter values (a resumed run
+        may change its lr): a checkpoint records it and refuses to restore into another."""
+        return type(self).__name__
+
 
 def meta_params(plan) -> Any:
     """The full params of ``plan`` as meta tensors (shapes, dtypes and paths only), for masks and labels."""
@@ -286,6 +291,9 @@ class Chain(Transform):
     def take(self, indices):
         return replace(self, stages=tuple(s.take(indices) for s in self.stages))
 
+    def structure(self):
+        return f"chain({', '.join(s.structure() for s in self.stages)})"
+
 
 @dataclass(frozen=True)
 class InjectHyperparams(Transform):
@@ -330,6 +338,9 @@ class InjectHyperparams(Transform):
 
     def take(self, indices):
         return replace(self, inner=self.inner.take(indices))
+
+    def structure(self):
+        return f"inject_hyperparams({self.inner.structure()})"
 
 
 @dataclass(frozen=True)
@@ -433,6 +444,10 @@ class Partition(Transform):
         return replace(self, leaf_labels=tuple(self.leaf_labels[i] for i in indices),
                        transforms={k: t.take(indices) for k, t in self.transforms.items()})
 
+    def structure(self):
+        labels = "" if self.leaf_labels is None else f"; labels {','.join(map(str, self.leaf_labels))}"
+        return f"partition({', '.join(f'{k}={t.structure()}' for k, t in self.transforms.items())}{labels})"
+
 
 @dataclass(frozen=True)
 class PlannedPartition(Transform):
@@ -464,6 +479,9 @@ class PlannedPartition(Transform):
         place = {b: k for k, b in enumerate(indices)}
         return replace(self, pieces=tuple((place[b], sl, j) for b, sl, j in self.pieces if b in place))
 
+    def structure(self):
+        return self.partition.structure()
+
 
 @lru_cache(maxsize=None)
 def state_type(fields: tuple[str, ...]) -> type:
@@ -489,6 +507,11 @@ class TransformOptimizer:
         t = self.transform
         return Capabilities(partial=t.elementwise, for_plan=True,
                             max_grad_norm=t.max_grad_norm)
+
+    @property
+    def structure(self) -> str:
+        """The transform's structure (:meth:`Transform.structure`), which checkpoints record."""
+        return self.transform.structure()
 
     def for_plan(self, plan, rank: int) -> "TransformOptimizer":
         """On ``plan``'s flat shards: stages resolved for the layout; frozen buckets get no state and no update."""
