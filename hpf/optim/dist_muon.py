@@ -289,16 +289,20 @@ class DistMuon:
                 elif held:
                     self.held.append(m)
             self.adamw_numel.append(n_adamw)
-        # AdamW's part on its pieces, each resolved as its param (the fallback's weight_decay_mask)
-        meta = meta_params(plan)
-        at = {p: i for i, p in enumerate(tree_flatten(meta)[0])}
-        self.rest = parts["adamw"].for_params(meta).take([at[path] for path in adamw_paths])
-        self._momentum_order = self.local + self.owned + self.held
         self._n_tags = tag
+        self._index(parts["adamw"], adamw_paths)
+
+    def _index(self, adamw, paths: list[str]) -> None:
+        """What ``__init__`` derives from its pieces: AdamW's part on them, each piece resolved as
+        its param (``paths``: the fallback's weight_decay_mask), the matrices' order, QK-Clip's pieces."""
+        meta = meta_params(self.plan)
+        at = {p: i for i, p in enumerate(tree_flatten(meta)[0])}
+        self.rest = adamw.for_params(meta).take([at[path] for path in paths])
+        self._momentum_order = self.local + self.owned + self.held
         self._by_bucket: dict[int, list[int]] = defaultdict(list)  # bucket -> its matrices' places in _momentum_order
         for i, x in enumerate(self._momentum_order):
             self._by_bucket[x.bucket].append(i)
-        self.qk = _qk_pieces(muon, plan, rank) if muon.qk_clip is not None else []
+        self.qk = _qk_pieces(self.muon, self.plan, self.rank) if self.muon.qk_clip is not None else []
 
     # -- optax-style interface ----------------------------------------------------------------
     def init(self, shards: Sequence[torch.Tensor]) -> MuonState:

@@ -98,7 +98,15 @@ class Transform:
         """Raise before a step changes anything if a hyper-parameter of ``hyper``'s step is bad."""
 
     def for_plan(self, plan, rank: int) -> "Transform":
-        """This transform on ``plan``'s flat shards as ``rank`` holds them."""
+        """This transform on ``plan``'s flat shards as ``rank`` holds them. One that is not
+        elementwise, and has no plan form of its own, is refused: a shard's leaves are flat
+        pieces that mix params, each rank's its own part, so a per-param norm would be of pieces."""
+        if not self.elementwise:
+            raise ValueError(f"{self.structure()} declares elementwise=False (it needs each param whole: a norm, a "
+                             "trust ratio, a matrix function), and under hpf.shard_step a rank holds flat pieces that "
+                             "mix params; write it elementwise, give it a for_plan of its own that gathers whole "
+                             "params (as hpf.optim.muon's DistMuon gives each matrix to its owner), or run it on full "
+                             "params outside hpf.shard_step")
         return self
 
     def for_params(self, params: Any) -> "Transform":
@@ -155,9 +163,14 @@ class AddDecayedWeights(Transform):
         return replace(self, ranges=tuple(shards))
 
     def for_params(self, params: Any) -> "AddDecayedWeights":
-        if self.mask is None or self.ranges is not None or not self.weight_decay:
+        if self.mask is None or self.ranges is not None:  # (a weight_decay of 0 may be injected as another)
             return self
         return replace(self, ranges=tuple((...,) if d else () for d in self.by_path(params).values()))
+
+    def check(self, hyper: Hyper) -> None:
+        if self.weight_decay and self.ranges is None and self.mask is not None:
+            raise ValueError("add_decayed_weights(mask=...) needs the params' paths: resolve it with "
+                             "for_params(params) (hpf.optim.as_optimizer does) or for_plan(plan, rank)")
 
     def take(self, indices: list[int]) -> "AddDecayedWeights":
         return self if self.ranges is None else replace(self, ranges=tuple(self.ranges[i] for i in indices))
@@ -174,9 +187,7 @@ class AddDecayedWeights(Transform):
 
     def update(self, grads, state, params, hyper):
         if self.weight_decay:
-            if self.ranges is None and self.mask is not None:
-                raise ValueError("add_decayed_weights(mask=...) needs the params' paths: resolve it with "
-                                 "for_params(params) (hpf.optim.as_optimizer does) or for_plan(plan, rank)")
+            self.check(hyper)
             decay = params if self.ranges is None else [p[s] for p, slices in zip(params, self.ranges) for s in slices]
             if decay:
                 torch._foreach_mul_(decay, 1.0 - hyper.rate("add_decayed_weights") * self.weight_decay)
