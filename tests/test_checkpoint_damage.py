@@ -241,7 +241,7 @@ def plain(tmp_path_factory):
     target.step.close()
 
 
-@settings(max_examples=150, deadline=None, derandomize=True, database=None)
+@settings(max_examples=80, deadline=None, derandomize=True, database=None)
 @given(damage=st.sampled_from(DAMAGES), seed=st.integers(0, 2 ** 31))
 def test_checkpoint_damage_fuzz_one_rank(one_rank, damage, seed):
     one_rank.trial(damage, seed)
@@ -262,6 +262,45 @@ def test_checkpoint_damage_fuzz_two_ranks(tmp_path):
     finally:
         target.step.close()
     assert len(seen) > 40, seen
+
+
+def _restore_each(rank, good, paths):
+    """On each launched rank: restore ``good``, then each damaged copy into a state of 7s: (error
+    or not, the state unchanged after an error or exactly good's after a restore) per copy."""
+    step = _step(2)
+    state = step.init(_params(FUZZ_EMPTY))
+    state, _ = step.restore(good, state)
+    saved = _snapshot(state)
+    live = [t for t in optree.tree_leaves(state) if isinstance(t, torch.Tensor)]
+    before = [torch.full_like(t, 7) if t.is_floating_point() else t + 5 for t in saved]
+    out = []
+    for path in paths:
+        torch._foreach_copy_(live, before)
+        try:
+            step.restore(path, state)
+            out.append(("restored", _same(_snapshot(state), saved)))
+        except ck.CheckpointError as e:
+            out.append((str(e), _same(_snapshot(state), before)))
+    step.close()
+    return out
+
+
+@pytest.mark.slow
+def test_checkpoint_damage_fuzz_restored_on_two_ranks(tmp_path):
+    """Damaged copies of a 2-rank checkpoint, each restored by 2 launched ranks: an error on
+    every rank with every rank's state as it was, or an exact restore on every rank."""
+    good = tmp_path / "good"
+    launch(_save, 2, good, 2, FUZZ_EMPTY)
+    rng, paths = random.Random(5), []
+    for i in range(40):
+        path = tmp_path / f"d{i}"
+        shutil.copytree(good, path)
+        DAMAGES[i % 3](path, random.Random(rng.randrange(2 ** 31)))
+        paths.append(path)
+    ranks = launch(_restore_each, 2, good, paths)
+    for i, outcomes in enumerate(zip(*ranks)):
+        kinds = {o[0] == "restored" for o in outcomes}
+        assert len(kinds) == 1 and all(ok for _, ok in outcomes), (paths[i], outcomes)
 
 
 # -- the items, one case each -------------------------------------------------------------------------

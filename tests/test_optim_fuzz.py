@@ -273,7 +273,7 @@ def _one_rank(seed, other, tmp_path_factory):
     restore_into_another(sp, spec(other) if other % 3 else {**sp, "bad_at": None}, tmp_path_factory.mktemp("ck"))
 
 
-@settings(max_examples=80, deadline=None, derandomize=True, database=None)
+@settings(max_examples=40, deadline=None, derandomize=True, database=None)
 @given(seed=st.integers(0, 2 ** 31), other=st.integers(0, 2 ** 31))
 def test_optim_transforms_fuzz_one_rank(seed, other, tmp_path_factory):
     _one_rank(seed, other, tmp_path_factory)
