@@ -1,8 +1,9 @@
 """The optimizer transforms' differential fuzzer (issue 55): random chains and partitions of the
 stages (scale_by_adam, add_decayed_weights with and without a mask, a weight decay injected as a
 schedule, clip_by_global_norm, inject_hyperparams, nested chains, partitions with random labels,
-and a non-elementwise user stage), run under ``hpf.shard_step`` on 1, 2 and 4 ranks against the
-same chain on the full params in one process (``as_optimizer(t).update``).
+and a non-elementwise user stage; and hpf.optim.muon with a masked AdamW fallback against its
+stages composed by hand), run under ``hpf.shard_step`` on 1, 2, 3 and 4 ranks against the same
+chain on the full params in one process (``as_optimizer(t).update``).
 
 Properties: the sharded params equal the reference's bitwise (the loss is linear with dyadic
 coefficients, so every rank's grads and their mean are exact: the transforms alone are
@@ -15,6 +16,7 @@ fields, is a CheckpointError).
 Specs are plain data, built from a seed (``spec``), so the launched ranks rebuild the same chains."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -25,7 +27,7 @@ from hypothesis import strategies as st
 import hpf
 from hpf import checkpoint as ck
 from hpf.launcher import launch
-from hpf.optim import as_optimizer, inject_hyperparams, partition
+from hpf.optim import as_optimizer, inject_hyperparams, partition, scale_by_muon
 from hpf.optim.transforms import Transform, add_decayed_weights, chain, clip_by_global_norm, scale_by_adam
 
 SHAPES = {"emb": (5, 3), "layers/0/w": (3, 3), "layers/0/b": (3,), "layers/1/w": (3, 3), "layers/1/b": (3,),
@@ -72,6 +74,9 @@ def spec(seed: int) -> dict:
     """A random well-formed chain: at most one scale_by_adam per chain (a chain keeps one of each
     state field), a clip only first at the top (a partition refuses one), an lr injected on top."""
     rng = random.Random(seed)
+    if rng.random() < 0.15:  # hpf.optim.muon, against its stages composed by hand (its fallback's mask too)
+        return {"top": ["muon", rng.choice([0.0, 0.1]), rng.choice([0.0, 0.3]), rng.choice(sorted(MASKS))],
+                "bad_at": None}
     body = _chain(rng, depth=0)
     if rng.random() < 0.3:
         body = ["chain", [["clip", rng.choice([0.5, 2.0, 50.0])], body]]
@@ -143,6 +148,21 @@ def _schedule(base, bad_at):
     return at
 
 
+def optimizer(sp, by_hand: bool = False):
+    """What ``sp`` runs: its chain; for ``muon``, hpf.optim.muon (``by_hand``: the same as stages)."""
+    s = sp["top"]
+    if s[0] != "muon":
+        return build(s, sp["bad_at"])
+    mask = MASKS[s[3]]
+    if not by_hand:
+        return dataclasses.replace(hpf.optim.muon(lr=0.02, weight_decay=s[1]),
+                                   adamw=hpf.optim.adamw(3e-4, (0.9, 0.95), 1e-8, s[2], mask))
+    return partition({"muon": inject_hyperparams(chain(add_decayed_weights(s[1]), scale_by_muon()), lr=0.02),
+                      "adamw": inject_hyperparams(chain(add_decayed_weights(s[2], mask), scale_by_adam((0.9, 0.95))),
+                                                  lr=3e-4)},
+                     lambda path, x: "muon" if x.ndim >= 2 else "adamw")
+
+
 def build(s, bad_at=None) -> Transform:
     kind = s[0]
     if kind == "adam":
@@ -187,7 +207,7 @@ def _kinds(s) -> set:
 def reference(sp) -> tuple[list, int | None, list]:
     """One process, the full params: (the params after each step, the step that failed or None,
     the params just before it failed, as the failure left them)."""
-    t = as_optimizer(build(sp["top"], sp["bad_at"]))
+    t = as_optimizer(optimizer(sp, by_hand=True))
     p = params()
     state = t.init(p)
     after = []
@@ -206,7 +226,7 @@ def _leaves(tree) -> list[torch.Tensor]:
 
 def sharded(sp, rank: int = 0, world: int = 1):
     """Under shard_step on ``world`` ranks: as :func:`reference`, or ("refused", message) at init."""
-    step = hpf.shard_step(loss, mesh=hpf.Mesh({"dp": world}), optimizer=build(sp["top"], sp["bad_at"]))
+    step = hpf.shard_step(loss, mesh=hpf.Mesh({"dp": world}), optimizer=optimizer(sp))
     try:
         try:
             state = step.init(params())
@@ -240,6 +260,12 @@ def compare(sp, got, want, exact: bool = True) -> None:
     (g_after, g_failed, g_left), (w_after, w_failed, w_left) = got, want
     planned = sp["bad_at"] - 1 if sp["bad_at"] and "inject_wd" in kinds else None  # (0-based: the NaN's step)
     assert w_failed == planned and g_failed == planned, (sp, "failed at", w_failed, g_failed, "not", planned)
+    if "muon" in kinds:  # Newton-Schulz shares a bmm with other matrices: a few ulps (tests/test_dist_muon.py);
+        matrices = [len(SHAPES[p]) > 1 for p in sorted(SHAPES)]  # the fallback's params (the loss is linear): exact
+        assert all(_equal([x for x, m in zip(a, matrices) if m], [y for y, m in zip(b, matrices) if m], True) and
+                   _equal([x for x, m in zip(a, matrices) if not m], [y for y, m in zip(b, matrices) if not m], False)
+                   for a, b in zip(g_after, w_after)), sp
+        return
     assert len(g_after) == len(w_after) and all(_equal(a, b, "clip" in kinds or not exact)
                                                 for a, b in zip(g_after, w_after)), sp
     if w_failed is not None:  # a failed step changed nothing: the params the step before left
@@ -249,7 +275,7 @@ def compare(sp, got, want, exact: bool = True) -> None:
 
 def restore_into_another(sp, other, tmp_path) -> None:
     """Save under sp's chain, restore into ``other``'s: refused unless they have the same structure."""
-    if {"trust"} & (_kinds(sp["top"]) | _kinds(other["top"])):
+    if {"trust", "muon"} & (_kinds(sp["top"]) | _kinds(other["top"])):
         return
     step = hpf.shard_step(loss, mesh=hpf.Mesh({"dp": 1}), optimizer=build(sp["top"]))
     state, _ = step(step.init(params()), coefficients(0))
