@@ -31,7 +31,11 @@ program ends are finished by ``hpf.launch.shutdown()``, or reported at exit (sta
 that fails (a full disk: DCP's CheckpointException) is a CheckpointError, never a path.
 
 A checkpoint is data, never code, and every file is checked against the CRC-32 in hpf.json
-before its bytes are used (hpf.checkpoint_files).
+before its bytes are used (hpf.checkpoint_files). A restore covers every element of every
+tensor or changes nothing: hpf.checkpoint_check proves each key's chunks tile it (and that the
+files hold their bytes) before anything is allocated, and the read goes into new host buffers,
+copied into the state only once every rank has read and checked all of its part. A zero-size
+tensor is one empty chunk.
 """
 from __future__ import annotations
 
@@ -57,10 +61,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex,
-                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from .checkpoint_check import Want, check_keys, dtype_of, header_fields
 from .checkpoint_files import (HEADER, TMP_SUFFIX, CheckpointError, Reader, load_data, not_data, read_failed,
                                save_failed, seal, sums)
 from .comm import schedule, world
@@ -238,6 +242,9 @@ def _state_dict(layout: Layout, state) -> dict[str, Any]:
                                   "tensor nor one tensor per plan bucket; hpf.checkpoint cannot place it")
     if state.loss_scale is not None:  # fp16's loss scale (hpf.LossScale): the same on every rank
         sd.update({f"loss_scale.{k}": v for k, v in state.loss_scale._asdict().items()})
+    for v in sd.values():  # a zero-size tensor is one empty chunk (DCP records no key without chunks)
+        if isinstance(v, _Chunks) and not v.views and not v.shape.numel():
+            v.views[(0,) * len(v.shape)] = torch.empty(v.shape, dtype=v.dtype)
     for b, r in zip(plan.buckets, state.error_feedback or ()):
         if r.numel():  # this rank's row of a (world, n) tensor
             sd[f"{FEEDBACK}{b.index}"] = _Chunks(torch.Size((plan.mesh.size, r.numel())), r.dtype,
@@ -283,9 +290,14 @@ def _unskeleton(node: Any, leaves: dict[str, torch.Tensor]) -> Any:
     return {k: _unskeleton(v, leaves) for k, v in node.items()}
 
 
+def _optimizer_name(optimizer) -> str:
+    return type(optimizer).__name__
+
+
 def _header(layout: Layout, sd: dict) -> dict:
     plan = layout.plan
-    return {"format": "hpf-dcp", "version": VERSION, "optimizer": type(layout.optimizer).__name__,
+    return {"format": "hpf-dcp", "version": VERSION, "optimizer": _optimizer_name(layout.optimizer),
+            "optimizer_structure": getattr(layout.optimizer, "structure", None),
             "tree": _skeleton(plan),
             "tensors": {k: [list(v.shape if isinstance(v, _Chunks) else v.shape), str(v.dtype)]
                         for k, v in sd.items() if isinstance(v, (_Chunks, torch.Tensor))}}
@@ -390,7 +402,8 @@ def save(layout: Layout, state, path, extra: Any = None, *, keep_last: int | Non
     restore, or ``hpf.launch.shutdown()``) waits for it. ``keep_last=k`` then removes all but
     the newest k checkpoints of ``path``'s series: hpf checkpoints next to it whose names
     differ from its name only in the number that ends it (``step_100``: ``step_<n>``), so
-    other folders (``best``) are never touched.
+    other folders (``best``) are never touched. ``path`` is the newest (it is where the run
+    is); ones numbered above it are of an abandoned branch, and go first.
     """
     path = Path(path)
     if keep_last is not None:
@@ -477,10 +490,25 @@ def _publish(tmp: Path, path: Path, header: dict, keep_last: int | None) -> None
         shutil.rmtree(old)
     else:
         os.rename(tmp, path)
-    if keep_last:
-        series = _series(path, keep_last)
-        for stale in [p for p in _checkpoints(path.parent) if series.fullmatch(p.name)][:-keep_last]:
-            shutil.rmtree(stale, ignore_errors=True)
+    for stale in _stale(path, keep_last) if keep_last else ():
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _stale(path: Path, keep_last: int) -> list[Path]:
+    """The checkpoints of ``path``'s series that ``keep_last`` removes once ``path`` is saved: the
+    series runs in the order of the step the run is at, so ``path`` is its newest, never removed;
+    older ones (lower numbers) are kept up to ``keep_last`` in all, and those numbered above
+    ``path`` are of an abandoned branch (the run resumed from an earlier step): removed, so that
+    ``latest()`` never resumes them."""
+    series, at = _series(path, keep_last), _number(path)
+    others = [p for p in _checkpoints(path.parent) if series.fullmatch(p.name) and p.name != path.name]
+    behind = [p for p in others if _number(p) <= at]
+    return [p for p in others if _number(p) > at] + behind[:max(0, len(behind) - keep_last + 1)]
+
+
+def _number(p: Path) -> int:
+    m = re.search(r"(\d+)$", p.name)
+    return int(m.group(1)) if m else -1
 
 
 def _series(path: Path, keep_last: int) -> re.Pattern:
@@ -498,11 +526,8 @@ def _series(path: Path, keep_last: int) -> re.Pattern:
 
 def _checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints in ``root``, oldest first (by the number ending the name)."""
-    def order(p: Path):
-        m = re.search(r"(\d+)$", p.name)
-        return (int(m.group(1)) if m else -1, p.name)
     return sorted((p for p in root.iterdir() if (p / HEADER).is_file() and (p / ".metadata").is_file()
-                   and not p.name.endswith((TMP_SUFFIX, ".old"))), key=order)
+                   and not p.name.endswith((TMP_SUFFIX, ".old"))), key=lambda p: (_number(p), p.name))
 
 
 def latest(root) -> Path | None:
@@ -537,39 +562,8 @@ def _read_header(path: Path) -> tuple[dict, Any]:
     if not isinstance(header.get("files"), dict):
         raise CheckpointError(f"{path / HEADER}: lists no files with their checksums (an older hpf saved it, or it was "
                               "edited), so none of its files can be checked; restore a checkpoint this hpf saved")
+    header_fields(path, header)
     return header, Reader(path, header["files"]).read_metadata()
-
-
-def _check(path: Path, metadata, want: dict[str, Any]) -> None:
-    """Every key ``want`` needs is saved with the same shape and dtype, and its bytes are on disk."""
-    md = metadata.state_dict_metadata
-    for key, obj in want.items():
-        if key not in md:
-            raise CheckpointError(f"{path}: key {key!r} is missing from the checkpoint (another model or "
-                                  "optimizer?)")
-        saved = md[key]
-        if isinstance(obj, (torch.Tensor, _Chunks)):
-            if not isinstance(saved, TensorStorageMetadata):
-                raise CheckpointError(f"{path}: key {key!r} is not a tensor in the checkpoint")
-            shape = obj.shape
-            if tuple(saved.size) != tuple(shape):
-                raise CheckpointError(f"{path}: key {key!r} has shape {tuple(saved.size)} in the checkpoint, "
-                                      f"but this model's is {tuple(shape)}")
-            if saved.properties.dtype != obj.dtype:
-                raise CheckpointError(f"{path}: key {key!r} is {saved.properties.dtype} in the checkpoint, "
-                                      f"but this state holds {obj.dtype}")
-        elif not isinstance(saved, BytesStorageMetadata):
-            raise CheckpointError(f"{path}: key {key!r} is not an object in the checkpoint")
-    ends: dict[str, tuple[int, str]] = {}
-    for index, info in (metadata.storage_data or {}).items():
-        end = info.offset + info.length
-        if end > ends.get(info.relative_path, (-1, ""))[0]:
-            ends[info.relative_path] = (end, index.fqn)
-    for name, (end, key) in sorted(ends.items()):
-        size = (path / name).stat().st_size if (path / name).is_file() else -1
-        if size < end:
-            raise CheckpointError(f"{path}: file {name} is {'missing' if size < 0 else f'truncated ({size} bytes)'};"
-                                  f" key {key!r} needs bytes up to {end}")
 
 
 def _agree(error: CheckpointError | None) -> None:
@@ -599,11 +593,15 @@ def restore(layout: Layout, path, state, *, strict: bool = True) -> tuple[Any, A
     error, dropped = None, []
     try:
         header, metadata = _read_header(path)
-        if header["optimizer"] != type(layout.optimizer).__name__:
+        if header["optimizer"] != _optimizer_name(layout.optimizer):
             raise CheckpointError(f"{path}: saved with optimizer {header['optimizer']}, restoring into "
-                                  f"{type(layout.optimizer).__name__}; use the same optimizer")
+                                  f"{_optimizer_name(layout.optimizer)}; use the same optimizer")
+        mine, saved = getattr(layout.optimizer, "structure", None), header.get("optimizer_structure")
+        if mine is not None and saved is not None and mine != saved:  # (None: an hpf that did not record it)
+            raise CheckpointError(f"{path}: saved with the optimizer chain {saved}, restoring into {mine}; the state "
+                                  "fields may match, but their meaning does not: build the same chain and partition")
         _fitting_feedback(path, metadata, sd)
-        _check(path, metadata, sd)
+        check_keys(path, metadata, sd)
         dropped = sorted(k for k in set(metadata.state_dict_metadata) - set(sd) if not k.startswith(FEEDBACK))
         if dropped and strict:
             raise CheckpointError(f"{path}: the checkpoint holds {len(dropped)} key(s) this model and optimizer do "
@@ -612,16 +610,38 @@ def restore(layout: Layout, path, state, *, strict: bool = True) -> tuple[Any, A
     except CheckpointError as e:
         error = e
     _agree(error)
+    scratch = _scratch(sd)  # read into new buffers; the state changes only once every byte is checked
     try:
         with _quiet():
-            dcp.load(sd, storage_reader=Reader(path, header["files"]), planner=_LoadPlanner(),
+            dcp.load(scratch, storage_reader=Reader(path, header["files"]), planner=_LoadPlanner(),
                      no_dist=not world.is_distributed())
     except (Exception, CheckpointException) as e:  # noqa: BLE001 -- DCP's: the same on every rank
         raise read_failed(path, e) from e
+    _agree(None)  # every rank read its part: only now does any rank write
+    into, read = [], []
+    for key, obj in sd.items():
+        if isinstance(obj, _Chunks):
+            into += obj.views.values()
+            read += scratch[key].views.values()
+        elif isinstance(obj, torch.Tensor):
+            into.append(obj)
+            read.append(scratch[key])
+    if into:
+        torch._foreach_copy_(into, read)
     if dropped and world.rank() == 0:
         warnings.warn(f"{path}: restore(strict=False) dropped {len(dropped)} checkpoint key(s) this model and "
                       f"optimizer do not have: {_some(dropped, 50)}", stacklevel=3)
-    return state, sd["extra"]
+    return state, scratch["extra"]
+
+
+def _scratch(sd: dict) -> dict:
+    """``sd`` with every tensor and chunk view replaced by a new CPU buffer of its shape: what a
+    restore reads into, so that a read that fails half-way changes nothing (costs the state's
+    size in host memory for the restore's duration)."""
+    def fresh(t):
+        return torch.empty(t.shape, dtype=t.dtype)
+    return {k: _Chunks(v.shape, v.dtype, {o: fresh(t) for o, t in v.views.items()}) if isinstance(v, _Chunks)
+            else fresh(v) if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
 
 
 def meta(path) -> dict:
@@ -637,22 +657,28 @@ def load_params(path) -> Any:
     Tied params come back as one tensor at each of their paths, as they were trained."""
     path = Path(path)
     header, metadata = _read_header(path)
-    paths = []
-    optree.tree_map(paths.append, header["tree"], is_leaf=lambda x: isinstance(x, str))
+    paths = header_fields(path, header)
     want = {}
     for p in dict.fromkeys(paths):  # a tied param appears once per place it is used, and is loaded once
         if key_of(p) not in header["tensors"]:
             raise CheckpointError(f"{path}/{HEADER}: param {p!r} has no tensor in the checkpoint (a tied param "
                                   "saved by an older hpf?); step.restore(path) then step.full_params(state) reads it")
         shape, dtype = header["tensors"][key_of(p)]
-        want[key_of(p)] = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")))
-    _check(path, metadata, want)
+        want[key_of(p)] = Want(tuple(shape), dtype_of(dtype))
+    check_keys(path, metadata, want)  # before any allocation
+    untreed = sorted(k for k in metadata.state_dict_metadata if k not in want and k != "extra"
+                     and not k.startswith(("optimizer.", "loss_scale.", FEEDBACK)))
+    if untreed:
+        raise CheckpointError(f"{path / HEADER}: field 'tree' lacks the param(s) {_some(untreed)} that .metadata "
+                              "holds; the file was damaged or edited after the save (restore another checkpoint)")
+    tensors = {k: torch.empty(w.shape, dtype=w.dtype) for k, w in want.items()}
     try:
         with _quiet():
-            dcp.load(want, storage_reader=Reader(path, header["files"]), planner=_LoadPlanner(), no_dist=True)
+            dcp.load(tensors, storage_reader=Reader(path, header["files"]), planner=_LoadPlanner(),
+                     no_dist=True)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 -- DCP's is a BaseException
         raise read_failed(path, e) from e
-    return _unskeleton(header["tree"], {p: want[key_of(p)] for p in paths})
+    return _unskeleton(header["tree"], {p: tensors[key_of(p)] for p in paths})
 
 
 # -- exact resume helpers ----------------------------------------------------------------------

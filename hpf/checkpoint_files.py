@@ -13,10 +13,12 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import mmap
 import pickle
+import shutil
 import zlib
 from pathlib import Path
 from typing import Any
@@ -214,8 +216,24 @@ def save_failed(path: Path, error: BaseException | None) -> CheckpointError:
     if isinstance(error, CheckpointError):
         return error
     cause = _causes(error)[0] if error is not None else None
-    why = f"{type(cause).__name__}: {cause}" if cause is not None else "another rank failed to write its part"
-    return CheckpointError(f"saving {path}: {why}; nothing was published")
+    why = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}" if cause is not None \
+        else "another rank failed to write its part"
+    return CheckpointError(f"saving {path}: {why}{_full_disk(path, cause)}; nothing was published")
+
+
+# How a full disk reaches a save: an OSError (ENOSPC), or torch's zip writer's own words when the
+# short write happens inside it (``enforce fail at inline_container.cc ... unexpected pos``).
+_FULL_DISK_WORDS = ("unexpected pos", "file write failed", "No space left", "ENOSPC")
+
+
+def _full_disk(path: Path, cause: BaseException | None) -> str:
+    """``": the disk is full ..."`` when ``cause`` is a full disk however torch reports it, else ``""``."""
+    if cause is None or not (isinstance(cause, OSError) and cause.errno == errno.ENOSPC
+                             or any(w in str(cause) for w in _FULL_DISK_WORDS)):
+        return ""
+    folder = next((p for p in (path.parent, *path.parents) if p.exists()), None)
+    free = f", {shutil.disk_usage(folder).free} bytes free on {folder}" if folder is not None else ""
+    return f": the disk is full (no space left{free}); free space or save elsewhere"
 
 
 def seal(header: dict) -> dict:

@@ -106,3 +106,27 @@ def test_hpf_export_of_a_model_without_a_transformers_twin_is_refused(tmp_path):
     assert proc.returncode == 0, proc.stderr
     refused = hpf_cmd("export", tmp_path / "run", "--to", "hf", tmp_path / "hf")
     assert refused.returncode == 2 and "holds a gpt model" in one_error_line(refused)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["eval", "generate", "export"])
+def test_a_crafted_header_is_one_line_naming_the_file_and_field(llama_run, tmp_path, command):
+    """Issue 55 item 18, through the commands: a dtype string naming a torch function (valid JSON,
+    CRC re-sealed) ended in a traceback; now exit 2 and one line naming hpf.json and the field."""
+    import json
+    import shutil
+
+    from hpf.checkpoint import latest
+    from hpf.checkpoint_files import seal
+
+    ckpt = tmp_path / "step_3"
+    shutil.copytree(latest(llama_run / "run" / "checkpoints"), ckpt)
+    header = json.loads((ckpt / "hpf.json").read_text())
+    key = next(iter(header["tensors"]))
+    header["tensors"][key][1] = "torch.zeros"
+    (ckpt / "hpf.json").write_text(json.dumps(seal(header)))
+    args = {"eval": ["--data", llama_run / "data", "--batches", 1], "generate": ["--prompt-ids", "65,66", "--tokens", 2],
+            "export": ["--to", "hf", tmp_path / "hf"]}[command]
+    proc = hpf_cmd(command, ckpt, *args)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert f"hpf.json: field 'tensors/{key}' names the dtype 'torch.zeros'" in one_error_line(proc)

@@ -109,3 +109,42 @@ def test_every_train_option_is_a_flag_and_a_run_records_it():
     assert set(jobspec.resumed()) == options
     assert {"lr", "steps", "data"} <= set(jobspec.resumed(jobspec.FIXED)) and "compile" in jobspec.resumed(jobspec.INHERITED)
     assert set(run_folder.options_of(args)) == {"mesh", *options}, run_folder.options_of(args)
+
+
+def _damaged_run_folder(root, run_json: str):
+    """A run folder with intact checkpoints (named as hpf train names them) and ``run_json`` as its run.json."""
+    out = root / "run"
+    (out / "checkpoints" / "step_000004").mkdir(parents=True)
+    for name in ("hpf.json", ".metadata"):
+        (out / "checkpoints" / "step_000004" / name).write_text("{}")
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 4.2}\n' * 4)
+    (out / "run.json").write_text(run_json)
+    return out
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not an object", "options retyped"])
+def test_a_damaged_run_json_is_refused_naming_it(tmp_path, damage):
+    """Issue 55 item 12: `hpf train --out DIR --resume` with a truncated run.json went on with the
+    defaults (lr 0.01, batch 32, constant, seed 0) instead of the run's, and exited 0."""
+    from hpf.cli import run_folder
+    from hpf.cli.command import build_parser
+    from hpf.cli.common import CliError
+
+    whole = json.dumps({"status": "interrupted", "options": {"lr": 0.002, "batch_size": 16, "schedule": "cosine",
+                                                             "seed": 5, "steps": 8}})
+    text = {"truncated": whole[:len(whole) // 2], "not an object": "[1, 2]",
+            "options retyped": whole.replace('{"lr"', '["lr"').replace('"steps": 8}', '"steps", 8]')}[damage]
+    out = _damaged_run_folder(tmp_path, text)
+    args = build_parser("train").parse_args(["train", "--out", str(out), "--resume"])
+    with pytest.raises(CliError, match=rf"{out / 'run.json'} is damaged .*restore it from a backup"):
+        run_folder.resolve(args, out, args.fresh)
+
+
+@pytest.mark.slow
+def test_resume_with_a_truncated_run_json_exits_2_naming_it(interrupted):
+    """Item 12, as a user runs it."""
+    text = (interrupted / "run.json").read_text()
+    (interrupted / "run.json").write_text(text[:len(text) // 2])
+    proc = hpf_cmd("train", "--out", interrupted, "--resume")
+    assert proc.returncode == 2, proc.stdout
+    assert f"{interrupted / 'run.json'} is damaged" in one_error_line(proc)

@@ -3,6 +3,8 @@ inject_hyperparams) and capabilities declared as data (hpf.optim.Capabilities): 
 torch on the full model, in process; a user's chain under shard_step on 2 ranks."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 
 import pytest
@@ -332,3 +334,150 @@ def test_a_user_chain_state_checkpoints_by_its_field_names_and_resumes(tmp_path)
     assert m["loss"] == m2["loss"] and m["grad_norm"] == m2["grad_norm"]
     step.close()
     other.close()
+
+
+# -- issue 55 items 13-15 --------------------------------------------------------------------------
+def _fallback_params():
+    g = torch.Generator().manual_seed(3)
+    return {"embed": torch.randn(5, 4, generator=g), "w": torch.randn(4, 4, generator=g),
+            "b": torch.randn(4, generator=g)}
+
+
+def _fallback_loss(p, x):
+    return ((x @ p["embed"].T)[:, :4] @ p["w"] + p["b"]).square().mean()
+
+
+@pytest.mark.parametrize("where", ["one process", "shard_step"])
+def test_muons_adamw_fallback_honours_its_weight_decay_mask(where):
+    """Item 14: the params Muon leaves to AdamW decayed where weight_decay_mask says they must not.
+    Reference: torch.optim.AdamW with weight decay on 'embed' only (the mask), bitwise."""
+    mask = lambda path, t: path == "embed"  # noqa: E731
+    opt = dataclasses.replace(hpf.optim.muon(lr=0.02), adamw=hpf.optim.adamw(1e-2, (0.9, 0.95), weight_decay=0.5,
+                                                                            weight_decay_mask=mask))
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(4))
+    ref = {k: v.clone().requires_grad_() for k, v in _fallback_params().items()}
+    torch_opt = torch.optim.AdamW([{"params": [ref["embed"]], "weight_decay": 0.5},
+                                   {"params": [ref["b"]], "weight_decay": 0.0}], lr=1e-2, betas=(0.9, 0.95), foreach=True)
+    if where == "one process":
+        params = _fallback_params()
+        state = opt.init(params)
+    else:
+        step = hpf.shard_step(_fallback_loss, mesh=hpf.Mesh({"dp": 1}), optimizer=opt)
+        state = step.init(_fallback_params())
+    for _ in range(3):  # (the reference's Muon matrix follows ours: only the fallback is compared)
+        with torch.no_grad():
+            ref["w"].copy_(params["w"] if where == "one process" else step.full_params(state)["w"])
+        if where == "one process":
+            p = {k: v.detach().requires_grad_() for k, v in params.items()}
+            grads = torch.autograd.grad(_fallback_loss(p, x), list(p.values()))
+            opt.update(dict(zip(p, grads)), state, params)
+        else:
+            state, _ = step(state, x)
+        _fallback_loss(ref, x).backward()
+        torch_opt.step()
+        torch_opt.zero_grad()
+    got = params if where == "one process" else step.full_params(state)
+    for k in ("embed", "b"):
+        assert torch.equal(got[k], ref[k].detach()), k
+    if where == "shard_step":
+        step.close()
+
+
+def test_a_checkpoint_records_the_chain_and_refuses_another_with_the_same_fields(tmp_path):
+    """Item 14: a checkpoint named a user's chain only 'TransformOptimizer', so it restored into
+    another chain with the same state fields without a word."""
+    from hpf import checkpoint as ck
+
+    decay_first = inject_hyperparams(chain(add_decayed_weights(0.1), scale_by_adam()), lr=1e-2)
+    by_label = inject_hyperparams(partition({"a": chain(add_decayed_weights(0.1), scale_by_adam()), "b": scale_by_adam()},
+                                            lambda path, x: "a" if x.ndim > 1 else "b"), lr=1e-2)
+    relabelled = inject_hyperparams(partition({"a": chain(add_decayed_weights(0.1), scale_by_adam()),
+                                               "b": scale_by_adam()}, lambda path, x: "a"), lr=1e-2)
+    others = {"decay_first": inject_hyperparams(chain(scale_by_adam(), add_decayed_weights(0.1)), lr=1e-2),
+              "by_label": relabelled}
+
+    def step_with(t):
+        return hpf.shard_step(_fallback_loss, mesh=hpf.Mesh({"dp": 1}), optimizer=t)
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(4))
+    for name, saved in (("decay_first", decay_first), ("by_label", by_label)):
+        step = step_with(saved)
+        state, _ = step(step.init(_fallback_params()), x)
+        step.save(state, tmp_path / name)
+        same = step_with(saved)  # the same chain restores
+        restored, _ = same.restore(tmp_path / name, same.init(_fallback_params()))
+        assert int(restored.opt_state.count) == 1
+        other = step_with(others[name])
+        with pytest.raises(ck.CheckpointError, match=r"saved with the optimizer chain .*restoring into .*build the same"):
+            other.restore(tmp_path / name, other.init(_fallback_params()))
+        for s in (step, same, other):
+            s.close()
+
+
+def _decay_partition(mask, wd=lambda s: 0.1):
+    inner = chain(scale_by_adam(), inject_hyperparams(add_decayed_weights(0.0, mask=mask), weight_decay=wd))
+    return inject_hyperparams(partition({"m": inner, "v": scale_by_adam()}, lambda path, x: "m" if x.ndim > 1 else "v"),
+                              lr=1e-2)
+
+
+@pytest.mark.parametrize("where", ["one process", "shard_step"])
+def test_an_injected_masked_decay_inside_a_partition_trains_and_a_failed_step_changes_nothing(where):
+    """Item 15: inject_hyperparams(add_decayed_weights(0.0, mask=fn), weight_decay=schedule) in a
+    partition failed ("needs the params' paths") after scale_by_adam had changed layers/0/w.
+    The masked chain is the unmasked one where the mask picks every param of its label (bitwise)."""
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(4))
+    grads = [{k: torch.randn(v.shape, generator=torch.Generator().manual_seed(i)) for k, v in _fallback_params().items()}
+             for i in range(3)]
+
+    def train(t, steps=3, fails=None):
+        """The full params after ``steps`` steps (the last may fail with ``fails``: the params then)."""
+        step = None
+        if where == "one process":
+            opt = as_optimizer(t)
+            params = _fallback_params()
+            state = opt.init(params)
+        else:
+            step = hpf.shard_step(_fallback_loss, mesh=hpf.Mesh({"dp": 1}), optimizer=t)
+            state = step.init(_fallback_params())
+        for i in range(steps):
+            with pytest.raises(ValueError, match=fails) if fails and i == steps - 1 else contextlib.nullcontext():
+                if step is None:
+                    opt.update(grads[i], state, params)
+                else:
+                    state, _ = step(state, x)
+        if step is None:
+            return params
+        full = step.full_params(state)
+        step.close()
+        return full
+    masked, unmasked = train(_decay_partition(lambda path, t: t.ndim > 1)), train(_decay_partition(None))
+    assert all(torch.equal(masked[k], unmasked[k]) for k in masked)
+    assert not torch.equal(masked["w"], train(_decay_partition(lambda path, t: False))["w"]), "the decay must act"
+    # a step whose injected decay is bad fails before scale_by_adam, before it, changes anything
+    bad = _decay_partition(lambda path, t: t.ndim > 1, wd=lambda s: 0.1 if s < 3 else float("nan"))
+    failed, two = train(bad, 3, fails=r"weight_decay schedule .* step 3"), train(bad, 2)
+    assert all(torch.equal(failed[k], two[k]) for k in two)
+
+
+class _TrustRatio(hpf.optim.transforms.Transform):
+    """A LARS-style stage: each param's update scaled by ||p|| / ||g|| (a per-param norm: not elementwise)."""
+
+    elementwise = False
+
+    def update(self, grads, state, params, hyper):
+        for p, g in zip(params, grads):
+            p.add_(g, alpha=-hyper.rate("trust") * float(p.norm() / (g.norm() + 1e-12)))
+        return grads, state
+
+
+def test_a_non_elementwise_user_transform_is_refused_by_name_under_shard_step():
+    """Item 13: a transform declared elementwise=False ran under shard_step on flat pieces that mix
+    params (params 0.18 off after 3 steps, no error). One process, on whole params, it runs."""
+    t = inject_hyperparams(chain(clip_by_global_norm(1.0), _TrustRatio()), lr=1e-2)
+    params = _fallback_params()
+    opt = as_optimizer(t)
+    opt.update({k: torch.ones_like(v) for k, v in params.items()}, opt.init(params), params)  # whole params: fine
+    for wrapped in (t, partition({"a": _TrustRatio(), "b": scale_by_adam()}, lambda path, x: "a")):
+        step = hpf.shard_step(_fallback_loss, mesh=hpf.Mesh({"dp": 1}), optimizer=wrapped)
+        with pytest.raises(ValueError, match=r"(_TrustRatio declares elementwise=False|'a' needs whole params)"):
+            step.init(_fallback_params())
+        step.close()

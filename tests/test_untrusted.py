@@ -44,7 +44,7 @@ def _rewrite(path, name, data: bytes):
     (path / name).write_bytes(data)
     header = json.loads((path / "hpf.json").read_text())
     if "files" in header:  # (an hpf without checksums has no manifest)
-        header["files"][name] = [len(data), zlib.crc32(data)]
+        header["files"][name] = [len(data), {"0": zlib.crc32(data)}]  # (the whole file: one CRC at offset 0)
         (path / "hpf.json").write_text(json.dumps(ck.seal(header)))
 
 

@@ -21,12 +21,21 @@ OPTIONS = FIXED + INHERITED
 
 
 def read_run(folder: Path) -> dict | None:
-    """A run folder's run.json, or None when it has none (or one hpf cannot read)."""
-    try:
-        run = json.loads((folder / RUN_FILE).read_text())
-    except (OSError, ValueError):
+    """A run folder's run.json, or None when it has none. One that cannot be read (truncated,
+    as on a full disk) is a CliError naming it: its options are the run's, and defaults in
+    their place would train another run without a word."""
+    file = folder / RUN_FILE
+    if not file.is_file():
         return None
-    return run if isinstance(run, dict) else None
+    try:
+        run = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        run = e
+    if not isinstance(run, dict) or not isinstance(run.get("options", {}), dict):
+        why = f"{type(run).__name__}: {run}" if isinstance(run, Exception) else "not a JSON object of the run's options"
+        raise CliError(f"{file} is damaged ({why}); it holds the run's options, which --resume, hpf eval and hpf "
+                       "generate read: restore it from a backup, or start a new run in another --out")
+    return run
 
 
 def write_run(folder: Path, run: dict) -> None:
@@ -34,8 +43,12 @@ def write_run(folder: Path, run: dict) -> None:
 
 
 def set_status(folder: Path, status: str, **fields) -> None:
-    """Record how the run ended ("done", "stopped" (--timeout), "failed: ...", "interrupted") in its run.json."""
-    run = read_run(folder)
+    """Record how the run ended ("done", "stopped" (--timeout), "failed: ...", "interrupted") in its run.json
+    (a damaged one is left as it is: the error that ends the run is the one to report)."""
+    try:
+        run = read_run(folder)
+    except CliError:
+        return
     if run is not None:
         write_run(folder, {**run, "status": status, **fields})
 

@@ -37,7 +37,8 @@ from ..comm import world
 from ..planning import Bucket, ParamSlot, Plan
 from .base import Capabilities
 from .muon_math import MuonState, check_qk_heads, qk_clip_, update_scale
-from .transforms import Hyper, run
+from ..tree import flatten as tree_flatten
+from .transforms import Hyper, meta_params, run
 
 __all__ = ["DistMuon", "assign_owners", "ns_flops", "muon_paths", "muon_plan_state", "muon_sends", "muon_traffic"]
 
@@ -236,7 +237,7 @@ class DistMuon:
         self.muon, self.plan, self.rank, self.comm_dtype = muon, plan, rank, comm_dtype
         # the stages it runs on pieces: the partition's Muon part (decay, scale_by_muon at Muon's lr) and the rest
         parts = muon.transform.transforms
-        self.matrices, self.rest = parts["muon"], parts["adamw"]
+        self.matrices = parts["muon"]
         self.stage = self.matrices.inner.stages[-1]
         on_muon = muon_paths(muon, plan)
         self.adamw_paths = frozenset(plan.slots) - on_muon
@@ -244,6 +245,7 @@ class DistMuon:
             _check_whole_matrices(plan, plan.slots[path])
         self.owners, self.ns_load = assign_owners(plan, on_muon, muon.ns_steps, muon.ns_variant)
         self.adamw: list[tuple[int, slice, slice]] = []  # (bucket, in shard, in exp_avg_sq)
+        adamw_paths: list[str] = []  # the param of each of them
         self.local: list[_Matrix] = []  # wholly in this rank's shard
         self.owned: list[_Matrix] = []  # split; this rank orthogonalizes them
         self.held: list[_Matrix] = []  # split; this rank holds a piece, another owns them
@@ -265,6 +267,7 @@ class DistMuon:
                 if slot.path not in on_muon:
                     if held:
                         self.adamw.append((b.index, mine, slice(n_adamw, n_adamw + piece.numel)))
+                        adamw_paths.append(slot.path)
                         n_adamw += piece.numel
                     continue
                 if slot.numel == 0:
@@ -286,12 +289,20 @@ class DistMuon:
                 elif held:
                     self.held.append(m)
             self.adamw_numel.append(n_adamw)
-        self._momentum_order = self.local + self.owned + self.held
         self._n_tags = tag
+        self._index(parts["adamw"], adamw_paths)
+
+    def _index(self, adamw, paths: list[str]) -> None:
+        """What ``__init__`` derives from its pieces: AdamW's part on them, each piece resolved as
+        its param (``paths``: the fallback's weight_decay_mask), the matrices' order, QK-Clip's pieces."""
+        meta = meta_params(self.plan)
+        at = {p: i for i, p in enumerate(tree_flatten(meta)[0])}
+        self.rest = adamw.for_params(meta).take([at[path] for path in paths])
+        self._momentum_order = self.local + self.owned + self.held
         self._by_bucket: dict[int, list[int]] = defaultdict(list)  # bucket -> its matrices' places in _momentum_order
         for i, x in enumerate(self._momentum_order):
             self._by_bucket[x.bucket].append(i)
-        self.qk = _qk_pieces(muon, plan, rank) if muon.qk_clip is not None else []
+        self.qk = _qk_pieces(self.muon, self.plan, self.rank) if self.muon.qk_clip is not None else []
 
     # -- optax-style interface ----------------------------------------------------------------
     def init(self, shards: Sequence[torch.Tensor]) -> MuonState:

@@ -92,8 +92,8 @@ class Muon:
 
     @property
     def adamw_stages(self) -> Chain:
-        """The AdamW fallback's math without its lr (its mask unused: every fallback param decays)."""
-        return replace(self.adamw, weight_decay_mask=None).stages
+        """The AdamW fallback's math without its lr, its ``weight_decay_mask`` included."""
+        return self.adamw.stages
 
     @property
     def transform(self) -> Partition:
@@ -169,7 +169,7 @@ class Muon:
 def muon(lr: Schedule = 0.02, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
          coefficients="keller", scale: Union[str, float] = "keller", weight_decay: float = 0.0,
          adamw_lr: Schedule = 3e-4, adamw_betas: tuple[float, float] = (0.9, 0.95),
-         adamw_eps: float = 1e-8, adamw_weight_decay: float = 0.0,
+         adamw_eps: float = 1e-8, adamw_weight_decay: float = 0.0, adamw_weight_decay_mask: Any = None,
          use_adamw: Callable[[str, torch.Tensor], bool] | None = None,
          ns_compute_dtype: torch.dtype | None = None, comm_dtype: torch.dtype | None = None,
          ns_variant: str = "standard", qk_clip: float | None = None, qk_heads: dict | None = None,
@@ -183,7 +183,7 @@ def muon(lr: Schedule = 0.02, momentum: float = 0.95, nesterov: bool = True, ns_
             tuple, or a list of ns_steps tuples.
         scale: "keller" (torch's "original"), "moonlight" (torch's "match_rms_adamw") or a number.
         weight_decay: decoupled weight decay of the Muon params, >= 0.
-        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW fallback's hyper-parameters.
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, adamw_weight_decay_mask: the AdamW fallback's.
         use_adamw: ``(path, tensor) -> bool`` (default: embeddings, positions and the head).
         ns_compute_dtype: None = the kernel's choice for the device (fp32 on CPU, bf16 on accelerators).
         comm_dtype: the dtype split matrices travel in under hpf.shard_step, e.g. torch.bfloat16
@@ -221,7 +221,7 @@ def muon(lr: Schedule = 0.02, momentum: float = 0.95, nesterov: bool = True, ns_
     if not weight_decay >= 0:
         raise ValueError(f"muon: weight_decay must be >= 0, got {weight_decay}")
     _check_qk_clip(qk_clip, qk_heads)
-    fallback = adamw(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
+    fallback = adamw(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, adamw_weight_decay_mask)
     return Muon(lr, momentum, nesterov, ns_steps, coefficients, scale, weight_decay, fallback,
                 use_adamw or default_use_adamw, ns_compute_dtype, comm_dtype, ns_variant,
                 None if qk_clip is None else float(qk_clip), qk_heads, bool(overlap))

@@ -98,7 +98,15 @@ class Transform:
         """Raise before a step changes anything if a hyper-parameter of ``hyper``'s step is bad."""
 
     def for_plan(self, plan, rank: int) -> "Transform":
-        """This transform on ``plan``'s flat shards as ``rank`` holds them."""
+        """This transform on ``plan``'s flat shards as ``rank`` holds them. One that is not
+        elementwise, and has no plan form of its own, is refused: a shard's leaves are flat
+        pieces that mix params, each rank's its own part, so a per-param norm would be of pieces."""
+        if not self.elementwise:
+            raise ValueError(f"{self.structure()} declares elementwise=False (it needs each param whole: a norm, a "
+                             "trust ratio, a matrix function), and under hpf.shard_step a rank holds flat pieces that "
+                             "mix params; write it elementwise, give it a for_plan of its own that gathers whole "
+                             "params (as hpf.optim.muon's DistMuon gives each matrix to its owner), or run it on full "
+                             "params outside hpf.shard_step")
         return self
 
     def for_params(self, params: Any) -> "Transform":
@@ -108,6 +116,11 @@ class Transform:
     def take(self, indices: list[int]) -> "Transform":
         """This transform on the leaves at ``indices`` alone (an elementwise one's part of an update)."""
         return self
+
+    def structure(self) -> str:
+        """What this transform is, stage by stage, without hyper-parameter values (a resumed run
+        may change its lr): a checkpoint records it and refuses to restore into another."""
+        return type(self).__name__
 
 
 def meta_params(plan) -> Any:
@@ -150,9 +163,14 @@ class AddDecayedWeights(Transform):
         return replace(self, ranges=tuple(shards))
 
     def for_params(self, params: Any) -> "AddDecayedWeights":
-        if self.mask is None or self.ranges is not None or not self.weight_decay:
+        if self.mask is None or self.ranges is not None:  # (a weight_decay of 0 may be injected as another)
             return self
         return replace(self, ranges=tuple((...,) if d else () for d in self.by_path(params).values()))
+
+    def check(self, hyper: Hyper) -> None:
+        if self.weight_decay and self.ranges is None and self.mask is not None:
+            raise ValueError("add_decayed_weights(mask=...) needs the params' paths: resolve it with "
+                             "for_params(params) (hpf.optim.as_optimizer does) or for_plan(plan, rank)")
 
     def take(self, indices: list[int]) -> "AddDecayedWeights":
         return self if self.ranges is None else replace(self, ranges=tuple(self.ranges[i] for i in indices))
@@ -169,9 +187,7 @@ class AddDecayedWeights(Transform):
 
     def update(self, grads, state, params, hyper):
         if self.weight_decay:
-            if self.ranges is None and self.mask is not None:
-                raise ValueError("add_decayed_weights(mask=...) needs the params' paths: resolve it with "
-                                 "for_params(params) (hpf.optim.as_optimizer does) or for_plan(plan, rank)")
+            self.check(hyper)
             decay = params if self.ranges is None else [p[s] for p, slices in zip(params, self.ranges) for s in slices]
             if decay:
                 torch._foreach_mul_(decay, 1.0 - hyper.rate("add_decayed_weights") * self.weight_decay)
@@ -286,6 +302,9 @@ class Chain(Transform):
     def take(self, indices):
         return replace(self, stages=tuple(s.take(indices) for s in self.stages))
 
+    def structure(self):
+        return f"chain({', '.join(s.structure() for s in self.stages)})"
+
 
 @dataclass(frozen=True)
 class InjectHyperparams(Transform):
@@ -330,6 +349,9 @@ class InjectHyperparams(Transform):
 
     def take(self, indices):
         return replace(self, inner=self.inner.take(indices))
+
+    def structure(self):
+        return f"inject_hyperparams({self.inner.structure()})"
 
 
 @dataclass(frozen=True)
@@ -433,6 +455,10 @@ class Partition(Transform):
         return replace(self, leaf_labels=tuple(self.leaf_labels[i] for i in indices),
                        transforms={k: t.take(indices) for k, t in self.transforms.items()})
 
+    def structure(self):
+        labels = "" if self.leaf_labels is None else f"; labels {','.join(map(str, self.leaf_labels))}"
+        return f"partition({', '.join(f'{k}={t.structure()}' for k, t in self.transforms.items())}{labels})"
+
 
 @dataclass(frozen=True)
 class PlannedPartition(Transform):
@@ -464,6 +490,9 @@ class PlannedPartition(Transform):
         place = {b: k for k, b in enumerate(indices)}
         return replace(self, pieces=tuple((place[b], sl, j) for b, sl, j in self.pieces if b in place))
 
+    def structure(self):
+        return self.partition.structure()
+
 
 @lru_cache(maxsize=None)
 def state_type(fields: tuple[str, ...]) -> type:
@@ -489,6 +518,11 @@ class TransformOptimizer:
         t = self.transform
         return Capabilities(partial=t.elementwise, for_plan=True,
                             max_grad_norm=t.max_grad_norm)
+
+    @property
+    def structure(self) -> str:
+        """The transform's structure (:meth:`Transform.structure`), which checkpoints record."""
+        return self.transform.structure()
 
     def for_plan(self, plan, rank: int) -> "TransformOptimizer":
         """On ``plan``'s flat shards: stages resolved for the layout; frozen buckets get no state and no update."""
