@@ -364,7 +364,7 @@ def wait_pending() -> None:
         handle.wait()
 
 
-def _report_lost_saves() -> None:
+def finish_saves_at_exit() -> None:
     """At exit: finish the async saves still running, or, once the process group is gone
     (``destroy_process_group()`` with a save in flight), say which were lost and exit 1, so a
     lost checkpoint never ends a job that looks successful."""
@@ -386,7 +386,7 @@ def _report_lost_saves() -> None:
         os._exit(1)
 
 
-atexit.register(_report_lost_saves)
+atexit.register(finish_saves_at_exit)
 
 
 def save(layout: Layout, state, path, extra: Any = None, *, keep_last: int | None = None, async_save: bool = False,
@@ -428,7 +428,7 @@ def save(layout: Layout, state, path, extra: Any = None, *, keep_last: int | Non
         handle = SaveHandle(None, box)
         handle.wait()
         return handle
-    # A daemon thread: at exit, _report_lost_saves decides (finish it, or report it lost) instead
+    # A daemon thread: at exit, finish_saves_at_exit decides (finish it, or report it lost) instead
     # of the interpreter joining a thread whose process group may be gone (a hang).
     thread = threading.Thread(target=write, name=f"hpf-save-{path.name}", daemon=True)
     handle = SaveHandle(thread, box)

@@ -491,7 +491,11 @@ def _close_at_exit() -> None:
     ``step.close()`` left its steps' process groups, with their gloo threads, to the interpreter's
     teardown, where a thread still running aborts the process ("terminate called without an active
     exception") and torchrun reports a finished job as failed. Closing here, while the interpreter is
-    whole, ends those threads in order (hpf's own atexit, so it runs after the user's)."""
+    whole, ends those threads in order (hpf's own atexit, so it runs after the user's). Async saves
+    first: finished, or reported lost with exit status 1 once the group is gone (hpf.checkpoint)."""
+    saves = sys.modules.get("hpf.checkpoint")  # (not imported: no save was made)
+    if saves is not None:
+        saves.finish_saves_at_exit()
     for step in list(_OPEN):
         try:
             step.close()
