@@ -242,26 +242,25 @@ def _check(data):
     sharded_init.CHUNK = data.draw(st.sampled_from([5, 64, 1 << 18]))
     mesh, key = hpf.Mesh(axes), R.key(data.draw(st.integers(0, 2**64 - 1)))
     described = "; ".join(f"v{i} = {label}" for i, (_, label) in enumerate(steps)) + f" -> {outs} on {axes} {options}"
+    untraceable = "data-dependent" in refusals  # a masked step, read or not, may stop the trace
     if refused:  # the init must not be born from what eager leaves to chance
-        with pytest.raises((ValueError, RuntimeError), match=refused):  # (RuntimeError: a trace that branches on it)
+        with pytest.raises((ValueError, RuntimeError), match=refused + ("|could not trace" if untraceable else "")):
             sharded_init.trace_init(init_fn, key)
         return
     try:
         options = _specs(options, init_fn(key))
-        eager = None
         step_plan(init_fn(key), mesh, **options)
+        eager = None
     except (SpecError, ValueError) as err:  # eager's plan refuses it (overlapping leaves, an uneven tp dim)
         eager = err
-    if eager is not None:
-        with pytest.raises(type(eager)):
-            born_mismatch(init_fn, key, mesh, **options)
-        return
     try:
         mismatch = born_mismatch(init_fn, key, mesh, **options)
-    except RuntimeError as err:  # a data-dependent step no leaf reads may still stop the trace
-        if "data-dependent" in refusals and "could not trace" in str(err):
+    except Exception as err:
+        if untraceable and isinstance(err, RuntimeError) and "could not trace" in str(err):
             return
-        raise
+        assert eager is not None and isinstance(err, type(eager)), f"{described}: {type(err).__name__}: {err}"
+        return
+    assert eager is None, f"{described}: eager's plan raised {eager!r}, the born one did not"
     assert mismatch is None, described
 
 
@@ -283,7 +282,8 @@ def test_random_init_programs_are_born_sharded_as_eager(small_nodes, data):
 
 
 @pytest.mark.slow
-@settings(max_examples=1500, **FUZZ)
+@pytest.mark.timeout(1200)
+@settings(max_examples=800, **FUZZ)
 @given(data=st.data())
 def test_random_init_programs_are_born_sharded_as_eager_at_a_large_budget(small_nodes, data):
     _check(data)
