@@ -51,7 +51,7 @@ BYTES_PER_POSITION = 64
 SMALL = 1 << 12  # a node with at most this many elements is computed whole once (keys, biases)
 
 aten = torch.ops.aten
-_CONSTANTS = {aten.zeros.default: 0, aten.ones.default: 1, aten.zeros_like.default: 0,
+_CONSTANTS = {aten.zeros.default: 0, aten.ones.default: 1, aten.zeros_like.default: 0, aten.zero.default: 0,
               aten.ones_like.default: 1, aten.new_zeros.default: 0, aten.new_ones.default: 1}
 _FILLS = {aten.full.default: 1, aten.full_like.default: 1, aten.new_full.default: 2, aten.fill.Scalar: 1}
 # not views, but the same elements in the same (logical, row-major) order, cast to the node's dtype
@@ -288,12 +288,14 @@ class _Evaluator:
     def __init__(self, graph: torch.fx.GraphModule, key: torch.Tensor):
         self.graph, self.key = graph, key
         self.whole: dict[Node, Any] = {}
+        self.flat: dict[Node, torch.Tensor] = {}  # whole values flattened (a copy where not contiguous)
         self.views: dict[Node, tuple[Node, Any]] = {}
         self.materialized: set[Node] = set()  # nodes bigger than SMALL computed whole
 
     def forget_large(self) -> None:
         """Drop whole values bigger than SMALL (a non-sliceable param's), once its leaf is done."""
         self.whole = {n: v for n, v in self.whole.items() if not isinstance(v, torch.Tensor) or v.numel() <= SMALL}
+        self.flat = {n: v for n, v in self.flat.items() if v.numel() <= SMALL}
 
     def full(self, node) -> Any:
         if not isinstance(node, Node):
@@ -363,7 +365,9 @@ class _Evaluator:
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor) and val.numel() > SMALL:
             self.materialized.add(node)
-        return self.full(node).reshape(-1)[_index(at)]
+        if node not in self.flat:
+            self.flat[node] = self.full(node).reshape(-1)
+        return self.flat[node][_index(at)]
 
     def _pointwise(self, node: Node, at, val: torch.Tensor) -> torch.Tensor:
         def arg(a):

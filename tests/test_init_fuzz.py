@@ -139,11 +139,12 @@ def _pointwise(data, x):
     ops = ["cast", "cast", "mul_c", "add_c", "neg", "eq", "bin", "bin", "inplace_view", "empty_copy"]
     if floating:
         ops += ["div_c", "abs", "sqrt", "clamp", "floor", "round", "sign", "reciprocal", "pow", "sigmoid", "silu",
-                "exp", "tanh", "sin", "log", "alpha", "max", "scalar_t"]
+                "exp", "tanh", "sin", "log", "alpha", "max", "scalar_t", "rsub", "ceil", "trunc", "masked_fill",
+                "clamp_max", "clamp_min", "cmp"]
     elif not complex_ and x.dtype != torch.bool:
-        ops += ["mod", "floordiv", "bitand", "bigmul", "abs", "clamp"]
+        ops += ["mod", "floordiv", "bitand", "bigmul", "abs", "clamp", "rsub", "cmp"]
     elif x.dtype == torch.bool:
-        ops += ["logical_not", "logical_and"]
+        ops += ["logical_not", "logical_and", "logical_or", "logical_xor"]
     op = data.draw(st.sampled_from(ops))
     if op == "cast":
         to = data.draw(st.sampled_from(DTYPES))
@@ -153,7 +154,7 @@ def _pointwise(data, x):
         p = data.draw(st.sampled_from([2, 3, 0.5, -0.5, -1, -2, 1.7, 2.5]))
         return (lambda t: t.abs().add(0.5) ** p), f"(|x|+0.5)**{p}"
     if op == "bin":  # with a broadcast partner: x's own slices (a dim of 1, fewer dims) or a 0-d tensor
-        kind = data.draw(st.sampled_from(["add", "sub", "mul", "div", "maximum", "where"]))
+        kind = data.draw(st.sampled_from(["add", "sub", "mul", "div", "maximum", "minimum", "where"]))
         part = data.draw(st.sampled_from(["row", "tail", "0d"]))
         if part == "row":
             other = lambda t: t[..., :1] if t.dim() and t.shape[-1] else t  # noqa: E731
@@ -163,12 +164,13 @@ def _pointwise(data, x):
             other = lambda t: t.reshape(-1)[0] if t.numel() else torch.tensor(2)  # noqa: E731
         if kind == "where":
             return (lambda t: torch.where(t.real > 0 if t.is_complex() else t > 0, t, other(t))), f"where(x > 0, x, {part})"
-        if kind == "maximum" and complex_:
+        if kind in ("maximum", "minimum") and complex_:
             kind = "add"
         if kind == "div" and not floating:
             kind = "mul"
-        fn = getattr(torch, kind) if kind != "maximum" else torch.maximum
-        return (lambda t: fn(t, other(t)) if t.dtype != torch.bool or kind in ("mul", "maximum") else t & other(t)), \
+        fn = getattr(torch, kind)
+        return (lambda t: fn(t, other(t)) if t.dtype != torch.bool or kind in ("mul", "maximum", "minimum")
+                else t & other(t)), \
             f"{kind}(x, {part})"
     if op == "inplace_view":  # a write through a view: functionalized into scatters
         def write(t):
@@ -190,7 +192,12 @@ def _pointwise(data, x):
            "max": lambda t: torch.maximum(t, t.flip(-1) if t.dim() else t), "scalar_t": lambda t: t * torch.tensor(1.5, dtype=torch.float64),
            "mod": lambda t: t % 7, "floordiv": lambda t: t // 3, "bitand": lambda t: t & 0x5A,
            "bigmul": lambda t: (t.to(torch.int64) * (2**33 + 1)) % (2**61 - 1), "logical_not": torch.logical_not,
-           "logical_and": lambda t: t & t.flip(-1) if t.dim() else t}
+           "logical_and": lambda t: t & t.flip(-1) if t.dim() else t, "rsub": lambda t: 1 - t,
+           "ceil": torch.ceil, "trunc": torch.trunc, "masked_fill": lambda t: t.masked_fill(t > 0.5, -0.25),
+           "clamp_max": lambda t: t.clamp(max=0.75), "clamp_min": lambda t: t.clamp(min=-0.5),
+           "cmp": lambda t: (t < 1) ^ (t >= -1) ^ (t != 0) ^ (t <= 2) ^ (t > t.flip(-1) if t.dim() else t > 0),
+           "logical_or": lambda t: torch.logical_or(t, t.flip(-1) if t.dim() else t),
+           "logical_xor": lambda t: torch.logical_xor(t, ~t)}
     return fns[op], op
 
 
@@ -261,7 +268,7 @@ def _check(data):
         assert eager is not None and isinstance(err, type(eager)), f"{described}: {type(err).__name__}: {err}"
         return
     assert eager is None, f"{described}: eager's plan raised {eager!r}, the born one did not"
-    assert mismatch is None, described
+    assert mismatch is None, f"{described}: {mismatch}"
 
 
 @pytest.fixture
