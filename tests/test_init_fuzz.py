@@ -41,7 +41,7 @@ MESHES = [({"dp": w}, {}) for w in range(1, 9)] + [
 
 
 def _shape(rng, max_dims=3):
-    shape = [rng.choice([0, 1, 1, 2, 3, 4, 5, 7, 9, 16, 33]) for _ in range(rng.randint(0, max_dims))]
+    shape = [rng.choice([0, 1, 1, 2, 3, 4, 5, 7, 9, 16, 33]) for _ in range(rng.choice([0, 1, 1, 2, 2, 2, 3, 3]))]
     while math.prod(shape) > 1 << 12:
         shape.pop()
     return tuple(shape)
@@ -50,8 +50,8 @@ def _shape(rng, max_dims=3):
 def _source(rng, i):
     """A draw or a constant (or uninitialized memory, or a masked draw: those must be refused):
     (step, label)."""
-    shape, kind = _shape(rng), rng.choice(["normal", "uniform", "tn", "bits", "bern", "randint",
-                                                           "zeros", "full", "bigint", "arange", "empty", "mask"])
+    shape, kind = _shape(rng), rng.choice(["normal"] * 4 + ["uniform", "tn"] * 2 + [
+        "bits", "bern", "randint", "zeros", "full", "bigint", "arange", "empty", "mask"])
     dtype = rng.choice(FLOATS)
     n = math.prod(shape)
     make = {"normal": lambda k: R.normal(k, shape, dtype) * 3, "uniform": lambda k: R.uniform(k, shape, dtype, -2, 5),
@@ -72,7 +72,7 @@ def _view(rng, x):
     """A view or movement op that applies to ``x``: (fn of x, label)."""
     ops = ["detach", "reshape", "unsqueeze", "flip", "roll", "repeat", "stack", "cat", "expand", "clone_t"]
     if x.dim():
-        ops += ["slice", "slice", "transpose", "permute", "narrow", "chunk", "squeeze", "movedim"]
+        ops += ["slice", "slice", "slice", "transpose", "permute", "narrow", "chunk", "squeeze", "movedim"]
         ops += ["select", "unbind"] if x.shape[0] else []
     if x.dim() >= 2:
         ops += ["diagonal", "rearrange", "t"]
@@ -210,8 +210,8 @@ def _pointwise(rng, x):
 def _program(rng):
     """Steps (fn(vals, key) -> tensor, label) and the outputs (a dict of paths to values)."""
     key, steps, vals, refused = R.key(0), [], [], []  # refused: "uninitialized memory", "data-dependent" or None
-    for i in range(rng.randint(1, 7)):
-        if not vals or rng.randint(0, 3) == 0:
+    for i in range(rng.randint(2, 8)):
+        if not vals or rng.randint(0, 5) == 0:
             step, label = _source(rng, i)
             refused.append({"empty": "uninitialized memory", "mask": "data-dependent"}.get(label.split("(")[0]))
         else:
