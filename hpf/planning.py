@@ -404,9 +404,11 @@ def _ties(paths: list[str], leaves: list, units_of: list[str]) -> dict[str, str]
     memory, shape and strides). The owner is its first path in the root unit, else its first
     path. Leaves that overlap in memory any other way are an error: they would train untied."""
     def key(x):
-        if not isinstance(x, torch.Tensor) or x.device.type == "meta" or x.numel() == 0:
-            return ("object", id(x))
-        return (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype)
+        if not isinstance(x, torch.Tensor) or x.numel() == 0:
+            return (("object", id(x)),)
+        storage = x.untyped_storage()  # (meta tensors have no data: a storage is known by its object)
+        where = ("meta", storage._cdata) if x.device.type == "meta" else ("data", storage.data_ptr())
+        return (where, x.storage_offset(), tuple(x.shape), x.stride(), x.dtype)
 
     groups: dict[Any, list[int]] = {}
     for i, x in enumerate(leaves):
@@ -415,7 +417,7 @@ def _ties(paths: list[str], leaves: list, units_of: list[str]) -> dict[str, str]
     for k, idx in groups.items():
         owner = next((i for i in idx if units_of[i] == ROOT), idx[0])
         ties.update({paths[i]: paths[owner] for i in idx if i != owner})
-        if k[0] != "object":
+        if k[0][0] != "object":
             x = leaves[owner]
             end = x.storage_offset() + sum((n - 1) * st for n, st in zip(x.shape, x.stride())) + 1
             spans.append((k[0], x.storage_offset() * x.element_size(), end * x.element_size(), paths[owner], x))

@@ -120,9 +120,16 @@ def normal(key: torch.Tensor, shape: Sequence[int] = (), dtype: torch.dtype = to
 
 def truncated_normal(key: torch.Tensor, lower: float, upper: float, shape: Sequence[int] = (),
                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Standard normal conditioned on [lower, upper], by the inverse CDF (as jax.random)."""
+    """Standard normal conditioned on [lower, upper], by the inverse CDF (as jax.random), of
+    the tail nearer zero's mirror: an interval above zero is drawn as the negation of its mirror
+    below, where the CDF's small values keep float32's relative precision (near 1 they had none)."""
     if not float(lower) < float(upper):
         raise ValueError(f"hpf.random.truncated_normal needs lower < upper, got {lower} and {upper}")
+    lo, hi = _tail_cdfs(float(lower), float(upper))
+    if not torch.tensor(lo, dtype=torch.float32) < torch.tensor(hi, dtype=torch.float32):
+        raise ValueError(f"hpf.random.truncated_normal: [{lower}, {upper}] lies too far in the tail for float32 "
+                         f"draws (its CDF values {lo:.3g} and {hi:.3g} are one float32); shift a narrower interval "
+                         "nearer zero, or draw it another way")
     return _draw(key, shape, "truncated_normal", float(lower), float(upper), _float(dtype, "truncated_normal"))
 
 
@@ -135,13 +142,18 @@ def bernoulli(key: torch.Tensor, p: float = 0.5, shape: Sequence[int] | None = N
 
 def randint(key: torch.Tensor, shape: Sequence[int], minval: int, maxval: int,
             dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """Ints in [minval, maxval), by multiply-shift of 32 random bits (bias below span / 2^32)."""
+    """Ints in [minval, maxval), by multiply-shift of 32 random bits (bias below span / 2^32):
+    the offset in [0, span) is drawn, and ``minval`` added in int64, exact at any magnitude."""
     if not (isinstance(minval, int) and isinstance(maxval, int) and 0 < maxval - minval <= 1 << 31):
         raise ValueError(f"hpf.random.randint needs int bounds with 0 < maxval - minval <= 2^31, got "
                          f"[{minval}, {maxval})")
-    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+    if not isinstance(dtype, torch.dtype) or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
         raise TypeError(f"hpf.random.randint: dtype must be an integer dtype, got {dtype}")
-    return _draw(key, shape, "randint", float(minval), float(maxval), dtype)
+    if not torch.iinfo(dtype).min <= minval <= maxval - 1 <= torch.iinfo(dtype).max:
+        raise ValueError(f"hpf.random.randint: [{minval}, {maxval}) does not fit {dtype} "
+                         f"([{torch.iinfo(dtype).min}, {torch.iinfo(dtype).max}])")
+    offset = _draw(key, shape, "randint", 0.0, float(maxval - minval), torch.int64)
+    return (offset + minval if minval else offset).to(dtype)
 
 
 def _float(dtype, what: str) -> torch.dtype:
@@ -164,7 +176,7 @@ def _draw(key, shape, dist: str, a: float, b: float, dtype: torch.dtype) -> torc
 def _draw_op(key: torch.Tensor, shape: Sequence[int], dist: str, a: float, b: float,
              dtype: torch.dtype) -> torch.Tensor:
     n = math.prod(key.shape[:-1]) * math.prod(shape)
-    return values_at(key, shape, dist, a, b, dtype, 0, n).reshape(*key.shape[:-1], *shape)
+    return values_at(key, shape, dist, a, b, dtype, 0, n).reshape((*key.shape[:-1], *shape))
 
 
 @_draw_op.register_fake
@@ -226,8 +238,9 @@ def _transform(w: torch.Tensor, dist: str, a: float, b: float) -> torch.Tensor:
         return _unit(w) < a
     u = _open_unit(w)
     if dist == "truncated_normal":
-        lo, hi = _normal_cdf(a), _normal_cdf(b)
-        return _ppnd7(u * (hi - lo) + lo).clamp(a, b)
+        lo, hi = _tail_cdfs(a, b)
+        x = _ppnd7(u * (hi - lo) + lo)
+        return x.clamp(-b, -a).neg_() if a + b > 0 else x.clamp(a, b)  # (above zero: the mirror, negated)
     return _ppnd7(u)
 
 
@@ -242,7 +255,12 @@ def _open_unit(w: torch.Tensor) -> torch.Tensor:
 
 
 def _normal_cdf(x: float) -> float:
-    return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+    return 0.5 * math.erfc(-x / math.sqrt(2.0))  # (erfc: the lower tail keeps its relative precision)
+
+
+def _tail_cdfs(a: float, b: float) -> tuple[float, float]:
+    """The CDF values the draw of a normal on [a, b] lies between (of its mirror, above zero)."""
+    return (_normal_cdf(-b), _normal_cdf(-a)) if a + b > 0 else (_normal_cdf(a), _normal_cdf(b))
 
 
 def _poly(x: torch.Tensor, coefficients: Sequence[float]) -> torch.Tensor:

@@ -3,30 +3,46 @@
 ``init_fn(key)`` returns the params tree, written with ``hpf.random`` draws, elementwise
 arithmetic on them and constants. It runs once on fake tensors (``make_fx`` of its
 functionalized form): that gives every leaf's shape for the plan, and the graph of ops that
-makes it. Then each rank evaluates each leaf at the flat positions of its own shards alone:
+makes it. Then each rank evaluates each leaf at the flat positions of its own shards alone.
+Where an op's semantics are re-derived, they are derived by torch itself, so they cannot drift:
 
 - a draw is a pure function of (key, position) (hpf.random), so it is drawn there directly;
-- constants (zeros, ones, full) are made at those positions;
-- elementwise ops, casts and views (reshape, transpose, slicing, broadcasting) commute with
-  taking positions: their inputs are evaluated at the positions the op reads;
-- any other op (a QR-orthogonal init, a matmul) cannot be sliced: its input is materialized
-  whole, that one param's worth, and the op runs once on it.
+- constants (zeros, ones, full) are made at those positions, the fill value as given (an int
+  stays an int);
+- views (every op whose schema says it aliases its input: view, reshape, transpose, permute,
+  slicing with any start/stop/step, select, expand, diagonal, unfold, split, unbind, ...) are
+  applied by torch to a contiguous meta tensor of their base's shape: its strides and storage
+  offset map each position to the base's, with torch's own clamping and wrapping;
+- cat, stack, flip, roll and repeat map positions by their definition, and copies and casts
+  (clone, contiguous, ``_to_copy``) keep them;
+- the pointwise ops in ``EXACT`` are correctly rounded (IEEE add, subtract, multiply, divide,
+  sqrt; comparisons, where, clamp, rounding, casts) or integer-only, so an element's bits do not
+  depend on where it sits in a vector kernel: their inputs are evaluated at the positions read;
+- any other op (a transcendental such as sigmoid, silu, exp or ``pow`` by a float, whose vector
+  and scalar kernels may differ in the last bit; a QR-orthogonal init, a matmul) is run as in
+  eager on its inputs materialized whole, that one param's worth, once.
 
-Each value is computed by the same ops as the eager ``init_fn(key)``, element by element, so
-the gathered params equal it bit for bit, at any mesh. Work goes in chunks of
-``CHUNK`` positions, so the transient memory beside the shards stays small.
+So the gathered params equal the eager ``init_fn(key)`` bit for bit, at any mesh (on one
+machine and thread count: eager's own transcendental bits depend on those). Work goes in chunks
+of ``CHUNK`` positions, so the transient memory beside the shards stays small. What cannot be
+exact is refused, naming the leaf: torch's global RNG, uninitialized memory (``torch.empty``
+reaching a leaf through any op that reads it) and data-dependent ops (``nonzero``, a boolean
+mask, ``.item()``). One tensor returned at several paths (itself, ``.detach()``, a same-shape
+``.view()``) is one tied param, as ``step.init(full_params)`` ties it.
 """
 from __future__ import annotations
 
 import hashlib
+import operator
 from typing import Any, Callable
 
 import torch
+from torch.fx import Node
 
 from . import random as hpf_random
 from . import tree as tree_util
 
-__all__ = ["InitTrace", "trace_init", "CHUNK", "temporary_bytes"]
+__all__ = ["InitTrace", "trace_init", "CHUNK", "temporary_bytes", "EXACT", "same_bits"]
 
 CHUNK = 1 << 18  # positions evaluated at once
 #: a bound on the temporaries beside the shards, per position of a chunk: the draw's int32 words
@@ -35,15 +51,33 @@ BYTES_PER_POSITION = 64
 SMALL = 1 << 12  # a node with at most this many elements is computed whole once (keys, biases)
 
 aten = torch.ops.aten
-_CONSTANTS = {aten.zeros.default: 0.0, aten.ones.default: 1.0, aten.zeros_like.default: 0.0,
-              aten.ones_like.default: 1.0, aten.new_zeros.default: 0.0, aten.new_ones.default: 1.0}
+_CONSTANTS = {aten.zeros.default: 0, aten.ones.default: 1, aten.zeros_like.default: 0, aten.zero.default: 0,
+              aten.ones_like.default: 1, aten.new_zeros.default: 0, aten.new_ones.default: 1}
 _FILLS = {aten.full.default: 1, aten.full_like.default: 1, aten.new_full.default: 2, aten.fill.Scalar: 1}
-_SAME_ORDER = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.squeeze.default,
-               aten.squeeze.dim, aten.squeeze.dims, aten.unsqueeze.default, aten.flatten.using_ints,
-               aten.alias.default, aten.clone.default, aten.detach.default, aten.lift_fresh_copy.default,
-               aten.view_as.default, aten.contiguous.default}
+# not views, but the same elements in the same (logical, row-major) order, cast to the node's dtype
+_COPIES = {aten.clone.default, aten.contiguous.default, aten.lift_fresh_copy.default, aten._unsafe_view.default,
+           aten.reshape.default, aten._to_copy.default}
 _UNINITIALIZED = {aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default,
                   aten.new_empty.default, aten.new_empty_strided.default}
+# ops that take only the shape and dtype of these args, not their values (what they write replaces them)
+_WRITE_ONLY = {aten.fill.Scalar: {0}, aten.fill.Tensor: {0}, aten.zero.default: {0}, aten.copy.default: {0},
+               **{op: {0} for op in (aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+                                     aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
+                                     aten.empty_like.default, aten.new_empty.default, aten.new_empty_strided.default)}}
+_STORAGE_VIEWS = {aten.as_strided.default}  # a view of the input's memory, not of its logical order
+#: pointwise ops whose every element's bits are those of eager's, wherever it sits in a vector
+#: kernel (correctly rounded, or exact): evaluated at the positions read. Integer and bool
+#: arithmetic is exact in any pointwise op; add and sub with an ``alpha`` other than +-1 are not
+#: (the vector kernel fuses the multiply-add), nor ``pow`` but by the exponents in ``EXACT_POW``.
+EXACT = frozenset({
+    aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.rsub.Tensor, aten.rsub.Scalar,
+    aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.neg.default, aten.abs.default,
+    aten.sqrt.default, aten.reciprocal.default, aten.clamp.default, aten.clamp.Tensor, aten.clamp_min.default,
+    aten.clamp_max.default, aten.maximum.default, aten.minimum.default, aten.where.self, aten.masked_fill.Scalar,
+    aten.floor.default, aten.ceil.default, aten.trunc.default, aten.round.default, aten.sign.default,
+    aten.logical_not.default, aten.logical_and.default, aten.logical_or.default, aten.logical_xor.default,
+    *(getattr(getattr(aten, c), overload) for c in ("eq", "ne", "lt", "le", "gt", "ge") for overload in ("Tensor", "Scalar"))})
+EXACT_POW = (2, 3, 0.5, -0.5, -1, -2)  # pow.Tensor_Scalar's special cases: products, sqrt and reciprocals
 
 
 def trace_init(init_fn: Callable, key: torch.Tensor) -> "InitTrace":
@@ -76,14 +110,13 @@ class InitTrace:
         self.graph, self.paths, self.treedef, self.key = graph, paths, treedef, key
         (out,) = [n for n in graph.graph.nodes if n.op == "output"]
         self.outputs: list[torch.fx.Node] = list(out.args[0])
-        metas: dict[torch.fx.Node, torch.Tensor] = {}  # one meta tensor per node: a tensor at two paths is tied
-        for node in self.outputs:
-            if node not in metas:
-                val = node.meta["val"]
-                metas[node] = torch.empty(val.shape, dtype=val.dtype, device="meta")
-        self.meta_params = tree_util.unflatten(treedef, [metas[n] for n in self.outputs])
         for path, node in zip(paths, self.outputs):
-            _check_seeded(node, path)
+            _check_leaf(node, path)
+        # Each leaf is a meta view of one meta tensor per base it views, made by the same view ops:
+        # the plan ties the leaves that are one tensor (one node, .detach(), a same-shape .view())
+        # and refuses ones that overlap otherwise, as it does for the eager init_fn(key)'s tensors.
+        views = _Evaluator(graph, key)
+        self.meta_params = tree_util.unflatten(treedef, [views.view_of(n)[1] for n in self.outputs])
 
     def digest(self) -> str:
         """What makes the values (the graph, its constants and the key): equal on every rank."""
@@ -119,6 +152,7 @@ class InitTrace:
                     shard[held:held + hi - lo] = ev.at(node_of[slot.path], at).to(shard.dtype)
                 ev.forget_large()
             out.append(shard)
+        self.materialized = ev.materialized
         return out
 
 
@@ -128,25 +162,44 @@ def temporary_bytes(plan) -> int:
     return BYTES_PER_POSITION * min(CHUNK, max((b.shard_numel for b in plan.buckets), default=0))
 
 
-def _check_seeded(node: torch.fx.Node, path: str) -> None:
-    """Refuse torch's global RNG (each rank's draws would differ) and uninitialized memory."""
-    source = node
-    while source.op == "call_function" and source.target in _SAME_ORDER:
-        source = source.args[0]
-    if source.op == "call_function" and source.target in _UNINITIALIZED:
-        raise ValueError(f"init_fn returns uninitialized memory (torch.empty) as params leaf {path!r}; fill it "
-                         "(torch.zeros, or an hpf.random draw)")
-    seen, todo = set(), [node]
+def _check_leaf(node: Node, path: str) -> None:
+    """Refuse what would differ across ranks or from eager: torch's global RNG, uninitialized
+    memory whose values reach the leaf, and data-dependent ops (their shapes are unknown here)."""
+    seen, todo = {}, [node]  # the ops whose values reach the leaf
     while todo:
         n = todo.pop()
         if n in seen or n.op != "call_function":
             continue
-        seen.add(n)
-        if torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()):
+        seen[n] = getattr(n.target, "tags", ())
+        skip = _WRITE_ONLY.get(n.target, ())
+        for i, a in enumerate(n.args):
+            if i not in skip:
+                torch.fx.node.map_arg(a, todo.append)
+        torch.fx.node.map_arg(n.kwargs, todo.append)
+    for n, tags in seen.items():
+        if torch.Tag.nondeterministic_seeded in tags:
             raise ValueError(f"init_fn draws params leaf {path!r} with torch's global RNG ({n.target}); its values "
                              "would differ across ranks and from a one-process run. Draw it with hpf.random "
                              "(hpf.random.normal(key, shape), split keys with hpf.random.split)")
-        todo.extend(n.all_input_nodes)
+        if n.target in _UNINITIALIZED:
+            raise ValueError(f"init_fn makes params leaf {path!r} from uninitialized memory ({n.target}, "
+                             "torch.empty), through ops that read it; fill it first (torch.zeros, .fill_, .copy_ "
+                             "of a whole tensor, or an hpf.random draw)")
+    data_dependent = {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output}
+    found = ([n for n, tags in seen.items() if data_dependent & set(tags)]  # the op, else what its result reaches
+             or [n for n in seen if not _static(n.meta.get("val"))])
+    if found:
+        op = found[0].target
+        raise ValueError(f"init_fn computes params leaf {path!r} with a data-dependent op ({op}: nonzero, a boolean "
+                         "mask, .item() ...), whose result is not known when the init is traced. Use shape-static "
+                         "ops (torch.where instead of a mask), or build the tree with init_fn(key) and pass it to "
+                         "step.init(params)")
+
+
+def _static(val) -> bool:
+    if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return False
+    return not isinstance(val, torch.Tensor) or all(isinstance(d, int) for d in val.shape)
 
 
 def _global_positions(lo: int, hi: int, local_shape, global_shape, offsets) -> range | torch.Tensor:
@@ -154,7 +207,7 @@ def _global_positions(lo: int, hi: int, local_shape, global_shape, offsets) -> r
     if tuple(local_shape) == tuple(global_shape):
         return range(lo, hi)
     coords = _unravel(torch.arange(lo, hi), local_shape)
-    return _ravel([c + o for c, o in zip(coords, offsets)], global_shape)
+    return _ravel([c + o for c, o in zip(coords, offsets)], global_shape, hi - lo)
 
 
 def _unravel(flat: torch.Tensor, shape) -> list[torch.Tensor]:
@@ -165,10 +218,10 @@ def _unravel(flat: torch.Tensor, shape) -> list[torch.Tensor]:
     return coords[::-1]
 
 
-def _ravel(coords, shape) -> torch.Tensor:
-    flat = torch.zeros_like(coords[0]) if coords else torch.zeros((), dtype=torch.int64)
-    for c, n in zip(coords, shape):
-        flat = flat * n + c
+def _ravel(coords, shape, n: int) -> torch.Tensor:
+    flat = torch.zeros(n, dtype=torch.int64)
+    for c, size in zip(coords, shape):
+        flat = flat * size + c
     return flat
 
 
@@ -176,25 +229,82 @@ def _positions(at) -> torch.Tensor:
     return torch.arange(at.start, at.stop) if isinstance(at, range) else at
 
 
+def _index(at):
+    return slice(at.start, at.stop) if isinstance(at, range) else at
+
+
+def _strided(at, meta: torch.Tensor):
+    """Positions in a contiguous base of the elements ``at`` of ``meta``, a view of that base:
+    its strides and storage offset, as torch's view ops made them."""
+    offset = meta.storage_offset()
+    if isinstance(at, range) and meta.is_contiguous():
+        return range(at.start + offset, at.stop + offset)
+    coords = _unravel(_positions(at), meta.shape)
+    flat = torch.full((len(at),), offset, dtype=torch.int64)
+    for c, stride in zip(coords, meta.stride()):
+        flat += c * stride
+    return flat
+
+
+def _broadcast(at, in_shape, out_shape):
+    """Positions in an input of ``in_shape`` broadcast to ``out_shape`` that ``at`` reads."""
+    if tuple(in_shape) == tuple(out_shape):
+        return at
+    return _strided(at, torch.empty(in_shape, device="meta").expand(out_shape))
+
+
+def _is_view(node: Node) -> bool:
+    """Whether ``node`` is a view of its first arg (its schema says its result aliases it), made
+    from that arg alone: so torch computes its strides from the arg's shape."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target in _STORAGE_VIEWS:
+        return False
+    returns = target._schema.returns
+    alias = returns[0].alias_info if returns else None
+    return (alias is not None and not alias.is_write and bool(node.args) and isinstance(node.args[0], Node)
+            and node.all_input_nodes == [node.args[0]])
+
+
+def _exact(node: Node, val: torch.Tensor) -> bool:
+    """Whether a pointwise op's elements can be computed apart, with eager's bits (see EXACT)."""
+    target = node.target
+    if torch.Tag.pointwise not in getattr(target, "tags", ()):
+        return False
+    dtypes = [val.dtype] + [a.meta["val"].dtype for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+    if any(d.is_complex for d in dtypes):
+        return False
+    if not any(d.is_floating_point for d in dtypes):
+        return True
+    if target == aten.pow.Tensor_Scalar:
+        return not isinstance(node.args[1], bool) and node.args[1] in EXACT_POW
+    if "alpha" in node.kwargs and node.kwargs["alpha"] not in (1, -1):
+        return False
+    return target in EXACT
+
+
 class _Evaluator:
     """Values of graph nodes: whole (``full``, memoized) or at flat positions (``at``)."""
 
     def __init__(self, graph: torch.fx.GraphModule, key: torch.Tensor):
         self.graph, self.key = graph, key
-        self.whole: dict[torch.fx.Node, Any] = {}
+        self.whole: dict[Node, Any] = {}
+        self.flat: dict[Node, torch.Tensor] = {}  # whole values flattened (a copy where not contiguous)
+        self.views: dict[Node, tuple[Node, Any]] = {}
+        self.materialized: set[Node] = set()  # nodes bigger than SMALL computed whole
 
     def forget_large(self) -> None:
         """Drop whole values bigger than SMALL (a non-sliceable param's), once its leaf is done."""
         self.whole = {n: v for n, v in self.whole.items() if not isinstance(v, torch.Tensor) or v.numel() <= SMALL}
+        self.flat = {n: v for n, v in self.flat.items() if v.numel() <= SMALL}
 
     def full(self, node) -> Any:
-        if not isinstance(node, torch.fx.Node):
+        if not isinstance(node, Node):
             return node
         if node not in self.whole:
             self.whole[node] = self._compute_full(node)
         return self.whole[node]
 
-    def _compute_full(self, node: torch.fx.Node) -> Any:
+    def _compute_full(self, node: Node) -> Any:
         if node.op == "placeholder":
             return self.key
         if node.op == "get_attr":
@@ -202,98 +312,131 @@ class _Evaluator:
         args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), self.full)
         return node.target(*args, **kwargs)
 
-    def at(self, node: torch.fx.Node, at) -> torch.Tensor:
+    def view_of(self, node: Node) -> tuple[Node, Any]:
+        """(root, meta): ``node`` as a view of ``root``, a node that is no view: ``meta`` is the same
+        chain of view ops applied by torch to one contiguous meta tensor of root's shape."""
+        if node not in self.views:
+            src = node.args[0] if node.op == "call_function" and node.args else None
+            if _is_view(node):
+                root, base = self.view_of(src)
+                self.views[node] = root, node.target(base, *node.args[1:], **node.kwargs)
+            elif node.target is operator.getitem and isinstance(src, Node) and _is_view(src):
+                root, metas = self.view_of(src)  # (split, unbind, chunk: a list of views)
+                self.views[node] = root, metas[node.args[1]]
+            else:
+                val = node.meta.get("val")
+                meta = torch.empty(val.shape, dtype=val.dtype, device="meta") if isinstance(val, torch.Tensor) else None
+                self.views[node] = node, meta
+        return self.views[node]
+
+    def at(self, node: Node, at) -> torch.Tensor:
         """``node``'s whole value, flattened, at the positions ``at`` (a range or an int64 tensor)."""
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor) or val.numel() <= SMALL or node.op != "call_function":
-            return self.full(node).reshape(-1)[_index(at)]
-        target = node.target
+            return self._whole_at(node, at)
+        root, meta = self.view_of(node)
+        if root is not node:
+            if meta.element_size() != root.meta["val"].element_size():  # (a view as a dtype of another size)
+                return self._whole_at(node, at)
+            out = self.at(root, _strided(at, meta))
+            return out.view(meta.dtype) if out.dtype != meta.dtype else out
+        target, n = node.target, len(at)
         if target == torch.ops.hpf.draw.default:
             key, shape, dist, a, b, dtype = node.args
             start, stop = (at.start, at.stop) if isinstance(at, range) else (at, None)
             return hpf_random.values_at(self.full(key), shape, dist, a, b, dtype, start, stop)
-        n = len(at)
         if target in _CONSTANTS:
             return torch.full((n,), _CONSTANTS[target], dtype=val.dtype)
-        if target in _FILLS:
-            return torch.full((n,), float(node.args[_FILLS[target]]), dtype=val.dtype)
-        if target in _SAME_ORDER:
-            return self.at(node.args[0], at)
-        if target == aten._to_copy.default:
+        if target in _FILLS:  # the fill value as given: an int of 64 bits stays exact
+            return torch.full((n,), node.args[_FILLS[target]], dtype=val.dtype)
+        if target in _COPIES:
             return self.at(node.args[0], at).to(val.dtype)
-        if target in (aten.expand.default, aten.copy.default):
-            src = node.args[0] if target == aten.expand.default else node.args[1]
-            return self.at(src, _broadcast_positions(at, val.shape, src.meta["val"].shape)).to(val.dtype)
-        remap = _view_positions(node, at, val.shape)
-        if remap is not None:
-            return self.at(node.args[0], remap)
-        if torch.Tag.pointwise in getattr(target, "tags", ()):
+        if target == aten.copy.default:
+            src = node.args[1]
+            return self.at(src, _broadcast(at, src.meta["val"].shape, val.shape)).to(val.dtype)
+        if target in _MOVES:
+            return _MOVES[target](self, node, at, val)
+        if _exact(node, val):
             return self._pointwise(node, at, val)
-        return self.full(node).reshape(-1)[_index(at)]
+        return self._whole_at(node, at)
 
-    def _pointwise(self, node: torch.fx.Node, at, val: torch.Tensor) -> torch.Tensor:
+    def _whole_at(self, node: Node, at) -> torch.Tensor:
+        """The node computed whole, as in eager, at ``at``: exact for any op, a param's memory."""
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.numel() > SMALL:
+            self.materialized.add(node)
+        if node not in self.flat:
+            self.flat[node] = self.full(node).reshape(-1)
+        return self.flat[node][_index(at)]
+
+    def _pointwise(self, node: Node, at, val: torch.Tensor) -> torch.Tensor:
         def arg(a):
-            if not isinstance(a, torch.fx.Node):
+            if not isinstance(a, Node):
                 return a
             v = a.meta["val"]
-            if v.dim() == 0:  # keeps its 0-dim type promotion, as in the eager op
+            if not isinstance(v, torch.Tensor):
                 return self.full(a)
-            return self.at(a, _broadcast_positions(at, val.shape, v.shape))
+            if v.numel() == 1:  # a 0-d tensor keeps its type promotion, a one-element one stays a broadcast scalar
+                whole = self.full(a)
+                return whole if whole.dim() == 0 else whole.reshape(1)
+            return self.at(a, _broadcast(at, v.shape, val.shape))
         args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), arg)
         out = node.target(*args, **kwargs)
         if out.dtype != val.dtype or out.shape != (len(at),):  # (an op whose result does not commute)
-            return self.full(node).reshape(-1)[_index(at)]
+            return self._whole_at(node, at)
         return out
 
 
-def _index(at):
-    return slice(at.start, at.stop) if isinstance(at, range) else at
+def _cat(ev: _Evaluator, node: Node, at, val: torch.Tensor) -> torch.Tensor:
+    """cat and stack: each position read from the input that holds it (empty inputs hold none)."""
+    stack = node.target == aten.stack.default
+    dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % val.dim()
+    parts = [t for t in node.args[0] if stack or t.meta["val"].numel()]
+    sizes = [1 if stack else t.meta["val"].shape[dim] for t in parts]
+    ends = torch.tensor(sizes).cumsum(0)
+    coords = _unravel(_positions(at), val.shape)
+    which = torch.searchsorted(ends, coords[dim], right=True)
+    out = torch.empty(len(at), dtype=val.dtype)
+    for i, (part, size) in enumerate(zip(parts, sizes)):
+        mask = which == i
+        if not bool(mask.any()):
+            continue
+        c = [x[mask] for x in coords]
+        if stack:
+            del c[dim]
+        else:
+            c[dim] = c[dim] - (int(ends[i]) - size)
+        out[mask] = ev.at(part, _ravel(c, part.meta["val"].shape, int(mask.sum()))).to(val.dtype)
+    return out
 
 
-def _broadcast_positions(at, out_shape, in_shape):
-    """Positions in an input of ``in_shape`` broadcast to ``out_shape`` that ``at`` reads."""
-    if tuple(in_shape) == tuple(out_shape):
-        return at
-    coords = _unravel(_positions(at), out_shape)
-    lead = len(out_shape) - len(in_shape)
-    return _ravel([c if n != 1 else torch.zeros_like(c) for c, n in zip(coords[lead:], in_shape)], in_shape)
+def _flip(ev: _Evaluator, node: Node, at, val: torch.Tensor) -> torch.Tensor:
+    coords = _unravel(_positions(at), val.shape)
+    for d in {d % val.dim() for d in node.args[1]}:
+        coords[d] = val.shape[d] - 1 - coords[d]
+    return ev.at(node.args[0], _ravel(coords, val.shape, len(at)))
 
 
-def _view_positions(node: torch.fx.Node, at, out_shape):
-    """Positions in a transposed, permuted, sliced or selected op's input, or None for other ops."""
-    target, args = node.target, node.args
-    if target not in (aten.t.default, aten.transpose.int, aten.permute.default, aten.slice.Tensor, aten.select.int):
-        return None
-    src_shape = tuple(args[0].meta["val"].shape)
-    if target == aten.t.default:
-        target, args = aten.transpose.int, (args[0], 0, 1) if len(src_shape) == 2 else (args[0], 0, 0)
-    if target == aten.transpose.int:
-        perm = list(range(len(src_shape)))
-        d0, d1 = (d % len(src_shape) for d in args[1:3])
-        perm[d0], perm[d1] = perm[d1], perm[d0]
-        target, args = aten.permute.default, (args[0], perm)
-    coords = None
-    if target == aten.permute.default:
-        perm = [d % len(src_shape) for d in args[1]]
-        out = _unravel(_positions(at), out_shape)
-        coords = [None] * len(src_shape)
-        for i, d in enumerate(perm):
-            coords[d] = out[i]
-    elif target == aten.slice.Tensor:
-        dim = (args[1] if len(args) > 1 else 0) % len(src_shape)
-        start = args[2] if len(args) > 2 and args[2] is not None else 0
-        start = start + src_shape[dim] if start < 0 else min(start, src_shape[dim])
-        step = args[4] if len(args) > 4 else 1
-        coords = _unravel(_positions(at), out_shape)
-        coords[dim] = coords[dim] * step + start
-    elif target == aten.select.int:
-        dim = args[1] % len(src_shape)
-        coords = _unravel(_positions(at), out_shape)
-        coords.insert(dim, torch.full_like(coords[0] if coords else torch.zeros(len(at), dtype=torch.int64),
-                                           args[2] % src_shape[dim]))
-    if coords is None:
-        return None
-    return _ravel(coords, src_shape)
+def _roll(ev: _Evaluator, node: Node, at, val: torch.Tensor) -> torch.Tensor:
+    shifts = node.args[1]
+    dims = node.args[2] if len(node.args) > 2 else node.kwargs.get("dims", [])
+    if not dims:  # rolls the flattened tensor
+        return ev.at(node.args[0], (_positions(at) - shifts[0]) % val.numel())
+    coords = _unravel(_positions(at), val.shape)
+    for s, d in zip(shifts, dims):
+        d %= val.dim()
+        coords[d] = (coords[d] - s) % val.shape[d]
+    return ev.at(node.args[0], _ravel(coords, val.shape, len(at)))
+
+
+def _repeat(ev: _Evaluator, node: Node, at, val: torch.Tensor) -> torch.Tensor:
+    in_shape = node.args[0].meta["val"].shape
+    coords = _unravel(_positions(at), val.shape)[val.dim() - len(in_shape):]
+    return ev.at(node.args[0], _ravel([c % n for c, n in zip(coords, in_shape)], in_shape, len(at)))
+
+
+_MOVES = {aten.cat.default: _cat, aten.stack.default: _cat, aten.flip.default: _flip, aten.roll.default: _roll,
+          aten.repeat.default: _repeat}
 
 
 def same_bits(a: Any, b: Any) -> bool:

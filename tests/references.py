@@ -105,3 +105,27 @@ def atom_training(loss_fn: Callable, params: Any, batches: Callable[[int], Any],
         opt.step()
         losses.append(pairwise_sum([v for v, _ in per_atom]) / n)
     return losses, {p: x.detach() for p, x in zip(paths, leaves)}
+
+
+def _raw_bits(x: torch.Tensor) -> torch.Tensor:
+    x = x.reshape(-1).contiguous()
+    return x.view(torch.uint8) if x.dtype != torch.bool else x
+
+
+def born_mismatch(init_fn: Callable, key: torch.Tensor, mesh, **plan_options) -> str | None:
+    """How each rank's born-sharded shards of ``init_fn`` (``step.init(init_fn, key=)``, on a
+    virtual ``mesh``: every rank evaluated here) differ from the ones cut from the eager
+    ``init_fn(key)``, bit for bit, ties included; None when they are the same."""
+    from hpf.sharded_init import trace_init
+    from hpf.step import step_plan
+    whole, traced = init_fn(key), trace_init(init_fn, key)
+    plan, eager = step_plan(traced.meta_params, mesh, **plan_options), step_plan(whole, mesh, **plan_options)
+    if plan.ties != eager.ties:
+        return f"ties {plan.ties} != eager's {eager.ties}"
+    for rank in range(mesh.size):
+        born, cut = traced.shards(plan, rank), eager.shards(whole, rank)
+        for i, (a, b) in enumerate(zip(born, cut, strict=True)):
+            if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(_raw_bits(a), _raw_bits(b)):
+                paths = [s.path for s in plan.buckets[i].slots]
+                return f"rank {rank} bucket {i} ({paths}): {int((_raw_bits(a) != _raw_bits(b)).sum())} bytes differ"
+    return None

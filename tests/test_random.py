@@ -137,3 +137,46 @@ def test_a_draw_and_a_fold_in_are_one_op_each_when_traced():
     targets = [n.target for n in graph.graph.nodes if n.op == "call_function"]
     assert targets.count(torch.ops.hpf.draw.default) == 1 and targets.count(torch.ops.hpf.fold_in.default) == 1
     assert torch.equal(graph(R.key(0)), f(R.key(0)))
+
+
+# -- issue 55 ---------------------------------------------------------------------------------------------
+def test_randint_is_exact_beyond_2_to_the_53():
+    """(Item 7: the bounds went through a float; [2^60 + 100, 2^60 + 110) gave one value below it.)"""
+    r = R.randint(R.key(0), (1000,), 2**60 + 100, 2**60 + 110)
+    assert (r - 2**60).unique().tolist() == list(range(100, 110))
+    assert torch.equal(R.randint(R.key(0), (1000,), 100, 110), r - 2**60)  # the same offsets as small bounds
+    assert torch.equal(R.randint(R.key(0), (9,), -3, -2, torch.int8), torch.full((9,), -3, dtype=torch.int8))
+    with pytest.raises(ValueError, match=r"does not fit torch.int32"):
+        R.randint(R.key(0), (3,), 2**40, 2**40 + 5, torch.int32)
+
+
+@pytest.mark.parametrize("lower, upper", [(5.5, 6.0), (6.0, 7.0), (4.0, 5.0), (-1.0, 6.0), (-6.0, -5.5)])
+def test_truncated_normal_keeps_its_precision_in_either_tail(lower, upper):
+    """(Item 8: on (5.5, 6) it was the constant 5.5, and [4, 5] had 528 distinct values in 1e5.)"""
+    n = 100_000
+    t = R.truncated_normal(R.key(1), lower, upper, (n,)).double()
+    assert float(t.min()) >= lower and float(t.max()) <= upper
+    assert t.unique().numel() > 0.8 * n
+    cdf = lambda x: 0.5 * math.erfc(-x / math.sqrt(2))  # noqa: E731
+    pdf = lambda x: math.exp(-x * x / 2) / math.sqrt(2 * math.pi)  # noqa: E731
+    mass = cdf(upper) - cdf(lower)
+    mean = (pdf(lower) - pdf(upper)) / mass
+    var = 1 + (lower * pdf(lower) - upper * pdf(upper)) / mass - mean ** 2
+    assert abs(float(t.mean()) - mean) < 5 * math.sqrt(var / n)
+    assert _ks(t, lambda x: (torch.special.ndtr(x) - cdf(lower)) / mass) < 1.63 / math.sqrt(n)
+    mirror = R.truncated_normal(R.key(1), -upper, -lower, (n,))
+    assert torch.equal(mirror, -t.float()) or lower + upper <= 0
+
+
+def test_a_truncated_normal_float32_cannot_resolve_is_refused():
+    with pytest.raises(ValueError, match=r"\[30, 31\] lies too far in the tail"):
+        R.truncated_normal(R.key(0), 30, 31)
+
+
+@pytest.mark.parametrize("draw", ["bits", "uniform", "normal", "truncated_normal", "bernoulli"])
+def test_a_draw_without_a_shape_is_a_scalar(draw):
+    """(Item 17: the default shape () raised TypeError in reshape; jax.random's default is a scalar.)"""
+    args = (-1.0, 1.0) if draw == "truncated_normal" else ()
+    x = getattr(R, draw)(R.key(3), *args)
+    assert x.shape == () and torch.equal(x.reshape(1), getattr(R, draw)(R.key(3), *args, shape=(1,)))
+    assert getattr(R, draw)(R.split(R.key(3), 4), *args).shape == (4,)

@@ -4,6 +4,7 @@
 The one-process tests compare each rank's shards on virtual meshes of every layout (world sizes
 1-4, two-tier numbering, HSDP, experts over an axis, mixed precision's fp32 masters); the launched
 ones gather a real run's params and compare them with ``init_fn(key)`` run eagerly in one process."""
+import dataclasses
 import functools
 
 import pytest
@@ -15,6 +16,7 @@ from hpf.launcher import launch
 from hpf.models import gpt, llama, moe
 from hpf.sharded_init import same_bits, trace_init
 from hpf.step import step_plan
+from references import born_mismatch
 
 
 def users_init(key):
@@ -77,7 +79,7 @@ def test_a_tie_stays_one_param():
 def test_torchs_global_rng_and_uninitialized_memory_are_refused_by_path():
     with pytest.raises(ValueError, match=r"'blocks/0/w'.*global RNG.*hpf\.random"):
         trace_init(lambda k: {"blocks": [{"w": torch.randn(3, 3)}]}, R.key(0))
-    with pytest.raises(ValueError, match=r"uninitialized memory.*'b'"):
+    with pytest.raises(ValueError, match=r"'b' from uninitialized memory"):
         trace_init(lambda k: {"a": R.normal(k, (2,)), "b": torch.empty(5)}, R.key(0))
     full = trace_init(lambda k: {"b": torch.empty(5).fill_(3.0)}, R.key(0)).full_params()
     assert torch.equal(full["b"], torch.full((5,), 3.0))  # filled memory is fine
@@ -96,19 +98,24 @@ def test_init_takes_an_init_function_with_its_key_or_a_params_tree_alone():
         gpt.init(gpt.CONFIGS["tiny"], torch.Generator().manual_seed(0))
 
 
-def test_one_process_step_from_an_init_function_trains_as_from_its_params():
-    config = gpt.CONFIGS["tiny"]
-    batch = gpt.global_batch(config, 4, 0, 0)
-    losses = []
+@pytest.mark.parametrize("name", ["gpt", "tied llama"])
+def test_one_process_step_from_an_init_function_trains_as_from_its_params(name):
+    """(A tied llama born sharded trained untied, issue 55 item 3: the head is the embedding.)"""
+    module, config = (gpt, gpt.CONFIGS["tiny"]) if name == "gpt" else (
+        llama, dataclasses.replace(llama.CONFIGS["tiny"], tie_embeddings=True))
+    batch = gpt.global_batch(gpt.CONFIGS["tiny"], 4, 0, 0) % config.vocab_size
+    params, losses = [], []
     for made_from in ("function", "params"):
-        step = hpf.shard_step(gpt.loss_for(config), mesh=hpf.Mesh({"dp": 1}), optimizer=hpf.optim.adamw(lr=1e-2))
-        state = (step.init(functools.partial(gpt.init, config), key=R.key(2)) if made_from == "function"
-                 else step.init(gpt.init(config, R.key(2))))
+        step = hpf.shard_step(module.loss_for(config), mesh=hpf.Mesh({"dp": 1}), optimizer=hpf.optim.adamw(lr=1e-2))
+        state = (step.init(functools.partial(module.init, config), key=R.key(2)) if made_from == "function"
+                 else step.init(module.init(config, R.key(2))))
         for _ in range(3):
             state, m = step(state, batch)
         losses.append(m["loss"])
+        params.append(step.full_params(state))
         step.close()
-    assert losses[0] == losses[1]
+    assert losses[0] == losses[1] and same_bits(params[0], params[1])
+    assert name == "gpt" or params[0]["head"] is params[0]["embed"]
 
 
 def _gathered_equals_eager(rank, name, axes, two_tier, ep, mp):
@@ -151,3 +158,52 @@ def test_ranks_given_different_keys_are_refused_at_init():
     with pytest.raises(hpf.launcher.RankError, match="ParamsMismatchError.*init_fn and key"):
         launch(_different_keys, 2, timeout=120)
 
+
+
+# -- issue 55: each op the evaluator re-derived wrongly was a silent wrong init ----------------------------
+def _issue6_init(key):
+    """The views and movements of issue 55 item 6, on 3 ranks, each param bigger than one node
+    the evaluator computes whole."""
+    import einops
+    k = R.split(key, 4)
+    x = R.normal(k[0], (24, 30, 16))
+    y = x.transpose(0, 1).permute(2, 0, 1)[:, -10:, ::3].select(1, -2)        # [16, 10]
+    z = torch.cat([y, y.flip(0)], 0).roll(3, 1).repeat(30, 1)                  # [960, 10]
+    w = R.uniform(k[1], (70, 90))
+    return {"z": z, "r": einops.rearrange(x, "a b c -> (b c) a")[-500:-5:7].clone(),
+            "u": x.unfold(1, 4, 3).narrow(0, -20, 17).contiguous(),
+            "d": R.normal(k[2], (3, 80, 90)).diagonal(5, 1, 2).expand(60, 3, 80).contiguous(),
+            "s": torch.stack(w.chunk(3, 1), 0)[:, -100:, 1:].contiguous(), "n": w[-60::2, -1000:][:, ::-1 + 2]}
+
+
+@pytest.mark.parametrize("item, init_fn, world", [
+    ("1: a slice torch clamps", lambda k: {"a": R.normal(k, (90, 130))[-91:], "b": R.normal(k, (90, 130))[-200:-100]}, 2),
+    ("2: int64 arithmetic", lambda k: {"a": R.normal(k, (90, 130)) + (torch.full((90, 130), 2**60 + 1) % 7).float()}, 2),
+    ("3: one tensor at three paths", lambda k: (lambda x: {"a": x, "b": x.detach(), "c": x.view(90, 130)})(
+        R.normal(k, (90, 130))), 2),
+    ("4: sigmoid", lambda k: {"a": (R.normal(k, (89, 103)) * 4).sigmoid()}, 3),
+    ("4: silu", lambda k: {"a": torch.nn.functional.silu(R.normal(k, (89, 103)) * 4)}, 3),
+    ("4: pow", lambda k: {"a": (R.normal(k, (89, 103)) * 4).abs() ** 1.7}, 3),
+    ("6: views and movements", _issue6_init, 3),
+])
+def test_born_shards_equal_eager_for_what_was_re_derived_wrongly(item, init_fn, world):
+    assert born_mismatch(init_fn, R.key(0), hpf.Mesh({"dp": world})) is None
+
+
+@pytest.mark.parametrize("through", ["transpose", "cast", "slice", "pointwise", "partly filled"])
+def test_uninitialized_memory_is_refused_through_any_op_that_reads_it(through):
+    make = {"transpose": lambda: torch.empty(90, 130).t(), "cast": lambda: torch.empty(90, 130).double(),
+            "slice": lambda: torch.empty(90, 130)[3:], "pointwise": lambda: torch.empty(90, 130) * 0 + 1,
+            "partly filled": lambda: torch.empty(90, 130).index_fill_(0, torch.tensor([0]), 1.0)}[through]
+    with pytest.raises(ValueError, match=r"'blocks/1/w' from uninitialized memory"):
+        trace_init(lambda k: {"blocks": [{"w": R.normal(k, (3,))}, {"w": make()}]}, R.key(0))
+    filled = trace_init(lambda k: {"w": torch.empty(9, 13).copy_(R.normal(k, (9, 13))).t()}, R.key(0)).full_params()
+    assert torch.equal(filled["w"], R.normal(R.key(0), (9, 13)).t())
+
+
+@pytest.mark.parametrize("op", ["nonzero", "mask", "item"])
+def test_data_dependent_ops_are_refused_by_path(op):
+    make = {"nonzero": lambda x: torch.nonzero(x > 0).float(), "mask": lambda x: x[x > 0],
+            "item": lambda x: x * x.sum().item()}[op]
+    with pytest.raises(ValueError, match=r"params leaf 'm/w' with a data-dependent op"):
+        trace_init(lambda k: {"m": {"w": make(R.normal(k, (90, 130)))}}, R.key(0))
