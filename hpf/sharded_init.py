@@ -56,7 +56,7 @@ _CONSTANTS = {aten.zeros.default: 0, aten.ones.default: 1, aten.zeros_like.defau
 _FILLS = {aten.full.default: 1, aten.full_like.default: 1, aten.new_full.default: 2, aten.fill.Scalar: 1}
 # not views, but the same elements in the same (logical, row-major) order, cast to the node's dtype
 _COPIES = {aten.clone.default, aten.contiguous.default, aten.lift_fresh_copy.default, aten._unsafe_view.default,
-           aten.reshape.default, aten._to_copy.default}
+           aten.reshape.default, aten._to_copy.default, aten.view.default}  # (view: where no view of a root, below)
 _UNINITIALIZED = {aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default,
                   aten.new_empty.default, aten.new_empty_strided.default}
 # ops that take only the shape and dtype of these args, not their values (what they write replaces them)
@@ -317,9 +317,16 @@ class _Evaluator:
         chain of view ops applied by torch to one contiguous meta tensor of root's shape."""
         if node not in self.views:
             src = node.args[0] if node.op == "call_function" and node.args else None
+            view = None
             if _is_view(node):
                 root, base = self.view_of(src)
-                self.views[node] = root, node.target(base, *node.args[1:], **node.kwargs)
+                try:
+                    view = root, node.target(base, *node.args[1:], **node.kwargs)
+                except RuntimeError:  # a view eager's strides allowed (a reshape of a pointwise op of a transpose):
+                    if node.target is not aten.view.default:  # its elements in row-major order, as a root of its own
+                        raise
+            if view is not None:
+                self.views[node] = view
             elif node.target is operator.getitem and isinstance(src, Node) and _is_view(src):
                 root, metas = self.view_of(src)  # (split, unbind, chunk: a list of views)
                 self.views[node] = root, metas[node.args[1]]
