@@ -66,7 +66,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from .checkpoint_check import Want, check_keys, dtype_of, header_fields
 from .checkpoint_files import (HEADER, TMP_SUFFIX, CheckpointError, Reader, load_data, not_data, read_failed,
-                               save_failed, seal, sums)
+                               save_failed, seal, sums, describe, PeerSaveError)
 from .comm import schedule, world
 from .launcher import at_shutdown
 from .optim.base import capabilities
@@ -451,12 +451,12 @@ def _write(sd: dict, tmp: Path, path: Path, header: dict, keep_last: int | None,
         (tmp / f"__{rank}{_SUMS}").write_text(json.dumps(sums(tmp, mine, metadata)))
     except (Exception, CheckpointException) as e:  # noqa: BLE001 -- DCP's is a BaseException (a full disk)
         error = e
-    if _all_ok(error is None, group) and rank == 0:
+    if (error := _first_error(error, group)) is None and rank == 0:
         try:
             _publish(tmp, path, header, keep_last)
         except Exception as e:  # noqa: BLE001 -- reported below, on every rank
             error = e
-    if not _all_ok(error is None, group) or error is not None:
+    if (error := _first_error(error, group)) is not None:
         box["error"] = save_failed(path, error)
         if rank == 0:  # free the space a full disk needs back; the last complete checkpoint stays
             shutil.rmtree(tmp, ignore_errors=True)
@@ -465,14 +465,14 @@ def _write(sd: dict, tmp: Path, path: Path, header: dict, keep_last: int | None,
 _SUMS = ".crc.json"  # each rank's {file: [size, {offset: crc32}]}, merged into the manifest by rank 0
 
 
-def _all_ok(ok: bool, group) -> bool:
-    """Whether every rank of the save's group got this far without an error (a flag all-reduce:
-    a rank that failed must not leave the others waiting in a barrier)."""
+def _first_error(error: BaseException | None, group) -> BaseException | None:
+    """Once every rank of the save's group got this far (a rank that failed must not leave the others
+    in a barrier): this rank's error, else the first failing rank's, so every rank names the cause."""
     if not world.is_distributed():
-        return ok
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
-    world.all_reduce(flag, group, op="max")
-    return int(flag) == 0
+        return error
+    said = world.all_gather_object(None if error is None else describe(error), group)
+    first = next(((r, s) for r, s in enumerate(said) if s is not None), None)
+    return error if error is not None or first is None else PeerSaveError(f"rank {first[0]}: {first[1]}")
 
 
 def _publish(tmp: Path, path: Path, header: dict, keep_last: int | None) -> None:

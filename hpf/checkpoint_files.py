@@ -30,8 +30,8 @@ import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 from .errors import CheckpointError
 
-__all__ = ["CheckpointError", "Reader", "sums", "seal", "load_data", "not_data", "save_failed", "read_failed", "HEADER",
-           "TMP_SUFFIX"]
+__all__ = ["CheckpointError", "Reader", "sums", "seal", "load_data", "not_data", "save_failed", "describe",
+           "PeerSaveError", "read_failed", "HEADER", "TMP_SUFFIX"]
 
 HEADER = "hpf.json"
 TMP_SUFFIX = ".tmp"
@@ -211,14 +211,23 @@ def _causes(error: BaseException) -> list[BaseException]:
     return [f[0] if isinstance(f, tuple) else f for f in error.failures.values()] or [error]
 
 
-def save_failed(path: Path, error: BaseException | None) -> CheckpointError:
-    """The CheckpointError of a save that was not published (``error``: this rank's, if any)."""
+class PeerSaveError(RuntimeError):
+    """Another rank's failure to write its part of a save, as that rank described it."""
+
+
+def describe(error: BaseException) -> str:
+    """An error behind a save in one line: its type and its first line (DCP's: the first failed rank's)."""
+    cause = _causes(error)[0]
+    return str(cause) if isinstance(cause, PeerSaveError) else \
+        f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+
+
+def save_failed(path: Path, error: BaseException) -> CheckpointError:
+    """The CheckpointError of a save that was not published (``error``: this rank's, or a peer's)."""
     if isinstance(error, CheckpointError):
         return error
-    cause = _causes(error)[0] if error is not None else None
-    why = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}" if cause is not None \
-        else "another rank failed to write its part"
-    return CheckpointError(f"saving {path}: {why}{_full_disk(path, cause)}; nothing was published")
+    cause = _causes(error)[0]
+    return CheckpointError(f"saving {path}: {describe(error)}{_full_disk(path, cause)}; nothing was published")
 
 
 # How a full disk reaches a save: an OSError (ENOSPC), or torch's zip writer's own words when the
