@@ -12,6 +12,7 @@ from hpf import jobspec, memory, search
 from hpf.cli.common import CliError, mesh_text
 from hpf.jobspec import positive
 from hpf.cli.machine import HELP, hardware_of
+from hpf.models.registry import check_tp
 from hpf.search import Candidate
 from hpf.precision import SlowPrecision
 
@@ -49,9 +50,10 @@ def _as_options(saved: dict, where: str) -> None:
             raise CliError(f"--plan {where}: {key} is {holder.get(key)!r} ({e}), which --{key.replace('_', '-')} does "
                            "not take; write the file with hpf plan --search --save FILE") from None
     tp = saved["choice"]["options"].get("tp", 1)
-    if type(tp) is not int or tp < 1:  # (no flag to check it as: the mesh's tp axis; 0 was a ZeroDivisionError)
-        raise CliError(f"--plan {where}: tp is {tp!r}, not a tensor-parallel size (a positive int that divides the "
-                       "mesh's last axis); write the file with hpf plan --search --save FILE")
+    try:  # (no flag to check it as: the mesh's tp axis)
+        check_tp(tp)
+    except ValueError as e:
+        raise CliError(f"--plan {where}: tp is {tp!r} ({e}); write the file with hpf plan --search --save FILE") from None
 
 
 def add_options(parser, *, train: bool) -> None:

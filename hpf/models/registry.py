@@ -8,7 +8,7 @@ from hpf.mesh import Mesh
 from hpf.models import gpt, llama, moe
 
 __all__ = ["gpt", "llama", "moe", "MODELS", "model_config", "has_experts", "specs_for", "TP_AXIS", "data_axes",
-           "layout", "mesh_for", "carve_tp", "tp_sizes"]
+           "layout", "mesh_for", "carve_tp", "check_tp", "tp_sizes"]
 
 #: The models by name: what `hpf train --model` picks.
 MODELS = {"gpt": gpt, "llama": llama, "moe": moe}
@@ -79,11 +79,16 @@ def mesh_for(axes: dict[str, int]) -> Mesh:
     return Mesh(dict(axes), fast_axes=fast)
 
 
+def check_tp(tp) -> None:
+    """Refuse what is not a tensor-parallel size (0 divided by zero; True, 2.0 and "2" passed for one)."""
+    if type(tp) is not int or tp < 1:
+        raise ValueError(f"tp={tp!r} is not a tensor-parallel size: give a positive int that divides the last axis")
+
+
 def carve_tp(mesh: Mesh, tp: int) -> Mesh:
     """``mesh`` with a ``TP_AXIS`` of ``tp`` ranks split off its last axis (``mesh_for``'s tiers);
     itself for ``tp`` 1."""
-    if type(tp) is not int or tp < 1:
-        raise ValueError(f"tp={tp!r} is not a tensor-parallel size: give a positive int that divides the last axis")
+    check_tp(tp)
     if tp == 1:
         return mesh
     *outer, (last, n) = zip(mesh.axis_names, mesh.shape)
