@@ -3,7 +3,7 @@
 Models are pure functions over pytrees of plain tensors; sharding is written as
 PartitionSpecs and resolved once into a plan. The module map is in docs/architecture.md.
 
-Every public name, and the submodules ``checkpoint``, ``data``, ``errors``, ``models``, ``optim``,
+Every public name, and the submodules ``checkpoint``, ``data``, ``elastic``, ``errors``, ``models``, ``optim``,
 ``random``, ``sim`` and ``tree``, loads on first use (PEP 562): ``import hpf`` does not import torch,
 so the ``hpf`` command answers ``--help`` at once.
 """
@@ -34,7 +34,7 @@ _NAMES = {
     "launch": "launcher",
     "from_module": "module", "to_module": "module",
 }
-_SUBMODULES = ("checkpoint", "data", "errors", "models", "optim", "random", "sim", "tree")
+_SUBMODULES = ("checkpoint", "data", "elastic", "errors", "models", "optim", "random", "sim", "tree")
 
 __all__ = sorted([*_NAMES, *_SUBMODULES])
 

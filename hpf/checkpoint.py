@@ -72,7 +72,7 @@ from .launcher import at_shutdown
 from .optim.base import capabilities
 
 
-__all__ = ["CheckpointError", "Layout", "save", "restore", "load_params", "meta", "wait_pending", "boxes", "latest", "rng_state",
+__all__ = ["CheckpointError", "Layout", "state_dict", "save", "restore", "load_params", "meta", "wait_pending", "boxes", "latest", "rng_state",
            "set_rng_state", "VERSION"]
 
 VERSION = 1
@@ -215,7 +215,8 @@ class Layout(NamedTuple):
     optimizer: Any
 
 
-def _state_dict(layout: Layout, state) -> dict[str, Any]:
+def state_dict(layout: Layout, state) -> dict[str, Any]:
+    """key -> this rank's chunks of ``state`` (views, global offsets) or a scalar: what a save writes, a restore reads into."""
     plan, rank = layout.plan, layout.rank
     sd: dict[str, Any] = {}
     for b, shard in zip(plan.buckets, state.params):
@@ -413,7 +414,7 @@ def save(layout: Layout, state, path, extra: Any = None, *, keep_last: int | Non
     group = _group() if world.is_distributed() else None
     if async_save:
         state = optree.tree_map(lambda t: t.detach().to("cpu", copy=True), state)
-    sd = _state_dict(layout, state)
+    sd = state_dict(layout, state)
     header = {**_header(layout, sd), "meta": json.loads(json.dumps(meta or {}))}  # (JSON now: a bad value fails here)
     sd["extra"] = extra
     tmp = path.with_name(path.name + TMP_SUFFIX)
@@ -588,7 +589,7 @@ def restore(layout: Layout, path, state, *, strict: bool = True) -> tuple[Any, A
     state would keep zeros or stale values."""
     path = Path(path)
     _start("step.restore", path)
-    sd = _state_dict(layout, state)
+    sd = state_dict(layout, state)
     sd["extra"] = None
     error, dropped = None, []
     try:

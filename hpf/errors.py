@@ -8,7 +8,8 @@ import signal
 __all__ = ["MeshError", "SpecError", "SpecTreeError", "IndivisibleSpecError", "DonatedStateError",
            "ParamsMismatchError", "StaleParamError", "CapturedTensorError", "UnevenBatchError",
            "UnusedParamsError", "NonFiniteError", "ScheduleMismatchError", "PeerTimeoutError",
-           "StoreValueError", "CheckpointError", "RankError", "Terminated", "NoFeasiblePlan"]
+           "StoreValueError", "CheckpointError", "RankError", "Terminated", "NoFeasiblePlan", "PeerLostError",
+           "UnrecoverableLossError"]
 
 
 # -- the call: mesh, specs, params, batches ------------------------------------------------------------
@@ -77,6 +78,21 @@ class PeerTimeoutError(TimeoutError):
     def __init__(self, message: str, missing: list[int]):
         super().__init__(message)
         self.missing = missing
+
+
+class PeerLostError(RuntimeError):
+    """A peer's heartbeat stopped (``hpf.elastic``): it died or its machine was lost. ``lost`` holds
+    the ids of the ranks that went silent; an elastic job re-forms without them."""
+
+    def __init__(self, message: str, lost: list[int]):
+        super().__init__(message)
+        self.lost = lost
+
+
+class UnrecoverableLossError(RuntimeError):
+    """An elastic job lost what it cannot rebuild: a rank together with the buddy that held its copy,
+    or so many ranks that the mesh cannot shrink onto the rest. The message names the ranks; the
+    job ends, and resumes from its last checkpoint (``hpf train --resume``)."""
 
 
 class StoreValueError(ValueError):

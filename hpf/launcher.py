@@ -40,7 +40,7 @@ from .comm.world import COLLECTIVE_TIMEOUT_S
 from .errors import RankError, Terminated
 
 __all__ = ["RankError", "Terminated", "launch", "init_distributed", "shutdown", "at_shutdown", "is_launched", "rank", "world_size",
-           "COLLECTIVE_TIMEOUT_S"]
+           "COLLECTIVE_TIMEOUT_S", "reform", "at_reform", "base_store", "generation_prefix"]
 
 _TERMINATE_GRACE_S = 2.0  # SIGTERM first, SIGKILL after this
 _DEATH_ECHO_S = 1.0  # after a rank's error, how long to watch for a peer's death that caused it
@@ -104,22 +104,82 @@ def init_distributed(timeout: float | datetime.timedelta = COLLECTIVE_TIMEOUT_S,
         raise RuntimeError(
             f"init_distributed: environment variables {missing} are not set; start the script "
             "with torchrun, or run the function through hpf.launch(fn, world_size)")
-    if backend is None:
-        backend = "gloo"
-        if torch.accelerator.is_available():
-            device = torch.accelerator.current_accelerator()
-            local_rank = int(os.environ.get("LOCAL_RANK", 0))
-            count = torch.accelerator.device_count()
-            if local_rank >= count:
-                raise RuntimeError(
-                    f"init_distributed: LOCAL_RANK={local_rank} but only {count} {device.type} "
-                    "device(s); start at most one rank per device, or pass backend='gloo'")
-            torch.accelerator.set_device_index(local_rank)
-            backend = f"cpu:gloo,{device.type}:{dist.get_default_backend_for_device(device)}"
+    backend = backend or _device_backend()
+    _ELASTIC["backend"] = backend
+    if os.environ.get("HPF_ELASTIC_JOIN"):  # a replacement rank: its group starts when the job admits it
+        return
     rendezvous = os.environ.get("HPF_RENDEZVOUS_FILE")  # set by launch: no port to race for
     init = {"init_method": f"file://{rendezvous}", "rank": int(os.environ["RANK"]),
             "world_size": int(os.environ["WORLD_SIZE"])} if rendezvous else {}
+    if os.environ.get("HPF_ELASTIC_STORE_PORT"):  # an elastic launch: generation 0 under the launcher's store
+        init = {"store": dist.PrefixStore(generation_prefix(0), base_store()), "rank": int(os.environ["RANK"]),
+                "world_size": int(os.environ["WORLD_SIZE"])}
     dist.init_process_group(backend=backend, timeout=_as_timedelta(timeout), **init)
+
+
+# -- elastic jobs: generations of the process group over one base store (hpf.elastic) ------------------------
+_ELASTIC: dict[str, Any] = {"base": None, "retired": [], "backend": None, "timeout": None}
+_AT_REFORM: list[Callable[[], None]] = []
+
+
+def generation_prefix(generation: int) -> str:
+    """Where generation ``generation`` of an elastic job's process group keeps its keys in the base store."""
+    return f"hpf/elastic/gen{generation}"
+
+
+def base_store() -> dist.Store:
+    """The store that outlives every generation of an elastic job's process group: an elastic
+    ``hpf.launch``'s (its parent process hosts it), else the first group's own (torchrun's agent store)."""
+    if _ELASTIC["base"] is None:
+        port = os.environ.get("HPF_ELASTIC_STORE_PORT")
+        if port:
+            _ELASTIC["base"] = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(port), is_master=False,
+                                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        elif dist.is_initialized():
+            _ELASTIC["base"] = dist.distributed_c10d._get_default_store()
+        else:
+            raise RuntimeError("hpf.elastic: no process group and no elastic launch; start the job with "
+                               "hpf.launch(fn, n, elastic=True) or torchrun")
+    return _ELASTIC["base"]
+
+
+def at_reform(fn: Callable[[], None]) -> Callable[[], None]:
+    """Have :func:`reform` call ``fn()`` once the new group runs (a module forgets the groups it made)."""
+    if fn not in _AT_REFORM:
+        _AT_REFORM.append(fn)
+    return fn
+
+
+def reform(generation: int, rank_: int, world_size_: int, backend: str | None = None) -> None:
+    """Replace the default process group by generation ``generation``: ``world_size_`` ranks, this one
+    ``rank_``, meeting under the generation's prefix of the base store. The groups of the generation
+    before are kept, never destroyed: one of their gloo threads may still wait on a lost peer, and a
+    destructor would join it; they end at their timeout, and their keys never meet the new ones."""
+    base = base_store()
+    if dist.is_initialized():
+        _ELASTIC["retired"] += list(dist.distributed_c10d._world.pg_map)
+        dist.destroy_process_group()
+    dist.init_process_group(backend=backend or _ELASTIC["backend"] or _device_backend(), store=dist.PrefixStore(generation_prefix(generation), base),
+                            rank=rank_, world_size=world_size_, timeout=_as_timedelta(COLLECTIVE_TIMEOUT_S))
+    schedule.LOG.__init__()  # a new world: a fresh log (the broken one was the lost generation's)
+    for fn in _AT_REFORM:
+        fn()
+
+
+def _device_backend() -> str:
+    """gloo on CPU; with an accelerator, gloo for CPU tensors plus the device's own backend (the
+    device set from LOCAL_RANK)."""
+    if not torch.accelerator.is_available():
+        return "gloo"
+    device = torch.accelerator.current_accelerator()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    count = torch.accelerator.device_count()
+    if local_rank >= count:
+        raise RuntimeError(
+            f"init_distributed: LOCAL_RANK={local_rank} but only {count} {device.type} "
+            "device(s); start at most one rank per device, or pass backend='gloo'")
+    torch.accelerator.set_device_index(local_rank)
+    return f"cpu:gloo,{device.type}:{dist.get_default_backend_for_device(device)}"
 
 
 _AT_SHUTDOWN: list[Callable[[], None]] = []
@@ -292,7 +352,8 @@ def _stop(procs: list) -> None:
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | None = None,
            backend: str | None = None, master_port: int | None = None,
-           env: dict[str, str] | None = None, collective_timeout: float = COLLECTIVE_TIMEOUT_S) -> list[Any]:
+           env: dict[str, str] | None = None, collective_timeout: float = COLLECTIVE_TIMEOUT_S,
+           elastic: bool = False, replacements: int = 0) -> list[Any]:
     """Run `fn(rank, *args)` on `world_size` forked local processes; return their results by rank.
 
     Each child gets torchrun's environment variables (plus `env`), a default process group
@@ -316,6 +377,9 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float |
         master_port: use a TCP store on this port instead of a file store.
         env: extra environment variables for the children.
         collective_timeout: seconds a collective may wait for its peers, capped at ``timeout``.
+        elastic: a rank dying silently (SIGKILL) does not end the job: the others go on (``hpf.elastic``;
+            its result is None), meeting through a TCP store this process hosts. An error still ends all.
+        replacements: with ``elastic``, up to this many new ranks join (``hpf.elastic``) for lost ones.
 
     Raises:
         ValueError: ``world_size`` is not a positive int.
@@ -329,27 +393,49 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float |
     if dist.is_initialized():
         raise RuntimeError("launch: this process already has a process group; forked ranks would "
                            "inherit it. Call hpf.launch from a driver process without one.")
-    ctx = mp.get_context("fork")
+    if replacements and not elastic:
+        raise ValueError(f"launch: replacements={replacements} needs elastic=True (a lost rank ends a plain job)")
     _release_openmp_threads()
     port = str(master_port or _free_port())
     workdir = tempfile.mkdtemp(prefix="hpf-launch-")  # (private: the file store, the ranks' stacks)
-    shared_env = {**({} if env and "GLOO_SOCKET_IFNAME" in env else _loopback_env()),
-                  **_meeting_env(workdir, master_port, timeout), **(env or {})}
-    procs, conns = [], []
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if elastic else None
+    shared_env = {**({} if env and "GLOO_SOCKET_IFNAME" in env else _loopback_env()), **_meeting_env(workdir, master_port, timeout),
+                  **(env or {}), **({"HPF_ELASTIC_STORE_PORT": str(store.port)} if store else {})}
+    ranks = _Ranks(fn, world_size, args, shared_env, port, min(collective_timeout, timeout or math.inf), backend, replacements)
     try:
         with _sigterm_unwinds(), _heap_frozen():  # (the finally below: the ranks stop, the folder and shared memory go)
             for r in range(world_size):
-                child_env = {**_torchrun_env(r, world_size, port), **shared_env}
-                recv, send = ctx.Pipe(duplex=False)
-                p = ctx.Process(target=_child, name=f"hpf-rank{r}", args=(
-                    fn, r, world_size, args, child_env, min(collective_timeout, timeout or math.inf), backend, send))
-                p.start()
-                send.close()
-                procs.append(p)
-                conns.append(recv)
-            return _collect(procs, conns, timeout, workdir)
+                ranks.start(r)
+            return _collect(ranks.procs, ranks.conns, timeout, workdir, ranks.lost if elastic else None)
     finally:
-        _clean_up(procs, conns, workdir)
+        _clean_up(ranks.procs, ranks.conns, workdir)
+
+
+class _Ranks:
+    """The forked ranks of a launch: each a process and the pipe its result comes back by."""
+
+    def __init__(self, fn, world_size: int, args: tuple, env: dict, port: str, timeout: float, backend, replacements: int):
+        self.fn, self.world_size, self.args, self.env, self.port = fn, world_size, args, env, port
+        self.timeout, self.backend, self.replacements = timeout, backend, replacements
+        self.procs: list = []
+        self.conns: list = []
+
+    def start(self, r: int, joining: bool = False) -> None:
+        ctx = mp.get_context("fork")
+        child_env = {**_torchrun_env(r, self.world_size, self.port), **self.env, **({"HPF_ELASTIC_JOIN": "1"} if joining else {})}
+        recv, send = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_child, name=f"hpf-rank{r}", args=(
+            self.fn, r, self.world_size, self.args, child_env, self.timeout, self.backend, send))
+        p.start()
+        send.close()
+        self.procs.append(p)
+        self.conns.append(recv)
+
+    def lost(self, r: int) -> None:
+        """Elastic: rank ``r`` died; a replacement joins in its place while any are left."""
+        if self.replacements > 0:
+            self.replacements -= 1
+            self.start(len(self.procs), joining=True)
 
 
 @contextlib.contextmanager
@@ -405,7 +491,9 @@ def _torchrun_env(rank: int, world_size: int, port: str) -> dict[str, str]:
             "TORCHELASTIC_RUN_ID": f"hpf-{os.getpid()}-{port}"}
 
 
-def _collect(procs: list, conns: list, timeout: float | None, workdir: str) -> list[Any]:
+def _collect(procs: list, conns: list, timeout: float | None, workdir: str, lost: Callable[[int], None] | None = None) -> list[Any]:
+    """Every rank's result, in rank order. ``lost`` (an elastic launch): a rank that dies silently is
+    told to it, and its result is None; ``procs`` and ``conns`` may grow by the replacements it starts."""
     missing = object()
     results = [missing] * len(procs)
     deadline = time.monotonic() + (math.inf if timeout is None else timeout)
@@ -441,6 +529,12 @@ def _collect(procs: list, conns: list, timeout: float | None, workdir: str) -> l
                     errors.append(_error_of(message, r))
                 else:
                     results[r] = message[1]
+        if deaths and lost is not None and not errors:  # elastic: the others go on without it
+            for r in deaths:
+                results[r] = None
+                lost(r)
+            results += [missing] * (len(procs) - len(results))
+            continue
         if deaths:  # a silent death is a root cause; peers' errors are its consequences
             r = deaths[0]
             raise RankError(f"hpf.launch: rank {r} {_exit_description(procs[r].exitcode)} without "

@@ -68,10 +68,13 @@ class StateIO:
         return pending.wait() if pending is not None else None
 
     def restore(self, path, state: TrainState | None = None, *, strict: bool = True) -> tuple[TrainState, Any]:
-        """``(state, extra)`` from the checkpoint at ``path``, whatever mesh saved it."""
+        """``(state, extra)`` from the checkpoint at ``path``, whatever mesh saved it; or, where ``path``
+        has ``fill(layout, state)`` (hpf.elastic's state held in the ranks' memory), from that source."""
         from . import checkpoint
 
         self.wait_save()
+        if callable(getattr(path, "fill", None)):
+            return path.fill(self.layout(), self.fresh() if state is None else state), None
         return checkpoint.restore(self.layout(), path, self.fresh() if state is None else state, strict=strict)
 
     def full_params(self, state: TrainState, rank: int | None = None) -> Any:

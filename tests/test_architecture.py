@@ -184,7 +184,7 @@ LAYERS = [
     ("the step's parts", ("hpf.engine", "hpf.misuse", "hpf.batching", "hpf.decision", "hpf.report", "hpf.data",
                           "hpf.config", "hpf.sharded_init")),
     ("the step", ("hpf.step", "hpf.state_io", "hpf.checkpoint", "hpf.func", "hpf.memory", "hpf.validate", "hpf.modes",
-                  "hpf.module")),
+                  "hpf.module", "hpf.elastic")),
     ("tools", ("hpf.jobspec", "hpf.sim", "hpf.search", "hpf.cli", "hpf.__main__")),
 ]
 

@@ -88,7 +88,7 @@ def test_chunks_of_every_rank_tile_the_full_params(axes, kw):
     opt = hpf.optim.adamw()
     for r in range(mesh.size):
         shards = plan.shards(full, r)
-        sd = ck._state_dict(ck.Layout(plan, r, opt), TrainState(shards, opt.init(shards)))
+        sd = ck.state_dict(ck.Layout(plan, r, opt), TrainState(shards, opt.init(shards)))
         for key, obj in sd.items():
             if key not in rebuilt:
                 continue

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from . import world
+from . import liveness, world
 from .transport import wait_for
 from ..errors import PeerTimeoutError, ScheduleMismatchError, StoreValueError
 
@@ -159,7 +159,7 @@ def wait(handle: Any, what: Callable[[], str] | str = "a collective", timeout_s:
 
     ``timeout_s`` (None: the process group's timeout) ends the wait with TimeoutError naming
     ``what`` and the ranks that never waited alongside (dead, hung or busy elsewhere)."""
-    if wait_for(handle, SUSPECT_S):
+    if _waited(handle, SUSPECT_S):
         return
     store = world.store()
     n = world.world_size()
@@ -177,7 +177,7 @@ def wait(handle: Any, what: Callable[[], str] | str = "a collective", timeout_s:
             published = True
         while True:
             try:
-                if wait_for(handle, _POLL_S):
+                if _waited(handle, _POLL_S):
                     return
             except RuntimeError as err:
                 if published and "timed out" in str(err).lower():  # the backend's own timeout came first
@@ -202,6 +202,20 @@ def wait(handle: Any, what: Callable[[], str] | str = "a collective", timeout_s:
             store.add(_PREFIX + "waiting", -1)
             if here:
                 store.delete_key(here)
+
+
+def _waited(handle: Any, seconds: float) -> bool:
+    """``wait_for(handle, seconds)``; in an elastic job the peers' heartbeats are checked meanwhile, so a
+    lost rank raises PeerLostError within seconds (hpf.comm.liveness)."""
+    heartbeat = liveness.WATCH
+    if heartbeat is None:
+        return wait_for(handle, seconds)
+    end = time.monotonic() + seconds
+    while not wait_for(handle, min(_POLL_S, max(end - time.monotonic(), 0.0))):
+        heartbeat.check()
+        if time.monotonic() >= end:
+            return False
+    return True
 
 
 def causes(error: BaseException | None, implicit: bool = True) -> Iterator[BaseException]:

@@ -1,0 +1,496 @@
+"""Elastic training: a lost rank is survived in memory, and a new rank joins at a step boundary.
+
+``hpf.elastic.train(make_step, init, batches, steps)`` runs the training loop of one rank. At each
+step boundary (every ``every`` steps) each rank packs its shard state (params, optimizer state,
+step counters, the loss scale) into one buffer that is its own copy, and sends it to its buddy,
+the rank ``shift`` places on along the ring of members (another machine of a two-tier mesh), which
+keeps it. A boundary counts as protected once every rank has its partner's copy: each says so in
+the job's store, the one thing that outlives every rank.
+
+When a rank dies (SIGKILL, a lost machine), the others find out within seconds: a gloo error on
+the ranks that talked to it, or its heartbeat going silent (hpf.comm.liveness) on the rest, which
+every wait of hpf's collectives checks. The first survivor opens a roll call in the store; the
+others see it from their waits and join. Once every member has answered or gone silent, the
+members left are agreed on (the store's compare-and-set), and they form the next generation of
+the process group under a new prefix (``hpf.launch.reform``). Each rebuilds the step on the
+smaller world (``make_step(world_size)``), and the state of the last protected boundary is
+resharded onto it in memory: every chunk (``hpf.checkpoint.state_dict``: the checkpoint's own
+layout, global offsets per param) goes from the rank that holds it (its owner, or the owner's
+buddy for a lost rank) to the ranks that need it. Then the steps since that boundary are redone,
+on the same global batches (``batches(step, rank, world_size)`` is the caller's pure function).
+In the invariant mode (``invariant=True``) the continued run's bits equal a run that never failed.
+
+A new rank (an elastic ``hpf.launch``'s replacement) registers in the store; at the next boundary
+the members admit it, form the next generation with it, and reshard onto it the same way.
+
+What cannot be survived is raised as UnrecoverableLossError, naming the ranks: a rank lost with
+its buddy, or all but none. A mesh that splits params over non-FSDP axes (tensor or expert
+parallel) cannot shrink, and is refused when the job starts.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import optree
+import torch
+
+from . import checkpoint, launcher
+from .comm import liveness, schedule, world
+from .errors import PeerLostError, PeerTimeoutError, UnrecoverableLossError
+from .optim.base import capabilities
+
+__all__ = ["train", "Run", "ROLL_CALL_S"]
+
+ROLL_CALL_S = 60.0  # a roll call that has not settled by then raises
+_KEY = "hpf/elastic/"
+
+
+@dataclass
+class Run:
+    """What ``train`` returns on each rank that finished: the step of the last generation, its state,
+    every step's metrics (``losses``), and the losses and joins survived (``events``: the step the
+    job went back to, the seconds from the fault to the state rebuilt, the bytes this rank received)."""
+
+    step: Any
+    state: Any
+    losses: list[float] = field(default_factory=list)
+    events: list[dict] = field(default_factory=list)
+    copy_bytes: int = 0  # the memory one boundary's copies take on this rank (its own and its partner's)
+
+
+class _Copy:
+    """A shard state packed into one byte buffer, with what it takes to unpack it."""
+
+    def __init__(self, buf: torch.Tensor, header: list):
+        self.buf, self.header = buf, header
+
+    @classmethod
+    def of(cls, state) -> "_Copy":
+        leaves = optree.tree_leaves(state)
+        header, parts, at = [], [], 0
+        for x in leaves:
+            raw = x.detach().reshape(-1).contiguous().view(torch.uint8)
+            pad = -raw.numel() % 8  # each leaf starts 8-byte aligned, so it views back as its dtype
+            header.append([str(x.dtype).removeprefix("torch."), list(x.shape), at])
+            parts += [raw, torch.zeros(pad, dtype=torch.uint8)]
+            at += raw.numel() + pad
+        return cls(torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8), header)
+
+    def unpack(self, like) -> Any:
+        """The state, as views of the buffer, in the structure of ``like`` (a state of this job)."""
+        leaves, treedef = optree.tree_flatten(like)
+        if len(leaves) != len(self.header):
+            raise UnrecoverableLossError(f"hpf.elastic: a copy holds {len(self.header)} tensors where the state has "
+                                         f"{len(leaves)}; the ranks run different optimizers or models")
+        out = []
+        for dtype, shape, at in self.header:
+            dt = getattr(torch, dtype)
+            n = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dt).element_size()
+            out.append(self.buf[at:at + n].view(dt).view(shape))
+        return optree.tree_unflatten(treedef, out)
+
+
+def _planned_optimizer(step, rank: int):
+    """The step's optimizer as rank ``rank`` holds it on the plan (what a checkpoint reads of that rank)."""
+    return step.optimizer.for_plan(step.plan, rank) if capabilities(step.optimizer).for_plan else step.optimizer
+
+
+def check_elastic(step) -> None:
+    """Refuse what cannot shrink or be rebuilt, when the job starts (named, with what to do)."""
+    split = step.plan.split_axes
+    if split:
+        raise ValueError(f"hpf.elastic: the mesh {step.mesh} splits params over {split} (tensor or expert parallel), "
+                         "which cannot shrink onto fewer ranks; run elastic jobs on data (FSDP/HSDP) axes only")
+    if step.comm.lowbit is not None:
+        raise ValueError("hpf.elastic: a low-bit slow tier keeps error-feedback residuals that belong to the mesh; "
+                         "drop slow_weights/slow_grads for an elastic job")
+
+
+def _is_fault(error: BaseException) -> bool:
+    """Whether ``error`` may be a lost peer's doing (a collective that failed or waited): the roll call
+    decides; any other error is the program's and is raised as it is."""
+    return any(isinstance(e, (PeerLostError, PeerTimeoutError)) or type(e) is RuntimeError or
+               type(e).__name__ in ("DistBackendError", "DistNetworkError", "ScheduleMismatchError")
+               for e in schedule.causes(error))
+
+
+class _Job:
+    """One rank's part of an elastic job: its generation, its members, its copies, and the store."""
+
+    def __init__(self, make_step: Callable, init: Any, key, every: int, shift: int | None):
+        self.make_step, self.init, self.key, self.every, self.shift = make_step, init, key, every, shift
+        self.store = launcher.base_store()
+        self.me = int(os.environ.get("RANK", world.rank()))
+        self.generation, self.members = 0, []
+        self.copies: dict[int, tuple[_Copy, dict[int, _Copy]]] = {}  # boundary -> (own copy, partners' copies)
+        self.heartbeat: liveness.Heartbeat | None = None
+        self.meta = None  # the params' shapes (meta tensors): what a rebuilt step is initialized from
+
+    # -- the store's keys of this generation -------------------------------------------------------------------
+    def _key(self, name: str, generation: int | None = None) -> str:
+        return f"{_KEY}gen{self.generation if generation is None else generation}/{name}"
+
+    def start(self):
+        """A member from the start: the first step and state, the heartbeat, the first copies."""
+        self.members = list(range(world.world_size()))
+        step = self.make_step(len(self.members))
+        state = step.init(self.init, key=self.key) if self.key is not None else step.init(self.init)
+        check_elastic(step)
+        self.meta = _meta_of(self.init, self.key)
+        self._beat()
+        world.barrier()  # every member's counter exists before any rank reads them
+        return step, state
+
+    def _beat(self) -> None:
+        if self.heartbeat is None:
+            self.heartbeat = liveness.Heartbeat(self.store, self.me, self.members)
+            liveness.watch(self.heartbeat)
+        self.heartbeat.ids = list(self.members)
+        self.heartbeat.open_key = self._key("open")
+
+    def buddy_shift(self, step) -> int:
+        """How far along the members a rank's copy goes: a machine's ranks away where the mesh has machines."""
+        n = len(self.members)
+        s = self.shift or (step.mesh.axis_sizes[-1] if len(step.mesh.axis_names) > 1 else 1)
+        return s % n or 1
+
+    # -- protecting a boundary ---------------------------------------------------------------------------------
+    def protect(self, step, state, t: int) -> None:
+        """Copy this rank's state at boundary ``t`` here and to its buddy; done once every member has its copy."""
+        own = _Copy.of(state)
+        n, i = len(self.members), self.members.index(self.me)
+        partners: dict[int, _Copy] = {}
+        if n > 1:
+            s = self.buddy_shift(step)
+            to, frm = (i + s) % n, (i - s) % n
+            partners[self.members[frm]] = _swap(own, to, frm)
+        self.copies[t] = (own, partners)
+        done = self.store.add(self._key(f"saved/{t}"), 1)
+        while done < n:  # every member holds its partner's copy of t: older copies can go
+            self.heartbeat.check()
+            time.sleep(0.002)
+            done = self.store.add(self._key(f"saved/{t}"), 0)
+        for old in [b for b in self.copies if b < t]:
+            del self.copies[old]
+
+    def copy_bytes(self) -> int:
+        own, partners = self.copies[max(self.copies)]
+        return own.buf.numel() + sum(c.buf.numel() for c in partners.values())
+
+    # -- a fault: the roll call, the next generation, the state rebuilt ----------------------------------------------
+    def recover(self, error: BaseException, step, state, t_failed: int):
+        """After ``error``: the members left agree, re-form, and rebuild the last protected boundary's state.
+        Returns (step, state, the boundary, the event); raises ``error`` where nobody was lost."""
+        t0 = time.monotonic()
+        self.store.compare_set(self._key("open"), "", f"rank {self.me}: {type(error).__name__}: {str(error)[:300]}")
+        left = self._roll_call()
+        lost = [m for m in self.members if m not in left]
+        if not lost:
+            raise error
+        if self.me not in left:
+            raise PeerLostError(f"hpf.elastic: rank {self.me} was counted lost by its peers; it stops", [self.me]) from error
+        boundary = self._protected_boundary()
+        held = self._held(step, state, boundary, lost, left)
+        _close(step)
+        step, state, received = self._next_generation(left, held)
+        event = {"event": "lost", "ranks": lost, "at_step": t_failed, "back_to": boundary,
+                 "world_size": len(left), "seconds": time.monotonic() - t0, "bytes_received": received}
+        return step, state, boundary, event
+
+    def _roll_call(self) -> list[int]:
+        """The members that answer; decided once every member has answered or gone silent (the first
+        proposal written wins, so every rank agrees)."""
+        self.store.set(self._key(f"here/{self.me}"), "1")
+        deadline = time.monotonic() + ROLL_CALL_S
+        while True:
+            here = [m for m in self.members if self.store.check([self._key(f"here/{m}")])]
+            silent = set(self.heartbeat.silent(self.members))
+            if set(here) | silent >= set(self.members) or self.store.check([self._key("members")]):
+                agreed = self.store.compare_set(self._key("members"), "", json.dumps(here))
+                return json.loads(agreed)
+            if time.monotonic() > deadline:
+                waiting = sorted(set(self.members) - set(here) - silent)
+                raise PeerTimeoutError(f"hpf.elastic: the roll call after a fault did not settle within {ROLL_CALL_S:g} s: "
+                                       f"rank(s) {waiting} neither answered nor went silent", waiting)
+            time.sleep(0.05)
+
+    def _protected_boundary(self) -> int:
+        """The last boundary every member had its partner's copy of."""
+        n = len(self.members)
+        full = [t for t in self.copies if int(self.store.add(self._key(f"saved/{t}"), 0)) >= n]
+        if not full:
+            raise UnrecoverableLossError("hpf.elastic: a rank was lost before the first boundary was protected")
+        return max(full)
+
+    def _held(self, step, state, boundary: int, lost: list[int], left: list[int]) -> dict:
+        """old rank -> (its checkpoint layout, its state at ``boundary``), for what this rank holds."""
+        own, partners = self.copies[boundary]
+        held = {self.me: own}
+        for d in lost:
+            i = self.members.index(d)
+            holder = self.members[(i + self.buddy_shift(step)) % len(self.members)]
+            if holder not in left:
+                raise UnrecoverableLossError(f"hpf.elastic: rank {d} was lost with rank {holder}, which held its copy; "
+                                             f"its shards are gone. Resume from the last checkpoint (hpf train --resume)")
+            if holder == self.me:
+                held[d] = partners[d]
+        return {self.members.index(r): (checkpoint.Layout(step.plan, self.members.index(r),
+                                                          _planned_optimizer(step, self.members.index(r))), c.unpack(state))
+                for r, c in held.items()}
+
+    def _next_generation(self, members: list[int], held: dict):
+        """Form the next generation of ``members``, build its step, and fill its state from ``held``."""
+        self.generation += 1
+        self.members = list(members)
+        launcher.reform(self.generation, self.members.index(self.me), len(self.members))
+        self._beat()
+        step = self.make_step(len(self.members))
+        step.init(self.meta)
+        check_elastic(step)
+        source = _InMemory(held)
+        state, _ = step.restore(source)
+        self.copies = {}
+        return step, state, source.received
+
+
+    # -- a new rank ----------------------------------------------------------------------------------------------
+    def admit(self, step, state, t: int):
+        """At protected boundary ``t``: the members agree on the ranks waiting to join (the first proposal
+        wins), form the next generation with them, and reshard onto it. Returns (step, state, event) or None."""
+        waiting = [j for j in range(int(self.store.add(_KEY + "joiners", 0)))
+                   if not self.store.check([f"{_KEY}joiner/{j}/admitted"])]
+        slots = json.loads(self.store.compare_set(self._key(f"admit/{t}"), "", json.dumps(waiting)))
+        if not slots:
+            return None
+        t0 = time.monotonic()
+        members = self.members + [int(self.store.get(f"{_KEY}joiner/{j}")) for j in slots]
+        record = json.dumps({"generation": self.generation + 1, "members": members, "step": t})
+        for j in slots:
+            self.store.set(f"{_KEY}joiner/{j}/admitted", record)
+        own = self.copies[t][0]
+        held = {self.members.index(self.me): (checkpoint.Layout(step.plan, self.members.index(self.me),
+                                                                step.plan_optimizer), own.unpack(state))}
+        _close(step)
+        step, state, received = self._next_generation(members, held)
+        return step, state, {"event": "joined", "ranks": members[len(members) - len(slots):], "at_step": t,
+                             "world_size": len(members), "seconds": time.monotonic() - t0, "bytes_received": received}
+
+    def join(self):
+        """A replacement rank: register, wait to be admitted at a boundary, then receive its shards."""
+        slot = int(self.store.add(_KEY + "joiners", 1)) - 1
+        self.store.set(f"{_KEY}joiner/{slot}", str(self.me))
+        key = f"{_KEY}joiner/{slot}/admitted"
+        deadline = time.monotonic() + launcher.COLLECTIVE_TIMEOUT_S
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                raise PeerTimeoutError(f"hpf.elastic: rank {self.me} waited {launcher.COLLECTIVE_TIMEOUT_S:g} s to join "
+                                       "and no boundary admitted it", [])
+            time.sleep(0.05)
+        record = json.loads(self.store.get(key))
+        self.generation = record["generation"] - 1
+        self.members = [m for m in record["members"] if m != self.me]  # (the members it joins)
+        t0 = time.monotonic()
+        self.meta = _meta_of(self.init, self.key)
+        step, state, received = self._next_generation(record["members"], {})
+        return step, state, record["step"], {"event": "joined", "ranks": [self.me], "at_step": record["step"],
+                                             "world_size": len(record["members"]), "seconds": time.monotonic() - t0,
+                                             "bytes_received": received}
+
+
+def train(make_step: Callable[[int], Any], init: Any, batches: Callable[[int, int, int], Any], steps: int, *,
+          key: torch.Tensor | None = None, every: int = 1, shift: int | None = None,
+          on_step: Callable[[int, dict], None] | None = None) -> Run:
+    """Run ``steps`` steps of an elastic job on this rank (see the module doc); every rank calls it.
+
+    Args:
+        make_step: ``world_size -> hpf.shard_step(...)``, not yet initialized: the step on a mesh of that size
+            (it is called again each time the world shrinks or grows).
+        init: the params (the same on every rank), or an init function (with ``key``: born sharded).
+        batches: ``(step, rank, world_size) -> local batch`` of step ``step`` (0-based), a pure function:
+            redone steps read the same global batch.
+        steps: how many steps the job runs.
+        every: protect every this many steps (1: a fault redoes only the step in flight).
+        shift: how many members along a rank's buddy is (default: a machine's ranks on a multi-axis mesh, else 1).
+        on_step: called with (step, metrics) after each step that finished (redone steps again).
+
+    Returns:
+        Run: the last generation's step (close it) and state, the losses, the faults and joins survived.
+
+    Raises:
+        UnrecoverableLossError: a rank lost with its buddy; ValueError: a mesh that cannot shrink."""
+    if not isinstance(every, int) or every < 1:
+        raise ValueError(f"hpf.elastic.train: every={every!r}; pass a positive int (steps between protected boundaries)")
+    job = _Job(make_step, init, key, every, shift)
+    run = Run(None, None)
+    if os.environ.get("HPF_ELASTIC_JOIN"):
+        step, state, t, event = job.join()
+        run.events.append(event)
+    else:
+        (step, state), t = job.start(), 0
+    losses: dict[int, float] = {}
+    due = True  # the boundary at t is to be protected (and joiners admitted) before the next step
+    while t < steps:
+        try:
+            if due:
+                job.protect(step, state, t)
+                due = False
+                joined = job.admit(step, state, t)
+                if joined is not None:
+                    step, state, event = joined
+                    run.events.append(event)
+                    due = True
+                continue
+            state, metrics = step(state, batches(t, world.rank(), world.world_size()))
+            losses[t] = metrics["loss"]
+            t += 1
+            if on_step is not None:
+                on_step(t, metrics)
+            due = t % every == 0
+        except BaseException as error:  # noqa: BLE001 -- a fault is survived; anything else is raised as it is
+            if not _is_fault(error):
+                raise
+            step, state, t, event = job.recover(error, step, state, t)
+            run.events.append(event)
+            due = True
+    job.heartbeat.stop()
+    liveness.watch(None)
+    run.step, run.state, run.losses, run.copy_bytes = step, state, [losses[i] for i in sorted(losses)], job.copy_bytes()
+    return run
+
+
+def _swap(own: _Copy, to: int, frm: int) -> _Copy:
+    """Send ``own`` to rank ``to`` while receiving rank ``frm``'s copy (member indices = ranks)."""
+    head = torch.tensor(list(json.dumps(own.header).encode()), dtype=torch.uint8)
+    sizes, theirs = torch.tensor([head.numel(), own.buf.numel()]), torch.zeros(2, dtype=torch.int64)
+    for r in world.exchange([(to, sizes, 1)], [(frm, theirs, 1)]):
+        schedule.wait(r, "an elastic copy's sizes")
+    their_head, their_buf = torch.empty(int(theirs[0]), dtype=torch.uint8), torch.empty(int(theirs[1]), dtype=torch.uint8)
+    for r in world.exchange([(to, head, 2), (to, own.buf, 3)], [(frm, their_head, 2), (frm, their_buf, 3)]):
+        schedule.wait(r, "an elastic copy")
+    return _Copy(their_buf, json.loads(bytes(their_head.tolist()).decode()))
+
+
+def _close(step) -> None:
+    """Close a lost generation's step: what it waits on raises at once (a member is silent), and is dropped."""
+    try:
+        step.close()
+    except Exception:  # noqa: BLE001 -- its collectives died with the generation
+        pass
+
+
+def _meta_of(init: Any, key) -> Any:
+    """The params tree as meta tensors (tied leaves stay one): a rebuilt step is initialized from it,
+    and its state filled by the reshard."""
+    if key is not None:
+        from .sharded_init import trace_init
+
+        return trace_init(init, key).meta_params
+    return optree.tree_map(lambda x: torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x, init)
+
+
+def _boxes(layout, state) -> dict[str, dict[tuple, torch.Tensor]]:
+    """key -> {global offsets: view} of ``state`` under ``layout`` (a scalar is one box at ``()``)."""
+    out = {}
+    for k, v in checkpoint.state_dict(layout, state).items():
+        if isinstance(v, torch.Tensor):
+            out[k] = {(): v}
+        elif hasattr(v, "views"):
+            out[k] = {o: t for o, t in v.views.items() if t.numel()}
+    return out
+
+
+def _overlap(a: tuple, a_shape, b: tuple, b_shape):
+    """(lo, hi) of two boxes' overlap, or None."""
+    lo = tuple(max(x, y) for x, y in zip(a, b))
+    hi = tuple(min(x + n, y + m) for x, n, y, m in zip(a, a_shape, b, b_shape))
+    return None if any(h <= l for l, h in zip(lo, hi)) else (lo, hi)
+
+
+def _part(view: torch.Tensor, offset: tuple, lo: tuple, hi: tuple) -> torch.Tensor:
+    return view[tuple(slice(l - o, h - o) for o, l, h in zip(offset, lo, hi))]
+
+
+class _InMemory:
+    """A restore's source (``step.restore(source)``): the state the members hold, resharded onto the step's plan."""
+
+    def __init__(self, held: dict):
+        self.held, self.received = held, 0
+
+    def fill(self, layout, state):
+        self.received = _reshard(self.held, layout, state)
+        return state
+
+
+def _reshard(held: dict, layout, state) -> int:
+    """Fill ``state`` (this rank's, under ``layout``: the new plan) from the boxes every member holds
+    (``held``: old rank -> (layout, state)); each element comes from one holder. Returns the bytes received."""
+    me = world.rank()
+    offers: dict[str, dict[tuple, torch.Tensor]] = {}
+    for _, (old, st) in sorted(held.items()):
+        for k, boxes in _boxes(old, st).items():
+            for o, v in boxes.items():
+                offers.setdefault(k, {}).setdefault(o, v)
+    wants = _boxes(layout, state)
+    said = world.all_gather_object(({k: [[list(o), list(v.shape)] for o, v in b.items()] for k, b in offers.items()},
+                                    {k: [[list(o), list(v.shape)] for o, v in b.items()] for k, b in wants.items()}))
+    moves = _moves(said)
+    sends, recvs, local = {}, {}, []
+    for (src, dst), items in moves.items():
+        if src == me:
+            parts = [_part(offers[k][so], so, lo, hi) for k, so, _, lo, hi in items]
+            if dst == me:
+                local = [(p, _part(wants[k][do], do, lo, hi)) for p, (k, _, do, lo, hi) in zip(parts, items)]
+            else:
+                sends[dst] = torch.cat([_padded_bytes(p) for p in parts]) if parts else None
+        elif dst == me:
+            into = [_part(wants[k][do], do, lo, hi) for k, _, do, lo, hi in items]
+            recvs[src] = (into, torch.empty(sum(_aligned(t) for t in into), dtype=torch.uint8))
+    for r in world.exchange([(d, b, 4) for d, b in sends.items() if b is not None and b.numel()],
+                            [(s, buf, 4) for s, (_, buf) in recvs.items() if buf.numel()]):
+        schedule.wait(r, "the elastic reshard")
+    for into, buf in recvs.values():
+        at = 0
+        for t in into:
+            t.copy_(buf[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
+            at += _aligned(t)
+    for src_part, t in local:
+        t.copy_(src_part)
+    return sum(buf.numel() for _, buf in recvs.values())
+
+
+def _aligned(t: torch.Tensor) -> int:
+    """A part's bytes on the wire: padded to 8, so every part views back as its dtype."""
+    return -(-t.numel() * t.element_size() // 8) * 8
+
+
+def _padded_bytes(t: torch.Tensor) -> torch.Tensor:
+    raw = t.reshape(-1).contiguous().view(torch.uint8)
+    return torch.cat([raw, raw.new_zeros(_aligned(t) - raw.numel())])
+
+
+def _moves(said: list) -> dict[tuple[int, int], list]:
+    """(src, dst) -> [(key, src box offset, dst box offset, lo, hi)], the same on every rank: each wanted
+    box is cut from the lowest rank offering each of its elements; a wanted element nobody offers raises."""
+    first: dict[str, dict[tuple, tuple]] = {}  # key -> offset -> (src, shape): each offered box once, lowest src
+    for src, (offers, _) in enumerate(said):
+        for k, boxes in offers.items():
+            for o, shape in boxes:
+                first.setdefault(k, {}).setdefault(tuple(o), (src, tuple(shape)))
+    moves: dict[tuple[int, int], list] = {}
+    for dst, (_, wants) in enumerate(said):
+        for k, boxes in wants.items():
+            for o, shape in boxes:
+                o, shape, got = tuple(o), tuple(shape), 0
+                for so, (src, s_shape) in first.get(k, {}).items():
+                    cut = _overlap(o, shape, so, s_shape)
+                    if cut is not None:
+                        moves.setdefault((src, dst), []).append((k, so, o, *cut))
+                        got += int(torch.Size([h - l for l, h in zip(*cut)]).numel())
+                if got != int(torch.Size(shape).numel()):
+                    raise UnrecoverableLossError(f"hpf.elastic: {got} of the {torch.Size(shape).numel()} elements of "
+                                                 f"{k!r} at {list(o)} are held by a member; the state cannot be rebuilt")
+    return moves

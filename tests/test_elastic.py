@@ -1,0 +1,98 @@
+"""hpf.elastic: a rank SIGKILLed mid-run is survived on the ranks left (and a replacement joins back),
+with the final params bit for bit those of a run that never failed (invariant mode: the same bits at
+any world size, so the reference is one process)."""
+from __future__ import annotations
+
+import functools
+import os
+import signal
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import hpf
+from hpf.elastic import _Copy
+from hpf.launcher import launch
+from hpf.models import gpt
+
+CFG = gpt.CONFIGS["tiny"]
+STEPS, BATCH = 6, 12  # 12 rows: worlds 4 and 3 both split it
+
+
+def make_step(n):
+    return hpf.shard_step(gpt.loss_for(CFG), mesh=hpf.Mesh({"dp": n}), optimizer=hpf.optim.adamw(lr=3e-3, weight_decay=0.1),
+                          invariant=True, atom_size=1, max_grad_norm=1.0)
+
+
+def batches(t, rank, n):
+    rows = BATCH // n
+    return gpt.global_batch(CFG, BATCH, 0, t)[rank * rows:(rank + 1) * rows]
+
+
+def _full(step, state):
+    return [x.clone() for x in hpf.tree.flatten(step.full_params(state))[1]]
+
+
+@functools.cache
+def reference():
+    """One process, no fault: the trajectory every elastic run must reproduce exactly."""
+    with make_step(1) as step:
+        state = step.init(functools.partial(gpt.init, CFG), key=hpf.random.key(0))
+        for t in range(STEPS):
+            state, _ = step(state, batches(t, 0, 1))
+        return _full(step, state)
+
+
+def _elastic_rank(rank, kill, fail):
+    torch.set_num_threads(1)
+
+    def on_step(t, m):
+        if (rank, t) == kill:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if (rank, t) == fail:
+            raise ValueError("a bug in the program on one rank")
+    run = hpf.elastic.train(make_step, functools.partial(gpt.init, CFG), batches, STEPS, key=hpf.random.key(0),
+                            on_step=on_step)
+    full = _full(run.step, run.state)
+    run.step.close()
+    return full, run.events, hpf.launch.world_size()
+
+
+@pytest.mark.slow
+@settings(max_examples=3, deadline=None, derandomize=True)
+@given(rank=st.integers(0, 3), at=st.integers(1, STEPS - 1), replace=st.booleans())
+def test_a_killed_rank_is_survived_and_the_params_equal_a_run_that_never_failed(rank, at, replace):
+    results = launch(_elastic_rank, 4, (rank, at), None, timeout=240, elastic=True, replacements=int(replace))
+    assert results[rank] is None  # the killed one
+    finished = [r for r in results if r is not None]
+    assert len(finished) == (4 if replace else 3)
+    for full, events, world in finished:
+        assert world == len(finished)
+        assert all(torch.equal(a, b) for a, b in zip(full, reference())), "params differ from the fault-free run"
+    events = finished[0][1]
+    assert events[0]["event"] == "lost" and events[0]["ranks"] == [rank]
+    assert at - events[0]["back_to"] <= 1  # only the step in flight (or its unprotected boundary) is redone
+    assert events[0]["seconds"] < 30
+
+
+@pytest.mark.slow
+def test_an_error_of_the_program_is_raised_not_survived():
+    with pytest.raises(hpf.launch.RankError, match="a bug in the program on one rank"):
+        launch(_elastic_rank, 2, None, (1, 2), timeout=120, elastic=True)
+
+
+@settings(max_examples=40, deadline=None)
+@given(shapes=st.lists(st.lists(st.integers(0, 5), max_size=3), max_size=5),
+       dtypes=st.lists(st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.float64]), min_size=5,
+                       max_size=5))
+def test_a_copy_unpacks_to_the_same_bits(shapes, dtypes):
+    state = [torch.randn(s).to(d) if d.is_floating_point else torch.randint(0, 100, s, dtype=d)
+             for s, d in zip(shapes, dtypes)]
+    back = _Copy.of(state).unpack(state)
+    assert all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) for a, b in zip(state, back))
+
+
+def test_replacements_need_an_elastic_launch():
+    with pytest.raises(ValueError, match="needs elastic=True"):
+        launch(_elastic_rank, 2, None, None, replacements=1)
