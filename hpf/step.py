@@ -589,7 +589,7 @@ def _engine(cfg: StepConfig, plan: Plan, shards: list[torch.Tensor], device: tor
         pipeline=cfg.topology is None or cfg.topology.pipeline,
         capacity=cfg.resident_units, compute_sums=[(b, cfg.mesh.group(axes)) for b, axes in partial
                                                    if cfg.mesh.axis_size(axes) > 1],
-        on_extra_gather=on_extra_gather, rematerialize=cfg.grad == "torch.func")
+        on_extra_gather=on_extra_gather, rematerialize=cfg.grad == "torch.func", blocks=plan.padded_blocks(world.rank()))
 
 
 #: the invariant mode's shards are whole multiples of this many elements: wider than any CPU or

@@ -7,7 +7,7 @@ import functools
 import math
 from types import ModuleType
 
-from ..models import layout, mesh_for
+from ..models import layout, mesh_for, tp_size
 from ..models.recompute import recomputes
 from ..comm.tiered import Topology, step_plan
 from ..planning import ROOT
@@ -168,7 +168,7 @@ def _inputs(config, mesh, hw, strategy, *, local_batch=1, model="gpt", mixed_pre
 def _plan(mod: ModuleType, cfg, axes: tuple, fast: tuple, fsdp_axes, ep_axis, hsdp: bool, bucket_bytes: int,
           slow: SlowPrecision | None):
     mesh = Mesh(dict(axes), fast_axes=fast)
-    specs, fsdp_axes = layout(mod, cfg, mesh.axis_names, fsdp_axes, ep_axis)
+    specs, fsdp_axes = layout(mod, cfg, mesh.axis_names, fsdp_axes, ep_axis, tp_size(mesh))
     return step_plan(mod.init(cfg, device="meta"), mesh, specs, fsdp_axes, hsdp=hsdp,
                      topology=Topology.with_slow(slow, bucket_bytes=bucket_bytes))  # (node-major: the default)
 
