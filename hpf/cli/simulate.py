@@ -29,6 +29,9 @@ def add_parser(sub, help_: str):
                           help="with --sweep: write step_time.png, exposed_comm.png, tokens_per_rank.png into DIR "
                                "(needs matplotlib; without it one line says so and the table is still printed)")
     simulate.add_argument("--no-pipeline", action="store_true", help="hpf waits for each unit's reduction")
+    simulate.add_argument("--estimate", action="store_true",
+                          help="predict a shape the --hardware calibration never measured, from FLOPs at a measured "
+                               "shape's efficiency (a guess: 18x off on a CPU); without it such a shape is refused")
     simulate.set_defaults(run=cmd_simulate)
     return simulate
 
@@ -52,10 +55,12 @@ def cmd_simulate(args) -> int:
         except ValueError:
             raise CliError(f"--sweep {args.sweep!r}: give rank counts separated by commas, e.g. 16,32,64") from None
         hw, where = hardware_of(args, max(ranks), args.local_batch)
+        refuse_uncalibrated(args, hw, ranks)
         rows = sim.sweep(args.config, ranks, hw, strategies, **kw)
     else:
         mesh = mesh_of(args)
         hw, where = hardware_of(args, mesh.size, args.local_batch)
+        refuse_uncalibrated(args, hw, [mesh.size])
         rows = [(mesh.size, sim.compare(args.config, mesh, hw, strategies, **kw))]
     reader = "tp group" if args.mesh and "tp" in args.mesh else "rank"  # (a tp group reads one share)
     print(f"hpf simulate: {args.model} {args.config!r}, {args.local_batch} x {config.seq_len} tokens per "
@@ -88,6 +93,19 @@ def cmd_simulate(args) -> int:
             for f in save_simulate_plots(rows, args.plot):
                 print(f"  wrote {f}")
     return 0
+
+
+def refuse_uncalibrated(args, hw, ranks: list[int]) -> None:
+    """A calibration that never measured this job's shape gives no prediction of it, only a guess:
+    refuse and name the shape to calibrate (unless --estimate)."""
+    shape = sim.uncalibrated_shape(args.config, args.local_batch, hw, args.model)
+    if shape is None or args.estimate or args.hardware is None:  # (this machine's own: hardware_of measured it)
+        return
+    measured = sorted(hw.compute)
+    raise CliError(f"--hardware {args.hardware}: its calibration measured the compute of {', '.join(measured)} "
+                   f"(config/local batch/ranks), not {shape}, so a step of it could only be guessed from FLOPs at "
+                   f"another shape's efficiency (on a CPU: 18x off). Measure it: hpf calibrate --shapes {shape} "
+                   f"--world-sizes {' '.join(map(str, ranks))} --update {args.hardware}; or pass --estimate for the guess")
 
 
 def save_simulate_plots(rows, out: Path) -> list[Path]:

@@ -214,6 +214,17 @@ def calibrated_compute(hw: Hardware, model, config: str, local_batch: int, ranks
             or hw.compute.get(compute_key(name, config, local_batch, ranks)))
 
 
+def uncalibrated_shape(config: str, local_batch: int, hw: Hardware, model="gpt") -> str | None:
+    """The shape (``[model:]config/local_batch``, as hpf calibrate --shapes names it) whose compute a
+    calibrated profile never measured at any world size, or None (measured, or a published profile).
+    A prediction of it would take another shape's efficiency: 18x off on a CPU (issue 60)."""
+    name = _model_name(model)
+    measured = {parse_compute_key(k)[:3] for k in hw.compute}
+    if not hw.compute or (name, config, local_batch) in measured:
+        return None
+    return f"{model_prefix(name)}{config}/{local_batch}"
+
+
 def extrapolation(config: str, local_batch: int, ranks: int, hw: Hardware, model="gpt",
                   mixed_precision: str | None = None) -> list[str]:
     """What a prediction on a calibrated profile takes from outside its calibration, and how far
