@@ -6,9 +6,11 @@ from pathlib import Path
 
 from hpf import sim
 from hpf.cli.common import CliError, check_ep_axis, only_searched, job_parser, mesh_of
-from hpf.jobspec import inputs, positive
+from hpf.jobspec import BATCH_SIZE, inputs, positive
 from hpf.cli.machine import HELP, hardware_of
-from hpf.models import model_config
+from hpf.models import data_axes, model_config
+
+SWEEP_LOCAL_BATCH = 4  # --sweep's sequences per rank: weak scaling, the same at every rank count
 from hpf.plots import missing_matplotlib
 
 
@@ -20,8 +22,10 @@ def add_parser(sub, help_: str):
                     "simulation). Example: hpf simulate --config 1b --mesh node=48,local=16 --hardware "
                     "cloudmatrix384 --mixed-precision bf16")
     simulate.add_argument("--hardware", metavar="NAME|FILE", help=HELP)
-    simulate.add_argument("--local-batch", type=positive(int), default=4, metavar="B",
-                          help="sequences per rank per step, per tp group with a tp axis (weak scaling; default: 4)")
+    simulate.add_argument("--local-batch", type=positive(int), default=None, metavar="B",
+                          help="sequences per rank per step, per tp group with a tp axis (default: hpf train's, its "
+                               f"global batch of {BATCH_SIZE} over the data ranks; with --sweep {SWEEP_LOCAL_BATCH}, "
+                               "weak scaling)")
     simulate.add_argument("--sweep", metavar="N,N,...",
                           help="rank counts for a scaling curve, e.g. 16,32,64,128,256,512,768 (meshes of whole "
                                "fast domains: node=N/fast,local=fast)")
@@ -43,6 +47,9 @@ def cmd_simulate(args) -> int:
         raise CliError(str(e)) from None
     check_ep_axis(args.model, args.ep_axis)
     only_searched(args.slow_precision)
+    if args.local_batch is None:  # hpf train's: its global batch over the data ranks
+        data = 1 if args.sweep else mesh_of(args).axis_size(data_axes(mesh_of(args).axis_names))
+        args.local_batch = SWEEP_LOCAL_BATCH if args.sweep else max(1, BATCH_SIZE // data)
     kw = dict(local_batch=args.local_batch, fsdp_axes=args.fsdp_axes, pipeline=not args.no_pipeline,
               model=args.model, optimizer=args.optimizer, **inputs(args, "sim"))
     # Megatron DDP keeps full replicas: no baseline for a model whose experts only fit split
