@@ -510,3 +510,27 @@ def test_tp_split_matrices_are_orthogonalized_whole_as_single_process_muon(model
     for got, want in zip(runs[0]["params"], hpf.tree.flatten(params)[1], strict=True):
         torch.testing.assert_close(got, want, **TRAIN_TOL)
     assert all(r["sent"] > 0 for r in runs)  # the pieces travelled (no rank had whole matrices)
+
+
+def muon_stats(rank, axes):
+    """step.stats()'s Muon bytes after 2 steps of gpt tiny with Muon, and the plan's count of them."""
+    from hpf.optim.dist_muon import muon_sends
+
+    mesh = hpf.Mesh(axes)
+    with hpf.shard_step(gpt.loss_for(TINY), mesh=mesh, optimizer=muon(**MUON)) as step:
+        state = step.init(gpt_params())
+        before = step.stats()
+        for s in range(2):
+            state, _ = step(state, gpt_batches(s)[rank * 8 // mesh.size:(rank + 1) * 8 // mesh.size])
+        got = step.stats() - before
+        want = muon_sends(muon(**MUON), step.plan)[rank]
+        return {t: got.bytes.get(("muon", t), 0) for t in ("fast", "slow")}, {t: 2 * want[t] for t in ("fast", "slow")}
+
+
+@pytest.mark.slow
+def test_step_stats_count_muon_s_bytes_as_the_plan_does():
+    """step.stats() has DistMuon's point-to-point bytes by tier (issue 60 item 7: it had none), and they
+    are what hpf plan counts for Muon (hpf.optim.dist_muon.muon_sends), two steps' worth."""
+    runs = launch(muon_stats, 4, {"node": 2, "local": 2}, timeout=120)
+    assert all(got == want for got, want in runs), runs
+    assert sum(got["fast"] + got["slow"] for got, _ in runs) > 0
