@@ -202,7 +202,8 @@ def _add_chunks(sd: dict, plan, bucket, rank: int, flat: torch.Tensor, key: str,
         for f, off, size in boxes(s.local_shape, piece.param.start, piece.param.stop):
             n = int(np.prod(size, dtype=np.int64))
             at_box = first + f - piece.param.start
-            entry.views[tuple(a + b for a, b in zip(off, block))] = flat[at_box:at_box + n].view(size)
+            if (real := plan.unpadded(s.path, rank, off, size)) is not None:  # (None: all padding, uneven split)
+                entry.views[tuple(a + b for a, b in zip(off, block))] = flat[at_box:at_box + n].view(size)[real]
         at += piece.numel
 
 

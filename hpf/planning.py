@@ -16,7 +16,7 @@ import torch
 
 from . import tree as tree_util
 from .mesh import Mesh, as_axes
-from .spec import IndivisibleSpecError, P, SpecError, resolve_specs
+from .spec import IndivisibleSpecError, P, SpecError, resolve_specs, shares
 from .tree import ROOT
 from .precision import SlowPrecision
 
@@ -171,19 +171,53 @@ class Plan:
     # -- parameter <-> shard conversions (used at init, checkpointing and in tests) --------
     def block_offsets(self, path: str, rank: int) -> tuple[int, ...]:
         """Where the block ``rank`` computes with starts in the full parameter, per dim."""
+        return tuple(sum(sizes[:i]) for sizes, i in self._blocks(path, rank))
+
+    def block_shape(self, path: str, rank: int) -> tuple[int, ...]:
+        """The block of the full parameter that ``rank`` computes with: ``local_shape`` but where
+        a ``P(granule=)`` splits a dim unevenly, whose last ranks store theirs padded at its end."""
+        return tuple(sizes[i] for sizes, i in self._blocks(path, rank))
+
+    def padded_blocks(self, rank: int) -> dict[str, tuple[int, ...]]:
+        """{path: ``block_shape``} of the params ``rank`` stores padded (the loss function sees
+        a narrowed view of each; the padding stays zero, its grads are zero)."""
+        return {p: shape for p, s in self.slots.items() if (shape := self.block_shape(p, rank)) != s.local_shape}
+
+    def block_sizes(self, path: str, dim: int) -> list[int]:
+        """Every rank's block size along ``dim`` of ``path``, in the order of its split axes' group."""
+        return self._blocks(path, 0)[dim][0]
+
+    def unpadded(self, path: str, rank: int, offsets, sizes) -> tuple[slice, ...] | None:
+        """The part of a box (``offsets``, ``sizes``) of ``rank``'s stored block of ``path`` that is
+        no padding, as slices of the box; None where it is all padding (an uneven split)."""
+        inside = tuple(max(0, min(o + k, n) - o) for o, k, n in zip(offsets, sizes, self.block_shape(path, rank)))
+        return tuple(slice(0, k) for k in inside) if all(inside) else None
+
+    def _blocks(self, path: str, rank: int) -> list[tuple[list[int], int]]:
+        """Per dim: (every rank's block size along it, in group order; this rank's place)."""
         slot = self.slots[path]
         out = []
-        for dim, n in enumerate(slot.local_shape):
+        for dim, n in enumerate(slot.global_shape):
             axes = self.split_dim_axes(slot, dim)
-            out.append(self.mesh.group_index(axes, rank) * n if axes else 0)
-        return tuple(out)
+            if not axes:
+                out.append(([n], 0))
+                continue
+            out.append((shares(n, self.mesh.axis_size(axes), slot.spec.dim_granule(dim) or 1),
+                        self.mesh.group_index(axes, rank)))
+        return out
 
     def local_block(self, path: str, full: torch.Tensor, rank: int) -> torch.Tensor:
-        """The block of a full parameter that ``rank`` computes with (non-FSDP axes only)."""
+        """The block of a full parameter that ``rank`` stores (non-FSDP axes only): its compute
+        block, zero-padded to ``local_shape`` where a split is uneven."""
         out = full
-        for dim, (start, n) in enumerate(zip(self.block_offsets(path, rank), self.slots[path].local_shape)):
+        for dim, (start, n) in enumerate(zip(self.block_offsets(path, rank), self.block_shape(path, rank))):
             if n != out.shape[dim]:
                 out = out.narrow(dim, start, n)
+        want = self.slots[path].local_shape
+        if tuple(out.shape) != want:
+            padded = out.new_zeros(want)
+            padded[tuple(slice(0, n) for n in out.shape)] = out
+            out = padded
         return out
 
     def split_dim_axes(self, slot: ParamSlot, dim: int) -> tuple[str, ...]:
@@ -478,17 +512,23 @@ def unit_names(params: Any) -> list[str]:
 
 
 def _local_shape(path: str, leaf: torch.Tensor, spec: P, mesh: Mesh, split_axes) -> tuple[int, ...]:
+    """The block a rank stores: the dims split over non-FSDP axes divided, evenly or (``P(granule=)``)
+    in whole blocks, the largest share (a rank may get none: 3 MLP columns over 4 ranks)."""
     shape = list(leaf.shape)
     for dim in range(len(spec)):
         axes = [a for a in spec.dim_axes(dim) if a in split_axes]
         if not axes:
             continue
-        n = mesh.axis_size(axes)
-        if shape[dim] % n:
+        n, g = mesh.axis_size(axes), spec.dim_granule(dim)
+        if g is None and shape[dim] % n:
             raise IndivisibleSpecError(
                 f"parameter {path!r} dim {dim} has size {shape[dim]}, which the non-FSDP axes "
                 f"{tuple(axes)} of its spec {spec!r} ({n} ranks) do not divide; only FSDP axes are "
-                f"padded. Pick a size divisible by {n}, or shard this dim over FSDP axes instead"
+                f"padded. Pick a size divisible by {n}, shard this dim over FSDP axes instead, or let it split "
+                "unevenly with P(..., granule=...)"
             )
-        shape[dim] //= n
+        if g is not None and shape[dim] % g:
+            raise IndivisibleSpecError(f"parameter {path!r} dim {dim} has size {shape[dim]}, not whole blocks of {g} "
+                                       f"(its spec {spec!r}): give a granule that divides it")
+        shape[dim] = max(shares(shape[dim], n, g or 1))
     return tuple(shape)

@@ -31,7 +31,7 @@ from typing import Any
 
 from . import memory, sim
 from .mesh import Mesh
-from .models import MODELS, TP_AXIS, carve_tp, data_axes, has_experts, layout, mesh_for, model_config, tp_sizes
+from .models import MODELS, TP_AXIS, carve_tp, data_axes, has_experts, layout, mesh_for, model_config, tp_size, tp_sizes
 from .models.recompute import RECOMPUTE
 from .sim import Hardware, SimResult
 from .precision import SlowPrecision
@@ -91,7 +91,7 @@ class Candidate:
         """The keyword arguments of ``hpf.shard_step`` (all but the loss function and optimizer) on the
         job's ``mesh``."""
         module, mesh = MODELS[model], self.mesh(mesh)
-        specs, data = layout(module, config, mesh.axis_names, None, self.ep_axis)
+        specs, data = layout(module, config, mesh.axis_names, None, self.ep_axis, tp_size(mesh))
         return {"mesh": mesh, "param_specs": specs, "fsdp_axes": data or tuple(mesh.axis_names),
                 "topology": step_topology(self), "batch_axes": getattr(module, "BATCH_AXES", None),
                 **inputs(self, "step")}

@@ -144,11 +144,16 @@ class InitTrace:
             shard = torch.zeros(stop - start, dtype=dtype or bucket.dtype)
             for slot in bucket.slots:
                 piece = slot.piece(start, stop)
-                offsets = plan.block_offsets(slot.path, rank)
+                offsets, block = plan.block_offsets(slot.path, rank), plan.block_shape(slot.path, rank)
                 for lo in range(piece.param.start, piece.param.stop, CHUNK):
                     hi = min(lo + CHUNK, piece.param.stop)
-                    at = _global_positions(lo, hi, slot.local_shape, slot.global_shape, offsets)
                     held = piece.held.start + lo - piece.param.start
+                    if block != slot.local_shape:  # stored padded (an uneven split): the padding stays zero
+                        at, real = _padded_positions(lo, hi, slot.local_shape, block, slot.global_shape, offsets)
+                        if real.any():
+                            shard[held:held + hi - lo][real] = ev.at(node_of[slot.path], at).to(shard.dtype)
+                        continue
+                    at = _global_positions(lo, hi, slot.local_shape, slot.global_shape, offsets)
                     shard[held:held + hi - lo] = ev.at(node_of[slot.path], at).to(shard.dtype)
                 ev.forget_large()
             out.append(shard)
@@ -208,6 +213,16 @@ def _global_positions(lo: int, hi: int, local_shape, global_shape, offsets) -> r
         return range(lo, hi)
     coords = _unravel(torch.arange(lo, hi), local_shape)
     return _ravel([c + o for c, o in zip(coords, offsets)], global_shape, hi - lo)
+
+
+def _padded_positions(lo: int, hi: int, local_shape, block, global_shape, offsets) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions in the whole param of the real elements among [lo, hi) of a padded local block,
+    which of the [lo, hi) are real: inside ``block``)."""
+    coords = _unravel(torch.arange(lo, hi), local_shape)
+    real = torch.ones(hi - lo, dtype=torch.bool)
+    for c, n in zip(coords, block):
+        real &= c < n
+    return _ravel([(c + o)[real] for c, o in zip(coords, offsets)], global_shape, int(real.sum())), real
 
 
 def _unravel(flat: torch.Tensor, shape) -> list[torch.Tensor]:

@@ -15,7 +15,7 @@ import torch
 from . import tree as tree_util
 from .errors import IndivisibleSpecError, SpecError, SpecTreeError
 
-__all__ = ["P", "Rules", "rules", "SpecError", "SpecTreeError", "IndivisibleSpecError", "resolve_specs"]
+__all__ = ["P", "Rules", "rules", "shares", "SpecError", "SpecTreeError", "IndivisibleSpecError", "resolve_specs"]
 
 
 class P(tuple):
@@ -28,19 +28,30 @@ class P(tuple):
     and computed sharded" for this parameter. Expert parallelism borrows a data axis this
     way: ``P("ep", fsdp=("dp",))`` for experts, while dense params shard over ``("dp", "ep")``.
 
+    ``granule=(g0, g1, ...)``: per dim, the size of the blocks its non-FSDP axes may not cut (a
+    head's columns). A dim they do not divide is then split unevenly, whole blocks per rank, the
+    first ranks one block more (``shares``): 5 heads over 2 ranks are 3 and 2. Each rank stores
+    its block padded with zeros to the largest and the loss function sees its own block. Without
+    it (None), such a dim is an :class:`IndivisibleSpecError`, as a function's own collectives
+    may need equal blocks.
+
     Args:
         entries: per dim, None (replicated), a mesh axis name, or a tuple of names (the dim
             split over their product, outer axis first).
         fsdp: None (the step's ``fsdp_axes``), or the FSDP axes to store this param sharded over.
+        granule: None, or per dim a positive int (or None: 1) that an uneven split keeps whole.
 
     Raises:
-        SpecError: an entry that is none of those, or ``fsdp`` not a tuple of names. Axis names are checked against the mesh
+        SpecError: an entry that is none of those, ``fsdp`` not a tuple of names, or ``granule``
+            not a tuple of positive ints. Axis names are checked against the mesh
             when the plan is made.
     """
 
     fsdp: tuple[str, ...] | None
+    granule: tuple[int, ...] | None
 
-    def __new__(cls, *entries: None | str | Sequence[str], fsdp: str | Sequence[str] | None = None):
+    def __new__(cls, *entries: None | str | Sequence[str], fsdp: str | Sequence[str] | None = None,
+                granule: Sequence[int | None] | None = None):
         norm = []
         for e in entries:
             if e is None or isinstance(e, str):
@@ -57,20 +68,28 @@ class P(tuple):
         if fsdp is not None and not all(isinstance(a, str) for a in fsdp):
             raise SpecError(f"P(fsdp={fsdp!r}): give a tuple of mesh axis names")
         out.fsdp = None if fsdp is None else tuple(fsdp)
+        if granule is not None:
+            granule = tuple(1 if g is None else g for g in granule)
+            if not all(type(g) is int and g > 0 for g in granule):
+                raise SpecError(f"P(granule={granule!r}): give per dim a positive int (or None)")
+        out.granule = granule
         return out
 
     def __repr__(self) -> str:
-        extra = [] if self.fsdp is None else [f"fsdp={self.fsdp!r}"]
+        extra = ([] if self.fsdp is None else [f"fsdp={self.fsdp!r}"]) + \
+            ([] if self.granule is None else [f"granule={self.granule!r}"])
         return "P(" + ", ".join([repr(e) for e in self] + extra) + ")"
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, tuple) and tuple.__eq__(self, other) and getattr(self, "fsdp", None) == getattr(other, "fsdp", None)
+        return (isinstance(other, tuple) and tuple.__eq__(self, other)
+                and getattr(self, "fsdp", None) == getattr(other, "fsdp", None)
+                and getattr(self, "granule", None) == getattr(other, "granule", None))
 
     def __hash__(self) -> int:
-        return hash((tuple(self), self.fsdp))
+        return hash((tuple(self), self.fsdp, self.granule))
 
-    def __reduce__(self):  # pickles (all_gather_object, spawn) keep fsdp
-        return (_make_p, (tuple(self), self.fsdp))
+    def __reduce__(self):  # pickles (all_gather_object, spawn) keep fsdp and granule
+        return (_make_p, (tuple(self), self.fsdp, self.granule))
 
     def axes(self) -> tuple[str, ...]:
         """Every mesh axis named in the spec, in order of appearance."""
@@ -86,8 +105,23 @@ class P(tuple):
         return () if e is None else ((e,) if isinstance(e, str) else tuple(e))
 
 
-def _make_p(entries, fsdp):
-    return P(*entries, fsdp=fsdp)
+    def dim_granule(self, dim: int) -> int | None:
+        """The blocks an uneven split of ``dim`` keeps whole; None: the dim must split evenly."""
+        if self.granule is None:
+            return None
+        return self.granule[dim] if dim < len(self.granule) else 1
+
+
+def _make_p(entries, fsdp, granule=None):
+    return P(*entries, fsdp=fsdp, granule=granule)
+
+
+def shares(size: int, parts: int, granule: int = 1) -> list[int]:
+    """``size`` split over ``parts`` ranks in whole blocks of ``granule``, the first ranks one block
+    more (numpy's array_split): 5 heads over 2 ranks are 3 and 2. What an uneven ``P(granule=)``
+    gives each rank; the models' tensor parallelism reads it to know a rank's heads."""
+    blocks, extra = divmod(size // granule, parts)
+    return [(blocks + (i < extra)) * granule for i in range(parts)]
 
 
 class Rules:

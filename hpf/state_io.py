@@ -100,5 +100,9 @@ def _gather_compute_axes(plan: Plan, path: str, local: torch.Tensor) -> torch.Te
     for dim in range(len(slot.spec)):
         axes = plan.split_dim_axes(slot, dim)
         if axes and plan.mesh.axis_size(axes) > 1:  # (size 1: nothing to gather, maybe no process group)
-            out = gather_dim0(out.movedim(dim, 0), plan.mesh.group(axes), plan.mesh.axis_size(axes)).movedim(0, dim)
+            n, stored = plan.mesh.axis_size(axes), out.shape[dim]
+            out = gather_dim0(out.movedim(dim, 0), plan.mesh.group(axes), n).movedim(0, dim)
+            sizes = plan.block_sizes(path, dim)
+            if any(k != stored for k in sizes):  # an uneven split: each block without its padding
+                out = torch.cat([b.narrow(dim, 0, k) for b, k in zip(out.split(stored, dim), sizes)], dim)
     return out

@@ -264,7 +264,7 @@ class ShardStep:
     def stats(self) -> StepStats:
         """Bytes sent, waits, timings and gathers since ``init``, as a :class:`hpf.StepStats`
         (subtract an earlier snapshot for what happened in between). Local: no collective."""
-        return self._closed or _stats(self._timed, self.engine, self.comm)
+        return self._closed or _stats(self._timed, self.engine, self.comm, self.plan_optimizer)
 
     def close(self) -> None:
         """Release what the step holds: its comm's worker threads, process groups and shared
@@ -284,7 +284,7 @@ class ShardStep:
             if engine is not None:
                 try:
                     engine.release()
-                    self._closed = _stats(self._timed, engine, comm)  # (what it left held: nothing)
+                    self._closed = _stats(self._timed, engine, comm, self.plan_optimizer)  # (what it left held: nothing)
                 finally:
                     comm.close()
                 del engine, comm
@@ -503,10 +503,14 @@ def _close_at_exit() -> None:
             print(f"hpf: closing a step at exit: {type(e).__name__}: {e}", file=sys.stderr)
 
 
-def _stats(timed: dict, engine: UnitEngine | None, comm: UnitComm | None) -> StepStats:
+def _stats(timed: dict, engine: UnitEngine | None, comm: UnitComm | None, optimizer=None) -> StepStats:
     if engine is None:
         return StepStats(**timed)
-    return StepStats(**timed, bytes=Counter(comm.bytes), **{f: getattr(engine.stats, f) for f in GATHER_STATS})
+    sent = Counter(comm.bytes)
+    if hasattr(optimizer, "bytes_sent"):  # distributed Muon's point-to-point pieces
+        slow = optimizer.slow_bytes_sent
+        sent.update({k: n for k, n in ((("muon", "fast"), optimizer.bytes_sent - slow), (("muon", "slow"), slow)) if n})
+    return StepStats(**timed, bytes=sent, **{f: getattr(engine.stats, f) for f in GATHER_STATS})
 
 
 def _metrics(d: Decision, state: TrainState, t0: float, t_opt: float, wait_s: float, compile_s: float) -> dict:
@@ -589,7 +593,7 @@ def _engine(cfg: StepConfig, plan: Plan, shards: list[torch.Tensor], device: tor
         pipeline=cfg.topology is None or cfg.topology.pipeline,
         capacity=cfg.resident_units, compute_sums=[(b, cfg.mesh.group(axes)) for b, axes in partial
                                                    if cfg.mesh.axis_size(axes) > 1],
-        on_extra_gather=on_extra_gather, rematerialize=cfg.grad == "torch.func")
+        on_extra_gather=on_extra_gather, rematerialize=cfg.grad == "torch.func", blocks=plan.padded_blocks(world.rank()))
 
 
 #: the invariant mode's shards are whole multiples of this many elements: wider than any CPU or

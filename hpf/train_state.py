@@ -44,7 +44,8 @@ class StepStats:
     Args:
         steps: calls of the step.
         bytes: ``(op, tier) -> bytes`` this rank sent, by hpf.comm.cost's ring model
-            (``op``: all_gather, reduce_scatter, all_reduce; ``tier``: fast or slow).
+            (``op``: all_gather, reduce_scatter, all_reduce; ``tier``: fast or slow), and under
+            distributed Muon ``("muon", tier)``: the payload of its point-to-point pieces.
         step_s, optimizer_s, comm_wait_s, compile_s: seconds summed over the steps, as each
             step's metrics report them (``comm_wait_s``: compute blocked on a collective).
         gathers: unit gathers; ``extra_gathers`` those beyond loop-style use (each unit once in

@@ -83,8 +83,15 @@ def test_plan_muon_state_is_what_each_rank_allocates():
 
 
 @pytest.mark.slow
-def test_simulate_warns_when_a_shape_was_not_calibrated_and_by_how_far():
-    far = hpf_cmd("simulate", "--hardware", CALIBRATION, "--config", "small", "--local-batch", 8, "--world-size", 2)
+def test_simulate_refuses_a_shape_its_calibration_never_measured_and_names_the_one_to_calibrate():
+    """small/8 on a calibration of small/2: a guess from FLOPs (issue 60: 18x off), so refused with the
+    command that measures it; --estimate gives the guess, with the warning that says how far it reaches."""
+    refused = hpf_cmd("simulate", "--hardware", CALIBRATION, "--config", "small", "--local-batch", 8, "--world-size", 2)
+    assert refused.returncode == 2 and refused.stdout == "", refused.stderr
+    assert "measured the compute of small/2/2, small/2/4 (config/local batch/ranks), not small/8" in refused.stderr
+    assert f"hpf calibrate --shapes small/8 --world-sizes 2 --update {CALIBRATION}" in refused.stderr
+    far = hpf_cmd("simulate", "--hardware", CALIBRATION, "--config", "small", "--local-batch", 8, "--world-size", 2,
+                  "--estimate")
     assert far.returncode == 0, far.stderr
     (warning,) = far.stderr.strip().splitlines()
     assert warning.startswith("hpf: warning: compute of small at 8 sequences per rank on 2 ranks is not calibrated")

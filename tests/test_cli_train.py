@@ -367,5 +367,7 @@ def test_a_tp_axis_in_the_mesh_trains_tensor_parallel_and_falls_like_data_parall
     proc = hpf_cmd("plan", "--config", "small", "--mesh", "dp=2,tp=2")
     assert "computed split over (tp)" in proc.stdout and "FSDP axes dp; tensor parallel over tp" in proc.stdout
     assert "all_reduce (TP)" in proc.stdout and "predicted peak per rank" in proc.stdout
-    refused = hpf_cmd("train", "--config", "tiny", "--mesh", "dp=2,tp=2", "--out", tmp_path / "tiny")
-    assert refused.returncode == 2 and "do not divide" in one_error_line(refused)  # tiny's 25 columns
+    tiny = hpf_cmd("train", "--config", "tiny", "--mesh", "dp=2,tp=2", "--steps", 2, "--out", tmp_path / "tiny")
+    assert tiny.returncode == 0, tiny.stderr  # tiny's 5 heads split 3 and 2 (issue 60 item 2)
+    refused = hpf_cmd("train", "--config", "tiny", "--mesh", "dp=1,tp=8", "--out", tmp_path / "tp8")
+    assert refused.returncode == 2 and "n_heads=5: use tp=5 or less" in one_error_line(refused)

@@ -56,7 +56,7 @@ def test_the_plan_search_weighs_muon():
 
 def test_cli_simulate_with_muon(capsys):
     assert cli.main(["simulate", "--config", "small", "--mesh", "node=2,local=2", "--hardware", "h100",
-                     "--optimizer", "muon"]) == 0
+                     "--optimizer", "muon", "--local-batch", "4"]) == 0
     out = capsys.readouterr().out
     assert "Muon (its tax in hpf rows only" in out
     row = next(line.split() for line in out.splitlines() if line.split()[:2] == ["4", "hpf"])

@@ -370,3 +370,18 @@ def test_calibrate_interrupted_leaves_no_file_and_a_finished_one_is_whole(tmp_pa
     monkeypatch.setattr(calibrate, "calibrate", lambda *a, **k: result)
     assert main(["calibrate", "--out", str(out)]) == 0
     assert json.loads(out.read_text()) == result and sorted(p.name for p in tmp_path.iterdir()) == ["calib.json"]
+
+
+def test_simulate_s_default_local_batch_is_hpf_train_s(capsys):
+    """hpf train splits its global batch (32 sequences) over the data ranks: 16 per rank on 2, 16 per tp
+    group on dp=2 x tp=2; hpf simulate predicts that job by default (it assumed 4: issue 60 item 7);
+    a --sweep keeps 4 per rank at every size (weak scaling)."""
+    from hpf import cli
+    from hpf.jobspec import BATCH_SIZE
+
+    for mesh, reader in ((["--world-size", "2"], "rank"), (["--mesh", "dp=2,tp=2"], "tp group"), (["--world-size", "4"], "rank")):
+        assert cli.main(["simulate", *mesh, "--hardware", "h100"]) == 0
+        data = 2 if mesh[-1] in ("2", "dp=2,tp=2") else 4
+        assert f"{BATCH_SIZE // data} x 16 tokens per {reader}," in capsys.readouterr().out
+    assert cli.main(["simulate", "--sweep", "16,32", "--hardware", "h100"]) == 0
+    assert "4 x 16 tokens per rank," in capsys.readouterr().out

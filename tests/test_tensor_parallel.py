@@ -7,9 +7,12 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import hpf
 from hpf import random as R
+from hpf.comm.collectives import SPMD, spmd
 from hpf.launcher import RankError, launch
 from hpf.models import gpt, llama, moe, specs_for
 from hpf import memory, search, sim
@@ -135,10 +138,14 @@ def test_moe_splits_its_attention_over_tp_and_its_experts_over_ep():
 
 
 def _odd_heads(rank):
-    config = gpt.GPTConfig(67, 16, 30, 2, 5, 36)  # 5 heads of 6: every dim splits over 2, the heads do not
-    mesh = hpf.Mesh({"tp": 2})
+    """5 heads of 6: every dim splits evenly over 2, the heads do not (specs of even splits, not
+    gpt.param_specs, which splits in whole heads)."""
+    config = gpt.GPTConfig(67, 16, 30, 2, 5, 36)
+    mesh, P = hpf.Mesh({"tp": 2}), hpf.P
+    even = hpf.rules([(r"blocks/\d+/(w_qkv|w_up)", P(None, "tp")), (r"blocks/\d+/(w_o|w_down)", P("tp", None)),
+                      (".*", P())])
     step = hpf.shard_step(gpt.loss_for(config, tp_axis="tp"), mesh=mesh, optimizer=hpf.optim.adamw(lr=LR),
-                          param_specs=gpt.param_specs(config, "tp", ()), fsdp_axes=())
+                          param_specs=even, fsdp_axes=())
     with step:
         state = step.init(functools.partial(gpt.init, config), key=R.key(0))
         step(state, gpt.global_batch(config, 2, 0, 0))
@@ -290,3 +297,130 @@ def test_tensor_parallelism_composes_with_the_step_s_options():
     want = adamw_training(moe.loss_for(tiny), moe.init(tiny, R.key(0)), lambda s: moe.global_batch(tiny, BATCH, 0, s),
                           4, lr=LR)[0]
     torch.testing.assert_close(torch.tensor(got["moe"]), torch.tensor(want), rtol=1e-5, atol=0)
+
+
+# -- any tp size on any config: uneven splits in whole heads, replicated key heads -----------------
+def _config(model, heads, kv, head_dim, d_ff):
+    if model == "gpt":
+        return gpt, gpt.GPTConfig(vocab_size=11, seq_len=5, d_model=heads * head_dim, n_layers=1, n_heads=heads, d_ff=d_ff)
+    return llama, llama.LlamaConfig(vocab_size=11, seq_len=5, d_model=8, n_layers=1, n_heads=heads, n_kv_heads=kv,
+                                    d_ff=d_ff, head_dim=head_dim)
+
+
+def _branches(module, config, blk, h):
+    """The attention's and the MLP's row-parallel products of one block on the normed stream h:
+    what each tp rank computes before the psum (the sum over ranks is the one-process value)."""
+    if module is gpt:
+        return gpt.attention(blk, h, config.n_heads)[0] + gpt.mlp(blk, h)
+    cos, sin = llama.rope_cos_sin(config, h.shape[1], h.device, h.dtype)
+    up = torch.nn.functional.silu(torch.nn.functional.linear(h, blk["w_gate"])) * torch.nn.functional.linear(h, blk["w_up"])
+    return llama.attention(blk, h, cos, sin, config, "tp")[0] + torch.nn.functional.linear(up, blk["w_down"])
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(st.sampled_from(["gpt", "llama"]), st.integers(1, 4), st.integers(1, 4), st.sampled_from([2, 4]),
+       st.integers(1, 13), st.integers(1, 8), st.integers(0, 2 ** 16))
+def test_any_split_of_heads_kv_heads_and_mlp_gives_the_one_process_branches_and_grads(model, kv, group, head_dim, d_ff,
+                                                                                     tp, seed):
+    """Over (heads, kv heads, d_ff, tp): the plan's blocks (uneven in whole heads, key heads replicated
+    where tp does not divide them), each rank's branches summed over the ranks, equal the one-process
+    branches, and each rank's grads put at its block's place (summed where replicated) equal the
+    one-process grads. In fp64: both sides are the same dot products of length <= 64 rounded in
+    another order, so they differ by at most 64 u |a||b| per product (u = 2^-53, 7e-15 relative), far
+    under 1e-9 of the magnitudes, while a wrong head, key head or column moves them by O(1) of it."""
+    heads = kv * group  # (gpt: no grouped heads, kv = heads)
+    kv = kv if model == "llama" else heads
+    if tp > heads:
+        with pytest.raises(ValueError, match=f"n_heads={heads}: use tp={heads} or less"):
+            _config(model, heads, kv, head_dim, d_ff)[0].param_specs(_config(model, heads, kv, head_dim, d_ff)[1],
+                                                                     "tp", (), tp=tp)
+        return
+    module, config = _config(model, heads, kv, head_dim, d_ff)
+    torch.manual_seed(seed)
+    full = {k: torch.randn(v.shape, dtype=torch.float64, requires_grad=True)
+            for k, v in module.init(config)["blocks"][0].items() if v.dim() == 2}  # (the norms: not in the branches)
+    h = torch.randn(2, config.seq_len, config.d_model, dtype=torch.float64)
+    cot = torch.randn(2, config.seq_len, config.d_model, dtype=torch.float64)
+    want = _branches(module, config, full, h)
+    want_grads = torch.autograd.grad((want * cot).sum(), list(full.values()))
+    want = want.detach()
+    mesh = hpf.Mesh({"tp": tp})
+    plan = step_plan({"blocks": [full]}, mesh, module.param_specs(config, "tp", (), tp=tp), fsdp_axes=())
+    got, grads = torch.zeros_like(want), {k: torch.zeros_like(v, requires_grad=False) for k, v in full.items()}
+    for r in range(tp):
+        blk = {}
+        for k, v in full.items():
+            path = f"blocks/0/{k}"
+            stored = plan.local_block(path, v.detach(), r)
+            assert stored.shape == plan.slots[path].local_shape
+            block = stored[tuple(slice(0, n) for n in plan.block_shape(path, r))]
+            assert not stored.count_nonzero() - block.count_nonzero()  # the padding is zeros
+            blk[k] = block.clone().requires_grad_()
+        with spmd(SPMD(mesh, r, (), virtual=True)):
+            part = _branches(module, config, blk, h)
+        got += part.detach()
+        for (k, v), g in zip(blk.items(), torch.autograd.grad((part * cot).sum(), list(blk.values()))):
+            at = tuple(slice(o, o + n) for o, n in zip(plan.block_offsets(f"blocks/0/{k}", r), g.shape))
+            grads[k][at] += g
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-9 * scale)
+    for (k, g), w in zip(grads.items(), want_grads):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-9 * w.abs().max().item(), msg=k)
+
+
+DEFAULT = {"gpt": (gpt, gpt.CONFIGS["tiny"]), "llama": (llama, llama.CONFIGS["tiny"])}  # 5 heads, d_ff 38; GQA 6 on 2, d_ff 37
+
+
+def _train_default(rank, axes, root):
+    """The default configs on ``axes`` for STEPS steps, by hpf.models.layout (what hpf train runs);
+    each saves its state at the end."""
+    from hpf.models import layout
+
+    mesh, out = hpf.Mesh(axes), {}
+    specs_mesh = mesh.axis_size("tp")
+    data = tuple(a for a in mesh.axis_names if a != "tp")
+    index, rows = mesh.group_index(data, rank), BATCH // mesh.axis_size(data)
+    for name, (module, config) in DEFAULT.items():
+        specs, fsdp = layout(module, config, mesh.axis_names, tp=specs_mesh)
+        with hpf.shard_step(module.loss_for(config, tp_axis="tp"), mesh=mesh, optimizer=hpf.optim.adamw(lr=LR),
+                            param_specs=specs, fsdp_axes=fsdp) as step:
+            state = step.init(functools.partial(module.init, config), key=R.key(0))
+            losses = []
+            for s in range(STEPS):
+                state, m = step(state, gpt.global_batch(config, BATCH, 0, s)[index * rows:(index + 1) * rows])
+                losses.append(m["loss"])
+            step.save(state, f"{root}/{name}")
+            again, _ = step.restore(f"{root}/{name}")
+            out[name] = (losses, step.full_params(state), _same(step.full_params(again), step.full_params(state)))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("axes", [{"tp": 4}, {"dp": 2, "tp": 2}], ids=["tp4", "dp2xtp2"])
+def test_the_default_configs_train_tensor_parallel_split_unevenly_as_one_process(axes, tmp_path):
+    """gpt tiny's 5 heads split 2/1/1/1 and 3/2, llama tiny's 6 heads 2/2/1/1 with its 2 key heads
+    replicated over tp=4, its d_ff 37 as 10/9/9/9 and 19/18: the losses and params of plain torch on
+    the whole model in one process, and a checkpoint of the padded blocks holds the params alone."""
+    runs = launch(_train_default, 4, axes, str(tmp_path), timeout=280)
+    for name, (module, config) in DEFAULT.items():
+        want_losses, _, want_params = adamw_training(module.loss_for(config), module.init(config, R.key(0)),
+                                                     lambda s, c=config: gpt.global_batch(c, BATCH, 0, s), STEPS, lr=LR)
+        for got in runs:  # the same bound and reason as test_tensor_parallel_training_equals_one_process
+            torch.testing.assert_close(torch.tensor(got[name][0]), torch.tensor(want_losses), rtol=1e-5, atol=0,
+                                       msg=name)
+            assert got[name][2], f"{name}: the restored state differs"
+        for path, x in zip(*hpf.tree.flatten(runs[0][name][1])[:2]):
+            torch.testing.assert_close(x, want_params[path], rtol=0, atol=LR * 5e-3, msg=f"{name} {path}")
+        assert _same(hpf.checkpoint.load_params(f"{tmp_path}/{name}"), runs[0][name][1])
+
+
+def test_a_tp_size_larger_than_the_heads_is_refused_in_the_words_of_the_config():
+    with pytest.raises(ValueError, match=r"n_heads=5: use tp=5 or less \(e.g. --mesh dp=2,tp=4 on 8 ranks\)"):
+        specs_for(gpt, gpt.CONFIGS["tiny"], None, ("dp",), "tp", 8)
+    with pytest.raises(ValueError, match="n_heads=6: use tp=6 or less"):
+        specs_for(llama, llama.CONFIGS["tiny"], None, ("dp",), "tp", 8)
+    with pytest.raises(hpf.spec.IndivisibleSpecError, match="'w' dim 1 has size 15, not whole blocks of 4"):
+        step_plan({"w": torch.empty(2, 15, device="meta")}, hpf.Mesh({"tp": 4}), hpf.P(None, "tp", granule=(1, 4)),
+                  fsdp_axes=())
+    with pytest.raises(hpf.spec.IndivisibleSpecError, match="or let it split unevenly with P"):
+        step_plan({"w": torch.empty(2, 15, device="meta")}, hpf.Mesh({"tp": 4}), hpf.P(None, "tp"), fsdp_axes=())

@@ -9,7 +9,7 @@ from pathlib import Path
 import hpf
 from hpf.cli.command import CliError, Parser
 from hpf.launcher import is_launched, world_size
-from hpf.models import MODELS, TP_AXIS, data_axes, has_experts, mesh_for, specs_for
+from hpf.models import MODELS, TP_AXIS, data_axes, has_experts, mesh_for, specs_for, tp_size
 from hpf import jobspec
 from hpf.jobspec import add_arguments, positive
 
@@ -84,7 +84,11 @@ def sharding_of(model: str, config, mesh: hpf.Mesh, fsdp_axes, ep_axis: str | No
         if ep_axis is not None and ep_axis not in data:
             raise CliError(f"--ep-axis {ep_axis} is not one of the data axes ({', '.join(data)}) of --mesh "
                            f"{mesh_text(dict(zip(mesh.axis_names, mesh.shape)))}: expert parallelism borrows a data axis")
-        return {"param_specs": specs_for(module, config, ep_axis, data, TP_AXIS), "fsdp_axes": data}
+        try:
+            specs = specs_for(module, config, ep_axis, data, TP_AXIS, tp_size(mesh))
+        except ValueError as e:
+            raise CliError(f"--mesh {mesh_text(dict(zip(mesh.axis_names, mesh.shape)))}: {e}") from None
+        return {"param_specs": specs, "fsdp_axes": data}
     if not has_experts(module):
         return {"param_specs": None, "fsdp_axes": fsdp_axes}
     data = tuple(fsdp_axes or mesh.axis_names)

@@ -6,9 +6,11 @@ from pathlib import Path
 
 from hpf import sim
 from hpf.cli.common import CliError, check_ep_axis, only_searched, job_parser, mesh_of
-from hpf.jobspec import inputs, positive
+from hpf.jobspec import BATCH_SIZE, inputs, positive
 from hpf.cli.machine import HELP, hardware_of
-from hpf.models import model_config
+from hpf.models import data_axes, model_config
+
+SWEEP_LOCAL_BATCH = 4  # --sweep's sequences per rank: weak scaling, the same at every rank count
 from hpf.plots import missing_matplotlib
 
 
@@ -20,8 +22,10 @@ def add_parser(sub, help_: str):
                     "simulation). Example: hpf simulate --config 1b --mesh node=48,local=16 --hardware "
                     "cloudmatrix384 --mixed-precision bf16")
     simulate.add_argument("--hardware", metavar="NAME|FILE", help=HELP)
-    simulate.add_argument("--local-batch", type=positive(int), default=4, metavar="B",
-                          help="sequences per rank per step, per tp group with a tp axis (weak scaling; default: 4)")
+    simulate.add_argument("--local-batch", type=positive(int), default=None, metavar="B",
+                          help="sequences per rank per step, per tp group with a tp axis (default: hpf train's, its "
+                               f"global batch of {BATCH_SIZE} over the data ranks; with --sweep {SWEEP_LOCAL_BATCH}, "
+                               "weak scaling)")
     simulate.add_argument("--sweep", metavar="N,N,...",
                           help="rank counts for a scaling curve, e.g. 16,32,64,128,256,512,768 (meshes of whole "
                                "fast domains: node=N/fast,local=fast)")
@@ -29,6 +33,9 @@ def add_parser(sub, help_: str):
                           help="with --sweep: write step_time.png, exposed_comm.png, tokens_per_rank.png into DIR "
                                "(needs matplotlib; without it one line says so and the table is still printed)")
     simulate.add_argument("--no-pipeline", action="store_true", help="hpf waits for each unit's reduction")
+    simulate.add_argument("--estimate", action="store_true",
+                          help="predict a shape the --hardware calibration never measured, from FLOPs at a measured "
+                               "shape's efficiency (a guess: 18x off on a CPU); without it such a shape is refused")
     simulate.set_defaults(run=cmd_simulate)
     return simulate
 
@@ -40,6 +47,9 @@ def cmd_simulate(args) -> int:
         raise CliError(str(e)) from None
     check_ep_axis(args.model, args.ep_axis)
     only_searched(args.slow_precision)
+    if args.local_batch is None:  # hpf train's: its global batch over the data ranks
+        data = 1 if args.sweep else mesh_of(args).axis_size(data_axes(mesh_of(args).axis_names))
+        args.local_batch = SWEEP_LOCAL_BATCH if args.sweep else max(1, BATCH_SIZE // data)
     kw = dict(local_batch=args.local_batch, fsdp_axes=args.fsdp_axes, pipeline=not args.no_pipeline,
               model=args.model, optimizer=args.optimizer, **inputs(args, "sim"))
     # Megatron DDP keeps full replicas: no baseline for a model whose experts only fit split
@@ -52,10 +62,12 @@ def cmd_simulate(args) -> int:
         except ValueError:
             raise CliError(f"--sweep {args.sweep!r}: give rank counts separated by commas, e.g. 16,32,64") from None
         hw, where = hardware_of(args, max(ranks), args.local_batch)
+        refuse_uncalibrated(args, hw, ranks)
         rows = sim.sweep(args.config, ranks, hw, strategies, **kw)
     else:
         mesh = mesh_of(args)
         hw, where = hardware_of(args, mesh.size, args.local_batch)
+        refuse_uncalibrated(args, hw, [mesh.size])
         rows = [(mesh.size, sim.compare(args.config, mesh, hw, strategies, **kw))]
     reader = "tp group" if args.mesh and "tp" in args.mesh else "rank"  # (a tp group reads one share)
     print(f"hpf simulate: {args.model} {args.config!r}, {args.local_batch} x {config.seq_len} tokens per "
@@ -88,6 +100,19 @@ def cmd_simulate(args) -> int:
             for f in save_simulate_plots(rows, args.plot):
                 print(f"  wrote {f}")
     return 0
+
+
+def refuse_uncalibrated(args, hw, ranks: list[int]) -> None:
+    """A calibration that never measured this job's shape gives no prediction of it, only a guess:
+    refuse and name the shape to calibrate (unless --estimate)."""
+    shape = sim.uncalibrated_shape(args.config, args.local_batch, hw, args.model)
+    if shape is None or args.estimate or args.hardware is None:  # (this machine's own: hardware_of measured it)
+        return
+    measured = sorted(hw.compute)
+    raise CliError(f"--hardware {args.hardware}: its calibration measured the compute of {', '.join(measured)} "
+                   f"(config/local batch/ranks), not {shape}, so a step of it could only be guessed from FLOPs at "
+                   f"another shape's efficiency (on a CPU: 18x off). Measure it: hpf calibrate --shapes {shape} "
+                   f"--world-sizes {' '.join(map(str, ranks))} --update {args.hardware}; or pass --estimate for the guess")
 
 
 def save_simulate_plots(rows, out: Path) -> list[Path]:

@@ -53,15 +53,15 @@ class UnitEngine:
     Args:
         plan, comm: the plan and its collectives (hpf.comm.flat.BucketComm, hpf.comm.tiered.TieredComm).
         compute_dtype: dtype of the gathered params (None: the params' own).
-        pipeline: reductions overlap the rest of backward (False waits for each one).
-        capacity: block units gathered at once besides the root and shared-memory units.
+        pipeline: reductions overlap the rest of backward; capacity: block units gathered at once (+ root).
         compute_sums: (bucket, group) pairs whose grads are partial sums over non-FSDP axes.
+        blocks: the blocks the function sees of params stored padded (Plan.padded_blocks).
         on_extra_gather: told (unit, phase) of each gather beyond loop-style use (validation warns).
     """
 
     def __init__(self, plan: Plan, comm, compute_dtype: torch.dtype | None, device: torch.device, *,
                  pipeline: bool = True, capacity: int = RESIDENT_UNITS, compute_sums=(),
-                 on_extra_gather: Callable[[str, str], None] | None = None, rematerialize: bool = False):
+                 on_extra_gather: Callable[[str, str], None] | None = None, rematerialize: bool = False, blocks=None):
         self.plan, self.comm, self.device = plan, comm, device
         self.units = list(plan.units)
         waits = Waits()  # seconds compute spent blocked on the step's collectives: add_wait(s), take_wait_s()
@@ -74,7 +74,7 @@ class UnitEngine:
         r = self.reducer  # what the step asks of the reductions (hpf.engine.reduce), and nothing more:
         self.holds_sums, self.grads_mark, self.no_grads_since, self.tell_landed = (
             r.holds_sums, r.grads_mark, r.no_grads_since, r.tell_landed)
-        self.view = ParamsView(plan, {u: plan.slot_paths(u) for u in self.units}, self._entry)
+        self.view = ParamsView(plan, {u: plan.slot_paths(u) for u in self.units}, self._entry, blocks)
         self.stats: MemoryStats = self.buffers.stats
         self.phase = Phase.IDLE
         self.broken: BaseException | None = None  # the error that left the ranks out of step (Phase.BROKEN)

@@ -68,10 +68,13 @@ class ParamsView:
     """Builds the params tree for one call of the loss function (see the module doc).
 
     ``entry(unit)`` makes one autograd entry of a unit and returns its param views in slot
-    order; the engine passes it, so every read goes through the engine."""
+    order; the engine passes it, so every read goes through the engine. ``blocks``: {path: shape}
+    of the params stored padded (``Plan.padded_blocks``): the function sees each narrowed to its
+    block, and autograd pads its grad back with zeros."""
 
-    def __init__(self, plan: Plan, slot_paths: dict[str, list[str]], entry: Callable[[str], tuple]):
-        self.plan, self.entry = plan, entry
+    def __init__(self, plan: Plan, slot_paths: dict[str, list[str]], entry: Callable[[str], tuple],
+                 blocks: dict[str, tuple[int, ...]] | None = None):
+        self.plan, self.entry, self._blocks = plan, entry, blocks or {}
         self._slot_at = {p: (u, i) for u, ps in slot_paths.items() for i, p in enumerate(ps)}
         self._leaf_paths = plan.leaf_paths or list(plan.slots)
         paths_tree = optree.tree_unflatten(plan.treedef, self._leaf_paths)
@@ -92,8 +95,8 @@ class ParamsView:
         """The params tree; ``read(unit)`` is called at each read of a unit (returns its subtree),
         ``apply(unit, fn, args)`` at each ``UnitList.apply`` (None: a read, then ``fn``)."""
         root = self.entry(ROOT) if ROOT in self.plan.units else ()
-        leaves = [root[self._slot_at[self.plan.ties.get(v, v)][1]] if kind == "root" else UnitList(read, v, apply)
-                  for kind, v in self._leaves]
+        leaves = [self._block(self.plan.ties.get(v, v), root[self._slot_at[self.plan.ties.get(v, v)][1]])
+                  if kind == "root" else UnitList(read, v, apply) for kind, v in self._leaves]
         return optree.tree_unflatten(self._skeleton, leaves)
 
     def subtree(self, unit: str, views: tuple | None = None) -> Any:
@@ -110,12 +113,23 @@ class ParamsView:
         for key in unit.split("/"):
             node = node[int(key)] if isinstance(node, list) else node[key]
         _, leaves, treedef = tree_util.flatten(node)
-        owners = [self._slot_at[self.plan.ties.get(p, p)] for p in leaves]
+        owner_paths = [self.plan.ties.get(p, p) for p in leaves]
+        owners = [self._slot_at[p] for p in owner_paths]
         need = sorted(dict.fromkeys(u for u, _ in owners), key=lambda u: u == unit)  # its own unit last
         self._needs[unit] = [u for u in need if u != ROOT]
         where = [(need.index(u), i) for u, i in owners]
 
         def build(own=None):
             views = [self.entry(u) for u in need] if own is None else [own]
-            return optree.tree_unflatten(treedef, [views[k][i] for k, i in where])
+            return optree.tree_unflatten(treedef, [self._block(p, views[k][i]) for p, (k, i) in zip(owner_paths, where)])
         return build
+
+    def _block(self, path: str, x):
+        """``x`` narrowed to ``path``'s block where it is stored padded."""
+        shape = self._blocks.get(path)
+        if shape is None:
+            return x
+        for dim, n in enumerate(shape):
+            if x.shape[dim] != n:
+                x = x.narrow(dim, 0, n)
+        return x

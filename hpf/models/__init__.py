@@ -11,7 +11,7 @@ Synthetic token batches (``gpt.synthetic_batches``) fit any config with ``vocab_
 The registry of models and their layouts is registry.py; this file only re-exports."""
 from hpf.models import gpt, llama, moe
 from hpf.models.registry import (MODELS, TP_AXIS, carve_tp, data_axes, has_experts, layout, mesh_for, model_config,
-                                 specs_for, tp_sizes)
+                                 specs_for, tp_size, tp_sizes)
 
 __all__ = ["gpt", "llama", "moe", "MODELS", "model_config", "has_experts", "specs_for", "TP_AXIS", "data_axes",
-           "layout", "mesh_for", "carve_tp", "tp_sizes"]
+           "layout", "mesh_for", "carve_tp", "tp_sizes", "tp_size"]

@@ -25,12 +25,13 @@ from einops import rearrange
 from .. import random as hpf_random
 from ..comm.collectives import all_gather, axis_index, current, psum, psum_scatter
 from ..losses import token_cross_entropy
+from ..spec import shares
 from . import recompute as recompute_
 
 __all__ = [
     "GPTConfig", "CONFIGS", "num_params", "init", "forward", "loss", "loss_for",
     "global_batch", "synthetic_batches", "unit_flops", "activations", "block", "max_attention_logit", "qk_heads",
-    "param_specs", "unit_psums",
+    "param_specs", "unit_psums", "attention", "mlp",
 ]
 
 NORM_EPS = 1e-5
@@ -190,18 +191,30 @@ def block(blk: dict, x: torch.Tensor, n_heads: int, max_logits: bool = False, p:
     ``seq``: sequence parallel, x is this rank's block of T/tp positions (``seq_split``): the norms
     run on it, gathered along T before each column-parallel product, and each row-parallel sum is
     reduce-scattered back along T (``tp_sum``)."""
-    e = x.shape[-1] // n_heads
+    h = seq_gather(rms_norm(x, blk["norm1"]), tp_axis, seq)
+    a, q, k = attention(blk, h, n_heads)
+    x = x + dropout(tp_sum(a, tp_axis, seq), p, keys, 0)
+    h = seq_gather(rms_norm(x, blk["norm2"]), tp_axis, seq)
+    x = x + dropout(tp_sum(mlp(blk, h), tp_axis, seq), p, keys, 1)
+    return (x, tp_heads(max_attention_logit(q, k), tp_axis, n_heads)) if max_logits else x
+
+
+def attention(blk: dict, h: torch.Tensor, n_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(this rank's part of the attention's row-parallel product [B, T, D], q, k) of the normed
+    stream h: its heads are its columns of ``w_qkv`` (whole heads, ``param_specs``)."""
+    e = h.shape[-1] // n_heads
     if blk["w_qkv"].shape[1] % (3 * e):
         raise ValueError(f"tensor parallelism splits the {n_heads} heads of w_qkv mid-head (a rank's block has "
                          f"{blk['w_qkv'].shape[1]} columns, not whole heads of 3 x {e}): use a tp size that divides "
-                         "n_heads")
-    h = seq_gather(rms_norm(x, blk["norm1"]), tp_axis, seq)
+                         "n_heads, or gpt.param_specs, which splits in whole heads")
     q, k, v = rearrange(h @ blk["w_qkv"], "b t (h three e) -> three b h t e", three=3, e=e)
     attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    x = x + dropout(tp_sum(rearrange(attn, "b h t e -> b t (h e)") @ blk["w_o"], tp_axis, seq), p, keys, 0)
-    h = F.gelu(seq_gather(rms_norm(x, blk["norm2"]), tp_axis, seq) @ blk["w_up"], approximate="tanh")
-    x = x + dropout(tp_sum(h @ blk["w_down"], tp_axis, seq), p, keys, 1)
-    return (x, tp_heads(max_attention_logit(q, k), tp_axis)) if max_logits else x
+    return rearrange(attn, "b h t e -> b t (h e)") @ blk["w_o"], q, k
+
+
+def mlp(blk: dict, h: torch.Tensor) -> torch.Tensor:
+    """This rank's part of the MLP's row-parallel product: its columns of w_up, rows of w_down."""
+    return F.gelu(h @ blk["w_up"], approximate="tanh") @ blk["w_down"]
 
 
 def tp_sum(x: torch.Tensor, tp_axis: str | None, seq: bool = False) -> torch.Tensor:
@@ -239,20 +252,32 @@ def check_sequence_parallel(seq: bool, tp_axis: str | None, dropout_p: float) ->
                          "positions, not as the whole sequence's; train with dropout 0 or without sequence parallelism")
 
 
-def tp_heads(per_head: torch.Tensor, tp_axis: str | None) -> torch.Tensor:
-    """A per-head value [H_local] of every rank's heads, in head order [H]."""
+def tp_heads(per_head: torch.Tensor, tp_axis: str | None, n_heads: int | None = None) -> torch.Tensor:
+    """A per-head value [H_local] of every rank's heads, in head order [H]. Ranks may hold unequal
+    numbers of heads (``shares`` of ``n_heads``): each pads to the most, and the padding is dropped."""
     if tp_axis is None:
         return per_head
-    return all_gather(per_head, tp_axis)
+    ctx = current()
+    ranks = ctx.mesh.axis_size(ctx.axes(tp_axis, "all_gather")) if ctx is not None else 1
+    sizes = shares(n_heads, ranks) if n_heads is not None else [per_head.shape[0]] * ranks
+    most = max(sizes)
+    if per_head.shape[0] < most:
+        per_head = torch.cat([per_head, per_head.new_full((most - per_head.shape[0],), -math.inf)])
+    out = all_gather(per_head, tp_axis)
+    return out if most * ranks == sum(sizes) else torch.cat([b[:k] for b, k in zip(out.split(most), sizes)])
 
 
-def param_specs(config, tp_axis: str | None = None, data_axes=("dp",), column=(), row=(), transposed=False):
+def param_specs(config, tp_axis: str | None = None, data_axes=("dp",), column=(), row=(), transposed=False,
+                tp: int | None = None):
     """Megatron tensor parallelism over ``tp_axis`` as shard_step's ``param_specs``: the paths
     matching ``column`` split their output features over it, those matching ``row`` their input
     features (dims 1 and 0 of an ``x @ w`` weight; 0 and 1 where ``transposed``, ``F.linear``'s
-    [out, in]); each is stored FSDP-sharded over ``data_axes``, as is every other param. None
-    without ``tp_axis`` (every param FSDP-sharded). Use with ``shard_step(..., fsdp_axes=data_axes)``
-    and ``loss_for(config, tp_axis=...)``."""
+    [out, in]); each is stored FSDP-sharded over ``data_axes``, as is every other param. ``column``
+    and ``row`` are (regex, granule) pairs: a split keeps blocks of ``granule`` whole (a head's
+    features) and may be uneven (``P(granule=)``: 5 heads over 2 ranks are 3 and 2). None without
+    ``tp_axis`` (every param FSDP-sharded). ``tp``: the axis's size, to refuse one larger than the
+    heads here, in the config's words. Use with ``shard_step(..., fsdp_axes=data_axes)`` and
+    ``loss_for(config, tp_axis=...)``."""
     from ..spec import P, rules
 
     if tp_axis is None:
@@ -261,12 +286,26 @@ def param_specs(config, tp_axis: str | None = None, data_axes=("dp",), column=()
     if tp_axis in data:
         raise ValueError(f"tp_axis={tp_axis!r} is one of the data axes {data}: tensor parallelism splits the "
                          "model over an axis of its own; pass the other axes as the data axes")
-    column = column or (r"blocks/\d+/(w_qkv|w_up)",)
-    row = row or (r"blocks/\d+/(w_o|w_down)",)
-    out_dim, in_dim = (P(tp_axis, None, fsdp=data), P(None, tp_axis, fsdp=data))
-    if not transposed:
-        out_dim, in_dim = in_dim, out_dim
-    return rules([*((c, out_dim) for c in column), *((r, in_dim) for r in row), (r".*", P(data))])
+    check_heads(config, tp)
+    e = config.d_model // config.n_heads
+    column = column or ((r"blocks/\d+/w_qkv", 3 * e), (r"blocks/\d+/w_up", 1))
+    row = row or ((r"blocks/\d+/w_o", e), (r"blocks/\d+/w_down", 1))
+
+    def split(dim, granule):  # dim 0 or 1 of a matrix over tp, in whole blocks of granule
+        entries = (tp_axis, None) if dim == 0 else (None, tp_axis)
+        return P(*entries, fsdp=data, granule=(granule, 1) if dim == 0 else (1, granule))
+    out_dim, in_dim = (0, 1) if transposed else (1, 0)
+    return rules([*((c, split(out_dim, g)) for c, g in column), *((r, split(in_dim, g)) for r, g in row),
+                  (r".*", P(data))])
+
+
+def check_heads(config, tp: int | None) -> None:
+    """Refuse a tensor-parallel size larger than the attention heads: each rank computes whole heads."""
+    if tp is not None and tp > config.n_heads:
+        fits = max(k for k in range(1, config.n_heads + 1) if tp % k == 0)  # the same ranks: the rest data parallel
+        raise ValueError(f"tensor parallelism over tp={tp} ranks gives each rank whole attention heads, but the "
+                         f"config has n_heads={config.n_heads}: use tp={config.n_heads} or less (e.g. --mesh "
+                         f"dp={tp // fits},tp={fits} on {tp} ranks), or a config with at least {tp} heads")
 
 
 def embedding_dropout(x: torch.Tensor, p: float, keys: torch.Tensor | None) -> torch.Tensor:

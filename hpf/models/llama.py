@@ -28,7 +28,9 @@ import torch.nn.functional as F
 
 from einops import rearrange
 
+from ..comm.collectives import axis_index, current
 from ..losses import token_cross_entropy
+from ..spec import shares
 from . import recompute as recompute_
 from hpf.models.gpt import (INIT_STD, tp_sum, unit_psums, block_dropout, check_dropout, check_sequence_parallel,
                             dropout, embedding_dropout, max_attention_logit, param_makers, rms_norm, seq_gather,
@@ -38,6 +40,7 @@ from hpf.models.gpt import param_specs as gpt_param_specs
 __all__ = [
     "LlamaConfig", "CONFIGS", "num_params", "init", "forward", "loss", "loss_for",
     "from_hf", "to_hf", "synthetic_batches", "activations", "block", "qk_heads", "param_specs", "unit_psums",
+    "attention",
 ]
 
 
@@ -132,28 +135,59 @@ def block(blk: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, c: L
     both residual branches (gpt.dropout). Head counts come from the weights' shapes, so under
     tensor parallelism (``tp_axis``, ``param_specs``) each rank runs its own heads and MLP columns,
     and the row-parallel outputs are summed over the axis (Megatron); ``seq``: sequence parallel (gpt.block)."""
-    if blk["wk"].shape[0] % c.head_dim or blk["wq"].shape[0] // c.head_dim % (blk["wk"].shape[0] // c.head_dim or 1):
-        raise ValueError(f"tensor parallelism splits a key head: n_kv_heads={c.n_kv_heads} over a tp axis that does "
-                         "not divide it; use a tp size that divides n_kv_heads (and n_heads)")
     h = seq_gather(rms_norm(x, blk["attn_norm"], c.norm_eps), tp_axis, seq)
-    q = rearrange(F.linear(h, blk["wq"]), "b t (h e) -> b h t e", e=c.head_dim)
-    k = rearrange(F.linear(h, blk["wk"]), "b t (h e) -> b h t e", e=c.head_dim)
-    v = rearrange(F.linear(h, blk["wv"]), "b t (h e) -> b h t e", e=c.head_dim)
-    q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-    attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
-    x = x + dropout(tp_sum(F.linear(rearrange(attn, "b h t e -> b t (h e)"), blk["wo"]), tp_axis, seq), p, keys, 0)
+    a, q, k = attention(blk, h, cos, sin, c, tp_axis)
+    x = x + dropout(tp_sum(a, tp_axis, seq), p, keys, 0)
     h = seq_gather(rms_norm(x, blk["mlp_norm"], c.norm_eps), tp_axis, seq)
     up = F.silu(F.linear(h, blk["w_gate"])) * F.linear(h, blk["w_up"])
     x = x + dropout(tp_sum(F.linear(up, blk["w_down"]), tp_axis, seq), p, keys, 1)
-    return (x, tp_heads(max_attention_logit(q, k), tp_axis)) if max_logits else x
+    return (x, tp_heads(max_attention_logit(q, k), tp_axis, c.n_heads)) if max_logits else x
 
 
-def param_specs(config: LlamaConfig, tp_axis: str | None = None, data_axes=("dp",)):
+def attention(blk: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, c: LlamaConfig,
+              tp_axis: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(this rank's part of the attention's row-parallel product [B, T, D], q, k): its query heads
+    are its rows of wq (``param_specs``). Its key heads are its rows of wk and wv where those are
+    split, or, where they are replicated over tp (a tp size that does not divide n_kv_heads), the
+    ones its query heads use, read from the whole wk and wv (Megatron replicates kv heads so)."""
+    hd, nq = c.head_dim, blk["wq"].shape[0] // c.head_dim
+    wk, wv, index = blk["wk"], blk["wv"], None
+    if wk.shape[0] == c.n_kv_heads * hd and nq < c.n_heads:  # replicated key heads: read the ones used
+        first = sum(shares(c.n_heads, _ranks(tp_axis))[:int(axis_index(tp_axis))])
+        group = c.n_heads // c.n_kv_heads
+        lo, hi = first // group, (first + nq - 1) // group + 1
+        wk, wv = wk[lo * hd:hi * hd], wv[lo * hd:hi * hd]
+        index = torch.arange(first, first + nq, device=h.device) // group - lo  # each query head's key head
+    elif wk.shape[0] % hd or nq % (wk.shape[0] // hd or 1):
+        raise ValueError(f"tensor parallelism splits a key head: n_kv_heads={c.n_kv_heads} over a tp axis that does "
+                         "not divide it; use llama.param_specs(config, tp_axis, data_axes, tp=<the tp size>), which "
+                         "replicates the key heads then")
+    q = rearrange(F.linear(h, blk["wq"]), "b t (h e) -> b h t e", e=hd)
+    k = rearrange(F.linear(h, wk), "b t (h e) -> b h t e", e=hd)
+    v = rearrange(F.linear(h, wv), "b t (h e) -> b h t e", e=hd)
+    q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    if index is not None:
+        k, v = k.index_select(1, index), v.index_select(1, index)
+    attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    return F.linear(rearrange(attn, "b h t e -> b t (h e)"), blk["wo"]), q, k
+
+
+def _ranks(tp_axis: str) -> int:
+    ctx = current()
+    return ctx.mesh.axis_size(ctx.axes(tp_axis, "axis_index")) if ctx is not None else 1
+
+
+def param_specs(config: LlamaConfig, tp_axis: str | None = None, data_axes=("dp",), tp: int | None = None):
     """Megatron tensor parallelism over ``tp_axis`` (gpt.param_specs): wq, wk, wv, w_gate and
-    w_up split their output rows, wo and w_down their input columns. Grouped-query attention needs
-    whole key heads on each rank: n_kv_heads divisible by the axis size (checked at the first step)."""
-    return gpt_param_specs(config, tp_axis, data_axes, column=(r"blocks/\d+/(wq|wk|wv|w_gate|w_up)",),
-                           row=(r"blocks/\d+/(wo|w_down)",), transposed=True)
+    w_up split their output rows, wo and w_down their input columns, in whole heads, unevenly where
+    the tp size does not divide the heads. ``tp``: the axis's size; where it does not divide
+    n_kv_heads, wk and wv are replicated over it and each rank reads the key heads its query heads
+    use (``attention``); without it they split, which needs a tp size that divides n_kv_heads."""
+    hd = config.head_dim
+    kv = () if tp is not None and config.n_kv_heads % tp else ((r"blocks/\d+/(wk|wv)", hd),)
+    return gpt_param_specs(config, tp_axis, data_axes, tp=tp,
+                           column=((r"blocks/\d+/wq", hd), *kv, (r"blocks/\d+/(w_gate|w_up)", 1)),
+                           row=((r"blocks/\d+/wo", hd), (r"blocks/\d+/w_down", 1)), transposed=True)
 
 
 def qk_heads(config: LlamaConfig) -> dict:

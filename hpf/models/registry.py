@@ -8,7 +8,7 @@ from hpf.mesh import Mesh
 from hpf.models import gpt, llama, moe
 
 __all__ = ["gpt", "llama", "moe", "MODELS", "model_config", "has_experts", "specs_for", "TP_AXIS", "data_axes",
-           "layout", "mesh_for", "carve_tp", "check_tp", "tp_sizes"]
+           "layout", "mesh_for", "carve_tp", "check_tp", "tp_sizes", "tp_size"]
 
 #: The models by name: what `hpf train --model` picks.
 MODELS = {"gpt": gpt, "llama": llama, "moe": moe}
@@ -29,6 +29,11 @@ def model_config(model: str, config: str, vocab_size: int | None = None):
 TP_AXIS = "tp"  # a mesh axis of this name runs the models tensor parallel (hpf train --mesh dp=2,tp=2)
 
 
+def tp_size(mesh: Mesh) -> int | None:
+    """The size of ``mesh``'s ``TP_AXIS``, or None where it has none."""
+    return mesh.axis_size(TP_AXIS) if TP_AXIS in mesh.axis_names else None
+
+
 def has_experts(module) -> bool:
     """Whether a model module places experts on an expert-parallel axis (its ``EXPERTS``)."""
     return getattr(module, "EXPERTS", False)
@@ -39,17 +44,18 @@ def data_axes(axis_names) -> tuple[str, ...]:
     return tuple(a for a in axis_names if a != TP_AXIS)
 
 
-def specs_for(module, config, ep_axis: str | None, data_axes, tp_axis: str | None = None) -> object:
+def specs_for(module, config, ep_axis: str | None, data_axes, tp_axis: str | None = None,
+              tp: int | None = None) -> object:
     """shard_step's ``param_specs`` for a model: its experts on ``ep_axis``, its blocks tensor
-    parallel over ``tp_axis`` (a model with experts: its attention), or None (every param sharded
-    over the FSDP axes ``data_axes``).
+    parallel over ``tp_axis`` of ``tp`` ranks (a model with experts: its attention), or None
+    (every param sharded over the FSDP axes ``data_axes``).
 
     Raises:
-        ValueError: ``ep_axis`` for a model that has no experts."""
+        ValueError: ``ep_axis`` for a model that has no experts; a ``tp`` larger than the heads."""
     if tp_axis is not None and not has_experts(module):
         if ep_axis is not None:
             specs_for(module, config, ep_axis, data_axes)  # (raises: no experts)
-        return module.param_specs(config, tp_axis, tuple(data_axes))
+        return module.param_specs(config, tp_axis, tuple(data_axes), tp=tp)
     if tp_axis is not None:
         return module.param_specs(config, ep_axis, tuple(data_axes), tp_axis=tp_axis)
     if not has_experts(module):
@@ -60,13 +66,15 @@ def specs_for(module, config, ep_axis: str | None, data_axes, tp_axis: str | Non
     return module.param_specs(config, ep_axis, tuple(data_axes))
 
 
-def layout(module, config, axis_names, fsdp_axes=None, ep_axis: str | None = None) -> tuple[object, tuple | None]:
+def layout(module, config, axis_names, fsdp_axes=None, ep_axis: str | None = None,
+           tp: int | None = None) -> tuple[object, tuple | None]:
     """(param_specs, fsdp_axes) of shard_step for a built-in model on a mesh of ``axis_names``: an
-    axis named ``TP_AXIS`` runs it tensor parallel, FSDP over the others (``fsdp_axes`` default: the
-    data axes); with ``ep_axis`` too for a model with experts. Raises as ``specs_for``."""
+    axis named ``TP_AXIS`` (of ``tp`` ranks) runs it tensor parallel, FSDP over the others
+    (``fsdp_axes`` default: the data axes); with ``ep_axis`` too for a model with experts. Raises
+    as ``specs_for``."""
     if TP_AXIS in axis_names:
         data = tuple(fsdp_axes or data_axes(axis_names))
-        return specs_for(module, config, ep_axis, data, TP_AXIS), data
+        return specs_for(module, config, ep_axis, data, TP_AXIS, tp), data
     return specs_for(module, config, ep_axis, fsdp_axes or axis_names), fsdp_axes
 
 
@@ -99,10 +107,9 @@ def carve_tp(mesh: Mesh, tp: int) -> Mesh:
 
 def tp_sizes(module, config, mesh: Mesh) -> list[int]:
     """The tensor-parallel sizes a plan search may carve off ``mesh``'s last axis for this model: 1,
-    and the divisors of that axis that divide the heads (key heads too) and the MLP, for a model with
-    ``param_specs`` and no experts, on a mesh with no ``TP_AXIS`` yet."""
+    and the divisors of that axis up to the heads (a split may be uneven, in whole heads), for a
+    model with ``param_specs`` and no experts, on a mesh with no ``TP_AXIS`` yet."""
     if TP_AXIS in mesh.axis_names or has_experts(module) or not hasattr(module, "param_specs"):
         return [1]
-    heads = [getattr(config, k) for k in ("n_heads", "n_kv_heads", "d_ff") if getattr(config, k, None)]
     n = mesh.shape[-1]
-    return [k for k in range(1, n + 1) if not n % k and all(h % k == 0 for h in heads)]
+    return [k for k in range(1, n + 1) if not n % k and k <= config.n_heads]

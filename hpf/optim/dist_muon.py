@@ -10,7 +10,10 @@ says which ranks hold which elements of every matrix, so:
   ranks gets one owner among its holders, picked once from the plan by longest-processing-
   time greedy on NS FLOPs (every rank computes the same assignment); the holders send the
   owner their pieces point-to-point, the owner runs NS once, and sends each holder its piece
-  of the result. Ranks in other shard groups (HSDP or non-FSDP replicas) never take part.
+  of the result. Ranks in other shard groups (HSDP or non-FSDP replicas) never take part. A
+  matrix that tensor parallelism splits along its matrix dims spans the tp group: the owner is
+  one of its ranks, the pieces are every place's shards, and it orthogonalizes the blocks put
+  together (the padding of an uneven split left out), once.
 - An owner's same-shape matrices (MoE experts included) go into one batched NS call.
 
 The math is the stages of ``Muon.transform`` (hpf.optim.transforms): ``scale_by_muon``'s
@@ -84,15 +87,13 @@ def muon_sends(muon, plan: Plan, owners: dict | None = None) -> dict[int, Counte
     sends: dict[int, Counter] = defaultdict(Counter)
     nodes = {r: _node(plan.mesh, r) for r in range(plan.mesh.size)}
     for b in plan.buckets:
-        for ranks in _shard_groups(plan, b):
-            for slot in b.slots:
-                owner = owners.get((b.index, ranks, slot.path))
-                for i in b.holders(slot) if owner is not None else ():
-                    n, holder = b.local_piece(slot, i).numel, ranks[i]
-                    if holder != owner:
-                        tier = "slow" if nodes[holder] != nodes[owner] else "fast"
-                        sends[holder][tier] += 4 * n
-                        sends[owner][tier] += 4 * n
+        for slot, members, pieces in _matrices(plan, b):
+            owner = owners.get((b.index, members, slot.path))
+            for holder, part in pieces if owner is not None else ():
+                if holder != owner:
+                    tier = "slow" if nodes[holder] != nodes[owner] else "fast"
+                    sends[holder][tier] += 4 * (part.stop - part.start)
+                    sends[owner][tier] += 4 * (part.stop - part.start)
     return sends
 
 
@@ -117,18 +118,54 @@ def _node(mesh, rank: int) -> tuple[int, ...]:
     return tuple(c for a, c in zip(mesh.axis_names, mesh.coords(rank)) if a in mesh.slow_axes)
 
 
-def _near_ranks(b: Bucket, slot: ParamSlot, ranks: tuple[int, ...], nodes: dict[int, tuple]) -> list[int]:
-    """The ranks of shard group ``ranks`` that may own ``slot``'s matrix: those on the fast-tier
-    groups (nodes: rank -> its node) that hold most of its elements (one node, or several that
+def _near_ranks(pieces: list[tuple[int, slice]], members: tuple[int, ...], nodes: dict[int, tuple]) -> list[int]:
+    """The ranks of a matrix's ``members`` that may own it (``pieces``: (holder, its part)): those on
+    the fast-tier groups (nodes: rank -> its node) that hold most of its elements (one node, or several that
     tie). Only the other nodes' pieces cross the slow tier, the least any owner allows. When its
     holders span nodes, a rank there that holds no piece may own it too (its node's pieces reach
     it over the fast tier), which keeps the balance; on one node owners stay among holders."""
-    holders = [ranks[i] for i in b.holders(slot)]
     held: Counter = Counter()
-    for i, r in zip(b.holders(slot), holders):
-        held[nodes[r]] += b.local_piece(slot, i).numel
+    for r, part in pieces:
+        held[nodes[r]] += part.stop - part.start
     most = max(held.values())
-    return sorted(r for r in (ranks if len(held) > 1 else holders) if held.get(nodes[r], -1) == most)
+    return sorted(r for r in (members if len(held) > 1 else [r for r, _ in pieces]) if held.get(nodes[r], -1) == most)
+
+
+def _split_axes(plan: Plan, slot: ParamSlot) -> tuple[str, ...]:
+    """The non-FSDP axes that split ``slot``'s matrix dims (its last two: tensor parallelism)."""
+    ndim = len(slot.global_shape)
+    axes = {a for dim in range(max(0, ndim - 2), ndim) for a in plan.split_dim_axes(slot, dim)}
+    return tuple(a for a in plan.mesh.axis_names if a in axes)
+
+
+def _ns_shape(plan: Plan, slot: ParamSlot) -> tuple[int, ...]:
+    """The matrices Newton-Schulz sees: the whole matrix where tp splits it, else a rank's block."""
+    return tuple(slot.global_shape) if _split_axes(plan, slot) else tuple(slot.local_shape)
+
+
+def _matrices(plan: Plan, b: Bucket):
+    """Each matrix (batch) of bucket ``b`` once: (slot, its ranks, its pieces [(holder, part)]). A
+    matrix split along its matrix dims over non-FSDP axes spans their group: its ranks are the
+    shard groups of each place along them, and a part is a slice of its blocks laid end to end
+    (``_stacked``), each a rank's stored block."""
+    for ranks in _shard_groups(plan, b):
+        for slot in b.slots:
+            axes = _split_axes(plan, slot)
+            if not axes:
+                yield slot, ranks, [(ranks[i], b.local_piece(slot, i).param) for i in b.holders(slot)]
+            elif plan.mesh.group_index(axes, ranks[0]) == 0:  # (the group's first shard group stands for it)
+                yield (slot, *_stacked(plan, b, slot, ranks, axes))
+
+
+def _stacked(plan: Plan, b: Bucket, slot: ParamSlot, ranks: tuple[int, ...], axes) -> tuple[tuple, list]:
+    """(the ranks, the pieces) of a tp-split matrix whose first shard group is ``ranks``: place t's
+    shard group holds elements [t n, (t + 1) n) of its blocks laid end to end (n: a stored block)."""
+    along = [plan.mesh.group_ranks(axes, r) for r in ranks]  # along[i][t]: shard position i at place t
+    n, places = slot.numel, len(along[0])
+    members = tuple(along[i][t] for t in range(places) for i in range(len(ranks)))
+    pieces = [(along[i][t], slice(t * n + p.start, t * n + p.stop))
+              for t in range(places) for i, p in ((i, b.local_piece(slot, i).param) for i in b.holders(slot))]
+    return members, pieces
 
 
 def assign_owners(plan: Plan, muon_paths: set[str], steps: int, variant: str = "standard"
@@ -149,16 +186,14 @@ def assign_owners(plan: Plan, muon_paths: set[str], steps: int, variant: str = "
     split = []
     nodes = {r: _node(plan.mesh, r) for r in range(plan.mesh.size)}
     for b in plan.buckets:
-        for ranks in _shard_groups(plan, b):
-            for slot in b.slots:
-                if slot.path not in muon_paths or slot.numel == 0:
-                    continue
-                holders = [ranks[i] for i in b.holders(slot)]
-                cost = ns_flops(slot.local_shape, steps, variant)
-                if len(holders) == 1:
-                    load[holders[0]] += cost
-                else:
-                    split.append((cost, (b.index, ranks, slot.path), _near_ranks(b, slot, ranks, nodes)))
+        for slot, members, pieces in _matrices(plan, b):
+            if slot.path not in muon_paths or slot.numel == 0:
+                continue
+            cost = ns_flops(_ns_shape(plan, slot), steps, variant)
+            if len(pieces) == 1:
+                load[pieces[0][0]] += cost
+            else:
+                split.append((cost, (b.index, members, slot.path), _near_ranks(pieces, members, nodes)))
     split.sort(key=lambda s: -s[0])  # stable: plan order among equals
     owners = {}
     for cost, key, holders in split:
@@ -186,10 +221,58 @@ class _Matrix:
     owner: int = -1  # global rank that orthogonalizes it (-1: wholly here)
     tag: int = 0  # the same on every rank: pairs sends with receives
     others: tuple[tuple[int, slice], ...] = ()  # (holder rank, its piece of the matrix flat), owner excluded
+    # split by tp: the matrix flat is its stored blocks end to end, each (its stored shape, its place, its shape)
+    blocks: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...] = ()
 
     @property
     def numel(self) -> int:
-        return math.prod(self.shape)
+        return sum(math.prod(s) for s, _, _ in self.blocks) if self.blocks else math.prod(self.shape)
+
+    def whole(self, flat: torch.Tensor) -> torch.Tensor:
+        """The matrix of its flat (a tp-split one: each block without its padding, at its place)."""
+        if not self.blocks:
+            return flat.view(self.shape)
+        out, at = flat.new_zeros(self.shape), 0
+        for stored, offsets, shape in self.blocks:
+            out[_box(offsets, shape)] = flat[at:at + math.prod(stored)].view(stored)[_box((0,) * len(shape), shape)]
+            at += math.prod(stored)
+        return out
+
+    def flat(self, whole: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``whole``: the matrix's flat, the padding zeros."""
+        if not self.blocks:
+            return whole.reshape(-1)
+        parts = []
+        for stored, offsets, shape in self.blocks:
+            block = whole.new_zeros(stored)
+            block[_box((0,) * len(shape), shape)] = whole[_box(offsets, shape)]
+            parts.append(block.reshape(-1))
+        return torch.cat(parts)
+
+
+def _matrix_of(plan: Plan, b: Bucket, slot: ParamSlot, piece, ranks: tuple[int, ...], rank: int, scale: str):
+    """(``_Matrix`` fields but its owner's, the matrix's ranks, its pieces) of ``rank``'s ``piece``
+    of ``slot`` (its shard group ``ranks``); a tp-split one spans the tp group (``_stacked``)."""
+    shape, axes = _ns_shape(plan, slot), _split_axes(plan, slot)
+    common = dict(bucket=b.index, shape=shape, scale=update_scale(shape[-2], shape[-1], scale), mine=piece.held,
+                  in_matrix=piece.param)
+    if not axes:
+        return common, ranks, [(ranks[i], b.local_piece(slot, i).param) for i in b.holders(slot)]
+    members, pieces = _stacked(plan, b, slot, tuple(plan.mesh.group_ranks(axes, r)[0] for r in ranks), axes)
+    at = plan.mesh.group_index(axes, rank) * slot.numel
+    common.update(in_matrix=slice(at + piece.param.start, at + piece.param.stop),
+                  blocks=_blocks(plan, slot, members, len(ranks)))
+    return common, members, pieces
+
+
+def _box(offsets, shape) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(offsets, shape))
+
+
+def _blocks(plan: Plan, slot: ParamSlot, members: tuple[int, ...], per_place: int) -> tuple:
+    """``_Matrix.blocks`` of a tp-split matrix of ``members`` (``per_place`` ranks at each place)."""
+    return tuple((tuple(slot.local_shape), plan.block_offsets(slot.path, r), plan.block_shape(slot.path, r))
+                 for r in members[::per_place])
 
 
 
@@ -228,9 +311,8 @@ class DistMuon:
         comm_dtype: the dtype matrix pieces travel in (None: the grads').
 
     Raises:
-        ValueError: at construction, a Muon matrix split along a matrix dim by non-FSDP axes
-            (no rank has whole matrices); in ``init``/``update``, shards that are not one flat
-            shard per plan bucket.
+        ValueError: at construction, a Muon param split by non-FSDP axes along both a batch dim and
+            its matrix dims; in ``init``/``update``, shards that are not one flat shard per plan bucket.
     """
 
     def __init__(self, muon, plan: Plan, rank: int, comm_dtype: torch.dtype | None = None):
@@ -272,17 +354,15 @@ class DistMuon:
                     continue
                 if slot.numel == 0:
                     continue
-                shape = slot.local_shape
-                common = dict(bucket=b.index, shape=shape, scale=update_scale(shape[-2], shape[-1], muon.scale),
-                              mine=mine, in_matrix=piece.param)
+                common, members, pieces = _matrix_of(plan, b, slot, piece, ranks, rank, muon.scale)
                 tag += 1
-                key = (b.index, ranks, slot.path)
+                key = (b.index, members, slot.path)
                 if key not in self.owners:
                     if held:
                         self.local.append(_Matrix(**common))
                     continue
                 owner = self.owners[key]
-                others = tuple((ranks[i], b.local_piece(slot, i).param) for i in b.holders(slot) if ranks[i] != owner)
+                others = tuple((r, part) for r, part in pieces if r != owner)
                 m = _Matrix(**common, owner=owner, tag=tag, others=others)
                 if owner == rank:
                     self.owned.append(m)
@@ -424,16 +504,16 @@ def _meta(slot: ParamSlot) -> torch.Tensor:
 
 
 def _check_whole_matrices(plan: Plan, slot: ParamSlot) -> None:
-    """Each rank's block must be whole matrices: non-FSDP axes may split only leading batch dims."""
+    """Non-FSDP axes may split a param's leading batch dims (experts: each rank its own matrices) or
+    its matrix dims (tp: the owner gathers the blocks), not both."""
     ndim = len(slot.global_shape)
-    for dim in range(ndim - 2, ndim):
-        axes = [a for a in slot.spec.dim_axes(dim) if a in plan.compute_axes]
-        if axes:
-            raise ValueError(
-                f"distributed Muon: parameter {slot.path!r} (shape {slot.global_shape}, spec {slot.spec!r}) "
-                f"is split along matrix dim {dim} over the non-FSDP axes {tuple(axes)}, so no rank has "
-                f"whole matrices for Newton-Schulz. Shard that dim over FSDP axes instead, split only "
-                f"a leading batch dim (e.g. experts), or route the param to AdamW with use_adamw")
+    lead = [a for dim in range(ndim - 2) for a in plan.split_dim_axes(slot, dim)]
+    if lead and _split_axes(plan, slot):
+        raise ValueError(
+            f"distributed Muon: parameter {slot.path!r} (shape {slot.global_shape}, spec {slot.spec!r}) "
+            f"is split along a batch dim over {tuple(lead)} and along its matrix dims over "
+            f"{_split_axes(plan, slot)}; Newton-Schulz gathers a tp-split matrix only when its batch dims are "
+            f"whole. Split one of them, shard the other over FSDP axes, or route the param to AdamW with use_adamw")
 
 
 class EarlyMuon:
@@ -539,12 +619,12 @@ class EarlyMuon:
         for _, _, reqs, arrivals in ready:
             dm._unpack(reqs, arrivals)
         order = dm._momentum_order
-        mats = self.todo + [(i, whole.view(order[i].shape).to(self.bufs[i].dtype)) for i, whole, _, _ in ready]
+        mats = self.todo + [(i, order[i].whole(whole).to(self.bufs[i].dtype)) for i, whole, _, _ in ready]
         self.todo = []
         sends = []
         for (i, _), d in zip(mats, self._orthogonalize([(order[i], u) for i, u in mats])):
-            self.dirs[i] = d
             x = order[i]
+            self.dirs[i] = d = x.flat(d.view(x.shape))
             sends += [(r, dm._wire(r, "weights", d[part], dm.comm_dtype or self.bufs[i].dtype), self.tag0 + 2 * x.tag + 1)
                       for r, part in x.others]
         if sends:

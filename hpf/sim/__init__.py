@@ -16,8 +16,9 @@ The entry points live in predict.py, the timing model in model.py, the machines 
 from .hardware import PROFILES, Hardware, Link, hardware, load_calibration
 from .model import Options, SimResult, allreduce_time, ring_time, two_tier_time
 from .predict import (STRATEGIES, calibrated_compute, compare, compute_floor, extrapolation, muon_tax, plan_for,
+                      uncalibrated_shape,
                       schedule, simulate, sweep, sweep_mesh)
 
 __all__ = ["simulate", "compare", "sweep", "sweep_mesh", "Hardware", "Link", "Options", "SimResult", "PROFILES",
            "hardware", "load_calibration", "ring_time", "allreduce_time", "two_tier_time", "STRATEGIES",
-           "extrapolation", "calibrated_compute", "plan_for", "compute_floor", "muon_tax", "schedule"]
+           "extrapolation", "uncalibrated_shape", "calibrated_compute", "plan_for", "compute_floor", "muon_tax", "schedule"]

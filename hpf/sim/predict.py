@@ -7,7 +7,7 @@ import functools
 import math
 from types import ModuleType
 
-from ..models import layout, mesh_for
+from ..models import layout, mesh_for, tp_size
 from ..models.recompute import recomputes
 from ..comm.tiered import Topology, step_plan
 from ..planning import ROOT
@@ -168,7 +168,7 @@ def _inputs(config, mesh, hw, strategy, *, local_batch=1, model="gpt", mixed_pre
 def _plan(mod: ModuleType, cfg, axes: tuple, fast: tuple, fsdp_axes, ep_axis, hsdp: bool, bucket_bytes: int,
           slow: SlowPrecision | None):
     mesh = Mesh(dict(axes), fast_axes=fast)
-    specs, fsdp_axes = layout(mod, cfg, mesh.axis_names, fsdp_axes, ep_axis)
+    specs, fsdp_axes = layout(mod, cfg, mesh.axis_names, fsdp_axes, ep_axis, tp_size(mesh))
     return step_plan(mod.init(cfg, device="meta"), mesh, specs, fsdp_axes, hsdp=hsdp,
                      topology=Topology.with_slow(slow, bucket_bytes=bucket_bytes))  # (node-major: the default)
 
@@ -212,6 +212,17 @@ def calibrated_compute(hw: Hardware, model, config: str, local_batch: int, ranks
     name = _model_name(model)
     return (hw.compute.get(compute_key(name, config, local_batch, ranks, mixed_precision))
             or hw.compute.get(compute_key(name, config, local_batch, ranks)))
+
+
+def uncalibrated_shape(config: str, local_batch: int, hw: Hardware, model="gpt") -> str | None:
+    """The shape (``[model:]config/local_batch``, as hpf calibrate --shapes names it) whose compute a
+    calibrated profile never measured at any world size, or None (measured, or a published profile).
+    A prediction of it would take another shape's efficiency: 18x off on a CPU (issue 60)."""
+    name = _model_name(model)
+    measured = {parse_compute_key(k)[:3] for k in hw.compute}
+    if not hw.compute or (name, config, local_batch) in measured:
+        return None
+    return f"{model_prefix(name)}{config}/{local_batch}"
 
 
 def extrapolation(config: str, local_batch: int, ranks: int, hw: Hardware, model="gpt",
