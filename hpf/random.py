@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 
 import hpf_kernels
+from hpf_kernels.backends import native
 
 __all__ = ["key", "split", "fold_in", "example_keys", "check_key", "bits", "uniform", "normal", "truncated_normal", "bernoulli", "randint",
            "values_at"]
@@ -208,9 +209,8 @@ def _words_in(keys: torch.Tensor, n: int, start: int, stop: int) -> torch.Tensor
         return _words_at(keys, n, torch.arange(start, stop, device=keys.device))
     k = keys[min(start // n, keys.shape[0] - 1)]
     first = (start % n) >> 1
-    counters = torch.arange(first, ((stop - 1 - start + start % n) >> 1) + 1, device=keys.device)
-    x0, x1 = hpf_kernels.threefry2x32(int(k[0]), int(k[1]), _words(counters >> 32), _words(counters))
-    both = torch.stack([x0, x1], dim=-1).reshape(-1)
+    count = ((stop - 1 - start + start % n) >> 1) + 1 - first
+    both = hpf_kernels.threefry2x32_range(int(k[0]), int(k[1]), first, count, keys.device).reshape(-1)
     skip = start % n & 1
     return both[skip:skip + stop - start]
 
@@ -280,7 +280,14 @@ _F = (0.012258202635, 0.24197894225, 1.0)
 
 
 def _ppnd7(p: torch.Tensor) -> torch.Tensor:
-    """The inverse standard normal CDF of p in (0, 1) (Wichura 1988, AS 241 PPND7)."""
+    """The inverse standard normal CDF of p in (0, 1): on a CPU the C loop
+    (hpf_kernels.backends.native), elsewhere the torch code that is its spec (the same bits)."""
+    fast = native.ppnd7(p, _PPND7_CONSTANTS)
+    return fast if fast is not None else _ppnd7_reference(p)
+
+
+def _ppnd7_reference(p: torch.Tensor) -> torch.Tensor:
+    """The inverse standard normal CDF of p in (0, 1) (Wichura 1988, AS 241 PPND7), in torch ops."""
     q = p - 0.5
     r = torch.mul(q, q).neg_().add_(0.180625)
     out = _poly(r, _A).mul_(q).div_(_poly(r, _B))
@@ -295,6 +302,10 @@ def _ppnd7(p: torch.Tensor) -> torch.Tensor:
 
 
 _LN2 = math.log(2.0)
+_LOG_SERIES = [1.0 / k for k in (13, 11, 9, 7, 5, 3, 1)]
+# every constant of _ppnd7 and _log as the float32 their torch ops round it to (native.ppnd7's table)
+_PPND7_CONSTANTS = torch.tensor([math.sqrt(0.5), _LN2, *_LOG_SERIES, 0.180625, 0.425, 1.6, *_A, *_B, *_C, *_D, *_E, *_F],
+                                dtype=torch.float32)
 
 
 def _log(x: torch.Tensor) -> torch.Tensor:
@@ -305,5 +316,5 @@ def _log(x: torch.Tensor) -> torch.Tensor:
     m = torch.where(low, m * 2.0, m)
     e = (e - low.to(e.dtype)).to(x.dtype)
     s = (m - 1.0) / (m + 1.0)
-    series = _poly(s * s, [1.0 / k for k in (13, 11, 9, 7, 5, 3, 1)])
+    series = _poly(s * s, _LOG_SERIES)
     return 2.0 * s * series + e * _LN2

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .backends import cuda, npu, reference
+from .backends import cuda, native, npu, reference
 from .coefficients import CoefficientSpec, resolve_coefficients
 from .flops import pick_variant
 from .formats import check_block, check_format, payload_bytes
@@ -88,6 +88,23 @@ def threefry2x32(k0, k1, x0: torch.Tensor, x1: torch.Tensor) -> tuple[torch.Tens
     One plain-torch implementation serves every device: its integer ops are exact, so the bits
     are the same everywhere, which hpf.random promises."""
     return reference.threefry2x32(k0, k1, x0, x1)
+
+
+def threefry2x32_range(k0: int, k1: int, first: int, count: int, device: torch.device) -> torch.Tensor:
+    """``threefry2x32`` of the 64-bit counters first .. first + count - 1 (high word, low word)
+    under the key (k0, k1) (uint32 ints): int32 [count, 2], each counter's two output words. On
+    a CPU one fused C loop (hpf_kernels.backends.native) where it builds, with the same bits."""
+    words = native.threefry2x32_range(k0, k1, first, count, device)
+    if words is not None:
+        return words
+    counters = torch.arange(first, first + count, device=device)
+    x0, x1 = reference.threefry2x32(k0, k1, _low_word(counters >> 32), _low_word(counters))
+    return torch.stack([x0, x1], dim=-1)
+
+
+def _low_word(x: torch.Tensor) -> torch.Tensor:
+    """The low 32 bits of int64 values as int32 words (the same bits)."""
+    return (x & 0xFFFFFFFF).to(torch.int32)
 
 
 def _check_rows(n: int, f, block: int) -> None:

@@ -10,6 +10,10 @@ import pytest
 import torch
 from cli_helpers import Zygote
 
+from hpf_kernels.backends import native
+
+native._load()  # the C draws are built (or found cached) here, once: building starts the compiler, which no fast test may
+
 
 @pytest.fixture(autouse=True)
 def one_thread():

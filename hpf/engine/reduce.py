@@ -88,6 +88,8 @@ class Reducer:
                  compute_sums: list, before_issue=lambda: None, on_wait=lambda seconds: None):
         self.plan, self.comm, self.shared, self.pipeline = plan, comm, shared, pipeline
         self.by_name = {u.name: u for u in units}
+        self._segments = {u.name: _segments(plan, u.name) for u in units}
+        self._own_memory = {u.name: not all(shared[b] for b in u.trained) for u in units}  # (``_in_flight``)
         self.units = [u.name for u in units if u.trained]  # units with no trained buckets are never reduced
         self.compute_sums = compute_sums  # (bucket, group): partial grads summed over non-FSDP axes
         self.grad_shards: list[torch.Tensor] = []
@@ -131,18 +133,10 @@ class Reducer:
         first = flats is None
         if first:
             flats = u.sums = self._take(unit)
-        i = 0
-        flats_of = iter(flats)
         with span("hpf/copy grads", unit):
-            for b in u.buckets:
-                bucket = self.plan.buckets[b]
-                n = len(bucket.slots)
-                i += n
-                if bucket.frozen:
-                    continue
-                flat = next(flats_of)
-                packed = flat[:bucket.numel]
-                parts = [g.reshape(-1) for g in grads[i - n:i]]  # one cat: 3x cheaper than a view per param
+            for flat, (start, end, numel) in zip(flats, self._segments[unit]):
+                packed = flat[:numel]
+                parts = [g.reshape(-1) for g in grads[start:end]]  # one cat: 3x cheaper than a view per param
                 if first and parts[0].dtype == flat.dtype:
                     torch.cat(parts, out=packed)
                 elif first:
@@ -304,7 +298,19 @@ class Reducer:
                 schedule.wait(handle, "a gradient reduction")
                 handle = DONE
             handles.append(handle)
-        self._in_flight.append((not all(self.shared[b] for b in buckets), handles, unit))
+        self._in_flight.append((self._own_memory[unit], handles, unit))
+
+
+def _segments(plan: Plan, unit: str) -> list[tuple[int, int, int]]:
+    """Per trained bucket of ``unit``, in order: where its grads lie among one entry's (slot
+    order over the unit's buckets, frozen ones included) and the bucket's numel."""
+    out, i = [], 0
+    for b in plan.units[unit].buckets:
+        bucket = plan.buckets[b]
+        if not bucket.frozen:
+            out.append((i, i + len(bucket.slots), bucket.numel))
+        i += len(bucket.slots)
+    return out
 
 
 def _landed(handle) -> bool:

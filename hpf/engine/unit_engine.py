@@ -42,6 +42,8 @@ def _outside_transforms(method: Callable) -> Callable:
     place, which torch.func transforms would refuse as mutating captured tensors."""
     @functools.wraps(method)
     def run(*args, **kwargs):
+        if not torch._C._are_functorch_transforms_active():  # (then there is nothing to disable)
+            return method(*args, **kwargs)
         with torch._C._DisableFuncTorch():
             return method(*args, **kwargs)
     return run
@@ -64,6 +66,7 @@ class UnitEngine:
                  on_extra_gather: Callable[[str, str], None] | None = None, rematerialize: bool = False, blocks=None):
         self.plan, self.comm, self.device = plan, comm, device
         self.units = list(plan.units)
+        self._before = dict(zip(self.units, [ROOT, *self.units[:-1]]))  # the unit before each, in tree order (trace)
         waits = Waits()  # seconds compute spent blocked on the step's collectives: add_wait(s), take_wait_s()
         self.add_wait, self.take_wait_s = waits.add, waits.take
         self.buffers = Gatherer(plan, comm, compute_dtype, capacity, self.add_wait, on_extra_gather)
@@ -262,12 +265,11 @@ class UnitEngine:
         closure, a compiled function's constants) would add grads of stale values to this one's."""
         if stamp != self.micro_batches or self.anchor is None:
             raise StaleParamError(_STALE.format(unit=unit))
-        if self.reducer.add(unit, tuple(g.detach() for g in grads)):  # (a torch.func transform's grads track)
+        if self.reducer.add(unit, [g.detach() for g in grads]):  # (a torch.func transform's grads track)
             for u in self.residency.done(unit):
                 self.buffers.evict(u)
             self.buffers.start_queued(when_free=True)
-            pos = self.units.index(unit)
-            self._trace.switch("hpf/backward", self.units[pos - 1] if pos > 0 else ROOT)
+            self._trace.switch("hpf/backward", self._before[unit])
 
     def saved_tensor_hooks(self):
         """Autograd's saved params as descriptions (``Saved``), only while some unit's memory can be freed."""

@@ -1,0 +1,170 @@
+"""CPU fast paths for hpf.random's draws, in C: Threefry-2x32-20 over a run of counters, and the
+inverse normal CDF (PPND7). A fused loop each, instead of one torch op per round (120 ops for
+Threefry) over temporaries.
+
+The torch code is the spec (hpf_kernels.backends.reference.threefry2x32, hpf.random._ppnd7): the
+C does the same IEEE float32 operations in the same order (no fused multiply-add, no fast
+math; constants rounded from the same doubles), so its bits are the reference's, which
+tests/test_kernels.py checks over every 24-bit input of the normal. Compiled on first use with
+the system's C compiler (``CC``, else cc) into a cache folder (``HPF_CACHE``, else ~/.cache/hpf), keyed by the
+source; with no compiler, or on another device, callers get None and use the reference.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+__all__ = ["threefry2x32_range", "ppnd7"]
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <math.h>
+
+#if defined(__x86_64__)  /* each hot loop also built for AVX2, picked at load time (the same IEEE ops: the same bits) */
+#define HOT __attribute__((target_clones("avx2", "default")))
+#else
+#define HOT
+#endif
+
+static inline uint32_t rotl(uint32_t x, int r) { return (x << r) | (x >> (32 - r)); }
+
+/* words[2i], words[2i+1] = Threefry-2x32-20 of the counter (first + i) (high, low words) under (k0, k1) */
+HOT
+void hpf_threefry_range(uint32_t k0, uint32_t k1, uint64_t first, int64_t n, uint32_t *words) {
+    static const int R[8] = {13, 15, 26, 6, 17, 29, 16, 24};
+    const uint32_t ks[3] = {k0, k1, k0 ^ k1 ^ 0x1BD11BDAu};
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t c = first + (uint64_t)i;
+        uint32_t x0 = (uint32_t)(c >> 32) + ks[0], x1 = (uint32_t)c + ks[1];
+        for (int j = 0; j < 5; j++) {
+            for (int r = 0; r < 4; r++) {
+                x0 += x1;
+                x1 = rotl(x1, R[(j % 2) * 4 + r]) ^ x0;
+            }
+            x0 += ks[(j + 1) % 3];
+            x1 += ks[(j + 2) % 3] + (uint32_t)(j + 1);
+        }
+        words[2 * i] = x0;
+        words[2 * i + 1] = x1;
+    }
+}
+
+/* Horner's rule as hpf.random._poly: highest power first, one rounded multiply and add at a time */
+static inline float poly(float x, const float *c, int n) {
+    float out = c[0];
+    for (int k = 1; k < n; k++) { out = out * x; out = out + c[k]; }
+    return out;
+}
+
+/* hpf.random._log: frexp, m in [sqrt(1/2), sqrt(2)), 2 atanh(s) by its series (positive normal x) */
+static float exact_log(float x, const float *k) {
+    int e;
+    float m = frexpf(x, &e);
+    int low = m < k[0];
+    if (low) m = m * 2.0f;
+    float fe = (float)(e - low);
+    float s = (m - 1.0f) / (m + 1.0f);
+    float series = poly(s * s, k + 2, 7);
+    return (2.0f * s) * series + fe * k[1];
+}
+
+/* hpf.random._ppnd7 of p in (0, 1), in two passes around torch.sqrt (the reference's own: on a CPU it is
+   not always correctly rounded, so no C sqrt can stand in for it). k: its constants as float32
+   (hpf.random._PPND7_CONSTANTS): sqrt(1/2), ln 2, the log series' 7, 0.180625, 0.425, 1.6, then the
+   coefficients A, B, C (4 each), D (3), E (4), F (3).
+   The first pass: the central formula for every p; for the tail (|p - 1/2| > 0.425) its positions and
+   -log of the nearer tail's p, in order; returns how many. */
+HOT
+int64_t hpf_ppnd7_central(const float *p, int64_t n, const float *k, float *out, int64_t *tail, float *neglog) {
+    const float *A = k + 12, *B = k + 16;
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        float q = p[i] - 0.5f;
+        float r = -(q * q) + k[9];
+        out[i] = (poly(r, A, 4) * q) / poly(r, B, 4);
+    }
+    for (int64_t i = 0; i < n; i++) {
+        float q = p[i] - 0.5f;
+        if (!(fabsf(q) > k[10])) continue;
+        tail[m] = i;
+        neglog[m++] = -exact_log(q < 0 ? p[i] : 1.0f - p[i], k);
+    }
+    return m;
+}
+
+/* The second pass: the tail's values from r = sqrt(-log) (torch's), into out at their positions. */
+void hpf_ppnd7_tail(const float *p, const int64_t *tail, const float *r, int64_t m, const float *k, float *out) {
+    const float *C = k + 20, *D = k + 24, *E = k + 27, *F = k + 31;
+    for (int64_t j = 0; j < m; j++) {
+        float q = p[tail[j]] - 0.5f, x = r[j];
+        float v = x <= 5.0f ? poly(x - k[11], C, 4) / poly(x - k[11], D, 3)
+                            : poly(x - 5.0f, E, 4) / poly(x - 5.0f, F, 3);
+        out[tail[j]] = q < 0 ? -v : v;
+    }
+}
+"""
+_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
+_lib = None  # the loaded library, False when it cannot be built
+
+
+def _load():
+    global _lib
+    if _lib is None:
+        try:
+            _lib = _build()
+        except (OSError, subprocess.SubprocessError):
+            _lib = False
+    return _lib or None
+
+
+def _build():
+    tag = hashlib.sha256((_SOURCE + " ".join(_FLAGS)).encode()).hexdigest()[:16]
+    folder = Path(os.environ.get("HPF_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hpf")
+    path = folder / f"draws-{tag}.so"
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:  # (ranks build at once: each renames its own)
+            src, so = Path(tmp) / "draws.c", Path(tmp) / "draws.so"
+            src.write_text(_SOURCE)
+            subprocess.run([os.environ.get("CC", "cc"), *_FLAGS, str(src), "-o", str(so), "-lm"],
+                           check=True, capture_output=True, timeout=120)
+            os.replace(so, path)
+    lib = ctypes.CDLL(str(path))
+    lib.hpf_threefry_range.argtypes = [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p]
+    ptr = ctypes.c_void_p
+    lib.hpf_ppnd7_central.argtypes = [ptr, ctypes.c_int64, ptr, ptr, ptr, ptr]
+    lib.hpf_ppnd7_central.restype = ctypes.c_int64
+    lib.hpf_ppnd7_tail.argtypes = [ptr, ptr, ptr, ctypes.c_int64, ptr, ptr]
+    return lib
+
+
+def threefry2x32_range(k0: int, k1: int, first: int, count: int, device: torch.device) -> torch.Tensor | None:
+    """The words of counters first .. first + count - 1 under the key (k0, k1) (uint32 ints), as
+    int32 [count, 2] (high word's output, low word's), or None where the reference must run."""
+    lib = _load() if device.type == "cpu" else None
+    if lib is None:
+        return None
+    out = torch.empty(count, 2, dtype=torch.int32)
+    lib.hpf_threefry_range(k0, k1, first, count, out.data_ptr())
+    return out
+
+
+def ppnd7(p: torch.Tensor, constants: torch.Tensor) -> torch.Tensor | None:
+    """hpf.random._ppnd7 of float32 ``p`` (CPU), ``constants`` its float32 table; None where the
+    reference must run."""
+    lib = _load() if p.device.type == "cpu" and p.dtype == torch.float32 else None
+    if lib is None:
+        return None
+    p = p.contiguous()
+    out, tail, neglog = torch.empty_like(p), torch.empty(p.numel(), dtype=torch.int64), torch.empty_like(p)
+    m = lib.hpf_ppnd7_central(p.data_ptr(), p.numel(), constants.data_ptr(), out.data_ptr(), tail.data_ptr(),
+                              neglog.data_ptr())
+    r = torch.sqrt(neglog[:m])
+    lib.hpf_ppnd7_tail(p.data_ptr(), tail.data_ptr(), r.data_ptr(), m, constants.data_ptr(), out.data_ptr())
+    return out
