@@ -264,7 +264,7 @@ class ShardStep:
     def stats(self) -> StepStats:
         """Bytes sent, waits, timings and gathers since ``init``, as a :class:`hpf.StepStats`
         (subtract an earlier snapshot for what happened in between). Local: no collective."""
-        return self._closed or _stats(self._timed, self.engine, self.comm, self.plan_optimizer)
+        return self._closed or _stats(self._timed, self.engine, self.comm, getattr(self, "plan_optimizer", None))
 
     def close(self) -> None:
         """Release what the step holds: its comm's worker threads, process groups and shared
@@ -284,7 +284,7 @@ class ShardStep:
             if engine is not None:
                 try:
                     engine.release()
-                    self._closed = _stats(self._timed, engine, comm, self.plan_optimizer)  # (what it left held: nothing)
+                    self._closed = _stats(self._timed, engine, comm, getattr(self, "plan_optimizer", None))  # (what it left held: nothing)
                 finally:
                     comm.close()
                 del engine, comm
