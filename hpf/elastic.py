@@ -147,7 +147,8 @@ class _Job:
 
     def _beat(self) -> None:
         if self.heartbeat is None:
-            self.heartbeat = liveness.Heartbeat(self.store, self.me, self.members)
+            # a connection of its own (Store.clone): a rendezvous blocked in get on the shared one would stall the beats
+            self.heartbeat = liveness.Heartbeat(self.store.clone(), self.me, self.members)
             liveness.watch(self.heartbeat)
         self.heartbeat.ids = list(self.members)
         self.heartbeat.open_key = self._key("open")

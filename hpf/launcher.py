@@ -398,17 +398,49 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float |
     _release_openmp_threads()
     port = str(master_port or _free_port())
     workdir = tempfile.mkdtemp(prefix="hpf-launch-")  # (private: the file store, the ranks' stacks)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if elastic else None
+    store = _StoreHost() if elastic else None
     shared_env = {**({} if env and "GLOO_SOCKET_IFNAME" in env else _loopback_env()), **_meeting_env(workdir, master_port, timeout),
                   **(env or {}), **({"HPF_ELASTIC_STORE_PORT": str(store.port)} if store else {})}
     ranks = _Ranks(fn, world_size, args, shared_env, port, min(collective_timeout, timeout or math.inf), backend, replacements)
     try:
-        with _sigterm_unwinds(), _heap_frozen():  # (the finally below: the ranks stop, the folder and shared memory go)
+        with _sigterm_unwinds(), _heap_frozen(), (store or contextlib.nullcontext()):  # (the finally: the ranks stop, ...)
             for r in range(world_size):
                 ranks.start(r)
             return _collect(ranks.procs, ranks.conns, timeout, workdir, ranks.lost if elastic else None)
     finally:
         _clean_up(ranks.procs, ranks.conns, workdir)
+
+
+class _StoreHost:
+    """The TCP store of an elastic launch, hosted by a process of its own. Hosted by the launching
+    process, its server thread would be copied into every rank forked later, maybe holding a lock
+    mid-request, and a lock copied held stays held: a rank hung connecting to it (seen under load)."""
+
+    def __init__(self):
+        ctx = mp.get_context("fork")
+        recv, send = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=_host_store, args=(send, os.getpid()), name="hpf-store", daemon=True)
+        self.proc.start()
+        send.close()
+        if not recv.poll(60):
+            self.proc.kill()
+            raise RuntimeError("hpf.launch: the elastic job's store did not start within 60 s")
+        self.port = recv.recv()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.kill()
+        self.proc.join()
+
+
+def _host_store(send, parent: int) -> None:
+    """The store host's life: serve until the launching process ends it, or is gone itself."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    send.send(store.port)
+    while os.getppid() == parent:
+        time.sleep(0.5)
 
 
 class _Ranks:

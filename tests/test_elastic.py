@@ -63,7 +63,7 @@ def _elastic_rank(rank, kill, fail):
 @settings(max_examples=3, deadline=None, derandomize=True)
 @given(rank=st.integers(0, 3), at=st.integers(1, STEPS - 1), replace=st.booleans())
 def test_a_killed_rank_is_survived_and_the_params_equal_a_run_that_never_failed(rank, at, replace):
-    results = launch(_elastic_rank, 4, (rank, at), None, timeout=240, elastic=True, replacements=int(replace))
+    results = launch(_elastic_rank, 4, (rank, at), None, timeout=90, elastic=True, replacements=int(replace))
     assert results[rank] is None  # the killed one
     finished = [r for r in results if r is not None]
     assert len(finished) == (4 if replace else 3)
@@ -96,3 +96,36 @@ def test_a_copy_unpacks_to_the_same_bits(shapes, dtypes):
 def test_replacements_need_an_elastic_launch():
     with pytest.raises(ValueError, match="needs elastic=True"):
         launch(_elastic_rank, 2, None, None, replacements=1)
+
+
+def test_the_heartbeat_beats_while_the_shared_store_is_blocked(monkeypatch):
+    """A rendezvous blocks in the store's get until its peers arrive; the beats go on meanwhile, from a
+    connection of their own, or a live rank would be counted lost by its peers."""
+    import datetime
+    import threading
+    import time
+
+    import torch.distributed as dist
+    from hpf import launcher
+    from hpf.comm import liveness
+
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=3))
+    monkeypatch.setenv("HPF_ELASTIC_STORE_PORT", str(server.port))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setitem(launcher._ELASTIC, "base", None)
+    job = hpf.elastic._Job(None, None, None, 1, None)
+    job.members = [0]
+    job._beat()
+    try:
+        blocked = threading.Thread(target=job.store.get, args=("a key set later",))
+        blocked.start()
+        time.sleep(0.2)
+        before = int(server.add("hpf/elastic/beat/0", 0))
+        time.sleep(2.0)
+        beats = int(server.add("hpf/elastic/beat/0", 0)) - before
+        server.set("a key set later", "1")
+        blocked.join()
+        assert beats >= 4, "the heartbeat stalled behind a blocked get"
+    finally:
+        job.heartbeat.stop()
+        liveness.watch(None)
