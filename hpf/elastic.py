@@ -13,8 +13,9 @@ every wait of hpf's collectives checks. The first survivor opens a roll call in 
 others see it from their waits and join. Once every member has answered or gone silent, the
 members left are agreed on (the store's compare-and-set), and they form the next generation of
 the process group under a new prefix (``hpf.launch.reform``). Each rebuilds the step on the
-smaller world (``make_step(world_size)``), and the state of the last protected boundary is
-resharded onto it in memory: every chunk (``hpf.checkpoint.state_dict``: the checkpoint's own
+smaller world (``make_step(world_size)``), and the state of the last boundary they can rebuild
+(each member's own copy, and each lost rank's copy at its buddy: a boundary still being copied may
+already be whole for the ranks lost) is resharded onto it in memory: every chunk (``hpf.checkpoint.state_dict``: the checkpoint's own
 layout, global offsets per param) goes from the rank that holds it (its owner, or the owner's
 buddy for a lost rank) to the ranks that need it. Then the steps since that boundary are redone,
 on the same global batches (``batches(step, rank, world_size)`` is the caller's pure function).
@@ -40,6 +41,7 @@ import torch
 
 from . import checkpoint, launcher
 from .comm import liveness, schedule, world
+from .comm.transport import PointToPoint
 from .errors import PeerLostError, PeerTimeoutError, UnrecoverableLossError
 from .optim.base import capabilities
 
@@ -53,13 +55,14 @@ _KEY = "hpf/elastic/"
 class Run:
     """What ``train`` returns on each rank that finished: the step of the last generation, its state,
     every step's metrics (``losses``), and the losses and joins survived (``events``: the step the
-    job went back to, the seconds from the fault to the state rebuilt, the bytes this rank received)."""
+    job went back to, the seconds from the fault to the state rebuilt, the bytes this rank received,
+    and ``time``, the wall clock once rebuilt)."""
 
     step: Any
     state: Any
     losses: list[float] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)
-    copy_bytes: int = 0  # the memory one boundary's copies take on this rank (its own and its partner's)
+    copy_bytes: int = 0  # the most the copies held on this rank: own and partner's, of two boundaries while one lands
 
 
 class _Copy:
@@ -105,7 +108,7 @@ def check_elastic(step) -> None:
     if split:
         raise ValueError(f"hpf.elastic: the mesh {step.mesh} splits params over {split} (tensor or expert parallel), "
                          "which cannot shrink onto fewer ranks; run elastic jobs on data (FSDP/HSDP) axes only")
-    if step.comm.lowbit is not None:
+    if step.plan.slow_precision:
         raise ValueError("hpf.elastic: a low-bit slow tier keeps error-feedback residuals that belong to the mesh; "
                          "drop slow_weights/slow_grads for an elastic job")
 
@@ -129,6 +132,10 @@ class _Job:
         self.copies: dict[int, tuple[_Copy, dict[int, _Copy]]] = {}  # boundary -> (own copy, partners' copies)
         self.heartbeat: liveness.Heartbeat | None = None
         self.meta = None  # the params' shapes (meta tensors): what a rebuilt step is initialized from
+        self.inflight: tuple[int, int, _Swap] | None = None  # (boundary, partner, its copies on the way)
+        self.theirs: tuple[list, int] | None = None  # the partner's copy layout (header, bytes) in this generation
+        self.mine: list | None = None  # this rank's, as the partner was told it
+        self.copy_bytes = 0  # the most the copies have held on this rank
 
     # -- the store's keys of this generation -------------------------------------------------------------------
     def _key(self, name: str, generation: int | None = None) -> str:
@@ -161,26 +168,53 @@ class _Job:
 
     # -- protecting a boundary ---------------------------------------------------------------------------------
     def protect(self, step, state, t: int) -> None:
-        """Copy this rank's state at boundary ``t`` here and to its buddy; done once every member has its copy."""
+        """Boundary ``t``: settle the copy sent at the boundary before, then pack this rank's state
+        and start sending it to its buddy (it lands while the next step runs)."""
+        self.settle()
         own = _Copy.of(state)
+        self.copies[t] = (own, {})
         n, i = len(self.members), self.members.index(self.me)
-        partners: dict[int, _Copy] = {}
         if n > 1:
             s = self.buddy_shift(step)
             to, frm = (i + s) % n, (i - s) % n
-            partners[self.members[frm]] = _swap(own, to, frm)
-        self.copies[t] = (own, partners)
+            if self.theirs is None:  # the partner's layout: the same at every boundary of a generation
+                self.theirs, self.mine = _partner_layout(own, to, frm), own.header
+            elif own.header != self.mine:
+                raise UnrecoverableLossError("hpf.elastic: this rank's state changed its layout between boundaries "
+                                             "(a new optimizer state?); its buddy's copy would not fit")
+            self.inflight = (t, self.members[frm], _Swap(own, to, frm, *self.theirs))
+        held = sum(o.buf.numel() + sum(c.buf.numel() for c in p.values()) for o, p in self.copies.values())
+        self.copy_bytes = max(self.copy_bytes, held + (self.inflight[2].buf.numel() if self.inflight else 0))
+
+    def settle(self) -> None:
+        """Wait for the copy in flight and count it in the store; once every member holds its
+        partner's copy of that boundary, the boundaries before it go."""
+        if self.inflight is None:
+            return
+        t, frm, swap = self.inflight
+        self.inflight = None
+        self.copies[t][1][frm] = swap.wait()
+        n = len(self.members)
         done = self.store.add(self._key(f"saved/{t}"), 1)
-        while done < n:  # every member holds its partner's copy of t: older copies can go
+        while done < n:
             self.heartbeat.check()
             time.sleep(0.002)
             done = self.store.add(self._key(f"saved/{t}"), 0)
         for old in [b for b in self.copies if b < t]:
             del self.copies[old]
 
-    def copy_bytes(self) -> int:
-        own, partners = self.copies[max(self.copies)]
-        return own.buf.numel() + sum(c.buf.numel() for c in partners.values())
+    def _salvage(self) -> None:
+        """After a fault: the copy in flight is kept if the partner's part landed before it (the
+        boundary may then be whole), else dropped."""
+        if self.inflight is None:
+            return
+        t, frm, swap = self.inflight
+        self.inflight = None
+        try:
+            if swap.received.wait(0.2):
+                self.copies[t][1][frm] = _Copy(swap.buf, swap.header)
+        except Exception:  # noqa: BLE001 -- its sender is the rank lost: the copy never came
+            pass
 
     # -- a fault: the roll call, the next generation, the state rebuilt ----------------------------------------------
     def recover(self, error: BaseException, step, state, t_failed: int):
@@ -188,18 +222,19 @@ class _Job:
         Returns (step, state, the boundary, the event); raises ``error`` where nobody was lost."""
         t0 = time.monotonic()
         self.store.compare_set(self._key("open"), "", f"rank {self.me}: {type(error).__name__}: {str(error)[:300]}")
+        self._salvage()
         left = self._roll_call()
         lost = [m for m in self.members if m not in left]
         if not lost:
             raise error
         if self.me not in left:
             raise PeerLostError(f"hpf.elastic: rank {self.me} was counted lost by its peers; it stops", [self.me]) from error
-        boundary = self._protected_boundary()
+        boundary = self._usable_boundary(step, lost, left)
         held = self._held(step, state, boundary, lost, left)
         _close(step)
         step, state, received = self._next_generation(left, held)
         event = {"event": "lost", "ranks": lost, "at_step": t_failed, "back_to": boundary,
-                 "world_size": len(left), "seconds": time.monotonic() - t0, "bytes_received": received}
+                 "world_size": len(left), "seconds": time.monotonic() - t0, "bytes_received": received, "time": time.time()}
         return step, state, boundary, event
 
     def _roll_call(self) -> list[int]:
@@ -219,21 +254,35 @@ class _Job:
                                        f"rank(s) {waiting} neither answered nor went silent", waiting)
             time.sleep(0.05)
 
-    def _protected_boundary(self) -> int:
-        """The last boundary every member had its partner's copy of."""
-        n = len(self.members)
-        full = [t for t in self.copies if int(self.store.add(self._key(f"saved/{t}"), 0)) >= n]
-        if not full:
+    def _holder(self, step, rank: int) -> int:
+        """The member that holds ``rank``'s copies (its buddy)."""
+        return self.members[(self.members.index(rank) + self.buddy_shift(step)) % len(self.members)]
+
+    def _usable_boundary(self, step, lost: list[int], left: list[int]) -> int:
+        """The last boundary the members left can rebuild: each has its own copy of it, and each lost
+        rank's buddy that rank's copy (a boundary still being copied can be whole for these losses).
+        The members say which boundaries they can serve in the store, and take the last one all can."""
+        mine = [t for t, (_, partners) in self.copies.items()
+                if all(d in partners for d in lost if self._holder(step, d) == self.me)]
+        self.store.set(self._key(f"usable/{self.me}"), json.dumps(mine))
+        keys = [self._key(f"usable/{m}") for m in left]
+        deadline = time.monotonic() + ROLL_CALL_S
+        while not self.store.check(keys):
+            if time.monotonic() > deadline:
+                raise PeerTimeoutError(f"hpf.elastic: the members {left} did not all say which state they hold "
+                                       f"within {ROLL_CALL_S:g} s", left)
+            time.sleep(0.005)
+        common = set.intersection(*(set(json.loads(v)) for v in self.store.multi_get(keys)))
+        if not common:
             raise UnrecoverableLossError("hpf.elastic: a rank was lost before the first boundary was protected")
-        return max(full)
+        return max(common)
 
     def _held(self, step, state, boundary: int, lost: list[int], left: list[int]) -> dict:
         """old rank -> (its checkpoint layout, its state at ``boundary``), for what this rank holds."""
         own, partners = self.copies[boundary]
         held = {self.me: own}
         for d in lost:
-            i = self.members.index(d)
-            holder = self.members[(i + self.buddy_shift(step)) % len(self.members)]
+            holder = self._holder(step, d)
             if holder not in left:
                 raise UnrecoverableLossError(f"hpf.elastic: rank {d} was lost with rank {holder}, which held its copy; "
                                              f"its shards are gone. Resume from the last checkpoint (hpf train --resume)")
@@ -254,7 +303,7 @@ class _Job:
         check_elastic(step)
         source = _InMemory(held)
         state, _ = step.restore(source)
-        self.copies = {}
+        self.copies, self.theirs = {}, None
         return step, state, source.received
 
 
@@ -268,6 +317,7 @@ class _Job:
         if not slots:
             return None
         t0 = time.monotonic()
+        self.settle()  # (boundary t is protected before the world changes)
         members = self.members + [int(self.store.get(f"{_KEY}joiner/{j}")) for j in slots]
         record = json.dumps({"generation": self.generation + 1, "members": members, "step": t})
         for j in slots:
@@ -278,7 +328,8 @@ class _Job:
         _close(step)
         step, state, received = self._next_generation(members, held)
         return step, state, {"event": "joined", "ranks": members[len(members) - len(slots):], "at_step": t,
-                             "world_size": len(members), "seconds": time.monotonic() - t0, "bytes_received": received}
+                             "world_size": len(members), "seconds": time.monotonic() - t0, "bytes_received": received,
+                             "time": time.time()}
 
     def join(self):
         """A replacement rank: register, wait to be admitted at a boundary, then receive its shards."""
@@ -299,7 +350,7 @@ class _Job:
         step, state, received = self._next_generation(record["members"], {})
         return step, state, record["step"], {"event": "joined", "ranks": [self.me], "at_step": record["step"],
                                              "world_size": len(record["members"]), "seconds": time.monotonic() - t0,
-                                             "bytes_received": received}
+                                             "bytes_received": received, "time": time.time()}
 
 
 def train(make_step: Callable[[int], Any], init: Any, batches: Callable[[int, int, int], Any], steps: int, *,
@@ -316,7 +367,8 @@ def train(make_step: Callable[[int], Any], init: Any, batches: Callable[[int, in
         steps: how many steps the job runs.
         every: protect every this many steps (1: a fault redoes only the step in flight).
         shift: how many members along a rank's buddy is (default: a machine's ranks on a multi-axis mesh, else 1).
-        on_step: called with (step, metrics) after each step that finished (redone steps again).
+        on_step: called with (step, metrics) after each step that finished (redone steps again); the metrics
+            add ``copy_s``, the seconds the boundary before the step took to protect.
 
     Returns:
         Run: the last generation's step (close it) and state, the losses, the faults and joins survived.
@@ -334,22 +386,17 @@ def train(make_step: Callable[[int], Any], init: Any, batches: Callable[[int, in
         (step, state), t = job.start(), 0
     losses: dict[int, float] = {}
     due = True  # the boundary at t is to be protected (and joiners admitted) before the next step
+    copy_s = 0.0  # the last boundary's protection: what the redundancy costs a step
     while t < steps:
         try:
             if due:
-                job.protect(step, state, t)
-                due = False
-                joined = job.admit(step, state, t)
-                if joined is not None:
-                    step, state, event = joined
-                    run.events.append(event)
-                    due = True
+                step, state, due, copy_s = _at_boundary(job, step, state, t, run.events)
                 continue
             state, metrics = step(state, batches(t, world.rank(), world.world_size()))
             losses[t] = metrics["loss"]
             t += 1
             if on_step is not None:
-                on_step(t, metrics)
+                on_step(t, {**metrics, "copy_s": copy_s})
             due = t % every == 0
         except BaseException as error:  # noqa: BLE001 -- a fault is survived; anything else is raised as it is
             if not _is_fault(error):
@@ -357,22 +404,50 @@ def train(make_step: Callable[[int], Any], init: Any, batches: Callable[[int, in
             step, state, t, event = job.recover(error, step, state, t)
             run.events.append(event)
             due = True
+    job.settle()  # (the last copy in flight lands before the process group goes)
     job.heartbeat.stop()
     liveness.watch(None)
-    run.step, run.state, run.losses, run.copy_bytes = step, state, [losses[i] for i in sorted(losses)], job.copy_bytes()
+    run.step, run.state, run.losses, run.copy_bytes = step, state, [losses[i] for i in sorted(losses)], job.copy_bytes
     return run
 
 
-def _swap(own: _Copy, to: int, frm: int) -> _Copy:
-    """Send ``own`` to rank ``to`` while receiving rank ``frm``'s copy (member indices = ranks)."""
+def _at_boundary(job: _Job, step, state, t: int, events: list) -> tuple[Any, Any, bool, float]:
+    """Protect boundary ``t`` and admit the ranks waiting to join: (step, state, whether the boundary
+    is due again (a join changed the world), the seconds the protection took)."""
+    started = time.perf_counter()
+    job.protect(step, state, t)
+    copy_s = time.perf_counter() - started
+    joined = job.admit(step, state, t)
+    if joined is None:
+        return step, state, False, copy_s
+    step, state, event = joined
+    events.append(event)
+    return step, state, True, copy_s
+
+
+def _partner_layout(own: _Copy, to: int, frm: int) -> tuple[list, int]:
+    """Tell rank ``to`` the layout of ``own`` and hear rank ``frm``'s: (its header, its bytes)."""
     head = torch.tensor(list(json.dumps(own.header).encode()), dtype=torch.uint8)
     sizes, theirs = torch.tensor([head.numel(), own.buf.numel()]), torch.zeros(2, dtype=torch.int64)
-    for r in world.exchange([(to, sizes, 1)], [(frm, theirs, 1)]):
-        schedule.wait(r, "an elastic copy's sizes")
-    their_head, their_buf = torch.empty(int(theirs[0]), dtype=torch.uint8), torch.empty(int(theirs[1]), dtype=torch.uint8)
-    for r in world.exchange([(to, head, 2), (to, own.buf, 3)], [(frm, their_head, 2), (frm, their_buf, 3)]):
-        schedule.wait(r, "an elastic copy")
-    return _Copy(their_buf, json.loads(bytes(their_head.tolist()).decode()))
+    schedule.wait(PointToPoint(world.exchange([(to, sizes, 1)], [(frm, theirs, 1)])), "an elastic copy's sizes")
+    their_head = torch.empty(int(theirs[0]), dtype=torch.uint8)
+    schedule.wait(PointToPoint(world.exchange([(to, head, 2)], [(frm, their_head, 2)])), "an elastic copy's layout")
+    return json.loads(bytes(their_head.tolist()).decode()), int(theirs[1])
+
+
+class _Swap:
+    """A boundary's copy on its way to the buddy (``to``), and the partner's (``frm``) on its way
+    here: started at a boundary and waited for at the next, so the transfer overlaps a step."""
+
+    def __init__(self, own: _Copy, to: int, frm: int, header: list, nbytes: int):
+        self.header, self.buf = header, torch.empty(nbytes, dtype=torch.uint8)
+        self.sent = PointToPoint(world.exchange([(to, own.buf, 3)], []))
+        self.received = PointToPoint(world.exchange([], [(frm, self.buf, 3)]))
+
+    def wait(self) -> _Copy:
+        schedule.wait(self.sent, "an elastic copy to the buddy")
+        schedule.wait(self.received, "the partner's elastic copy")
+        return _Copy(self.buf, self.header)
 
 
 def _close(step) -> None:
@@ -450,9 +525,9 @@ def _reshard(held: dict, layout, state) -> int:
         elif dst == me:
             into = [_part(wants[k][do], do, lo, hi) for k, _, do, lo, hi in items]
             recvs[src] = (into, torch.empty(sum(_aligned(t) for t in into), dtype=torch.uint8))
-    for r in world.exchange([(d, b, 4) for d, b in sends.items() if b is not None and b.numel()],
-                            [(s, buf, 4) for s, (_, buf) in recvs.items() if buf.numel()]):
-        schedule.wait(r, "the elastic reshard")
+    schedule.wait(PointToPoint(world.exchange([(d, b, 4) for d, b in sends.items() if b is not None and b.numel()],
+                                              [(s, buf, 4) for s, (_, buf) in recvs.items() if buf.numel()])),
+                  "the elastic reshard")
     for into, buf in recvs.values():
         at = 0
         for t in into:

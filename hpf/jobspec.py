@@ -135,6 +135,12 @@ class JobSpec:
         0, "save a checkpoint every N steps into <out>/checkpoints (DCP format, async: the write overlaps the next "
         "steps); a run with --save-every, --timeout or --resume also saves the step it ends at", shown="",
         type=positive(int), metavar="N")
+    elastic: bool = option(
+        False, "survive a lost rank (SIGKILL, a machine): the ranks left re-form and rebuild its shards from "
+        "their peers' copies in memory, and redo only the step in flight (hpf.elastic, docs/elastic.md); "
+        "one data axis (--world-size), with --invariant the same bits as a run that never failed", shown="")
+    replacements: int = option(0, "with --elastic: start up to N new ranks for lost ones; each joins at a step "
+                               "boundary and the world grows back", shown="0", type=positive(int, least=0), metavar="N")
     keep_last: int = option(3, "keep the newest K checkpoints", type=positive(int), metavar="K")
     accumulate: int = option(
         1, "gradient accumulation: each rank runs its share of --batch-size as K micro-batches (activations of one "

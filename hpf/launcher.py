@@ -267,10 +267,20 @@ def _release_openmp_threads() -> None:
             pause(2)  # omp_pause_hard
 
 
+def _name_process(name: str) -> None:
+    """What ps, top and /proc/<pid>/comm call this process (Linux; elsewhere nothing)."""
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(name)
+    except OSError:
+        pass
+
+
 def _child(fn, rank_, world_size_, args, env, timeout, backend, conn) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (forked with launch's handler) a stop ends a rank at once
     schedule.LOG.__init__()  # a fresh rank: not the launching process's collectives, or the error it caught
     _die_with_parent()
+    _name_process(f"hpf-rank{rank_}")
     os.environ.update(env)
     if env.get("HPF_STACKS_DIR"):  # a launch that times out asks for every thread's stack (``_stacks``)
         stacks = open(os.path.join(env["HPF_STACKS_DIR"], f"rank{rank_}"), "w")  # noqa: SIM115 -- lives with the rank
@@ -437,6 +447,7 @@ class _StoreHost:
 
 def _host_store(send, parent: int) -> None:
     """The store host's life: serve until the launching process ends it, or is gone itself."""
+    _name_process("hpf-store")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     send.send(store.port)
     while os.getppid() == parent:

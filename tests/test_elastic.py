@@ -129,3 +129,85 @@ def test_the_heartbeat_beats_while_the_shared_store_is_blocked(monkeypatch):
     finally:
         job.heartbeat.stop()
         liveness.watch(None)
+
+
+def _slow_receiver(rank):
+    import time
+
+    from hpf.comm import world
+    from hpf.comm.transport import PointToPoint
+
+    x = torch.arange(1 << 16, dtype=torch.float32) if rank == 0 else torch.empty(1 << 16)
+    if rank == 1:
+        time.sleep(1.0)  # the peer is late: every one of rank 0's polls below times out first
+    requests = PointToPoint(world.exchange([(1, x, 7)], []) if rank == 0 else world.exchange([], [(0, x, 7)]))
+    polls = 1
+    while not requests.wait(0.05):
+        polls += 1
+    return polls, torch.equal(x, torch.arange(1 << 16, dtype=torch.float32))
+
+
+@pytest.mark.slow
+def test_point_to_point_requests_survive_timed_waits_that_time_out():
+    """gloo completes a send or receive whose timed wait times out with that error; the elastic
+    copies poll theirs (to check heartbeats meanwhile), so a slow peer must not lose the transfer."""
+    (polls, sent), (_, received) = launch(_slow_receiver, 2, timeout=60)
+    assert polls > 5 and received
+
+
+def _rank_pids(driver: int) -> dict[int, int]:
+    """rank -> pid of the ranks an hpf train driver forked (hpf.launch names them hpf-rank<r>)."""
+    from pathlib import Path
+
+    kids = [int(x) for x in Path(f"/proc/{driver}/task/{driver}/children").read_text().split()]
+    names = {k: Path(f"/proc/{k}/comm").read_text().strip() for k in kids}
+    return {int(n.removeprefix("hpf-rank")): k for k, n in names.items() if n.startswith("hpf-rank")}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="finds the rank processes through Linux's /proc")
+def test_hpf_train_elastic_survives_a_rank_killed_from_outside_with_the_bits_of_a_run_that_never_failed(tmp_path):
+    import json
+    import subprocess
+    import sys
+    import time
+
+    from hpf import checkpoint
+
+    def train(out, world, *flags):
+        return [sys.executable, "-m", "hpf", "train", "--world-size", str(world), "--batch-size", "6", "--steps", "8",
+                "--invariant", "--out", str(out), *flags]
+    proc = subprocess.Popen(train(tmp_path / "elastic", 3, "--elastic"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    metrics, deadline = tmp_path / "elastic" / "metrics.jsonl", time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(_rank_pids(proc.pid)[2], signal.SIGKILL)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out
+    assert "elastic: rank 2 lost" in out
+    run = json.loads((tmp_path / "elastic" / "run.json").read_text())
+    assert [e["event"] for e in run["elastic"]["events"]] == ["lost"] and run["elastic"]["world_size"] == 2
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(1, 9)) and lines[-1]["world_size"] == 2
+    reference = subprocess.run(train(tmp_path / "one", 1, "--atom-size", "1", "--save-every", "8"),
+                               capture_output=True, text=True, timeout=120)
+    assert reference.returncode == 0, reference.stdout + reference.stderr
+    got, want = (hpf.tree.flatten(checkpoint.load_params(tmp_path / d / "checkpoints" / "step_000008"))[1]
+                 for d in ("elastic", "one"))
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--world-size", "4", "--batch-size", "16"], "--batch-size 16 must split over 4 ranks and, after a loss, over 3"),
+    (["--mesh", "dp=2,tp=2", "--batch-size", "12"], "--elastic shrinks one data axis"),
+    (["--world-size", "4", "--batch-size", "12", "--save-every", "2"], "--elastic does not take --save-every"),
+    (["--world-size", "4", "--batch-size", "12", "--accumulate", "2"], "--elastic does not take --accumulate"),
+    (["--world-size", "4", "--batch-size", "12", "--model", "moe"], "--model moe keeps loop state"),
+], ids=["batch", "tp", "save-every", "accumulate", "moe"])
+def test_hpf_train_elastic_refuses_what_it_cannot_survive_before_any_rank_starts(tmp_path, capsys, flags, says):
+    from hpf.cli import main
+
+    assert main(["train", "--elastic", "--steps", "2", "--out", str(tmp_path / "run"), *flags]) == 2
+    assert says in capsys.readouterr().err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

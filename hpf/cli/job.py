@@ -156,7 +156,7 @@ def data_rank(mesh: hpf.Mesh, rank: int) -> tuple[int, int]:
     return mesh.group_index(axes, rank), mesh.axis_size(axes)
 
 
-def _batches(job: TrainJob, config, split: str, rank: int, world: int, start: int):
+def batches_of(job: TrainJob, config, split: str, rank: int, world: int, start: int):
     """This rank's rows of the global batches from step ``start`` (0-based) on: a pure function
     of (seed, position), so a resumed run reads exactly what an uninterrupted one would."""
     where = dict(rank=rank, world_size=world, device=default_device())
@@ -235,17 +235,15 @@ def train_rank(rank: int, job: TrainJob) -> int | None:
             for i in range(done + 1, job.steps + 1):
                 state, m = step(state, next(batches))
                 advance()
-                record = {"step": i, **{k: m[k] for k in STEP_METRICS}, "tokens_per_s": tokens_per_step / m["step_s"],
-                          "lr": lr(i), "peak_memory_bytes": peak_memory(),
-                          **({"mfu": flops / m["step_s"] / (peak * mesh.size)} if peak else {}),
-                          **({"loss_scale": m["loss_scale"]} if "loss_scale" in m else {})}
+                record = step_record(i, m, tokens_per_step / m["step_s"], lr(i),
+                                     flops / m["step_s"] / (peak * mesh.size) if peak else None)
                 skipped += m["skipped"]
                 if evaluate and job.eval_due(i):
                     record["eval_loss"] = evaluate(step, state)
                 record.update(_loop_metrics(m, job, balancer))
                 stop = job.stop_due()
                 if job.save_due(i) or stop:
-                    _save(job, step, state, i, config, balancer, progress)
+                    save_checkpoint(job, step, state, i, config, balancer, progress)
                 if out is not None:
                     out.write(record)
                     progress.update(i, _shown(record, m, skipped))
@@ -259,11 +257,18 @@ def train_rank(rank: int, job: TrainJob) -> int | None:
     return stopped
 
 
+def step_record(i: int, m: dict, tokens_per_s: float, lr: float, mfu: float | None) -> dict:
+    """Step ``i``'s line of metrics.jsonl, from the step's metrics ``m``."""
+    return {"step": i, **{k: m[k] for k in STEP_METRICS}, "tokens_per_s": tokens_per_s, "lr": lr,
+            "peak_memory_bytes": peak_memory(), **({"mfu": mfu} if mfu is not None else {}),
+            **({"loss_scale": m["loss_scale"]} if "loss_scale" in m else {})}
+
+
 def _rank_data(job: TrainJob, module, config, mesh: hpf.Mesh, rank: int, done: int, balancer):
     """This rank's train batches from step ``done`` on (with the examples' keys under --dropout,
     the expert bias for moe), and its held-out evaluation (None without --eval-every)."""
     reader, readers = data_rank(mesh, rank)
-    tokens = _batches(job, config, "train", reader, readers, start=done)
+    tokens = batches_of(job, config, "train", reader, readers, start=done)
     if job.dropout:
         tokens = _with_example_keys(tokens, job, reader, readers, start=done)
     batches = tokens if balancer is None else map(balancer.batch, tokens)
@@ -285,7 +290,7 @@ def qk_clip_record(metrics: dict, tau: float) -> dict:
 
 def _held_out(job: TrainJob, module, config, rank: int, world: int) -> token_data.HeldOut:
     """--eval-every: the held-out loss, on the same batches at every evaluation."""
-    held_out = _batches(job, config, "val", rank, world, start=0)
+    held_out = batches_of(job, config, "val", rank, world, start=0)
     return token_data.HeldOut(module.loss_for(config), [next(held_out) for _ in range(EVAL_BATCHES)])
 
 
@@ -310,7 +315,7 @@ def _first_state(job: TrainJob, step, module, config, balancer) -> tuple[Any, in
     return state, done
 
 
-def _save(job: TrainJob, step, state, i: int, config, balancer, progress) -> None:
+def save_checkpoint(job: TrainJob, step, state, i: int, config, balancer, progress) -> None:
     """A checkpoint after step ``i``, async: the write overlaps the next steps."""
     extra = {"step": i, "rng": checkpoint.rng_state()}
     if balancer is not None:

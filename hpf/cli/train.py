@@ -21,7 +21,7 @@ import hpf
 from hpf import checkpoint
 from hpf.errors import NonFiniteError
 from hpf import data as token_data
-from hpf.cli import run_folder
+from hpf.cli import elastic_run, run_folder
 from hpf import jobspec
 from hpf.cli.common import CliError, job_parser, mesh_of, mesh_text
 from hpf.jobspec import positive
@@ -120,6 +120,8 @@ def cmd_train(args) -> int:
             print(f"hpf train: {done}")
         return 0
     mesh = mesh_of(args)
+    if args.elastic:
+        mesh = elastic_run.checked_mesh(args, mesh, given=args.mesh is not None)
     args.mesh = dict(zip(mesh.axis_names, mesh.shape))
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", mesh.size)) if torchrun else mesh.size
     plan_note, mesh = apply_plan(args, mesh, local_ranks) if args.plan else (None, mesh)
@@ -207,6 +209,8 @@ def _data_line(args, job: TrainJob, out: Path) -> str:
 
 def _run_ranks(args, job: TrainJob, mesh: hpf.Mesh, torchrun: bool, lead: bool, out: Path) -> int | None:
     """Run the job's ranks; the step --timeout stopped after, or None."""
+    if job.elastic:
+        return elastic_run.run(job, mesh.size, out)
     if torchrun:
         init_distributed()
         stopped = train_rank(rank(), job)

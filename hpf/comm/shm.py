@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .. import trace
+from . import liveness
 from .cost import ring_bytes
 from .transport import BufferCache, CallCounters, by_rank, check_op, check_shards
 from .world import COLLECTIVE_TIMEOUT_S
@@ -248,6 +249,8 @@ class ShmGroup(CallCounters):
                     f"ShmGroup barrier #{target} on group rank {self.rank}: group ranks {late} (global "
                     f"{[self.global_ranks[r] for r in late]}) did not arrive within {self.timeout:g} s; "
                     "they died, hang, or do not call the same collectives in the same order")
+            if liveness.WATCH is not None:  # an elastic job: a lost peer raises PeerLostError in seconds
+                liveness.WATCH.check()
             time.sleep(sleep_s)
             sleep_s = min(2 * sleep_s, _MAX_SLEEP_S)
 

@@ -44,7 +44,7 @@ from ..planning import Plan, check_bucket_bytes
 from ..planning import plan as make_plan
 from ..trace import span
 from ..precision import SlowPrecision
-from . import world
+from . import liveness, world
 from .cost import bucket_comm_bytes, count_bytes, dtype_bytes
 from .lowbit import LowBitTier
 from .shm import ALIGN, ShmGroup
@@ -433,8 +433,8 @@ class TieredComm:
     def close(self) -> None:
         for worker in self._workers.values():
             worker.close()
-        for worker in self._workers.values():
-            worker.join(self.timeout)
+        for worker in self._workers.values():  # (elastic: one stuck on a lost peer is left, a daemon)
+            worker.join(self.timeout if liveness.WATCH is None else liveness.DEAD_S)
         for t in self._transports.values():
             if isinstance(t, ShmGroup):
                 t.close()

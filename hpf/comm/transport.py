@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import threading
 import time
 from collections import Counter
 from typing import Any, Protocol, Union, runtime_checkable
@@ -159,10 +160,44 @@ def on_device(work: dist.Work, device: torch.device) -> Handle:
     return work if device.type == "cpu" else StreamWork(work)
 
 
+class PointToPoint:
+    """Point-to-point requests (``world.exchange``'s) as one handle that a timed wait leaves valid.
+    gloo's send and receive complete only inside ``wait``, and a timed wait that times out
+    completes them with its error: polled directly, a transfer slower than the poll is lost (seen
+    under load). The first timed wait hands the blocking waits to a thread; timed waits poll it."""
+
+    def __init__(self, works: list):
+        self.works, self._done, self._error = works, None, None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._done is None:
+            if timeout is None:
+                for w in self.works:
+                    w.wait()
+                return True
+            self._done = threading.Event()
+            threading.Thread(target=self._wait_all, name="hpf-p2p-wait", daemon=True).start()
+        if not self._done.wait(timeout):
+            return False
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def _wait_all(self) -> None:
+        try:
+            for w in self.works:
+                w.wait()
+        except BaseException as e:  # noqa: BLE001 -- raised by the wait that sees it
+            self._error = e
+        finally:
+            self._done.set()
+
+
 def wait_for(handle: Handle, timeout: float | None = None) -> bool:
     """Wait for any handle, at most ``timeout`` s (None: until done); True if it is done, and
-    then its error, if it failed, is raised. A torch.distributed Work that is still running
-    after a timed wait stays valid: waiting again picks it up."""
+    then its error, if it failed, is raised. A torch.distributed collective still running after
+    a timed wait stays valid (waiting again picks it up); point-to-point requests only inside a
+    ``PointToPoint``."""
     if not isinstance(handle, dist.Work):
         return handle.wait(timeout)
     if timeout is None:

@@ -1,0 +1,123 @@
+"""``hpf train --elastic``: one rank's training loop under hpf.elastic, and the driver's part.
+
+A lost rank is survived in memory (hpf.elastic) on one data axis, which shrinks and grows back.
+metrics.jsonl is written by whichever member is rank 0 at the time, each step once (a redone
+step keeps its first line: in the invariant mode the redo has the same bits). Each loss and join
+(the step, the seconds, the bytes received) goes back to the driver, which prints it and keeps
+it in run.json's ``elastic``."""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import time
+from pathlib import Path
+
+import hpf
+from hpf import elastic
+from hpf.cli import run_folder
+from hpf.cli.common import CliError
+from hpf.cli.job import (TrainJob, batches_of, make_step, peak_flops, run_keys, save_checkpoint, step_flops,
+                         step_record)
+from hpf.comm import world
+from hpf.misuse import finite_or_none
+from hpf.models import MODELS, mesh_for
+from hpf.optim.lr_schedules import Schedule
+
+# the options an elastic run does not take yet, and why
+_REFUSED = {"resume": "it starts from the seed", "save_every": "its copies live in memory, not in checkpoints",
+            "timeout": "it runs to the end", "dropout": "its masks need each rank's example keys",
+            "eval_every": "the held-out loss is not evaluated", "plan": "its world changes", "trace": "",
+            "tensorboard": ""}
+
+
+def checked_mesh(args, mesh: hpf.Mesh, given: bool) -> hpf.Mesh:
+    """The mesh of an elastic run: one data axis of ``mesh.size`` ranks (``given``: --mesh was passed,
+    and must be one); refuses what it cannot run, naming the option, and sets --invariant's atom size
+    to one that every world it passes through splits the batch into."""
+    if hpf.launcher.is_launched():
+        raise CliError("--elastic under torchrun: torchrun's agent restarts every rank when one fails, so no rank "
+                       "is left to survive it; run hpf train --elastic --world-size N, which starts its own ranks")
+    for name, why in _REFUSED.items():
+        if getattr(args, name, None) not in (None, False, 0):
+            raise CliError(f"--elastic does not take --{name.replace('_', '-')} yet" + (f" ({why})" if why else "")
+                           + "; drop one of them")
+    if hasattr(MODELS[args.model], "Balancer"):
+        raise CliError(f"--elastic: --model {args.model} keeps loop state (its expert bias) the copies do not hold; "
+                       "use gpt or llama")
+    if given and len(mesh.axis_names) > 1:
+        raise CliError(f"--elastic shrinks one data axis; --mesh has {mesh.axis_names}: pass --world-size "
+                       f"{mesh.size} instead")
+    if args.accumulate != 1:
+        raise CliError("--elastic does not take --accumulate yet; drop it (or raise --batch-size)")
+    n, b = mesh.size, args.batch_size
+    worlds = [w for w in (n, n - 1) if w >= 1]
+    if any(b % w for w in worlds):
+        need = math.lcm(*worlds)
+        raise CliError(f"--elastic: --batch-size {b} must split over {n} ranks and, after a loss, over {n - 1}; "
+                       f"use a multiple of {need} (e.g. --batch-size {need * max(1, round(b / need))})")
+    if args.invariant and args.atom_size is None:  # atoms every world's local batch is made of
+        args.atom_size = math.gcd(*(b // w for w in worlds))
+    return mesh_for({"dp": n})
+
+
+def run(job: TrainJob, size: int, out: Path) -> None:
+    """Launch the elastic ranks; print each loss and join, and keep them in run.json."""
+    Path(job.metrics_path).write_text("")
+    results = hpf.launch(elastic_rank, size, job, elastic=True, replacements=job.replacements)
+    survived = next(r for r in results if r is not None)
+    for e in survived["events"]:
+        print(describe(e), flush=True)
+    run_folder.set_status(out, "running", elastic=survived)
+
+
+def describe(e: dict) -> str:
+    """One line for a loss or a join survived."""
+    who = ", ".join(map(str, e["ranks"]))
+    if e["event"] == "lost":
+        what = f"rank {who} lost in step {e['at_step'] + 1}: {e['world_size']} ranks went back to step {e['back_to']}"
+    else:
+        what = f"rank {who} joined after step {e['at_step']}: {e['world_size']} ranks"
+    return f"elastic: {what}, state rebuilt in {e['seconds']:.2f} s ({e['bytes_received'] / 2**20:.2f} MiB received)"
+
+
+def elastic_rank(rank: int, job: TrainJob) -> dict:
+    """One rank of ``hpf train --elastic``: hpf.elastic.train on the job's model, data and step; the
+    last state is saved as hpf train saves it (``--resume`` and ``load_params`` read it)."""
+    module, config = job.model_config()
+    lr = Schedule(job.schedule, job.lr, total_steps=job.steps, warmup=job.warmup)
+    tokens, flops, (peak, _) = job.batch_size * config.seq_len, step_flops(module, config, job.batch_size), peak_flops()
+    lines = _Lines(Path(job.metrics_path))
+
+    def on_step(i: int, m: dict) -> None:
+        if world.rank() == 0:
+            n = world.world_size()
+            mfu = flops / m["step_s"] / (peak * n) if peak else None
+            lines.add({**step_record(i, m, tokens / m["step_s"], lr(i), mfu), "copy_s": m["copy_s"], "world_size": n,
+                       "time": time.time()})
+
+    run = elastic.train(lambda n: make_step(job, mesh_for({"dp": n})), functools.partial(module.init, config),
+                        lambda t, r, n: next(batches_of(job, config, "train", r, n, start=t)), job.steps,
+                        key=run_keys(job.seed)[0], on_step=on_step)
+    save_checkpoint(job, run.step, run.state, job.steps, config, None, None)
+    run.step.wait_save()
+    run.step.close()
+    return {"events": run.events, "copy_bytes": run.copy_bytes, "world_size": world.world_size()}
+
+
+class _Lines:
+    """metrics.jsonl as rank 0 now appends to it: each step once (a rank that becomes rank 0 after
+    a loss reads where the file is)."""
+
+    def __init__(self, path: Path):
+        self.path, self.last = path, None
+
+    def add(self, record: dict) -> None:
+        if self.last is None:
+            text = self.path.read_text() if self.path.exists() else ""
+            self.last = max((json.loads(x)["step"] for x in text.splitlines() if x.strip()), default=0)
+        if record["step"] <= self.last:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(finite_or_none(record), allow_nan=False) + "\n")
+        self.last = record["step"]
