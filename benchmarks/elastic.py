@@ -15,6 +15,8 @@ ranks; the killed one may still be finishing step k), k and the rank drawn at ra
 Then the cost without failures: --elastic against plain hpf train, interleaved over rounds, the
 median per-step time (step_s + copy_s, the boundary's copy to the buddy, against step_s), and
 the memory the copies take per rank.
+Without --invariant (--default-kills of the kills): the final params against an uninterrupted run
+that changes mesh at the step the elastic one went back to (its max |difference|).
 Usage: python benchmarks/elastic.py [--config small] [--kills 5] [--grow 2] [--rounds 3] [--quick]
 """
 from __future__ import annotations
@@ -38,9 +40,10 @@ from common import print_table, report_ratio
 WORLD, BATCH = 4, 12
 
 
-def _train(out: Path, args, *extra: str) -> list[str]:
+def _train(out: Path, args, *extra: str, invariant: bool = True, world: int = WORLD) -> list[str]:
     return [sys.executable, "-m", "hpf", "train", "--config", args.config, "--steps", str(args.steps), "--world-size",
-            str(WORLD), "--batch-size", str(BATCH), "--invariant", "--atom-size", "1", "--out", str(out), *extra]
+            str(world), "--batch-size", str(BATCH), *(["--invariant", "--atom-size", "1"] if invariant else []),
+            "--out", str(out), *extra]
 
 
 def _records(out: Path) -> list[dict]:
@@ -74,11 +77,16 @@ def run(cmd: list[str], out: Path, kill: tuple[int, int] | None = None) -> dict:
             "text": text}
 
 
-def params_sha(out: Path, steps: int) -> str:
-    import torch
+def _params(out: Path, steps: int) -> list:
     from hpf import checkpoint, tree
 
-    leaves = tree.flatten(checkpoint.load_params(out / "checkpoints" / f"step_{steps:06d}"))[1]
+    return tree.flatten(checkpoint.load_params(out / "checkpoints" / f"step_{steps:06d}"))[1]
+
+
+def params_sha(out: Path, steps: int) -> str:
+    import torch
+
+    leaves = _params(out, steps)
     h = hashlib.sha256()
     for x in leaves:
         h.update(x.detach().contiguous().view(torch.uint8).numpy().tobytes())
@@ -113,6 +121,28 @@ def restart_kill(args, root: Path, k: int, rank: int, reference: str) -> dict:
             "recomputed": first["done_at_kill"] - resumed_from, "same_bits": params_sha(out, args.steps) == reference}
 
 
+def default_mode(args, root: Path, kills: list[tuple[int, int]]) -> list[dict]:
+    """Without --invariant: each kill's elastic run against an uninterrupted run that changes mesh
+    (4 -> 3 ranks) at the step the elastic one went back to (a 4-rank run saving every step, resumed
+    from that step's checkpoint on 3 ranks)."""
+    full = root / "default-4"
+    if run(_train(full, args, "--save-every", "1", "--keep-last", str(args.steps + 1), invariant=False), full)["rc"]:
+        raise SystemExit("the default-mode 4-rank run failed")
+    rows = []
+    for k, rank in kills:
+        out = root / f"default-elastic-{k}-{rank}"
+        if run(_train(out, args, "--elastic", invariant=False), out, (k, rank))["rc"]:
+            raise SystemExit("a default-mode elastic run failed")
+        back = json.loads((out / "run.json").read_text())["elastic"]["events"][0]["back_to"]
+        ref = root / f"default-3-from-{back}"
+        if run(_train(ref, args, "--resume", str(full / "checkpoints" / f"step_{back:06d}"), invariant=False,
+                      world=WORLD - 1), ref)["rc"]:
+            raise SystemExit("the resumed 3-rank reference failed")
+        diff = max(float((a - b).abs().max()) for a, b in zip(_params(out, args.steps), _params(ref, args.steps)))
+        rows.append({"k": k, "rank": rank, "back_to": back, "max_abs_diff": diff})
+    return rows
+
+
 def cost(args, root: Path) -> dict:
     """Per-step time with the copies and without (plain hpf train), interleaved over rounds."""
     times: dict[str, list[float]] = {"elastic": [], "plain": []}
@@ -127,7 +157,8 @@ def cost(args, root: Path) -> dict:
             times[name].append(statistics.median(x["step_s"] + x.get("copy_s", 0.0) for x in recs))
             if name == "elastic":
                 copy_bytes = json.loads((out / "run.json").read_text())["elastic"]["copy_bytes"]
-    state_bytes = copy_bytes / 2  # its own copy and its partner's: one shard state each
+    params = sum(x.numel() * x.element_size() for x in _params(root / "cost-elastic-0", args.steps))
+    state_bytes = 3 * params / WORLD  # a rank's shard of the params and of AdamW's two moments
     return {"elastic_ms": 1e3 * statistics.median(times["elastic"]), "plain_ms": 1e3 * statistics.median(times["plain"]),
             "copy_mib_per_rank": copy_bytes / 2**20, "shard_state_mib": state_bytes / 2**20}
 
@@ -139,11 +170,13 @@ def main() -> None:
     ap.add_argument("--kills", type=int, default=5)
     ap.add_argument("--grow", type=int, default=2, help="kills with a replacement that joins (elastic only)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--default-kills", type=int, default=2, help="kills rerun without --invariant, against a run "
+                    "that changes mesh at the same step")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="tiny config, 30 steps, 2 kills, 1 grow, 1 round")
     args = ap.parse_args()
     if args.quick:
-        args.config, args.steps, args.kills, args.grow, args.rounds = "tiny", 30, 2, 1, 1
+        args.config, args.steps, args.kills, args.grow, args.rounds, args.default_kills = "tiny", 30, 2, 1, 1, 1
     print(f"load average at start: {os.getloadavg()[0]:.2f}")
     root = Path(tempfile.mkdtemp(prefix="hpf-elastic-bench-"))
     ref_out = root / "reference"
@@ -167,10 +200,14 @@ def main() -> None:
     print(f"reference (no failure): params sha256 {reference}, wall {ref['wall_s']:.1f} s")
     print_table(["killed in step", "rank", "world", "rc", "finished steps redone", "kill->next step s", "rebuild s", "ranks at end",
                  "same bits", "elastic wall s", "restart wall s", "restart recomputed", "restart same bits"], rows)
+    if args.default_kills:
+        d = default_mode(args, root, kills[:args.default_kills])
+        print_table(["default mode: killed in step", "rank", "went back to", "max |params - mesh change at that step|"],
+                    [[r["k"] + 1, r["rank"], r["back_to"], f"{r['max_abs_diff']:.3g}"] for r in d])
     c = cost(args, root)
     print(f"step time without failures: elastic {c['elastic_ms']:.1f} ms, plain {c['plain_ms']:.1f} ms (median of "
           f"{args.rounds} rounds' medians); copies {c['copy_mib_per_rank']:.2f} MiB per rank "
-          f"(one shard state: {c['shard_state_mib']:.2f} MiB)")
+          f"at most, {c['copy_mib_per_rank'] / c['shard_state_mib']:.1f} shard states of {c['shard_state_mib']:.2f} MiB")
     report_ratio("elastic/plain_step", c["elastic_ms"] / c["plain_ms"], "<=1.05")
     report_ratio("worst_kill_to_next_step_s", max(e["kill_to_step_s"] for e in elastic_rows), "<=10")
     report_ratio("elastic/restart_wall", statistics.median(e["wall_s"] for e in elastic_rows[:args.kills])
