@@ -48,7 +48,7 @@ def _elastic_rank(rank, kill, fail):
     torch.set_num_threads(1)
 
     def on_step(t, m):
-        if (rank, t) == kill:
+        if (rank, t) == kill or (isinstance(kill, list) and [rank, t] in kill):
             os.kill(os.getpid(), signal.SIGKILL)
         if (rank, t) == fail:
             raise ValueError("a bug in the program on one rank")
@@ -80,6 +80,13 @@ def test_a_killed_rank_is_survived_and_the_params_equal_a_run_that_never_failed(
 def test_an_error_of_the_program_is_raised_not_survived():
     with pytest.raises(hpf.launch.RankError, match="a bug in the program on one rank"):
         launch(_elastic_rank, 2, None, (1, 2), timeout=120, elastic=True)
+
+
+@pytest.mark.slow
+def test_a_rank_lost_with_its_buddy_is_named_not_survived():
+    """Rank 2's copies live on rank 3 (the next along the ring): losing both loses rank 2's shards."""
+    with pytest.raises(hpf.launch.RankError, match=r"rank 2 was lost with rank 3, which held its copy"):
+        launch(_elastic_rank, 4, [[2, 2], [3, 2]], None, timeout=90, elastic=True)
 
 
 @settings(max_examples=40, deadline=None)
