@@ -52,7 +52,8 @@ class Decider:
     Args:
         world: ranks in the mesh; dp_size: ranks of one replica's data parallelism (FSDP axes);
         n_compute: ranks that compute one replica's loss together (non-FSDP axes);
-        replicas: per bucket, how many ranks hold each of its shards (counted once in the norm);
+        replicas: per piece, how many ranks hold it (counted once in the norm); pieces: (bucket,
+            slice of this rank's grad shard, None: all of it), its runs of params of one replica count;
         clip: clipping by the global grad norm, a stage of hpf.optim.transforms whose factor the
             decision folds into ``grad_scale`` (None: no clipping).
         dp_index: the invariant mode (None: off): this rank's index over the FSDP axes, whose
@@ -65,22 +66,28 @@ class Decider:
     n_compute: int
     replicas: torch.Tensor
     clip: ClipByGlobalNorm | None
+    pieces: tuple[tuple[int, slice | None], ...] = ()
     dp_index: int | None = None
     counted: tuple[bool, ...] = ()
 
     @classmethod
-    def of(cls, plan, world: int, max_grad_norm: float | None, invariant_rank: int | None = None) -> "Decider":
-        """The decider of a step over ``plan`` on ``world`` ranks (``max_grad_norm``: the clip;
-        ``invariant_rank``: this rank, in the invariant mode)."""
-        replicas = torch.tensor([float(plan.replicas(b)) for b in plan.buckets], dtype=torch.float64)
-        invariant = {}
-        if invariant_rank is not None:
+    def of(cls, plan, world: int, max_grad_norm: float | None, rank: int, invariant: bool = False) -> "Decider":
+        """The decider of a step over ``plan`` on ``world`` ranks, on ``rank`` (``max_grad_norm``: the
+        clip; ``invariant``: the invariant mode). A bucket mixing params replicated over tp with tp-split
+        ones counts each run of its shard with its own replicas."""
+        pieces, replicas = [], []
+        for b in plan.buckets:
+            runs = b.runs(plan.shard_index(b, rank), plan.replicas)
+            pieces += [(b.index, part if len(runs) > 1 else None) for part, _ in runs]
+            replicas += [float(n) for _, n in runs]
+        extra = {}
+        if invariant:
             mesh = plan.mesh
-            invariant = dict(dp_index=mesh.group_index(plan.fsdp_axes, invariant_rank),
-                             counted=tuple(not b.replicate_axes or mesh.group_index(b.replicate_axes, invariant_rank) == 0
-                                           for b in plan.buckets))
-        return cls(world, plan.dp_size, plan.compute_size, replicas,
-                   None if max_grad_norm is None else clip_by_global_norm(max_grad_norm), **invariant)
+            extra = dict(dp_index=mesh.group_index(plan.fsdp_axes, rank),
+                         counted=tuple(not b.replicate_axes or mesh.group_index(b.replicate_axes, rank) == 0
+                                       for b in plan.buckets))
+        return cls(world, plan.dp_size, plan.compute_size, torch.tensor(replicas, dtype=torch.float64),
+                   None if max_grad_norm is None else clip_by_global_norm(max_grad_norm), tuple(pieces), **extra)
 
     def normalizer(self, n_micro: int, count: float | None = None) -> float:
         """What the summed grads are divided by: the global count of an hpf.weighted loss (each
@@ -103,7 +110,8 @@ class Decider:
         count = sum(float(o.count) for o in outs) if weighted else float(len(outs))
         invariant = self._invariant_parts(values, grads) if self.dp_index is not None else None
         sq = 0.0 if invariant else float(
-            (torch.stack(torch._foreach_norm(grads)).to(torch.float64).cpu().square() / self.replicas).sum())
+            (torch.stack(torch._foreach_norm([grads[b] if part is None else grads[b][part] for b, part in self.pieces]))
+             .to(torch.float64).cpu().square() / self.replicas).sum())
         aux = _local_aux(outs)
         shape = 0 if weighted else batching.shape_signature(batch)
         bad = not bool(torch.isfinite(values).all()) or bool(invariant and not math.isfinite(invariant[0]))

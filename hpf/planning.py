@@ -39,6 +39,9 @@ class ParamSlot:
     unit: str
     bucket: int
     offset: int
+    # The axes it is computed split over (a subset of its bucket's: a norm weight replicated over
+    # tp shares a bucket with the tp-split weights of its block, one gather and reduction for all).
+    split_axes: tuple[str, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -65,7 +68,8 @@ class Piece(NamedTuple):
 
 @dataclass
 class Bucket:
-    """One flat buffer: the params of one unit that share FSDP shard axes and dtype.
+    """One flat buffer: the params of one unit that share FSDP shard and replicate axes and dtype
+    (computed split over any non-FSDP axes or none: ``split_axes`` is their union).
 
     The full buffer has ``padded_numel`` elements; the rank at position i of the shard
     group stores elements ``[i * shard_numel, (i + 1) * shard_numel)``.
@@ -77,7 +81,7 @@ class Bucket:
     replicate_axes: tuple[str, ...]  # FSDP axes it is replicated over (grads all-reduced)
     dtype: torch.dtype
     shard_size: int  # ranks in the shard group
-    split_axes: tuple[str, ...] = ()  # axes its params are computed split over: non-FSDP ones, or FSDP ones a P(fsdp=) borrows
+    split_axes: tuple[str, ...] = ()  # axes some param of it is computed split over: non-FSDP ones, or FSDP ones a P(fsdp=) borrows
     # Axes in the order that numbers shard positions. Mesh order, unless two-tier collectives
     # number fast axes first, so each gather stage writes one contiguous block.
     shard_order: tuple[str, ...] = ()
@@ -102,6 +106,19 @@ class Bucket:
     def local_piece(self, slot: ParamSlot, shard_index: int) -> Piece:
         """The part of ``slot`` that shard ``shard_index`` holds (``Plan.shard_index`` of a rank)."""
         return slot.piece(*self.shard_range(shard_index))
+
+    def runs(self, shard_index: int, key) -> list[tuple[slice, Any]]:
+        """Shard ``shard_index`` tiled by runs of consecutive params with equal ``key(slot)``:
+        [(slice of the shard, key)], the padding with the last param's run (a bucket of one key:
+        its whole shard, one run)."""
+        lo, hi = self.shard_range(shard_index)
+        starts: list[tuple[int, Any]] = []  # (element of the full buffer, key) where a run starts
+        for s in self.slots:
+            k = key(s)
+            if not starts or starts[-1][1] != k:
+                starts.append((s.offset if starts else 0, k))
+        ends = [start for start, _ in starts[1:]] + [self.padded_numel]
+        return [(slice(max(a, lo) - lo, min(b, hi) - lo), k) for (a, k), b in zip(starts, ends) if max(a, lo) < min(b, hi)]
 
     def holders(self, slot: ParamSlot) -> list[int]:
         """Shard-group positions whose shard holds part of ``slot`` (the Muon comm group)."""
@@ -221,9 +238,8 @@ class Plan:
         return out
 
     def split_dim_axes(self, slot: ParamSlot, dim: int) -> tuple[str, ...]:
-        """The axes that split ``slot``'s dim ``dim`` for compute (its bucket's compute axes)."""
-        split = self.buckets[slot.bucket].split_axes
-        return tuple(a for a in slot.spec.dim_axes(dim) if a in split)
+        """The axes that split ``slot``'s dim ``dim`` for compute (of its compute axes)."""
+        return tuple(a for a in slot.spec.dim_axes(dim) if a in slot.split_axes)
 
     @property
     def split_axes(self) -> tuple[str, ...]:
@@ -247,9 +263,25 @@ class Plan:
         """Parameters as views into a full flat buffer: no copies."""
         return {s.path: flat[s.offset:s.offset + s.numel].view(s.local_shape) for s in bucket.slots}
 
-    def replicas(self, bucket: Bucket) -> int:
-        """How many ranks store an identical copy of each shard (to count it once in norms)."""
-        return self.mesh.size // bucket.shard_size // self.mesh.axis_size(bucket.split_axes)
+    def replicas(self, slot: ParamSlot) -> int:
+        """How many ranks store an identical copy of each shard of ``slot`` (to count it once in norms)."""
+        return self.mesh.size // self.buckets[slot.bucket].shard_size // self.mesh.axis_size(slot.split_axes)
+
+    def partial_axes(self, slot: ParamSlot) -> tuple[str, ...]:
+        """The non-FSDP axes ``slot`` is replicated over: its grads are partial sums there
+        (hpf.comm.collectives), all-reduced once every reduction landed (where their size is > 1)."""
+        return tuple(a for a in self.compute_axes if a not in slot.split_axes)
+
+    def partial_numel(self, bucket: Bucket) -> dict[tuple[str, ...], int]:
+        """{axes: the most elements of a shard of ``bucket`` whose grads are partial sums over them},
+        on the shard position that holds the most: what that all-reduce carries for it."""
+        keys = dict.fromkeys(self.partial_axes(s) for s in bucket.slots)
+        if bucket.frozen:
+            return {}
+        if len(keys) == 1:
+            return {axes: bucket.shard_numel for axes in keys if axes}
+        runs = [bucket.runs(i, self.partial_axes) for i in range(bucket.shard_size)]
+        return {axes: max(sum(p.stop - p.start for p, k in r if k == axes) for r in runs) for axes in keys if axes}
 
     def stage_blocks(self, bucket: Bucket) -> int:
         """In how many blocks a two-stage collective's fast-tier part of ``bucket`` lies: 1 when
@@ -362,14 +394,17 @@ def _place(params, specs: dict, ties: dict, frozen: set, mesh: Mesh, fsdp: tuple
             continue
         shard_axes, split_axes = _param_axes(path, spec, mesh, fsdp)
         local_shape = _local_shape(path, leaf, spec, mesh, split_axes)
-        key = (unit, shard_axes, split_axes, leaf.dtype, path in frozen)
+        # (split over non-FSDP axes or not, one bucket: those replicated there sum their grads after)
+        replicate = tuple(a for a in fsdp if a not in shard_axes + split_axes)
+        key = (unit, shard_axes, replicate, leaf.dtype, path in frozen)
         b = by_key.get(key)
         if b is None or (bucket_bytes and b.numel and
                          (b.numel + math.prod(local_shape)) * leaf.element_size() > bucket_bytes):
-            b = by_key[key] = _new_bucket(len(buckets), key, mesh, fsdp, fast_major, slow_precision, align)
+            b = by_key[key] = _new_bucket(len(buckets), key, mesh, fast_major, slow_precision, align)
             buckets.append(b)
             units.setdefault(unit, UnitLayout(unit, [])).buckets.append(b.index)
-        slot = ParamSlot(path, spec, tuple(leaf.shape), local_shape, leaf.dtype, unit, b.index, b.numel)
+        b.split_axes = tuple(a for a in mesh.axis_names if a in b.split_axes + split_axes)
+        slot = ParamSlot(path, spec, tuple(leaf.shape), local_shape, leaf.dtype, unit, b.index, b.numel, split_axes)
         b.slots.append(slot)
         b.numel += slot.numel
         slots[path] = slot
@@ -388,15 +423,13 @@ def _fsdp_axes(mesh: Mesh, fsdp_axes, hsdp: bool) -> tuple[str, ...]:
     return fsdp
 
 
-def _new_bucket(index: int, key: tuple, mesh: Mesh, fsdp: tuple[str, ...], fast_major: bool,
+def _new_bucket(index: int, key: tuple, mesh: Mesh, fast_major: bool,
                 slow_precision: SlowPrecision | None, align: int = 1) -> Bucket:
-    """An empty bucket for ``key`` = (unit, shard axes, split axes, dtype, frozen)."""
-    unit, shard_axes, split_axes, dtype, frozen = key
+    """An empty bucket for ``key`` = (unit, shard axes, replicate axes, dtype, frozen)."""
+    unit, shard_axes, replicate, dtype, frozen = key
     order = tuple(sorted(shard_axes, key=lambda a: (a in mesh.fast_axes) != fast_major))  # (stable: mesh order within)
-    replicate = tuple(a for a in fsdp if a not in shard_axes + split_axes)
     b = Bucket(index=index, unit=unit, shard_axes=shard_axes, replicate_axes=replicate, dtype=dtype,
-               shard_size=mesh.axis_size(shard_axes), split_axes=split_axes, shard_order=order, frozen=frozen,
-               align=align)
+               shard_size=mesh.axis_size(shard_axes), shard_order=order, frozen=frozen, align=align)
     if any(low_bit(mesh, b, slow_precision).values()):  # its slow-tier messages are whole blocks
         b.align = math.lcm(align, slow_precision.block)
     return b

@@ -96,7 +96,7 @@ class ShardStep:
         self.grad_shards, self.comm, self.engine = _engine(cfg, self.plan, shards, self.device, self.on_extra_gather)
         self._spmd = SPMD(self.mesh, self.rank,  # (collectives: on axes a param computes sharded over, too)
                           tuple(a for a in self.plan.fsdp_axes if a not in self.plan.split_axes))
-        self.decider = Decider.of(self.plan, self.mesh.size, cfg.grad_clip, self.rank if cfg.invariant else None)
+        self.decider = Decider.of(self.plan, self.mesh.size, cfg.grad_clip, self.rank, cfg.invariant)
         opt = self.optimizer
         self.plan_optimizer = opt.for_plan(self.plan, self.rank) if capabilities(opt).for_plan else opt
         self._io = StateIO(self.plan, self.rank, self.device, self.plan_optimizer, loss_scale=cfg.loss_scale,
@@ -586,14 +586,27 @@ def _engine(cfg: StepConfig, plan: Plan, shards: list[torch.Tensor], device: tor
     rdts = [g.dtype for g in grad_shards]
     comm = (BucketComm(plan, device, cdts, rdts) if cfg.topology is None
             else TieredComm(plan, cfg.topology, device, cdts, rdts))
-    # Buckets replicated over non-FSDP axes hold partial grads there (see hpf.comm.collectives).
-    partial = [(b.index, tuple(a for a in plan.compute_axes if a not in b.split_axes)) for b in plan.buckets]
     return grad_shards, comm, UnitEngine(
         plan, comm, mp.compute_dtype if mp else None, device,
         pipeline=cfg.topology is None or cfg.topology.pipeline,
-        capacity=cfg.resident_units, compute_sums=[(b, cfg.mesh.group(axes)) for b, axes in partial
-                                                   if cfg.mesh.axis_size(axes) > 1],
+        capacity=cfg.resident_units, compute_sums=_compute_sums(plan, world.rank()),
         on_extra_gather=on_extra_gather, rematerialize=cfg.grad == "torch.func", blocks=plan.padded_blocks(world.rank()))
+
+
+def _compute_sums(plan: Plan, rank: int) -> list[tuple[int, Any, slice]]:
+    """(bucket, group, slice of this rank's shard) of the grads that are partial sums over non-FSDP
+    axes (params replicated there: hpf.comm.collectives). Every rank makes the groups, in plan order."""
+    sums = []
+    for b in plan.buckets:
+        if b.frozen:
+            continue
+        for axes in dict.fromkeys(plan.partial_axes(s) for s in b.slots):
+            if plan.mesh.axis_size(axes) > 1:
+                plan.mesh.group(axes)
+        sums += [(b.index, plan.mesh.group(axes), part) for part, axes in b.runs(plan.shard_index(b, rank),
+                                                                                 plan.partial_axes)
+                 if plan.mesh.axis_size(axes) > 1]
+    return sums
 
 
 #: the invariant mode's shards are whole multiples of this many elements: wider than any CPU or

@@ -174,8 +174,7 @@ def test_no_unit_is_gathered_along_the_tp_axis():
 
     def gathered(plan, unit):
         return sum(plan.buckets[b].padded_numel for b in plan.units[unit].buckets)
-    split = sum(math.prod(dp.slots[p].local_shape) for p in dp.slot_paths("blocks/0") if tp.buckets[
-        tp.slots[p].bucket].split_axes)
+    split = sum(math.prod(dp.slots[p].local_shape) for p in dp.slot_paths("blocks/0") if tp.slots[p].split_axes)
     assert split and gathered(tp, "blocks/0") == gathered(dp, "blocks/0") - split // 2  # (both pad to even)
     assert gathered(tp, "<root>") == gathered(dp, "<root>")  # embedding, head: replicated over tp
     report_tp, report_dp = PlanReport.of(tp), PlanReport.of(dp)
@@ -235,7 +234,10 @@ def test_the_tp_psums_are_in_the_simulated_step():
     cfg = gpt.CONFIGS["1b"]
     psums = 4 * cfg.n_layers * (2 * cfg.seq_len * cfg.d_model * 4)  # 4 per block a step, [2 x T x D] fp32 each
     plan = sim.plan_for(gpt, cfg, hpf.Mesh({"dp": 2, "tp": 2}))
-    partial = sum(b.shard_numel * 4 for b in plan.buckets if not b.split_axes)  # embed, head, norms: fp32 grads
+    # embed, head (the root's shard) and each block's two norms (whole on dp position 0, which shares
+    # the block's bucket with the split weights): their fp32 grads are partial sums over tp
+    root = plan.buckets[plan.units["<root>"].buckets[0]]
+    partial = (root.shard_numel + cfg.n_layers * 2 * cfg.d_model) * 4
     assert slow_step - fast_step == pytest.approx((psums + partial) * (99 / hw.fast.beta), rel=0.02)  # 2(p-1)/p = 1
 
 
@@ -424,3 +426,56 @@ def test_a_tp_size_larger_than_the_heads_is_refused_in_the_words_of_the_config()
                   fsdp_axes=())
     with pytest.raises(hpf.spec.IndivisibleSpecError, match="or let it split unevenly with P"):
         step_plan({"w": torch.empty(2, 15, device="meta")}, hpf.Mesh({"tp": 4}), hpf.P(None, "tp"), fsdp_axes=())
+
+
+def test_a_block_s_norms_share_its_bucket_with_its_tp_split_weights():
+    """One bucket per block unit (the norms, replicated over tp, ride with the split weights: one
+    gather and one reduce-scatter a block, not two of each), its grad norm counting each norm
+    weight once (2 tp ranks hold it) and each split weight's block on its own rank."""
+    cfg, tp, dp = _plans()
+    for unit in tp.units:
+        assert len(tp.units[unit].buckets) == len(dp.units[unit].buckets) == 1, unit
+    b = tp.buckets[tp.slots["blocks/0/norm1"].bucket]
+    assert b is tp.buckets[tp.slots["blocks/0/w_qkv"].bucket] and b.split_axes == ("tp",)
+    assert {p: tp.replicas(s) for p, s in tp.slots.items() if p.startswith("blocks/0/")} == {
+        "blocks/0/norm1": 2, "blocks/0/norm2": 2, "blocks/0/w_qkv": 1, "blocks/0/w_o": 1, "blocks/0/w_up": 1,
+        "blocks/0/w_down": 1}
+    norms = 2 * cfg.d_model  # (the slots in tree order: norm1, norm2 first)
+    assert b.runs(0, tp.partial_axes) == [(slice(0, norms), ("tp",)), (slice(norms, b.shard_numel), ())]
+    assert b.runs(1, tp.partial_axes) == [(slice(0, b.shard_numel), ())]
+
+
+CLIP = 0.05
+
+
+def _clipped(rank):
+    mesh = hpf.Mesh({"dp": 2, "tp": 2})
+    index = mesh.group_index(("dp",), rank)
+    module, config = MODELS["gpt"]
+    step = hpf.shard_step(module.loss_for(config, tp_axis="tp"), mesh=mesh, optimizer=hpf.optim.adamw(lr=LR),
+                          param_specs=module.param_specs(config, "tp", ("dp",)), fsdp_axes=("dp",),
+                          max_grad_norm=CLIP)
+    with step:
+        state, norms = step.init(functools.partial(module.init, config), key=R.key(0)), []
+        for s in range(4):
+            state, m = step(state, gpt.global_batch(config, BATCH, 0, s)[index * BATCH // 2:(index + 1) * BATCH // 2])
+            norms.append(m["grad_norm"])
+        return norms, step.full_params(state)
+
+
+@pytest.mark.slow
+def test_clipping_on_dp2_x_tp2_equals_one_process():
+    """max_grad_norm with a block's norms and split weights in one bucket: the global grad norm
+    (each replicated norm counted once, not once per tp rank) and the clipped training equal
+    clip_grad_norm_ in one process."""
+    module, config = MODELS["gpt"]
+    _, want_norms, want = adamw_training(module.loss_for(config), module.init(config, R.key(0)),
+                                         lambda s: gpt.global_batch(config, BATCH, 0, s), 4, lr=LR,
+                                         max_grad_norm=CLIP)
+    assert min(want_norms) > CLIP, "the reference must clip on every step for this test to mean anything"
+    for norms, params in launch(_clipped, 4, timeout=200):
+        # fp32 sums of squares split over ranks and pieces: a few ulps of the norm (1e-5 relative)
+        torch.testing.assert_close(torch.tensor(norms, dtype=torch.float64),
+                                   torch.tensor(want_norms, dtype=torch.float64), rtol=1e-5, atol=0)
+        for path, x in zip(*hpf.tree.flatten(params)[:2]):
+            torch.testing.assert_close(x, want[path], rtol=0, atol=LR * 5e-3, msg=path)

@@ -76,7 +76,7 @@ def tp_bytes(module, config, plan: hpf.Plan, args) -> str:
     p = plan.compute_size
     ring = 2 * (p - 1) / p  # what one rank sends in a ring all-reduce, per byte of the buffer
     psums = sum(sum(v) for v in module.unit_psums(config, batch // readers, report_dtype_bytes(args)).values())
-    partial = sum(b.shard_numel * 4 for b in plan.buckets if not b.frozen and not b.split_axes)
+    partial = sum(n * 4 for b in plan.buckets for n in plan.partial_numel(b).values())
     tier = "fast" if set(plan.compute_axes) <= set(plan.mesh.fast_axes) else "slow"
     return (f"  {'all_reduce (TP)':<16}  {fixed(2 * ring * psums / 2**20):>12} MiB on the {tier} tier: each block's "
             f"psums forward and backward ({batch // readers} sequences per tp group), and "

@@ -91,7 +91,7 @@ class Reducer:
         self._segments = {u.name: _segments(plan, u.name) for u in units}
         self._own_memory = {u.name: not all(shared[b] for b in u.trained) for u in units}  # (``_in_flight``)
         self.units = [u.name for u in units if u.trained]  # units with no trained buckets are never reduced
-        self.compute_sums = compute_sums  # (bucket, group): partial grads summed over non-FSDP axes
+        self.compute_sums = compute_sums  # (bucket, group, slice): partial grads summed over non-FSDP axes
         self.grad_shards: list[torch.Tensor] = []
         self.order = reduction_order(self.units)
         self._complete = lambda unit: self.by_name[unit].complete
@@ -322,16 +322,19 @@ def _landed(handle) -> bool:
 
 
 def sum_partials(grad_shards: list[torch.Tensor], compute_sums: list) -> None:
-    """All-reduce the partial grads of ``compute_sums``' buckets over their groups: one fused
-    all-reduce per group and dtype (tensor parallelism: the root's and every block's replicated
-    params in one collective, not one each)."""
-    fused: dict[tuple, list[int]] = {}
-    for b, group in compute_sums:
-        fused.setdefault((group, grad_shards[b].dtype), []).append(b)
-    for (group, _), buckets in fused.items():
-        shards = [grad_shards[b] for b in buckets]
+    """All-reduce the partial grads of ``compute_sums`` ((bucket, group, slice of its shard)) over
+    their groups: one fused all-reduce per group and dtype (tensor parallelism: the root's and every
+    block's replicated params in one collective, not one each). A group whose ranks' shards hold
+    none (the same on all of them: they share a shard position) has nothing to sum."""
+    fused: dict[tuple, list[tuple[int, slice]]] = {}
+    for b, group, part in compute_sums:
+        fused.setdefault((group, grad_shards[b].dtype), []).append((b, part))
+    for (group, _), parts in fused.items():
+        shards = [grad_shards[b][part] for b, part in parts]
+        LOG.record("all-reduce", "partial grads")
+        if not sum(x.numel() for x in shards):
+            continue
         flat = shards[0] if len(shards) == 1 else torch.cat(shards)
-        LOG.record("all-reduce", f"partial grads of buckets {buckets}")
         schedule.wait(world.all_reduce_async(flat, group), "a partial-grad all-reduce")
         for shard, part in zip(shards if len(shards) > 1 else (), flat.split([x.numel() for x in shards])):
             shard.copy_(part)

@@ -56,7 +56,7 @@ class UnitEngine:
         plan, comm: the plan and its collectives (hpf.comm.flat.BucketComm, hpf.comm.tiered.TieredComm).
         compute_dtype: dtype of the gathered params (None: the params' own).
         pipeline: reductions overlap the rest of backward; capacity: block units gathered at once (+ root).
-        compute_sums: (bucket, group) pairs whose grads are partial sums over non-FSDP axes.
+        compute_sums: (bucket, group, slice of its shard) whose grads are partial sums over non-FSDP axes.
         blocks: the blocks the function sees of params stored padded (Plan.padded_blocks).
         on_extra_gather: told (unit, phase) of each gather beyond loop-style use (validation warns).
     """

@@ -232,9 +232,8 @@ def partial_sums_s(plan: Plan, hw: Hardware, opts: Options) -> float:
     per group of axes (hpf.engine.reduce.sum_partials)."""
     fused: dict[tuple, int] = {}
     for b in plan.buckets:
-        axes = tuple(a for a in plan.compute_axes if a not in b.split_axes)
-        if axes and not b.frozen:
-            fused[axes] = fused.get(axes, 0) + b.shard_numel * opts.reduce_bytes
+        for axes, n in plan.partial_numel(b).items():
+            fused[axes] = fused.get(axes, 0) + n * opts.reduce_bytes
     return sum(_psum_time(hw, opts, plan, n, axes) for axes, n in fused.items())
 
 
