@@ -83,6 +83,19 @@ def report_ratio(name: str, value: float, target: str = "") -> None:
     _RATIOS.append({"name": name, "value": float(value), "target": target})
 
 
+def cpu() -> str:
+    """This CPU's model and widest vector extension (/proc/cpuinfo): which kernels torch and MKL run, so
+    whose bits a deterministic run's figures are (another CPU sums in other orders)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    widest = next((f for f in ("avx512f", "avx2", "avx") if f in flags), "no AVX")
+    return f"{model or platform.machine()}, {widest}"
+
+
 def environment(quick: bool, load_at_start: Sequence[float] | None = None) -> dict:
     """Where and how a benchmark ran: the machine, the software, the commit, the load (``load_at_start``:
     when it started, if not when this process did)."""
@@ -96,7 +109,7 @@ def environment(quick: bool, load_at_start: Sequence[float] | None = None) -> di
     except (OSError, subprocess.SubprocessError):
         commit, dirty = None, None
     return {"quick": quick, "cores": len(os.sched_getaffinity(0)), "machine": platform.machine(),
-            "processor": platform.processor() or platform.machine(), "python": platform.python_version(),
+            "processor": platform.processor() or platform.machine(), "cpu": cpu(), "python": platform.python_version(),
             "torch": torch.__version__, "commit": commit, "uncommitted_changes": dirty,
             "load_average_at_start": list(load_at_start or _LOAD_AT_START), "load_average_at_end": list(os.getloadavg()),
             "finished": datetime.now(timezone.utc).isoformat(timespec="seconds")}

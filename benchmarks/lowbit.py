@@ -46,7 +46,7 @@ def report_bytes(config) -> dict[str, dict[str, int]]:
     for name, slow in BYTES.items():
         plan = step_plan(gpt.init(config, device="meta"), hpf.Mesh(MESH), topology=topology(slow))
         rep = PlanReport.of(plan, compute_dtype=torch.bfloat16, reduce_dtype=torch.float32, hierarchical=True,
-                            regather=False)
+                            shm=True)
         out[name] = {op: t["slow"] for op, t in rep.comm.items()}
     return out
 

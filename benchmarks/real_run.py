@@ -3,7 +3,9 @@
 Runs exactly ``COMMANDS`` (the README shows the same lines; tests/test_docs.py checks it) in a
 scratch folder and writes the figures the docs show (docs/checkpoints.md) to
 docs/results/real_run.json: every step's loss, the held-out losses and the wall time. The run
-is deterministic, so its losses reproduce bit for bit on the same mesh and torch build.
+is deterministic, so its losses reproduce bit for bit on the same mesh, torch build, Python (its standard
+library is the text) and CPU; another CPU's kernels round in other places, which 300 steps carry into the
+third decimal.
 
     python benchmarks/real_run.py [--json docs/results/real_run.json]
 """

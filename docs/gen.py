@@ -195,7 +195,8 @@ def real_run() -> str:
     evals = r["eval_losses"]
     rows = [["train loss", f"{r['losses'][0]:.4f} (step 1)", f"{r['losses'][-1]:.4f} (step {len(r['losses'])})"],
             ["held-out loss", f"{evals[0][1]:.4f} (step {evals[0][0]})", f"{evals[-1][1]:.4f} (step {evals[-1][0]})"],
-            ["wall time", "", f"{r['wall_s']:.0f} s on {cores} cores, {r['ranks']} ranks"]]
+            ["wall time", "", f"{r['wall_s']:.0f} s on {cores} cores, {r['ranks']} ranks"
+             + (f" ({data['environment']['cpu']})" if "cpu" in data["environment"] else "")]]
     return ("```bash\n" + "\n".join(r["commands"]) + "\n```\n\n" + table(["", "first", "last"], rows))
 
 

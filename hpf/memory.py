@@ -168,13 +168,14 @@ def predict(module, config, plan: Plan, report: PlanReport, *, local_batch: int,
 
 
 def state_report(plan: Plan, mixed_precision=None, optimizer: str = "adamw",
-                 hierarchical: bool = False) -> tuple[PlanReport, str]:
+                 hierarchical: bool = False, cpu: bool = False) -> tuple[PlanReport, str]:
     """The plan report with ``optimizer``'s state counted ("adamw" or "muon": the busiest rank's),
-    and a line that says what that state is."""
+    and a line that says what that state is; ``cpu``: CPU ranks of one host, whose two-tier
+    collectives run their fast tier in shared memory (as ``predict``'s)."""
     mp = MixedPrecision.parse(mixed_precision)
     report = PlanReport.of(plan, compute_dtype=mp.compute_dtype if mp else None,
                            master_dtype=mp.master_dtype if mp else None, reduce_dtype=mp.reduce_dtype if mp else None,
-                           hierarchical=hierarchical)
+                           hierarchical=hierarchical, shm=cpu)
     if optimizer == "adamw":
         return report, "optimizer state: AdamW, two fp32 moments per element"
     from .optim import muon

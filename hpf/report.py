@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .comm.cost import TIERS, bucket_comm_bytes, codec_bytes, dtype_bytes, feedback_numel
-from .engine.replay import ScheduleInputs
+from .engine.replay import ScheduleInputs, in_shared_memory, whole_in
 from .engine.residency import RESIDENT_UNITS
 from .planning import OPS
 from .sharded_init import temporary_bytes
@@ -56,14 +56,20 @@ class PlanReport:
     @classmethod
     def of(cls, plan, *, compute_dtype: torch.dtype | None = None, master_dtype: torch.dtype | None = None,
            reduce_dtype: torch.dtype | None = None, optimizer_states: int = 2,
-           hierarchical: bool = False, regather: bool = True, resident_units: int = RESIDENT_UNITS) -> "PlanReport":
+           hierarchical: bool = False, shm: bool = False, resident_units: int = RESIDENT_UNITS) -> "PlanReport":
         """``plan``: an hpf.Plan. A loop-style loss function is assumed, and the engine's
         schedule for it (hpf.engine.replay): backward re-gathers every block but the last
-        ``resident_units``, which are still gathered when it starts; ``regather=False``: every
-        unit stays gathered through the step (a shared-memory fast tier)."""
+        ``resident_units``, which are still gathered when it starts, and the units the engine
+        keeps gathered for good; ``shm``: the fast tier of ``hierarchical`` collectives is shared
+        memory (CPU ranks of one host, what hpf train runs there), whose units stay gathered."""
         mesh = plan.mesh
         units = list(plan.units)  # each unit's gathers in a step: the engine's schedule (hpf.engine.replay)
-        (step,) = ScheduleInputs.of(plan, lambda b: not regather, resident_units=resident_units).replay()
+
+        def kept(b: int) -> bool:  # as the engine decides it (hpf.engine.gather's ``kept``)
+            bucket = plan.buckets[b]
+            return (whole_in(bucket, dtype_bytes(compute_dtype or bucket.dtype))
+                    or shm and in_shared_memory(mesh, bucket, hierarchical))
+        (step,) = ScheduleInputs.of(plan, kept, resident_units=resident_units).replay()
         gathers_of = Counter(e.unit for e in step.events if e.kind == "gather")
         params = grads = opt = padded_total = full = 0
         unit_bytes: dict[str, int] = {}

@@ -423,7 +423,7 @@ def _price(job: _Job, config: str, c: Candidate) -> Ranked:
         plan = sim.plan_for(job.module, job.config, mesh, None, c.ep_axis, c.hsdp,
                             c.bucket_bytes if c.topology == "two-tier" else 0, SlowPrecision.parse(c.slow_precision))
         job.reports[key] = (plan, memory.state_report(plan, c.mixed_precision, job.optimizer,
-                                                      hierarchical=c.topology == "two-tier")[0])
+                                                      hierarchical=c.topology == "two-tier", cpu=job.hw.shared_links)[0])
     plan, report = job.reports[key]
     mem = memory.predict(job.module, job.config, plan, report, local_batch=local_batch, cpu=job.hw.shared_links,
                          **inputs(c, "memory"))

@@ -74,7 +74,7 @@ def _heap_frozen_per_file():
 
 # The files that take longest under two workers, longest first (--durations summed per file, one
 # run on this 2-core machine): they start first, so no long file is left running alone at the end.
-LONGEST = ("test_docs.py", "test_cli_train.py", "test_tensor_parallel.py", "test_cli.py", "test_checkpoint.py",
+LONGEST = ("test_docs.py", "test_cli_train.py", "test_tensor_parallel.py", "test_cli.py", "test_tolerance.py", "test_checkpoint.py",
            "test_init_fuzz.py", "test_cli_plan_and_simulate.py", "test_schedule_replay.py", "test_topology.py", "test_sharded_init.py",
            "test_compile.py", "test_moe.py", "test_spmd.py")
 

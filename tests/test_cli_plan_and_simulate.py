@@ -293,3 +293,42 @@ def test_plan_auto_checks_its_prediction_against_the_measured_steps():
     far = check_prediction(argparse.Namespace(predicted_step_s=16.879), rows)
     assert f"off by more than {TRUSTED}x" in far and "hpf calibrate --out FILE" in far
     assert check_prediction(argparse.Namespace(), rows) is None  # no --plan auto: nothing to check
+
+
+def _bytes_of_a_steady_step(rank, argvs):
+    """Each ``hpf plan`` argv's job as hpf train builds its step (the CLI's plan arguments) on 4
+    local ranks: what step.stats() counts in the second of two steps (each step gathers the
+    next one's first units)."""
+    from hpf import cli
+    from hpf.cli.plan import plan_arguments
+    config, out = gpt.CONFIGS["tiny"], []
+    for argv in argvs:
+        args = cli.build_parser("plan").parse_args(argv)
+        mesh = hpf.Mesh({"node": 2, "local": 2})
+        with hpf.shard_step(gpt.loss_for(config), mesh=mesh, optimizer=hpf.optim.adamw(lr=1e-2),
+                            **plan_arguments(args, mesh, config)) as step:
+            state = step.init(gpt.init(config, hpf.random.key(0)))
+            batches = gpt.synthetic_batches(config, 8, 0, rank=rank, world_size=mesh.size)
+            state, _ = step(state, next(batches))
+            before = step.stats()
+            step(state, next(batches))
+            out.append({k: n for k, n in (step.stats() - before).bytes.items() if n})
+    return out
+
+
+@pytest.mark.slow
+def test_plan_prints_the_bytes_a_step_of_hpf_train_counts():
+    """hpf plan's bytes per step are the step's own counters, two-tier (whose shared-memory fast
+    tier keeps every unit gathered: no backward re-gathers, where the report once counted them,
+    1.46x the counters for gpt small) and flat."""
+    from hpf import cli
+    from hpf.cli.plan import plan_of, report_of
+    from hpf.launcher import launch
+    argvs = [["plan", "--config", "tiny"], ["plan", "--config", "tiny", "--topology", "flat"]]
+    mesh = hpf.Mesh({"node": 2, "local": 2})
+    ranks = launch(_bytes_of_a_steady_step, 4, argvs, timeout=240)
+    for i, argv in enumerate(argvs):
+        args = cli.build_parser("plan").parse_args(argv)
+        comm = report_of(args, plan_of(args, mesh))[0].comm
+        want = {(op, tier): n for op, tiers in comm.items() for tier, n in tiers.items() if n}
+        assert want and all(got[i] == want for got in ranks), (argv, want, [got[i] for got in ranks])

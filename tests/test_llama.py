@@ -76,6 +76,7 @@ def hf_named(params, c):
     return [(names[id(leaf)], leaf) for leaf in unique_leaves(params)]
 
 
+@pytest.mark.tolerance
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_loss_and_every_grad_match_transformers(tmp_path, tied):
     c = dataclasses.replace(ODD, tie_embeddings=tied)
@@ -253,6 +254,7 @@ def two_ranks():
     return launch(sharded_runs, 2, timeout=240)[0]
 
 
+@pytest.mark.tolerance
 @pytest.mark.slow
 @pytest.mark.parametrize("masked", [False, True], ids=["plain_adamw", "decay_mask_and_cosine"])
 def test_two_rank_hpf_llama_matches_torch_adamw(two_ranks, masked):

@@ -96,7 +96,7 @@ def _variant(rank: int, name: str, kw: dict, ckpt: str) -> dict:
     out["losses"] = losses
     out["masters"] = [p.clone() for p in state.params]
     out["feedback"] = None if state.error_feedback is None else [r.clone() for r in state.error_feedback]
-    out["report"] = PlanReport.of(step.plan, hierarchical=True, regather=not all(step.comm.is_shared(b.index) for b in step.plan.buckets))
+    out["report"] = PlanReport.of(step.plan, hierarchical=True, shm=any(step.comm.is_shared(b.index) for b in step.plan.buckets))
     if state.error_feedback is not None:  # resume from step 1 on a new step: bitwise the same run
         again = _make(**kw)
         again.init(gpt.init(CONFIG, device="meta"))

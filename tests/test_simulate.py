@@ -47,7 +47,7 @@ def test_shared_memory_skips_the_backward_regathers_as_the_report_says():
     mesh = hpf.Mesh({"dp": 2})
     plan = hpf.plan(gpt.init(gpt.CONFIGS["small"], device="meta"), mesh)
     r = sim.simulate("small", mesh, CM, shm=True)
-    assert r.bytes == PlanReport.of(plan, hierarchical=True, regather=False).comm
+    assert r.bytes == PlanReport.of(plan, hierarchical=True, shm=True).comm
 
 
 @pytest.mark.parametrize("hw_name", ["cloudmatrix384", "ascend910c-roce", "h100"])

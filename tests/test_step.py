@@ -191,6 +191,7 @@ def update_mismatch(params, ref_params) -> float:
     return float(np.sqrt(off / moved))
 
 
+@pytest.mark.tolerance
 @pytest.mark.slow
 def test_two_ranks_match_reference_every_step(two_ranks):
     assert_matches(two_ranks["plain"], reference())
@@ -294,6 +295,7 @@ def test_2x2_hsdp_rules_match_reference_every_step(four_ranks):
     assert_matches(four_ranks["hsdp"], reference())
 
 
+@pytest.mark.tolerance
 def test_single_process_without_process_group():
     assert_matches(train(0, hpf.Mesh({"dp": 1})), reference())
 

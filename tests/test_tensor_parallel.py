@@ -65,8 +65,9 @@ def _reference(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("axes, two_tier", [({"tp": 2}, False), ({"dp": 2, "tp": 2}, False),
-                                            ({"node": 2, "tp": 2}, True)], ids=["tp2", "dp2xtp2", "two-tier"])
+@pytest.mark.parametrize("axes, two_tier", [pytest.param({"tp": 2}, False, marks=pytest.mark.tolerance),
+                                            ({"dp": 2, "tp": 2}, False), ({"node": 2, "tp": 2}, True)],
+                         ids=["tp2", "dp2xtp2", "two-tier"])
 def test_tensor_parallel_training_equals_one_process(axes, two_tier, tmp_path):
     root = str(tmp_path) if "dp" in axes else None
     world = 1

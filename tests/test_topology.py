@@ -115,6 +115,7 @@ def runs():
     return launch(_run_variants, WORLD, timeout=240)
 
 
+@pytest.mark.tolerance
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_variant_matches_single_process_adamw(runs, reference, variant):

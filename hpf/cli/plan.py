@@ -53,7 +53,8 @@ def muon_by_order(args, mesh: hpf.Mesh, plan: hpf.Plan) -> str:
 def report_of(args, plan: hpf.Plan) -> tuple[PlanReport, str]:
     """The plan report for these arguments, its optimizer state counted for --optimizer, and a
     line that says what that state is."""
-    return state_report(plan, args.mixed_precision, args.optimizer, hierarchical=args.topology == "two-tier")
+    return state_report(plan, args.mixed_precision, args.optimizer, hierarchical=args.topology == "two-tier",
+                        cpu=not torch.accelerator.is_available())  # (the ranks hpf train starts here)
 
 
 def report_dtype_bytes(args) -> int:

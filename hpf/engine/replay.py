@@ -75,6 +75,13 @@ def whole_in(bucket, compute_bytes: int) -> bool:
     return bucket.shard_size == 1 and bucket.dtype.itemsize == compute_bytes
 
 
+def in_shared_memory(mesh, bucket, hierarchical: bool) -> bool:
+    """Whether two-tier collectives over a shared-memory fast tier (CPU ranks of one host) keep
+    ``bucket``'s full buffer in it: it has a fast stage (hpf.comm.tiered's ``is_shared``). The
+    buffer stays mapped, so its unit is gathered once a step, never again in backward."""
+    return hierarchical and mesh.axis_size(tuple(a for a in bucket.shard_axes if a in mesh.fast_axes)) > 1
+
+
 @dataclass(frozen=True)
 class ScheduleInputs:
     """What the schedule of a loop-style step depends on, made once from a plan (``of``) and read

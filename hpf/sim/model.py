@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from ..planning import ROOT, Plan
 from ..comm.cost import bucket_comm_bytes, codec_bytes, collective_bytes, dtype_bytes
 from ..engine.reduce import to_wait
-from ..engine.replay import ScheduleInputs, StepEvents, whole_in
+from ..engine.replay import ScheduleInputs, StepEvents, in_shared_memory, whole_in
 from ..engine.residency import RESIDENT_UNITS
 from .hardware import Hardware, Link
 
@@ -433,9 +433,7 @@ def hpf_schedule(plan: Plan, opts: Options) -> list[StepEvents]:
 
 def _shared(plan: Plan, opts: Options, b: int) -> bool:
     """Whether bucket ``b``'s full buffer and grad rows are in the shared-memory fast tier."""
-    mesh, bucket = plan.mesh, plan.buckets[b]
-    return opts.shm and opts.hierarchical and mesh.axis_size(tuple(a for a in bucket.shard_axes
-                                                                   if a in mesh.fast_axes)) > 1
+    return opts.shm and in_shared_memory(plan.mesh, plan.buckets[b], opts.hierarchical)
 
 
 class _InFlight:
