@@ -15,9 +15,9 @@ members left are agreed on (the store's compare-and-set), and they form the next
 the process group under a new prefix (``hpf.launch.reform``). Each rebuilds the step on the
 smaller world (``make_step(world_size)``), and the state of the last boundary they can rebuild
 (each member's own copy, and each lost rank's copy at its buddy: a boundary still being copied may
-already be whole for the ranks lost) is resharded onto it in memory: every chunk (``hpf.checkpoint.state_dict``: the checkpoint's own
-layout, global offsets per param) goes from the rank that holds it (its owner, or the owner's
-buddy for a lost rank) to the ranks that need it. Then the steps since that boundary are redone,
+already be whole for the ranks lost) is resharded onto it in memory: every chunk
+(``hpf.checkpoint.state_dict``: the checkpoint's own layout, global offsets per param) goes from
+the rank that holds it (its owner, or the owner's buddy for a lost rank) to the ranks that need it. Then the steps since that boundary are redone,
 on the same global batches (``batches(step, rank, world_size)`` is the caller's pure function).
 In the invariant mode (``invariant=True``) the continued run's bits equal a run that never failed.
 
@@ -212,7 +212,7 @@ class _Job:
         self.inflight = None
         try:
             if swap.received.wait(0.2):
-                self.copies[t][1][frm] = _Copy(swap.buf, swap.header)
+                self.copies[t][1][frm] = swap.arrived()
         except Exception:  # noqa: BLE001 -- its sender is the rank lost: the copy never came
             pass
 
@@ -447,6 +447,10 @@ class _Swap:
     def wait(self) -> _Copy:
         schedule.wait(self.sent, "an elastic copy to the buddy")
         schedule.wait(self.received, "the partner's elastic copy")
+        return self.arrived()
+
+    def arrived(self) -> _Copy:
+        """The partner's copy, once ``received`` is done."""
         return _Copy(self.buf, self.header)
 
 

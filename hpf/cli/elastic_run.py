@@ -97,12 +97,26 @@ def elastic_rank(rank: int, job: TrainJob) -> dict:
                        "time": time.time()})
 
     run = elastic.train(lambda n: make_step(job, mesh_for({"dp": n})), functools.partial(module.init, config),
-                        lambda t, r, n: next(batches_of(job, config, "train", r, n, start=t)), job.steps,
+                        _Batches(job, config), job.steps,
                         key=run_keys(job.seed)[0], on_step=on_step)
     save_checkpoint(job, run.step, run.state, job.steps, config, None, None)
     run.step.wait_save()
     run.step.close()
     return {"events": run.events, "copy_bytes": run.copy_bytes, "world_size": world.world_size()}
+
+
+class _Batches:
+    """``batches(step, rank, world_size)`` over the job's data: one reader, which a redone step or a
+    new world restarts at its position (opening a token folder each step would be I/O a step)."""
+
+    def __init__(self, job: TrainJob, config):
+        self.job, self.config, self.next, self.reader = job, config, None, None
+
+    def __call__(self, t: int, rank: int, world_size: int):
+        if self.next != (t, rank, world_size):
+            self.reader = batches_of(self.job, self.config, "train", rank, world_size, start=t)
+        self.next = (t + 1, rank, world_size)
+        return next(self.reader)
 
 
 class _Lines:
