@@ -17,7 +17,10 @@ median per-step time (step_s + copy_s, the boundary's copy to the buddy, against
 the memory the copies take per rank.
 Without --invariant (--default-kills of the kills): the final params against an uninterrupted run
 that changes mesh at the step the elastic one went back to (its max |difference|).
-Usage: python benchmarks/elastic.py [--config small] [--kills 5] [--grow 2] [--rounds 3] [--quick]
+With --torchrun only the elastic kills run, as one torchrun per member around hpf store (docs/elastic.md):
+the killed member's torchrun (--max-restarts 0) reports its worker's death, the others exit 0;
+a grow is --max-restarts 1, whose restarted worker joins.
+Usage: python benchmarks/elastic.py [--config small] [--kills 5] [--grow 2] [--rounds 3] [--torchrun] [--quick]
 """
 from __future__ import annotations
 
@@ -62,19 +65,48 @@ def run(cmd: list[str], out: Path, kill: tuple[int, int] | None = None) -> dict:
     """Run ``cmd``; with ``kill`` = (step, rank): SIGKILL that rank once the step's line is written."""
     started = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    killed_at, done_at_kill = None, None
-    while kill and proc.poll() is None and killed_at is None:
-        done = _records(out)
-        if done and done[-1]["step"] >= kill[0]:
-            time.sleep(random.Random(kill[0]).uniform(0, done[-1]["step_s"]))  # at a random point of the next step
-            os.kill(_ranks(proc.pid)[kill[1]], signal.SIGKILL)
-            killed_at, done_at_kill = time.time(), max(r["step"] for r in _records(out))
-        time.sleep(0.01)
+    killed_at, done_at_kill = _kill_at(out, kill, lambda: proc.poll() is None, lambda r: _ranks(proc.pid)[r])
     text = proc.communicate()[0]
     if kill and killed_at is None:
         raise SystemExit(f"the run ended before step {kill[0]}, where rank {kill[1]} was to be killed:\n{text[-2000:]}")
     return {"rc": proc.returncode, "wall_s": time.time() - started, "killed_at": killed_at, "done_at_kill": done_at_kill,
             "text": text}
+
+
+def _kill_at(out: Path, kill: tuple[int, int] | None, running, pid_of) -> tuple[float | None, int | None]:
+    """SIGKILL rank ``kill[1]`` (``pid_of`` it) at a random point of the step after ``kill[0]``'s line:
+    (when, the steps then finished)."""
+    while kill and running():
+        done = _records(out)
+        if done and done[-1]["step"] >= kill[0]:
+            time.sleep(random.Random(kill[0]).uniform(0, done[-1]["step_s"]))  # at a random point of the next step
+            os.kill(pid_of(kill[1]), signal.SIGKILL)
+            return time.time(), max(r["step"] for r in _records(out))
+        time.sleep(0.01)
+    return None, None
+
+
+def run_torchrun(cmd: list[str], out: Path, kill: tuple[int, int], restarts: int) -> dict:
+    """``cmd`` (hpf train --elastic) as one torchrun per member around hpf store (docs/elastic.md), each
+    ``--max-restarts restarts``; SIGKILL member ``kill[1]``'s worker. rc: the worst of the members that
+    were not killed (the killed one's torchrun reports its worker's death unless it restarts it)."""
+    started = time.time()
+    store = subprocess.Popen([sys.executable, "-m", "hpf", "store", "--port", "0"], stdout=subprocess.PIPE, text=True)
+    env = {**os.environ, "HPF_ELASTIC_STORE": "127.0.0.1:" + re.search(r":(\d+);", store.stdout.readline()).group(1)}
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
+                                "--max-restarts", str(restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                                "127.0.0.1:0", "--rdzv-id", f"member{m}", "-m", "hpf", *cmd[3:]],
+                               env={**env, "HPF_ELASTIC_MEMBER": str(m)}, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True) for m in range(WORLD)]
+    worker = lambda m: int(Path(f"/proc/{agents[m].pid}/task/{agents[m].pid}/children").read_text().split()[0])
+    killed_at, done_at_kill = _kill_at(out, kill, lambda: all(a.poll() is None for a in agents), worker)
+    texts = [a.communicate()[0] for a in agents]
+    store.wait(timeout=60)
+    if killed_at is None:
+        raise SystemExit(f"the run ended before step {kill[0]}:\n{texts[0][-2000:]}")
+    codes = [a.returncode for m, a in enumerate(agents) if restarts or m != kill[1]]
+    return {"rc": max(codes, key=abs), "killed_rc": agents[kill[1]].returncode, "wall_s": time.time() - started,
+            "killed_at": killed_at, "done_at_kill": done_at_kill, "text": "\n".join(texts)}
 
 
 def _params(out: Path, steps: int) -> list:
@@ -95,7 +127,10 @@ def params_sha(out: Path, steps: int) -> str:
 
 def elastic_kill(args, root: Path, k: int, rank: int, grow: bool, reference: str) -> dict:
     out = root / f"elastic-{k}-{rank}-{int(grow)}"
-    r = run(_train(out, args, "--elastic", *(["--replacements", "1"] if grow else [])), out, (k, rank))
+    if args.torchrun:
+        r = run_torchrun(_train(out, args, "--elastic"), out, (k, rank), restarts=int(grow))
+    else:
+        r = run(_train(out, args, "--elastic", *(["--replacements", "1"] if grow else [])), out, (k, rank))
     if r["rc"]:
         raise SystemExit(f"elastic run failed (rc {r['rc']}):\n{r['text'][-3000:]}")
     run_json = json.loads((out / "run.json").read_text())
@@ -104,7 +139,7 @@ def elastic_kill(args, root: Path, k: int, rank: int, grow: bool, reference: str
     return {"k": k, "rank": rank, "rc": r["rc"], "wall_s": r["wall_s"], "redone": lost["at_step"] - lost["back_to"],
             "kill_to_step_s": min(after) - r["killed_at"], "rebuild_s": lost["seconds"],
             "world_at_end": run_json["elastic"]["world_size"], "same_bits": params_sha(out, args.steps) == reference,
-            "mib_received": lost["bytes_received"] / 2**20}
+            "mib_received": lost["bytes_received"] / 2**20, "killed_rc": r.get("killed_rc", "-")}
 
 
 def restart_kill(args, root: Path, k: int, rank: int, reference: str) -> dict:
@@ -173,6 +208,8 @@ def main() -> None:
     ap.add_argument("--default-kills", type=int, default=2, help="kills rerun without --invariant, against a run "
                     "that changes mesh at the same step")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--torchrun", action="store_true", help="only the elastic kills, each member under a torchrun "
+                    "of its own around hpf store (a grow: --max-restarts 1)")
     ap.add_argument("--quick", action="store_true", help="tiny config, 30 steps, 2 kills, 1 grow, 1 round")
     args = ap.parse_args()
     if args.quick:
@@ -191,15 +228,18 @@ def main() -> None:
         grow = i >= args.kills
         e = elastic_kill(args, root, k, rank, grow, reference)
         elastic_rows.append(e)
-        rs = restart_kill(args, root, k, rank, reference) if not grow else None
+        rs = restart_kill(args, root, k, rank, reference) if not (grow or args.torchrun) else None
         if rs:
             restart_rows.append(rs)
-        rows.append([f"{k + 1}", rank, "3->4" if grow else "4->3", e["rc"], e["redone"], f"{e['kill_to_step_s']:.2f}",
+        rows.append([f"{k + 1}", rank, "3->4" if grow else "4->3", e["rc"], e["killed_rc"], e["redone"], f"{e['kill_to_step_s']:.2f}",
                      f"{e['rebuild_s']:.2f}", e["world_at_end"], e["same_bits"], f"{e['wall_s']:.1f}",
                      f"{rs['wall_s']:.1f}" if rs else "-", rs["recomputed"] if rs else "-", rs["same_bits"] if rs else "-"])
     print(f"reference (no failure): params sha256 {reference}, wall {ref['wall_s']:.1f} s")
-    print_table(["killed in step", "rank", "world", "rc", "finished steps redone", "kill->next step s", "rebuild s", "ranks at end",
+    print_table(["killed in step", "rank", "world", "rc", "killed member's rc", "finished steps redone", "kill->next step s", "rebuild s", "ranks at end",
                  "same bits", "elastic wall s", "restart wall s", "restart recomputed", "restart same bits"], rows)
+    report_ratio("worst_kill_to_next_step_s", max(e["kill_to_step_s"] for e in elastic_rows), "<=10")
+    if args.torchrun:  # (the restarts, the default mode and the cost do not depend on the launcher)
+        return print(f"load average at end: {os.getloadavg()[0]:.2f}")
     if args.default_kills:
         d = default_mode(args, root, kills[:args.default_kills])
         print_table(["default mode: killed in step", "rank", "went back to", "max |params - mesh change at that step|"],
@@ -209,7 +249,6 @@ def main() -> None:
           f"{args.rounds} rounds' medians); copies {c['copy_mib_per_rank']:.2f} MiB per rank "
           f"at most, {c['copy_mib_per_rank'] / c['shard_state_mib']:.1f} shard states of {c['shard_state_mib']:.2f} MiB")
     report_ratio("elastic/plain_step", c["elastic_ms"] / c["plain_ms"], "<=1.05")
-    report_ratio("worst_kill_to_next_step_s", max(e["kill_to_step_s"] for e in elastic_rows), "<=10")
     report_ratio("elastic/restart_wall", statistics.median(e["wall_s"] for e in elastic_rows[:args.kills])
                  / statistics.median(r["wall_s"] for r in restart_rows), "<=1")
     print(f"load average at end: {os.getloadavg()[0]:.2f}")

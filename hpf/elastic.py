@@ -21,8 +21,10 @@ the rank that holds it (its owner, or the owner's buddy for a lost rank) to the 
 on the same global batches (``batches(step, rank, world_size)`` is the caller's pure function).
 In the invariant mode (``invariant=True``) the continued run's bits equal a run that never failed.
 
-A new rank (an elastic ``hpf.launch``'s replacement) registers in the store; at the next boundary
-the members admit it, form the next generation with it, and reshard onto it the same way.
+A new rank (an elastic ``hpf.launch``'s replacement, or a worker torchrun restarted) registers in
+the store; at the next boundary the members admit it, form the next generation with it, and
+reshard onto it the same way. Under torchrun each member runs under a torchrun of its own, whose
+agent restarts only it, around ``hpf store`` (``hpf.launcher.elastic_member``, docs/elastic.md).
 
 What cannot be survived is raised as UnrecoverableLossError, naming the ranks: a rank lost with
 its buddy, or all but none. A mesh that splits params over non-FSDP axes (tensor or expert
@@ -31,7 +33,6 @@ parallel) cannot shrink, and is refused when the job starts.
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -127,7 +128,7 @@ class _Job:
     def __init__(self, make_step: Callable, init: Any, key, every: int, shift: int | None):
         self.make_step, self.init, self.key, self.every, self.shift = make_step, init, key, every, shift
         self.store = launcher.base_store()
-        self.me = int(os.environ.get("RANK", world.rank()))
+        self.me = launcher.elastic_member()[0]
         self.generation, self.members = 0, []
         self.copies: dict[int, tuple[_Copy, dict[int, _Copy]]] = {}  # boundary -> (own copy, partners' copies)
         self.heartbeat: liveness.Heartbeat | None = None
@@ -338,6 +339,8 @@ class _Job:
         key = f"{_KEY}joiner/{slot}/admitted"
         deadline = time.monotonic() + launcher.COLLECTIVE_TIMEOUT_S
         while not self.store.check([key]):
+            if self.store.check([launcher.JOB_DONE_KEY]):  # the job ended before a boundary admitted it
+                return None
             if time.monotonic() > deadline:
                 raise PeerTimeoutError(f"hpf.elastic: rank {self.me} waited {launcher.COLLECTIVE_TIMEOUT_S:g} s to join "
                                        "and no boundary admitted it", [])
@@ -371,7 +374,8 @@ def train(make_step: Callable[[int], Any], init: Any, batches: Callable[[int, in
             add ``copy_s``, the seconds the boundary before the step took to protect.
 
     Returns:
-        Run: the last generation's step (close it) and state, the losses, the faults and joins survived.
+        Run: the last generation's step (close it) and state, the losses, the faults and joins survived
+        (``step`` None on a rank that was to join a job that ended first).
 
     Raises:
         UnrecoverableLossError: a rank lost with its buddy; ValueError: a mesh that cannot shrink."""
@@ -379,11 +383,10 @@ def train(make_step: Callable[[int], Any], init: Any, batches: Callable[[int, in
         raise ValueError(f"hpf.elastic.train: every={every!r}; pass a positive int (steps between protected boundaries)")
     job = _Job(make_step, init, key, every, shift)
     run = Run(None, None)
-    if os.environ.get("HPF_ELASTIC_JOIN"):
-        step, state, t, event = job.join()
-        run.events.append(event)
-    else:
-        (step, state), t = job.start(), 0
+    begun = _begin(job, run.events)
+    if begun is None:
+        return run
+    step, state, t = begun
     losses: dict[int, float] = {}
     due = True  # the boundary at t is to be protected (and joiners admitted) before the next step
     copy_s = 0.0  # the last boundary's protection: what the redundancy costs a step
@@ -405,10 +408,25 @@ def train(make_step: Callable[[int], Any], init: Any, batches: Callable[[int, in
             run.events.append(event)
             due = True
     job.settle()  # (the last copy in flight lands before the process group goes)
+    if world.rank() == 0:  # (a rank still waiting to join ends, and so does hpf store)
+        job.store.set(launcher.JOB_DONE_KEY, str(t))
     job.heartbeat.stop()
     liveness.watch(None)
     run.step, run.state, run.losses, run.copy_bytes = step, state, [losses[i] for i in sorted(losses)], job.copy_bytes
     return run
+
+
+def _begin(job: _Job, events: list):
+    """Start as a member, or join a running job as a new rank: (step, state, the step it starts at),
+    or None for a new rank the job ended without."""
+    if not launcher.elastic_member()[2]:
+        return (*job.start(), 0)
+    joined = job.join()
+    if joined is None:
+        return None
+    step, state, t, event = joined
+    events.append(event)
+    return step, state, t
 
 
 def _at_boundary(job: _Job, step, state, t: int, events: list) -> tuple[Any, Any, bool, float]:

@@ -40,7 +40,8 @@ from .comm.world import COLLECTIVE_TIMEOUT_S
 from .errors import RankError, Terminated
 
 __all__ = ["RankError", "Terminated", "launch", "init_distributed", "shutdown", "at_shutdown", "is_launched", "rank", "world_size",
-           "COLLECTIVE_TIMEOUT_S", "reform", "at_reform", "base_store", "generation_prefix"]
+           "COLLECTIVE_TIMEOUT_S", "reform", "at_reform", "base_store", "generation_prefix", "elastic_member",
+           "serve_store"]
 
 _TERMINATE_GRACE_S = 2.0  # SIGTERM first, SIGKILL after this
 _DEATH_ECHO_S = 1.0  # after a rank's error, how long to watch for a peer's death that caused it
@@ -106,14 +107,15 @@ def init_distributed(timeout: float | datetime.timedelta = COLLECTIVE_TIMEOUT_S,
             "with torchrun, or run the function through hpf.launch(fn, world_size)")
     backend = backend or _device_backend()
     _ELASTIC["backend"] = backend
-    if os.environ.get("HPF_ELASTIC_JOIN"):  # a replacement rank: its group starts when the job admits it
+    if os.environ.get("HPF_ELASTIC_STORE"):  # an elastic job: generation 0 under the job's store
+        me, size, joining = elastic_member()
+        if not joining:  # (a replacement's group starts when the job admits it)
+            dist.init_process_group(backend=backend, timeout=_as_timedelta(timeout), rank=me, world_size=size,
+                                    store=dist.PrefixStore(generation_prefix(0), base_store()))
         return
     rendezvous = os.environ.get("HPF_RENDEZVOUS_FILE")  # set by launch: no port to race for
     init = {"init_method": f"file://{rendezvous}", "rank": int(os.environ["RANK"]),
             "world_size": int(os.environ["WORLD_SIZE"])} if rendezvous else {}
-    if os.environ.get("HPF_ELASTIC_STORE_PORT"):  # an elastic launch: generation 0 under the launcher's store
-        init = {"store": dist.PrefixStore(generation_prefix(0), base_store()), "rank": int(os.environ["RANK"]),
-                "world_size": int(os.environ["WORLD_SIZE"])}
     dist.init_process_group(backend=backend, timeout=_as_timedelta(timeout), **init)
 
 
@@ -128,19 +130,46 @@ def generation_prefix(generation: int) -> str:
 
 
 def base_store() -> dist.Store:
-    """The store that outlives every generation of an elastic job's process group: an elastic
-    ``hpf.launch``'s (its parent process hosts it), else the first group's own (torchrun's agent store)."""
+    """The store that outlives every generation of an elastic job's process group, at
+    ``HPF_ELASTIC_STORE`` (host:port): an elastic ``hpf.launch``'s, or ``hpf store``'s under torchrun."""
     if _ELASTIC["base"] is None:
-        port = os.environ.get("HPF_ELASTIC_STORE_PORT")
-        if port:
-            _ELASTIC["base"] = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(port), is_master=False,
-                                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-        elif dist.is_initialized():
-            _ELASTIC["base"] = dist.distributed_c10d._get_default_store()
-        else:
-            raise RuntimeError("hpf.elastic: no process group and no elastic launch; start the job with "
-                               "hpf.launch(fn, n, elastic=True) or torchrun")
+        address = os.environ.get("HPF_ELASTIC_STORE")
+        if not address:
+            raise RuntimeError("hpf.elastic: no elastic job's store; start the job with hpf.launch(fn, n, elastic=True), "
+                               "or under torchrun with HPF_ELASTIC_STORE=host:port of `hpf store` (docs/elastic.md)")
+        host, _, port = address.rpartition(":")
+        _ELASTIC["base"] = dist.TCPStore(host or "127.0.0.1", int(port), is_master=False,
+                                         timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     return _ELASTIC["base"]
+
+
+def elastic_member() -> tuple[int, int, bool]:
+    """This process's place in an elastic job: (its rank id, the job's first world size, whether it
+    joins a running job). Under hpf.launch: RANK and WORLD_SIZE, and HPF_ELASTIC_JOIN on a replacement.
+    Under torchrun, which runs one member each (docs/elastic.md): HPF_ELASTIC_MEMBER ``r`` of
+    HPF_ELASTIC_WORLD_SIZE ``n``; a worker torchrun restarted (TORCHELASTIC_RESTART_COUNT ``c`` > 0)
+    joins as id ``r + n * c``, which no earlier worker had."""
+    member = os.environ.get("HPF_ELASTIC_MEMBER")
+    if member is None:
+        return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+                bool(os.environ.get("HPF_ELASTIC_JOIN")))
+    size = os.environ.get("HPF_ELASTIC_WORLD_SIZE", "")
+    if not (member.isdigit() and size.isdigit() and int(member) < int(size)):
+        raise ValueError(f"hpf.elastic: HPF_ELASTIC_MEMBER={member!r} of HPF_ELASTIC_WORLD_SIZE={size!r}; set them to "
+                         "the member's number 0..n-1 and the job's first world size n")
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    return int(member) + int(size) * restart, int(size), restart > 0
+
+
+def serve_store(host: str, port: int, on_ready: Callable[[int], None], until: Callable[[dist.Store], bool]) -> None:
+    """Host an elastic job's store (a TCP store server) until ``until(store)``; ``on_ready(port)`` once it listens."""
+    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False)
+    on_ready(store.port)
+    while not until(store):
+        time.sleep(0.2)
+
+
+JOB_DONE_KEY = "hpf/elastic/done"  # set once the last generation has finished
 
 
 def at_reform(fn: Callable[[], None]) -> Callable[[], None]:
@@ -410,7 +439,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float |
     workdir = tempfile.mkdtemp(prefix="hpf-launch-")  # (private: the file store, the ranks' stacks)
     store = _StoreHost() if elastic else None
     shared_env = {**({} if env and "GLOO_SOCKET_IFNAME" in env else _loopback_env()), **_meeting_env(workdir, master_port, timeout),
-                  **(env or {}), **({"HPF_ELASTIC_STORE_PORT": str(store.port)} if store else {})}
+                  **(env or {}), **({"HPF_ELASTIC_STORE": f"127.0.0.1:{store.port}"} if store else {})}
     ranks = _Ranks(fn, world_size, args, shared_env, port, min(collective_timeout, timeout or math.inf), backend, replacements)
     try:
         with _sigterm_unwinds(), _heap_frozen(), (store or contextlib.nullcontext()):  # (the finally: the ranks stop, ...)
@@ -448,10 +477,7 @@ class _StoreHost:
 def _host_store(send, parent: int) -> None:
     """The store host's life: serve until the launching process ends it, or is gone itself."""
     _name_process("hpf-store")
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    send.send(store.port)
-    while os.getppid() == parent:
-        time.sleep(0.5)
+    serve_store("127.0.0.1", 0, send.send, until=lambda store: os.getppid() != parent)
 
 
 class _Ranks:

@@ -4,8 +4,14 @@ any world size, so the reference is one process)."""
 from __future__ import annotations
 
 import functools
+import json
 import os
+import re
 import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -117,7 +123,7 @@ def test_the_heartbeat_beats_while_the_shared_store_is_blocked(monkeypatch):
     from hpf.comm import liveness
 
     server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=3))
-    monkeypatch.setenv("HPF_ELASTIC_STORE_PORT", str(server.port))
+    monkeypatch.setenv("HPF_ELASTIC_STORE", f"127.0.0.1:{server.port}")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setitem(launcher._ELASTIC, "base", None)
     job = hpf.elastic._Job(None, None, None, 1, None)
@@ -171,38 +177,103 @@ def _rank_pids(driver: int) -> dict[int, int]:
     return {int(n.removeprefix("hpf-rank")): k for k, n in names.items() if n.startswith("hpf-rank")}
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="finds the rank processes through Linux's /proc")
-def test_hpf_train_elastic_survives_a_rank_killed_from_outside_with_the_bits_of_a_run_that_never_failed(tmp_path):
-    import json
-    import subprocess
-    import sys
-    import time
+def _train_command(out, world, *flags) -> list[str]:
+    return [sys.executable, "-m", "hpf", "train", "--world-size", str(world), "--batch-size", "6", "--steps", "8",
+            "--invariant", "--out", str(out), *flags]
 
+
+def _wait_for_steps(out, n: int) -> None:
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= n) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def one_rank_params(tmp_path_factory):
+    """The final params of the same job on one rank, never failing: what every elastic run must equal."""
+    out = tmp_path_factory.mktemp("one")
+    reference = subprocess.run(_train_command(out, 1, "--atom-size", "1", "--save-every", "8"), capture_output=True,
+                               text=True, timeout=120)
+    assert reference.returncode == 0, reference.stdout + reference.stderr
+    return _final_params(out)
+
+
+def _final_params(out) -> list[torch.Tensor]:
     from hpf import checkpoint
 
-    def train(out, world, *flags):
-        return [sys.executable, "-m", "hpf", "train", "--world-size", str(world), "--batch-size", "6", "--steps", "8",
-                "--invariant", "--out", str(out), *flags]
-    proc = subprocess.Popen(train(tmp_path / "elastic", 3, "--elastic"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    return hpf.tree.flatten(checkpoint.load_params(out / "checkpoints" / "step_000008"))[1]
+
+
+def _assert_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="finds the rank processes through Linux's /proc")
+def test_hpf_train_elastic_survives_a_rank_killed_from_outside_with_the_bits_of_a_run_that_never_failed(
+        tmp_path, one_rank_params):
+    proc = subprocess.Popen(_train_command(tmp_path, 3, "--elastic"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
-    metrics, deadline = tmp_path / "elastic" / "metrics.jsonl", time.monotonic() + 120
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 3) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _wait_for_steps(tmp_path, 3)
     os.kill(_rank_pids(proc.pid)[2], signal.SIGKILL)
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, out
     assert "elastic: rank 2 lost" in out
-    run = json.loads((tmp_path / "elastic" / "run.json").read_text())
+    run = json.loads((tmp_path / "run.json").read_text())
     assert [e["event"] for e in run["elastic"]["events"]] == ["lost"] and run["elastic"]["world_size"] == 2
-    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == list(range(1, 9)) and lines[-1]["world_size"] == 2
-    reference = subprocess.run(train(tmp_path / "one", 1, "--atom-size", "1", "--save-every", "8"),
-                               capture_output=True, text=True, timeout=120)
-    assert reference.returncode == 0, reference.stdout + reference.stderr
-    got, want = (hpf.tree.flatten(checkpoint.load_params(tmp_path / d / "checkpoints" / "step_000008"))[1]
-                 for d in ("elastic", "one"))
-    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    _assert_equal(_final_params(tmp_path), one_rank_params)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="finds the worker processes through Linux's /proc")
+def test_under_torchrun_a_member_torchrun_restarts_is_survived_and_rejoins_with_the_same_bits(tmp_path, one_rank_params):
+    """One torchrun per member around hpf store: the killed member's agent restarts its worker, which
+    joins at a boundary (3 -> 2 -> 3 ranks); every torchrun exits 0 and the params equal one rank's."""
+    store = subprocess.Popen([sys.executable, "-m", "hpf", "store", "--port", "0"], stdout=subprocess.PIPE, text=True)
+    port = re.search(r":(\d+);", store.stdout.readline()).group(1)
+    env = {**os.environ, "HPF_ELASTIC_STORE": f"127.0.0.1:{port}"}
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
+                                "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
+                                "--rdzv-id", f"member{m}", "-m", "hpf", *_train_command(tmp_path, 3, "--elastic")[3:]],
+                               env={**env, "HPF_ELASTIC_MEMBER": str(m)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True) for m in range(3)]
+    try:
+        _wait_for_steps(tmp_path, 3)
+        agent = agents[2].pid
+        os.kill(int(Path(f"/proc/{agent}/task/{agent}/children").read_text().split()[0]), signal.SIGKILL)
+        outs = [a.communicate(timeout=180)[0] for a in agents]
+        assert [a.returncode for a in agents] == [0, 0, 0], outs
+        assert store.wait(timeout=30) == 0
+    finally:
+        for p in (*agents, store):
+            p.kill()
+    assert "elastic: rank 2 lost" in outs[0] and "elastic: rank 5 joined" in outs[0], outs[0]
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert [e["event"] for e in run["elastic"]["events"]] == ["lost", "joined"] and run["elastic"]["world_size"] == 3
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(1, 9))
+    _assert_equal(_final_params(tmp_path), one_rank_params)
+
+
+@pytest.mark.parametrize("env, flags, says", [
+    ({}, ["--world-size", "3"], "--elastic under torchrun: run each member under a torchrun of its own"),
+    ({"HPF_ELASTIC_STORE": "127.0.0.1:1", "HPF_ELASTIC_MEMBER": "0"}, [], "needs --world-size N"),
+    ({"HPF_ELASTIC_STORE": "127.0.0.1:1", "HPF_ELASTIC_MEMBER": "3"}, ["--world-size", "3"],
+     "HPF_ELASTIC_MEMBER='3' of HPF_ELASTIC_WORLD_SIZE='3'"),
+    ({"HPF_ELASTIC_STORE": "127.0.0.1:1", "HPF_ELASTIC_MEMBER": "0"}, ["--world-size", "3", "--replacements", "1"],
+     "--replacements is torchrun's --max-restarts"),
+], ids=["no-store", "no-world-size", "member", "replacements"])
+def test_hpf_train_elastic_under_torchrun_names_what_a_member_lacks(tmp_path, capsys, monkeypatch, env, flags, says):
+    from hpf.cli import main
+
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", **env}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("HPF_ELASTIC_WORLD_SIZE", "")  # (recorded, so that what main sets is undone)
+    monkeypatch.delenv("HPF_ELASTIC_WORLD_SIZE")
+    assert main(["train", "--elastic", "--steps", "2", "--batch-size", "6", "--out", str(tmp_path / "run"), *flags]) == 2
+    assert says in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags, says", [

@@ -18,8 +18,9 @@ COMMANDS = {
     "eval": "the held-out loss of a checkpoint on a token folder",
     "export": "write a checkpoint as a transformers model (llama)",
     "generate": "greedy text from a checkpoint (gpt, llama)",
+    "store": "host the store of an elastic job whose members run under torchrun",
 }
-SHARED_MODULES = {"eval": "use", "export": "use", "generate": "use"}  # commands that share a module: add_<name>_parser
+SHARED_MODULES = {"eval": "use", "export": "use", "generate": "use", "store": "elastic_run"}  # commands that share a module: add_<name>_parser
 
 
 class CliError(Exception):

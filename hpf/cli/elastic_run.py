@@ -4,17 +4,20 @@ A lost rank is survived in memory (hpf.elastic) on one data axis, which shrinks 
 metrics.jsonl is written by whichever member is rank 0 at the time, each step once (a redone
 step keeps its first line: in the invariant mode the redo has the same bits). Each loss and join
 (the step, the seconds, the bytes received) goes back to the driver, which prints it and keeps
-it in run.json's ``elastic``."""
+it in run.json's ``elastic``. Under torchrun each member is one torchrun's worker, meeting the
+others in ``hpf store`` (served here too), and the last generation's rank 0 writes the summary."""
 from __future__ import annotations
 
 import functools
 import json
 import math
+import os
+import socket
 import time
 from pathlib import Path
 
 import hpf
-from hpf import elastic
+from hpf import elastic, launcher
 from hpf.cli import run_folder
 from hpf.cli.common import CliError
 from hpf.cli.job import (TrainJob, batches_of, make_step, peak_flops, run_keys, save_checkpoint, step_flops,
@@ -35,9 +38,8 @@ def checked_mesh(args, mesh: hpf.Mesh, given: bool) -> hpf.Mesh:
     """The mesh of an elastic run: one data axis of ``mesh.size`` ranks (``given``: --mesh was passed,
     and must be one); refuses what it cannot run, naming the option, and sets --invariant's atom size
     to one that every world it passes through splits the batch into."""
-    if hpf.launcher.is_launched():
-        raise CliError("--elastic under torchrun: torchrun's agent restarts every rank when one fails, so no rank "
-                       "is left to survive it; run hpf train --elastic --world-size N, which starts its own ranks")
+    if launcher.is_launched():
+        _check_member(args, mesh, given)
     for name, why in _REFUSED.items():
         if getattr(args, name, None) not in (None, False, 0):
             raise CliError(f"--elastic does not take --{name.replace('_', '-')} yet" + (f" ({why})" if why else "")
@@ -61,14 +63,54 @@ def checked_mesh(args, mesh: hpf.Mesh, given: bool) -> hpf.Mesh:
     return mesh_for({"dp": n})
 
 
-def run(job: TrainJob, size: int, out: Path) -> None:
-    """Launch the elastic ranks; print each loss and join, and keep them in run.json."""
-    Path(job.metrics_path).write_text("")
-    results = hpf.launch(elastic_rank, size, job, elastic=True, replacements=job.replacements)
-    survived = next(r for r in results if r is not None)
+def _check_member(args, mesh: hpf.Mesh, given: bool) -> None:
+    """Under torchrun: one member per torchrun (its agent restarts only it; one torchrun over every
+    member would restart them all when one fails, and no copy in memory would be left), meeting in
+    ``hpf store``. Names what is missing."""
+    how = ("run each member under a torchrun of its own: HPF_ELASTIC_STORE=HOST:PORT (of `hpf store`) "
+           "HPF_ELASTIC_MEMBER=<0..N-1> torchrun --nnodes 1 --nproc-per-node 1 --max-restarts R -m hpf train "
+           "--elastic --world-size N ... (docs/elastic.md)")
+    if launcher.world_size() != 1 or not {"HPF_ELASTIC_STORE", "HPF_ELASTIC_MEMBER"} <= set(os.environ):
+        raise CliError(f"--elastic under torchrun: {how}")
+    if args.world_size is None and not given:
+        raise CliError("--elastic under torchrun needs --world-size N, the members the job starts with")
+    if args.replacements:
+        raise CliError("--elastic under torchrun: --replacements is torchrun's --max-restarts (a restarted member "
+                       "joins at a step boundary); drop --replacements")
+    if os.environ.setdefault("HPF_ELASTIC_WORLD_SIZE", str(mesh.size)) != str(mesh.size):
+        raise CliError(f"HPF_ELASTIC_WORLD_SIZE={os.environ['HPF_ELASTIC_WORLD_SIZE']} but --world-size is "
+                       f"{mesh.size}; make them agree or drop HPF_ELASTIC_WORLD_SIZE")
+    launcher.elastic_member()  # (checks HPF_ELASTIC_MEMBER)
+
+
+def starts_run_folder() -> bool:
+    """Whether this process makes the run folder: the driver, or under torchrun member 0's first worker."""
+    if not launcher.is_launched():
+        return True
+    return (os.environ.get("HPF_ELASTIC_MEMBER", os.environ.get("RANK")) == "0"
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0")
+
+
+def run(job: TrainJob, size: int, out: Path) -> bool:
+    """Run the elastic ranks: launch them, or under torchrun be one member. The process that ends as
+    the driver (or the last generation's rank 0) prints each loss and join and keeps them in run.json;
+    returns whether this process is it (and so writes the run's summary)."""
+    if starts_run_folder():
+        Path(job.metrics_path).write_text("")
+    if launcher.is_launched():
+        launcher.init_distributed()
+        result = elastic_rank(0, job)
+        launcher.shutdown()
+        if result is None or result["rank"] != 0:
+            return False
+        survived = {k: v for k, v in result.items() if k != "rank"}
+    else:
+        results = hpf.launch(elastic_rank, size, job, elastic=True, replacements=job.replacements)
+        survived = next({k: v for k, v in r.items() if k != "rank"} for r in results if r is not None)
     for e in survived["events"]:
         print(describe(e), flush=True)
     run_folder.set_status(out, "running", elastic=survived)
+    return True
 
 
 def describe(e: dict) -> str:
@@ -99,10 +141,42 @@ def elastic_rank(rank: int, job: TrainJob) -> dict:
     run = elastic.train(lambda n: make_step(job, mesh_for({"dp": n})), functools.partial(module.init, config),
                         _Batches(job, config), job.steps,
                         key=run_keys(job.seed)[0], on_step=on_step)
+    if run.step is None:  # a replacement the job ended without
+        return None
     save_checkpoint(job, run.step, run.state, job.steps, config, None, None)
     run.step.wait_save()
     run.step.close()
-    return {"events": run.events, "copy_bytes": run.copy_bytes, "world_size": world.world_size()}
+    return {"events": run.events, "copy_bytes": run.copy_bytes, "world_size": world.world_size(), "rank": world.rank()}
+
+
+def add_store_parser(sub, help_: str):
+    p = sub.add_parser("store", help=help_, description=(
+        "Host the store an elastic job's members meet in under torchrun (hpf train --elastic, one torchrun per "
+        "member): it outlives every member, so any of them may be lost. Exits once the job has finished."))
+    p.add_argument("--port", type=int, default=29400, help="the TCP port to serve on (default 29400; 0: a free one)")
+    p.set_defaults(run=cmd_store)
+    return p
+
+
+def cmd_store(args) -> int:
+    """Serve until the job's last generation says it finished, and a few seconds more for the members' last reads."""
+    finished: list[float] = []
+
+    def ready(port: int) -> None:
+        print(f"hpf store: serving on {socket.gethostname()}:{port}; start each member with "
+              f"HPF_ELASTIC_STORE={socket.gethostname()}:{port} (docs/elastic.md)", flush=True)
+
+    def until(store) -> bool:
+        if not finished and store.check([launcher.JOB_DONE_KEY]):
+            finished.append(time.monotonic())
+        return bool(finished) and time.monotonic() - finished[0] > _LINGER_S
+
+    launcher.serve_store("0.0.0.0", args.port, ready, until)
+    print("hpf store: the job finished", flush=True)
+    return 0
+
+
+_LINGER_S = 5.0  # how long hpf store serves after the job finished (the members' last reads)
 
 
 class _Batches:

@@ -109,7 +109,7 @@ def _lr_and_warmup(args) -> str | None:
 def cmd_train(args) -> int:
     """Fork the ranks here with hpf.launch, or, under torchrun, be one of them."""
     torchrun = is_launched()
-    lead = rank() == 0  # rank 0 under torchrun; the driver otherwise
+    lead = elastic_run.starts_run_folder() if args.elastic else rank() == 0  # rank 0 under torchrun; the driver otherwise
     out = args.out or Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     if args.plan:
         check_plan_flags(args)
@@ -147,7 +147,8 @@ def cmd_train(args) -> int:
                 print(line, flush=True)
     started = time.perf_counter()
     try:
-        stopped = _run_ranks(args, job, mesh, torchrun, lead, out)
+        stopped, lead = (None, elastic_run.run(job, mesh.size, out)) if job.elastic else \
+            (_run_ranks(args, job, mesh, torchrun, lead, out), lead)
         if lead:
             _finish(args, job, out, plots, time.perf_counter() - started, stopped)
     except BaseException as e:  # whatever ends the command with a code other than 0 says so in run.json
@@ -162,7 +163,7 @@ def _check_run_options(args, mesh: hpf.Mesh, vocab_size: int | None, torchrun: b
                        lead: bool) -> tuple[str | None, str | None]:
     """Check the options that need the mesh; (a note on the warmup, what --plot will save)."""
     model_config(args.model, args.config, vocab_size)  # (names a config the model lacks)
-    if torchrun and mesh.size != world_size():
+    if torchrun and not args.elastic and mesh.size != world_size():
         raise CliError(f"--mesh has {mesh.size} ranks but torchrun started {world_size()}; make them agree")
     readers = mesh.axis_size(data_axes(mesh.axis_names))  # (a tensor-parallel group reads one share)
     if args.batch_size % (readers * args.accumulate):
@@ -209,8 +210,6 @@ def _data_line(args, job: TrainJob, out: Path) -> str:
 
 def _run_ranks(args, job: TrainJob, mesh: hpf.Mesh, torchrun: bool, lead: bool, out: Path) -> int | None:
     """Run the job's ranks; the step --timeout stopped after, or None."""
-    if job.elastic:
-        return elastic_run.run(job, mesh.size, out)
     if torchrun:
         init_distributed()
         stopped = train_rank(rank(), job)
