@@ -73,7 +73,9 @@ class _Copy:
         self.buf, self.header = buf, header
 
     @classmethod
-    def of(cls, state) -> "_Copy":
+    def of(cls, state, spare: list[torch.Tensor] | None = None) -> "_Copy":
+        """``state`` packed, into a buffer of ``spare`` of the right size where there is one (a boundary's
+        buffer reused, not 10s of MB allocated and faulted in at every boundary)."""
         leaves = optree.tree_leaves(state)
         header, parts, at = [], [], 0
         for x in leaves:
@@ -82,7 +84,7 @@ class _Copy:
             header.append([str(x.dtype).removeprefix("torch."), list(x.shape), at])
             parts += [raw, torch.zeros(pad, dtype=torch.uint8)]
             at += raw.numel() + pad
-        return cls(torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8), header)
+        return cls(torch.cat(parts, out=_take(spare, at)) if parts else torch.zeros(0, dtype=torch.uint8), header)
 
     def unpack(self, like) -> Any:
         """The state, as views of the buffer, in the structure of ``like`` (a state of this job)."""
@@ -96,6 +98,14 @@ class _Copy:
             n = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dt).element_size()
             out.append(self.buf[at:at + n].view(dt).view(shape))
         return optree.tree_unflatten(treedef, out)
+
+
+def _take(spare: list[torch.Tensor] | None, nbytes: int) -> torch.Tensor:
+    """A byte buffer of ``nbytes``: one of ``spare`` (removed from it) if one fits, else a new one."""
+    for i, buf in enumerate(spare or []):
+        if buf.numel() == nbytes:
+            return spare.pop(i)
+    return torch.empty(nbytes, dtype=torch.uint8)
 
 
 def _planned_optimizer(step, rank: int):
@@ -131,6 +141,7 @@ class _Job:
         self.me = launcher.elastic_member()[0]
         self.generation, self.members = 0, []
         self.copies: dict[int, tuple[_Copy, dict[int, _Copy]]] = {}  # boundary -> (own copy, partners' copies)
+        self.spare: list[torch.Tensor] = []  # the buffers of the boundary dropped last, for the next
         self.heartbeat: liveness.Heartbeat | None = None
         self.meta = None  # the params' shapes (meta tensors): what a rebuilt step is initialized from
         self.inflight: tuple[int, int, _Swap] | None = None  # (boundary, partner, its copies on the way)
@@ -172,7 +183,7 @@ class _Job:
         """Boundary ``t``: settle the copy sent at the boundary before, then pack this rank's state
         and start sending it to its buddy (it lands while the next step runs)."""
         self.settle()
-        own = _Copy.of(state)
+        own = _Copy.of(state, self.spare)
         self.copies[t] = (own, {})
         n, i = len(self.members), self.members.index(self.me)
         if n > 1:
@@ -183,7 +194,7 @@ class _Job:
             elif own.header != self.mine:
                 raise UnrecoverableLossError("hpf.elastic: this rank's state changed its layout between boundaries "
                                              "(a new optimizer state?); its buddy's copy would not fit")
-            self.inflight = (t, self.members[frm], _Swap(own, to, frm, *self.theirs))
+            self.inflight = (t, self.members[frm], _Swap(own, to, frm, *self.theirs, self.spare))
         held = sum(o.buf.numel() + sum(c.buf.numel() for c in p.values()) for o, p in self.copies.values())
         self.copy_bytes = max(self.copy_bytes, held + (self.inflight[2].buf.numel() if self.inflight else 0))
 
@@ -202,7 +213,8 @@ class _Job:
             time.sleep(0.002)
             done = self.store.add(self._key(f"saved/{t}"), 0)
         for old in [b for b in self.copies if b < t]:
-            del self.copies[old]
+            own, partners = self.copies.pop(old)
+            self.spare = [own.buf, *(c.buf for c in partners.values())]  # (the next boundary's buffers)
 
     def _salvage(self) -> None:
         """After a fault: the copy in flight is kept if the partner's part landed before it (the
@@ -304,7 +316,7 @@ class _Job:
         check_elastic(step)
         source = _InMemory(held)
         state, _ = step.restore(source)
-        self.copies, self.theirs = {}, None
+        self.copies, self.theirs, self.spare = {}, None, []
         return step, state, source.received
 
 
@@ -457,8 +469,8 @@ class _Swap:
     """A boundary's copy on its way to the buddy (``to``), and the partner's (``frm``) on its way
     here: started at a boundary and waited for at the next, so the transfer overlaps a step."""
 
-    def __init__(self, own: _Copy, to: int, frm: int, header: list, nbytes: int):
-        self.header, self.buf = header, torch.empty(nbytes, dtype=torch.uint8)
+    def __init__(self, own: _Copy, to: int, frm: int, header: list, nbytes: int, spare: list[torch.Tensor]):
+        self.header, self.buf = header, _take(spare, nbytes)
         self.sent = PointToPoint(world.exchange([(to, own.buf, 3)], []))
         self.received = PointToPoint(world.exchange([], [(frm, self.buf, 3)]))
 
