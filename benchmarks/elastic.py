@@ -20,7 +20,8 @@ that changes mesh at the step the elastic one went back to (its max |difference|
 With --torchrun only the elastic kills run, as one torchrun per member around hpf store (docs/elastic.md):
 the killed member's torchrun (--max-restarts 0) reports its worker's death, the others exit 0;
 a grow is --max-restarts 1, whose restarted worker joins.
-Usage: python benchmarks/elastic.py [--config small] [--kills 5] [--grow 2] [--rounds 3] [--torchrun] [--quick]
+With --hsdp every run is HSDP on 2 x 2 where the world is even: the replicas are the copies.
+Usage: python benchmarks/elastic.py [--config small] [--kills 5] [--grow 2] [--rounds 3] [--hsdp] [--torchrun] [--quick]
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ WORLD, BATCH = 4, 12
 def _train(out: Path, args, *extra: str, invariant: bool = True, world: int = WORLD) -> list[str]:
     return [sys.executable, "-m", "hpf", "train", "--config", args.config, "--steps", str(args.steps), "--world-size",
             str(world), "--batch-size", str(BATCH), *(["--invariant", "--atom-size", "1"] if invariant else []),
-            "--out", str(out), *extra]
+            *(["--hsdp"] if args.hsdp and world % 2 == 0 else []), "--out", str(out), *extra]
 
 
 def _records(out: Path) -> list[dict]:
@@ -193,7 +194,7 @@ def cost(args, root: Path) -> dict:
             if name == "elastic":
                 copy_bytes = json.loads((out / "run.json").read_text())["elastic"]["copy_bytes"]
     params = sum(x.numel() * x.element_size() for x in _params(root / "cost-elastic-0", args.steps))
-    state_bytes = 3 * params / WORLD  # a rank's shard of the params and of AdamW's two moments
+    state_bytes = 3 * params / (WORLD // 2 if args.hsdp else WORLD)  # a rank's shard of the params and AdamW's moments
     return {"elastic_ms": 1e3 * statistics.median(times["elastic"]), "plain_ms": 1e3 * statistics.median(times["plain"]),
             "copy_mib_per_rank": copy_bytes / 2**20, "shard_state_mib": state_bytes / 2**20}
 
@@ -208,6 +209,8 @@ def main() -> None:
     ap.add_argument("--default-kills", type=int, default=2, help="kills rerun without --invariant, against a run "
                     "that changes mesh at the same step")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hsdp", action="store_true", help="every run HSDP on 2 x 2 (the replicas are the copies; "
+                    "3 ranks after a loss run FSDP)")
     ap.add_argument("--torchrun", action="store_true", help="only the elastic kills, each member under a torchrun "
                     "of its own around hpf store (a grow: --max-restarts 1)")
     ap.add_argument("--quick", action="store_true", help="tiny config, 30 steps, 2 kills, 1 grow, 1 round")

@@ -124,6 +124,12 @@ def check_elastic(step) -> None:
                          "drop slow_weights/slow_grads for an elastic job")
 
 
+def replicated(step) -> bool:
+    """Whether every shard of the state lives on more than one rank (HSDP over every bucket): then a
+    rank's replica peers hold its state already, as their own copies, and no copy is sent."""
+    return all(any(step.mesh.axis_size(a) > 1 for a in b.replicate_axes) for b in step.plan.buckets)
+
+
 def _is_fault(error: BaseException) -> bool:
     """Whether ``error`` may be a lost peer's doing (a collective that failed or waited): the roll call
     decides; any other error is the program's and is raised as it is."""
@@ -186,7 +192,10 @@ class _Job:
         own = _Copy.of(state, self.spare)
         self.copies[t] = (own, {})
         n, i = len(self.members), self.members.index(self.me)
-        if n > 1:
+        if replicated(step):  # (HSDP) a replica's own copy is this rank's buddy copy: nothing to send
+            for old in [b for b in self.copies if b < t - 1]:  # (a peer may still be finishing step t)
+                self.spare = [self.copies.pop(old)[0].buf]
+        elif n > 1:
             s = self.buddy_shift(step)
             to, frm = (i + s) % n, (i - s) % n
             if self.theirs is None:  # the partner's layout: the same at every boundary of a generation
@@ -267,8 +276,10 @@ class _Job:
                                        f"rank(s) {waiting} neither answered nor went silent", waiting)
             time.sleep(0.05)
 
-    def _holder(self, step, rank: int) -> int:
-        """The member that holds ``rank``'s copies (its buddy)."""
+    def _holder(self, step, rank: int) -> int | None:
+        """The member that holds ``rank``'s copies (its buddy); None where its replicas' own copies do."""
+        if replicated(step):
+            return None
         return self.members[(self.members.index(rank) + self.buddy_shift(step)) % len(self.members)]
 
     def _usable_boundary(self, step, lost: list[int], left: list[int]) -> int:
@@ -296,6 +307,8 @@ class _Job:
         held = {self.me: own}
         for d in lost:
             holder = self._holder(step, d)
+            if holder is None:  # (its shards are its replicas': the reshard finds them, or names what is gone)
+                continue
             if holder not in left:
                 raise UnrecoverableLossError(f"hpf.elastic: rank {d} was lost with rank {holder}, which held its copy; "
                                              f"its shards are gone. Resume from the last checkpoint (hpf train --resume)")
@@ -602,5 +615,6 @@ def _moves(said: list) -> dict[tuple[int, int], list]:
                         got += int(torch.Size([h - l for l, h in zip(*cut)]).numel())
                 if got != int(torch.Size(shape).numel()):
                     raise UnrecoverableLossError(f"hpf.elastic: {got} of the {torch.Size(shape).numel()} elements of "
-                                                 f"{k!r} at {list(o)} are held by a member; the state cannot be rebuilt")
+                                                 f"{k!r} at {list(o)} are held by a member (a rank was lost with every rank holding a "
+                                                 "copy of its shards); resume from the last checkpoint")
     return moves

@@ -82,6 +82,49 @@ def test_a_killed_rank_is_survived_and_the_params_equal_a_run_that_never_failed(
     assert events[0]["seconds"] < 30
 
 
+def make_hsdp_step(n):
+    """HSDP on 2 machines where the world splits in two (each rank's state lives on its replica peer),
+    else FSDP over all: the copies go to buddies only then."""
+    mesh = hpf.Mesh({"node": 2, "local": n // 2}, fast_axes=["local"]) if n % 2 == 0 else hpf.Mesh({"dp": n})
+    return hpf.shard_step(gpt.loss_for(CFG), mesh=mesh, optimizer=hpf.optim.adamw(lr=3e-3, weight_decay=0.1),
+                          invariant=True, atom_size=1, max_grad_norm=1.0, hsdp=n % 2 == 0)
+
+
+def _hsdp_rank(rank, kill):
+    torch.set_num_threads(1)
+
+    def on_step(t, m):
+        if (rank, t) == kill:
+            os.kill(os.getpid(), signal.SIGKILL)
+    run = hpf.elastic.train(make_hsdp_step, functools.partial(gpt.init, CFG), batches, STEPS, key=hpf.random.key(0),
+                            on_step=on_step)
+    full = _full(run.step, run.state)
+    run.step.close()
+    return full, run.events, run.copy_bytes, _Copy.of(run.state).buf.numel()
+
+
+@pytest.mark.slow
+@settings(max_examples=2, deadline=None, derandomize=True)
+@given(rank=st.integers(0, 3), at=st.integers(1, STEPS - 1))
+def test_under_hsdp_the_replicas_are_the_copies_and_a_lost_rank_is_rebuilt_from_them(rank, at):
+    """Nothing is sent while the world is HSDP: a rank's copies are its own two last boundaries (its
+    replica peer's are the same bits), and a lost rank's shards are rebuilt from its replica's."""
+    results = launch(_hsdp_rank, 4, (rank, at), timeout=90, elastic=True, replacements=1)
+    finished = [r for r in results if r is not None]
+    assert len(finished) == 4
+    for full, events, _, _ in finished:
+        assert all(torch.equal(a, b) for a, b in zip(full, reference())), "params differ from the fault-free run"
+        assert [e["event"] for e in events[-1:]] == ["joined"]
+    assert finished[0][1][0]["event"] == "lost" and finished[0][1][0]["ranks"] == [rank]
+
+
+@pytest.mark.slow
+def test_under_hsdp_a_rank_holds_two_boundaries_of_its_own_state_and_nothing_else():
+    for full, events, copy_bytes, own in launch(_hsdp_rank, 4, None, timeout=90, elastic=True):
+        assert not events and all(torch.equal(a, b) for a, b in zip(full, reference()))
+        assert copy_bytes == 2 * own
+
+
 @pytest.mark.slow
 def test_an_error_of_the_program_is_raised_not_survived():
     with pytest.raises(hpf.launch.RankError, match="a bug in the program on one rank"):
@@ -282,7 +325,8 @@ def test_hpf_train_elastic_under_torchrun_names_what_a_member_lacks(tmp_path, ca
     (["--world-size", "4", "--batch-size", "12", "--save-every", "2"], "--elastic does not take --save-every"),
     (["--world-size", "4", "--batch-size", "12", "--accumulate", "2"], "--elastic does not take --accumulate"),
     (["--world-size", "4", "--batch-size", "12", "--model", "moe"], "--model moe keeps loop state"),
-], ids=["batch", "tp", "save-every", "accumulate", "moe"])
+    (["--world-size", "3", "--batch-size", "6", "--hsdp"], "--elastic --hsdp runs two replicas"),
+], ids=["batch", "tp", "save-every", "accumulate", "moe", "hsdp-odd"])
 def test_hpf_train_elastic_refuses_what_it_cannot_survive_before_any_rank_starts(tmp_path, capsys, flags, says):
     from hpf.cli import main
 

@@ -8,6 +8,7 @@ it in run.json's ``elastic``. Under torchrun each member is one torchrun's worke
 others in ``hpf store`` (served here too), and the last generation's rank 0 writes the summary."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -60,7 +61,20 @@ def checked_mesh(args, mesh: hpf.Mesh, given: bool) -> hpf.Mesh:
                        f"use a multiple of {need} (e.g. --batch-size {need * max(1, round(b / need))})")
     if args.invariant and args.atom_size is None:  # atoms every world's local batch is made of
         args.atom_size = math.gcd(*(b // w for w in worlds))
-    return mesh_for({"dp": n})
+    if args.hsdp and n % 2:
+        raise CliError(f"--elastic --hsdp runs two replicas of {n} / 2 ranks; pass an even --world-size")
+    return elastic_mesh(n, args.hsdp)
+
+
+def elastic_mesh(n: int, hsdp: bool) -> hpf.Mesh:
+    """The mesh of an elastic world of ``n`` ranks: one data axis; with --hsdp, where ``n`` is even, two
+    machines of ``n / 2`` ranks whose replicas are each other's copies (nothing is sent at a boundary)."""
+    return mesh_for({"node": 2, "local": n // 2} if hsdp and n % 2 == 0 else {"dp": n})
+
+
+def _step(job: TrainJob, n: int):
+    """The job's step on ``n`` ranks (--hsdp only where the world splits in two replicas)."""
+    return make_step(dataclasses.replace(job, hsdp=job.hsdp and n % 2 == 0), elastic_mesh(n, job.hsdp))
 
 
 def _check_member(args, mesh: hpf.Mesh, given: bool) -> None:
@@ -138,7 +152,7 @@ def elastic_rank(rank: int, job: TrainJob) -> dict:
             lines.add({**step_record(i, m, tokens / m["step_s"], lr(i), mfu), "copy_s": m["copy_s"], "world_size": n,
                        "time": time.time()})
 
-    run = elastic.train(lambda n: make_step(job, mesh_for({"dp": n})), functools.partial(module.init, config),
+    run = elastic.train(functools.partial(_step, job), functools.partial(module.init, config),
                         _Batches(job, config), job.steps,
                         key=run_keys(job.seed)[0], on_step=on_step)
     if run.step is None:  # a replacement the job ended without
