@@ -251,10 +251,17 @@ class _Job:
             raise error
         if self.me not in left:
             raise PeerLostError(f"hpf.elastic: rank {self.me} was counted lost by its peers; it stops", [self.me]) from error
-        boundary = self._usable_boundary(step, lost, left)
-        held = self._held(step, state, boundary, lost, left)
-        _close(step)
-        step, state, received = self._next_generation(left, held)
+        try:
+            boundary = self._usable_boundary(step, lost, left)
+            held = self._held(step, state, boundary, lost, left)
+            _close(step)
+            step, state, received = self._next_generation(left, held)
+        except BaseException as second:  # noqa: BLE001 -- a fault now is named; anything else is raised as it is
+            if not _is_fault(second):
+                raise
+            raise UnrecoverableLossError(f"hpf.elastic: while rebuilding after losing rank(s) {lost}: "
+                                         f"{type(second).__name__}: {str(second)[:300]}. A loss during the rebuild "
+                                         "is not survived; resume from the last checkpoint (hpf train --resume)") from second
         event = {"event": "lost", "ranks": lost, "at_step": t_failed, "back_to": boundary,
                  "world_size": len(left), "seconds": time.monotonic() - t0, "bytes_received": received, "time": time.time()}
         return step, state, boundary, event
@@ -292,6 +299,9 @@ class _Job:
         keys = [self._key(f"usable/{m}") for m in left]
         deadline = time.monotonic() + ROLL_CALL_S
         while not self.store.check(keys):
+            silent = self.heartbeat.silent(left)
+            if silent:
+                raise PeerLostError(f"hpf.elastic: rank(s) {silent} went silent during the rebuild", silent)
             if time.monotonic() > deadline:
                 raise PeerTimeoutError(f"hpf.elastic: the members {left} did not all say which state they hold "
                                        f"within {ROLL_CALL_S:g} s", left)

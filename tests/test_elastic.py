@@ -82,6 +82,22 @@ def test_a_killed_rank_is_survived_and_the_params_equal_a_run_that_never_failed(
     assert events[0]["seconds"] < 30
 
 
+def _dies_in_the_rebuild(rank):
+    """Rank 2 is killed after step 2; rank 1 dies once the rebuild after it has begun."""
+    if rank == 1:
+        hpf.elastic._Job._usable_boundary = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
+    return _elastic_rank(rank, (2, 2), None)
+
+
+@pytest.mark.slow
+def test_a_rank_lost_during_the_rebuild_is_named_not_hung():
+    started = time.monotonic()
+    with pytest.raises(hpf.launch.RankError, match=r"while rebuilding after losing rank\(s\) \[2\].*rank\(s\) \[1\] "
+                                                   r"went silent during the rebuild"):
+        launch(_dies_in_the_rebuild, 4, timeout=90, elastic=True)
+    assert time.monotonic() - started < 60
+
+
 def make_hsdp_step(n):
     """HSDP on 2 machines where the world splits in two (each rank's state lives on its replica peer),
     else FSDP over all: the copies go to buddies only then."""
