@@ -21,7 +21,7 @@ from .errors import UnevenBatchError
 from .comm import schedule, world
 from .comm.canonical import exact_parts, exact_square_sum, exact_total, tree_sum
 from .comm.schedule import LOG
-from .optim.transforms import ClipByGlobalNorm, clip_by_global_norm
+from .optim.stages import ClipByGlobalNorm, clip_by_global_norm
 from .trace import span
 
 __all__ = ["Decision", "Decider"]

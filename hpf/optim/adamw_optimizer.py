@@ -20,8 +20,10 @@ import torch
 
 from .base import Capabilities
 from .lr_schedules import check_rate
-from .transforms import (Chain, InjectHyperparams, TransformOptimizer, add_decayed_weights, chain, inject,
-                         scale_by_adam)
+from .combinators import Chain, InjectHyperparams, chain
+from .stage import inject
+from .stages import add_decayed_weights, scale_by_adam
+from .transform_optimizer import TransformOptimizer
 
 
 __all__ = ["adamw", "AdamW", "AdamWState", "schedule_value", "default_weight_decay_mask"]

@@ -16,7 +16,7 @@ import torch
 
 from hpf_kernels import newton_schulz
 
-from .transforms import Transform
+from .stage import Transform
 
 __all__ = ["MuonState", "ScaleByMuon", "scale_by_muon", "SCALES", "apply_muon_updates_", "check_qk_heads", "max_attn_logits", "muon_direction",
            "muon_momentum_", "orthogonalize", "qk_clip_", "qk_clip_factors", "update_scale"]

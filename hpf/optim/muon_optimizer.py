@@ -25,7 +25,9 @@ from .adamw_optimizer import AdamW, adamw, schedule_value
 from .dist_muon import DistMuon
 from .muon_math import (MuonState, ScaleByMuon, check_qk_heads, max_attn_logits, qk_clip_, qk_clip_factors,
                         scale_by_muon, update_scale)
-from .transforms import Chain, Hyper, InjectHyperparams, Partition, add_decayed_weights, chain, partition, run
+from .combinators import Chain, InjectHyperparams, Partition, chain, partition
+from .stage import Hyper, run
+from .stages import add_decayed_weights
 
 __all__ = ["muon", "Muon", "MuonState", "default_use_adamw"]
 
