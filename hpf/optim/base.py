@@ -19,6 +19,9 @@ instead of probing for methods. Each capability promises the methods of its prot
   scale, as ``shard_step(max_grad_norm=...)`` does (None: no clip stage).
 - ``state_layout``: the per-bucket state fields that do not lie as the param shard does, each
   with the params it packs, so checkpoints can place them (distributed Muon's AdamW moment).
+- ``outline``: its stages, (path, name, hyper-parameters) each (hpf.optim.stage.Transform.outline):
+  a checkpoint records them and refuses to restore into an optimizer whose stages differ (): an
+  optimizer not made of stages, which checkpoints tell apart by its type's name only).
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ class Capabilities:
     #: of those params only, back to back in the bucket's param order (every other per-bucket
     #: field is laid out as the param shard, as AdamW's moments are)
     state_layout: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    outline: tuple[tuple[str, str, dict], ...] = ()
 
 
 def capabilities(optimizer: Any) -> Capabilities:

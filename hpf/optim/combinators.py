@@ -11,8 +11,14 @@ import torch
 
 from .. import tree as tree_util
 from .lr_schedules import check_rate
-from .stage import Hyper, Transform, leaves_of, inject, meta_params, run
+from .stage import Hyper, Transform, inject, leaves_of, meta_params, run
 from .stages import ClipByGlobalNorm
+
+
+def _at(path: str, part) -> str:
+    """The path of a combinator's ``part`` (a chain's index, a partition's label) under ``path``."""
+    return f"{path}/{part}" if path else str(part)
+
 
 __all__ = ["Chain", "InjectHyperparams", "Partition", "PlannedPartition", "chain", "partition", "inject_hyperparams"]
 
@@ -69,8 +75,12 @@ class Chain(Transform):
     def take(self, indices):
         return replace(self, stages=tuple(s.take(indices) for s in self.stages))
 
-    def structure(self):
-        return f"chain({', '.join(s.structure() for s in self.stages)})"
+    @property
+    def aux(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(a for s in self.stages for a in s.aux))
+
+    def outline(self, path: str = "") -> tuple:
+        return ((path, "chain", {}),) + tuple(r for i, s in enumerate(self.stages) for r in s.outline(_at(path, i)))
 
 
 @dataclass(frozen=True)
@@ -95,7 +105,7 @@ class InjectHyperparams(Transform):
         if self.others:
             inner = replace(inner, **{k: check_rate(v(hyper.step), f"{k} schedule", hyper.step) if callable(v) else v
                                       for k, v in self.others})
-        return inner, hyper if self.lr is None else inject(self.lr, hyper.step, self.what)
+        return inner, hyper if self.lr is None else hyper._replace(lr=inject(self.lr, hyper.step, self.what).lr)
 
     def init(self, params):
         return self.inner.init(params)
@@ -117,8 +127,14 @@ class InjectHyperparams(Transform):
     def take(self, indices):
         return replace(self, inner=self.inner.take(indices))
 
-    def structure(self):
-        return f"inject_hyperparams({self.inner.structure()})"
+    aux = property(lambda self: self.inner.aux)
+
+    def hyper(self) -> dict:
+        """The lr and the injected fields, each a number or "schedule"."""
+        return {k: "schedule" if callable(v) else v for k, v in (("lr", self.lr),) + self.others}
+
+    def outline(self, path: str = "") -> tuple:
+        return ((path, self.name, self.hyper()),) + self.inner.outline(path)
 
 
 @dataclass(frozen=True)
@@ -222,9 +238,14 @@ class Partition(Transform):
         return replace(self, leaf_labels=tuple(self.leaf_labels[i] for i in indices),
                        transforms={k: t.take(indices) for k, t in self.transforms.items()})
 
-    def structure(self):
-        labels = "" if self.leaf_labels is None else f"; labels {','.join(map(str, self.leaf_labels))}"
-        return f"partition({', '.join(f'{k}={t.structure()}' for k, t in self.transforms.items())}{labels})"
+    @property
+    def aux(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(a for t in self.transforms.values() for a in t.aux))
+
+    def outline(self, path: str = "") -> tuple:
+        """Itself (with each leaf's label once resolved: which param goes where is structure), then each label's."""
+        name = "partition" if self.leaf_labels is None else f"partition(labels {','.join(map(str, self.leaf_labels))})"
+        return ((path, name, {}),) + tuple(r for k, t in self.transforms.items() for r in t.outline(_at(path, k)))
 
 
 @dataclass(frozen=True)
@@ -257,8 +278,10 @@ class PlannedPartition(Transform):
         place = {b: k for k, b in enumerate(indices)}
         return replace(self, pieces=tuple((place[b], sl, j) for b, sl, j in self.pieces if b in place))
 
-    def structure(self):
-        return self.partition.structure()
+    aux = property(lambda self: self.partition.aux)
+
+    def outline(self, path: str = "") -> tuple:
+        return self.partition.outline(path)
 
 
 def chain(*stages: Transform) -> Chain:

@@ -157,7 +157,7 @@ class DistMuon:
     def __init__(self, muon, plan: Plan, rank: int, comm_dtype: torch.dtype | None = None):
         self.muon, self.plan, self.rank, self.comm_dtype = muon, plan, rank, comm_dtype
         # the stages it runs on pieces: the partition's Muon part (decay, scale_by_muon at Muon's lr) and the rest
-        parts = muon.transform.transforms
+        parts = muon.partition.transforms
         self.matrices = parts["muon"]
         self.stage = self.matrices.inner.stages[-1]
         on_muon = muon_paths(muon, plan)
@@ -213,7 +213,8 @@ class DistMuon:
 
     def _index(self, adamw, paths: list[str]) -> None:
         """What ``__init__`` derives from its pieces: AdamW's part on them, each piece resolved as
-        its param (``paths``: the fallback's weight_decay_mask), the matrices' order, QK-Clip's pieces."""
+        its param (``paths``: the fallback's weight_decay_mask), the matrices' order, QK-Clip's pieces,
+        the stages a checkpoint records."""
         meta = meta_params(self.plan)
         at = {p: i for i, p in enumerate(tree_flatten(meta)[0])}
         self.rest = adamw.for_params(meta).take([at[path] for path in paths])
@@ -222,6 +223,7 @@ class DistMuon:
         for i, x in enumerate(self._momentum_order):
             self._by_bucket[x.bucket].append(i)
         self.qk = _qk_pieces(self.muon, self.plan, self.rank) if self.muon.qk_clip is not None else []
+        self.outline = self.muon.transform.for_params(meta).outline()  # Muon's stages, its labels resolved
 
     # -- optax-style interface ----------------------------------------------------------------
     def init(self, shards: Sequence[torch.Tensor]) -> MuonState:
@@ -233,9 +235,9 @@ class DistMuon:
     @property
     def capabilities(self) -> Capabilities:
         """Work begun in backward (``overlap``, off under a low-bit slow tier); the step's aux
-        under QK-Clip; ``exp_avg_sq`` holds AdamW's second moment of the AdamW params only."""
-        return Capabilities(early=self.muon.overlap and self.slow is None, aux=self.muon.aux_names(),
-                            state_layout={"exp_avg_sq": self.adamw_paths})
+        under QK-Clip; ``exp_avg_sq`` holds AdamW's second moment of the AdamW params only; Muon's stages."""
+        return Capabilities(early=self.muon.overlap and self.slow is None, aux=self.muon.transform.aux,
+                            state_layout={"exp_avg_sq": self.adamw_paths}, outline=self.outline)
 
     def update(self, grads: Sequence[torch.Tensor], state: MuonState, params: Sequence[torch.Tensor],
                aux: dict | None = None) -> tuple[list[torch.Tensor], MuonState]:

@@ -8,6 +8,8 @@ transform_optimizer.py build on this.
 """
 from __future__ import annotations
 
+import dataclasses
+import re
 from typing import Any, Callable, NamedTuple
 
 import optree
@@ -23,6 +25,7 @@ class Hyper(NamedTuple):
 
     step: int  # 1-based
     lr: float | None = None
+    aux: dict | None = None  # the step's aux (hpf.losses), for the stages that read it (``Transform.aux``)
 
     def rate(self, stage: str) -> float:
         """The lr, or an error naming the stage that needs one and the fix."""
@@ -38,6 +41,11 @@ def inject(lr: float | Callable[[int], float], step: int, what: str = "lr") -> H
     return Hyper(step, check_rate(lr(step), f"{what} schedule", step) if callable(lr) else check_rate(lr, what))
 
 
+def _plain(v: Any) -> bool:
+    """A value a checkpoint's header records as it is (JSON): a number, a string, a flag, None, or a tuple of them."""
+    return v is None or isinstance(v, (bool, int, float, str)) or (isinstance(v, tuple) and all(map(_plain, v)))
+
+
 class Transform:
     """The one shape every stage and combinator shares (see the module doc); the defaults are
     those of an elementwise stage with no state, no plan form and no path-dependent part."""
@@ -45,6 +53,13 @@ class Transform:
     fields: tuple[str, ...] = ()
     #: any subset of the leaves updated alone (``take``) gives that subset's part of one update
     elementwise: bool = True
+    #: the step's aux this transform reads from ``hyper.aux`` (QK-Clip: the max attention logits)
+    aux: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        """The stage's name, as its factory's: ``ScaleByAdam`` is "scale_by_adam"."""
+        return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", type(self).__name__).lower()
 
     def init(self, params: Any) -> dict[str, list[torch.Tensor]]:
         """Zeros shaped like each leaf, per field."""
@@ -69,7 +84,7 @@ class Transform:
         elementwise, and has no plan form of its own, is refused: a shard's leaves are flat
         pieces that mix params, each rank's its own part, so a per-param norm would be of pieces."""
         if not self.elementwise:
-            raise ValueError(f"{self.structure()} declares elementwise=False (it needs each param whole: a norm, a "
+            raise ValueError(f"{type(self).__name__} declares elementwise=False (it needs each param whole: a norm, a "
                              "trust ratio, a matrix function), and under hpf.shard_step a rank holds flat pieces that "
                              "mix params; write it elementwise, give it a for_plan of its own that gathers whole "
                              "params (as hpf.optim.muon's DistMuon gives each matrix to its owner), or run it on full "
@@ -84,10 +99,21 @@ class Transform:
         """This transform on the leaves at ``indices`` alone (an elementwise one's part of an update)."""
         return self
 
-    def structure(self) -> str:
-        """What this transform is, stage by stage, without hyper-parameter values (a resumed run
-        may change its lr): a checkpoint records it and refuses to restore into another."""
-        return type(self).__name__
+    def hyper(self) -> dict:
+        """Its hyper-parameters as a checkpoint records them: the fields with plain values (dtypes as names)."""
+        out = {}
+        for f in dataclasses.fields(self) if dataclasses.is_dataclass(self) else ():
+            v = getattr(self, f.name)
+            if isinstance(v, torch.dtype) or _plain(v):
+                out[f.name] = str(v) if isinstance(v, torch.dtype) else v
+        return out
+
+    def outline(self, path: str = "") -> tuple[tuple[str, str, dict], ...]:
+        """What this transform is, stage by stage: (its path in the chain, its name, its
+        hyper-parameters) each. A checkpoint records them and refuses to restore into a chain whose
+        paths or names differ; hyper-parameters may change on resume (a new lr), so they are only
+        recorded. A combinator lists itself, then its parts under their paths."""
+        return ((path, self.name, self.hyper()),)
 
 
 def meta_params(plan) -> Any:

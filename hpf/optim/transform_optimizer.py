@@ -13,7 +13,7 @@ import torch
 from .base import Capabilities
 from .stage import Hyper, Transform, run
 
-__all__ = ["state_type", "TransformOptimizer", "as_optimizer"]
+__all__ = ["state_type", "TransformOptimizer", "as_optimizer", "Staged"]
 
 
 @lru_cache(maxsize=None)
@@ -36,15 +36,11 @@ class TransformOptimizer:
 
     @property
     def capabilities(self) -> Capabilities:
-        """Partial updates when elementwise; set up per plan; its clip, folded into the step's scale."""
+        """Partial updates when elementwise; set up per plan; its clip's max norm (the decision
+        takes the global norm and reads the clip's factor); the aux its stages read; its stages."""
         t = self.transform
-        return Capabilities(partial=t.elementwise, for_plan=True,
-                            max_grad_norm=t.max_grad_norm)
-
-    @property
-    def structure(self) -> str:
-        """The transform's structure (:meth:`Transform.structure`), which checkpoints record."""
-        return self.transform.structure()
+        return Capabilities(partial=t.elementwise, for_plan=True, max_grad_norm=t.max_grad_norm, aux=t.aux,
+                            outline=t.outline())
 
     def for_plan(self, plan, rank: int) -> "TransformOptimizer":
         """On ``plan``'s flat shards: stages resolved for the layout; frozen buckets get no state and no update."""
@@ -63,21 +59,22 @@ class TransformOptimizer:
         cls = self.state or state_type(tuple(fields))
         return cls(torch.zeros((), dtype=torch.int64), *(treedef.unflatten(v) for v in fields.values()))
 
-    def update(self, grads: Any, state, params: Any) -> tuple[Any, Any]:
+    def update(self, grads: Any, state, params: Any, aux: dict | None = None) -> tuple[Any, Any]:
         """Returns (params, state), both updated in place (donated, as with
-        ``jax.jit(donate_argnums=...)``): do not reuse the inputs."""
+        ``jax.jit(donate_argnums=...)``): do not reuse the inputs. ``aux``: the step's aux, for the
+        stages that read it (``capabilities.aux``; hpf.shard_step passes it)."""
         g = optree.tree_leaves(grads)
-        self.partial_update(state, params)(range(len(g)), g)
+        self.partial_update(state, params, aux)(range(len(g)), g)
         return params, state
 
-    def partial_update(self, state, params: Any) -> Callable[[list[int], list], None]:
+    def partial_update(self, state, params: Any, aux: dict | None = None) -> Callable[[list[int], list], None]:
         """Start one step whose update is applied a few leaves at a time: returns ``apply(indices,
         grads)``, which updates the leaves at ``indices`` from ``grads[i]``. For an elementwise
         transform any split gives exactly one ``update``'s result (the count moves on once, here)."""
         p = optree.tree_leaves(params)
         fields = {k: optree.tree_leaves(v) for k, v in state._asdict().items() if k != "count"}
         transform = self.transform.for_params(params)
-        hyper = Hyper(int(state.count) + 1)
+        hyper = Hyper(int(state.count) + 1, aux=aux)
         transform.check(hyper)  # a bad lr raises before anything changes
         state.count.add_(1)
 
@@ -97,3 +94,33 @@ def as_optimizer(transform: Transform) -> TransformOptimizer:
     if not isinstance(transform, Transform):
         raise TypeError(f"as_optimizer: {transform!r} is not a transform (hpf.optim.transforms.Transform)")
     return TransformOptimizer(transform)
+
+
+class Staged:
+    """An optimizer whose math is its stages (``transform``), as AdamW and Muon are: it runs as a
+    :class:`TransformOptimizer` with its state class ``State``, on any pytree in one process, and
+    declares what that declares. Subclasses give ``transform`` (and their plan form, ``for_plan``)."""
+
+    State: Any = None  # the NamedTuple class of its state (count, then the fields)
+
+    @property
+    def transform(self) -> Transform:
+        raise NotImplementedError
+
+    @property
+    def optimizer(self) -> TransformOptimizer:
+        """What runs it: the transform as an optimizer with ``State``."""
+        return TransformOptimizer(self.transform, self.State)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.optimizer.capabilities
+
+    def init(self, params: Any):
+        return self.optimizer.init(params)
+
+    def update(self, grads: Any, state, params: Any, aux: dict | None = None) -> tuple[Any, Any]:
+        """Returns (new params, new state), updated in place (donated, as with
+        ``jax.jit(donate_argnums=...)``): do not reuse the inputs. ``aux``: the step's aux, read
+        only by stages that declare it (QK-Clip)."""
+        return self.optimizer.update(grads, state, params, aux)
