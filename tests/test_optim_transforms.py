@@ -241,7 +241,7 @@ def test_stages_that_need_whole_params_are_refused_on_flat_shards(which, fix):
 
 
 def chain_rank(rank, which):
-    """GPT tiny on 2 ranks: the user's chain (its clip folded into the step's grad scale), or
+    """GPT tiny on 2 ranks: the user's chain (its clip's factor read by the step's decision), or
     hpf.optim.adamw with shard_step(max_grad_norm=...)."""
     adamw = hpf.optim.adamw(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
     mask = hpf.optim.default_weight_decay_mask

@@ -15,8 +15,8 @@ instead of probing for methods. Each capability promises the methods of its prot
 - ``aux``: the step's aux names ``update(..., aux=...)`` reads (Muon's QK-Clip reads the max
   attention logits); () and the step calls ``update`` without aux.
 - ``max_grad_norm``: a clip stage's max global grad norm (hpf.optim.transforms.clip_by_global_norm):
-  the step takes the global norm in its one all-reduce and folds the clip's factor into its grad
-  scale, as ``shard_step(max_grad_norm=...)`` does (None: no clip stage).
+  the step takes the global norm in its one all-reduce, and the decision reads the clip stage's
+  factor of it, as for ``shard_step(max_grad_norm=...)`` (None: no clip stage).
 - ``state_layout``: the per-bucket state fields that do not lie as the param shard does, each
   with the params it packs, so checkpoints can place them (distributed Muon's AdamW moment).
 - ``outline``: its stages, (path, name, hyper-parameters) each (hpf.optim.stage.Transform.outline):

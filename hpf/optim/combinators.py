@@ -302,7 +302,7 @@ def inject_hyperparams(transform: Transform, lr: float | Callable[[int], float] 
         check_rate(lr, what)
     names = {f.name for f in dataclasses.fields(transform)} if dataclasses.is_dataclass(transform) else set()
     for k, v in others.items():
-        if k not in names or k in ("mask", "ranges", "folded", "stages", "inner", "transforms", "labels"):
+        if k not in names or k in ("mask", "ranges", "step_norm", "stages", "inner", "transforms", "labels"):
             raise ValueError(f"inject_hyperparams: {type(transform).__name__} has no hyper-parameter {k!r}; inject a "
                              f"stage's own field into that stage (e.g. chain(inject_hyperparams(add_decayed_weights(0.1), "
                              f"weight_decay=schedule), ...)), or lr into any transform")

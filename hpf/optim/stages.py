@@ -100,15 +100,17 @@ class ScaleByAdam(Transform):
 @dataclass(frozen=True)
 class ClipByGlobalNorm(Transform):
     """Scale the grads so that their global norm is at most ``max_norm``. Alone, it takes the
-    norm of the grads it is given; on a plan (``folded``) the step folds ``factor`` of the global
-    norm into its grad scale and the stage passes grads through (see the module doc)."""
+    norm of the grads it is given. On a plan (``step_norm``) the norm is the step's, of every rank's
+    grads in its one all-reduce: the decision reads this stage's ``factor`` of it (its
+    ``Decision.clip``) and the multiplier the stage gives (``grad_scale``), and the stage passes
+    the grads it is then given through."""
 
     max_norm: float
-    folded: bool = False
+    step_norm: bool = False
 
     @property
     def elementwise(self) -> bool:  # the norm is of all leaves, unless the step took it
-        return self.folded
+        return self.step_norm
 
     @property
     def max_grad_norm(self) -> float:
@@ -118,11 +120,17 @@ class ClipByGlobalNorm(Transform):
         """What the grads are multiplied by, for a global norm of ``grad_norm``."""
         return min(1.0, self.max_norm / (grad_norm + 1e-6))
 
+    def grad_scale(self, denominator: float, factor: float) -> float:
+        """The one multiplier of summed grads that the step divides by ``denominator`` (the
+        normalizer and the loss scale) and this stage clips by ``factor``: one division, so a
+        clipped grad rounds once, as ``clip_grad_norm_`` after a mean would (0: nothing counted)."""
+        return factor / denominator if denominator else 0.0
+
     def for_plan(self, plan, rank: int) -> "ClipByGlobalNorm":
-        return replace(self, folded=True)
+        return replace(self, step_norm=True)
 
     def update(self, grads, state, params, hyper):
-        if self.folded or not grads:
+        if self.step_norm or not grads:
             return grads, state
         norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).double()))
         return list(torch._foreach_mul(grads, self.factor(norm))), state

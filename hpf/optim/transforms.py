@@ -22,8 +22,9 @@ in place (the same fused foreach ops as ``torch.optim.AdamW``, hence bit for bit
   wraps a transform passed as ``optimizer=`` in it.
 - Clipping by the global grad norm (``clip_by_global_norm``) is a stage, but under a plan the
   norm is the step's (one all-reduce, hpf.decision): the stage declares ``max_grad_norm``, the
-  step folds its factor into the one scale that turns summed grads into the update's (one
-  multiply, not two roundings), and the stage's plan form passes grads through.
+  decision reads its factor of that norm (``Decision.clip``) and the one multiplier of the summed
+  grads the stage gives for it (``grad_scale``: one rounding, not two), and the stage's plan form
+  passes the grads it is then given through.
 - What needs the plan's layout, a stage resolves in ``for_plan(plan, rank)`` (a decay mask
   becomes element ranges per shard); what needs the params' paths, in ``for_params(params)``.
   An ``elementwise`` transform's ``take(indices)`` runs a subset of the leaves alone (the
