@@ -16,7 +16,7 @@ says which ranks hold which elements of every matrix, so:
   together (the padding of an uneven split left out), once.
 - An owner's same-shape matrices (MoE experts included) go into one batched NS call.
 
-The math is the stages of ``Muon.transform`` (hpf.optim.transforms): ``scale_by_muon``'s
+The math is the stages of ``Muon.partition`` (hpf.optim.transforms): ``scale_by_muon``'s
 momentum, Newton-Schulz and scaled step on the Muon pieces, the AdamW chain on the rest, so a
 sharded run matches the single-device optimizer on the full params. This is that partition's
 plan form: the layout decides who holds, owns and sends what. Pieces
