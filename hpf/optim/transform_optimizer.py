@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import namedtuple
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any, Callable
 
 import optree
@@ -34,7 +34,7 @@ class TransformOptimizer:
     state: Any = None
     frozen: tuple | None = field(default=None, repr=False, compare=False)  # per flat shard: not trained
 
-    @property
+    @cached_property  # (the step reads them each step; the transform does not change)
     def capabilities(self) -> Capabilities:
         """Partial updates when elementwise; set up per plan; its clip's max norm (the decision
         takes the global norm and reads the clip's factor); the aux its stages read; its stages."""
