@@ -1,4 +1,4 @@
-"""The Muon math shared by Muon (full tensors) and DistMuon (flat shards), as batch functions.
+"""The Muon math shared by Muon (full tensors) and DistMuon (flat shards), as batch functions and stages.
 
 Momentum is elementwise and runs on shards; only ``orthogonalize`` needs whole matrices.
 The momentum and update rules are torch.optim.Muon's (torch 2.13), so results match it.

@@ -1,4 +1,4 @@
-"""Muon over a pytree of full tensors (single device), with an AdamW fallback.
+"""Muon as a chain of stages over any pytree of tensors, with an AdamW fallback (plan form: DistMuon).
 
 Matrices (ndim >= 2; ndim > 2 is a batch of matrices over the leading dims, e.g. MoE experts
 [E, m, n]) step along the orthogonalized momentum; vectors, embeddings and the head use AdamW.
