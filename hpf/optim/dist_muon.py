@@ -223,7 +223,9 @@ class DistMuon:
         for i, x in enumerate(self._momentum_order):
             self._by_bucket[x.bucket].append(i)
         self.qk = _qk_pieces(self.muon, self.plan, self.rank) if self.muon.qk_clip is not None else []
-        self.outline = self.muon.transform.for_params(meta).outline()  # Muon's stages, its labels resolved
+        stages = self.muon.transform.for_params(meta)  # Muon's stages, its labels resolved
+        self._capabilities = Capabilities(early=self.muon.overlap and self.slow is None, aux=stages.aux,
+                                          state_layout={"exp_avg_sq": self.adamw_paths}, outline=stages.outline())
 
     # -- optax-style interface ----------------------------------------------------------------
     def init(self, shards: Sequence[torch.Tensor]) -> MuonState:
@@ -235,9 +237,9 @@ class DistMuon:
     @property
     def capabilities(self) -> Capabilities:
         """Work begun in backward (``overlap``, off under a low-bit slow tier); the step's aux
-        under QK-Clip; ``exp_avg_sq`` holds AdamW's second moment of the AdamW params only; Muon's stages."""
-        return Capabilities(early=self.muon.overlap and self.slow is None, aux=self.muon.transform.aux,
-                            state_layout={"exp_avg_sq": self.adamw_paths}, outline=self.outline)
+        under QK-Clip; ``exp_avg_sq`` holds AdamW's second moment of the AdamW params only; Muon's
+        stages (made once: the step reads them each step)."""
+        return self._capabilities
 
     def update(self, grads: Sequence[torch.Tensor], state: MuonState, params: Sequence[torch.Tensor],
                aux: dict | None = None) -> tuple[list[torch.Tensor], MuonState]:
