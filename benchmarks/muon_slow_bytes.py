@@ -9,7 +9,7 @@ muon_tax.py (2 ms + 100 MB/s per slow-tier collective), one run, layouts interle
   node-major  Topology(), the default: shards numbered node-major (a node holds one contiguous
               region of every bucket), two-stage collectives with the same bytes per tier.
   flat        Topology(hierarchical=False): node-major numbering, flat collectives.
-Per layout: Muon's bytes (hpf.optim.dist_muon.muon_traffic, and DistMuon.bytes_sent /
+Per layout: Muon's bytes (hpf.optim.muon_owners.muon_traffic, and DistMuon.bytes_sent /
 slow_bytes_sent summed over ranks for one step), the FSDP collectives' slow-tier bytes per step
 (the comm's counters), and the median step time (the slowest rank's). The baseline is the
 owner rule before topology-aware owners, 8.50 MiB (issue 40). Targets: node-major's Muon slow
@@ -26,7 +26,7 @@ import torch
 import hpf
 from hpf.launcher import launch
 from hpf.models import gpt
-from hpf.optim.dist_muon import muon_traffic
+from hpf.optim.muon_owners import muon_traffic
 
 from common import print_table, report_ratio
 

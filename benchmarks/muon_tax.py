@@ -26,7 +26,7 @@ import hpf
 from hpf import sim
 from hpf.launcher import launch
 from hpf.models import gpt
-from hpf.optim.dist_muon import muon_plan_state
+from hpf.optim.muon_owners import muon_plan_state
 
 from common import median_ms, parse_step_args, print_table, report_ratio, step_bench_parser, time_steps
 

@@ -64,7 +64,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from .checkpoint_check import Want, check_keys, dtype_of, header_fields
+from .checkpoint_check import Want, check_keys, check_outline, dtype_of, header_fields
 from .checkpoint_files import (HEADER, TMP_SUFFIX, CheckpointError, Reader, load_data, not_data, read_failed,
                                save_failed, seal, sums, describe, PeerSaveError)
 from .comm import schedule, world
@@ -299,7 +299,7 @@ def _optimizer_name(optimizer) -> str:
 def _header(layout: Layout, sd: dict) -> dict:
     plan = layout.plan
     return {"format": "hpf-dcp", "version": VERSION, "optimizer": _optimizer_name(layout.optimizer),
-            "optimizer_structure": getattr(layout.optimizer, "structure", None),
+            "optimizer_outline": [list(r) for r in capabilities(layout.optimizer).outline] or None,
             "tree": _skeleton(plan),
             "tensors": {k: [list(v.shape if isinstance(v, _Chunks) else v.shape), str(v.dtype)]
                         for k, v in sd.items() if isinstance(v, (_Chunks, torch.Tensor))}}
@@ -598,10 +598,7 @@ def restore(layout: Layout, path, state, *, strict: bool = True) -> tuple[Any, A
         if header["optimizer"] != _optimizer_name(layout.optimizer):
             raise CheckpointError(f"{path}: saved with optimizer {header['optimizer']}, restoring into "
                                   f"{_optimizer_name(layout.optimizer)}; use the same optimizer")
-        mine, saved = getattr(layout.optimizer, "structure", None), header.get("optimizer_structure")
-        if mine is not None and saved is not None and mine != saved:  # (None: an hpf that did not record it)
-            raise CheckpointError(f"{path}: saved with the optimizer chain {saved}, restoring into {mine}; the state "
-                                  "fields may match, but their meaning does not: build the same chain and partition")
+        check_outline(path, header.get("optimizer_outline"), capabilities(layout.optimizer).outline)
         _fitting_feedback(path, metadata, sd)
         check_keys(path, metadata, sd)
         dropped = sorted(k for k in set(metadata.state_dict_metadata) - set(sd) if not k.startswith(FEEDBACK))

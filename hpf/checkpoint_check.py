@@ -2,6 +2,7 @@
 
 - hpf.json's fields (:func:`header_fields`): each of the right type (a crafted or damaged file
   is a CheckpointError naming the file and the field, never a KeyError or a torch call).
+- The optimizer's stages (:func:`check_outline`): the same paths and names as the saved ones.
 - Each key a load needs (:func:`check_keys`): saved, of the same shape and dtype, and covered
   by its chunks: every element exactly once (a chunk dropped from ``.metadata`` would leave
   elements as they were, or uninitialized), each chunk's bytes stored in a file big enough for
@@ -19,7 +20,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from .checkpoint_files import HEADER
 from .errors import CheckpointError
 
-__all__ = ["Want", "header_fields", "check_keys", "dtype_of"]
+__all__ = ["Want", "header_fields", "check_keys", "check_outline", "dtype_of"]
 
 
 class Want(NamedTuple):
@@ -32,6 +33,29 @@ class Want(NamedTuple):
 def _bad(path: Path, field: str, why: str) -> CheckpointError:
     return CheckpointError(f"{path / HEADER}: field {field!r} {why}; the file was damaged or edited after the save "
                            "(restore another checkpoint)")
+
+
+def check_outline(path: Path, saved: list | None, mine) -> None:
+    """CheckpointError unless the optimizer's stages (its ``capabilities.outline``: (path, name,
+    hyper-parameters) each) have the saved paths and names: the state's fields may match while
+    their meaning does not (decay before Adam or after, another partition of the params).
+    Hyper-parameters may differ (a resumed run may change its lr). A checkpoint without the
+    record (an hpf before it, or an optimizer not made of stages) is not checked here."""
+    if not saved:
+        return
+    was, now = [(r[0], r[1]) for r in saved], [(r[0], r[1]) for r in mine]
+    if was == now:
+        return
+    at = next((i for i, (a, b) in enumerate(zip(was, now)) if a != b), min(len(was), len(now)))
+    where = lambda rs: f"{rs[at][1]} at {rs[at][0] or 'the top'!r}" if at < len(rs) else "no stage"  # noqa: E731
+    raise CheckpointError(f"{path}: saved with another optimizer chain: its stage {at} is {where(was)}, this "
+                          f"optimizer's is {where(now)} (saved stages: {_listed(was)}). "
+                          "The state's fields may match, but their meaning does not: build the optimizer with the "
+                          "same chain and partition to restore it, or start the new optimizer from fresh state")
+
+
+def _listed(stages: list) -> str:
+    return "; ".join(f"{p or 'top'} {n}" for p, n in stages)
 
 
 def dtype_of(name: Any) -> torch.dtype | None:
@@ -68,8 +92,11 @@ def header_fields(path: Path, header: dict) -> list[str]:
     for name, kind in (("tree", (dict, list, str)), ("tensors", dict), ("optimizer", str), ("files", dict)):
         if not isinstance(header.get(name), kind):
             raise _bad(path, name, "is missing" if name not in header else f"is a {type(header[name]).__name__}")
-    if not isinstance(header.get("optimizer_structure"), (str, type(None))):
-        raise _bad(path, "optimizer_structure", f"is a {type(header['optimizer_structure']).__name__}, not a string")
+    outline = header.get("optimizer_outline")
+    if not (outline is None or isinstance(outline, list) and all(
+            isinstance(r, list) and len(r) == 3 and isinstance(r[0], str) and isinstance(r[1], str)
+            and isinstance(r[2], dict) for r in outline)):
+        raise _bad(path, "optimizer_outline", "is not a list of [path, name, hyper-parameters]")
     if not isinstance(header.get("meta", {}), dict):
         raise _bad(path, "meta", f"is a {type(header['meta']).__name__}, not a dict")
     for name, entry in header["files"].items():

@@ -15,7 +15,8 @@ from .engine.residency import RESIDENT_UNITS
 from .losses import LossScale
 from .mesh import Mesh, as_axes
 from .optim.base import Optimizer, capabilities, undeclared
-from .optim.transforms import Transform, as_optimizer
+from .optim.stage import Transform
+from .optim.transform_optimizer import as_optimizer
 from .precision import MixedPrecision
 
 __all__ = ["StepConfig", "MODES"]

@@ -4,8 +4,10 @@ After a step's reductions land, each rank sends its loss sum, its count (micro-b
 terms of ``hpf.weighted``), whether its loss was finite, its grads' squared norm, the digest of
 its schedule (hpf.comm.schedule) and of its batch shapes, and its aux tensors. The sums are the
 same on every rank, so every rank decides alike, before any update: the loss and grad norm,
-the factor that turns summed grads into the update's (the normalizer, the loss scale, the
-clip), whether the step is finite, and whether the ranks agreed on their reads and batches.
+the clip stage's factor of that norm (read from the stage, hpf.optim.stages.ClipByGlobalNorm),
+the factor that turns summed grads into the update's (the normalizer and the loss scale, and
+the clip's factor as the stage gives it: one multiply of the grads), whether the step is
+finite, and whether the ranks agreed on their reads and batches.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from .errors import UnevenBatchError
 from .comm import schedule, world
 from .comm.canonical import exact_parts, exact_square_sum, exact_total, tree_sum
 from .comm.schedule import LOG
-from .optim.transforms import ClipByGlobalNorm, clip_by_global_norm
+from .optim.stages import ClipByGlobalNorm, clip_by_global_norm
 from .trace import span
 
 __all__ = ["Decision", "Decider"]
@@ -38,11 +40,12 @@ class Decision:
 
     loss: float
     grad_norm: float
-    grad_scale: float  # multiplies the summed grads: 1 / normalizer (and / loss scale), times the clip
+    grad_scale: float  # multiplies the summed grads: 1 / normalizer (and / loss scale), and the clip's factor
     finite: bool
     aux: dict | None
     waited_s: float = 0.0  # blocked in the all-reduce
     count: float | None = None  # hpf.weighted's global count (None: a plain mean); 0 makes the loss nan
+    clip: float = 1.0  # the clip stage's factor of grad_norm (1: no clip stage, or it did not act)
 
 
 @dataclass(frozen=True)
@@ -54,8 +57,8 @@ class Decider:
         n_compute: ranks that compute one replica's loss together (non-FSDP axes);
         replicas: per piece, how many ranks hold it (counted once in the norm); pieces: (bucket,
             slice of this rank's grad shard, None: all of it), its runs of params of one replica count;
-        clip: clipping by the global grad norm, a stage of hpf.optim.transforms whose factor the
-            decision folds into ``grad_scale`` (None: no clipping).
+        clip: clipping by the global grad norm, the stage (hpf.optim.stages.ClipByGlobalNorm) whose
+            factor the decision reads and whose ``grad_scale`` it takes (None: no clipping).
         dp_index: the invariant mode (None: off): this rank's index over the FSDP axes, whose
             atoms' losses it places in the canonical sum; the grad norm is summed exactly, each
             bucket's shard counted on one of its replicas (``counted``: whether this rank's is).
@@ -146,17 +149,15 @@ class Decider:
         loss = (tv[0] / tv[1] if tv[1] else math.nan) if weighted else tv[0] / (self.world * len(outs))
         grad_norm = math.sqrt(tv[3]) / (normalizer * scale) if normalizer else 0.0
         finite = not tv[2] and math.isfinite(grad_norm) and math.isfinite(loss)
-        coef = 1.0
-        if clip and finite and self.clip is not None:
-            coef = self.clip.factor(grad_norm)
+        coef = self.clip.factor(grad_norm) if clip and finite and self.clip is not None else 1.0
         out_aux = None
         if aux is not None:
             flat = torch.tensor(tv[_SHAPES.stop:], dtype=torch.float64)
             out_aux = {k: x.view(v.shape).to(v.dtype) for (k, v), x in
                        zip(summed.items(), torch.split(flat, [v.numel() for v in summed.values()]))}
             out_aux.update(_max_aux({k: v for k, v in aux.items() if k not in summed}, self.world))
-        return Decision(loss, grad_norm, _grad_scale(normalizer, scale, coef), finite, out_aux, waited,
-                        tv[1] if weighted else None)
+        grad_scale = _grad_scale(normalizer, scale) if coef == 1.0 else self.clip.grad_scale(normalizer * scale, coef)
+        return Decision(loss, grad_norm, grad_scale, finite, out_aux, waited, tv[1] if weighted else None, coef)
 
 
     def _invariant_parts(self, values: torch.Tensor, grads: list[torch.Tensor]) -> tuple[float, torch.Tensor]:
@@ -183,10 +184,10 @@ class Decider:
 _EXACT = 6
 
 
-def _grad_scale(normalizer: float, scale: float, coef: float = 1.0) -> float:
-    """The factor that turns summed grads into the update's: the clip's ``coef`` over the
+def _grad_scale(normalizer: float, scale: float) -> float:
+    """The factor that turns summed grads into the update's when nothing clips: one over the
     normalizer and the loss scale (0 when nothing was counted)."""
-    return coef / (normalizer * scale) if normalizer else 0.0
+    return 1.0 / (normalizer * scale) if normalizer else 0.0
 
 
 def _local_aux(outs: list[losses.LossOut]) -> dict | None:

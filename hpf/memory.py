@@ -179,7 +179,7 @@ def state_report(plan: Plan, mixed_precision=None, optimizer: str = "adamw",
     if optimizer == "adamw":
         return report, "optimizer state: AdamW, two fp32 moments per element"
     from .optim import muon
-    from .optim.dist_muon import muon_plan_state, muon_traffic
+    from .optim.muon_owners import muon_plan_state, muon_traffic
 
     most, load, n_muon = muon_plan_state(muon(), plan)
     busiest = max(range(plan.mesh.size), key=lambda r: (load[r], -r))

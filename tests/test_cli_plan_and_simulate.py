@@ -13,7 +13,8 @@ import hpf
 from hpf import plots
 from hpf.models import gpt
 from hpf.sim.hardware import compute_key
-from hpf.optim.dist_muon import DistMuon, muon_plan_state
+from hpf.optim.dist_muon import DistMuon
+from hpf.optim.muon_owners import muon_plan_state
 from cli_helpers import REPO, CALIBRATION, hpf_cmd, NO_MATPLOTLIB
 
 

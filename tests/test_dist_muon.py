@@ -27,7 +27,8 @@ from hpf import P
 from hpf.launcher import launch
 from hpf.models import gpt
 from hpf.optim import muon_math, muon_optimizer
-from hpf.optim.dist_muon import DistMuon, assign_owners, ns_flops
+from hpf.optim.dist_muon import DistMuon
+from hpf.optim.muon_owners import assign_owners, ns_flops
 from hpf.optim.muon_optimizer import muon
 from references import functional_training
 
@@ -514,7 +515,7 @@ def test_tp_split_matrices_are_orthogonalized_whole_as_single_process_muon(model
 
 def muon_stats(rank, axes):
     """step.stats()'s Muon bytes after 2 steps of gpt tiny with Muon, and the plan's count of them."""
-    from hpf.optim.dist_muon import muon_sends
+    from hpf.optim.muon_owners import muon_sends
 
     mesh = hpf.Mesh(axes)
     with hpf.shard_step(gpt.loss_for(TINY), mesh=mesh, optimizer=muon(**MUON)) as step:
@@ -530,7 +531,7 @@ def muon_stats(rank, axes):
 @pytest.mark.slow
 def test_step_stats_count_muon_s_bytes_as_the_plan_does():
     """step.stats() has DistMuon's point-to-point bytes by tier (issue 60 item 7: it had none), and they
-    are what hpf plan counts for Muon (hpf.optim.dist_muon.muon_sends), two steps' worth."""
+    are what hpf plan counts for Muon (hpf.optim.muon_owners.muon_sends), two steps' worth."""
     runs = launch(muon_stats, 4, {"node": 2, "local": 2}, timeout=120)
     assert all(got == want for got, want in runs), runs
     assert sum(got["fast"] + got["slow"] for got, _ in runs) > 0

@@ -9,7 +9,7 @@ import pytest
 import hpf
 from hpf import cli, search, sim
 from hpf.models import gpt
-from hpf.optim.dist_muon import muon_sends
+from hpf.optim.muon_owners import muon_sends
 
 CM = sim.PROFILES["cloudmatrix384"]
 SMALL = gpt.CONFIGS["small"]

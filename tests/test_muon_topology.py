@@ -1,6 +1,6 @@
 """Distributed Muon's owners placed by topology: on a two-tier mesh each split matrix is owned on
 the node (the ranks sharing the fast tier) that holds most of it, so the least of it crosses the
-slow tier; the plan's prediction of those bytes (hpf.optim.dist_muon.muon_traffic, which hpf plan
+slow tier; the plan's prediction of those bytes (hpf.optim.muon_owners.muon_traffic, which hpf plan
 prints) equals what DistMuon sends, and owners that hold no piece give single-device Muon."""
 from collections import Counter
 
@@ -9,8 +9,9 @@ import torch
 
 import hpf
 from hpf.models import gpt
-from hpf.optim import dist_muon
-from hpf.optim.dist_muon import DistMuon, assign_owners, muon_paths, muon_traffic
+from hpf.optim import muon_owners
+from hpf.optim.dist_muon import DistMuon
+from hpf.optim.muon_owners import assign_owners, muon_paths, muon_traffic
 from hpf.optim.muon_optimizer import muon
 
 MESH = hpf.Mesh({"node": 2, "local": 2})
@@ -23,7 +24,7 @@ def node(rank):
 def split_matrices(plan, paths):
     """(bucket, shard group, slot, {node: elements held there}) of every matrix split across ranks."""
     for b in plan.buckets:
-        for ranks in dist_muon._shard_groups(plan, b):
+        for ranks in muon_owners._shard_groups(plan, b):
             for slot in b.slots:
                 holders = b.holders(slot)
                 if slot.path in paths and len(holders) > 1:

@@ -241,7 +241,7 @@ def test_stages_that_need_whole_params_are_refused_on_flat_shards(which, fix):
 
 
 def chain_rank(rank, which):
-    """GPT tiny on 2 ranks: the user's chain (its clip folded into the step's grad scale), or
+    """GPT tiny on 2 ranks: the user's chain (its clip's factor read by the step's decision), or
     hpf.optim.adamw with shard_step(max_grad_norm=...)."""
     adamw = hpf.optim.adamw(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
     mask = hpf.optim.default_weight_decay_mask
@@ -407,7 +407,7 @@ def test_a_checkpoint_records_the_chain_and_refuses_another_with_the_same_fields
         restored, _ = same.restore(tmp_path / name, same.init(_fallback_params()))
         assert int(restored.opt_state.count) == 1
         other = step_with(others[name])
-        with pytest.raises(ck.CheckpointError, match=r"saved with the optimizer chain .*restoring into .*build the same"):
+        with pytest.raises(ck.CheckpointError, match=r"saved with another optimizer chain: its stage .* this optimizer's is .*build the optimizer with the same chain"):
             other.restore(tmp_path / name, other.init(_fallback_params()))
         for s in (step, same, other):
             s.close()

@@ -83,7 +83,7 @@ def test_hpf_plan_check_binds_muon_to_the_plan_as_the_step_does(capsys, monkeypa
 
     def refuse(plan, slot):
         raise ValueError(f"distributed Muon: parameter {slot.path!r} is refused")
-    monkeypatch.setattr(dist_muon, "_check_whole_matrices", refuse)
+    monkeypatch.setattr(dist_muon, "check_whole_matrices", refuse)
     assert main(["plan", "--config", "small", "--mesh", "dp=2,tp=2", "--optimizer", "muon", "--check"]) == 2
     err = capsys.readouterr().err
     assert "muon refuses it" in err and "distributed Muon: parameter 'blocks/0/w_" in err, err

@@ -41,7 +41,7 @@ def plan_arguments(args, mesh: hpf.Mesh, config, fast_major: bool = False) -> di
 
 def muon_by_order(args, mesh: hpf.Mesh, plan: hpf.Plan) -> str:
     """Muon's bytes per tier with shards numbered node-major (``plan``) and fast-major."""
-    from hpf.optim.dist_muon import muon_traffic
+    from hpf.optim.muon_owners import muon_traffic
 
     def mib(p):
         total, slow = muon_traffic(hpf.optim.muon(), p)

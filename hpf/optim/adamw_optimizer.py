@@ -18,10 +18,11 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from .base import Capabilities
 from .lr_schedules import check_rate
-from .transforms import (Chain, InjectHyperparams, TransformOptimizer, add_decayed_weights, chain, inject,
-                         scale_by_adam)
+from .combinators import Chain, InjectHyperparams, chain
+from .stage import inject
+from .stages import add_decayed_weights, scale_by_adam
+from .transform_optimizer import Staged, TransformOptimizer
 
 
 __all__ = ["adamw", "AdamW", "AdamWState", "schedule_value", "default_weight_decay_mask"]
@@ -49,10 +50,11 @@ def schedule_value(lr: float | Callable[[int], float], step: int, what: str = "l
 
 
 @dataclass(frozen=True)
-class AdamW:
+class AdamW(Staged):
     """AdamW as torch.optim.AdamW computes it, on any pytree of tensors (``init``/``update``):
     ``inject_hyperparams(chain(add_decayed_weights(weight_decay, mask), scale_by_adam(betas,
-    eps)), lr)`` (hpf.optim.transforms), run as a :class:`TransformOptimizer` with AdamWState.
+    eps)), lr)`` (hpf.optim.transforms), run as a :class:`TransformOptimizer` with AdamWState,
+    whose capabilities it declares (elementwise: partial updates; set up per plan).
 
     Build it with :func:`adamw`, which checks the hyper-parameters.
 
@@ -76,8 +78,7 @@ class AdamW:
     #: the optimizer on a plan's flat shards (``for_plan``); None: made from the fields
     planned: TransformOptimizer | None = field(default=None, repr=False, compare=False)
 
-    #: elementwise, so updated a few shards at a time; set up per plan (the decay mask, frozen buckets)
-    capabilities = Capabilities(partial=True, for_plan=True)
+    State = AdamWState
 
     @property
     def stages(self) -> Chain:
@@ -92,21 +93,13 @@ class AdamW:
     @property
     def optimizer(self) -> TransformOptimizer:
         """What runs it: the transform as an optimizer with AdamWState (set up per plan once planned)."""
-        return self.planned or TransformOptimizer(self.transform, AdamWState)
+        return self.planned or super().optimizer
 
     def for_plan(self, plan, rank: int) -> "AdamW":
         """This optimizer on ``plan``'s flat shards (``hpf.shard_step`` calls it): the mask
         becomes, per shard, the element ranges of the params that decay; frozen buckets get no
         state and no update. Still an AdamW, which checkpoints name."""
         return replace(self, planned=self.optimizer.for_plan(plan, rank))
-
-    def init(self, params: Any) -> AdamWState:
-        return self.optimizer.init(params)
-
-    def update(self, grads: Any, state: AdamWState, params: Any) -> tuple[Any, AdamWState]:
-        """Returns (new params, new state). Params and state buffers are updated in place
-        (donated, as with ``jax.jit(donate_argnums=...)``): do not reuse the inputs."""
-        return self.optimizer.update(grads, state, params)
 
     def partial_update(self, state: AdamWState, params: Any) -> Callable[[list[int], list], None]:
         """Start one step whose update is applied a few leaves at a time, as their grads

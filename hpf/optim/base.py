@@ -15,10 +15,13 @@ instead of probing for methods. Each capability promises the methods of its prot
 - ``aux``: the step's aux names ``update(..., aux=...)`` reads (Muon's QK-Clip reads the max
   attention logits); () and the step calls ``update`` without aux.
 - ``max_grad_norm``: a clip stage's max global grad norm (hpf.optim.transforms.clip_by_global_norm):
-  the step takes the global norm in its one all-reduce and folds the clip's factor into its grad
-  scale, as ``shard_step(max_grad_norm=...)`` does (None: no clip stage).
+  the step takes the global norm in its one all-reduce, and the decision reads the clip stage's
+  factor of it, as for ``shard_step(max_grad_norm=...)`` (None: no clip stage).
 - ``state_layout``: the per-bucket state fields that do not lie as the param shard does, each
   with the params it packs, so checkpoints can place them (distributed Muon's AdamW moment).
+- ``outline``: its stages, (path, name, hyper-parameters) each (hpf.optim.stage.Transform.outline):
+  a checkpoint records them and refuses to restore into an optimizer whose stages differ (): an
+  optimizer not made of stages, which checkpoints tell apart by its type's name only).
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ class Capabilities:
     #: of those params only, back to back in the bucket's param order (every other per-bucket
     #: field is laid out as the param shard, as AdamW's moments are)
     state_layout: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    outline: tuple[tuple[str, str, dict], ...] = ()
 
 
 def capabilities(optimizer: Any) -> Capabilities:

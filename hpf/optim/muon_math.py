@@ -1,4 +1,4 @@
-"""The Muon math shared by Muon (full tensors) and DistMuon (flat shards), as batch functions.
+"""The Muon math shared by Muon (full tensors) and DistMuon (flat shards), as batch functions and stages.
 
 Momentum is elementwise and runs on shards; only ``orthogonalize`` needs whole matrices.
 The momentum and update rules are torch.optim.Muon's (torch 2.13), so results match it.
@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, Sequence, Union
 
 import torch
 
 from hpf_kernels import newton_schulz
 
-from .transforms import Transform
+from .. import tree as tree_util
+from .stage import Transform
 
-__all__ = ["MuonState", "ScaleByMuon", "scale_by_muon", "SCALES", "apply_muon_updates_", "check_qk_heads", "max_attn_logits", "muon_direction",
+__all__ = ["MuonState", "ScaleByMuon", "scale_by_muon", "QKClip", "SCALES", "apply_muon_updates_", "check_qk_heads", "max_attn_logits", "muon_direction",
            "muon_momentum_", "orthogonalize", "qk_clip_", "qk_clip_factors", "update_scale"]
 
 SCALES = ("keller", "original", "moonlight", "match_rms_adamw")
@@ -189,3 +190,42 @@ def scale_by_muon(momentum: float = 0.95, nesterov: bool = True, ns_steps: int =
                   scale: Union[str, float] = "keller", compute_dtype: torch.dtype | None = None,
                   variant: str = "standard") -> ScaleByMuon:
     return ScaleByMuon(momentum, nesterov, ns_steps, coefficients, scale, compute_dtype, variant)
+
+
+@dataclass(frozen=True)
+class QKClip(Transform):
+    """QK-Clip as the stage after Muon's update (Kimi K2's MuonClip): each head whose max attention
+    logit this step (the aux "max_attn_logit", ``hyper.aux``) exceeded ``tau`` has its query and
+    key weights scaled by gamma ** power. ``heads``: the model's qk_heads(config), path -> (dim,
+    head per index, power); resolved against the params (``for_params``), ``leaf_heads`` per leaf.
+    Not elementwise (a head's index is of the whole param): on a plan's flat shards DistMuon
+    clips each rank's pieces (its ``gamma``, hpf.optim.DistMuon)."""
+
+    tau: float
+    heads: dict = field(repr=False, compare=False)
+    leaf_heads: tuple | None = field(default=None, repr=False, compare=False)
+    name = "qk_clip"
+    aux = ("max_attn_logit",)
+    elementwise = False
+
+    def gamma(self, aux: dict | None) -> torch.Tensor:
+        """This step's per-head factors; raises (before any update) when the aux is missing or too short."""
+        gamma = qk_clip_factors(max_attn_logits(aux), self.tau)
+        for path, (_, along, _) in self.heads.items():
+            if int(along.max()) >= gamma.numel():
+                raise ValueError(f"muon(qk_clip=...): qk_heads[{path!r}] names head {int(along.max())}, but the "
+                                 f"aux 'max_attn_logit' has {gamma.numel()} heads; pass the same model's qk_heads")
+        return gamma
+
+    def for_params(self, params: Any) -> "QKClip":
+        paths, leaves, _ = tree_util.flatten(params)
+        check_qk_heads(self.heads, dict(zip(paths, (p.shape for p in leaves))))
+        return replace(self, leaf_heads=tuple(self.heads.get(p) for p in paths))
+
+    def check(self, hyper) -> None:
+        self.gamma(hyper.aux)
+
+    def update(self, grads, state, params, hyper):
+        qk_clip_([(p.view(-1), p.shape, 0, h) for p, h in zip(params, self.leaf_heads) if h is not None],
+                 self.gamma(hyper.aux))
+        return grads, state

@@ -1,17 +1,18 @@
-"""Muon over a pytree of full tensors (single device), with an AdamW fallback.
+"""Muon as a chain of stages over any pytree of tensors, with an AdamW fallback (plan form: DistMuon).
 
 Matrices (ndim >= 2; ndim > 2 is a batch of matrices over the leading dims, e.g. MoE experts
 [E, m, n]) step along the orthogonalized momentum; vectors, embeddings and the head use AdamW.
-Muon is built from the stages AdamW is (hpf.optim.transforms): ``partition`` gives matrices
-``chain(add_decayed_weights, scale_by_muon)`` at Muon's lr and the rest AdamW's chain at its
-own (``Muon.transform``). On a plan's flat shards (``for_plan``) the partition runs as the
-distributed Muon (hpf.optim.dist_muon), which calls the same stages on the pieces it holds.
+Muon is a chain of the stages AdamW is made of (hpf.optim.transforms): ``partition`` gives
+matrices ``chain(add_decayed_weights, scale_by_muon)`` at Muon's lr and the rest AdamW's chain
+at its own, then QK-Clip when on (``Muon.transform``), run as AdamW is (a TransformOptimizer).
+On a plan's flat shards (``for_plan``) the partition runs as the distributed Muon
+(hpf.optim.dist_muon), which calls the same stages on the pieces it holds.
 This module is hpf/optim/muon_optimizer.py, not muon.py: ``hpf.optim.muon`` is the factory.
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Union
 
 import optree
@@ -19,13 +20,13 @@ import torch
 
 from hpf_kernels import pick_variant, resolve_coefficients
 
-from .base import Capabilities
 from .lr_schedules import check_rate
 from .adamw_optimizer import AdamW, adamw, schedule_value
 from .dist_muon import DistMuon
-from .muon_math import (MuonState, ScaleByMuon, check_qk_heads, max_attn_logits, qk_clip_, qk_clip_factors,
-                        scale_by_muon, update_scale)
-from .transforms import Chain, Hyper, InjectHyperparams, Partition, add_decayed_weights, chain, partition, run
+from .muon_math import MuonState, QKClip, ScaleByMuon, scale_by_muon, update_scale
+from .combinators import Chain, InjectHyperparams, Partition, chain, partition
+from .stages import add_decayed_weights
+from .transform_optimizer import Staged
 
 __all__ = ["muon", "Muon", "MuonState", "default_use_adamw"]
 
@@ -39,14 +40,14 @@ def default_use_adamw(path: str, tensor: torch.Tensor) -> bool:
 
 
 @dataclass(frozen=True)
-class Muon:
+class Muon(Staged):
     """Muon for tensors with ndim >= 2, AdamW for the rest and for paths use_adamw(path, t) picks.
 
     update(grads, state, params) changes params and state in place (donated, as with
     hpf.optim.adamw: no copy of the model, FSDP shards stay views into their buffers) and
     returns them. Build it with :func:`muon`, which checks the hyper-parameters. Its math is
-    ``transform``, a partition of stages (hpf.optim.transforms); under hpf.shard_step,
-    ``for_plan`` runs that partition as the layout-driven :class:`DistMuon`.
+    ``transform``, a chain of stages (hpf.optim.transforms) run as AdamW's is; under
+    hpf.shard_step, ``for_plan`` runs its partition as the layout-driven :class:`DistMuon`.
 
     Args:
         lr: Muon's learning rate, or a function of the 1-based step.
@@ -84,6 +85,8 @@ class Muon:
     qk_heads: Any = None  # path -> (dim, head per index, power): the model's qk_heads(config)
     overlap: bool = False  # under hpf.shard_step: start momentum and Newton-Schulz as units' grads land
 
+    State = MuonState
+
     @property
     def muon_stage(self) -> ScaleByMuon:
         """Momentum, Newton-Schulz and the scaled step of the matrices, as a stage."""
@@ -96,9 +99,18 @@ class Muon:
         return self.adamw.stages
 
     @property
-    def transform(self) -> Partition:
-        """Muon as stages: matrices (``on_muon``) take decoupled weight decay then ``scale_by_muon``
-        at ``lr``; the rest AdamW's chain at the fallback's lr."""
+    def transform(self) -> Chain:
+        """Muon as stages: its partition, then QK-Clip when on (after the update, as MuonClip)."""
+        return chain(self.partition, *([self.qk_stage] if self.qk_stage is not None else []))
+
+    @property
+    def qk_stage(self) -> QKClip | None:
+        return None if self.qk_clip is None else QKClip(self.qk_clip, self.qk_heads)
+
+    @property
+    def partition(self) -> Partition:
+        """Matrices (``on_muon``) take decoupled weight decay then ``scale_by_muon`` at ``lr``; the
+        rest AdamW's chain at the fallback's lr."""
         return partition({"muon": InjectHyperparams(chain(add_decayed_weights(self.weight_decay), self.muon_stage),
                                                     self.lr, "muon: lr"),
                           "adamw": InjectHyperparams(self.adamw_stages, self.adamw.lr, "muon: adamw_lr")},
@@ -115,25 +127,9 @@ class Muon:
     def on_muon(self, path: str, p: torch.Tensor) -> bool:
         return p.ndim >= 2 and not self.use_adamw(path, p)
 
-    @property
-    def capabilities(self) -> Capabilities:
-        """Set up per plan (distributed Muon); reads the max attention logits under QK-Clip."""
-        return Capabilities(for_plan=True, aux=self.aux_names())
-
-    def aux_names(self) -> tuple[str, ...]:
-        """The aux ``update`` reads: the max attention logits under QK-Clip."""
-        return ("max_attn_logit",) if self.qk_clip is not None else ()
-
     def qk_gamma(self, aux: dict | None) -> torch.Tensor | None:
         """QK-Clip's per-head factors for this step (None when QK-Clip is off); raises before any update."""
-        if self.qk_clip is None:
-            return None
-        gamma = qk_clip_factors(max_attn_logits(aux), self.qk_clip)
-        for path, (_, along, _) in self.qk_heads.items():
-            if int(along.max()) >= gamma.numel():
-                raise ValueError(f"muon(qk_clip=...): qk_heads[{path!r}] names head {int(along.max())}, but the "
-                                 f"aux 'max_attn_logit' has {gamma.numel()} heads; pass the same model's qk_heads")
-        return gamma
+        return None if self.qk_clip is None else self.qk_stage.gamma(aux)
 
     def check_rates(self, step: int) -> None:
         """Raise before a step changes anything if its lr or AdamW lr is not finite and >= 0."""
@@ -141,29 +137,16 @@ class Muon:
         schedule_value(self.adamw.lr, step, "muon: adamw_lr")
 
     def init(self, params: Any) -> MuonState:
-        _, leaves, treedef = _flatten(params, "params")
-        fields = self.transform.init(params)  # momentum or first moment; the second moment, AdamW's only
-        return MuonState(torch.zeros((), dtype=torch.int64), treedef.unflatten(fields["exp_avg"]),
-                         treedef.unflatten(fields["exp_avg_sq"]))
+        _flatten(params, "params")
+        return super().init(params)  # momentum or first moment; the second moment, AdamW's only
 
     def update(self, grads: Any, state: MuonState, params: Any, aux: dict | None = None) -> tuple[Any, MuonState]:
-        """One step in place; ``aux``: the step's aux (hpf.losses), read only under QK-Clip."""
+        """One step in place (its chain's, after checking each leaf by path); ``aux``: the step's aux
+        (hpf.losses), read only under QK-Clip."""
         paths, leaves, treedef = _flatten(params, "params")
-        grad_leaves = _leaves_like(grads, treedef, paths, leaves, "grads")
-        avg = _leaves_like(state.exp_avg, treedef, paths, leaves, "state.exp_avg")
-        avg_sq = optree.tree_leaves(state.exp_avg_sq)
-        self.check_rates(int(state.count) + 1)
-        gamma = self.qk_gamma(aux)
-        if gamma is not None:
-            check_qk_heads(self.qk_heads, dict(zip(paths, (p.shape for p in leaves))))
-        state.count.add_(1)
-        run(self.transform.for_params(params), grad_leaves, {"exp_avg": avg, "exp_avg_sq": avg_sq}, leaves,
-            Hyper(int(state.count)))
-        if gamma is not None:  # after the update, as MuonClip
-            by_path = dict(zip(paths, leaves))
-            qk_clip_([(by_path[path].view(-1), by_path[path].shape, 0, heads) for path, heads in self.qk_heads.items()],
-                     gamma)
-        return params, state
+        _leaves_like(grads, treedef, paths, leaves, "grads")
+        _leaves_like(state.exp_avg, treedef, paths, leaves, "state.exp_avg")
+        return super().update(grads, state, params, aux)
 
 
 def muon(lr: Schedule = 0.02, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,

@@ -81,7 +81,7 @@ def compute_floor(config, mesh, hw: Hardware | str, strategy: str = "hpf", **kw)
 def muon_tax(plan, hw: Hardware, muon=None) -> float:
     """Seconds distributed Muon adds to a step of ``plan`` after the decision: the busiest rank's
     Newton-Schulz FLOPs at ``hw``'s matmul rate (peak x efficiency) plus the time its pieces take
-    to send over each tier's link (hpf.optim.dist_muon.muon_sends). ``muon``: an
+    to send over each tier's link (hpf.optim.muon_owners.muon_sends). ``muon``: an
     hpf.optim.muon(...) (default: its defaults)."""
     load, sends = _muon_work(plan) if muon is None else _muon_work_of(plan, muon)
     mesh = plan.mesh
@@ -109,7 +109,7 @@ def _muon_work(plan) -> tuple:
 
 def _muon_work_of(plan, muon) -> tuple:
     """(NS FLOPs per rank, bytes each rank sends per tier) of ``muon`` distributed on ``plan``."""
-    from ..optim.dist_muon import assign_owners, muon_paths, muon_sends
+    from ..optim.muon_owners import assign_owners, muon_paths, muon_sends
 
     owners, load = assign_owners(plan, muon_paths(muon, plan), muon.ns_steps, muon.ns_variant)
     return load, muon_sends(muon, plan, owners)
