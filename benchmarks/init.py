@@ -74,21 +74,21 @@ def _rank(rank: int, name: str, config_name: str):
     step = hpf.shard_step(gpt.loss_for(config), mesh=mesh, optimizer=hpf.optim.adamw(lr=1e-3)) \
         if name != "fsdp2" else None
     dist.barrier()
-    before, t0 = _rss(), time.perf_counter()
+    before, t0, cpu0 = _rss(), time.perf_counter(), time.process_time()
     if name == "generator":
         state = step.init(_generator_params(config))
     elif name == "born":
         state = step.init(functools.partial(gpt.init, config), key=hpf.random.key(0))
     else:
         _fsdp2_init(config)
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if step is not None:
         shard_bytes = sum(s.numel() * s.element_size() for s in state.params)
         step.close()
     else:
         shard_bytes = 0
-    return {"seconds": seconds, "growth": max(peak - before, 0), "shard_bytes": shard_bytes}
+    return {"seconds": seconds, "cpu": cpu, "growth": max(peak - before, 0), "shard_bytes": shard_bytes}
 
 
 def main() -> None:
@@ -111,19 +111,23 @@ def main() -> None:
     rows = []
     for name, rnds in runs.items():
         seconds = statistics.median(max(x["seconds"] for x in rnd) for rnd in rnds)  # the slowest rank, median round
+        cpu = statistics.median(max(x["cpu"] for x in rnd) for rnd in rnds)
         growth = statistics.median(max(x["growth"] for x in rnd) for rnd in rnds)
-        rows.append((name, seconds, growth / 2**20, growth / (4 * shard + largest) if shard else float("nan")))
+        rows.append((name, seconds, cpu, growth / 2**20, growth / (4 * shard + largest) if shard else float("nan")))
     print(f"GPT {config_name!r} ({gpt.num_params(config) / 1e6:,.1f}M params) on {args.world_size} ranks, "
           f"{rounds} round(s); state per rank {4 * shard / 2**20:,.1f} MiB (params, grads, 2 moments), largest param "
           f"{largest / 2**20:,.1f} MiB")
-    print_table(("init", "seconds (slowest rank, median)", "peak growth MiB", "growth / (state + largest)"), rows)
+    print_table(("init", "seconds (slowest rank, median)", "CPU s (rank)", "peak growth MiB", "growth / (state + largest)"),
+                rows)
     by = {r[0]: r for r in rows}
     if "born" in by:
-        report_ratio(f"init_growth/state_plus_largest[{config_name},{args.world_size}]", by["born"][3], "<=1.2")
+        report_ratio(f"init_growth/state_plus_largest[{config_name},{args.world_size}]", by["born"][4], "<=1.2")
         for other in ("generator", "fsdp2"):
             if other in by:
                 report_ratio(f"init_time_born/{other}[{config_name},{args.world_size}]",
                              by["born"][1] / by[other][1], "<=1.0")
+                report_ratio(f"init_cpu_born/{other}[{config_name},{args.world_size}]",
+                             by["born"][2] / by[other][2], "<=1.0")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ so tracing (``step.init``, ``torch.compile``, ``make_fx``) sees them and not the
 """
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Sequence
 
@@ -63,15 +64,29 @@ def fold_in(key: torch.Tensor, data) -> torch.Tensor:
     return torch.ops.hpf.fold_in(k, data.to(device=k.device, dtype=torch.int64))
 
 
-@torch.library.custom_op("hpf::fold_in", mutates_args=())
-def _fold_in_op(key: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+def _fold_in(key: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
     x0, x1 = hpf_kernels.threefry2x32(_words(key[..., 0]), _words(key[..., 1]), _words(data >> 32), _words(data))
     return _key_of(x0, x1)
 
 
+_fold_in_op = torch.library.custom_op("hpf::fold_in", _fold_in, mutates_args=())
+
+
 @_fold_in_op.register_fake
 def _(key, data):
-    return key.new_empty((*torch.broadcast_shapes(key.shape[:-1], data.shape), 2))
+    return key.new_empty((*broadcast_shape(key.shape[:-1], data.shape), 2))
+
+
+def broadcast_shape(*shapes: Sequence[int]) -> tuple[int, ...]:
+    """The shapes broadcast together, as torch.broadcast_shapes (which imports sympy on its first
+    call, 0.4 s: this runs in ``step.init``'s trace)."""
+    out = []
+    for sizes in itertools.zip_longest(*(reversed(tuple(s)) for s in shapes), fillvalue=1):
+        sizes = {int(n) for n in sizes} - {1}
+        if len(sizes) > 1:
+            raise RuntimeError(f"shapes {[tuple(s) for s in shapes]} do not broadcast")
+        out.append(sizes.pop() if sizes else 1)
+    return tuple(reversed(out))
 
 
 def example_keys(key: torch.Tensor, first: int, count: int) -> torch.Tensor:
@@ -173,16 +188,23 @@ def _draw(key, shape, dist: str, a: float, b: float, dtype: torch.dtype) -> torc
     return torch.ops.hpf.draw(key, shape, dist, a, b, dtype)
 
 
-@torch.library.custom_op("hpf::draw", mutates_args=())
-def _draw_op(key: torch.Tensor, shape: Sequence[int], dist: str, a: float, b: float,
-             dtype: torch.dtype) -> torch.Tensor:
+def _draw_whole(key: torch.Tensor, shape: Sequence[int], dist: str, a: float, b: float,
+                dtype: torch.dtype) -> torch.Tensor:
     n = math.prod(key.shape[:-1]) * math.prod(shape)
     return values_at(key, shape, dist, a, b, dtype, 0, n).reshape((*key.shape[:-1], *shape))
+
+
+_draw_op = torch.library.custom_op("hpf::draw", _draw_whole, mutates_args=())
 
 
 @_draw_op.register_fake
 def _(key, shape, dist, a, b, dtype):
     return key.new_empty((*key.shape[:-1], *shape), dtype=dtype)
+
+
+#: each op's own function, for a caller that computes its values without the dispatcher (a custom
+#: op's first call through it imports dynamo, about 1 s; ``step.init``'s evaluator needs none of it)
+EAGER = {torch.ops.hpf.fold_in.default: _fold_in, torch.ops.hpf.draw.default: _draw_whole}
 
 
 def values_at(key: torch.Tensor, shape: Sequence[int], dist: str, a: float, b: float, dtype: torch.dtype,

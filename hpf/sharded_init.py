@@ -1,9 +1,11 @@
 """Params born sharded: ``step.init(init_fn, key=...)`` materializes only this rank's shards.
 
 ``init_fn(key)`` returns the params tree, written with ``hpf.random`` draws, elementwise
-arithmetic on them and constants. It runs once on fake tensors (``make_fx`` of its
-functionalized form): that gives every leaf's shape for the plan, and the graph of ops that
-makes it. Then each rank evaluates each leaf at the flat positions of its own shards alone.
+arithmetic on them and constants. Its functionalized form runs once on meta tensors
+(``_MetaTrace``, the graph ``make_fx`` records, without the fake tensors whose imports cost a
+second a rank; what it cannot follow goes to ``make_fx``): that gives every leaf's shape for the
+plan, and the graph of ops that makes it. Then each rank evaluates each leaf at the flat
+positions of its own shards alone.
 Where an op's semantics are re-derived, they are derived by torch itself, so they cannot drift:
 
 - a draw is a pure function of (key, position) (hpf.random), so it is drawn there directly;
@@ -38,6 +40,7 @@ from typing import Any, Callable
 
 import torch
 from torch.fx import Node
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import random as hpf_random
 from . import tree as tree_util
@@ -81,7 +84,7 @@ EXACT_POW = (2, 3, 0.5, -0.5, -1, -2)  # pow.Tensor_Scalar's special cases: prod
 
 
 def trace_init(init_fn: Callable, key: torch.Tensor) -> "InitTrace":
-    """Trace ``init_fn(key)`` on fake tensors: no values are computed."""
+    """Trace ``init_fn(key)`` on meta tensors, else on fake ones: no values are computed."""
     if not callable(init_fn):
         raise TypeError(f"step.init(init_fn, key=...) takes a function key -> params, got {type(init_fn).__name__}")
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -95,12 +98,118 @@ def trace_init(init_fn: Callable, key: torch.Tensor) -> "InitTrace":
         box["paths"], leaves, box["treedef"] = tree_util.flatten(tree)
         return leaves
     try:
-        graph = make_fx(torch.func.functionalize(leaves_of), tracing_mode="fake")(key)
-    except Exception as err:
-        raise RuntimeError(f"step.init could not trace init_fn(key) on fake tensors ({type(err).__name__}: {err}). "
-                           "init_fn must be a function of the key alone, made of hpf.random draws, tensor ops "
-                           "and constants, with no data-dependent Python control flow") from err
+        graph = _MetaTrace.of(torch.func.functionalize(leaves_of), key)
+    except Exception:  # (what it cannot follow: make_fx's trace runs it again, and refuses it by path)
+        try:
+            graph = make_fx(torch.func.functionalize(leaves_of), tracing_mode="fake")(key)
+        except Exception as err:
+            raise RuntimeError(f"step.init could not trace init_fn(key) on fake tensors ({type(err).__name__}: "
+                               f"{err}). init_fn must be a function of the key alone, made of hpf.random draws, "
+                               "tensor ops and constants, with no data-dependent Python control flow") from err
     return InitTrace(graph, box["paths"], box["treedef"], key)
+
+
+class _MetaTrace(TorchDispatchMode):
+    """The graph of aten ops a function of the key runs, as ``make_fx`` records it, on meta
+    tensors: each op's meta kernel, and for a pointwise op the shape broadcast and the dtype of
+    the op itself on one-element stand-ins. So no fake tensor and no symbolic shape, whose imports
+    (dynamo, sympy: about 1 s a process) are most of make_fx's time. What it cannot follow raises:
+    data-dependent ops, ``.item()``, a meta tensor made outside it, an in-place op on a tensor
+    functionalization does not own. The key's device stands for the meta device in the graph."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:  # (the default wraps __torch_dispatch__ in torch._disable_dynamo,
+        return False                       # whose first call imports dynamo)
+
+    def __init__(self, key: torch.Tensor):
+        super().__init__()
+        self.graph, self.root, self.device = torch.fx.Graph(), torch.nn.Module(), key.device
+        self.nodes: dict[int, tuple[torch.Tensor, Node]] = {}  # id of a traced tensor (kept alive) -> its node
+        self.constants = 0
+        self.key = key.to("meta")
+        self._record(self.key, self.graph.placeholder("key"))
+
+    @classmethod
+    def of(cls, fn: Callable, key: torch.Tensor) -> torch.fx.GraphModule:
+        tracer = cls(key)
+        with tracer:
+            leaves = fn(tracer.key)
+        tracer.graph.output([tracer._node(x) for x in leaves])
+        return torch.fx.GraphModule(tracer.root, tracer.graph)
+
+    def _record(self, value: torch.Tensor, node: Node) -> None:
+        self.nodes[id(value)] = value, node
+        node.meta["val"] = value
+
+    def _node(self, x):
+        """The node of a traced tensor, a new constant's for a tensor from outside (as make_fx's)."""
+        if isinstance(x, torch.device):
+            return self.device if x.type == "meta" else x
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) not in self.nodes:
+            if x.is_meta:
+                raise ValueError("a meta tensor made outside step.init's trace has no values")
+            name = f"_tensor_constant{self.constants}"
+            setattr(self.root, name, x)
+            self.constants += 1
+            node = self.graph.get_attr(name)
+            self.nodes[id(x)] = x, node
+            self._record(x.to("meta"), node)
+        return self.nodes[id(x)][1]
+
+    def _meta(self, x):
+        if isinstance(x, torch.device):
+            return torch.device("meta")
+        return self.nodes[id(x)][1].meta["val"] if isinstance(x, torch.Tensor) and not x.is_meta else x
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is aten.lift_fresh.default:  # a constant made inside (torch.tensor): make_fx's copy of it
+            func = aten.lift_fresh_copy.default
+        schema, kwargs = func._schema.arguments, kwargs or {}
+        if any(a.alias_info is not None and a.alias_info.is_write for a in schema):
+            raise ValueError(f"{func} writes a tensor functionalization does not own")
+        tensors = [x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        factory = any(a.name == "device" for a in schema) or torch.Tag.nondeterministic_seeded in func.tags
+        if not factory and tensors and all(not x.is_meta and x.numel() <= 1 for x in tensors):
+            out = func(*args, **kwargs)  # scalars made inside (torch.tensor(x), checks on them): run as is, as
+            if not isinstance(out, torch.Tensor) or out.numel() <= 1:  # make_fx's fake tensors keep them
+                return out
+        node = self.graph.call_function(func, *torch.utils._pytree.tree_map(self._node, (tuple(args), kwargs)))
+        args, kwargs = torch.utils._pytree.tree_map(self._meta, (args, kwargs))
+        if factory and not tensors and kwargs.get("device") is None:
+            kwargs["device"] = torch.device("meta")  # (a factory on the default device)
+        out = _pointwise_meta(func, args, kwargs)
+        out = func(*args, **kwargs) if out is None else out
+        if isinstance(out, torch.Tensor):
+            self._record(out, node)
+        else:
+            node.meta["val"] = out
+            for i, x in enumerate(out):
+                if isinstance(x, torch.Tensor):
+                    self._record(x, self.graph.call_function(operator.getitem, (node, i)))
+        return out
+
+
+def _pointwise_meta(func, args, kwargs) -> torch.Tensor | None:
+    """A pointwise op's result on meta tensors: the inputs' shapes broadcast, in the dtype the op
+    gives on stand-ins of one or two elements a dim (torch's meta kernels for these are Python refs
+    whose first call imports dynamo). None where it is no plain broadcast (the meta kernel decides)."""
+    tensors = [x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    if torch.Tag.pointwise not in func.tags or not tensors:
+        return None
+
+    def stand_in(x):
+        if isinstance(x, torch.device):
+            return torch.device("cpu")
+        return torch.ones([min(n, 2) for n in x.shape], dtype=x.dtype) if isinstance(x, torch.Tensor) else x
+    small_args, small_kwargs = torch.utils._pytree.tree_map(stand_in, (args, kwargs))
+    small = func(*small_args, **small_kwargs)
+    small_shapes = [x.shape for x in torch.utils._pytree.tree_leaves((small_args, small_kwargs))
+                    if isinstance(x, torch.Tensor)]
+    if not isinstance(small, torch.Tensor) or small.shape != hpf_random.broadcast_shape(*small_shapes):
+        return None
+    return torch.empty(hpf_random.broadcast_shape(*(x.shape for x in tensors)), dtype=small.dtype, device="meta")
 
 
 class InitTrace:
@@ -325,7 +434,7 @@ class _Evaluator:
         if node.op == "get_attr":
             return getattr(self.graph, node.target)
         args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), self.full)
-        return node.target(*args, **kwargs)
+        return hpf_random.EAGER.get(node.target, node.target)(*args, **kwargs)
 
     def view_of(self, node: Node) -> tuple[Node, Any]:
         """(root, meta): ``node`` as a view of ``root``, a node that is no view: ``meta`` is the same

@@ -139,6 +139,22 @@ def test_a_draw_and_a_fold_in_are_one_op_each_when_traced():
     assert torch.equal(graph(R.key(0)), f(R.key(0)))
 
 
+def test_broadcast_shape_is_torchs():
+    """(hpf.random.broadcast_shape stands in for torch.broadcast_shapes in step.init's trace.)"""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(500):
+        shapes = [tuple(rng.choice([0, 1, 1, 2, 3]) for _ in range(rng.randint(0, 3))) for _ in range(rng.randint(1, 3))]
+        try:
+            want = tuple(torch.broadcast_shapes(*shapes))
+        except RuntimeError:
+            with pytest.raises(RuntimeError, match="do not broadcast"):
+                R.broadcast_shape(*shapes)
+            continue
+        assert R.broadcast_shape(*shapes) == want, shapes
+
+
 # -- issue 55 ---------------------------------------------------------------------------------------------
 def test_randint_is_exact_beyond_2_to_the_53():
     """(Item 7: the bounds went through a float; [2^60 + 100, 2^60 + 110) gave one value below it.)"""

@@ -211,3 +211,31 @@ def test_data_dependent_ops_are_refused_by_path(op):
             "item": lambda x: x * x.sum().item()}[op]
     with pytest.raises(ValueError, match=r"params leaf 'm/w' with a data-dependent op"):
         trace_init(lambda k: {"m": {"w": make(R.normal(k, (90, 130)))}}, R.key(0))
+
+
+# -- issue 58 ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["users", "gpt", "llama", "moe"])
+def test_the_inits_are_traced_on_meta_tensors_not_make_fxs_fake_ones(name):
+    """(Item 1: make_fx's fake tensors import dynamo and sympy, about 1 s a rank, most of GPT medium's
+    born-sharded init on 4 ranks; its graph stays the one that init_fn falls back to.)"""
+    traced = trace_init(_init_fn(name), R.key(3))
+    vals = [n.meta["val"] for n in traced.graph.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    assert vals and all(v.device.type == "meta" for v in vals)
+    assert same_bits(traced.full_params(), _init_fn(name)(R.key(3)))
+
+
+@pytest.mark.slow
+def test_a_born_sharded_init_imports_neither_dynamo_nor_sympy():
+    """(Item 1: each import is a cost every rank pays in step.init; the trace, the shards and the
+    step's state need neither.)"""
+    import subprocess
+    import sys
+
+    code = ("import functools, sys, torch, hpf\nfrom hpf.models import gpt\n"
+            "step = hpf.shard_step(gpt.loss_for(gpt.CONFIGS['tiny']), mesh=hpf.Mesh({'dp': 1}), "
+            "optimizer=hpf.optim.adamw(lr=1e-3))\n"
+            "state = step.init(functools.partial(gpt.init, gpt.CONFIGS['tiny']), key=hpf.random.key(0))\n"
+            "step.close()\nprint(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
