@@ -259,9 +259,7 @@ class _Job:
         except BaseException as second:  # noqa: BLE001 -- a fault now is named; anything else is raised as it is
             if not _is_fault(second):
                 raise
-            raise UnrecoverableLossError(f"hpf.elastic: while rebuilding after losing rank(s) {lost}: "
-                                         f"{type(second).__name__}: {str(second)[:300]}. A loss during the rebuild "
-                                         "is not survived; resume from the last checkpoint (hpf train --resume)") from second
+            raise _lost_in_rebuild(lost, second) from second
         event = {"event": "lost", "ranks": lost, "at_step": t_failed, "back_to": boundary,
                  "world_size": len(left), "seconds": time.monotonic() - t0, "bytes_received": received, "time": time.time()}
         return step, state, boundary, event
@@ -449,6 +447,12 @@ def train(make_step: Callable[[int], Any], init: Any, batches: Callable[[int, in
     liveness.watch(None)
     run.step, run.state, run.losses, run.copy_bytes = step, state, [losses[i] for i in sorted(losses)], job.copy_bytes
     return run
+
+
+def _lost_in_rebuild(lost: list[int], second: BaseException) -> UnrecoverableLossError:
+    return UnrecoverableLossError(f"hpf.elastic: while rebuilding after losing rank(s) {lost}: {type(second).__name__}: "
+                                  f"{str(second)[:300]}. A loss during the rebuild is not survived; resume from the "
+                                  "last checkpoint (hpf train --resume)")
 
 
 def _begin(job: _Job, events: list):
