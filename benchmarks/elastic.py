@@ -102,7 +102,11 @@ def run_torchrun(cmd: list[str], out: Path, kill: tuple[int, int], restarts: int
     worker = lambda m: int(Path(f"/proc/{agents[m].pid}/task/{agents[m].pid}/children").read_text().split()[0])
     killed_at, done_at_kill = _kill_at(out, kill, lambda: all(a.poll() is None for a in agents), worker)
     texts = [a.communicate()[0] for a in agents]
-    store.wait(timeout=60)
+    try:
+        store.wait(timeout=30)  # (it exits once the job finished)
+    except subprocess.TimeoutExpired:
+        store.kill()
+        raise SystemExit("hpf store did not exit: the job did not finish\n" + "\n".join(t[-1500:] for t in texts))
     if killed_at is None:
         raise SystemExit(f"the run ended before step {kill[0]}:\n{texts[0][-2000:]}")
     codes = [a.returncode for m, a in enumerate(agents) if restarts or m != kill[1]]

@@ -206,10 +206,11 @@ def wait_for(handle: Handle, timeout: float | None = None) -> bool:
     try:
         handle.wait(datetime.timedelta(seconds=timeout))
         return True
-    except RuntimeError:
-        if work_done(handle):
-            raise
-        return False
+    except RuntimeError:  # c10d's "Operation timed out!", or the work's own error
+        if not work_done(handle):
+            return False
+        handle.wait()  # (done since: a timeout that lost the race to completion is no error; a failure re-raises)
+        return True
 
 
 class _OnArrival:
