@@ -215,3 +215,23 @@ def test_llama_and_bf16_give_the_same_bits_on_one_and_three_ranks():
     runs = [{"model": "llama"}, {"model": "llama", "optimizer": "muon"}, {"mixed_precision": "bf16"}]
     got = launch(_several, 3, {"dp": 3}, runs, timeout=240)
     assert [r[:2] for r in got[0]] == [_run(0, {"dp": 1}, options)[:2] for options in runs]
+
+
+@pytest.mark.slow
+def test_hpf_train_invariant_gives_one_and_two_ranks_the_same_bits_on_matmuls_that_split_by_thread(tmp_path):
+    """A world of one rank gets all the cores from hpf.launch, one of two half of them; GPT small's
+    matmuls split their sums by thread, so --invariant pins one thread per rank (else they differ)."""
+    import subprocess
+    import sys
+
+    from hpf import checkpoint
+
+    def params(world: int) -> list[torch.Tensor]:
+        out = tmp_path / str(world)
+        proc = subprocess.run([sys.executable, "-m", "hpf", "train", "--config", "small", "--world-size", str(world),
+                               "--batch-size", "4", "--steps", "2", "--invariant", "--atom-size", "1", "--save-every",
+                               "2", "--out", str(out)], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return hpf.tree.flatten(checkpoint.load_params(out / "checkpoints" / "step_000002"))[1]
+    one, two = params(1), params(2)
+    assert len(one) == len(two) and all(torch.equal(a, b) for a, b in zip(one, two))

@@ -21,8 +21,8 @@ import hpf
 from hpf import elastic, launcher
 from hpf.cli import run_folder
 from hpf.cli.common import CliError
-from hpf.cli.job import (TrainJob, batches_of, make_step, peak_flops, run_keys, save_checkpoint, step_flops,
-                         step_record)
+from hpf.cli.job import (TrainJob, batches_of, make_step, peak_flops, pin_threads, run_keys, save_checkpoint,
+                         step_flops, step_record)
 from hpf.comm import world
 from hpf.misuse import finite_or_none
 from hpf.models import MODELS, mesh_for
@@ -140,6 +140,7 @@ def describe(e: dict) -> str:
 def elastic_rank(rank: int, job: TrainJob) -> dict:
     """One rank of ``hpf train --elastic``: hpf.elastic.train on the job's model, data and step; the
     last state is saved as hpf train saves it (``--resume`` and ``load_params`` read it)."""
+    pin_threads(job)
     module, config = job.model_config()
     lr = Schedule(job.schedule, job.lr, total_steps=job.steps, warmup=job.warmup)
     tokens, flops, (peak, _) = job.batch_size * config.seq_len, step_flops(module, config, job.batch_size), peak_flops()

@@ -202,9 +202,18 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def pin_threads(job: TrainJob) -> None:
+    """--invariant: one intra-op thread per rank at every world size (hpf.launch gives a rank the cores
+    over the ranks, torchrun all of them), since matmuls and reductions split their sums by thread:
+    the bits would follow the thread count (GPT small: 2 threads and 1 differ in 3 steps)."""
+    if job.invariant:
+        torch.set_num_threads(1)
+
+
 def train_rank(rank: int, job: TrainJob) -> int | None:
     """One rank of ``hpf train``; rank 0 also shows progress and writes the metrics. Returns the
     step --timeout stopped the run after (its checkpoint saved), or None when it ran to the end."""
+    pin_threads(job)
     module, config = job.model_config()
     mesh = mesh_for(job.axes)
     progress = Progress(job.steps, label="train") if rank == 0 else None
