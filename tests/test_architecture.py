@@ -189,7 +189,7 @@ def test_checkpoint_never_imports_an_optimizer_implementation():
 # The layers, lowest first: a module may import from its own layer and the layers below, never
 # from one above (docs/architecture.md, "Layers"). A module is in the layer of its longest prefix.
 LAYERS = [
-    ("foundation", ("hpf_kernels", "hpf.errors", "hpf.tree", "hpf.precision", "hpf.train_state", "hpf.mesh", "hpf.spec", "hpf.trace", "hpf.progress",
+    ("foundation", ("hpf_kernels", "hpf.errors", "hpf.tree", "hpf.precision", "hpf.topology", "hpf.train_state", "hpf.mesh", "hpf.spec", "hpf.trace", "hpf.progress",
                     "hpf.plots", "hpf.losses", "hpf.checkpoint_files", "hpf.checkpoint_check", "hpf.models.recompute", "hpf.engine.residency",
                     "hpf.engine.unit_state",
                     "hpf.validate.layout", "hpf.sim.hardware", "hpf.optim.base", "hpf.optim.lr_schedules", "hpf.random")),

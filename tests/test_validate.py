@@ -50,7 +50,7 @@ def test_plan_check_of_the_gpt_on_768_ranks():
 def test_check_plan_checks_the_plan_the_step_makes_with_its_topology():
     """One plan recipe: a topology that shapes the plan (shard order, bucket cap, a low-bit slow
     tier) gives check_plan the plan shard_step makes, not the default one (issue 49)."""
-    from hpf.step import step_plan
+    from hpf.planning import step_plan
     config = gpt.CONFIGS["tiny"]
     params, mesh = gpt.init(config, device="meta"), hpf.Mesh({"node": 2, "local": 2})
     batch = torch.empty(1, config.seq_len + 1, dtype=torch.int64, device="meta")
