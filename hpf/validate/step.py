@@ -15,8 +15,8 @@ from ..config import StepConfig
 from ..engine.compiled import eager_stance
 from ..step import ShardStep
 from ..train_state import TrainState
-from .errors import (BatchMismatchError, LossNotReplicatedError, NonFiniteError, ParamsTreeError, QuantizationError,
-                     as_layout_errors)
+from .errors import (BatchMismatchError, LossNotReplicatedError, NonFiniteLayoutError, ParamsTreeError,
+                     QuantizationError, as_layout_errors)
 from .grads import GradReport, check_grads
 from .tracker import Tracker
 
@@ -31,7 +31,7 @@ class ValidateStep(ShardStep):
     non-FSDP ranks (BatchMismatchError); every op's layouts must agree (PartialSumError,
     ShardedContractionError, PrecisionError and more); the loss must be complete and
     replicated (PartialSumError, LossNotReplicatedError); no loss or grad may be non-finite
-    (NonFiniteError); with a low-bit slow tier, each param's quantization error (weights
+    (NonFiniteLayoutError); with a low-bit slow tier, each param's quantization error (weights
     against the unquantized gather, grads against what was sent) is reported in
     ``metrics["quantization"]`` and bounded by ``quantization_tolerance`` (QuantizationError).
     Losses and grads are bit-identical to production's: the same ops run on the same plain
@@ -155,7 +155,7 @@ class ValidateStep(ShardStep):
 
     def _check_loss_values(self, loss: torch.Tensor, tracker: Tracker) -> None:
         """The same loss across non-FSDP ranks (LossNotReplicatedError) and a finite loss
-        (NonFiniteError), decided together by all ranks."""
+        (NonFiniteLayoutError), decided together by all ranks."""
         value = loss.detach().float().reshape(1)
         values = torch.cat(world.all_gather_list(value)) if world.world_size() > 1 else value
         values = values.cpu()
@@ -164,7 +164,7 @@ class ValidateStep(ShardStep):
             origin = tracker.first_nonfinite() if self.rank in bad else None
             origins = world.all_gather_object(origin)
             r = bad[0]
-            raise NonFiniteError(
+            raise NonFiniteLayoutError(
                 f"the loss is non-finite on rank(s) {bad}; on rank {r} the first non-finite value in the "
                 f"forward appeared at {origins[r if len(origins) > 1 else 0] or 'an op with no recorded output'}"
                 ". Check that op's inputs (log/sqrt of non-positive values, division by zero, overflow in low "
@@ -178,7 +178,7 @@ class ValidateStep(ShardStep):
                     "for random ops (dropout) with per-rank seeds, or a per-rank input that layouts cannot see")
 
     def _check_grads_finite(self) -> None:
-        """NonFiniteError naming the parameters whose grads are non-finite, decided together by all ranks."""
+        """NonFiniteLayoutError naming the parameters whose grads are non-finite, decided together by all ranks."""
         plan, flags, paths = self.plan, [], []
         for bucket, shard in zip(plan.buckets, self.grad_shards):
             position = plan.shard_index(bucket, self.rank)
@@ -193,7 +193,7 @@ class ValidateStep(ShardStep):
         world.all_reduce(flags, op="max")
         bad_paths = [p for p, f in zip(paths, flags.tolist()) if f]
         if bad_paths:
-            raise NonFiniteError(
+            raise NonFiniteLayoutError(
                 f"the loss is finite but the grads of {bad_paths[:8]} are not (first in parameter order: "
                 f"{bad_paths[0]!r}). The backward of an op on that parameter's path produced inf/nan, e.g. sqrt or "
                 "pow at 0, or log near 0; clamp its input away from the singular point")
