@@ -180,6 +180,14 @@ def test_models_never_import_validation_code():
     assert not any(wrong.values()), f"models importing hpf.validate: {wrong}"
 
 
+def test_validation_never_reaches_into_the_comms_low_bit_tier():
+    """The comm owns its low-bit tier (its residuals, its capture): validation mode asks the comm
+    (``capture_low_bit``, ``low_bit_captures``), never reads ``comm.lowbit``."""
+    found = [(str(p.relative_to(ROOT)), node.lineno) for p in sorted((ROOT / "hpf" / "validate").glob("*.py"))
+             for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, ast.Attribute) and node.attr == "lowbit"]
+    assert not found, f"validation reads the comm's low-bit tier: {found}"
+
+
 def test_checkpoint_never_imports_an_optimizer_implementation():
     """Checkpoints place optimizer state by what the optimizer says (its capabilities' state_layout)."""
     imports = import_graph()["hpf.checkpoint"]

@@ -219,6 +219,17 @@ class TieredComm:
             return self._route["reduce", b, "fast"].buffer(("grad", b), bucket.padded_numel, dtype, per_rank=True)
         return torch.empty(bucket.padded_numel, dtype=dtype, device=self._device)
 
+    # -- validation mode -------------------------------------------------------------------------
+    def capture_low_bit(self) -> None:
+        """Keep, from now on, what each low-bit slow-tier collective sent and what arrived
+        (validation mode's quantization check; nothing to keep at full precision)."""
+        if self.slow is not None:
+            self.lowbit.capture = {}
+
+    def low_bit_captures(self) -> list:
+        """What :meth:`capture_low_bit` kept, per bucket and kind (``LowBitTier.captured``)."""
+        return self.lowbit.captured()
+
     # -- collectives -----------------------------------------------------------------------------
     def _over_slow_link(self, collective: Callable[[], object], nbytes: int) -> None:
         """Run a slow-tier collective; with an emulated link, stretch it to the link's time.

@@ -59,8 +59,7 @@ class ValidateStep(ShardStep):
         self._state_sig = [(tuple(s.shape), s.dtype) for s in state.params]
         self._spmd = dataclasses.replace(self._spmd, validate=True)  # models' own checks (MoE dispatch) on
         self.quantization: dict[str, dict[str, float]] = {}
-        if self.comm.slow is not None:
-            self.comm.lowbit.capture = {}  # the slow tier keeps what it sent and what arrived
+        self.comm.capture_low_bit()  # a low-bit slow tier keeps what it sent and what arrived
         return state
 
     def __call__(self, state: TrainState, batch: Any):
@@ -204,25 +203,16 @@ class ValidateStep(ShardStep):
         every peer dequantized it, against the shard) and grads (each row as its peer received
         it, against what was sent), and that over the param's max abs value; the max over
         ranks, in one all-reduce. QuantizationError past the tolerance, before any update."""
-        lowbit = self.comm.lowbit
-        capture = lowbit and lowbit.capture
-        if capture is None:
-            return
         rows = []  # (kind, path): [max abs error, max abs value], the same entries on every rank
-        for kind in ("weights", "grads"):
-            for b in self.plan.buckets:
-                fmt = lowbit.formats[b.index]
-                if not (fmt["all_gather"] if kind == "weights" else fmt["reduce_scatter"] or fmt["all_reduce"]):
-                    continue
-                runs = capture.get((kind, b.index), [])  # (offset, exact, as received) per contiguous run
-                for slot in b.slots:
-                    stat = torch.zeros(2)
-                    for at, exact, got in runs:
-                        held = slot.piece(at, at + exact.numel()).held
-                        if held.stop > held.start:
-                            stat = torch.maximum(stat, torch.stack([(exact[held] - got[held]).abs().amax(),
-                                                                    exact[held].abs().amax()]).cpu())
-                    rows.append(((kind, slot.path), stat))
+        for kind, b, runs in self.comm.low_bit_captures():  # runs: (offset, exact, as received) per contiguous run
+            for slot in b.slots:
+                stat = torch.zeros(2)
+                for at, exact, got in runs:
+                    held = slot.piece(at, at + exact.numel()).held
+                    if held.stop > held.start:
+                        stat = torch.maximum(stat, torch.stack([(exact[held] - got[held]).abs().amax(),
+                                                                exact[held].abs().amax()]).cpu())
+                rows.append(((kind, slot.path), stat))
         if not rows:
             return
         stats = torch.stack([r for _, r in rows])
