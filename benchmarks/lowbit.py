@@ -23,7 +23,7 @@ from hpf import SlowLink, Topology
 from hpf.launcher import launch
 from hpf.models import gpt
 from hpf.precision import SlowPrecision
-from hpf.step import step_plan
+from hpf.planning import step_plan
 from hpf.report import PlanReport
 
 from common import median_ms, mib, parse_step_args, print_table, report_ratio, step_bench_parser, step_runner, time_steps, write_results

@@ -25,7 +25,7 @@ from pathlib import Path
 import hpf
 from hpf.memory import step_memory
 from hpf.models import TP_AXIS, data_axes, gpt, layout
-from hpf.step import step_plan
+from hpf.planning import step_plan
 from hpf.report import PlanReport
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

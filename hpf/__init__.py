@@ -27,7 +27,7 @@ _NAMES = {
     "StepConfig": "config",
     "ShardStep": "step",
     "shard_step": "modes",
-    "SlowLink": "comm.tiered", "Topology": "comm.tiered",
+    "SlowLink": "topology", "Topology": "topology",
     "all_gather": "comm.collectives", "all_to_all": "comm.collectives", "axis_index": "comm.collectives",
     "psum": "comm.collectives", "psum_scatter": "comm.collectives",
     "check_plan": "validate",

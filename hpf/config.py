@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .comm.tiered import Topology
+from .topology import Topology
 from .engine.residency import RESIDENT_UNITS
 from .losses import LossScale
 from .mesh import Mesh, as_axes

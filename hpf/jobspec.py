@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .comm.tiered import Topology
+from .topology import Topology
 from .config import MODES
 from .models import MODELS
 from .models.recompute import RECOMPUTE

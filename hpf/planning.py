@@ -19,8 +19,9 @@ from .mesh import Mesh, as_axes
 from .spec import IndivisibleSpecError, P, SpecError, resolve_specs, shares
 from .tree import ROOT
 from .precision import SlowPrecision
+from .topology import Topology, check_bucket_bytes
 
-__all__ = ["Plan", "Bucket", "ParamSlot", "Piece", "UnitLayout", "plan", "unit_names", "low_bit", "OPS", "ROOT"]
+__all__ = ["Plan", "Bucket", "ParamSlot", "Piece", "UnitLayout", "plan", "step_plan", "unit_names", "low_bit", "OPS", "ROOT"]
 
 # A bucket's collectives in one step: gather params and reduce-scatter grads over its shard
 # axes, all-reduce its grad shard over its replicate axes (HSDP).
@@ -378,6 +379,15 @@ def plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes: Sequence[s
     return Plan(mesh, fsdp, compute_axes, specs, slots, buckets, units, treedef, ties, list(paths), slow_precision)
 
 
+def step_plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes=None, *,
+              topology: Topology | None = None, hsdp: bool = False, frozen=(), align: int = 1) -> Plan:
+    """The plan :func:`hpf.shard_step` makes for these arguments, the one recipe that the step,
+    :func:`hpf.check_plan`, ``hpf plan`` and the simulator use: :func:`plan` with
+    ``topology``'s layout options. Raises as :func:`plan`."""
+    return plan(params, mesh, param_specs, fsdp_axes, hsdp=hsdp, frozen=frozen, align=align,
+                **(topology.plan_options() if topology else {}))
+
+
 def _place(params, specs: dict, ties: dict, frozen: set, mesh: Mesh, fsdp: tuple[str, ...], bucket_bytes: int,
            fast_major: bool, slow_precision: SlowPrecision | None, align: int = 1):
     """Each (path, leaf, unit) into a bucket and offset: (buckets, units, slots)."""
@@ -459,11 +469,6 @@ def low_bit(mesh: Mesh, bucket: "Bucket", slow: SlowPrecision | None) -> dict[st
         replicas = [a for a in bucket.replicate_axes if mesh.axis_size(a) > 1]
         out["all_reduce"] = slow.grads if replicas and set(mesh.slow_axes_of(replicas)) == set(replicas) else None
     return out
-
-
-def check_bucket_bytes(bucket_bytes: int) -> None:
-    if not isinstance(bucket_bytes, int) or bucket_bytes < 0:
-        raise ValueError(f"bucket_bytes={bucket_bytes!r}: use a byte count > 0, or 0 for one bucket per unit")
 
 
 def _ties(paths: list[str], leaves: list, units_of: list[str]) -> dict[str, str]:

@@ -27,7 +27,7 @@ from .comm.schedule import LOG
 from .comm.world import default_device
 from .comm.collectives import SPMD, spmd
 from .comm.flat import BucketComm
-from .comm.tiered import TieredComm, Topology, step_plan
+from .comm.tiered import TieredComm
 from .comm.transport import UnitComm
 from .config import StepConfig
 from .decision import Decider, Decision
@@ -36,7 +36,7 @@ from .engine.compiled import compile_seconds
 from .launcher import init_distributed, is_launched
 from .mesh import Mesh, MeshError
 from .optim.base import EarlyUpdate, PartialUpdate, capabilities
-from .planning import Plan
+from .planning import Plan, step_plan
 from .state_io import StateIO
 from .trace import span
 from .train_state import GATHER_STATS, StepStats, TrainState

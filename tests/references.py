@@ -117,7 +117,7 @@ def born_mismatch(init_fn: Callable, key: torch.Tensor, mesh, **plan_options) ->
     virtual ``mesh``: every rank evaluated here) differ from the ones cut from the eager
     ``init_fn(key)``, bit for bit, ties included; None when they are the same."""
     from hpf.sharded_init import trace_init
-    from hpf.step import step_plan
+    from hpf.planning import step_plan
     whole, traced = init_fn(key), trace_init(init_fn, key)
     plan, eager = step_plan(traced.meta_params, mesh, **plan_options), step_plan(whole, mesh, **plan_options)
     if plan.ties != eager.ties:

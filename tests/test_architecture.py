@@ -180,6 +180,14 @@ def test_models_never_import_validation_code():
     assert not any(wrong.values()), f"models importing hpf.validate: {wrong}"
 
 
+def test_validation_never_reaches_into_the_comms_low_bit_tier():
+    """The comm owns its low-bit tier (its residuals, its capture): validation mode asks the comm
+    (``capture_low_bit``, ``low_bit_captures``), never reads ``comm.lowbit``."""
+    found = [(str(p.relative_to(ROOT)), node.lineno) for p in sorted((ROOT / "hpf" / "validate").glob("*.py"))
+             for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, ast.Attribute) and node.attr == "lowbit"]
+    assert not found, f"validation reads the comm's low-bit tier: {found}"
+
+
 def test_checkpoint_never_imports_an_optimizer_implementation():
     """Checkpoints place optimizer state by what the optimizer says (its capabilities' state_layout)."""
     imports = import_graph()["hpf.checkpoint"]
@@ -189,7 +197,7 @@ def test_checkpoint_never_imports_an_optimizer_implementation():
 # The layers, lowest first: a module may import from its own layer and the layers below, never
 # from one above (docs/architecture.md, "Layers"). A module is in the layer of its longest prefix.
 LAYERS = [
-    ("foundation", ("hpf_kernels", "hpf.errors", "hpf.tree", "hpf.precision", "hpf.train_state", "hpf.mesh", "hpf.spec", "hpf.trace", "hpf.progress",
+    ("foundation", ("hpf_kernels", "hpf.errors", "hpf.tree", "hpf.precision", "hpf.topology", "hpf.train_state", "hpf.mesh", "hpf.spec", "hpf.trace", "hpf.progress",
                     "hpf.plots", "hpf.losses", "hpf.checkpoint_files", "hpf.checkpoint_check", "hpf.models.recompute", "hpf.engine.residency",
                     "hpf.engine.unit_state",
                     "hpf.validate.layout", "hpf.sim.hardware", "hpf.optim.base", "hpf.optim.lr_schedules", "hpf.random")),

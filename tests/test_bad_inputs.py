@@ -385,7 +385,7 @@ def test_string_axes_and_mesh_pairs():
     assert mesh == hpf.Mesh({"node": 2, "local": 2}) and mesh.fast_axes == ("local",)
     meta = torch.utils._pytree.tree_map(lambda x: x.to("meta"), params())
     assert hpf.plan(meta, mesh, fsdp_axes="local").fsdp_axes == ("local",)
-    from hpf.step import step_plan
+    from hpf.planning import step_plan
     assert step_plan(meta, mesh, fsdp_axes="local").fsdp_axes == ("local",)
 
 

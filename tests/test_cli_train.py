@@ -238,7 +238,7 @@ def test_an_option_that_cannot_act_on_the_mesh_is_refused(tmp_path, args, says):
 
 
 def test_the_library_refuses_a_slow_tier_on_a_mesh_without_one():
-    from hpf.step import step_plan  # the plan shard_step makes (and hpf plan prints)
+    from hpf.planning import step_plan  # the plan shard_step makes (and hpf plan prints)
 
     params = gpt.init(gpt.CONFIGS["tiny"], device="meta")
     with pytest.raises(ValueError, match="nothing to act on.*A 1-D mesh is one fast tier"):

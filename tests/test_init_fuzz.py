@@ -29,7 +29,7 @@ from hpf import random as R
 from hpf import sharded_init
 from hpf.errors import SpecError
 from hpf.launcher import launch
-from hpf.step import step_plan
+from hpf.planning import step_plan
 from references import born_mismatch
 
 FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)

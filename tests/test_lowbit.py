@@ -23,7 +23,7 @@ import hpf
 from hpf import Topology
 from hpf.launcher import launch
 from hpf.models import gpt
-from hpf.step import step_plan
+from hpf.planning import step_plan
 from hpf.precision import SlowPrecision
 from hpf.validate import QuantizationError
 from hpf_kernels import dequantize, quantize

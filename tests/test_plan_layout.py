@@ -6,7 +6,7 @@ import torch
 import hpf
 from hpf import P, Topology
 from hpf.models import gpt, has_experts, moe, specs_for
-from hpf.step import step_plan
+from hpf.planning import step_plan
 from hpf.precision import SlowPrecision
 
 

@@ -15,7 +15,7 @@ from hpf import random as R
 from hpf.launcher import launch
 from hpf.models import gpt, llama, moe
 from hpf.sharded_init import same_bits, trace_init
-from hpf.step import step_plan
+from hpf.planning import step_plan
 from references import born_mismatch
 
 

@@ -17,7 +17,7 @@ from hpf.launcher import RankError, launch
 from hpf.models import gpt, llama, moe, specs_for
 from hpf import memory, search, sim
 from hpf.report import PlanReport
-from hpf.step import step_plan
+from hpf.planning import step_plan
 from references import adamw_training
 
 # head counts and widths the tp axis divides

@@ -18,8 +18,8 @@ from hpf import axis_index, check_plan
 from hpf.launcher import launch
 from hpf.models import gpt
 from hpf.validate import (
-    CHECKS, BatchMismatchError, GradientMismatchError, IndivisibleSpecError, LossNotReplicatedError, NonFiniteError,
-    ParamsTreeError, PartialSumError, PrecisionError, ShardedContractionError, check_grads,
+    CHECKS, BatchMismatchError, GradientMismatchError, IndivisibleLayoutError, LossNotReplicatedError,
+    NonFiniteLayoutError, ParamsTreeError, PartialSumError, PrecisionError, ShardedContractionError, check_grads,
 )
 from references import autograd_grads
 from toy_models import (D, MEGATRON_SPECS, megatron_loss, megatron_mlp, megatron_params, megatron_tokens,
@@ -50,7 +50,7 @@ def test_plan_check_of_the_gpt_on_768_ranks():
 def test_check_plan_checks_the_plan_the_step_makes_with_its_topology():
     """One plan recipe: a topology that shapes the plan (shard order, bucket cap, a low-bit slow
     tier) gives check_plan the plan shard_step makes, not the default one (issue 49)."""
-    from hpf.step import step_plan
+    from hpf.planning import step_plan
     config = gpt.CONFIGS["tiny"]
     params, mesh = gpt.init(config, device="meta"), hpf.Mesh({"node": 2, "local": 2})
     batch = torch.empty(1, config.seq_len + 1, dtype=torch.int64, device="meta")
@@ -93,9 +93,27 @@ def test_hpf_plan_check_binds_muon_to_the_plan_as_the_step_does(capsys, monkeypa
 def test_the_checks_are_the_documented_error_classes():
     assert [c.__name__ for c in CHECKS] == [
         "PartialSumError", "ShardedContractionError", "LossNotReplicatedError", "BatchMismatchError",
-        "ParamsTreeError", "PrecisionError", "NonFiniteError", "IndivisibleSpecError", "QuantizationError",
+        "ParamsTreeError", "PrecisionError", "NonFiniteLayoutError", "IndivisibleLayoutError", "QuantizationError",
         "TokenLostError", "ExpertPlacementError", "GateSumError"]
-    assert issubclass(ParamsTreeError, hpf.SpecError) and issubclass(IndivisibleSpecError, hpf.SpecError)
+    assert issubclass(ParamsTreeError, hpf.SpecError) and issubclass(IndivisibleLayoutError, hpf.SpecError)
+    # production mode's except clauses catch validation mode's forms of its two errors
+    assert issubclass(NonFiniteLayoutError, hpf.NonFiniteError)
+    assert issubclass(IndivisibleLayoutError, hpf.spec.IndivisibleSpecError)
+
+
+def test_each_error_name_is_one_class():
+    """An exception name means one class across hpf.errors, hpf.spec and hpf.validate (the
+    validation forms of production errors are subclasses with names of their own)."""
+    import hpf.errors
+    import hpf.validate.errors
+    classes: dict[str, set] = {}
+    for module in (hpf.errors, hpf.spec, hpf.validate, hpf.validate.errors):
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if isinstance(obj, type) and issubclass(obj, BaseException):
+                classes.setdefault(obj.__name__, set()).add(obj)
+                assert obj.__name__ == name, f"{module.__name__}.{name} is {obj.__qualname__}"
+    assert {n: c for n, c in classes.items() if len(c) > 1} == {}
 
 
 def no_psum_mlp(a, blk):
@@ -149,7 +167,7 @@ def test_precision_error_for_an_implicit_upcast_under_bf16():
 
 def test_indivisible_spec_error_when_a_non_fsdp_axis_does_not_divide():
     specs = hpf.rules([(r"head", P(None, "tp")), (r".*", P())])  # V = 17 columns over 8 ranks
-    with pytest.raises(IndivisibleSpecError) as info:
+    with pytest.raises(IndivisibleLayoutError) as info:
         plan_check(megatron_loss, specs)
     assert "'head' dim 1 has size 17" in str(info.value) and "check_plan" in str(info.value)
 
@@ -170,7 +188,7 @@ def test_non_finite_error_names_the_first_op_of_the_loss():
         return torch.log(h @ params["head"] - 100.0).mean()
 
     step, state = one_rank_step(log_of_negative)
-    with pytest.raises(NonFiniteError) as info:
+    with pytest.raises(NonFiniteLayoutError) as info:
         step(state, megatron_tokens(2))
     assert "at log (inputs finite" in str(info.value) and "parameter 'head'" in str(info.value)
 
@@ -180,7 +198,7 @@ def test_non_finite_error_names_the_parameter_of_the_grads():
         return megatron_loss(params, batch) + (params["blocks"][1]["norm"] * 0).sqrt().sum()
 
     step, state = one_rank_step(sqrt_at_zero)
-    with pytest.raises(NonFiniteError) as info:
+    with pytest.raises(NonFiniteLayoutError) as info:
         step(state, megatron_tokens(2))
     assert "the grads of ['blocks/1/norm']" in str(info.value)
 

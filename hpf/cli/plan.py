@@ -12,7 +12,7 @@ from hpf.cli.search import add_options as add_search_options, cmd_search
 from hpf.models import TP_AXIS, has_experts, model_config
 from hpf.memory import predict, state_report
 from hpf.report import PlanReport, fixed, millions
-from hpf.step import step_plan
+from hpf.planning import step_plan
 from hpf.precision import MixedPrecision
 
 

@@ -2,7 +2,8 @@
 
 - transport.py: the `Transport` protocol (one tier's collectives over flat shards) and its
   torch.distributed version; the engine's `UnitComm` protocol; shm.py: shared memory.
-- flat.py (`BucketComm`) and tiered.py (`TieredComm`, `Topology`, `SlowLink`): the UnitComms.
+- flat.py (`BucketComm`) and tiered.py (`TieredComm`, which carries out an `hpf.topology.Topology`):
+  the UnitComms.
 - collectives.py: ``hpf.psum`` and the other explicit collectives of a loss function.
 - cost.py: the byte model; world.py: process-group facts and one-off collectives.
 

@@ -58,6 +58,12 @@ class BucketComm:
         """Whether bucket b's full buffer is transport-owned shared memory (never freed)."""
         return False
 
+    def capture_low_bit(self) -> None:
+        """Nothing crosses a slow tier low-bit here, so there is nothing to keep."""
+
+    def low_bit_captures(self) -> list:
+        return []
+
     def __init__(self, plan: Plan, device: torch.device, compute_dtypes, reduce_dtypes):
         self.plan, self.device = plan, device
         mesh = plan.mesh

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from hpf_kernels import dequantize, quantize
 
-from ..planning import Plan, low_bit
+from ..planning import Bucket, Plan, low_bit
 from .cost import feedback_numel
 from .transport import Transport
 
@@ -134,6 +134,19 @@ class LowBitTier:
             if self.capture is not None:
                 self.capture["grads", b] = [(o, sent[r].clone(), got[r]) for r, o in enumerate(offsets)]
         return sent, payload
+
+    def captured(self) -> list[tuple[str, Bucket, list]]:
+        """Validation mode's capture, one entry per bucket and kind that crosses the slow tier
+        low-bit ("weights": its gathers, "grads": its reductions), the same entries in the same
+        order on every rank: ``(kind, bucket, [(flat offset, exact, as received)])`` (an empty list
+        where this rank kept nothing). ``[]`` when nothing is captured."""
+        def low(kind: str, fmt: dict) -> bool:
+            return bool(fmt["all_gather"] if kind == "weights" else fmt["reduce_scatter"] or fmt["all_reduce"])
+
+        if self.capture is None:
+            return []
+        return [(kind, b, self.capture.get((kind, b.index), [])) for kind in ("weights", "grads")
+                for b in self.plan.buckets if low(kind, self.formats[b.index])]
 
     def use_feedback(self, residuals: list[torch.Tensor] | None, scale: float = 1.0) -> None:
         """This step's error-feedback residuals (``TrainState.error_feedback``, None: off), and the

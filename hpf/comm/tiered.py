@@ -18,9 +18,8 @@ stage overlaps the next bucket's fast stage, and compute never blocks on a slow-
 transfer: a unit's reduction is issued in its backward and waited for only when its
 optimizer update needs it (the cross-layer backward pipeline).
 
-`Topology` (re-exported as ``hpf.Topology``) is the user's configuration of `TieredComm`, and
-`SlowLink` the slow-link emulation for benchmarks on one host; both live here, beside the
-code that reads them.
+`Topology`, the user's configuration of `TieredComm`, and `SlowLink`, the slow-link emulation,
+live in hpf.topology (below the plan); they are re-exported here for old imports.
 """
 from __future__ import annotations
 
@@ -31,19 +30,16 @@ import time
 from collections import Counter
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from hpf_kernels import payload_bytes
 
-from ..mesh import Mesh
-from ..planning import Plan, check_bucket_bytes
-from ..planning import plan as make_plan
+from ..planning import Plan
+from ..topology import SlowLink, Topology  # noqa: F401  (SlowLink: re-exported for old imports)
 from ..trace import span
-from ..precision import SlowPrecision
 from . import liveness, world
 from .cost import bucket_comm_bytes, count_bytes, dtype_bytes
 from .lowbit import LowBitTier
@@ -52,112 +48,6 @@ from .ordered import OrderedReduction
 from .transport import DONE, Handle, OwnedGroups, ProcessGroupTransport, Transport
 
 __all__ = ["Topology", "SlowLink", "TieredComm"]
-
-
-@dataclass(frozen=True)
-class SlowLink:
-    """EMULATION for benchmarks on one host: every slow-tier collective also sleeps
-    ``latency_s + bytes / bandwidth`` (bytes this rank sends across the slow tier), as a
-    slower network would take. Never use it in a real run.
-
-    Args:
-        latency_s: seconds added to every slow-tier collective.
-        bandwidth: bytes per second per rank (inf: latency only).
-
-    Raises:
-        Nothing: any numbers are accepted; the sleep is never negative.
-    """
-
-    latency_s: float = 0.0
-    bandwidth: float = float("inf")  # bytes per second per rank
-
-    def delay(self, nbytes: int) -> float:
-        return self.latency_s + nbytes / self.bandwidth
-
-
-@dataclass(frozen=True)
-class Topology:
-    """How FSDP collectives use the two tiers (``hpf.shard_step(..., topology=Topology())``).
-
-    Args:
-        hierarchical: two-stage collectives (slow-tier traffic / n_fast); False: flat ones,
-            still run on the tier workers.
-        fast_major: number shards fast axes first, so each stage moves one contiguous block;
-            False (the default): node-major, a machine holds one contiguous region of every
-            bucket, so most matrices lie inside one machine and Muon's owner sits there, while
-            the collectives stay two-stage with the same bytes per tier (docs/topology.md).
-        pipeline: reductions overlap the rest of backward; False waits for each unit's.
-        fast_transport: "shm" (shared memory, CPU ranks of one host), "pg" (torch.distributed),
-            or "auto" (shm when every rank is a CPU process on one host).
-        slow_link: an emulated slow link, for benchmarks only.
-        shm_bytes: the shared-memory capacity; 0 sizes it from the plan.
-        timeout_s: seconds a collective may take before it raises instead of hanging.
-        bucket_bytes: split units into buckets of at most this many bytes, each its own fused
-            collective, so one bucket's slow stage overlaps the next one's fast stage (0: a
-            bucket per unit).
-        slow_weights, slow_grads, slow_block, slow_error_feedback: the low-bit slow tier (None:
-            full precision): the formats weights are gathered in and grads exchanged in across
-            the slow tier, values per scale, and error feedback for the grads
-            (:class:`hpf.precision.SlowPrecision` says what each allows).
-
-    Raises:
-        ValueError: ``fast_transport`` is not "auto", "shm" or "pg", ``bucket_bytes`` is not an
-            int >= 0, a slow-tier option is not allowed (the message lists what is), or a
-            low-bit slow tier is asked for with ``hierarchical=False`` (the fast tier would
-            carry quantized data too).
-    """
-
-    hierarchical: bool = True
-    fast_major: bool = False
-    pipeline: bool = True
-    fast_transport: str = "auto"
-    slow_link: SlowLink | None = None
-    shm_bytes: int = 0  # shared-memory capacity; 0 sizes it from the plan
-    timeout_s: float = world.COLLECTIVE_TIMEOUT_S
-    bucket_bytes: int = 0  # cap on one fused collective (hpf.plan's bucket_bytes); 0: one per unit
-    slow_weights: str | None = None
-    slow_grads: str | None = None
-    slow_block: int = 128
-    slow_error_feedback: bool = False
-
-    def __post_init__(self):
-        if self.fast_transport not in ("auto", "shm", "pg"):
-            raise ValueError(f"fast_transport={self.fast_transport!r}: use 'auto', 'shm' or 'pg'")
-        check_bucket_bytes(self.bucket_bytes)
-        slow = self.slow_precision  # validates the slow-tier options
-        if slow is not None and not self.hierarchical:
-            raise ValueError(f"slow_weights={self.slow_weights!r}, slow_grads={self.slow_grads!r} with "
-                             "hierarchical=False: a flat collective has no slow stage of its own to quantize (the "
-                             "fast tier stays at full precision); use hierarchical=True")
-
-    @classmethod
-    def with_slow(cls, slow: SlowPrecision | None, **options) -> "Topology":
-        """A topology whose slow tier is ``slow`` (None: full precision), with these other options."""
-        if slow is None:
-            return cls(**options)
-        return cls(**options, slow_weights=slow.weights, slow_grads=slow.grads, slow_block=slow.block,
-                   slow_error_feedback=slow.error_feedback)
-
-    def plan_options(self) -> dict:
-        """What of this topology shapes the plan (``hpf.plan``'s keyword arguments)."""
-        return {"fast_major": self.hierarchical and self.fast_major, "bucket_bytes": self.bucket_bytes,
-                "slow_precision": self.slow_precision}
-
-    @property
-    def slow_precision(self) -> SlowPrecision | None:
-        """The low-bit slow tier these options ask for, or None (full precision)."""
-        if self.slow_weights is None and self.slow_grads is None and not self.slow_error_feedback:
-            return None
-        return SlowPrecision(self.slow_weights, self.slow_grads, self.slow_block, self.slow_error_feedback)
-
-
-def step_plan(params: Any, mesh: Mesh, param_specs: Any = None, fsdp_axes=None, *,
-              topology: Topology | None = None, hsdp: bool = False, frozen=(), align: int = 1) -> Plan:
-    """The plan :func:`hpf.shard_step` makes for these arguments, the one recipe that the step,
-    :func:`hpf.check_plan`, ``hpf plan`` and the simulator use: :func:`hpf.plan` with
-    ``topology``'s layout options. Raises as :func:`hpf.plan`."""
-    return make_plan(params, mesh, param_specs, fsdp_axes, hsdp=hsdp, frozen=frozen, align=align,
-                     **(topology.plan_options() if topology else {}))
 
 
 class _Handle:
@@ -328,6 +218,17 @@ class TieredComm:
         if self.is_shared(b):
             return self._route["reduce", b, "fast"].buffer(("grad", b), bucket.padded_numel, dtype, per_rank=True)
         return torch.empty(bucket.padded_numel, dtype=dtype, device=self._device)
+
+    # -- validation mode -------------------------------------------------------------------------
+    def capture_low_bit(self) -> None:
+        """Keep, from now on, what each low-bit slow-tier collective sent and what arrived
+        (validation mode's quantization check; nothing to keep at full precision)."""
+        if self.slow is not None:
+            self.lowbit.capture = {}
+
+    def low_bit_captures(self) -> list:
+        """What :meth:`capture_low_bit` kept, per bucket and kind (``LowBitTier.captured``)."""
+        return self.lowbit.captured()
 
     # -- collectives -----------------------------------------------------------------------------
     def _over_slow_link(self, collective: Callable[[], object], nbytes: int) -> None:

@@ -314,6 +314,17 @@ class UnitComm(Protocol):
         """Stop workers and release transports (shared memory)."""
         ...
 
+    def capture_low_bit(self) -> None:
+        """Validation mode: keep, from now on, what each low-bit slow-tier collective sent and
+        what arrived."""
+        ...
+
+    def low_bit_captures(self) -> list:
+        """What ``capture_low_bit`` kept: ``(kind, bucket, [(flat offset, exact, as received)])`` per
+        bucket and kind ("weights", "grads") that crosses the slow tier low-bit, the same entries
+        on every rank; ``[]`` when nothing is kept."""
+        ...
+
 
 def check_op(op: str) -> None:
     if op not in REDUCE_OPS:

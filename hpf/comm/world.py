@@ -14,16 +14,14 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from ..topology import COLLECTIVE_TIMEOUT_S  # how long a collective waits for a peer (its home: hpf.topology)
+
 __all__ = ["COLLECTIVE_TIMEOUT_S", "default_device", "is_distributed", "rank", "world_size", "backend", "store", "timeout_s", "all_reduce", "barrier", "all_reduce_async", "all_gather_list",
            "all_gather_object", "exchange", "wait_all", "new_group", "all_gather_into", "reduce_scatter_into",
            "all_to_all_into"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
-# A collective that waits this long for a peer raises: how a hung or dead rank is found. It
-# bounds a wait, never a healthy run, which may take as long as it needs. (hpf.launch's process
-# groups, the two-tier workers and shared memory all default to it.)
-COLLECTIVE_TIMEOUT_S = 300.0
 
 
 def is_distributed() -> bool:

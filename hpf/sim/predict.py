@@ -9,8 +9,8 @@ from types import ModuleType
 
 from ..models import layout, mesh_for, tp_size
 from ..models.recompute import recomputes
-from ..comm.tiered import Topology, step_plan
-from ..planning import ROOT
+from ..planning import ROOT, step_plan
+from ..topology import Topology
 from ..mesh import Mesh
 from ..precision import SlowPrecision
 from .hardware import (PROFILES, Hardware, Link, compute_key, hardware, load_calibration, model_prefix,

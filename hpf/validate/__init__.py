@@ -12,8 +12,8 @@ One concern per module:
 * :mod:`~hpf.validate.dispatch`    MoE dispatch invariants (tokens, expert placement, gates).
 """
 from .errors import (CHECKS, BatchMismatchError, CollectiveError, DispatchError, ExpertPlacementError, GateSumError,
-                     GradientMismatchError, IndivisibleSpecError, LayoutError, LossNotReplicatedError,
-                     NonFiniteError, ParamsTreeError, PartialSumError, PrecisionError, QuantizationError,
+                     GradientMismatchError, IndivisibleLayoutError, IndivisibleSpecError, LayoutError, LossNotReplicatedError,
+                     NonFiniteError, NonFiniteLayoutError, ParamsTreeError, PartialSumError, PrecisionError, QuantizationError,
                      ShardedContractionError, ShardingMismatchError, TokenLostError)
 from . import dispatch  # noqa: F401  (registers the MoE checks models run by name: hpf.comm.collectives.run_check)
 from .grads import GradReport, check_grads
@@ -25,7 +25,7 @@ from .tracker import Tracker
 __all__ = [
     "LayoutError", "PartialSumError", "ShardingMismatchError", "ShardedContractionError",
     "LossNotReplicatedError", "BatchMismatchError", "ParamsTreeError", "PrecisionError",
-    "NonFiniteError", "IndivisibleSpecError", "QuantizationError", "CollectiveError", "GradientMismatchError", "CHECKS",
+    "NonFiniteLayoutError", "IndivisibleLayoutError", "NonFiniteError", "IndivisibleSpecError", "QuantizationError", "CollectiveError", "GradientMismatchError", "CHECKS",
     "DispatchError", "TokenLostError", "ExpertPlacementError", "GateSumError",
     "ValidateStep", "check_plan", "check_grads", "PlanCheck", "GradReport", "Tracker",
     "PARTIAL", "VARYING", "Info", "describe", "make_info",

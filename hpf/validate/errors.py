@@ -8,8 +8,8 @@ The fail-fast checks, in the order the docs and tests name them (:data:`CHECKS`)
 * :class:`BatchMismatchError`      local batches that differ where they must agree;
 * :class:`ParamsTreeError`         a params tree, spec tree or train state of another structure;
 * :class:`PrecisionError`          an op that silently leaves the mixed-precision compute dtype;
-* :class:`NonFiniteError`          a non-finite loss or grad, named where it first appeared;
-* :class:`IndivisibleSpecError`    a non-FSDP axis that does not divide the dim it splits;
+* :class:`NonFiniteLayoutError`    a non-finite loss or grad, named where it first appeared;
+* :class:`IndivisibleLayoutError`  a non-FSDP axis that does not divide the dim it splits;
 * :class:`QuantizationError`       a low-bit slow tier's error on a param past ``quantization_tolerance``;
 * :class:`TokenLostError`, :class:`ExpertPlacementError`, :class:`GateSumError`: MoE dispatch
   (:class:`DispatchError`): a token copy lost, an expert's tokens on the wrong rank, gates
@@ -17,6 +17,11 @@ The fail-fast checks, in the order the docs and tests name them (:data:`CHECKS`)
 
 Besides these, :class:`ShardingMismatchError`, :class:`CollectiveError` and
 :class:`GradientMismatchError` (from ``check_grads``) are :class:`LayoutError`\\ s too.
+
+Each name is one class: the two checks that production mode also makes are subclasses of its
+errors under their own names (``except hpf.NonFiniteError`` catches ``NonFiniteLayoutError``,
+``except hpf.spec.IndivisibleSpecError`` catches ``IndivisibleLayoutError``), and
+``NonFiniteError`` / ``IndivisibleSpecError`` here are those base classes, re-exported.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ from .. import errors, spec
 __all__ = [
     "LayoutError", "PartialSumError", "ShardingMismatchError", "ShardedContractionError",
     "LossNotReplicatedError", "BatchMismatchError", "ParamsTreeError", "PrecisionError",
-    "NonFiniteError", "IndivisibleSpecError", "QuantizationError", "CollectiveError", "GradientMismatchError", "CHECKS",
+    "NonFiniteLayoutError", "IndivisibleLayoutError", "NonFiniteError", "IndivisibleSpecError", "QuantizationError", "CollectiveError", "GradientMismatchError", "CHECKS",
     "DispatchError", "TokenLostError", "ExpertPlacementError", "GateSumError", "as_layout_errors",
 ]
 
@@ -68,13 +73,18 @@ class PrecisionError(LayoutError):
     """An op silently leaves the mixed-precision compute dtype."""
 
 
-class NonFiniteError(LayoutError, errors.NonFiniteError):
+NonFiniteError = errors.NonFiniteError  # (re-exported: the one class of that name)
+IndivisibleSpecError = spec.IndivisibleSpecError
+
+
+class NonFiniteLayoutError(LayoutError, NonFiniteError):
     """A non-finite loss or grad; the message names where it first appeared (production
     mode's :class:`hpf.NonFiniteError`, with the origin named)."""
 
 
-class IndivisibleSpecError(LayoutError, spec.IndivisibleSpecError):
-    """A non-FSDP axis does not divide the dim it splits (only FSDP axes are padded)."""
+class IndivisibleLayoutError(LayoutError, IndivisibleSpecError):
+    """A non-FSDP axis does not divide the dim it splits (only FSDP axes are padded): the
+    planner's :class:`hpf.spec.IndivisibleSpecError`, with the op that made the plan named."""
 
 
 class QuantizationError(LayoutError):
@@ -113,7 +123,7 @@ class GradientMismatchError(LayoutError):
 #: The fail-fast checks of validation mode, in their documented order.
 CHECKS: tuple[type[LayoutError], ...] = (
     PartialSumError, ShardedContractionError, LossNotReplicatedError, BatchMismatchError,
-    ParamsTreeError, PrecisionError, NonFiniteError, IndivisibleSpecError, QuantizationError,
+    ParamsTreeError, PrecisionError, NonFiniteLayoutError, IndivisibleLayoutError, QuantizationError,
     TokenLostError, ExpertPlacementError, GateSumError,
 )
 
@@ -121,7 +131,7 @@ CHECKS: tuple[type[LayoutError], ...] = (
 @contextlib.contextmanager
 def as_layout_errors(op: str) -> Iterator[None]:
     """Re-raise the planner's spec-tree and divisibility errors (hpf.spec, checked once there)
-    as this module's :class:`ParamsTreeError` / :class:`IndivisibleSpecError`, prefixed by ``op``."""
+    as this module's :class:`ParamsTreeError` / :class:`IndivisibleLayoutError`, prefixed by ``op``."""
     try:
         yield
     except LayoutError:
@@ -129,4 +139,4 @@ def as_layout_errors(op: str) -> Iterator[None]:
     except spec.SpecTreeError as err:
         raise ParamsTreeError(f"{op}: {err}") from None
     except spec.IndivisibleSpecError as err:
-        raise IndivisibleSpecError(f"{op}: {err}") from None
+        raise IndivisibleLayoutError(f"{op}: {err}") from None

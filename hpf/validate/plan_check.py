@@ -10,8 +10,8 @@ import torch
 
 from ..comm.collectives import SPMD, spmd
 from ..mesh import Mesh
-from ..comm.tiered import Topology, step_plan
-from ..planning import Plan
+from ..planning import Plan, step_plan
+from ..topology import Topology
 from ..precision import MixedPrecision
 from .errors import as_layout_errors
 from .layout import describe

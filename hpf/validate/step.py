@@ -15,8 +15,8 @@ from ..config import StepConfig
 from ..engine.compiled import eager_stance
 from ..step import ShardStep
 from ..train_state import TrainState
-from .errors import (BatchMismatchError, LossNotReplicatedError, NonFiniteError, ParamsTreeError, QuantizationError,
-                     as_layout_errors)
+from .errors import (BatchMismatchError, LossNotReplicatedError, NonFiniteLayoutError, ParamsTreeError,
+                     QuantizationError, as_layout_errors)
 from .grads import GradReport, check_grads
 from .tracker import Tracker
 
@@ -31,7 +31,7 @@ class ValidateStep(ShardStep):
     non-FSDP ranks (BatchMismatchError); every op's layouts must agree (PartialSumError,
     ShardedContractionError, PrecisionError and more); the loss must be complete and
     replicated (PartialSumError, LossNotReplicatedError); no loss or grad may be non-finite
-    (NonFiniteError); with a low-bit slow tier, each param's quantization error (weights
+    (NonFiniteLayoutError); with a low-bit slow tier, each param's quantization error (weights
     against the unquantized gather, grads against what was sent) is reported in
     ``metrics["quantization"]`` and bounded by ``quantization_tolerance`` (QuantizationError).
     Losses and grads are bit-identical to production's: the same ops run on the same plain
@@ -59,8 +59,7 @@ class ValidateStep(ShardStep):
         self._state_sig = [(tuple(s.shape), s.dtype) for s in state.params]
         self._spmd = dataclasses.replace(self._spmd, validate=True)  # models' own checks (MoE dispatch) on
         self.quantization: dict[str, dict[str, float]] = {}
-        if self.comm.slow is not None:
-            self.comm.lowbit.capture = {}  # the slow tier keeps what it sent and what arrived
+        self.comm.capture_low_bit()  # a low-bit slow tier keeps what it sent and what arrived
         return state
 
     def __call__(self, state: TrainState, batch: Any):
@@ -155,7 +154,7 @@ class ValidateStep(ShardStep):
 
     def _check_loss_values(self, loss: torch.Tensor, tracker: Tracker) -> None:
         """The same loss across non-FSDP ranks (LossNotReplicatedError) and a finite loss
-        (NonFiniteError), decided together by all ranks."""
+        (NonFiniteLayoutError), decided together by all ranks."""
         value = loss.detach().float().reshape(1)
         values = torch.cat(world.all_gather_list(value)) if world.world_size() > 1 else value
         values = values.cpu()
@@ -164,7 +163,7 @@ class ValidateStep(ShardStep):
             origin = tracker.first_nonfinite() if self.rank in bad else None
             origins = world.all_gather_object(origin)
             r = bad[0]
-            raise NonFiniteError(
+            raise NonFiniteLayoutError(
                 f"the loss is non-finite on rank(s) {bad}; on rank {r} the first non-finite value in the "
                 f"forward appeared at {origins[r if len(origins) > 1 else 0] or 'an op with no recorded output'}"
                 ". Check that op's inputs (log/sqrt of non-positive values, division by zero, overflow in low "
@@ -178,7 +177,7 @@ class ValidateStep(ShardStep):
                     "for random ops (dropout) with per-rank seeds, or a per-rank input that layouts cannot see")
 
     def _check_grads_finite(self) -> None:
-        """NonFiniteError naming the parameters whose grads are non-finite, decided together by all ranks."""
+        """NonFiniteLayoutError naming the parameters whose grads are non-finite, decided together by all ranks."""
         plan, flags, paths = self.plan, [], []
         for bucket, shard in zip(plan.buckets, self.grad_shards):
             position = plan.shard_index(bucket, self.rank)
@@ -193,7 +192,7 @@ class ValidateStep(ShardStep):
         world.all_reduce(flags, op="max")
         bad_paths = [p for p, f in zip(paths, flags.tolist()) if f]
         if bad_paths:
-            raise NonFiniteError(
+            raise NonFiniteLayoutError(
                 f"the loss is finite but the grads of {bad_paths[:8]} are not (first in parameter order: "
                 f"{bad_paths[0]!r}). The backward of an op on that parameter's path produced inf/nan, e.g. sqrt or "
                 "pow at 0, or log near 0; clamp its input away from the singular point")
@@ -204,25 +203,16 @@ class ValidateStep(ShardStep):
         every peer dequantized it, against the shard) and grads (each row as its peer received
         it, against what was sent), and that over the param's max abs value; the max over
         ranks, in one all-reduce. QuantizationError past the tolerance, before any update."""
-        lowbit = self.comm.lowbit
-        capture = lowbit and lowbit.capture
-        if capture is None:
-            return
         rows = []  # (kind, path): [max abs error, max abs value], the same entries on every rank
-        for kind in ("weights", "grads"):
-            for b in self.plan.buckets:
-                fmt = lowbit.formats[b.index]
-                if not (fmt["all_gather"] if kind == "weights" else fmt["reduce_scatter"] or fmt["all_reduce"]):
-                    continue
-                runs = capture.get((kind, b.index), [])  # (offset, exact, as received) per contiguous run
-                for slot in b.slots:
-                    stat = torch.zeros(2)
-                    for at, exact, got in runs:
-                        held = slot.piece(at, at + exact.numel()).held
-                        if held.stop > held.start:
-                            stat = torch.maximum(stat, torch.stack([(exact[held] - got[held]).abs().amax(),
-                                                                    exact[held].abs().amax()]).cpu())
-                    rows.append(((kind, slot.path), stat))
+        for kind, b, runs in self.comm.low_bit_captures():  # runs: (offset, exact, as received) per contiguous run
+            for slot in b.slots:
+                stat = torch.zeros(2)
+                for at, exact, got in runs:
+                    held = slot.piece(at, at + exact.numel()).held
+                    if held.stop > held.start:
+                        stat = torch.maximum(stat, torch.stack([(exact[held] - got[held]).abs().amax(),
+                                                                exact[held].abs().amax()]).cpu())
+                rows.append(((kind, slot.path), stat))
         if not rows:
             return
         stats = torch.stack([r for _, r in rows])
