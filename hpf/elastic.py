@@ -215,12 +215,7 @@ class _Job:
         t, frm, swap = self.inflight
         self.inflight = None
         self.copies[t][1][frm] = swap.wait()
-        n = len(self.members)
-        done = self.store.add(self._key(f"saved/{t}"), 1)
-        while done < n:
-            self.heartbeat.check()
-            time.sleep(0.002)
-            done = self.store.add(self._key(f"saved/{t}"), 0)
+        _all_here(self, f"saved/{t}")
         for old in [b for b in self.copies if b < t]:
             own, partners = self.copies.pop(old)
             self.spare = [own.buf, *(c.buf for c in partners.values())]  # (the next boundary's buffers)
@@ -352,6 +347,7 @@ class _Job:
             return None
         t0 = time.monotonic()
         self.settle()  # (boundary t is protected before the world changes)
+        _all_here(self, f"admitting/{t}")  # every member is alive before a joiner is told (else its group waits on one)
         members = self.members + [int(self.store.get(f"{_KEY}joiner/{j}")) for j in slots]
         record = json.dumps({"generation": self.generation + 1, "members": members, "step": t})
         for j in slots:
@@ -447,6 +443,16 @@ def train(make_step: Callable[[int], Any], init: Any, batches: Callable[[int, in
     liveness.watch(None)
     run.step, run.state, run.losses, run.copy_bytes = step, state, [losses[i] for i in sorted(losses)], job.copy_bytes
     return run
+
+
+def _all_here(job: _Job, name: str) -> None:
+    """A barrier of the members, counted in the store under ``name``: a member gone silent (or a roll
+    call opened) raises PeerLostError instead of a wait for it."""
+    done = job.store.add(job._key(name), 1)
+    while done < len(job.members):
+        job.heartbeat.check()
+        time.sleep(0.002)
+        done = job.store.add(job._key(name), 0)
 
 
 def _lost_in_rebuild(lost: list[int], second: BaseException) -> UnrecoverableLossError:
