@@ -242,9 +242,10 @@ def main() -> None:
                      f"{e['rebuild_s']:.2f}", e["world_at_end"], e["same_bits"], f"{e['wall_s']:.1f}",
                      f"{rs['wall_s']:.1f}" if rs else "-", rs["recomputed"] if rs else "-", rs["same_bits"] if rs else "-"])
     print(f"reference (no failure): params sha256 {reference}, wall {ref['wall_s']:.1f} s")
-    print_table(["killed in step", "rank", "world", "rc", "killed member's rc", "finished steps redone", "kill->next step s", "rebuild s", "ranks at end",
-                 "same bits", "elastic wall s", "restart wall s", "restart recomputed", "restart same bits"], rows)
-    if elastic_rows:  # (--kills 0 --grow 0: the cost alone)
+    if rows:  # (--kills 0 --grow 0: the cost alone)
+        print_table(["killed in step", "rank", "world", "rc", "killed member's rc", "finished steps redone",
+                     "kill->next step s", "rebuild s", "ranks at end", "same bits", "elastic wall s", "restart wall s",
+                     "restart recomputed", "restart same bits"], rows)
         report_ratio("worst_kill_to_next_step_s", max(e["kill_to_step_s"] for e in elastic_rows), "<=10")
     if args.torchrun:  # (the restarts, the default mode and the cost do not depend on the launcher)
         return print(f"load average at end: {os.getloadavg()[0]:.2f}")
