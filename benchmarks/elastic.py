@@ -45,9 +45,11 @@ WORLD, BATCH = 4, 12
 
 
 def _train(out: Path, args, *extra: str, invariant: bool = True, world: int = WORLD) -> list[str]:
-    return [sys.executable, "-m", "hpf", "train", "--config", args.config, "--steps", str(args.steps), "--world-size",
-            str(world), "--batch-size", str(BATCH), *(["--invariant", "--atom-size", "1"] if invariant else []),
-            *(["--hsdp"] if args.hsdp and world % 2 == 0 else []), "--out", str(out), *extra]
+    hsdp = args.hsdp and world % 2 == 0  # (a plain run's HSDP mesh is named; --elastic --hsdp makes its own)
+    size = ["--mesh", f"node=2,local={world // 2}"] if hsdp and "--elastic" not in extra else ["--world-size", str(world)]
+    return [sys.executable, "-m", "hpf", "train", "--config", args.config, "--steps", str(args.steps), *size,
+            "--batch-size", str(BATCH), *(["--invariant", "--atom-size", "1"] if invariant else []),
+            *(["--hsdp"] if hsdp else []), "--out", str(out), *extra]
 
 
 def _records(out: Path) -> list[dict]:
