@@ -236,8 +236,11 @@ def _rank_pids(driver: int) -> dict[int, int]:
     return {int(n.removeprefix("hpf-rank")): k for k, n in names.items() if n.startswith("hpf-rank")}
 
 
+CLI_STEPS = 40  # (long enough that a worker torchrun restarts, importing torch under load, joins before the end)
+
+
 def _train_command(out, world, *flags) -> list[str]:
-    return [sys.executable, "-m", "hpf", "train", "--world-size", str(world), "--batch-size", "6", "--steps", "8",
+    return [sys.executable, "-m", "hpf", "train", "--world-size", str(world), "--batch-size", "6", "--steps", str(CLI_STEPS),
             "--invariant", "--out", str(out), *flags]
 
 
@@ -251,7 +254,7 @@ def _wait_for_steps(out, n: int) -> None:
 def one_rank_params(tmp_path_factory):
     """The final params of the same job on one rank, never failing: what every elastic run must equal."""
     out = tmp_path_factory.mktemp("one")
-    reference = subprocess.run(_train_command(out, 1, "--atom-size", "1", "--save-every", "8"), capture_output=True,
+    reference = subprocess.run(_train_command(out, 1, "--atom-size", "1", "--save-every", str(CLI_STEPS)), capture_output=True,
                                text=True, timeout=120)
     assert reference.returncode == 0, reference.stdout + reference.stderr
     return _final_params(out)
@@ -260,7 +263,7 @@ def one_rank_params(tmp_path_factory):
 def _final_params(out) -> list[torch.Tensor]:
     from hpf import checkpoint
 
-    return hpf.tree.flatten(checkpoint.load_params(out / "checkpoints" / "step_000008"))[1]
+    return hpf.tree.flatten(checkpoint.load_params(out / "checkpoints" / f"step_{CLI_STEPS:06d}"))[1]
 
 
 def _assert_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
@@ -281,7 +284,7 @@ def test_hpf_train_elastic_survives_a_rank_killed_from_outside_with_the_bits_of_
     run = json.loads((tmp_path / "run.json").read_text())
     assert [e["event"] for e in run["elastic"]["events"]] == ["lost"] and run["elastic"]["world_size"] == 2
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines] == list(range(1, 9)) and lines[-1]["world_size"] == 2
+    assert [x["step"] for x in lines] == list(range(1, CLI_STEPS + 1)) and lines[-1]["world_size"] == 2
     _assert_equal(_final_params(tmp_path), one_rank_params)
 
 
@@ -312,7 +315,7 @@ def test_under_torchrun_a_member_torchrun_restarts_is_survived_and_rejoins_with_
     run = json.loads((tmp_path / "run.json").read_text())
     assert [e["event"] for e in run["elastic"]["events"]] == ["lost", "joined"] and run["elastic"]["world_size"] == 3
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines] == list(range(1, 9))
+    assert [x["step"] for x in lines] == list(range(1, CLI_STEPS + 1))
     _assert_equal(_final_params(tmp_path), one_rank_params)
 
 

@@ -13,7 +13,7 @@ from cli_helpers import REPO, hpf_cmd
 def test_the_hpf_command_is_installed_beside_the_environments_python():
     """The README's set-up puts `hpf` in .venv/bin and says to activate it (test_docs checks the text)."""
     proc = subprocess.run([str(Path(sys.executable).parent / "hpf"), "--help"], capture_output=True, text=True)
-    assert proc.returncode == 0 and "{train,prepare,plan,simulate,calibrate,eval,export,generate}" in proc.stdout
+    assert proc.returncode == 0 and "{train,prepare,plan,simulate,calibrate,eval,export,generate,store}" in proc.stdout
 
 
 @pytest.mark.slow
