@@ -117,10 +117,11 @@ def run(job: TrainJob, size: int, out: Path) -> bool:
         launcher.shutdown()
         if result is None or result["rank"] != 0:
             return False
-        survived = {k: v for k, v in result.items() if k != "rank"}
+        survived = result
     else:
         results = hpf.launch(elastic_rank, size, job, elastic=True, replacements=job.replacements)
-        survived = next({k: v for k, v in r.items() if k != "rank"} for r in results if r is not None)
+        survived = next(r for r in results if r is not None)
+    survived.pop("rank")  # (which rank it was is not the run's record)
     for e in survived["events"]:
         print(describe(e), flush=True)
     run_folder.set_status(out, "running", elastic=survived)
