@@ -68,7 +68,7 @@ from .checkpoint_check import Want, check_keys, check_outline, dtype_of, header_
 from .checkpoint_files import (HEADER, TMP_SUFFIX, CheckpointError, Reader, load_data, not_data, read_failed,
                                save_failed, seal, sums, describe, PeerSaveError)
 from .comm import schedule, world
-from .launcher import at_shutdown
+from .launcher import at_reform, at_shutdown
 from .optim.base import capabilities
 
 
@@ -315,6 +315,7 @@ def _quiet():
 
 # -- save --------------------------------------------------------------------------------------
 _GROUP: dict[str, Any] = {}
+at_reform(_GROUP.clear)
 
 
 def _group():

@@ -1,11 +1,12 @@
 """Elastic training: a lost rank is survived in memory, and a new rank joins at a step boundary.
 
 ``hpf.elastic.train(make_step, init, batches, steps)`` runs the training loop of one rank. At each
-step boundary (every ``every`` steps) each rank packs its shard state (params, optimizer state,
-step counters, the loss scale) into one buffer that is its own copy, and sends it to its buddy,
-the rank ``shift`` places on along the ring of members (another machine of a two-tier mesh), which
-keeps it. A boundary counts as protected once every rank has its partner's copy: each says so in
-the job's store, the one thing that outlives every rank.
+step boundary (every ``every`` steps) each rank sends its shard state (params, optimizer state,
+step counters, the loss scale) to its buddy, the rank ``shift`` places on along the ring of members
+(another machine of a two-tier mesh), which keeps it. A boundary is protected once every rank has
+its partner's copy: each says so in the job's store, the one thing that outlives every rank. Then
+the boundary before is dropped, and each rank packs its own copy (a step updates its state in
+place, and a fault in the next step goes back to it). Under HSDP the replicas are the copies.
 
 When a rank dies (SIGKILL, a lost machine), the others find out within seconds: a gloo error on
 the ranks that talked to it, or its heartbeat going silent (hpf.comm.liveness) on the rest, which
@@ -63,7 +64,7 @@ class Run:
     state: Any
     losses: list[float] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)
-    copy_bytes: int = 0  # the most the copies held on this rank: own and partner's, of two boundaries while one lands
+    copy_bytes: int = 0  # the most the copies held on this rank (three shard states at most: ``_Job.protect``)
 
 
 class _Copy:
@@ -72,19 +73,29 @@ class _Copy:
     def __init__(self, buf: torch.Tensor, header: list):
         self.buf, self.header = buf, header
 
+    @staticmethod
+    def layout(state) -> tuple[list, int]:
+        """(header, bytes) of ``state`` packed: each leaf's dtype, shape and offset, 8-byte aligned (so
+        each views back as its dtype)."""
+        header, at = [], 0
+        for x in optree.tree_leaves(state):
+            header.append([str(x.dtype).removeprefix("torch."), list(x.shape), at])
+            at += _aligned(x)
+        return header, at
+
     @classmethod
     def of(cls, state, spare: list[torch.Tensor] | None = None) -> "_Copy":
         """``state`` packed, into a buffer of ``spare`` of the right size where there is one (a boundary's
         buffer reused, not 10s of MB allocated and faulted in at every boundary)."""
-        leaves = optree.tree_leaves(state)
-        header, parts, at = [], [], 0
-        for x in leaves:
-            raw = x.detach().reshape(-1).contiguous().view(torch.uint8)
-            pad = -raw.numel() % 8  # each leaf starts 8-byte aligned, so it views back as its dtype
-            header.append([str(x.dtype).removeprefix("torch."), list(x.shape), at])
-            parts += [raw, torch.zeros(pad, dtype=torch.uint8)]
-            at += raw.numel() + pad
-        return cls(torch.cat(parts, out=_take(spare, at)) if parts else torch.zeros(0, dtype=torch.uint8), header)
+        header, nbytes = cls.layout(state)
+        copy = cls(_take(spare, nbytes), header)
+        for x, into in zip(optree.tree_leaves(state), copy.parts()):
+            into.copy_(_raw(x))
+        return copy
+
+    def parts(self) -> list[torch.Tensor]:
+        """Each leaf's bytes in the buffer (unpadded)."""
+        return [self.buf[at:at + _nbytes(dtype, shape)] for dtype, shape, at in self.header]
 
     def unpack(self, like) -> Any:
         """The state, as views of the buffer, in the structure of ``like`` (a state of this job)."""
@@ -92,12 +103,17 @@ class _Copy:
         if len(leaves) != len(self.header):
             raise UnrecoverableLossError(f"hpf.elastic: a copy holds {len(self.header)} tensors where the state has "
                                          f"{len(leaves)}; the ranks run different optimizers or models")
-        out = []
-        for dtype, shape, at in self.header:
-            dt = getattr(torch, dtype)
-            n = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dt).element_size()
-            out.append(self.buf[at:at + n].view(dt).view(shape))
+        out = [part.view(getattr(torch, dtype)).view(shape) for part, (dtype, shape, _) in zip(self.parts(), self.header)]
         return optree.tree_unflatten(treedef, out)
+
+
+def _nbytes(dtype: str, shape: list) -> int:
+    return int(torch.Size(shape).numel()) * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+
+
+def _raw(x: torch.Tensor) -> torch.Tensor:
+    """A leaf's bytes (a view where it is contiguous)."""
+    return x.detach().reshape(-1).contiguous().view(torch.uint8)
 
 
 def _take(spare: list[torch.Tensor] | None, nbytes: int) -> torch.Tensor:
@@ -150,7 +166,6 @@ class _Job:
         self.spare: list[torch.Tensor] = []  # the buffers of the boundary dropped last, for the next
         self.heartbeat: liveness.Heartbeat | None = None
         self.meta = None  # the params' shapes (meta tensors): what a rebuilt step is initialized from
-        self.inflight: tuple[int, int, _Swap] | None = None  # (boundary, partner, its copies on the way)
         self.theirs: tuple[list, int] | None = None  # the partner's copy layout (header, bytes) in this generation
         self.mine: list | None = None  # this rank's, as the partner was told it
         self.copy_bytes = 0  # the most the copies have held on this rank
@@ -186,52 +201,29 @@ class _Job:
 
     # -- protecting a boundary ---------------------------------------------------------------------------------
     def protect(self, step, state, t: int) -> None:
-        """Boundary ``t``: settle the copy sent at the boundary before, then pack this rank's state
-        and start sending it to its buddy (it lands while the next step runs)."""
-        self.settle()
-        own = _Copy.of(state, self.spare)
-        self.copies[t] = (own, {})
-        n, i = len(self.members), self.members.index(self.me)
-        if replicated(step):  # (HSDP) a replica's own copy is this rank's buddy copy: nothing to send
-            for old in [b for b in self.copies if b < t - 1]:  # (a peer may still be finishing step t)
+        """Boundary ``t``: this rank's state goes to its buddy and its partner's comes here; once every
+        member holds its partner's copy, the boundary before goes and this rank packs its own copy of
+        ``t`` into that one's buffer. Until then its own copy of ``t`` is the live state, which no step
+        has touched yet: so a rank holds three shard states (its own and its partner's of the boundary
+        before and its partner's of this one; between boundaries two, and the buffer the next partner's
+        copy lands in)."""
+        n = len(self.members)
+        if replicated(step) or n == 1:  # (HSDP) a replica's own copy is this rank's buddy copy: nothing to send
+            for old in [b for b in self.copies if b < t - 1]:  # (a peer may still be finishing step t - 1)
                 self.spare = [self.copies.pop(old)[0].buf]
-        elif n > 1:
-            s = self.buddy_shift(step)
-            to, frm = (i + s) % n, (i - s) % n
-            if self.theirs is None:  # the partner's layout: the same at every boundary of a generation
-                self.theirs, self.mine = _partner_layout(own, to, frm), own.header
-            elif own.header != self.mine:
-                raise UnrecoverableLossError("hpf.elastic: this rank's state changed its layout between boundaries "
-                                             "(a new optimizer state?); its buddy's copy would not fit")
-            self.inflight = (t, self.members[frm], _Swap(own, to, frm, *self.theirs, self.spare))
-        held = sum(o.buf.numel() + sum(c.buf.numel() for c in p.values()) for o, p in self.copies.values())
-        self.copy_bytes = max(self.copy_bytes, held + (self.inflight[2].buf.numel() if self.inflight else 0))
-
-    def settle(self) -> None:
-        """Wait for the copy in flight and count it in the store; once every member holds its
-        partner's copy of that boundary, the boundaries before it go."""
-        if self.inflight is None:
-            return
-        t, frm, swap = self.inflight
-        self.inflight = None
-        self.copies[t][1][frm] = swap.wait()
-        _all_here(self, f"saved/{t}")
-        for old in [b for b in self.copies if b < t]:
-            own, partners = self.copies.pop(old)
-            self.spare = [own.buf, *(c.buf for c in partners.values())]  # (the next boundary's buffers)
-
-    def _salvage(self) -> None:
-        """After a fault: the copy in flight is kept if the partner's part landed before it (the
-        boundary may then be whole), else dropped."""
-        if self.inflight is None:
-            return
-        t, frm, swap = self.inflight
-        self.inflight = None
-        try:
-            if swap.received.wait(0.2):
-                self.copies[t][1][frm] = swap.arrived()
-        except Exception:  # noqa: BLE001 -- its sender is the rank lost: the copy never came
-            pass
+            self.copies[t] = (_Copy.of(state, self.spare), {})
+        else:
+            self.copies[t] = (None, {})  # (None: the live state)
+            frm, partner = _swap(self, step, state)
+            self.copies[t][1][frm] = partner
+            _all_here(self, f"saved/{t}")
+            for old in [b for b in self.copies if b < t]:
+                own, partners = self.copies.pop(old)
+                self.spare = [own.buf, *(c.buf for c in partners.values())]
+            self.copies[t] = (_Copy.of(state, self.spare), {frm: partner})
+        held = sum(b.numel() for b in self.spare) + sum(
+            (o.buf.numel() if o else 0) + sum(c.buf.numel() for c in p.values()) for o, p in self.copies.values())
+        self.copy_bytes = max(self.copy_bytes, held)
 
     # -- a fault: the roll call, the next generation, the state rebuilt ----------------------------------------------
     def recover(self, error: BaseException, step, state, t_failed: int):
@@ -239,7 +231,6 @@ class _Job:
         Returns (step, state, the boundary, the event); raises ``error`` where nobody was lost."""
         t0 = time.monotonic()
         self.store.compare_set(self._key("open"), "", f"rank {self.me}: {type(error).__name__}: {str(error)[:300]}")
-        self._salvage()
         left = self._roll_call()
         lost = [m for m in self.members if m not in left]
         if not lost:
@@ -307,7 +298,7 @@ class _Job:
     def _held(self, step, state, boundary: int, lost: list[int], left: list[int]) -> dict:
         """old rank -> (its checkpoint layout, its state at ``boundary``), for what this rank holds."""
         own, partners = self.copies[boundary]
-        held = {self.me: own}
+        held = {self.me: own}  # (own None: the live state, which no step has touched since the boundary)
         for d in lost:
             holder = self._holder(step, d)
             if holder is None:  # (its shards are its replicas': the reshard finds them, or names what is gone)
@@ -318,7 +309,7 @@ class _Job:
             if holder == self.me:
                 held[d] = partners[d]
         return {self.members.index(r): (checkpoint.Layout(step.plan, self.members.index(r),
-                                                          _planned_optimizer(step, self.members.index(r))), c.unpack(state))
+                                                          _planned_optimizer(step, self.members.index(r))), c.unpack(state) if c else state)
                 for r, c in held.items()}
 
     def _next_generation(self, members: list[int], held: dict):
@@ -346,15 +337,13 @@ class _Job:
         if not slots:
             return None
         t0 = time.monotonic()
-        self.settle()  # (boundary t is protected before the world changes)
         _all_here(self, f"admitting/{t}")  # every member is alive before a joiner is told (else its group waits on one)
         members = self.members + [int(self.store.get(f"{_KEY}joiner/{j}")) for j in slots]
         record = json.dumps({"generation": self.generation + 1, "members": members, "step": t})
         for j in slots:
             self.store.set(f"{_KEY}joiner/{j}/admitted", record)
-        own = self.copies[t][0]
         held = {self.members.index(self.me): (checkpoint.Layout(step.plan, self.members.index(self.me),
-                                                                step.plan_optimizer), own.unpack(state))}
+                                                                step.plan_optimizer), state)}  # (no step since t)
         _close(step)
         step, state, received = self._next_generation(members, held)
         return step, state, {"event": "joined", "ranks": members[len(members) - len(slots):], "at_step": t,
@@ -387,7 +376,8 @@ class _Job:
 
 def train(make_step: Callable[[int], Any], init: Any, batches: Callable[[int, int, int], Any], steps: int, *,
           key: torch.Tensor | None = None, every: int = 1, shift: int | None = None,
-          on_step: Callable[[int, dict], None] | None = None) -> Run:
+          on_step: Callable[[int, dict], None] | None = None,
+          at_boundary: Callable[[Any, Any, int], None] | None = None) -> Run:
     """Run ``steps`` steps of an elastic job on this rank (see the module doc); every rank calls it.
 
     Args:
@@ -401,6 +391,8 @@ def train(make_step: Callable[[int], Any], init: Any, batches: Callable[[int, in
         shift: how many members along a rank's buddy is (default: a machine's ranks on a multi-axis mesh, else 1).
         on_step: called with (step, metrics) after each step that finished (redone steps again); the metrics
             add ``copy_s``, the seconds the boundary before the step took to protect.
+        at_boundary: called with (step, state, t) on every member at each protected boundary (redone ones
+            again): a checkpoint there (``step.save``, not async) is survived like a step.
 
     Returns:
         Run: the last generation's step (close it) and state, the losses, the faults and joins survived
@@ -422,7 +414,7 @@ def train(make_step: Callable[[int], Any], init: Any, batches: Callable[[int, in
     while t < steps:
         try:
             if due:
-                step, state, due, copy_s = _at_boundary(job, step, state, t, run.events)
+                step, state, due, copy_s = _at_boundary(job, step, state, t, run.events, at_boundary)
                 continue
             state, metrics = step(state, batches(t, world.rank(), world.world_size()))
             losses[t] = metrics["loss"]
@@ -436,7 +428,6 @@ def train(make_step: Callable[[int], Any], init: Any, batches: Callable[[int, in
             step, state, t, event = job.recover(error, step, state, t)
             run.events.append(event)
             due = True
-    job.settle()  # (the last copy in flight lands before the process group goes)
     if world.rank() == 0:  # (a rank still waiting to join ends, and so does hpf store)
         job.store.set(launcher.JOB_DONE_KEY, str(t))
     job.heartbeat.stop()
@@ -474,47 +465,50 @@ def _begin(job: _Job, events: list):
     return step, state, t
 
 
-def _at_boundary(job: _Job, step, state, t: int, events: list) -> tuple[Any, Any, bool, float]:
-    """Protect boundary ``t`` and admit the ranks waiting to join: (step, state, whether the boundary
-    is due again (a join changed the world), the seconds the protection took)."""
+def _at_boundary(job: _Job, step, state, t: int, events: list, then: Callable | None) -> tuple[Any, Any, bool, float]:
+    """Protect boundary ``t``, admit the ranks waiting to join, and call ``then`` where none joined:
+    (step, state, whether the boundary is due again (a join changed the world), the seconds the
+    protection took)."""
     started = time.perf_counter()
     job.protect(step, state, t)
     copy_s = time.perf_counter() - started
     joined = job.admit(step, state, t)
     if joined is None:
+        if then is not None:
+            then(step, state, t)
         return step, state, False, copy_s
     step, state, event = joined
     events.append(event)
     return step, state, True, copy_s
 
 
-def _partner_layout(own: _Copy, to: int, frm: int) -> tuple[list, int]:
-    """Tell rank ``to`` the layout of ``own`` and hear rank ``frm``'s: (its header, its bytes)."""
-    head = torch.tensor(list(json.dumps(own.header).encode()), dtype=torch.uint8)
-    sizes, theirs = torch.tensor([head.numel(), own.buf.numel()]), torch.zeros(2, dtype=torch.int64)
+def _swap(job: _Job, step, state) -> tuple[int, _Copy]:
+    """This rank's live state to its buddy, leaf by leaf (no packed copy of it is made for the send),
+    and its partner's into one buffer: (the partner, its copy)."""
+    n, i = len(job.members), job.members.index(job.me)
+    s = job.buddy_shift(step)
+    to, frm = (i + s) % n, (i - s) % n
+    header, nbytes = _Copy.layout(state)
+    if job.theirs is None:  # the partner's layout: the same at every boundary of a generation
+        job.theirs, job.mine = _partner_layout(header, nbytes, to, frm), header
+    elif header != job.mine:
+        raise UnrecoverableLossError("hpf.elastic: this rank's state changed its layout between boundaries "
+                                     "(a new optimizer state?); its buddy's copy would not fit")
+    partner = _Copy(_take(job.spare, job.theirs[1]), job.theirs[0])
+    sends = [(to, _raw(x), 16 + k) for k, x in enumerate(optree.tree_leaves(state)) if x.numel()]
+    recvs = [(frm, part, 16 + k) for k, part in enumerate(partner.parts()) if part.numel()]
+    schedule.wait(PointToPoint(world.exchange(sends, recvs)), "the elastic copies of a boundary")
+    return job.members[frm], partner
+
+
+def _partner_layout(header: list, nbytes: int, to: int, frm: int) -> tuple[list, int]:
+    """Tell rank ``to`` this rank's copy layout (``header``, ``nbytes``) and hear rank ``frm``'s."""
+    head = torch.tensor(list(json.dumps(header).encode()), dtype=torch.uint8)
+    sizes, theirs = torch.tensor([head.numel(), nbytes]), torch.zeros(2, dtype=torch.int64)
     schedule.wait(PointToPoint(world.exchange([(to, sizes, 1)], [(frm, theirs, 1)])), "an elastic copy's sizes")
     their_head = torch.empty(int(theirs[0]), dtype=torch.uint8)
     schedule.wait(PointToPoint(world.exchange([(to, head, 2)], [(frm, their_head, 2)])), "an elastic copy's layout")
     return json.loads(bytes(their_head.tolist()).decode()), int(theirs[1])
-
-
-class _Swap:
-    """A boundary's copy on its way to the buddy (``to``), and the partner's (``frm``) on its way
-    here: started at a boundary and waited for at the next, so the transfer overlaps a step."""
-
-    def __init__(self, own: _Copy, to: int, frm: int, header: list, nbytes: int, spare: list[torch.Tensor]):
-        self.header, self.buf = header, _take(spare, nbytes)
-        self.sent = PointToPoint(world.exchange([(to, own.buf, 3)], []))
-        self.received = PointToPoint(world.exchange([], [(frm, self.buf, 3)]))
-
-    def wait(self) -> _Copy:
-        schedule.wait(self.sent, "an elastic copy to the buddy")
-        schedule.wait(self.received, "the partner's elastic copy")
-        return self.arrived()
-
-    def arrived(self) -> _Copy:
-        """The partner's copy, once ``received`` is done."""
-        return _Copy(self.buf, self.header)
 
 
 def _close(step) -> None:
@@ -611,7 +605,7 @@ def _aligned(t: torch.Tensor) -> int:
 
 
 def _padded_bytes(t: torch.Tensor) -> torch.Tensor:
-    raw = t.reshape(-1).contiguous().view(torch.uint8)
+    raw = _raw(t)
     return torch.cat([raw, raw.new_zeros(_aligned(t) - raw.numel())])
 
 

@@ -141,6 +141,52 @@ def test_under_hsdp_a_rank_holds_two_boundaries_of_its_own_state_and_nothing_els
         assert copy_bytes == 2 * own
 
 
+def _dies_in_the_copy(rank, where, at):
+    """Rank 1 is killed at boundary ``at``: before it sends its copy, or once it has sent it and waits
+    for the others' (the copy of ``at`` is then whole for its loss, and no step is redone)."""
+    if rank == 1 and where == "before the copy":
+        swap, calls = hpf.elastic._swap, []
+
+        def _swap(*args):
+            calls.append(1)
+            return os.kill(os.getpid(), signal.SIGKILL) if len(calls) == at + 1 else swap(*args)
+        hpf.elastic._swap = _swap
+    if rank == 1 and where == "after the copy":
+        here = hpf.elastic._all_here
+        hpf.elastic._all_here = lambda job, name: (os.kill(os.getpid(), signal.SIGKILL) if name == f"saved/{at}"
+                                                   else here(job, name))
+    return _elastic_rank(rank, None, None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["before the copy", "after the copy"])
+@settings(max_examples=1, deadline=None)
+@given(at=st.integers(1, STEPS - 1))
+def test_a_rank_lost_while_a_boundary_is_copied_is_survived(where, at):
+    results = launch(_dies_in_the_copy, 4, where, at, timeout=90, elastic=True)
+    assert results[1] is None
+    for full, events, world in [r for r in results if r is not None]:
+        assert world == 3 and all(torch.equal(a, b) for a, b in zip(full, reference())), "params differ"
+        assert events[0]["event"] == "lost" and events[0]["ranks"] == [1]
+        assert events[0]["back_to"] == (at - 1 if where == "before the copy" else at)
+
+
+def _copies_held(rank):
+    torch.set_num_threads(1)
+    run = hpf.elastic.train(make_step, functools.partial(gpt.init, CFG), batches, STEPS, key=hpf.random.key(0))
+    run.step.close()
+    return run.copy_bytes, _Copy.layout(run.state)[1]
+
+
+@pytest.mark.slow
+def test_on_a_flat_mesh_a_rank_holds_its_own_state_and_two_of_its_partners():
+    """Its own copy and its partner's of the last boundary, and the buffer the next partner's copy
+    lands in (while it lands, the boundary before is still whole)."""
+    held = launch(_copies_held, 4, timeout=90, elastic=True)
+    for i, (copy_bytes, own) in enumerate(held):
+        assert copy_bytes == own + 2 * held[(i - 1) % 4][1]
+
+
 @pytest.mark.slow
 def test_an_error_of_the_program_is_raised_not_survived():
     with pytest.raises(hpf.launch.RankError, match="a bug in the program on one rank"):
@@ -250,20 +296,28 @@ def _wait_for_steps(out, n: int) -> None:
         time.sleep(0.01)
 
 
+SAVE_EVERY = CLI_STEPS // 4
+
+
 @pytest.fixture(scope="module")
-def one_rank_params(tmp_path_factory):
-    """The final params of the same job on one rank, never failing: what every elastic run must equal."""
+def one_rank(tmp_path_factory):
+    """The same job on one rank, never failing, saved every SAVE_EVERY steps: what every elastic run must equal."""
     out = tmp_path_factory.mktemp("one")
-    reference = subprocess.run(_train_command(out, 1, "--atom-size", "1", "--save-every", str(CLI_STEPS)), capture_output=True,
-                               text=True, timeout=120)
+    reference = subprocess.run(_train_command(out, 1, "--atom-size", "1", "--save-every", str(SAVE_EVERY), "--keep-last", "4"),
+                               capture_output=True, text=True, timeout=120)
     assert reference.returncode == 0, reference.stdout + reference.stderr
-    return _final_params(out)
+    return out
 
 
-def _final_params(out) -> list[torch.Tensor]:
+@pytest.fixture(scope="module")
+def one_rank_params(one_rank):
+    return _final_params(one_rank)
+
+
+def _final_params(out, step: int = CLI_STEPS) -> list[torch.Tensor]:
     from hpf import checkpoint
 
-    return hpf.tree.flatten(checkpoint.load_params(out / "checkpoints" / f"step_{CLI_STEPS:06d}"))[1]
+    return hpf.tree.flatten(checkpoint.load_params(out / "checkpoints" / f"step_{step:06d}"))[1]
 
 
 def _assert_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
@@ -273,9 +327,10 @@ def _assert_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="finds the rank processes through Linux's /proc")
 def test_hpf_train_elastic_survives_a_rank_killed_from_outside_with_the_bits_of_a_run_that_never_failed(
-        tmp_path, one_rank_params):
-    proc = subprocess.Popen(_train_command(tmp_path, 3, "--elastic"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+        tmp_path, one_rank):
+    """... and --save-every saves the checkpoints of the steps after the loss too, on the ranks left."""
+    proc = subprocess.Popen(_train_command(tmp_path, 3, "--elastic", "--save-every", str(SAVE_EVERY), "--keep-last", "4"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     _wait_for_steps(tmp_path, 3)
     os.kill(_rank_pids(proc.pid)[2], signal.SIGKILL)
     out = proc.communicate(timeout=120)[0]
@@ -285,7 +340,8 @@ def test_hpf_train_elastic_survives_a_rank_killed_from_outside_with_the_bits_of_
     assert [e["event"] for e in run["elastic"]["events"]] == ["lost"] and run["elastic"]["world_size"] == 2
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == list(range(1, CLI_STEPS + 1)) and lines[-1]["world_size"] == 2
-    _assert_equal(_final_params(tmp_path), one_rank_params)
+    for saved in range(SAVE_EVERY, CLI_STEPS + 1, SAVE_EVERY):
+        _assert_equal(_final_params(tmp_path, saved), _final_params(one_rank, saved))
 
 
 @pytest.mark.slow
@@ -341,11 +397,11 @@ def test_hpf_train_elastic_under_torchrun_names_what_a_member_lacks(tmp_path, ca
 @pytest.mark.parametrize("flags, says", [
     (["--world-size", "4", "--batch-size", "16"], "--batch-size 16 must split over 4 ranks and, after a loss, over 3"),
     (["--mesh", "dp=2,tp=2", "--batch-size", "12"], "--elastic shrinks one data axis"),
-    (["--world-size", "4", "--batch-size", "12", "--save-every", "2"], "--elastic does not take --save-every"),
+    (["--world-size", "4", "--batch-size", "12", "--timeout", "60"], "--elastic does not take --timeout"),
     (["--world-size", "4", "--batch-size", "12", "--accumulate", "2"], "--elastic does not take --accumulate"),
     (["--world-size", "4", "--batch-size", "12", "--model", "moe"], "--model moe keeps loop state"),
     (["--world-size", "3", "--batch-size", "6", "--hsdp"], "--elastic --hsdp runs two replicas"),
-], ids=["batch", "tp", "save-every", "accumulate", "moe", "hsdp-odd"])
+], ids=["batch", "tp", "timeout", "accumulate", "moe", "hsdp-odd"])
 def test_hpf_train_elastic_refuses_what_it_cannot_survive_before_any_rank_starts(tmp_path, capsys, flags, says):
     from hpf.cli import main
 

@@ -29,7 +29,7 @@ from hpf.models import MODELS, mesh_for
 from hpf.optim.lr_schedules import Schedule
 
 # the options an elastic run does not take yet, and why
-_REFUSED = {"resume": "it starts from the seed", "save_every": "its copies live in memory, not in checkpoints",
+_REFUSED = {"resume": "it starts from the seed; resume its checkpoints without --elastic",
             "timeout": "it runs to the end", "dropout": "its masks need each rank's example keys",
             "eval_every": "the held-out loss is not evaluated", "plan": "its world changes", "trace": "",
             "tensorboard": ""}
@@ -154,9 +154,13 @@ def elastic_rank(rank: int, job: TrainJob) -> dict:
             lines.add({**step_record(i, m, tokens / m["step_s"], lr(i), mfu), "copy_s": m["copy_s"], "world_size": n,
                        "time": time.time()})
 
+    def at_boundary(step, state, t: int) -> None:  # (not async: a rank lost while it writes is survived)
+        if 0 < t < job.steps and job.save_due(t):
+            save_checkpoint(job, step, state, t, config, None, None, async_save=False)
+
     run = elastic.train(functools.partial(_step, job), functools.partial(module.init, config),
                         _Batches(job, config), job.steps,
-                        key=run_keys(job.seed)[0], on_step=on_step)
+                        key=run_keys(job.seed)[0], on_step=on_step, at_boundary=at_boundary)
     if run.step is None:  # a replacement the job ended without
         return None
     save_checkpoint(job, run.step, run.state, job.steps, config, None, None)

@@ -324,13 +324,13 @@ def _first_state(job: TrainJob, step, module, config, balancer) -> tuple[Any, in
     return state, done
 
 
-def save_checkpoint(job: TrainJob, step, state, i: int, config, balancer, progress) -> None:
-    """A checkpoint after step ``i``, async: the write overlaps the next steps."""
+def save_checkpoint(job: TrainJob, step, state, i: int, config, balancer, progress, async_save: bool = True) -> None:
+    """A checkpoint after step ``i``, async unless told: the write overlaps the next steps."""
     extra = {"step": i, "rng": checkpoint.rng_state()}
     if balancer is not None:
         extra["expert_bias"] = balancer.bias.cpu()
     path = job.checkpoints / f"step_{i:06d}"
-    step.save(state, path, extra=extra, keep_last=job.keep_last, async_save=True,
+    step.save(state, path, extra=extra, keep_last=job.keep_last, async_save=async_save,
               meta={"model": job.model, "config": dataclasses.asdict(config), "step": i})
     if progress:
         progress.note(f"checkpoint  step {i} -> {path} (written in the background)")
