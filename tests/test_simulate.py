@@ -293,8 +293,8 @@ def test_two_collectives_on_a_gloo_process_group_overlap_by_the_calibrated_share
 def _slowest_rank(rank):
     import time
 
-    from hpf.sim.calibrate import _median_slowest_each
-    return _median_slowest_each([lambda: time.sleep(0.002 + 0.01 * rank), lambda: None], reps=3, min_s=0.1)
+    from hpf.sim.measure import median_slowest_each
+    return median_slowest_each([lambda: time.sleep(0.002 + 0.01 * rank), lambda: None], reps=3, min_s=0.1)
 
 
 @pytest.mark.slow
@@ -310,15 +310,16 @@ def test_calibration_times_the_slowest_rank_and_its_ranks_agree_on_the_rep_count
 
 
 def test_calibration_takes_the_median_of_launches_leaf_by_leaf(monkeypatch):
-    from hpf.sim import calibrate
+    from hpf.sim import measure
 
     runs = iter([{"a": (1.0, 9.0), 16: [3.0]}, {"a": (2.0, 1.0), 16: [1.0]}, {"a": (9.0, 2.0), 16: [2.0]}])
-    monkeypatch.setattr(calibrate, "launch", lambda fn, world, *a: [next(runs)])
-    assert calibrate._median_of_launches(None, 2, launches=3) == {"a": (2.0, 2.0), 16: [2.0]}
+    monkeypatch.setattr(measure, "launch", lambda fn, world, *a: [next(runs)])
+    assert measure.median_of_launches(None, 2, launches=3) == {"a": (2.0, 2.0), 16: [2.0]}
 
 
 def test_calibration_sizes_cover_the_models_largest_bucket():
-    from hpf.sim.calibrate import SIZES_MIB, sizes_for
+    from hpf.sim.calibrate import sizes_for
+    from hpf.sim.measure import SIZES_MIB
 
     assert sizes_for([("tiny", 4), ("small", 2)]) == SIZES_MIB  # buckets of 0.01-3 MiB: inside the fit
     medium = sizes_for([("medium", 1)])  # a 190 MiB root bucket
@@ -349,9 +350,10 @@ def test_the_committed_validation_is_of_the_committed_model(run, cases):
                                         (["--launches", "0"], "'0'"), (["--reps", "-1"], "'-1'")])
 def test_calibrate_refuses_bad_arguments_before_measuring(argv, names, capsys, monkeypatch):
     from hpf.cli import main
-    from hpf.sim import calibrate
+    from hpf.sim import calibrate, measure
 
-    monkeypatch.setattr(calibrate, "launch", lambda *a, **k: pytest.fail("measured despite a bad argument"))
+    for measures in (calibrate, measure):  # calibrate launches the overhead's rank; measure every other
+        monkeypatch.setattr(measures, "launch", lambda *a, **k: pytest.fail("measured despite a bad argument"))
     with pytest.raises(SystemExit):
         main(["calibrate", "--out", "unused.json", *argv])
     assert names in capsys.readouterr().err

@@ -1,13 +1,14 @@
-"""What each piece of a step costs, from the plan alone: alpha-beta collectives per tier, and each
-unit's compute, copies and update (``Options`` says what runs).
+"""What each piece of a step costs, from the plan alone: collectives per tier, a unit's compute and update.
+
+``Options`` says what runs; a unit's costs are its compute, its copies, its update and its
+buckets' collective stages in order.
 
 Communication is alpha-beta per tier on the plan report's byte model (``hpf.report``): a
 stage over p ranks of one tier takes ``latency + (p-1)*alpha + bytes/beta``, where
 ``bytes`` is what one rank sends on that tier (``(p-1)/p * n`` for a ring over an n-byte
 buffer). So the simulator's bytes are the plan report's bytes, by construction.
 
-``unit_costs`` gives each FSDP unit's seconds and its buckets' collective stages in order; hpf.sim.model
-times them on a ``hpf.sim.timeline.Timeline``.
+hpf.sim.model times ``unit_costs`` on a ``hpf.sim.timeline.Timeline``.
 """
 from __future__ import annotations
 

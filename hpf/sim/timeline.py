@@ -1,5 +1,7 @@
-"""One rank's timeline: its compute thread and FIFO collective workers, and the engine's bound on
-the reductions in flight, on which hpf.sim.model plays a step's schedule."""
+"""One rank's timeline: its compute thread, its FIFO collective workers and its reductions in flight.
+
+hpf.sim.model plays a step's schedule on it; ``InFlight`` is the engine's bound on the reductions
+in flight (hpf.engine.reduce)."""
 from __future__ import annotations
 
 from collections import Counter, defaultdict
