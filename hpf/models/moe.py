@@ -33,7 +33,7 @@ from ..comm.collectives import all_to_all, run_check
 from ..losses import Weighted, token_cross_entropy
 from . import recompute as recompute_
 from .layers import param_makers, rms_norm, tp_sum
-from .synthetic import global_batch, synthetic_batches  # gpt's token source (it needs only vocab_size, seq_len)
+from .synthetic import global_batch, synthetic_batches  # the token source gpt trains on (needs only vocab_size, seq_len)
 
 __all__ = ["MoEConfig", "CONFIGS", "num_params", "init", "loss", "loss_for", "param_specs", "update_bias",
            "imbalance", "Balancer", "synthetic_batches", "global_batch", "batch_with_bias", "BATCH_AXES",
