@@ -30,7 +30,7 @@ from einops import rearrange
 
 import hpf
 from hpf.launcher import launch
-from hpf.models import gpt
+from hpf.models import gpt, layers
 from hpf import Topology
 from hpf.comm.transport import reduce_scatter_async
 from hpf.planning import ROOT
@@ -47,7 +47,7 @@ BLOCK_KEYS = ("norm1", "w_qkv", "w_o", "norm2", "w_up", "w_down")
 # -- the GPT math for FSDP2 and the floor, written per block (hpf runs gpt.loss itself; the
 #    step-0 loss check below shows the three compute the same function) -------------------
 def _rms_norm(x, w):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + gpt.NORM_EPS) * w
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + layers.NORM_EPS) * w
 
 
 def block(p: dict, x: torch.Tensor, n_heads: int) -> torch.Tensor:

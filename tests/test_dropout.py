@@ -10,7 +10,7 @@ import torch
 import hpf
 from hpf import random as R
 from hpf.launcher import launch
-from hpf.models import gpt, llama
+from hpf.models import gpt, layers, llama
 from references import atom_training
 
 P = 0.1
@@ -46,12 +46,12 @@ def test_recomputed_blocks_draw_the_same_masks_bit_for_bit(name):
 def test_a_mask_depends_on_its_example_alone_and_keeps_one_minus_p():
     x = torch.ones(64, 16, 32)
     keys = R.example_keys(R.key(3), 100, 64)
-    whole = gpt.dropout(x, 0.25, keys, site=1)
-    parts = torch.cat([gpt.dropout(x[i:i + 16], 0.25, keys[i:i + 16], site=1) for i in range(0, 64, 16)])
+    whole = layers.dropout(x, 0.25, keys, site=1)
+    parts = torch.cat([layers.dropout(x[i:i + 16], 0.25, keys[i:i + 16], site=1) for i in range(0, 64, 16)])
     assert torch.equal(whole, parts)
     kept = (whole != 0).double().mean()
     assert abs(float(kept) - 0.75) < 0.01 and torch.equal(whole[whole != 0], torch.full_like(whole[whole != 0], 4 / 3))
-    assert not torch.equal(whole, gpt.dropout(x, 0.25, keys, site=2))  # another site, another mask
+    assert not torch.equal(whole, layers.dropout(x, 0.25, keys, site=2))  # another site, another mask
 
 
 def test_dropout_without_keys_or_out_of_range_is_refused():
@@ -78,8 +78,9 @@ def test_every_draw_of_a_mask_in_a_step_is_the_plain_forwards_mask_bit_for_bit(h
         if p and keys is not None:
             drawn.append(((str(keys.tolist()), site), str((out != 0).tolist())))  # (tolist: torch.func's tensors too)
         return out
-    plain_dropout = gpt.dropout
-    monkeypatch.setattr(gpt, "dropout", recording)
+    plain_dropout = layers.dropout
+    for draws in (gpt, layers):  # gpt's blocks draw through the name gpt imported; its embeddings through layers'
+        monkeypatch.setattr(draws, "dropout", recording)
     batch = keyed_batch(config, 0)
     module.loss_for(config)(module.init(config, R.key(0)), batch)  # the plain forward
     plain = dict(drawn)

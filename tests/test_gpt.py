@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hpf
-from hpf.models import gpt
+from hpf.models import gpt, synthetic
 from references import adamw_training
 
 TINY = gpt.CONFIGS["tiny"]
@@ -236,9 +236,9 @@ def test_synthetic_data_is_a_sparse_markov_chain():
     data = torch.cat([gpt.global_batch(TINY, 64, seed=0, step=s) for s in range(4)])
     pairs = torch.stack([data[:, :-1].flatten(), data[:, 1:].flatten()], 1).unique(dim=0)
     successors = torch.bincount(pairs[:, 0], minlength=TINY.vocab_size)
-    assert successors.max() <= gpt.SUCCESSORS_PER_TOKEN
+    assert successors.max() <= synthetic.SUCCESSORS_PER_TOKEN
     assert (successors >= 2).float().mean() > 0.5  # random, not a fixed cycle
-    assert pairs.shape[0] < TINY.vocab_size * gpt.SUCCESSORS_PER_TOKEN + 1
+    assert pairs.shape[0] < TINY.vocab_size * synthetic.SUCCESSORS_PER_TOKEN + 1
 
 
 def test_synthetic_batches_rejects_indivisible_batch():

@@ -10,7 +10,7 @@ import torch
 import hpf
 from hpf import cli, sim
 from hpf.models import gpt
-from hpf.sim.model import stage_time
+from hpf.sim.costs import stage_time
 from hpf.report import PlanReport
 
 CM = sim.PROFILES["cloudmatrix384"]
@@ -129,37 +129,39 @@ def test_the_exposed_share_is_the_mean_ranks_which_waits_out_its_lead_on_the_slo
 
 
 def test_compute_slows_while_a_contending_link_is_busy_and_the_link_only_where_it_overlaps_compute():
-    from hpf.sim.model import _Timeline, _stage
+    from hpf.sim.costs import stage
+    from hpf.sim.timeline import Timeline
 
     link = sim.Link(alpha=0.0, beta=1.0, cpu_slowdown=2.0, busy_slowdown=3.0, busy_latency=1.0)
-    tl = _Timeline()
-    end = tl.submit([_stage("w", link, 10.0, "fast", "all_gather", {})])
+    tl = Timeline()
+    end = tl.submit([stage("w", link, 10.0, "fast", "all_gather", {})])
     tl.run(10.0)  # half speed for the 10 s the link is busy (5 s of work), then full speed
     assert (end, tl.t) == (10.0, 15.0)
     # a replay that knows a step computed over [0, 5) of its 100 s: the stage overlaps it half the time
-    tl2 = _Timeline([([(0.0, 5.0)], 100.0)])
-    assert tl2.submit([_stage("w", link, 10.0, "fast", "all_gather", {})]) == pytest.approx(10 * (1 + 0.5 * 2) + 0.5)
+    tl2 = Timeline([([(0.0, 5.0)], 100.0)])
+    assert tl2.submit([stage("w", link, 10.0, "fast", "all_gather", {})]) == pytest.approx(10 * (1 + 0.5 * 2) + 0.5)
     # no compute before: the alone time
-    assert _Timeline([]).submit([_stage("w", link, 10.0, "fast", "all_gather", {})]) == 10.0
+    assert Timeline([]).submit([stage("w", link, 10.0, "fast", "all_gather", {})]) == 10.0
 
 
 def test_contention_follows_each_step_not_absolute_time():
     """A later step's stage meets the earlier pass's steady step at the same offset from the
     step's start (the first replay's drift once left tiny's last step with no contention at
     all), and passes are averaged (one pass's alignment flips the next's)."""
-    from hpf.sim.model import _Timeline, _stage
+    from hpf.sim.costs import stage
+    from hpf.sim.timeline import Timeline
 
     link = sim.Link(alpha=0.0, beta=1.0, busy_slowdown=3.0)
-    stage = [_stage("w", link, 10.0, "fast", "all_gather", {})]
-    tl = _Timeline([([(0.0, 5.0)], 20.0)])
+    stages = [stage("w", link, 10.0, "fast", "all_gather", {})]
+    tl = Timeline([([(0.0, 5.0)], 20.0)])
     tl.t = 47.0  # third step, 7 s later than the earlier pass's (40 s)
     tl.begin_step()
-    assert tl.submit(stage) == pytest.approx(47.0 + 10 * (1 + 0.5 * 2))
+    assert tl.submit(stages) == pytest.approx(47.0 + 10 * (1 + 0.5 * 2))
     tl.t = 67.0 + 15.0  # the next step's start is 20 s on: its [0, 5) again, seen from 15 s in
     tl.free.clear()
-    assert tl.submit(stage) == pytest.approx(82.0 + 10 * (1 + 0.5 * 2))  # wraps: [15, 25) meets [20, 25)
-    two = _Timeline([([(0.0, 5.0)], 100.0), ([], 100.0)])
-    assert two.submit(stage) == pytest.approx(10 * (1 + 0.25 * 2))
+    assert tl.submit(stages) == pytest.approx(82.0 + 10 * (1 + 0.5 * 2))  # wraps: [15, 25) meets [20, 25)
+    two = Timeline([([(0.0, 5.0)], 100.0), ([], 100.0)])
+    assert two.submit(stages) == pytest.approx(10 * (1 + 0.25 * 2))
 
 
 def test_cpu_overheads_grow_with_ranks_per_core():
@@ -272,11 +274,11 @@ def test_flat_gloo_reductions_sum_their_slices_on_the_compute_thread():
 def test_two_collectives_on_a_gloo_process_group_overlap_by_the_calibrated_share():
     """gloo's ProcessGroup has two worker threads: a collective issued beside a running one takes
     its own time plus ``overlap`` x the time they share (1: one after the other, as before)."""
-    from hpf.sim.model import _Timeline
+    from hpf.sim.timeline import Timeline
 
     def ends(overlap):
         link = sim.Link(alpha=0.0, beta=1.0, overlap=overlap)
-        tl = _Timeline()
+        tl = Timeline()
         return [tl.submit([("pg", s, "slow", "all_gather", {}, link)]) for s in (2.0, 1.0)]
     assert ends(1.0) == [2.0, 3.0]
     assert ends(0.25) == [2.0, 1.25]
@@ -291,8 +293,8 @@ def test_two_collectives_on_a_gloo_process_group_overlap_by_the_calibrated_share
 def _slowest_rank(rank):
     import time
 
-    from hpf.sim.calibrate import _median_slowest_each
-    return _median_slowest_each([lambda: time.sleep(0.002 + 0.01 * rank), lambda: None], reps=3, min_s=0.1)
+    from hpf.sim.measure import median_slowest_each
+    return median_slowest_each([lambda: time.sleep(0.002 + 0.01 * rank), lambda: None], reps=3, min_s=0.1)
 
 
 @pytest.mark.slow
@@ -308,15 +310,16 @@ def test_calibration_times_the_slowest_rank_and_its_ranks_agree_on_the_rep_count
 
 
 def test_calibration_takes_the_median_of_launches_leaf_by_leaf(monkeypatch):
-    from hpf.sim import calibrate
+    from hpf.sim import measure
 
     runs = iter([{"a": (1.0, 9.0), 16: [3.0]}, {"a": (2.0, 1.0), 16: [1.0]}, {"a": (9.0, 2.0), 16: [2.0]}])
-    monkeypatch.setattr(calibrate, "launch", lambda fn, world, *a: [next(runs)])
-    assert calibrate._median_of_launches(None, 2, launches=3) == {"a": (2.0, 2.0), 16: [2.0]}
+    monkeypatch.setattr(measure, "launch", lambda fn, world, *a: [next(runs)])
+    assert measure.median_of_launches(None, 2, launches=3) == {"a": (2.0, 2.0), 16: [2.0]}
 
 
 def test_calibration_sizes_cover_the_models_largest_bucket():
-    from hpf.sim.calibrate import SIZES_MIB, sizes_for
+    from hpf.sim.calibrate import sizes_for
+    from hpf.sim.measure import SIZES_MIB
 
     assert sizes_for([("tiny", 4), ("small", 2)]) == SIZES_MIB  # buckets of 0.01-3 MiB: inside the fit
     medium = sizes_for([("medium", 1)])  # a 190 MiB root bucket
@@ -347,9 +350,10 @@ def test_the_committed_validation_is_of_the_committed_model(run, cases):
                                         (["--launches", "0"], "'0'"), (["--reps", "-1"], "'-1'")])
 def test_calibrate_refuses_bad_arguments_before_measuring(argv, names, capsys, monkeypatch):
     from hpf.cli import main
-    from hpf.sim import calibrate
+    from hpf.sim import calibrate, measure
 
-    monkeypatch.setattr(calibrate, "launch", lambda *a, **k: pytest.fail("measured despite a bad argument"))
+    for measures in (calibrate, measure):  # calibrate launches the overhead's rank; measure every other
+        monkeypatch.setattr(measures, "launch", lambda *a, **k: pytest.fail("measured despite a bad argument"))
     with pytest.raises(SystemExit):
         main(["calibrate", "--out", "unused.json", *argv])
     assert names in capsys.readouterr().err

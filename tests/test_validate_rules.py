@@ -1,4 +1,4 @@
-"""Validation mode's op rules (hpf/validate/rules.py): the layout each op gives its output,
+"""Validation mode's op rules (hpf/validate/rules.py and the rule modules it loads): the layout each op gives its output,
 and the errors on layouts no op can mean. Expected layouts are written down by hand."""
 import pytest
 import torch

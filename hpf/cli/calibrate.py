@@ -29,7 +29,7 @@ def _shape(text: str) -> tuple[str, str, int]:
 
 
 def cmd_calibrate(args) -> int:
-    from hpf.sim import calibrate as cal
+    from hpf.sim import calibrate as cal, calibrate_terms as terms
 
     if not (args.out or args.update):
         raise CliError("give --out FILE (a full calibration) or --update FILE (the terms it lacks)")
@@ -64,11 +64,11 @@ def cmd_calibrate(args) -> int:
     else:
         result = update
         if "issue_when" not in result:
-            cal.add_issue_costs(result, args.reps, args.launches, stage)
+            terms.add_issue_costs(result, args.reps, args.launches, stage)
         if "fsdp2_comm_when" not in result:
-            cal.add_fsdp2_comm(result, args.reps, launches=args.launches, stage=stage)
+            terms.add_fsdp2_comm(result, args.reps, launches=args.launches, stage=stage)
         if "sync_when" not in result:
-            cal.add_sync_terms(result, args.reps, launches=args.launches, stage=stage)
+            terms.add_sync_terms(result, args.reps, launches=args.launches, stage=stage)
     write_atomic(out, json.dumps(result, indent=1) + "\n")
     worlds = ", ".join(map(str, result["links"]["gloo"]))
     print(f"wrote {out} in {time.perf_counter() - started:.0f} s: links on {worlds} ranks (gloo, shared memory), "

@@ -5,7 +5,7 @@ Each model module provides ``CONFIGS``, ``init(config, key, device=, dtype=)``,
 A model with experts (``moe``) also provides ``param_specs(config, ep_axis, data_axes)``,
 ``dispatch_bytes`` (its all-to-all bytes, for ``hpf plan``) and ``Balancer`` (loop state that
 rides in each batch and moves by ``metrics["aux"]``); its ``loss_for`` takes ``ep_axis, aux``.
-Synthetic token batches (``gpt.synthetic_batches``) fit any config with ``vocab_size`` and
+Synthetic token batches (``synthetic.synthetic_batches``, also ``gpt.synthetic_batches``) fit any config with ``vocab_size`` and
 ``seq_len``.
 
 The registry of models and their layouts is registry.py; this file only re-exports."""

@@ -32,10 +32,10 @@ from ..comm.collectives import axis_index, current
 from ..losses import token_cross_entropy
 from ..spec import shares
 from . import recompute as recompute_
-from hpf.models.gpt import (INIT_STD, tp_sum, unit_psums, block_dropout, check_dropout, check_sequence_parallel,
-                            dropout, embedding_dropout, max_attention_logit, param_makers, rms_norm, seq_gather,
-                            seq_split, synthetic_batches, tokens_and_keys, tp_heads)
-from hpf.models.gpt import param_specs as gpt_param_specs
+from .layers import (INIT_STD, tp_sum, unit_psums, block_dropout, check_dropout, check_sequence_parallel, dropout,
+                     embedding_dropout, max_attention_logit, param_makers, rms_norm, seq_gather, seq_split,
+                     tensor_parallel_specs, tokens_and_keys, tp_heads)
+from .synthetic import synthetic_batches
 
 __all__ = [
     "LlamaConfig", "CONFIGS", "num_params", "init", "forward", "loss", "loss_for",
@@ -132,7 +132,7 @@ def block(blk: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, c: L
           p: float = 0.0, keys: torch.Tensor | None = None, tp_axis: str | None = None, seq: bool = False):
     """One block on the residual stream x [B, T, D]: RoPE grouped-query attention, then SwiGLU;
     with ``max_logits``, (x, its heads' max attention logits [H]); ``p``, ``keys``: dropout on
-    both residual branches (gpt.dropout). Head counts come from the weights' shapes, so under
+    both residual branches (layers.dropout). Head counts come from the weights' shapes, so under
     tensor parallelism (``tp_axis``, ``param_specs``) each rank runs its own heads and MLP columns,
     and the row-parallel outputs are summed over the axis (Megatron); ``seq``: sequence parallel (gpt.block)."""
     h = seq_gather(rms_norm(x, blk["attn_norm"], c.norm_eps), tp_axis, seq)
@@ -178,16 +178,16 @@ def _ranks(tp_axis: str) -> int:
 
 
 def param_specs(config: LlamaConfig, tp_axis: str | None = None, data_axes=("dp",), tp: int | None = None):
-    """Megatron tensor parallelism over ``tp_axis`` (gpt.param_specs): wq, wk, wv, w_gate and
-    w_up split their output rows, wo and w_down their input columns, in whole heads, unevenly where
+    """Megatron tensor parallelism over ``tp_axis`` (layers.tensor_parallel_specs, as gpt.param_specs):
+    wq, wk, wv, w_gate and w_up split their output rows, wo and w_down their input columns, in whole heads, unevenly where
     the tp size does not divide the heads. ``tp``: the axis's size; where it does not divide
     n_kv_heads, wk and wv are replicated over it and each rank reads the key heads its query heads
     use (``attention``); without it they split, which needs a tp size that divides n_kv_heads."""
     hd = config.head_dim
     kv = () if tp is not None and config.n_kv_heads % tp else ((r"blocks/\d+/(wk|wv)", hd),)
-    return gpt_param_specs(config, tp_axis, data_axes, tp=tp,
-                           column=((r"blocks/\d+/wq", hd), *kv, (r"blocks/\d+/(w_gate|w_up)", 1)),
-                           row=((r"blocks/\d+/wo", hd), (r"blocks/\d+/w_down", 1)), transposed=True)
+    return tensor_parallel_specs(config, tp_axis, data_axes, tp=tp,
+                                 column=((r"blocks/\d+/wq", hd), *kv, (r"blocks/\d+/(w_gate|w_up)", 1)),
+                                 row=((r"blocks/\d+/wo", hd), (r"blocks/\d+/w_down", 1)), transposed=True)
 
 
 def qk_heads(config: LlamaConfig) -> dict:
@@ -242,7 +242,7 @@ def loss(params: dict, batch, *, config: LlamaConfig | None = None, recompute: s
     """Next-token cross-entropy of ``batch`` [B, T+1] over ``batch[:, 1:]`` (transformers'
     ``labels=batch``; -100 is padding); the softmax runs in fp32 for any param dtype. The mean,
     or (``weighted``) ``hpf.weighted(sum, count)`` for the step to divide by the global count.
-    With ``config.dropout`` the batch is ``{"tokens": ..., "keys": ...}`` (gpt.tokens_and_keys)."""
+    With ``config.dropout`` the batch is ``{"tokens": ..., "keys": ...}`` (layers.tokens_and_keys)."""
     batch, keys = tokens_and_keys(batch, config.dropout if config is not None else 0.0)
     if batch.dim() != 2 or batch.shape[1] < 2:
         raise ValueError(f"batch must be [batch, time+1] token ids with time+1 >= 2, got shape {list(batch.shape)}")

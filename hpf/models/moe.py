@@ -31,8 +31,9 @@ import hpf_kernels
 
 from ..comm.collectives import all_to_all, run_check
 from ..losses import Weighted, token_cross_entropy
-from . import gpt
 from . import recompute as recompute_
+from .layers import param_makers, rms_norm, tp_sum
+from .synthetic import global_batch, synthetic_batches  # the token source gpt trains on (needs only vocab_size, seq_len)
 
 __all__ = ["MoEConfig", "CONFIGS", "num_params", "init", "loss", "loss_for", "param_specs", "update_bias",
            "imbalance", "Balancer", "synthetic_batches", "global_batch", "batch_with_bias", "BATCH_AXES",
@@ -107,7 +108,7 @@ def init(config: MoEConfig, key: torch.Tensor | None = None, *, device=None,
     """Fresh params, drawn as gpt.init draws them (one hpf.random key per matrix, default
     ``hpf.random.key(0)``); ``device="meta"`` draws nothing."""
     c = config
-    normal, ones = gpt.param_makers(key, device, dtype)
+    normal, ones = param_makers(key, device, dtype)
     d, res = c.d_model, INIT_STD / math.sqrt(2 * c.n_layers)
 
     def swiglu(*lead: int, hidden: int) -> dict:
@@ -164,7 +165,7 @@ def _attention(x, blk, c: MoEConfig, tp_axis: str | None = None):
     q, k, v = (F.linear(x, blk[w]).view(b, t, -1, d // c.n_heads) for w in ("wq", "wk", "wv"))
     q, k = _rope(q, c.rope_theta), _rope(k, c.rope_theta)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-    return gpt.tp_sum(F.linear(out.transpose(1, 2).reshape(b, t, -1), blk["wo"]), tp_axis)
+    return tp_sum(F.linear(out.transpose(1, 2).reshape(b, t, -1), blk["wo"]), tp_axis)
 
 
 def _swiglu(x, w):
@@ -243,8 +244,8 @@ def block(blk: dict, x: torch.Tensor, bias, c: MoEConfig, ep_axis: str | None = 
     gates)`` overrides the routed-expert call (default: ``routed_experts`` on ``blk["experts"]``);
     ``tp_axis``: the attention's heads split over it (``param_specs``)."""
     b, t, _ = x.shape
-    x = x + _attention(gpt.rms_norm(x, blk["attn_norm"], NORM_EPS), blk, c, tp_axis)
-    h = gpt.rms_norm(x, blk["ffn_norm"], NORM_EPS)
+    x = x + _attention(rms_norm(x, blk["attn_norm"], NORM_EPS), blk, c, tp_axis)
+    h = rms_norm(x, blk["ffn_norm"], NORM_EPS)
     if "router" not in blk:
         return x + _swiglu(h, blk["ffn"]), None, 0.0
     hf = h.reshape(b * t, -1)
@@ -289,7 +290,7 @@ def loss(params: dict, batch, *, config: MoEConfig, ep_axis: str | None = None, 
 
 
 def head_loss(params: dict, x: torch.Tensor, targets: torch.Tensor, weighted: bool = False):
-    return token_cross_entropy(F.linear(gpt.rms_norm(x, params["norm_f"], NORM_EPS), params["head"]), targets, weighted=weighted)
+    return token_cross_entropy(F.linear(rms_norm(x, params["norm_f"], NORM_EPS), params["head"]), targets, weighted=weighted)
 
 
 #: batch_axes for hpf.shard_step: tokens are per-example, the expert bias is not (accumulation
@@ -344,10 +345,6 @@ class Balancer:
         return imbalance(counts)
 
 
-global_batch = gpt.global_batch  # the same fixed-seed Markov token source (needs only vocab_size, seq_len)
-synthetic_batches = gpt.synthetic_batches
-
-
 def dispatch_bytes(config: MoEConfig, ep: int, tokens_per_rank: int, dtype_bytes: int = 2) -> int:
     """Bytes one rank sends per step in MoE all-to-alls under uniform routing: per MoE layer,
     dispatch and combine, forward and backward, each sending (ep-1)/ep of its k token copies."""
@@ -374,7 +371,7 @@ def unit_flops(config: MoEConfig, local_batch: int, tp: int = 1) -> dict[str, fl
 
 
 def unit_psums(config: MoEConfig, local_batch: int, dtype_bytes: int = 4) -> dict[str, tuple[int, ...]]:
-    """The bytes of each psum a tensor-parallel block runs in one pass (gpt.unit_psums): the
+    """The bytes of each psum a tensor-parallel block runs in one pass (layers.unit_psums): the
     attention's, the residual stream [tokens, d_model]."""
     return {f"blocks/{i}": (local_batch * config.seq_len * config.d_model * dtype_bytes,) for i in range(config.n_layers)}
 

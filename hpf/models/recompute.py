@@ -101,6 +101,6 @@ class Activations:
 
 
 def norm_bytes(d_model: int, dtype_bytes: int) -> int:
-    """What one RMSNorm (``gpt.rms_norm``, normalized in fp32) saves per token: its fp32 input
+    """What one RMSNorm (``layers.rms_norm``, normalized in fp32) saves per token: its fp32 input
     and rsqrt, and its output before and after the weight in the compute dtype."""
     return 4 * d_model + 4 + 2 * dtype_bytes * d_model

@@ -11,10 +11,11 @@ local_batch) -> {unit: forward FLOPs}`` if it has one (else 2 x tokens x matrix 
 experts split over ``ep_axis``), and ``unit_a2a(config, local_batch, mesh, ep_axis, dtype_bytes)
 -> {unit: (bytes, axes)}`` for MoE all-to-alls.
 
-The entry points live in predict.py, the timing model in model.py, the machines in hardware.py
-(calibrate.py measures this one); this file only re-exports."""
+The entry points live in predict.py, the event simulation in model.py (on timeline.py's rank, with
+costs.py's costs), the machines in hardware.py (calibrate.py measures this one); this file only re-exports."""
 from .hardware import PROFILES, Hardware, Link, hardware, load_calibration
-from .model import Options, SimResult, allreduce_time, ring_time, two_tier_time
+from .costs import Options, allreduce_time, ring_time, two_tier_time
+from .model import SimResult
 from .predict import (STRATEGIES, calibrated_compute, compare, compute_floor, extrapolation, muon_tax, plan_for,
                       uncalibrated_shape,
                       schedule, simulate, sweep, sweep_mesh)

@@ -17,8 +17,8 @@ from .hardware import (PROFILES, Hardware, Link, compute_key, hardware, load_cal
                        parse_compute_key)
 from ..engine.replay import StepEvents
 from ..engine.residency import RESIDENT_UNITS
-from .model import (Options, SimResult, allreduce_time, compute_floor as model_floor, default_unit_flops, hpf_schedule,
-                    ring_time, simulate_plan, two_tier_time)
+from .costs import Options, allreduce_time, default_unit_flops, ring_time, two_tier_time
+from .model import SimResult, compute_floor as model_floor, hpf_schedule, simulate_plan
 
 __all__ = ["simulate", "compare", "sweep", "sweep_mesh", "Hardware", "Link", "Options", "SimResult", "PROFILES",
            "hardware", "load_calibration", "ring_time", "allreduce_time", "two_tier_time", "STRATEGIES",

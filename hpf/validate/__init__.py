@@ -2,14 +2,17 @@
 
 One concern per module:
 
-* :mod:`~hpf.validate.errors`      the error classes, one per check (``CHECKS``);
-* :mod:`~hpf.validate.layout`      what a layout is, and how errors describe it;
-* :mod:`~hpf.validate.rules`       the op rules, each registered where it is written;
-* :mod:`~hpf.validate.tracker`     the ``TorchFunctionMode`` that carries layouts through ``loss_fn``;
-* :mod:`~hpf.validate.step`        ``ValidateStep``: the production step with every check on;
-* :mod:`~hpf.validate.plan_check`  ``check_plan``: one rank's view of any mesh, on meta tensors;
-* :mod:`~hpf.validate.grads`       ``check_grads``: sharded grads vs a single-process reference;
-* :mod:`~hpf.validate.dispatch`    MoE dispatch invariants (tokens, expert placement, gates).
+* :mod:`~hpf.validate.errors`            the error classes, one per check (``CHECKS``);
+* :mod:`~hpf.validate.layout`            what a layout is, and how errors describe it;
+* :mod:`~hpf.validate.rules`             the op rules, each registered where it is written (``rule_for``);
+* :mod:`~hpf.validate.op_rule`           how an op rule is written and registered;
+* :mod:`~hpf.validate.shape_rules`       the rules of elementwise ops, reductions, views and indexing;
+* :mod:`~hpf.validate.contraction_rules` those of products, einsum, norms, losses and attention;
+* :mod:`~hpf.validate.tracker`           the ``TorchFunctionMode`` that carries layouts through ``loss_fn``;
+* :mod:`~hpf.validate.step`              ``ValidateStep``: the production step with every check on;
+* :mod:`~hpf.validate.plan_check`        ``check_plan``: one rank's view of any mesh, on meta tensors;
+* :mod:`~hpf.validate.grads`             ``check_grads``: sharded grads vs a single-process reference;
+* :mod:`~hpf.validate.dispatch`          MoE dispatch invariants (tokens, expert placement, gates).
 """
 from .errors import (CHECKS, BatchMismatchError, CollectiveError, DispatchError, ExpertPlacementError, GateSumError,
                      GradientMismatchError, IndivisibleLayoutError, IndivisibleSpecError, LayoutError, LossNotReplicatedError,

@@ -10,7 +10,8 @@ import torch
 from ..comm import collectives
 from .errors import PartialSumError, PrecisionError, ShardedContractionError, ShardingMismatchError
 from .layout import LOCAL, PARTIAL, SUM, VARYING, WHOLE, Info, describe_entry, describe_src, lineage, make_info
-from .rules import CASTS, Call, Rule, operands_of
+from .op_rule import Call, Rule, operands_of
+from .shape_rules import CASTS
 
 __all__ = ["Propagator", "check_precision", "partial_msg"]
 

@@ -32,7 +32,8 @@ from ..planning import Plan
 from .errors import CollectiveError, LayoutError, LossNotReplicatedError, PartialSumError
 from .layout import PARTIAL, VARYING, Info, describe_entry, describe_src, lineage, make_info
 from .propagate import Propagator, check_precision, partial_msg
-from .rules import Call, Rule, operands_of, rule_for
+from .op_rule import Call, Rule, operands_of
+from .rules import rule_for
 
 __all__ = ["Tracker"]
 
