@@ -157,8 +157,8 @@ def _is_fault(error: BaseException) -> bool:
 class _Job:
     """One rank's part of an elastic job: its generation, its members, its copies, and the store."""
 
-    def __init__(self, make_step: Callable, init: Any, key, every: int, shift: int | None):
-        self.make_step, self.init, self.key, self.every, self.shift = make_step, init, key, every, shift
+    def __init__(self, make_step: Callable, init: Any, key, every: int, shift: int | None, first: Callable | None):
+        self.make_step, self.init, self.key, self.every, self.shift, self.first = make_step, init, key, every, shift, first
         self.store = launcher.base_store()
         self.me = launcher.elastic_member()[0]
         self.generation, self.members = 0, []
@@ -175,15 +175,18 @@ class _Job:
         return f"{_KEY}gen{self.generation if generation is None else generation}/{name}"
 
     def start(self):
-        """A member from the start: the first step and state, the heartbeat, the first copies."""
+        """A member from the start: the first step, state and step count, and the heartbeat."""
         self.members = list(range(world.world_size()))
         step = self.make_step(len(self.members))
-        state = step.init(self.init, key=self.key) if self.key is not None else step.init(self.init)
+        if self.first is not None:
+            state, t = self.first(step)
+        else:
+            state, t = step.init(self.init, key=self.key) if self.key is not None else step.init(self.init), 0
         check_elastic(step)
         self.meta = _meta_of(self.init, self.key)
         self._beat()
         world.barrier()  # every member's counter exists before any rank reads them
-        return step, state
+        return step, state, t
 
     def _beat(self) -> None:
         if self.heartbeat is None:
@@ -377,7 +380,8 @@ class _Job:
 def train(make_step: Callable[[int], Any], init: Any, batches: Callable[[int, int, int], Any], steps: int, *,
           key: torch.Tensor | None = None, every: int = 1, shift: int | None = None,
           on_step: Callable[[int, dict], None] | None = None,
-          at_boundary: Callable[[Any, Any, int], None] | None = None) -> Run:
+          at_boundary: Callable[[Any, Any, int], None] | None = None,
+          first: Callable[[Any], tuple[Any, int]] | None = None) -> Run:
     """Run ``steps`` steps of an elastic job on this rank (see the module doc); every rank calls it.
 
     Args:
@@ -393,6 +397,8 @@ def train(make_step: Callable[[int], Any], init: Any, batches: Callable[[int, in
             add ``copy_s``, the seconds the boundary before the step took to protect.
         at_boundary: called with (step, state, t) on every member at each protected boundary (redone ones
             again): a checkpoint there (``step.save``, not async) is survived like a step.
+        first: ``step -> (state, steps done)``, where the members start (a checkpoint restored: ``--resume``);
+            by default ``step.init(init, key=key)`` at 0.
 
     Returns:
         Run: the last generation's step (close it) and state, the losses, the faults and joins survived
@@ -402,7 +408,7 @@ def train(make_step: Callable[[int], Any], init: Any, batches: Callable[[int, in
         UnrecoverableLossError: a rank lost with its buddy; ValueError: a mesh that cannot shrink."""
     if not isinstance(every, int) or every < 1:
         raise ValueError(f"hpf.elastic.train: every={every!r}; pass a positive int (steps between protected boundaries)")
-    job = _Job(make_step, init, key, every, shift)
+    job = _Job(make_step, init, key, every, shift, first)
     run = Run(None, None)
     begun = _begin(job, run.events)
     if begun is None:
@@ -456,7 +462,7 @@ def _begin(job: _Job, events: list):
     """Start as a member, or join a running job as a new rank: (step, state, the step it starts at),
     or None for a new rank the job ended without."""
     if not launcher.elastic_member()[2]:
-        return (*job.start(), 0)
+        return job.start()
     joined = job.join()
     if joined is None:
         return None

@@ -345,6 +345,21 @@ def test_hpf_train_elastic_survives_a_rank_killed_from_outside_with_the_bits_of_
 
 
 @pytest.mark.slow
+def test_hpf_train_elastic_resumes_its_checkpoint_to_the_bits_of_a_run_that_never_stopped(tmp_path, one_rank_params):
+    """What a loss it cannot survive tells the user to do: --resume (the run stays elastic)."""
+    half = subprocess.run(_train_command(tmp_path, 3, "--elastic", "--steps", str(CLI_STEPS // 2), "--save-every",
+                                         str(SAVE_EVERY)), capture_output=True, text=True, timeout=120)
+    assert half.returncode == 0, half.stdout + half.stderr
+    rest = subprocess.run([sys.executable, "-m", "hpf", "train", "--out", str(tmp_path), "--resume", "--steps", str(CLI_STEPS)],
+                          capture_output=True, text=True, timeout=120)
+    assert rest.returncode == 0, rest.stdout + rest.stderr
+    assert json.loads((tmp_path / "run.json").read_text())["elastic"]["world_size"] == 3
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(1, CLI_STEPS + 1))
+    _assert_equal(_final_params(tmp_path), one_rank_params)
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="finds the worker processes through Linux's /proc")
 def test_under_torchrun_a_member_torchrun_restarts_is_survived_and_rejoins_with_the_same_bits(tmp_path, one_rank_params):
     """One torchrun per member around hpf store: the killed member's agent restarts its worker, which

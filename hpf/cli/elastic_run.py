@@ -21,16 +21,15 @@ import hpf
 from hpf import elastic, launcher
 from hpf.cli import run_folder
 from hpf.cli.common import CliError
-from hpf.cli.job import (TrainJob, batches_of, make_step, peak_flops, pin_threads, run_keys, save_checkpoint,
-                         step_flops, step_record)
+from hpf.cli.job import (TrainJob, batches_of, first_state, make_step, peak_flops, pin_threads, read_metrics, run_keys,
+                         save_checkpoint, step_flops, step_record)
 from hpf.comm import world
 from hpf.misuse import finite_or_none
 from hpf.models import MODELS, mesh_for
 from hpf.optim.lr_schedules import Schedule
 
 # the options an elastic run does not take yet, and why
-_REFUSED = {"resume": "it starts from the seed; resume its checkpoints without --elastic",
-            "timeout": "it runs to the end", "dropout": "its masks need each rank's example keys",
+_REFUSED = {"timeout": "it runs to the end", "dropout": "its masks need each rank's example keys",
             "eval_every": "the held-out loss is not evaluated", "plan": "its world changes", "trace": "",
             "tensorboard": ""}
 
@@ -109,8 +108,11 @@ def run(job: TrainJob, size: int, out: Path) -> bool:
     """Run the elastic ranks: launch them, or under torchrun be one member. The process that ends as
     the driver (or the last generation's rank 0) prints each loss and join and keeps them in run.json;
     returns whether this process is it (and so writes the run's summary)."""
-    if starts_run_folder():
-        Path(job.metrics_path).write_text("")
+    if starts_run_folder():  # (a resumed run keeps the lines of the steps it does not redo)
+        done = (run_folder.checkpoint_step(Path(job.resume)) or 0) if job.resume else 0
+        kept = [r for r in read_metrics(job.metrics_path) if r["step"] <= done] if done and os.path.exists(
+            job.metrics_path) else []
+        Path(job.metrics_path).write_text("".join(json.dumps(r) + "\n" for r in kept))
     if launcher.is_launched():
         launcher.init_distributed()
         result = elastic_rank(0, job)
@@ -160,7 +162,8 @@ def elastic_rank(rank: int, job: TrainJob) -> dict:
 
     run = elastic.train(functools.partial(_step, job), functools.partial(module.init, config),
                         _Batches(job, config), job.steps,
-                        key=run_keys(job.seed)[0], on_step=on_step, at_boundary=at_boundary)
+                        key=run_keys(job.seed)[0], on_step=on_step, at_boundary=at_boundary,
+                        first=lambda step: first_state(job, step, module, config, None))
     if run.step is None:  # a replacement the job ended without
         return None
     save_checkpoint(job, run.step, run.state, job.steps, config, None, None)

@@ -223,7 +223,7 @@ def train_rank(rank: int, job: TrainJob) -> int | None:
     step = make_step(job, mesh)
     # loop state that rides in each batch and moves by the step's metrics (moe: the expert bias)
     balancer = module.Balancer(config, default_device()) if hasattr(module, "Balancer") else None
-    state, done = _first_state(job, step, module, config, balancer)
+    state, done = first_state(job, step, module, config, balancer)
     if progress:
         progress.first = done  # a resumed run's rate and ETA count only the steps it runs
     batches, evaluate = _rank_data(job, module, config, mesh, rank, done, balancer)
@@ -303,7 +303,7 @@ def _held_out(job: TrainJob, module, config, rank: int, world: int) -> token_dat
     return token_data.HeldOut(module.loss_for(config), [next(held_out) for _ in range(EVAL_BATCHES)])
 
 
-def _first_state(job: TrainJob, step, module, config, balancer) -> tuple[Any, int]:
+def first_state(job: TrainJob, step, module, config, balancer) -> tuple[Any, int]:
     """The train state the run starts from, and the steps already done: fresh from the seed, or
     (--resume) from a checkpoint of hpf train's, with its RNG state and the loop's own state."""
     if not job.resume:
