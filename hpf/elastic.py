@@ -158,6 +158,8 @@ class _Job:
     """One rank's part of an elastic job: its generation, its members, its copies, and the store."""
 
     def __init__(self, make_step: Callable, init: Any, key, every: int, shift: int | None, first: Callable | None):
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"hpf.elastic.train: every={every!r}; pass a positive int (steps between protected boundaries)")
         self.make_step, self.init, self.key, self.every, self.shift, self.first = make_step, init, key, every, shift, first
         self.store = launcher.base_store()
         self.me = launcher.elastic_member()[0]
@@ -330,6 +332,13 @@ class _Job:
         return step, state, source.received
 
 
+    def finish(self, t: int) -> None:
+        """The job is done: a rank still waiting to join ends (and so does hpf store), and the heartbeat stops."""
+        if world.rank() == 0:
+            self.store.set(launcher.JOB_DONE_KEY, str(t))
+        self.heartbeat.stop()
+        liveness.watch(None)
+
     # -- a new rank ----------------------------------------------------------------------------------------------
     def admit(self, step, state, t: int):
         """At protected boundary ``t``: the members agree on the ranks waiting to join (the first proposal
@@ -406,8 +415,6 @@ def train(make_step: Callable[[int], Any], init: Any, batches: Callable[[int, in
 
     Raises:
         UnrecoverableLossError: a rank lost with its buddy; ValueError: a mesh that cannot shrink."""
-    if not isinstance(every, int) or every < 1:
-        raise ValueError(f"hpf.elastic.train: every={every!r}; pass a positive int (steps between protected boundaries)")
     job = _Job(make_step, init, key, every, shift, first)
     run = Run(None, None)
     begun = _begin(job, run.events)
@@ -434,10 +441,7 @@ def train(make_step: Callable[[int], Any], init: Any, batches: Callable[[int, in
             step, state, t, event = job.recover(error, step, state, t)
             run.events.append(event)
             due = True
-    if world.rank() == 0:  # (a rank still waiting to join ends, and so does hpf store)
-        job.store.set(launcher.JOB_DONE_KEY, str(t))
-    job.heartbeat.stop()
-    liveness.watch(None)
+    job.finish(t)
     run.step, run.state, run.losses, run.copy_bytes = step, state, [losses[i] for i in sorted(losses)], job.copy_bytes
     return run
 
