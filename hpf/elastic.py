@@ -34,6 +34,7 @@ parallel) cannot shrink, and is refused when the job starts.
 from __future__ import annotations
 
 import json
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -43,6 +44,7 @@ import torch
 
 from . import checkpoint, launcher
 from .comm import liveness, schedule, world
+from .comm.shm import ShmGroup
 from .comm.transport import PointToPoint
 from .errors import PeerLostError, PeerTimeoutError, UnrecoverableLossError
 from .optim.base import capabilities
@@ -168,8 +170,7 @@ class _Job:
         self.spare: list[torch.Tensor] = []  # the buffers of the boundary dropped last, for the next
         self.heartbeat: liveness.Heartbeat | None = None
         self.meta = None  # the params' shapes (meta tensors): what a rebuilt step is initialized from
-        self.theirs: tuple[list, int] | None = None  # the partner's copy layout (header, bytes) in this generation
-        self.mine: list | None = None  # this rank's, as the partner was told it
+        self.link: _Link | None = None  # this generation's way to the buddy and from the partner
         self.copy_bytes = 0  # the most the copies have held on this rank
 
     # -- the store's keys of this generation -------------------------------------------------------------------
@@ -219,16 +220,18 @@ class _Job:
             self.copies[t] = (_Copy.of(state, self.spare), {})
         else:
             self.copies[t] = (None, {})  # (None: the live state)
-            frm, partner = _swap(self, step, state)
-            self.copies[t][1][frm] = partner
-            _all_here(self, f"saved/{t}")
+            partner = _swap(self, step, state, t)
+            if partner is not None:
+                self.copies[t][1][self.link.frm] = partner
+            _copied(self, t)
+            partner = partner or self.link.landed(t)
             for old in [b for b in self.copies if b < t]:
                 own, partners = self.copies.pop(old)
-                self.spare = [own.buf, *(c.buf for c in partners.values())]
-            self.copies[t] = (_Copy.of(state, self.spare), {frm: partner})
-        held = sum(b.numel() for b in self.spare) + sum(
-            (o.buf.numel() if o else 0) + sum(c.buf.numel() for c in p.values()) for o, p in self.copies.values())
-        self.copy_bytes = max(self.copy_bytes, held)
+                self.spare = [own.buf, *(c.buf for c in partners.values() if self.link.rows is None)]
+            self.copies[t] = (_Copy.of(state, self.spare), {self.link.frm: partner})
+        held = sum(b.numel() for b in self.spare) + sum((o.buf.numel() if o else 0) + sum(
+            c.buf.numel() for c in p.values() if not (self.link and self.link.rows)) for o, p in self.copies.values())
+        self.copy_bytes = max(self.copy_bytes, held + (self.link.row_bytes if self.link else 0))
 
     # -- a fault: the roll call, the next generation, the state rebuilt ----------------------------------------------
     def recover(self, error: BaseException, step, state, t_failed: int):
@@ -236,6 +239,9 @@ class _Job:
         Returns (step, state, the boundary, the event); raises ``error`` where nobody was lost."""
         t0 = time.monotonic()
         self.store.compare_set(self._key("open"), "", f"rank {self.me}: {type(error).__name__}: {str(error)[:300]}")
+        for t, (own, partners) in self.copies.items():  # a boundary being copied: its partner's copy may be whole
+            if own is None and not partners and self.link is not None and self.link.rows and self.link.landed(t):
+                partners[self.link.frm] = self.link.landed(t)
         left = self._roll_call()
         lost = [m for m in self.members if m not in left]
         if not lost:
@@ -328,7 +334,7 @@ class _Job:
         check_elastic(step)
         source = _InMemory(held)
         state, _ = step.restore(source)
-        self.copies, self.theirs, self.spare = {}, None, []
+        self.copies, self.link, self.spare = {}, None, []
         return step, state, source.received
 
 
@@ -456,6 +462,15 @@ def _all_here(job: _Job, name: str) -> None:
         done = job.store.add(job._key(name), 0)
 
 
+def _copied(job: _Job, t: int) -> None:
+    """Wait until every member holds its partner's copy of boundary ``t``: the shared segment's barrier
+    (microseconds; it watches the heartbeats too) where the copies went there, else a count in the store."""
+    if job.link.rows is not None:
+        job.link.group.barrier()
+    else:
+        _all_here(job, f"saved/{t}")
+
+
 def _lost_in_rebuild(lost: list[int], second: BaseException) -> UnrecoverableLossError:
     return UnrecoverableLossError(f"hpf.elastic: while rebuilding after losing rank(s) {lost}: {type(second).__name__}: "
                                   f"{str(second)[:300]}. A loss during the rebuild is not survived; resume from the "
@@ -492,23 +507,62 @@ def _at_boundary(job: _Job, step, state, t: int, events: list, then: Callable | 
     return step, state, True, copy_s
 
 
-def _swap(job: _Job, step, state) -> tuple[int, _Copy]:
+def _swap(job: _Job, step, state, t: int) -> _Copy | None:
     """This rank's live state to its buddy, leaf by leaf (no packed copy of it is made for the send),
-    and its partner's into one buffer: (the partner, its copy)."""
+    and its partner's here: its copy, or None where it lands in shared memory (``job.link.landed``)."""
     n, i = len(job.members), job.members.index(job.me)
     s = job.buddy_shift(step)
-    to, frm = (i + s) % n, (i - s) % n
     header, nbytes = _Copy.layout(state)
-    if job.theirs is None:  # the partner's layout: the same at every boundary of a generation
-        job.theirs, job.mine = _partner_layout(header, nbytes, to, frm), header
-    elif header != job.mine:
+    if job.link is None:  # the partner's layout: the same at every boundary of a generation
+        job.link = _Link(header, nbytes, (i + s) % n, (i - s) % n, job.members)
+    elif header != job.link.mine:
         raise UnrecoverableLossError("hpf.elastic: this rank's state changed its layout between boundaries "
                                      "(a new optimizer state?); its buddy's copy would not fit")
-    partner = _Copy(_take(job.spare, job.theirs[1]), job.theirs[0])
-    sends = [(to, _raw(x), 16 + k) for k, x in enumerate(optree.tree_leaves(state)) if x.numel()]
-    recvs = [(frm, part, 16 + k) for k, part in enumerate(partner.parts()) if part.numel()]
-    schedule.wait(PointToPoint(world.exchange(sends, recvs)), "the elastic copies of a boundary")
-    return job.members[frm], partner
+    return job.link.send(t, optree.tree_leaves(state), job.spare)
+
+
+SHARED_MEMORY = True  # buddies on one host write each other's copies into shared memory (False: the process group)
+_ROW_HEAD = 64  # a shared row's first word says which boundary its copy is of; the copy starts a cache line on
+
+
+class _Link:
+    """A generation's way from a rank to its buddy (``to``) and from its partner (``frm``): the partner's
+    layout, and, where the members share a host, two rows each in one shared-memory segment
+    (hpf.comm.shm) that a rank's partner writes its copy into, one memcpy and no socket. The rows
+    alternate boundaries; a row's first word is the boundary written + 1, set after its bytes, so the
+    copy is whole once the word says so, even if its writer died just after."""
+
+    def __init__(self, header: list, nbytes: int, to: int, frm: int, members: list[int]):
+        self.mine, self.to, self.frm_rank, self.frm = header, to, frm, members[frm]  # (frm: the partner's member id)
+        self.rows, self.row_bytes, self.sent = None, 0, 0
+        self.theirs = _partner_layout(header, nbytes, to, frm)
+        said = world.all_gather_object((socket.gethostname(), nbytes))
+        if SHARED_MEMORY and len({host for host, _ in said}) == 1:
+            row = _ROW_HEAD + -(-max(b for _, b in said) // _ROW_HEAD) * _ROW_HEAD
+            self.group = ShmGroup(None, 2 * len(said) * row, name_prefix="hpf_elastic")
+            self.rows = [self.group.rows(self.group.buffer(k, row, torch.uint8, per_rank=True)) for k in ("even", "odd")]
+            self.row_bytes = 2 * row  # (this rank's two rows)
+
+    def send(self, t: int, leaves: list, spare: list[torch.Tensor]) -> _Copy | None:
+        self.sent += 1
+        if self.rows is not None:
+            row = self.rows[self.sent % 2][self.to]
+            for x, part in zip(leaves, _Copy(row[_ROW_HEAD:], self.mine).parts()):
+                part.copy_(_raw(x))
+            row[:8].view(torch.int64)[0] = t + 1
+            return None
+        partner = _Copy(_take(spare, self.theirs[1]), self.theirs[0])
+        sends = [(self.to, _raw(x), 16 + k) for k, x in enumerate(leaves) if x.numel()]
+        recvs = [(self.frm_rank, part, 16 + k) for k, part in enumerate(partner.parts()) if part.numel()]
+        schedule.wait(PointToPoint(world.exchange(sends, recvs)), "the elastic copies of a boundary")
+        return partner
+
+    def landed(self, t: int) -> _Copy | None:
+        """The partner's copy of boundary ``t`` in this rank's shared row, if it is whole."""
+        row = self.rows[self.sent % 2][world.rank()]
+        if int(row[:8].view(torch.int64)[0]) != t + 1:
+            return None
+        return _Copy(row[_ROW_HEAD:_ROW_HEAD + self.theirs[1]], self.theirs[0])
 
 
 def _partner_layout(header: list, nbytes: int, to: int, frm: int) -> tuple[list, int]:

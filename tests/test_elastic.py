@@ -141,9 +141,10 @@ def test_under_hsdp_a_rank_holds_two_boundaries_of_its_own_state_and_nothing_els
         assert copy_bytes == 2 * own
 
 
-def _dies_in_the_copy(rank, where, at):
+def _dies_in_the_copy(rank, where, at, shared):
     """Rank 1 is killed at boundary ``at``: before it sends its copy, or once it has sent it and waits
     for the others' (the copy of ``at`` is then whole for its loss, and no step is redone)."""
+    hpf.elastic.SHARED_MEMORY = shared
     if rank == 1 and where == "before the copy":
         swap, calls = hpf.elastic._swap, []
 
@@ -152,18 +153,18 @@ def _dies_in_the_copy(rank, where, at):
             return os.kill(os.getpid(), signal.SIGKILL) if len(calls) == at + 1 else swap(*args)
         hpf.elastic._swap = _swap
     if rank == 1 and where == "after the copy":
-        here = hpf.elastic._all_here
-        hpf.elastic._all_here = lambda job, name: (os.kill(os.getpid(), signal.SIGKILL) if name == f"saved/{at}"
-                                                   else here(job, name))
+        copied = hpf.elastic._copied
+        hpf.elastic._copied = lambda job, t: os.kill(os.getpid(), signal.SIGKILL) if t == at else copied(job, t)
     return _elastic_rank(rank, None, None)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("shared", [True, False], ids=["shared memory", "process group"])
 @pytest.mark.parametrize("where", ["before the copy", "after the copy"])
 @settings(max_examples=1, deadline=None)
 @given(at=st.integers(1, STEPS - 1))
-def test_a_rank_lost_while_a_boundary_is_copied_is_survived(where, at):
-    results = launch(_dies_in_the_copy, 4, where, at, timeout=90, elastic=True)
+def test_a_rank_lost_while_a_boundary_is_copied_is_survived(where, shared, at):
+    results = launch(_dies_in_the_copy, 4, where, at, shared, timeout=90, elastic=True)
     assert results[1] is None
     for full, events, world in [r for r in results if r is not None]:
         assert world == 3 and all(torch.equal(a, b) for a, b in zip(full, reference())), "params differ"
@@ -171,20 +172,24 @@ def test_a_rank_lost_while_a_boundary_is_copied_is_survived(where, at):
         assert events[0]["back_to"] == (at - 1 if where == "before the copy" else at)
 
 
-def _copies_held(rank):
+def _copies_held(rank, shared):
     torch.set_num_threads(1)
+    hpf.elastic.SHARED_MEMORY = shared
     run = hpf.elastic.train(make_step, functools.partial(gpt.init, CFG), batches, STEPS, key=hpf.random.key(0))
     run.step.close()
     return run.copy_bytes, _Copy.layout(run.state)[1]
 
 
 @pytest.mark.slow
-def test_on_a_flat_mesh_a_rank_holds_its_own_state_and_two_of_its_partners():
+@pytest.mark.parametrize("shared", [True, False], ids=["shared memory", "process group"])
+def test_on_a_flat_mesh_a_rank_holds_its_own_state_and_two_of_its_partners(shared):
     """Its own copy and its partner's of the last boundary, and the buffer the next partner's copy
-    lands in (while it lands, the boundary before is still whole)."""
-    held = launch(_copies_held, 4, timeout=90, elastic=True)
+    lands in (while it lands, the boundary before is still whole). In shared memory the two are rows
+    of one size for all, a cache line of header each."""
+    held = launch(_copies_held, 4, shared, timeout=90, elastic=True)
+    row = 64 + -(-max(own for _, own in held) // 64) * 64
     for i, (copy_bytes, own) in enumerate(held):
-        assert copy_bytes == own + 2 * held[(i - 1) % 4][1]
+        assert copy_bytes == own + 2 * (row if shared else held[(i - 1) % 4][1])
 
 
 @pytest.mark.slow
@@ -231,7 +236,7 @@ def test_the_heartbeat_beats_while_the_shared_store_is_blocked(monkeypatch):
     monkeypatch.setenv("HPF_ELASTIC_STORE", f"127.0.0.1:{server.port}")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setitem(launcher._ELASTIC, "base", None)
-    job = hpf.elastic._Job(None, None, None, 1, None)
+    job = hpf.elastic._Job(None, None, None, 1, None, None)
     job.members = [0]
     job._beat()
     try:

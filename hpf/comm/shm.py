@@ -207,6 +207,11 @@ class ShmGroup(CallCounters):
         raise ValueError(f"{name} must be a slice of this group's ShmGroup.{kind} "
                          "(other memory is not visible to the peers)")
 
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        """(world_size, numel) view of ``t``'s place (this rank's row of a ``per_rank`` buffer) in every
+        rank's row: a peer's row, written directly (hpf.elastic's copies to a buddy)."""
+        return self._rows(t, "rows(t)")
+
     def _rows(self, t: torch.Tensor, name: str) -> torch.Tensor:
         """(world_size, numel) view: the bytes at t's place in every rank's row of its region."""
         region, in_row = self._region_of(t, name, per_rank=True)
