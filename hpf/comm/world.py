@@ -131,7 +131,7 @@ def all_gather_into(full: torch.Tensor, shard: torch.Tensor, group=None, async_o
 
 def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group=None, async_op: bool = False):
     """out <- this rank's slice of the sum of every rank's full: torch's own reduce-scatter (on gloo
-    an all-reduce; hpf's comms use hpf.comm.transport.reduce_scatter_async)."""
+    an all-reduce; hpf's comms use hpf.comm.handles.reduce_scatter_async)."""
     return dist.reduce_scatter_single(out, full, group=group, async_op=async_op)
 
 
