@@ -1,6 +1,6 @@
 """The process-group facts and the one-off collectives outside the per-bucket comms.
 
-hpf talks to torch.distributed only under hpf/comm/, in hpf/launcher.py (which starts the
+hpf talks to torch.distributed only under hpf/comm/, in hpf/launcher/ (which starts the
 process group) and in hpf/mesh.py (which makes the groups, and lies below hpf/comm/): the
 step, validation and distributed Muon call these helpers.
 Ranks are global ranks; ``group=None`` is the whole world. The collectives inherit the
