@@ -493,7 +493,7 @@ def _close_at_exit() -> None:
     exception") and torchrun reports a finished job as failed. Closing here, while the interpreter is
     whole, ends those threads in order (hpf's own atexit, so it runs after the user's). Async saves
     first: finished, or reported lost with exit status 1 once the group is gone (hpf.checkpoint)."""
-    saves = sys.modules.get("hpf.checkpoint")  # (not imported: no save was made)
+    saves = sys.modules.get("hpf.checkpoint.saving")  # (not imported: no save was made)
     if saves is not None:
         saves.finish_saves_at_exit()
     for step in list(_OPEN):

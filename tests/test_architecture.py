@@ -108,7 +108,7 @@ def test_no_library_file_over_700_lines():
 
 #: folders already split along their seams (issue 59), held to the target every module will meet
 SPLIT_MAX_LINES = {"hpf/optim": 450, "hpf/sim": 450, "hpf/validate": 450, "hpf/models": 450, "hpf/comm": 450,
-                   "hpf/planning": 450, "hpf/launcher": 450}
+                   "hpf/planning": 450, "hpf/launcher": 450, "hpf/checkpoint": 450}
 
 
 def test_split_folders_have_no_module_over_their_limit_and_one_idea_each():
@@ -191,7 +191,9 @@ def test_validation_never_reaches_into_the_comms_low_bit_tier():
 
 def test_checkpoint_never_imports_an_optimizer_implementation():
     """Checkpoints place optimizer state by what the optimizer says (its capabilities' state_layout)."""
-    imports = import_graph()["hpf.checkpoint"]
+    imports = {i for m, imports in import_graph().items() if m == "hpf.checkpoint" or m.startswith("hpf.checkpoint.")
+               for i in imports}
+    assert "hpf.optim.base" in imports  # (the scan sees the package's modules)
     assert not {i for i in imports if i.startswith("hpf.optim.") and i != "hpf.optim.base"}, imports
 
 
