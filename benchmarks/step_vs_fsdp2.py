@@ -32,7 +32,7 @@ import hpf
 from hpf.launcher import launch
 from hpf.models import gpt, layers
 from hpf import Topology
-from hpf.comm.transport import reduce_scatter_async
+from hpf.comm.handles import reduce_scatter_async
 from hpf.planning import ROOT
 from hpf.report import PlanReport
 

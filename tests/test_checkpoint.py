@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import hpf
 from hpf import P
 from hpf import checkpoint as ck
+from hpf.checkpoint import agreement
 from hpf.launcher import launch
 from hpf.models import gpt
 from hpf.step import TrainState
@@ -513,10 +514,10 @@ def test_a_save_on_rank_0_alone_is_a_named_error_within_seconds(tmp_path, then):
 
 _TORCHRUN_SAVE = """
 import sys, time, torch, hpf
-from hpf import checkpoint
+import torch.distributed.checkpoint as dcp
 from hpf.models import gpt
-save = checkpoint.dcp.save
-checkpoint.dcp.save = lambda *a, **k: (time.sleep(1), save(*a, **k))[1]  # a save that outlasts the script
+save = dcp.save
+dcp.save = lambda *a, **k: (time.sleep(1), save(*a, **k))[1]  # a save that outlasts the script
 hpf.launch.init_distributed()
 cfg = gpt.CONFIGS["tiny"]
 step = hpf.shard_step(gpt.loss_for(cfg), mesh=hpf.Mesh({"dp": 2}), optimizer=hpf.optim.adamw())
@@ -604,7 +605,7 @@ def test_hpf_train_on_a_full_disk_fails_loudly(tmp_path, capsys):
 def _peer_reports(rank):
     from hpf.checkpoint_files import save_failed
     error = OSError(errno.ENOSPC, "No space left on device") if rank == 0 else None  # (rank 1 wrote its part)
-    return str(save_failed(Path("/nowhere/step_2"), ck._first_error(error, None)))
+    return str(save_failed(Path("/nowhere/step_2"), agreement.first_error(error, None)))
 
 
 @pytest.mark.slow

@@ -76,7 +76,7 @@ def test_report_ignores_a_rank_that_is_only_behind():
 def test_device_collectives_order_streams_and_settle_on_the_cpu():
     """On an accelerator a wait only orders the compute stream after the collective (the CPU runs
     on, as FSDP2's); at the step's end the CPU polls them, so a hang is named there."""
-    from hpf.comm.transport import StreamWork
+    from hpf.comm.handles import StreamWork
 
     class FakeWork:
         def __init__(self):
@@ -86,7 +86,7 @@ def test_device_collectives_order_streams_and_settle_on_the_cpu():
             self.waits.append(args)
             return True
 
-        def get_future(self):  # (what the engine polls: see hpf.comm.transport.work_done)
+        def get_future(self):  # (what the engine polls: see hpf.comm.handles.work_done)
             return self
 
         def done(self):

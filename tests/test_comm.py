@@ -28,7 +28,7 @@ def test_bucket_comm_and_tiered_comm_are_unit_comms(tmp_path):
 def test_a_timed_wait_that_loses_the_race_to_completion_is_no_error():
     """c10d's timed wait raises "Operation timed out!" when its time is up; a work that completes just
     after (seen under load) succeeded, and waiting on it must say so, not raise its timeout."""
-    from hpf.comm.transport import wait_for
+    from hpf.comm.handles import wait_for
 
     class LateWork(dist.Work):
         def __init__(self, fails: bool):

@@ -235,7 +235,7 @@ def test_the_heartbeat_beats_while_the_shared_store_is_blocked(monkeypatch):
     server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=3))
     monkeypatch.setenv("HPF_ELASTIC_STORE", f"127.0.0.1:{server.port}")
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.setitem(launcher._ELASTIC, "base", None)
+    monkeypatch.setitem(launcher.group._ELASTIC, "base", None)
     job = hpf.elastic._Job(None, None, None, 1, None, None)
     job.members = [0]
     job._beat()

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import hpf.launcher as hpf_launch
+from hpf.launcher import results as launch_results
 from hpf.launcher import RankError, init_distributed, launch
 
 
@@ -310,15 +311,15 @@ def test_cause_chains_that_loop_are_walked_once():
     a, b = ValueError("a"), KeyError("b")
     a.__context__, b.__cause__ = b, a
     assert list(causes(own)) == [own] and list(causes(a)) == [a, b]
-    assert hpf_launch._missing_ranks(own) == ()
+    assert launch_results.missing_ranks(own) == ()
     timeout = PeerTimeoutError("waited", [1])
     timeout.__cause__ = a
     a.__context__ = timeout
-    assert hpf_launch._missing_ranks(b) == (1,)  # b -> a -> timeout -> a: found, and the walk ends
+    assert launch_results.missing_ranks(b) == (1,)  # b -> a -> timeout -> a: found, and the walk ends
 
 
 def test_a_forwarded_key_error_reads_as_a_traceback_not_one_escaped_line():
     tb = 'Traceback (most recent call last):\n  File "x.py", line 1, in loss_fn\nKeyError: \'w\'\n'
-    err = hpf_launch._rank_error(f"hpf.launch: rank 1 raised:\n{tb}", 1, tb, KeyError("w"))
+    err = launch_results._rank_error(f"hpf.launch: rank 1 raised:\n{tb}", 1, tb, KeyError("w"))
     assert isinstance(err, KeyError) and isinstance(err, RankError)
     assert str(err) == f"hpf.launch: rank 1 raised:\n{tb}"  # KeyError's own str would be repr(): "\\n" escapes

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import hpf
 from hpf import checkpoint as ck
+from hpf.checkpoint import saving
 from hpf.optim import as_optimizer, inject_hyperparams
 from hpf.optim.transforms import add_decayed_weights, chain, clip_by_global_norm, scale_by_adam
 from test_dist_muon import MUON, moe_init, reference_muon, reference_torch, synthetic_grads
@@ -181,8 +182,8 @@ def test_restoring_into_another_chain_names_the_stage_and_the_fix(tmp_path, case
 def test_a_checkpoint_without_the_record_still_loads(tmp_path, monkeypatch):
     """A checkpoint an hpf before the record wrote (no ``optimizer_outline``) loads unchecked by
     it: the optimizer's type name, keys and shapes are what a restore checks then."""
-    header = ck._header
-    monkeypatch.setattr(ck, "_header", lambda layout, sd: {k: v for k, v in header(layout, sd).items()
+    header = saving.header_of
+    monkeypatch.setattr(saving, "header_of", lambda layout, sd: {k: v for k, v in header(layout, sd).items()
                                                            if k != "optimizer_outline"})
     saved = _save(hpf.optim.muon(), tmp_path / "old")
     monkeypatch.undo()

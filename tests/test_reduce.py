@@ -9,7 +9,7 @@ import pytest
 
 import hpf
 from hpf import SlowLink, Topology
-from hpf.comm.transport import wait_for
+from hpf.comm.handles import wait_for
 from hpf.engine.reduce import IN_FLIGHT
 from hpf.launcher import launch
 from hpf.models import gpt

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import hpf
 from hpf import checkpoint as ck
+from hpf.checkpoint import saving
 from hpf.comm import schedule, world
 from hpf.launcher import launch
 from hpf.models import gpt
@@ -62,7 +63,7 @@ def test_a_crafted_metadata_pickle_never_runs(tmp_path):
 def test_a_crafted_extra_never_runs_and_is_named(tmp_path, monkeypatch):
     with pytest.raises(ck.CheckpointError, match="extra: .*weights_only"):  # refused at the save
         _saved(tmp_path / "a", extra={"arr": Payload(tmp_path / "never")})
-    monkeypatch.setattr(ck, "not_data", lambda extra: None)  # a crafted checkpoint skips that check
+    monkeypatch.setattr(saving, "not_data", lambda extra: None)  # a crafted checkpoint skips that check
     marker = tmp_path / "ran"
     step, path = _saved(tmp_path, extra={"step": 1, "x": Payload(marker)})
     monkeypatch.undo()
@@ -172,7 +173,7 @@ def test_a_numpy_array_whose_bytes_may_be_pointers_is_refused_in_extra_even_rese
     """Item 1: such an array restored, then np.random.set_state (or repr) followed its bytes: SIGSEGV."""
     with pytest.raises(ck.CheckpointError, match="extra"):  # refused at the save
         _saved(tmp_path / "a", extra={"rng": array})
-    monkeypatch.setattr(ck, "not_data", lambda extra: None)  # a crafted checkpoint skips that check
+    monkeypatch.setattr(saving, "not_data", lambda extra: None)  # a crafted checkpoint skips that check
     step, path = _saved(tmp_path, extra={"step": 1, "rng": {"numpy": array}})
     monkeypatch.undo()  # (its manifest is sealed over the crafted bytes, as anyone can seal one)
     with pytest.raises(ck.CheckpointError, match=r"__0_0\.distcp: key 'extra' is not plain data .*(VoidDType|"

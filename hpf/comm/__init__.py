@@ -1,7 +1,8 @@
 """All of hpf's communication. Modules:
 
 - transport.py: the `Transport` protocol (one tier's collectives over flat shards) and its
-  torch.distributed version; the engine's `UnitComm` protocol; shm.py: shared memory.
+  torch.distributed version; the engine's `UnitComm` protocol; shm.py: shared memory;
+  handles.py: collectives in flight, and how they are waited for.
 - flat.py (`BucketComm`) and tiered.py (`TieredComm`, which carries out an `hpf.topology.Topology`):
   the UnitComms.
 - collectives.py: ``hpf.psum`` and the other explicit collectives of a loss function.

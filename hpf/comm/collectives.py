@@ -46,7 +46,7 @@ from torch.overrides import handle_torch_function, has_torch_function
 from ..mesh import Mesh, MeshError
 from . import world
 from .schedule import digest_parts, parts_agree
-from .transport import reduce_scatter_async
+from .handles import reduce_scatter_async
 
 __all__ = ["psum", "psum_scatter", "all_gather", "all_to_all", "axis_index", "SPMD", "spmd", "current", "validating", "register_check",
            "run_check"]

@@ -15,7 +15,8 @@ import torch.distributed as dist
 from ..planning import Plan
 from .cost import bucket_comm_bytes, count_bytes, dtype_bytes
 from .ordered import OrderedReduction
-from .transport import DONE, Handle, OwnedGroups, is_done, on_device, reduce_scatter_async, wait_for
+from .handles import DONE, Handle, is_done, on_device, reduce_scatter_async, wait_for
+from .transport import OwnedGroups
 
 __all__ = ["BucketComm"]
 

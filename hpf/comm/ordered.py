@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .canonical import Node, aligned_blocks, tree_sum
-from .transport import DONE, Handle, exchange_async, is_done, on_device, wait_for
+from .handles import DONE, Handle, exchange_async, is_done, on_device, wait_for
 from .world import rank as this_rank
 
 __all__ = ["Stage", "route", "reduce_in_tree", "OrderedReduction"]

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from . import liveness, world
-from .transport import wait_for
+from .handles import wait_for
 from ..errors import PeerTimeoutError, ScheduleMismatchError, StoreValueError
 
 __all__ = ["ScheduleMismatchError", "PeerTimeoutError", "StoreValueError", "LOG", "ScheduleLog", "wait", "check_digests",

@@ -45,7 +45,8 @@ from .cost import bucket_comm_bytes, count_bytes, dtype_bytes
 from .lowbit import LowBitTier
 from .shm import ALIGN, ShmGroup
 from .ordered import OrderedReduction
-from .transport import DONE, Handle, OwnedGroups, ProcessGroupTransport, Transport
+from .handles import DONE, Handle
+from .transport import OwnedGroups, ProcessGroupTransport, Transport
 
 __all__ = ["Topology", "SlowLink", "TieredComm"]
 

@@ -1,6 +1,6 @@
 """The process-group facts and the one-off collectives outside the per-bucket comms.
 
-hpf talks to torch.distributed only under hpf/comm/, in hpf/launcher.py (which starts the
+hpf talks to torch.distributed only under hpf/comm/, in hpf/launcher/ (which starts the
 process group) and in hpf/mesh.py (which makes the groups, and lies below hpf/comm/): the
 step, validation and distributed Muon call these helpers.
 Ranks are global ranks; ``group=None`` is the whole world. The collectives inherit the
@@ -131,7 +131,7 @@ def all_gather_into(full: torch.Tensor, shard: torch.Tensor, group=None, async_o
 
 def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group=None, async_op: bool = False):
     """out <- this rank's slice of the sum of every rank's full: torch's own reduce-scatter (on gloo
-    an all-reduce; hpf's comms use hpf.comm.transport.reduce_scatter_async)."""
+    an all-reduce; hpf's comms use hpf.comm.handles.reduce_scatter_async)."""
     return dist.reduce_scatter_single(out, full, group=group, async_op=async_op)
 
 

@@ -42,7 +42,7 @@ import torch
 from ..comm import schedule, world
 from ..comm.canonical import Partials
 from ..comm.schedule import LOG
-from ..comm.transport import DONE, StreamWork, is_done, wait_for
+from ..comm.handles import DONE, StreamWork, is_done, wait_for
 from ..planning import Plan
 from ..trace import span
 from .unit_state import UnitState

@@ -28,7 +28,7 @@ import optree
 import torch
 
 from ..comm import world
-from ..comm.transport import reduce_scatter_async
+from ..comm.handles import reduce_scatter_async
 from ..launcher import launch
 from ..mesh import Mesh
 from ..models import MODELS, gpt

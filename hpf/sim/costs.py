@@ -139,7 +139,7 @@ def unit_costs(plan: Plan, hw: Hardware, opts: Options, flops: dict, measured: d
             g, r = _on_slow(g, codec["all_gather"]), _on_slow(r, codec["reduce_scatter"])
             if opts.strategy == "hpf" and not opts.topology and hw.shared_links and b.shard_size > 1:
                 # BucketComm on gloo: an all-to-all, then the waiting (compute) thread sums the p slices
-                # (transport.reduce_scatter_async): p-1 adds of n/p, 3 accesses each. The calibrated
+                # (handles.reduce_scatter_async): p-1 adds of n/p, 3 accesses each. The calibrated
                 # reduce-scatter includes the sum: the worker's stage is the rest.
                 s = 3 * (b.shard_size - 1) / b.shard_size * b.padded_numel * opts.reduce_bytes / hw.mem_bw
                 land += s

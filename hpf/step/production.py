@@ -1,10 +1,10 @@
 """``hpf.shard_step``'s production step: one sharded training step of a pure loss function.
 
-Layouts are resolved once, in ``init``. A step then runs plain tensors, in phases:
+Layouts are resolved once, in ``init`` (hpf.step.build). A step then runs plain tensors, in phases:
 micro-batches -> forward and backward of each (units gathered as the loss function reads
 them, reductions issued as backward completes them) -> the reductions land -> one global
 decision (one all-reduce: the loss, the grad norm, finiteness, and that every rank issued the
-same collectives) -> the update -> the next step's first gathers.
+same collectives) -> the update (hpf.step.update) -> the next step's first gathers.
 """
 from __future__ import annotations
 
@@ -14,34 +14,33 @@ import sys
 import time
 import weakref
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
 
-from . import batching, losses, misuse
-from . import tree as tree_util
-from .errors import DonatedStateError, NonFiniteError, UnusedParamsError
-from .comm import schedule, world
-from .comm.schedule import LOG
-from .comm.world import default_device
-from .comm.collectives import SPMD, spmd
-from .comm.flat import BucketComm
-from .comm.tiered import TieredComm
-from .comm.transport import UnitComm
-from .config import StepConfig
-from .decision import Decider, Decision
-from .engine import UnitEngine, explain, refuses_hooks
-from .engine.compiled import compile_seconds
-from .launcher import init_distributed, is_launched
-from .mesh import Mesh, MeshError
-from .optim.base import EarlyUpdate, PartialUpdate, capabilities
-from .planning import Plan, step_plan
-from .state_io import StateIO
-from .trace import span
-from .train_state import GATHER_STATS, StepStats, TrainState
+from .. import batching, losses, misuse
+from .. import tree as tree_util
+from ..errors import NonFiniteError, UnusedParamsError
+from ..comm import world
+from ..comm.world import default_device
+from ..comm.collectives import SPMD, spmd
+from ..comm.transport import UnitComm
+from ..config import StepConfig
+from ..decision import Decider, Decision
+from ..engine import UnitEngine, explain, refuses_hooks
+from ..engine.compiled import compile_seconds
+from ..optim.base import capabilities
+from ..planning import Plan
+from ..state_io import StateIO
+from ..trace import span
+from ..train_state import GATHER_STATS, StepStats, TrainState
+from .build import born_sharded, engine_for, first_shards, join_world, plan_for
+from .donation import Donation
+from .update import EarlyWork, update_state
 
-__all__ = ["ShardStep", "step_plan"]
+__all__ = ["ShardStep"]
+
 
 _TIMED = ("step_s", "optimizer_s", "comm_wait_s", "compile_s")  # metrics StepStats sums over the steps
 
@@ -82,18 +81,18 @@ class ShardStep:
         ``init_fn`` and ``key``: only this rank's shards of ``init_fn(key)``, bit for bit (hpf.sharded_init).
         Under torchrun with no process group yet, this starts one. ``nn.Parameter`` leaves are detached."""
         self._donation.check_open("step.init(params)")
-        cfg, born = self.config, _born_sharded(params, key)
+        cfg, born = self.config, born_sharded(params, key)
         full_params = born.meta_params if born else params
-        _join_world(self.mesh)
+        join_world(self.mesh)
         frozen = misuse.frozen_paths(full_params, cfg.frozen)
         full_params = misuse.clean_params(full_params, allow_meta=True)
         self._donation.unloaded = not born and any(x.is_meta for x in tree_util.flatten(full_params)[1])
         self.rank, self.device = world.rank(), default_device()
-        self.plan = _plan(cfg, full_params, frozen)
+        self.plan = plan_for(cfg, full_params, frozen)
         misuse.check_same_on_all_ranks(self.plan, full_params, self.device, born.digest() if born else None)
-        shards = _first_shards(self.plan, born or full_params, self.rank, self.mp.master_dtype if self.mp else None,
+        shards = first_shards(self.plan, born or full_params, self.rank, self.mp.master_dtype if self.mp else None,
                                self.device)
-        self.grad_shards, self.comm, self.engine = _engine(cfg, self.plan, shards, self.device, self.on_extra_gather)
+        self.grad_shards, self.comm, self.engine = engine_for(cfg, self.plan, shards, self.device, self.on_extra_gather)
         self._spmd = SPMD(self.mesh, self.rank,  # (collectives: on axes a param computes sharded over, too)
                           tuple(a for a in self.plan.fsdp_axes if a not in self.plan.split_axes))
         self.decider = Decider.of(self.plan, self.mesh.size, cfg.grad_clip, self.rank, cfg.invariant)
@@ -122,7 +121,7 @@ class ShardStep:
             if decision.finite:
                 try:
                     with span("hpf/optimizer", "all"):
-                        state = _update(state, decision, self.grad_shards, self.engine, self.comm,
+                        state = update_state(state, decision, self.grad_shards, self.engine, self.comm,
                                         self.plan_optimizer, self._early, self.config)
                 except BaseException as err:
                     self._early.forget()
@@ -298,184 +297,6 @@ class ShardStep:
         self.close()
 
 
-
-class Donation:
-    """Donation, as in JAX: a step updates its state's buffers in place, so the state passed in
-    is spent; using it again raises instead of training on updated values. A closed step's
-    states are all spent."""
-
-    def __init__(self):
-        self.params: list | None = None  # the params list of the state the step last returned
-        self.unloaded = False  # init had meta params and no restore has filled them yet
-        self.closed = False
-
-    def close(self) -> None:
-        self.params, self.closed = None, True
-
-    def check_open(self, op: str) -> None:
-        if self.closed:
-            raise RuntimeError(f"{op}: this step was closed (step.close(), or the end of its `with` block), which "
-                               "released its threads, process groups and memory; make a new one with hpf.shard_step")
-
-    def donate(self, state: TrainState) -> TrainState:
-        """Make ``state`` the live one: a fresh params list over the same buffers, so the state
-        passed in (same buffers, old list) is recognizably donated."""
-        state = state._replace(params=list(state.params))
-        self.params = state.params
-        return state
-
-    def check(self, state: Any, op: str) -> None:
-        self.check_open(op)
-        if self.unloaded:
-            raise RuntimeError(f"{op}: step.init was given meta params (shapes only), so the state holds no values "
-                               "yet; call state, extra = step.restore(path) first")
-        live, params = self.params, getattr(state, "params", None)
-        if live is None or params is live or not isinstance(params, (list, tuple)):
-            return
-        if any(a is b for a, b in zip(params, live)):
-            raise DonatedStateError(
-                f"{op}: this state was already passed to step, which updated its buffers in place (donated, as "
-                "in JAX). Use the state the step returned: state, metrics = step(state, batch)")
-
-
-@dataclass
-class Attempt:
-    """What one step attempt's early optimizer work is begun from (``EarlyWork.start``)."""
-
-    opt: EarlyUpdate
-    engine: UnitEngine
-    decider: Decider
-    grads: list
-    opt_state: Any
-    n_micro: int
-    scale: float  # the loss scale backward's seed carries
-    counts: list = field(default_factory=list)  # each micro-batch's hpf.weighted count
-    count: Any = None  # their global sum: a tensor, or (tensor, its all-reduce in flight)
-
-
-class EarlyWork:
-    """The optimizer's work begun while backward runs (hpf.optim.EarlyUpdate), for one step.
-
-    It assumes the grad scale of a step whose clip does not fire, known once the last
-    micro-batch's loss is (``loss_known``); ``take`` hands the work to the update only when the
-    decision's scale is that one, else it is dropped (its communication lands; nothing was
-    written). ``attempts`` counts the step's attempts, the same on every rank."""
-
-    def __init__(self):
-        self.work, self.scale, self.attempts = None, None, 0
-        self.attempt: Attempt | None = None
-
-    def start(self, opt, engine: UnitEngine, decider: Decider, grads: list, opt_state, n_micro: int,
-              scale: float) -> None:
-        """A step attempt begins (its micro-batches next)."""
-        self.drop()
-        self.attempts += 1
-        self.attempt = None
-        if capabilities(opt).early and engine.tell_landed(None):  # (False: grads land too late for it)
-            self.attempt = Attempt(opt, engine, decider, grads, opt_state, n_micro, scale)
-
-    def loss_known(self, out: losses.LossOut, hold: bool, world_size: int) -> None:
-        """A micro-batch's loss is computed (its backward is next). At the last one the scale is
-        known, but for hpf.weighted's global count: one all-reduce of it, started here, lands
-        while backward runs (every rank issues it at the same point)."""
-        a = self.attempt
-        if a is None:
-            return
-        a.counts.append(out.count)
-        if hold:
-            return
-        if out.count is not None:
-            count = torch.tensor([sum(float(c) for c in a.counts)], dtype=torch.float64)
-            if world.is_distributed() and world_size > 1:
-                LOG.record("all-reduce", "the step's count, early")
-                count = (count, world.all_reduce_async(count))
-            a.count = count
-        a.engine.tell_landed(self._landed)
-
-    def _landed(self, buckets: list[int]) -> None:
-        """The engine's ``tell_landed``: start these buckets' work (on the first, the work itself)."""
-        if self.work is None:
-            a = self.attempt
-            if isinstance(a.count, tuple):
-                schedule.wait(a.count[1], "the step's count all-reduce")
-                a.count = a.count[0]
-            self.scale = a.decider.unclipped_scale(a.n_micro, a.scale, None if a.count is None else float(a.count[0]))
-            self.work = a.opt.early(a.grads, a.opt_state, self.scale, self.attempts)
-            if self.work is None:
-                a.engine.tell_landed(None)
-                return
-        self.work.grads_final(buckets)
-
-    def take(self, grad_scale: float):
-        """The work, if it assumed the decision's ``grad_scale``; else None (dropped)."""
-        work = self.work if self.scale == grad_scale else None
-        if work is None:
-            self.drop()
-        self.forget()
-        return work
-
-    def update(self, opt, d: Decision, grads: list, state: TrainState) -> tuple:
-        """(params, opt_state) after the update: the work begun in backward, if it assumed the
-        decision's grad scale and applies, else ``opt.update`` (with the step's aux if it reads it)."""
-        reads_aux = bool(capabilities(opt).aux)
-        work = self.take(d.grad_scale)
-        if work is not None and work.apply(grads, state.params, d.aux if reads_aux else None):
-            return state.params, state.opt_state
-        return opt.update(grads, state.opt_state, state.params, **({"aux": d.aux} if reads_aux else {}))
-
-    def drop(self) -> None:
-        """Drop the work (a skipped step, or grads only): its communication lands first."""
-        work = self.work
-        self.forget()
-        if work is not None:
-            work.finish()
-
-    def forget(self) -> None:
-        """Forget the work, in flight or not (after an error: its pieces carry this attempt's tags)."""
-        if self.attempt is not None:
-            self.attempt.engine.tell_landed(None)
-        self.work = self.attempt = None
-
-
-def _update(state: TrainState, d: Decision, grads: list, eng: UnitEngine, comm: UnitComm, opt, early: EarlyWork,
-            cfg: StepConfig) -> TrainState:
-    """Divide and clip the grads, update, and start the next step's first gathers: with the
-    overlap, the units it reads first are updated first and gather while the rest update."""
-    if state.error_feedback is not None:
-        comm.lowbit.commit_feedback()
-    torch._foreach_mul_(grads, d.grad_scale)
-    if cfg.overlap_optimizer and capabilities(opt).partial:
-        params, opt_state = _update_first_units_first(opt, eng, state, grads)
-    else:
-        params, opt_state = early.update(opt, d, grads, state)
-        eng.prefetch(params)
-    if state.loss_scale is not None:
-        cfg.loss_scale.update(state.loss_scale, finite=True)
-    return state._replace(params=params, opt_state=opt_state)
-
-
-def _update_first_units_first(opt: PartialUpdate, engine: UnitEngine, state: TrainState, grads: list) -> tuple:
-    """``overlap_optimizer``: update the buckets of the units the next step reads first, start
-    their gathers, then update the rest while they travel."""
-    first = engine.first_buckets()
-    rest = [b for b in range(len(grads)) if b not in set(first)]
-    apply = opt.partial_update(state.opt_state, state.params)
-    apply(first, grads)
-    engine.prefetch(state.params)
-    apply(rest, grads)
-    return state.params, state.opt_state
-
-
-def _join_world(mesh: Mesh) -> None:
-    """Start the process group under torchrun if none runs yet; check the mesh fits the world."""
-    if not world.is_distributed() and mesh.size > 1:
-        if not is_launched():
-            raise MeshError(f"{mesh} has {mesh.size} ranks but no process group is running; start the job with "
-                            "hpf.launch(fn, world_size), or call hpf.launch.init_distributed() first under torchrun")
-        init_distributed()
-    mesh.check_world()
-
-
 def _checked_once(ctx: SPMD) -> SPMD:
     """After a production step's first decision its explicit collectives stop checking the ranks' shapes
     (hpf.comm.collectives: a rank-dependent shape is there from the first step); validation mode checks all."""
@@ -493,7 +314,7 @@ def _close_at_exit() -> None:
     exception") and torchrun reports a finished job as failed. Closing here, while the interpreter is
     whole, ends those threads in order (hpf's own atexit, so it runs after the user's). Async saves
     first: finished, or reported lost with exit status 1 once the group is gone (hpf.checkpoint)."""
-    saves = sys.modules.get("hpf.checkpoint")  # (not imported: no save was made)
+    saves = sys.modules.get("hpf.checkpoint.saving")  # (not imported: no save was made)
     if saves is not None:
         saves.finish_saves_at_exit()
     for step in list(_OPEN):
@@ -576,83 +397,8 @@ def _func_grads(engine: UnitEngine, call_loss: Callable, batch: Any, seed: float
     return losses.LossOut(value, out.count, dict(zip(out.aux, aux)) if out.aux else None)
 
 
-def _engine(cfg: StepConfig, plan: Plan, shards: list[torch.Tensor], device: torch.device,
-            on_extra_gather) -> tuple[list[torch.Tensor], UnitComm, UnitEngine]:
-    """The step's grad shards, its comm for ``cfg``'s topology and precision, and its engine over it."""
-    mp = cfg.mixed_precision
-    grad_shards = [torch.zeros_like(s[:0] if b.frozen else s, dtype=mp.reduce_dtype if mp else s.dtype)
-                   for b, s in zip(plan.buckets, shards)]  # (frozen buckets: none)
-    cdts = [mp.compute_dtype if mp else b.dtype for b in plan.buckets]
-    rdts = [g.dtype for g in grad_shards]
-    comm = (BucketComm(plan, device, cdts, rdts) if cfg.topology is None
-            else TieredComm(plan, cfg.topology, device, cdts, rdts))
-    return grad_shards, comm, UnitEngine(
-        plan, comm, mp.compute_dtype if mp else None, device,
-        pipeline=cfg.topology is None or cfg.topology.pipeline,
-        capacity=cfg.resident_units, compute_sums=_compute_sums(plan, world.rank()),
-        on_extra_gather=on_extra_gather, rematerialize=cfg.grad == "torch.func", blocks=plan.padded_blocks(world.rank()))
-
-
-def _compute_sums(plan: Plan, rank: int) -> list[tuple[int, Any, slice]]:
-    """(bucket, group, slice of this rank's shard) of the grads that are partial sums over non-FSDP
-    axes (params replicated there: hpf.comm.collectives). Every rank makes the groups, in plan order."""
-    sums = []
-    for b in plan.buckets:
-        if b.frozen:
-            continue
-        for axes in dict.fromkeys(plan.partial_axes(s) for s in b.slots):
-            if plan.mesh.axis_size(axes) > 1:
-                plan.mesh.group(axes)
-        sums += [(b.index, plan.mesh.group(axes), part) for part, axes in b.runs(plan.shard_index(b, rank),
-                                                                                 plan.partial_axes)
-                 if plan.mesh.axis_size(axes) > 1]
-    return sums
-
-
-#: the invariant mode's shards are whole multiples of this many elements: wider than any CPU or
-#: accelerator vector, so an elementwise kernel (the optimizer's) meets each element in the same
-#: lane and loop as on the whole buffer at any world size
-INVARIANT_ALIGN = 256
-
-
-def _plan(cfg: StepConfig, full_params, frozen) -> Plan:
-    """The step's plan. The invariant mode covers data parallelism over the FSDP axes (sharded,
-    replicated, or both: HSDP): it refuses, naming the param, what it does not cover yet
-    (partial sums over tp or experts axes)."""
-    plan = step_plan(full_params, cfg.mesh, cfg.param_specs, cfg.fsdp_axes, topology=cfg.topology, hsdp=cfg.hsdp,
-                     frozen=frozen, align=INVARIANT_ALIGN if cfg.invariant else 1)
-    for b in plan.buckets if cfg.invariant else ():
-        axes = b.split_axes or tuple(a for a in plan.compute_axes if plan.mesh.axis_size(a) > 1)
-        if axes:
-            raise MeshError(f"invariant=True: parameter {b.slots[0].path!r} is computed over the axes {axes} of "
-                            f"{plan.mesh}, whose partial sums follow the mesh; the invariant mode covers data "
-                            "parallelism over the FSDP axes (tp and experts over an axis are not covered yet): run "
-                            "them without invariant=True")
-    return plan
-
-
 def _micro_batches(cfg: StepConfig, batch) -> list:
     """The step's micro-batches: ``accumulate`` equal parts, or in the invariant mode its atoms."""
     axes = batching.leaf_axes(batch, cfg.batch_axes)
     return (batching.atoms(batch, cfg.atom_size, axes) if cfg.invariant
             else batching.micro_batches(batch, cfg.accumulate, axes))
-
-
-def _first_shards(plan: Plan, made_from, rank: int, dtype, device) -> list[torch.Tensor]:
-    """This rank's flat shards, from the full params or a traced init (``InitTrace``); meta
-    params (shapes only, for a restore to fill) give zeros."""
-    shards = made_from.shards(plan, rank, dtype) if hasattr(made_from, "shards") else plan.shards(made_from, rank, dtype)
-    return [torch.zeros(s.shape, dtype=s.dtype, device=device) if s.is_meta else s.to(device) for s in shards]
-
-
-def _born_sharded(params: Any, key):
-    """The traced ``init_fn`` when ``step.init`` was given one (with its key), else None."""
-    if key is None:
-        if callable(params) and not isinstance(params, torch.Tensor):
-            raise TypeError("step.init(init_fn) needs the key to draw with: step.init(init_fn, key=hpf.random.key(0))")
-        return None
-    if not callable(params):
-        raise TypeError("step.init(params, key=...): a key goes with an init function (key -> params), not a "
-                        "params tree; pass step.init(init_fn, key=key), or the params alone")
-    from .sharded_init import trace_init
-    return trace_init(params, key)
