@@ -41,6 +41,7 @@ from .engine.reduce import to_wait
 from .engine.replay import ScheduleInputs, whole_in
 from .engine.residency import RESIDENT_UNITS
 from .models.recompute import Activations, recomputes
+from .models.spec import spec_of
 from .planning import ROOT, Plan
 from .report import PlanReport, size
 from .sharded_init import temporary_bytes
@@ -159,8 +160,9 @@ def predict(module, config, plan: Plan, report: PlanReport, *, local_batch: int,
     mp = MixedPrecision.parse(mixed_precision)
     compute = mp.compute_dtype if mp else None
     tp = {"tp": plan.compute_size} if plan.compute_size > 1 else {}  # a tensor-parallel rank's share
-    acts = (module.activations(config, local_batch // accumulate, dtype_bytes(compute) if compute else 4, **tp)
-            if hasattr(module, "activations") else None)
+    activations = spec_of(module).activations
+    acts = activations(config, local_batch // accumulate, dtype_bytes(compute) if compute else 4, **tp) \
+        if activations else None
     comm = "flat" if topology == "flat" else "shm" if cpu else "tiered"
     return step_memory(report, plan, acts, compute_dtype=compute, reduce_dtype=mp.reduce_dtype if mp else None,
                        recompute=recompute, accumulate=accumulate, comm=comm, reduce_copies=2 if cpu else 1,

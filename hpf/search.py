@@ -31,7 +31,7 @@ from typing import Any
 
 from . import memory, sim
 from .mesh import Mesh
-from .models import MODELS, TP_AXIS, carve_tp, data_axes, has_experts, layout, mesh_for, model_config, tp_size, tp_sizes
+from .models import MODELS, SPECS, TP_AXIS, carve_tp, data_axes, has_experts, layout, mesh_for, model_config, spec_of, tp_size, tp_sizes
 from .models.recompute import RECOMPUTE
 from .sim import Hardware, SimResult
 from .precision import SlowPrecision
@@ -93,7 +93,7 @@ class Candidate:
         module, mesh = MODELS[model], self.mesh(mesh)
         specs, data = layout(module, config, mesh.axis_names, None, self.ep_axis, tp_size(mesh))
         return {"mesh": mesh, "param_specs": specs, "fsdp_axes": data or tuple(mesh.axis_names),
-                "topology": step_topology(self), "batch_axes": getattr(module, "BATCH_AXES", None),
+                "topology": step_topology(self), "batch_axes": spec_of(module).batch_axes,
                 **inputs(self, "step")}
 
     def loss_args(self, model: str, mesh: Mesh | None = None) -> dict[str, Any]:
@@ -228,8 +228,7 @@ class SearchResult:
 
     def loss_fn(self, **kw):
         """The model's loss function for the best candidate (``kw``: e.g. ``aux=True`` for MoE)."""
-        module = MODELS[self.model]
-        return module.loss_for(self.config, **self.best.candidate.loss_args(self.model, mesh_for(self.mesh)), **kw)
+        return SPECS[self.model].loss(self.config, **self.best.candidate.loss_args(self.model, mesh_for(self.mesh)), **kw)
 
     def tokens_per_s(self, r: Ranked) -> float:
         return r.sim.tokens_per_s if r.sim else 0.0

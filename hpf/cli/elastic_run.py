@@ -25,7 +25,7 @@ from hpf.cli.job import (TrainJob, batches_of, first_state, make_step, peak_flop
                          save_checkpoint, step_flops, step_record)
 from hpf.comm import world
 from hpf.misuse import finite_or_none
-from hpf.models import MODELS, mesh_for
+from hpf.models import MODELS, mesh_for, spec_of
 from hpf.optim.lr_schedules import Schedule
 
 # the options an elastic run does not take yet, and why
@@ -44,7 +44,7 @@ def checked_mesh(args, mesh: hpf.Mesh, given: bool) -> hpf.Mesh:
         if getattr(args, name, None) not in (None, False, 0):
             raise CliError(f"--elastic does not take --{name.replace('_', '-')} yet" + (f" ({why})" if why else "")
                            + "; drop one of them")
-    if hasattr(MODELS[args.model], "Balancer"):
+    if spec_of(MODELS[args.model]).balancer:
         raise CliError(f"--elastic: --model {args.model} keeps loop state (its expert bias) the copies do not hold; "
                        "use gpt or llama")
     if given and len(mesh.axis_names) > 1:

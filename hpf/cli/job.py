@@ -24,7 +24,7 @@ from hpf.comm import world as comm_world
 from hpf.cli.common import CliError, sharding_of, topology_of
 from hpf.comm.world import default_device
 from hpf.jobspec import JobSpec, inputs
-from hpf.models import TP_AXIS, data_axes, gpt, mesh_for, model_config
+from hpf.models import TP_AXIS, data_axes, gpt, mesh_for, model_config, spec_of
 from hpf.optim.muon_math import qk_clip_factors
 from hpf.optim.lr_schedules import Schedule
 from hpf.plots import comm_share
@@ -90,6 +90,7 @@ def make_step(job: TrainJob, mesh: hpf.Mesh):
     """The job's shard_step: --optimizer at --lr along --schedule after --warmup. AdamW decays
     matrices only (hpf.optim.default_weight_decay_mask: not norms, biases or embeddings)."""
     module, config = job.model_config()
+    spec = spec_of(module)
     sharding, tp = sharding_of(job.model, config, mesh, job.fsdp_axes, job.ep_axis), TP_AXIS in mesh.axis_names
 
     def lr(peak: float) -> Schedule:
@@ -97,7 +98,7 @@ def make_step(job: TrainJob, mesh: hpf.Mesh):
     if job.qk_clip and tp:
         raise CliError("--qk-clip with tensor parallelism (a tp axis in --mesh) is not supported: QK-Clip scales "
                        "whole heads of the full weights; drop one of them")
-    qk = dict(qk_clip=job.qk_clip, qk_heads=module.qk_heads(config)) if job.qk_clip else {}
+    qk = dict(qk_clip=job.qk_clip, qk_heads=spec.qk_heads(config)) if job.qk_clip else {}
     if job.optimizer == "muon":  # AdamW at the config's AdamW lr for embeddings, head and vectors
         optimizer = hpf.optim.muon(lr=lr(job.lr), adamw_lr=lr(defaults(job.config)[0]), ns_variant=job.ns_variant,
                                    **qk)
@@ -108,16 +109,15 @@ def make_step(job: TrainJob, mesh: hpf.Mesh):
     how = dict(recompute=job.recompute, weighted=True, compile=job.compile, **({"max_logits": True} if qk else {}))
     if job.dropout:  # the training loss alone: held-out loss, eval and generate run without dropout
         config = dataclasses.replace(config, dropout=job.dropout)
-    if job.sequence_parallel and (not tp or hasattr(module, "Balancer")):
+    if job.sequence_parallel and (not tp or spec.balancer):
         raise CliError("--sequence-parallel splits gpt's and llama's sequence over the tensor-parallel axis: give "
                        "--mesh a tp axis (e.g. dp=2,tp=2)" + (f"; --model {job.model} runs tp in its attention only"
                                                               if tp else ""))
     if tp:
         how["tp_axis"] = TP_AXIS
         how.update({"sequence_parallel": True} if job.sequence_parallel else {})
-    loss_fn = (module.loss_for(config, job.ep_axis, aux=True, **how) if hasattr(module, "Balancer")
-               else module.loss_for(config, **how))
-    return hpf.shard_step(loss_fn, mesh=mesh, optimizer=optimizer, batch_axes=getattr(module, "BATCH_AXES", None),
+    loss_fn = (spec.loss(config, ep_axis=job.ep_axis, aux=True, **how) if spec.balancer else spec.loss(config, **how))
+    return hpf.shard_step(loss_fn, mesh=mesh, optimizer=optimizer, batch_axes=spec.batch_axes,
                           topology=topology_of(job), **sharding, **inputs(job, "step"), **invariant_of(job))
 
 
@@ -169,9 +169,10 @@ def batches_of(job: TrainJob, config, split: str, rank: int, world: int, start: 
 def step_flops(module, config, batch_size: int) -> float:
     """Model FLOPs of one step on the global batch: forward and backward, 3x the forward (the
     model's ``unit_flops``, else 2 x params x tokens); recomputation is not counted, as in MFU."""
-    if hasattr(module, "unit_flops"):
-        return 3.0 * sum(module.unit_flops(config, batch_size).values())
-    return 3.0 * 2.0 * module.num_params(config) * batch_size * config.seq_len
+    spec = spec_of(module)
+    if spec.unit_flops:
+        return 3.0 * sum(spec.unit_flops(config, batch_size).values())
+    return 3.0 * 2.0 * spec.num_params(config) * batch_size * config.seq_len
 
 
 def peak_flops() -> tuple[float | None, str]:
@@ -222,7 +223,7 @@ def train_rank(rank: int, job: TrainJob) -> int | None:
                        f"step 1 of {job.steps}: init, first gathers and warm-up")
     step = make_step(job, mesh)
     # loop state that rides in each batch and moves by the step's metrics (moe: the expert bias)
-    balancer = module.Balancer(config, default_device()) if hasattr(module, "Balancer") else None
+    balancer = spec_of(module).balancer(config, default_device()) if spec_of(module).balancer else None
     state, done = first_state(job, step, module, config, balancer)
     if progress:
         progress.first = done  # a resumed run's rate and ETA count only the steps it runs

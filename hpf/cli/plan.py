@@ -9,7 +9,7 @@ import hpf
 from hpf.cli.common import CliError, job_parser, mesh_of, mesh_text, sharding_of, topology_of
 from hpf.jobspec import inputs
 from hpf.cli.search import add_options as add_search_options, cmd_search
-from hpf.models import TP_AXIS, has_experts, model_config
+from hpf.models import TP_AXIS, has_experts, model_config, spec_of
 from hpf.memory import predict, state_report
 from hpf.report import PlanReport, fixed, millions
 from hpf.planning import step_plan
@@ -116,9 +116,9 @@ def cmd_plan(args) -> int:
     if plan.compute_size > 1:
         print(tp_bytes(module, config, plan, args))
     print(peak_line(module, config, plan, report, args))
-    if hasattr(module, "dispatch_bytes"):  # MoE token all-to-alls: 0 without --ep-axis
+    if spec_of(module).dispatch_bytes:  # MoE token all-to-alls: 0 without --ep-axis
         ep = mesh.axis_size(args.ep_axis) if args.ep_axis else 1
-        a2a = module.dispatch_bytes(config, ep, config.seq_len, dtype_bytes=report_dtype_bytes(args))
+        a2a = spec_of(module).dispatch_bytes(config, ep, config.seq_len, dtype_bytes=report_dtype_bytes(args))
         tiers = {"fast": a2a, "slow": 0} if args.ep_axis in mesh.fast_axes else {"fast": 0, "slow": a2a}
         print(f"  {'all_to_all (MoE)':<16}  {fixed(tiers['fast'] / 2**20):>12} MiB   {fixed(tiers['slow'] / 2**20):>12} MiB   "
               f"(one {config.seq_len}-token sequence per rank, uniform routing, ep={ep} over {args.ep_axis or '-'})")

@@ -30,7 +30,7 @@ from hpf.cli.plan import plan_of, report_of
 from hpf.cli.search import add_options as add_search_options, apply_plan, check_plan_flags, check_prediction
 from hpf.launcher import Terminated, init_distributed, is_launched, launch, rank, shutdown, world_size
 from hpf.memory import machine_memory, predict, size
-from hpf.models import data_axes, model_config, MODELS
+from hpf.models import data_axes, model_config, MODELS, spec_of
 from hpf.plots import breakdown, comm_share, missing_matplotlib, save_plots
 from hpf.report import PlanReport, millions
 
@@ -275,7 +275,7 @@ def _check_muon_options(args) -> None:
     if asked and args.optimizer != "muon":
         raise CliError(f"{' and '.join(asked)} set Muon's options, but --optimizer is {args.optimizer}; pass "
                        "--optimizer muon, or drop them")
-    if args.qk_clip and not hasattr(MODELS[args.model], "qk_heads"):
+    if args.qk_clip and spec_of(MODELS[args.model]).qk_heads is None:
         raise CliError(f"--qk-clip: --model {args.model} does not report its attention logits (no qk_heads); "
                        "use it with gpt or llama")
 

@@ -17,7 +17,7 @@ def load(source: Path):
     """(checkpoint path, model module, config, params) of a run folder or checkpoint folder."""
     from hpf import checkpoint
     from hpf.cli import run_folder
-    from hpf.models import MODELS, model_config
+    from hpf.models import MODELS, model_config, spec_of
 
     if (source / "checkpoints").is_dir() or (source / run_folder.RUN_FILE).is_file():
         ckpt = checkpoint.latest(source / "checkpoints")
@@ -101,9 +101,11 @@ def cmd_export(args) -> int:
 def cmd_generate(args) -> int:
     import torch
 
+    from hpf.models import spec_of
+
     ckpt, module, config, params = load(args.source)
-    if not hasattr(module, "forward"):
-        raise CliError(f"{ckpt} holds a {module.__name__.rsplit('.', 1)[1]} model, whose routing has no plain "
+    if spec_of(module).forward is None:
+        raise CliError(f"{ckpt} holds a {spec_of(module).name} model, whose routing has no plain "
                        "forward here; hpf generate runs gpt and llama")
     if args.prompt_ids:
         ids = [int(x) for x in args.prompt_ids.split(",")]

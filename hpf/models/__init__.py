@@ -10,8 +10,9 @@ Synthetic token batches (``synthetic.synthetic_batches``, also ``gpt.synthetic_b
 
 The registry of models and their layouts is registry.py; this file only re-exports."""
 from hpf.models import gpt, llama, moe
-from hpf.models.registry import (MODELS, TP_AXIS, carve_tp, data_axes, has_experts, layout, mesh_for, model_config,
+from hpf.models.registry import (MODELS, SPECS, TP_AXIS, carve_tp, data_axes, has_experts, layout, mesh_for, model_config,
                                  specs_for, tp_size, tp_sizes)
+from hpf.models.spec import ModelSpec, spec_of
 
-__all__ = ["gpt", "llama", "moe", "MODELS", "model_config", "has_experts", "specs_for", "TP_AXIS", "data_axes",
+__all__ = ["gpt", "llama", "moe", "MODELS", "SPECS", "ModelSpec", "spec_of", "model_config", "has_experts", "specs_for", "TP_AXIS", "data_axes",
            "layout", "mesh_for", "carve_tp", "tp_sizes", "tp_size"]

@@ -27,6 +27,7 @@ from .layers import (INIT_STD, block_dropout, check_dropout, check_sequence_para
                      max_attention_logit, param_makers, rms_norm, seq_gather, seq_split, tensor_parallel_specs,
                      tokens_and_keys, tp_heads, tp_sum, unit_psums)
 from .synthetic import global_batch, synthetic_batches
+from .spec import ModelSpec, dense_loss, dense_param_specs
 
 __all__ = [
     "GPTConfig", "CONFIGS", "num_params", "init", "forward", "loss", "loss_for",
@@ -267,3 +268,9 @@ def activations(config: GPTConfig, local_batch: int, dtype_bytes: int = 4, tp: i
     saved = n * (2 * norm + (4 * c.d_model + 2 * c.d_ff) * dtype_bytes // tp + 4 * c.n_heads // tp)
     return recompute_.Activations.of(n, c.d_model, c.vocab_size, dtype_bytes, [saved] * c.n_layers,
                                      [n * (c.d_ff // tp + c.d_model) * dtype_bytes] * c.n_layers)
+
+
+#: What the hpf tools need of GPT (hpf.models.ModelSpec).
+SPEC = ModelSpec(name="gpt", configs=CONFIGS, init=init, loss=dense_loss(loss_for), num_params=num_params,
+                 param_specs=dense_param_specs(param_specs), unit_flops=unit_flops, unit_psums=unit_psums,
+                 activations=activations, forward=forward, qk_heads=qk_heads)

@@ -36,6 +36,7 @@ from .layers import (INIT_STD, tp_sum, unit_psums, block_dropout, check_dropout,
                      embedding_dropout, max_attention_logit, param_makers, rms_norm, seq_gather, seq_split,
                      tensor_parallel_specs, tokens_and_keys, tp_heads)
 from .synthetic import synthetic_batches
+from .spec import ModelSpec, dense_loss, dense_param_specs
 
 __all__ = [
     "LlamaConfig", "CONFIGS", "num_params", "init", "forward", "loss", "loss_for",
@@ -282,6 +283,12 @@ def activations(config: LlamaConfig, local_batch: int, dtype_bytes: int = 4, tp:
 
 
 # ---------------------------------------------------------------- transformers checkpoints
+
+#: What the hpf tools need of Llama (hpf.models.ModelSpec); no unit_flops: the tools count 2 x params x tokens.
+SPEC = ModelSpec(name="llama", configs=CONFIGS, init=init, loss=dense_loss(loss_for), num_params=num_params,
+                 param_specs=dense_param_specs(param_specs), unit_psums=unit_psums, activations=activations,
+                 forward=forward, qk_heads=qk_heads)
+
 
 _HF_BLOCK = {"attn_norm": "input_layernorm", "wq": "self_attn.q_proj", "wk": "self_attn.k_proj",
              "wv": "self_attn.v_proj", "wo": "self_attn.o_proj", "mlp_norm": "post_attention_layernorm",

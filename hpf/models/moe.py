@@ -34,6 +34,7 @@ from ..losses import Weighted, token_cross_entropy
 from . import recompute as recompute_
 from .layers import param_makers, rms_norm, tp_sum
 from .synthetic import global_batch, synthetic_batches  # the token source gpt trains on (needs only vocab_size, seq_len)
+from .spec import ModelSpec
 
 __all__ = ["MoEConfig", "CONFIGS", "num_params", "init", "loss", "loss_for", "param_specs", "update_bias",
            "imbalance", "Balancer", "synthetic_batches", "global_batch", "batch_with_bias", "BATCH_AXES",
@@ -406,3 +407,19 @@ def activations(config: MoEConfig, local_batch: int, dtype_bytes: int = 4, tp: i
     return recompute_.Activations.of(n, d, c.vocab_size, b,
                                      [dense if i < c.n_dense_layers else routed for i in range(c.n_layers)],
                                      [n * (h + d) * b for h in hidden])
+
+
+def _param_specs(config: MoEConfig, data_axes, *, tp_axis: str | None = None, tp: int | None = None,
+                 ep_axis: str | None = None):
+    return param_specs(config, ep_axis, tuple(data_axes), **({"tp_axis": tp_axis} if tp_axis else {}))
+
+
+def _loss(config: MoEConfig, *, ep_axis: str | None = None, aux: bool = False, **how):
+    return loss_for(config, ep_axis, aux=aux, **how)
+
+
+#: What the hpf tools need of the MoE model (hpf.models.ModelSpec).
+SPEC = ModelSpec(name="moe", configs=CONFIGS, init=init, loss=_loss, num_params=num_params,
+                 param_specs=_param_specs, unit_flops=unit_flops, unit_psums=unit_psums, unit_a2a=unit_a2a,
+                 dispatch_bytes=dispatch_bytes, activations=activations, balancer=Balancer,
+                 batch_axes=BATCH_AXES, experts=EXPERTS)

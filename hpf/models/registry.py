@@ -6,12 +6,15 @@ import dataclasses
 
 from hpf.mesh import Mesh
 from hpf.models import gpt, llama, moe
+from hpf.models.spec import ModelSpec, spec_of
 
 __all__ = ["gpt", "llama", "moe", "MODELS", "model_config", "has_experts", "specs_for", "TP_AXIS", "data_axes",
-           "layout", "mesh_for", "carve_tp", "check_tp", "tp_sizes", "tp_size"]
+           "layout", "mesh_for", "carve_tp", "check_tp", "tp_sizes", "tp_size", "ModelSpec", "spec_of", "SPECS"]
 
 #: The models by name: what `hpf train --model` picks.
 MODELS = {"gpt": gpt, "llama": llama, "moe": moe}
+#: Their ModelSpecs by name: what every tool reads of a model (``spec_of(MODELS[name])``).
+SPECS = {name: spec_of(module) for name, module in MODELS.items()}
 
 
 def model_config(model: str, config: str, vocab_size: int | None = None):
@@ -19,10 +22,10 @@ def model_config(model: str, config: str, vocab_size: int | None = None):
     exist. ``vocab_size`` replaces the config's (a token folder's vocab, ``hpf train --data``)."""
     if model not in MODELS:
         raise ValueError(f"model {model!r} is not one of {', '.join(MODELS)}")
-    module = MODELS[model]
-    if config not in module.CONFIGS:
-        raise ValueError(f"config {config!r} is not a {model} config; pick one of {', '.join(module.CONFIGS)}")
-    found = module.CONFIGS[config]
+    module, configs = MODELS[model], spec_of(MODELS[model]).configs
+    if config not in configs:
+        raise ValueError(f"config {config!r} is not a {model} config; pick one of {', '.join(configs)}")
+    found = configs[config]
     return module, (dataclasses.replace(found, vocab_size=vocab_size) if vocab_size else found)
 
 
@@ -35,8 +38,8 @@ def tp_size(mesh: Mesh) -> int | None:
 
 
 def has_experts(module) -> bool:
-    """Whether a model module places experts on an expert-parallel axis (its ``EXPERTS``)."""
-    return getattr(module, "EXPERTS", False)
+    """Whether a model places experts on an expert-parallel axis (its spec's ``experts``)."""
+    return spec_of(module).experts
 
 
 def data_axes(axis_names) -> tuple[str, ...]:
@@ -52,18 +55,13 @@ def specs_for(module, config, ep_axis: str | None, data_axes, tp_axis: str | Non
 
     Raises:
         ValueError: ``ep_axis`` for a model that has no experts; a ``tp`` larger than the heads."""
-    if tp_axis is not None and not has_experts(module):
-        if ep_axis is not None:
-            specs_for(module, config, ep_axis, data_axes)  # (raises: no experts)
-        return module.param_specs(config, tp_axis, tuple(data_axes), tp=tp)
-    if tp_axis is not None:
-        return module.param_specs(config, ep_axis, tuple(data_axes), tp_axis=tp_axis)
-    if not has_experts(module):
-        if ep_axis is not None:
-            name = getattr(module, "__name__", str(module)).rpartition(".")[2]
-            raise ValueError(f"ep_axis={ep_axis!r}: model {name} has no experts; use the moe model")
+    spec = spec_of(module)
+    if not spec.experts and ep_axis is not None:
+        raise ValueError(f"ep_axis={ep_axis!r}: model {spec.name} has no experts; use the moe model")
+    if tp_axis is None and not spec.experts:
         return None
-    return module.param_specs(config, ep_axis, tuple(data_axes))
+    what = "lays out its params tensor parallel" if tp_axis is not None else "places its experts"
+    return spec.need("param_specs", what)(config, tuple(data_axes), tp_axis=tp_axis, tp=tp, ep_axis=ep_axis)
 
 
 def layout(module, config, axis_names, fsdp_axes=None, ep_axis: str | None = None,
@@ -109,7 +107,7 @@ def tp_sizes(module, config, mesh: Mesh) -> list[int]:
     """The tensor-parallel sizes a plan search may carve off ``mesh``'s last axis for this model: 1,
     and the divisors of that axis up to the heads (a split may be uneven, in whole heads), for a
     model with ``param_specs`` and no experts, on a mesh with no ``TP_AXIS`` yet."""
-    if TP_AXIS in mesh.axis_names or has_experts(module) or not hasattr(module, "param_specs"):
+    if TP_AXIS in mesh.axis_names or has_experts(module) or spec_of(module).param_specs is None:
         return [1]
     n = mesh.shape[-1]
     return [k for k in range(1, n + 1) if not n % k and k <= config.n_heads]

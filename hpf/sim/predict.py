@@ -7,7 +7,7 @@ import functools
 import math
 from types import ModuleType
 
-from ..models import layout, mesh_for, tp_size
+from ..models import layout, mesh_for, spec_of, tp_size
 from ..models.recompute import recomputes
 from ..planning import ROOT, step_plan
 from ..topology import Topology
@@ -143,10 +143,12 @@ def _inputs(config, mesh, hw, strategy, *, local_batch=1, model="gpt", mixed_pre
                     slow)
     micro = local_batch // accumulate  # compute, all-to-alls and a calibrated shape are a micro-batch's
     tp = plan.compute_size  # > 1: tensor parallel, each rank computes 1/tp of a block (local_batch: per tp group)
-    flops = (mod.unit_flops(cfg, micro, **({"tp": tp} if tp > 1 else {})) if hasattr(mod, "unit_flops")
+    spec = spec_of(mod)
+    flops = (spec.unit_flops(cfg, micro, **({"tp": tp} if tp > 1 else {})) if spec.unit_flops
              else default_unit_flops(plan, micro * getattr(cfg, "seq_len", 1)))
-    a2a = mod.unit_a2a(cfg, micro, mesh, ep_axis, _BYTES[mixed_precision]) if hasattr(mod, "unit_a2a") else None
-    psums = mod.unit_psums(cfg, micro, _BYTES[mixed_precision]) if tp > 1 else None
+    a2a = spec.unit_a2a(cfg, micro, mesh, ep_axis, _BYTES[mixed_precision]) if spec.unit_a2a else None
+    psums = spec.need("unit_psums", "a tensor-parallel step's costs need")(cfg, micro, _BYTES[mixed_precision]) \
+        if tp > 1 else None
     blocks = [u for u in plan.units if u != ROOT]
     opts = Options(strategy="hpf" if is_hpf else strategy, topology=tiered, hierarchical=tiered,
                    pipeline=pipeline, overlap_optimizer=overlap_optimizer,
@@ -157,7 +159,7 @@ def _inputs(config, mesh, hw, strategy, *, local_batch=1, model="gpt", mixed_pre
                    muon_s=muon_tax(plan, hw) if is_hpf and optimizer == "muon" else 0.0, resident_units=resident_units)
     measured = calibrated_compute(hw, mod, cfg_name, micro, mesh.size, mixed_precision) if cfg_name else None
     if measured is not None and tp > 1:  # a calibrated block, its tp share by FLOPs (no calibration runs split)
-        whole = mod.unit_flops(cfg, micro) if hasattr(mod, "unit_flops") else None
+        whole = spec.unit_flops(cfg, micro) if spec.unit_flops else None
         share = sum(flops.values()) / sum(whole.values()) if whole else 1 / tp
         measured = {**measured, "block_s": measured["block_s"] * share}
     tokens = local_batch * getattr(cfg, "seq_len", 1) * mesh.size // tp
@@ -235,7 +237,7 @@ def extrapolation(config: str, local_batch: int, ranks: int, hw: Hardware, model
     if not hw.compute:
         return []
     out = []
-    mod, name = _model(model), _model_name(model)
+    spec, name = spec_of(_model(model)), _model_name(model)
     prefix = model_prefix(name)
     if mixed_precision and compute_key(name, config, local_batch, ranks) in hw.compute and \
             compute_key(name, config, local_batch, ranks, mixed_precision) not in hw.compute:
@@ -248,10 +250,10 @@ def extrapolation(config: str, local_batch: int, ranks: int, hw: Hardware, model
         same = sorted(int(w) for n, b, w in shapes if (n, int(b)) == (config, local_batch))
         if same:
             near = f"; {config}/{local_batch} was measured on {', '.join(map(str, same))} ranks only"
-        elif shapes and hasattr(mod, "unit_flops") and config in mod.CONFIGS:
-            flops = lambda name, batch: sum(mod.unit_flops(mod.CONFIGS[name], int(batch)).values())  # noqa: E731
+        elif shapes and spec.unit_flops and config in spec.configs:
+            flops = lambda name, batch: sum(spec.unit_flops(spec.configs[name], int(batch)).values())  # noqa: E731
             ratio, n, b = min(((flops(config, local_batch) / flops(n, b), n, b) for n, b, _ in shapes
-                               if n in mod.CONFIGS), key=lambda k: abs(math.log(k[0])))
+                               if n in spec.configs), key=lambda k: abs(math.log(k[0])))
             near = (f"; its FLOPs per rank are {ratio:.1f}x those of the nearest calibrated shape ({n}/{b})"
                     if ratio >= 1 else f"; its FLOPs per rank are 1/{1 / ratio:.1f} of the nearest calibrated "
                                        f"shape's ({n}/{b})")
