@@ -19,7 +19,7 @@ from typing import Any
 
 from .topology import Topology
 from .config import MODES
-from .models import MODELS
+from .models import MODELS, spec_of
 from .models.recompute import RECOMPUTE
 from .optim.lr_schedules import NAMES as SCHEDULES
 from .precision import PRECISIONS, SlowPrecision
@@ -80,7 +80,7 @@ def option(default, help: str, *, commands=TRAIN, resume: str | None = INHERITED
 
 # ------------------------------------------------------------------ the options
 
-_CONFIGS = sorted(set().union(*(m.CONFIGS for m in MODELS.values())))
+_CONFIGS = sorted(set().union(*(spec_of(m).configs for m in MODELS.values())))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -51,3 +51,13 @@ def test_a_model_without_unit_flops_counts_two_flops_per_param_per_token():
 def test_a_module_without_a_spec_is_refused_with_what_to_declare():
     with pytest.raises(TypeError, match="SPEC = ModelSpec"):
         spec_of(types.ModuleType("mine"))
+
+
+def test_hpf_plan_reads_a_users_spec_and_names_the_field_it_lacks(monkeypatch, capsys):
+    from hpf import cli
+    mine = dataclasses.replace(SPECS["gpt"], name="mine", unit_psums=None)
+    monkeypatch.setitem(MODELS, "gpt", mine)  # (the parsers' --model choices are fixed at import)
+    assert cli.main(["plan", "--model", "gpt", "--config", "tiny", "--world-size", "2"]) == 0
+    assert "gpt 'tiny'" in capsys.readouterr().out
+    assert cli.main(["plan", "--model", "gpt", "--config", "tiny", "--mesh", "dp=1,tp=2"]) != 0
+    assert "model mine has no unit_psums in its ModelSpec" in capsys.readouterr().err

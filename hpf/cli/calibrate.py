@@ -15,12 +15,12 @@ from hpf.jobspec import positive
 def _shape(text: str) -> tuple[str, str, int]:
     """A ``[model:]config/local_batch`` argument (a GPT's without ``model:``), checked before
     anything is measured."""
-    from hpf.models import MODELS
+    from hpf.models import MODELS, spec_of
 
     model, _, rest = text.rpartition(":")
     model = model or "gpt"
     name, _, batch = rest.partition("/")
-    configs = MODELS[model].CONFIGS if model in MODELS else {}
+    configs = spec_of(MODELS[model]).configs if model in MODELS else {}
     if name not in configs or not batch.isdigit() or int(batch) < 1:
         raise argparse.ArgumentTypeError(
             f"{text!r}: give [model:]config/local_batch with a model of {sorted(MODELS)} (gpt when left out), one "

@@ -301,15 +301,15 @@ def qk_clip_record(metrics: dict, tau: float) -> dict:
 def _held_out(job: TrainJob, module, config, rank: int, world: int) -> token_data.HeldOut:
     """--eval-every: the held-out loss, on the same batches at every evaluation."""
     held_out = batches_of(job, config, "val", rank, world, start=0)
-    return token_data.HeldOut(module.loss_for(config), [next(held_out) for _ in range(EVAL_BATCHES)])
+    return token_data.HeldOut(spec_of(module).loss(config), [next(held_out) for _ in range(EVAL_BATCHES)])
 
 
 def first_state(job: TrainJob, step, module, config, balancer) -> tuple[Any, int]:
     """The train state the run starts from, and the steps already done: fresh from the seed, or
     (--resume) from a checkpoint of hpf train's, with its RNG state and the loop's own state."""
     if not job.resume:
-        return step.init(functools.partial(module.init, config), key=run_keys(job.seed)[0]), 0  # born sharded
-    step.init(module.init(config, device="meta"))  # meta params: shapes only; the checkpoint fills the shards
+        return step.init(functools.partial(spec_of(module).init, config), key=run_keys(job.seed)[0]), 0  # born sharded
+    step.init(spec_of(module).init(config, device="meta"))  # meta params: shapes only; the checkpoint fills the shards
     state, extra = step.restore(job.resume)
     if not (isinstance(extra, dict) and {"step", "rng"} <= extra.keys()):
         raise ValueError(f"--resume {job.resume}: this checkpoint was not written by hpf train (its extra is "

@@ -26,7 +26,7 @@ def plan_of(args, mesh: hpf.Mesh, fast_major: bool = False) -> hpf.Plan:
     """The plan shard_step makes for these arguments, from meta tensors (shapes only);
     ``fast_major``: with ``Topology(fast_major=True)``'s shard order."""
     module, config = model_config(args.model, args.config)
-    return step_plan(module.init(config, device="meta"), mesh, **plan_arguments(args, mesh, config, fast_major))
+    return step_plan(spec_of(module).init(config, device="meta"), mesh, **plan_arguments(args, mesh, config, fast_major))
 
 
 def plan_arguments(args, mesh: hpf.Mesh, config, fast_major: bool = False) -> dict:
@@ -76,7 +76,8 @@ def tp_bytes(module, config, plan: hpf.Plan, args) -> str:
     readers, batch = readers_batch(args, plan)
     p = plan.compute_size
     ring = 2 * (p - 1) / p  # what one rank sends in a ring all-reduce, per byte of the buffer
-    psums = sum(sum(v) for v in module.unit_psums(config, batch // readers, report_dtype_bytes(args)).values())
+    unit_psums = spec_of(module).need("unit_psums", "hpf plan's tensor-parallel sums need")
+    psums = sum(sum(v) for v in unit_psums(config, batch // readers, report_dtype_bytes(args)).values())
     partial = sum(n * 4 for b in plan.buckets for n in plan.partial_numel(b).values())
     tier = "fast" if set(plan.compute_axes) <= set(plan.mesh.fast_axes) else "slow"
     return (f"  {'all_reduce (TP)':<16}  {fixed(2 * ring * psums / 2**20):>12} MiB on the {tier} tier: each block's "
@@ -102,7 +103,7 @@ def cmd_plan(args) -> int:
         return cmd_search(args, mesh)
     plan = plan_of(args, mesh)
     report, state = report_of(args, plan)
-    print(f"{args.model} {args.config!r}: {millions(module.num_params(config))} params in {len(plan.slots)} tensors, "
+    print(f"{args.model} {args.config!r}: {millions(spec_of(module).num_params(config))} params in {len(plan.slots)} tensors, "
           f"{len(plan.units)} FSDP units, {len(plan.buckets)} flat buckets")
     print(f"mesh {mesh_text(dict(zip(mesh.axis_names, mesh.shape)))} ({mesh.size} ranks); "
           f"FSDP axes {','.join(plan.fsdp_axes) or '-'}; "
@@ -132,8 +133,8 @@ def cmd_plan(args) -> int:
                        "depends on values); validate it with hpf train --mode validate on a small mesh instead")
     if args.check:
         one_sequence = torch.empty(1, config.seq_len + 1, dtype=torch.int64, device="meta")
-        loss_fn = module.loss_for(config, **({"tp_axis": TP_AXIS} if TP_AXIS in mesh.axis_names else {}))
-        checked = hpf.check_plan(loss_fn, module.init(config, device="meta"), mesh, one_sequence,
+        loss_fn = spec_of(module).loss(config, **({"tp_axis": TP_AXIS} if TP_AXIS in mesh.axis_names else {}))
+        checked = hpf.check_plan(loss_fn, spec_of(module).init(config, device="meta"), mesh, one_sequence,
                                  mixed_precision=args.mixed_precision, **plan_arguments(args, mesh, config))
         if args.optimizer == "muon":  # (what Muon refuses of a plan it refuses when bound to it, as the step binds it)
             try:

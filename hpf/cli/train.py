@@ -41,7 +41,7 @@ def _banner(job: TrainJob, n_units: int) -> str:
     """The first line of a run, the same under hpf.launch and torchrun."""
     module, config = job.model_config()
     warmup = f", {job.warmup} warmup steps" if job.warmup else ""
-    return (f"hpf train: {job.model} {job.config!r} ({millions(module.num_params(config))} params, {n_units} FSDP units) "
+    return (f"hpf train: {job.model} {job.config!r} ({millions(spec_of(module).num_params(config))} params, {n_units} FSDP units) "
             f"on {_ranks(math.prod(job.axes.values()))}, mesh {mesh_text(job.axes)}, "
             f"{job.topology}{' HSDP' if job.hsdp else ''}{f' (slow tier {job.slow_precision})' if job.slow_precision else ''}"
             f", {job.optimizer} lr {job.lr:g} ({job.schedule}{warmup}), "

@@ -32,7 +32,7 @@ def load(source: Path):
         raise CliError(str(e) if str(ckpt) in str(e) else f"{source}: {e}") from None  # (named once)
     if "model" in meta and "config" in meta:
         module = MODELS[meta["model"]]
-        config = type(next(iter(module.CONFIGS.values())))(**meta["config"])
+        config = type(next(iter(spec_of(module).configs.values())))(**meta["config"])
     else:  # a checkpoint of an older hpf train: its run folder says
         run = run_folder.read_run(ckpt.resolve().parent.parent)
         options = (run or {}).get("options")
@@ -78,7 +78,7 @@ def cmd_eval(args) -> int:
                        f"{config.vocab_size}: evaluate on the data it was trained on")
     batches = token_data.TokenData(s["data"], "val").batches(s["batch_size"], config.seq_len, s["seed"],
                                                              state={"seed": s["seed"], "step": 0}, rank=0, world_size=1)
-    loss_fn = module.loss_for(config)
+    loss_fn = spec_of(module).loss(config)
     with torch.no_grad():
         losses = [float(loss_fn(params, next(batches))) for _ in range(s["batches"])]
     print(f"eval: held-out loss {sum(losses) / len(losses):.4f} ({s['batches']} batches of {s['batch_size']} x "
@@ -117,11 +117,11 @@ def cmd_generate(args) -> int:
         ids = list(args.prompt.encode())
     if not ids or not all(0 <= i < config.vocab_size for i in ids):
         raise CliError(f"the prompt must be token ids in [0, {config.vocab_size})")
-    kw = {"n_heads": config.n_heads} if "n_heads" in module.forward.__kwdefaults__ else {"config": config}
+    kw = {"n_heads": config.n_heads} if "n_heads" in spec_of(module).forward.__kwdefaults__ else {"config": config}
     tokens = torch.tensor([ids])
     with torch.no_grad():
         for _ in range(args.tokens):  # greedy, over the last seq_len tokens
-            logits = module.forward(params, tokens[:, -config.seq_len:], **kw)
+            logits = spec_of(module).forward(params, tokens[:, -config.seq_len:], **kw)
             tokens = torch.cat([tokens, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     every = tokens[0].tolist()  # the prompt, then its continuation, as other generate commands show them
     if args.prompt_ids:

@@ -1,10 +1,14 @@
 """Pure-function models: params are plain pytrees, ``loss(params, batch)`` is a pure function.
 
-Each model module provides ``CONFIGS``, ``init(config, key, device=, dtype=)``,
-``loss_for(config)`` and ``num_params(config)``; ``MODELS`` names them for the ``hpf`` command.
-A model with experts (``moe``) also provides ``param_specs(config, ep_axis, data_axes)``,
-``dispatch_bytes`` (its all-to-all bytes, for ``hpf plan``) and ``Balancer`` (loop state that
-rides in each batch and moves by ``metrics["aux"]``); its ``loss_for`` takes ``ep_axis, aux``.
+Each model module declares ``SPEC``, a ``ModelSpec``: what every hpf tool needs of it, in one place
+(name, ``configs``, ``init``, ``loss(config, *, ep_axis=None, aux=False, **how)``, ``num_params``,
+and where the model has them ``param_specs(config, data_axes, *, tp_axis=, tp=, ep_axis=)``, its
+costs for the planner (``unit_flops``, ``activations``, ``unit_a2a``, ``dispatch_bytes``), a loop
+``balancer``, ``forward``, ``batch_axes``, ``experts``; None where it lacks one, and a tool that needs
+it says so by name). ``MODELS`` names the modules for the ``hpf`` command, ``SPECS`` their specs.
+A model of your own: declare ``SPEC = ModelSpec(name="mine", configs=..., init=..., loss=...,
+num_params=...)`` in its module (``spec.dense_loss`` wraps a dense model's ``loss_for``), and add
+the module, or the spec itself, to ``MODELS``; the tools read it through ``spec_of``.
 Synthetic token batches (``synthetic.synthetic_batches``, also ``gpt.synthetic_batches``) fit any config with ``vocab_size`` and
 ``seq_len``.
 

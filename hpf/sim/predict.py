@@ -130,7 +130,7 @@ def _inputs(config, mesh, hw, strategy, *, local_batch=1, model="gpt", mixed_pre
         raise ValueError(f"accumulate={accumulate} does not divide local_batch={local_batch}")
     mod = _model(model)
     cfg_name = config if isinstance(config, str) else None
-    cfg = mod.CONFIGS[config] if isinstance(config, str) else config
+    cfg = spec_of(mod).configs[config] if isinstance(config, str) else config
     mesh = mesh if isinstance(mesh, Mesh) else mesh_for(dict(mesh))
     hw = hardware(hw) if isinstance(hw, str) else hw
     is_hpf = strategy in ("hpf", "hsdp")
@@ -171,7 +171,7 @@ def _plan(mod: ModuleType, cfg, axes: tuple, fast: tuple, fsdp_axes, ep_axis, hs
           slow: SlowPrecision | None):
     mesh = Mesh(dict(axes), fast_axes=fast)
     specs, fsdp_axes = layout(mod, cfg, mesh.axis_names, fsdp_axes, ep_axis, tp_size(mesh))
-    return step_plan(mod.init(cfg, device="meta"), mesh, specs, fsdp_axes, hsdp=hsdp,
+    return step_plan(spec_of(mod).init(cfg, device="meta"), mesh, specs, fsdp_axes, hsdp=hsdp,
                      topology=Topology.with_slow(slow, bucket_bytes=bucket_bytes))  # (node-major: the default)
 
 
