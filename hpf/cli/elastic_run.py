@@ -160,7 +160,7 @@ def elastic_rank(rank: int, job: TrainJob) -> dict:
         if 0 < t < job.steps and job.save_due(t):
             save_checkpoint(job, step, state, t, config, None, None, async_save=False)
 
-    run = elastic.train(functools.partial(_step, job), functools.partial(spec_of(module).init, config),
+    run = elastic.train(functools.partial(_step, job), functools.partial(module.init, config),
                         _Batches(job, config), job.steps,
                         key=run_keys(job.seed)[0], on_step=on_step, at_boundary=at_boundary,
                         first=lambda step: first_state(job, step, module, config, None))
