@@ -219,10 +219,27 @@ def values_at(key: torch.Tensor, shape: Sequence[int], dist: str, a: float, b: f
     out = torch.empty(stop - start if stop is not None else start.numel(), dtype=dtype, device=key.device)
     for lo in range(0, out.numel(), 2 * _CHUNK):
         hi = min(lo + 2 * _CHUNK, out.numel())
+        if dist == "normal" and stop is not None and _normal_in(keys, n, start + lo, start + hi, out[lo:hi]):
+            continue
         words = (_words_in(keys, n, start + lo, start + hi) if stop is not None
                  else _words_at(keys, n, start[lo:hi].to(key.device)))
         out[lo:hi] = _transform(words, dist, a, b).to(dtype)
     return out
+
+
+def _normal_in(keys: torch.Tensor, n: int, start: int, stop: int, out: torch.Tensor) -> bool:
+    """The normal's values at flat positions [start, stop) into ``out`` in one C pass (Threefry, the
+    open unit, PPND7: hpf_kernels.backends.native.normal_range), where one key covers them on a
+    CPU: the bits of ``_transform(_words_in(...), "normal")`` (tests/test_native_draws.py). False: not done."""
+    if keys.device.type != "cpu" or (keys.shape[0] != 1 and start // n != (stop - 1) // n):
+        return False
+    k = keys[min(start // n, keys.shape[0] - 1)]
+    values = out if out.dtype == torch.float32 else torch.empty(stop - start)
+    if not native.normal_range(int(k[0]), int(k[1]), (start % n) >> 1, start % n & 1, _PPND7_CONSTANTS, values):
+        return False
+    if values is not out:
+        out.copy_(values)  # (float32's bits, cast as .to(dtype) casts them)
+    return True
 
 
 def _words_in(keys: torch.Tensor, n: int, start: int, stop: int) -> torch.Tensor:
