@@ -231,9 +231,9 @@ def _normal_in(keys: torch.Tensor, n: int, start: int, stop: int, out: torch.Ten
     """The normal's values at flat positions [start, stop) into ``out`` in one C pass (Threefry, the
     open unit, PPND7: hpf_kernels.backends.native.normal_range), where one key covers them on a
     CPU: the bits of ``_transform(_words_in(...), "normal")`` (tests/test_native_draws.py). False: not done."""
-    if keys.device.type != "cpu" or (keys.shape[0] != 1 and start // n != (stop - 1) // n):
+    k = _key_over(keys, n, start, stop)
+    if k is None or k.device.type != "cpu":
         return False
-    k = keys[min(start // n, keys.shape[0] - 1)]
     values = out if out.dtype == torch.float32 else torch.empty(stop - start)
     if not native.normal_range(int(k[0]), int(k[1]), (start % n) >> 1, start % n & 1, _PPND7_CONSTANTS, values):
         return False
@@ -244,14 +244,22 @@ def _normal_in(keys: torch.Tensor, n: int, start: int, stop: int, out: torch.Ten
 
 def _words_in(keys: torch.Tensor, n: int, start: int, stop: int) -> torch.Tensor:
     """The 32-bit words of flat positions [start, stop): two per counter when one key covers them."""
-    if keys.shape[0] != 1 and start // n != (stop - 1) // n:
+    k = _key_over(keys, n, start, stop)
+    if k is None:
         return _words_at(keys, n, torch.arange(start, stop, device=keys.device))
-    k = keys[min(start // n, keys.shape[0] - 1)]
     first = (start % n) >> 1
     count = ((stop - 1 - start + start % n) >> 1) + 1 - first
     both = hpf_kernels.threefry2x32_range(int(k[0]), int(k[1]), first, count, keys.device).reshape(-1)
     skip = start % n & 1
     return both[skip:skip + stop - start]
+
+
+def _key_over(keys: torch.Tensor, n: int, start: int, stop: int) -> torch.Tensor | None:
+    """The one key of ``keys`` (each drawing ``n`` values) whose draw holds the flat positions
+    [start, stop), or None where they span several."""
+    if keys.shape[0] != 1 and start // n != (stop - 1) // n:
+        return None
+    return keys[min(start // n, keys.shape[0] - 1)]
 
 
 def _words_at(keys: torch.Tensor, n: int, index: torch.Tensor) -> torch.Tensor:

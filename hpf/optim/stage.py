@@ -16,7 +16,6 @@ import optree
 import torch
 
 from ..train_state import zeros_like
-
 from .lr_schedules import check_rate
 
 __all__ = ["Hyper", "inject", "Transform", "meta_params", "run"]
