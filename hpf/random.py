@@ -219,22 +219,47 @@ def values_at(key: torch.Tensor, shape: Sequence[int], dist: str, a: float, b: f
     out = torch.empty(stop - start if stop is not None else start.numel(), dtype=dtype, device=key.device)
     for lo in range(0, out.numel(), 2 * _CHUNK):
         hi = min(lo + 2 * _CHUNK, out.numel())
+        if dist == "normal" and stop is not None and _normal_in(keys, n, start + lo, start + hi, out[lo:hi]):
+            continue
         words = (_words_in(keys, n, start + lo, start + hi) if stop is not None
                  else _words_at(keys, n, start[lo:hi].to(key.device)))
         out[lo:hi] = _transform(words, dist, a, b).to(dtype)
     return out
 
 
+def _normal_in(keys: torch.Tensor, n: int, start: int, stop: int, out: torch.Tensor) -> bool:
+    """The normal's values at flat positions [start, stop) into ``out`` in one C pass (Threefry, the
+    open unit, PPND7: hpf_kernels.backends.native.normal_range), where one key covers them on a
+    CPU: the bits of ``_transform(_words_in(...), "normal")`` (tests/test_native_draws.py). False: not done."""
+    k = _key_over(keys, n, start, stop)
+    if k is None or k.device.type != "cpu":
+        return False
+    values = out if out.dtype == torch.float32 else torch.empty(stop - start)
+    if not native.normal_range(int(k[0]), int(k[1]), (start % n) >> 1, start % n & 1, _PPND7_CONSTANTS, values):
+        return False
+    if values is not out:
+        out.copy_(values)  # (float32's bits, cast as .to(dtype) casts them)
+    return True
+
+
 def _words_in(keys: torch.Tensor, n: int, start: int, stop: int) -> torch.Tensor:
     """The 32-bit words of flat positions [start, stop): two per counter when one key covers them."""
-    if keys.shape[0] != 1 and start // n != (stop - 1) // n:
+    k = _key_over(keys, n, start, stop)
+    if k is None:
         return _words_at(keys, n, torch.arange(start, stop, device=keys.device))
-    k = keys[min(start // n, keys.shape[0] - 1)]
     first = (start % n) >> 1
     count = ((stop - 1 - start + start % n) >> 1) + 1 - first
     both = hpf_kernels.threefry2x32_range(int(k[0]), int(k[1]), first, count, keys.device).reshape(-1)
     skip = start % n & 1
     return both[skip:skip + stop - start]
+
+
+def _key_over(keys: torch.Tensor, n: int, start: int, stop: int) -> torch.Tensor | None:
+    """The one key of ``keys`` (each drawing ``n`` values) whose draw holds the flat positions
+    [start, stop), or None where they span several."""
+    if keys.shape[0] != 1 and start // n != (stop - 1) // n:
+        return None
+    return keys[min(start // n, keys.shape[0] - 1)]
 
 
 def _words_at(keys: torch.Tensor, n: int, index: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import random as hpf_random
 from . import tree as tree_util
+from .train_state import zeros
 
 __all__ = ["InitTrace", "trace_init", "CHUNK", "temporary_bytes", "EXACT", "same_bits"]
 
@@ -250,7 +251,7 @@ class InitTrace:
         out = []
         for bucket in plan.buckets:
             start, stop = bucket.shard_range(plan.shard_index(bucket, rank))
-            shard = torch.zeros(stop - start, dtype=dtype or bucket.dtype)
+            shard = zeros((stop - start,), dtype or bucket.dtype)  # (fresh pages: the values are their first write)
             for slot in bucket.slots:
                 piece = slot.piece(start, stop)
                 offsets, block = plan.block_offsets(slot.path, rank), plan.block_shape(slot.path, rank)

@@ -10,10 +10,11 @@ from typing import Any
 
 import torch
 
+from . import tree as tree_util
 from .comm import schedule, world
 from .comm.collectives import gather_dim0
 from .planning import Plan
-from .train_state import TrainState
+from .train_state import TrainState, populate, zeros
 
 __all__ = ["StateIO"]
 
@@ -35,18 +36,25 @@ class StateIO:
         self.master_dtype, self.loss_scale = master_dtype, loss_scale
         self.feedback_numel = feedback_numel if feedback_numel and any(feedback_numel) else None
         self.pending = None  # an async save in flight (hpf.checkpoint.SaveHandle)
+        self.unused = False  # whether the last new state's pages wait for first_use
 
     def new_state(self, shards: list[torch.Tensor]) -> TrainState:
         """A train state over ``shards``: fresh optimizer state, loss scale and error-feedback residuals."""
-        feedback = self.feedback_numel and [torch.zeros(n, dtype=torch.float32, device=self.device)
-                                            for n in self.feedback_numel]
+        feedback = self.feedback_numel and [zeros((n,), torch.float32, self.device) for n in self.feedback_numel]
+        self.unused = True  # (its zero buffers are fresh pages until the step first uses it: first_use)
         return TrainState(shards, self.optimizer.init(shards), self.loss_scale.init() if self.loss_scale else None,
                           feedback)
 
+    def first_use(self, state: TrainState, grads: list[torch.Tensor]) -> None:
+        """Before a step first uses a new state: its optimizer state's and the grads' fresh pages
+        (train_state.zeros) faulted in at once (train_state.populate says why)."""
+        if self.unused:
+            populate([*grads, *tree_util.flatten(state.opt_state)[1], *(state.error_feedback or ())])
+            self.unused = False
+
     def fresh(self) -> TrainState:
         """A zero train state of the plan's layout (what ``restore`` loads into)."""
-        return self.new_state([torch.zeros(b.shard_numel, dtype=self.master_dtype or b.dtype, device=self.device)
-                               for b in self.plan.buckets])
+        return self.new_state([zeros((b.shard_numel,), self.master_dtype or b.dtype, self.device) for b in self.plan.buckets])
 
     def layout(self):
         """What a checkpoint reads of this step (:class:`hpf.checkpoint.Layout`)."""

@@ -60,3 +60,38 @@ def test_without_the_c_kernels_draws_have_the_same_bits(monkeypatch):
     assert native.ppnd7(torch.zeros(1), R._PPND7_CONSTANTS) is None
     slow = [R.normal(k, (70001,)), R.truncated_normal(k, -2.0, 2.0, (999,)), R.bits(k, (4097,))]
     assert all(torch.equal(a, b) for a, b in zip(fast, slow))
+
+
+def test_the_c_normal_matches_the_reference_off_its_grid():
+    """Inputs no normal draw makes (zero, subnormals, the smallest normal, 1, beyond (0, 1), inf, nan:
+    the C log reads frexp off the bits for normal floats alone) give the reference's bits too."""
+    p = torch.tensor([0.0, -0.0, 1e-45, 3e-42, 1e-40, -1e-40, 1.1754942e-38, 1.1754944e-38, 2.0 ** -25, 0.074,
+                      0.926, 1 - 2.0 ** -24, 1.0, 1.5, -2.0, float("inf"), float("-inf"), float("nan")])
+    assert torch.equal(_bits(native.ppnd7(p, R._PPND7_CONSTANTS)), _bits(R._ppnd7_reference(p)))
+
+
+@pytest.mark.parametrize("k0, k1, first, skip, n", [
+    (0, 0, 0, 0, 1), (0x13198A2E, 0x03707344, 0, 1, 2047), (5, 6, 1000, 0, 2048), (5, 6, 1000, 1, 2049),
+    (0xFFFFFFFF, 0xFFFFFFFF, (1 << 32) - 700, 1, 5000), (7, 0xDEADBEEF, (1 << 64) - 3000, 0, 6000),
+    (11, 12, 123456, 1, 1 << 17)])
+def test_the_fused_c_normal_is_threefry_then_the_reference_normal(k0, k1, first, skip, n):
+    """normal_range (Threefry, the open unit and PPND7 in one pass, a block of counters at a time)
+    against each step's torch reference, across its blocks, from either word of a counter."""
+    out = torch.full((n,), float("nan"))
+    assert native.normal_range(k0, k1, first, skip, R._PPND7_CONSTANTS, out)
+    c = torch.arange((skip + n + 1) // 2, dtype=torch.int64) + first  # (wraps past 2^64 as uint64 counters do)
+    low = lambda v: (v & 0xFFFFFFFF).to(torch.int32)  # noqa: E731
+    x0, x1 = reference.threefry2x32(k0, k1, low(c >> 32), low(c))
+    words = torch.stack([x0, x1], dim=-1).reshape(-1)[skip:skip + n]
+    assert torch.equal(_bits(out), _bits(R._ppnd7_reference(R._open_unit(words))))
+
+
+def test_normal_draws_in_any_dtype_and_across_a_batch_of_keys_are_the_whole_draws_slices():
+    """values_at's fused path (one key over the range; float32, or cast) and its fallback (a range
+    across keys) give the whole draw's elements."""
+    keys = R.split(R.key(4), 3)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        whole = R.normal(keys, (5, 40_001), dtype).reshape(-1)
+        for lo, hi in [(0, 200_005), (1, 77_777), (199_999, 400_010), (400_003, 600_015)]:
+            part = R.values_at(keys, (5, 40_001), "normal", 0.0, 0.0, dtype, lo, hi)
+            assert torch.equal(part, whole[lo:hi]), (dtype, lo, hi)

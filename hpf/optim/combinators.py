@@ -10,6 +10,7 @@ from typing import Any, Callable
 import torch
 
 from .. import tree as tree_util
+from ..train_state import zeros_like
 from .lr_schedules import check_rate
 from .stage import Hyper, Transform, inject, leaves_of, meta_params, run
 from .stages import ClipByGlobalNorm
@@ -194,7 +195,7 @@ class Partition(Transform):
     def init(self, params):
         labels = self.leaf_labels or self.resolve(params)
         leaves = leaves_of(params)
-        return {f: [torch.zeros_like(p) if f in self.transforms[x].fields else p.new_empty(0)
+        return {f: [zeros_like(p) if f in self.transforms[x].fields else p.new_empty(0)
                     for p, x in zip(leaves, labels)] for f in self.fields}
 
     def update(self, grads, state, params, hyper):

@@ -38,6 +38,7 @@ from hpf_kernels import dequantize, payload_bytes, quantize
 
 from ..comm import world
 from ..planning import Bucket, ParamSlot, Plan
+from ..train_state import zeros, zeros_like
 from ..tree import flatten as tree_flatten
 from .base import Capabilities
 from .early_muon import EarlyMuon
@@ -231,8 +232,8 @@ class DistMuon:
     def init(self, shards: Sequence[torch.Tensor]) -> MuonState:
         self._check(shards, "shards")
         return MuonState(torch.zeros((), dtype=torch.int64),
-                         [s.new_zeros(0) if b.frozen else torch.zeros_like(s) for b, s in zip(self.plan.buckets, shards)],
-                         [s.new_zeros(n) for s, n in zip(shards, self.adamw_numel)])
+                         [s.new_zeros(0) if b.frozen else zeros_like(s) for b, s in zip(self.plan.buckets, shards)],
+                         [zeros((n,), s.dtype, s.device) for s, n in zip(shards, self.adamw_numel)])
 
     @property
     def capabilities(self) -> Capabilities:

@@ -15,6 +15,7 @@ from typing import Any, Callable, NamedTuple
 import optree
 import torch
 
+from ..train_state import zeros_like
 from .lr_schedules import check_rate
 
 __all__ = ["Hyper", "inject", "Transform", "meta_params", "run"]
@@ -64,7 +65,7 @@ class Transform:
     def init(self, params: Any) -> dict[str, list[torch.Tensor]]:
         """Zeros shaped like each leaf, per field."""
         leaves = leaves_of(params)
-        return {f: [torch.zeros_like(p) for p in leaves] for f in self.fields}
+        return {f: [zeros_like(p) for p in leaves] for f in self.fields}
 
     def update(self, grads: list, state: dict, params: list, hyper: Hyper) -> tuple[list, dict]:
         """One step: update ``state`` (its ``fields``) and ``params`` in place, and return (the

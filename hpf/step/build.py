@@ -14,6 +14,7 @@ from ..engine import UnitEngine
 from ..launcher import init_distributed, is_launched
 from ..mesh import Mesh, MeshError
 from ..planning import Plan, step_plan
+from ..train_state import zeros, zeros_like
 
 __all__ = ["join_world", "engine_for", "plan_for", "first_shards", "born_sharded", "INVARIANT_ALIGN"]
 
@@ -32,7 +33,7 @@ def engine_for(cfg: StepConfig, plan: Plan, shards: list[torch.Tensor], device: 
             on_extra_gather) -> tuple[list[torch.Tensor], UnitComm, UnitEngine]:
     """The step's grad shards, its comm for ``cfg``'s topology and precision, and its engine over it."""
     mp = cfg.mixed_precision
-    grad_shards = [torch.zeros_like(s[:0] if b.frozen else s, dtype=mp.reduce_dtype if mp else s.dtype)
+    grad_shards = [zeros_like(s[:0] if b.frozen else s, dtype=mp.reduce_dtype if mp else s.dtype)
                    for b, s in zip(plan.buckets, shards)]  # (frozen buckets: none)
     cdts = [mp.compute_dtype if mp else b.dtype for b in plan.buckets]
     rdts = [g.dtype for g in grad_shards]
@@ -87,7 +88,7 @@ def first_shards(plan: Plan, made_from, rank: int, dtype, device) -> list[torch.
     """This rank's flat shards, from the full params or a traced init (``InitTrace``); meta
     params (shapes only, for a restore to fill) give zeros."""
     shards = made_from.shards(plan, rank, dtype) if hasattr(made_from, "shards") else plan.shards(made_from, rank, dtype)
-    return [torch.zeros(s.shape, dtype=s.dtype, device=device) if s.is_meta else s.to(device) for s in shards]
+    return [zeros(s.shape, s.dtype, device) if s.is_meta else s.to(device) for s in shards]
 
 
 def born_sharded(params: Any, key):

@@ -99,8 +99,7 @@ class ShardStep:
         opt = self.optimizer
         self.plan_optimizer = opt.for_plan(self.plan, self.rank) if capabilities(opt).for_plan else opt
         self._io = StateIO(self.plan, self.rank, self.device, self.plan_optimizer, loss_scale=cfg.loss_scale,
-                           master_dtype=self.mp.master_dtype if self.mp else None,
-                           feedback_numel=self.comm.lowbit and self.comm.lowbit.feedback_numel)
+                           master_dtype=self.mp and self.mp.master_dtype, feedback_numel=self.comm.lowbit and self.comm.lowbit.feedback_numel)
         _OPEN.add(self)
         return self._donation.donate(self._io.new_state(shards))
 
@@ -148,6 +147,7 @@ class ShardStep:
         if self.engine is None:
             raise RuntimeError("call step.init(full_params) first, and pass the state it returns")
         self.check_state(state)
+        self._io.first_use(state, self.grad_shards)
         micro = _micro_batches(self.config, batch)
         eng = self.engine
         # fp16: backward's seed is the loss scale, per term for hpf.weighted (whose sum has many)
