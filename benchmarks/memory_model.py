@@ -99,6 +99,11 @@ def measure(rank: int, config: str, ranks, local_batch: int, recompute: str, ste
     blocks torch.compile'd, compiled by an unprofiled step first; ``grad``: shard_step's)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    from hpf import train_state
+
+    # the profiler sees torch's allocator only: state buffers made as fresh pages (train_state.zeros)
+    # would hold the same bytes unseen, so here they come from the allocator too
+    train_state.FRESH_PAGES_BYTES = float("inf")
     cfg = gpt.CONFIGS[config]
     step = _step(cfg, ranks, recompute, compile, grad)
     params = gpt.init(cfg)

@@ -412,8 +412,11 @@ def test_metrics_records_are_valid_json():
 @pytest.mark.slow
 def test_hpf_train_exits_nonzero_on_nonfinite_loss(tmp_path, monkeypatch, capsys):
     """The launched ranks are forked, so a patched loss reaches them."""
+    import dataclasses
+
     from hpf import cli
     from hpf.models import gpt
+    from hpf.models.spec import dense_loss
     real = gpt.loss_for
 
     def loss_for(config, **kw):
@@ -423,7 +426,7 @@ def test_hpf_train_exits_nonzero_on_nonfinite_loss(tmp_path, monkeypatch, capsys
             calls[0] += 1
             return inner(p, b) * (float("nan") if calls[0] == 3 else 1.0)
         return loss
-    monkeypatch.setattr(gpt, "loss_for", loss_for)
+    monkeypatch.setattr(gpt, "SPEC", dataclasses.replace(gpt.SPEC, loss=dense_loss(loss_for)))
     rc = cli.main(["train", "--world-size", "1", "--steps", "5", "--batch-size", "2", "--topology", "flat",
                    "--out", str(tmp_path / "run"), "--timeout", "120"])
     err = capsys.readouterr().err.strip().splitlines()

@@ -66,6 +66,7 @@ def cmd_eval(args) -> int:
     import torch
 
     from hpf import data as token_data
+    from hpf.models import spec_of
 
     ckpt, module, config, params = load(args.source)
     s, source = eval_settings(args, ckpt)
