@@ -64,7 +64,14 @@ def gloo_threads():
             pass
     return sum(n.startswith(("pt_gloo", "gloo")) for n in names)
 
-atexit.register(lambda: print("at exit", baseline, gloo_threads(), flush=True))  # (before hpf's: runs after it)
+def at_exit():  # (a closed group's threads take a moment to end under load: a leaked one never does)
+    import time
+    deadline = time.monotonic() + 2.0
+    while gloo_threads() > baseline and time.monotonic() < deadline:
+        time.sleep(0.01)
+    print("at exit", baseline, gloo_threads(), flush=True)
+
+atexit.register(at_exit)  # (before hpf's: runs after it)
 import torch.distributed as dist
 import hpf
 from hpf.models import gpt
