@@ -141,6 +141,10 @@ class JobSpec:
         "one data axis (--world-size), with --invariant the same bits as a run that never failed", shown="")
     replacements: int = option(0, "with --elastic: start up to N new ranks for lost ones; each joins at a step "
                                "boundary and the world grows back", shown="0", type=positive(int, least=0), metavar="N")
+    rejoin_wait: float = option(
+        0.0, "with --elastic: after a loss, hold the next step boundary up to S seconds for a new rank (a "
+        "--replacements rank, or the worker torchrun restarts) to join, so the world grows back before it steps on; "
+        "0: go on at once on the ranks left", shown="0", type=positive(float, least=0), metavar="S")
     keep_last: int = option(3, "keep the newest K checkpoints", type=positive(int), metavar="K")
     accumulate: int = option(
         1, "gradient accumulation: each rank runs its share of --batch-size as K micro-batches (activations of one "

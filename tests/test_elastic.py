@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import hpf
-from hpf.elastic import _Copy
+from hpf.elastic import copies, job as elastic_job
 from hpf.launcher import launch
 from hpf.models import gpt
 
@@ -50,7 +50,7 @@ def reference():
         return _full(step, state)
 
 
-def _elastic_rank(rank, kill, fail):
+def _elastic_rank(rank, kill, fail, rejoin_wait=0.0):
     torch.set_num_threads(1)
 
     def on_step(t, m):
@@ -59,7 +59,7 @@ def _elastic_rank(rank, kill, fail):
         if (rank, t) == fail:
             raise ValueError("a bug in the program on one rank")
     run = hpf.elastic.train(make_step, functools.partial(gpt.init, CFG), batches, STEPS, key=hpf.random.key(0),
-                            on_step=on_step)
+                            on_step=on_step, rejoin_wait=rejoin_wait)
     full = _full(run.step, run.state)
     run.step.close()
     return full, run.events, hpf.launch.world_size()
@@ -69,7 +69,10 @@ def _elastic_rank(rank, kill, fail):
 @settings(max_examples=3, deadline=None, derandomize=True)
 @given(rank=st.integers(0, 3), at=st.integers(1, STEPS - 1), replace=st.booleans())
 def test_a_killed_rank_is_survived_and_the_params_equal_a_run_that_never_failed(rank, at, replace):
-    results = launch(_elastic_rank, 4, (rank, at), None, timeout=90, elastic=True, replacements=int(replace))
+    """With a replacement the boundary after the loss waits for it (rejoin_wait), so it joins even in
+    the last step; without one that wait ends unanswered and the job goes on on 3 ranks."""
+    results = launch(_elastic_rank, 4, (rank, at), None, 60.0 if replace else 0.5, timeout=90, elastic=True,
+                     replacements=int(replace))
     assert results[rank] is None  # the killed one
     finished = [r for r in results if r is not None]
     assert len(finished) == (4 if replace else 3)
@@ -85,7 +88,7 @@ def test_a_killed_rank_is_survived_and_the_params_equal_a_run_that_never_failed(
 def _dies_in_the_rebuild(rank):
     """Rank 2 is killed after step 2; rank 1 dies once the rebuild after it has begun."""
     if rank == 1:
-        hpf.elastic._Job._usable_boundary = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
+        elastic_job.Job._usable_boundary = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
     return _elastic_rank(rank, (2, 2), None)
 
 
@@ -116,7 +119,7 @@ def _hsdp_rank(rank, kill):
                             on_step=on_step)
     full = _full(run.step, run.state)
     run.step.close()
-    return full, run.events, run.copy_bytes, _Copy.of(run.state).buf.numel()
+    return full, run.events, run.copy_bytes, copies.Copy.of(run.state).buf.numel()
 
 
 @pytest.mark.slow
@@ -144,17 +147,17 @@ def test_under_hsdp_a_rank_holds_two_boundaries_of_its_own_state_and_nothing_els
 def _dies_in_the_copy(rank, where, at, shared):
     """Rank 1 is killed at boundary ``at``: before it sends its copy, or once it has sent it and waits
     for the others' (the copy of ``at`` is then whole for its loss, and no step is redone)."""
-    hpf.elastic.SHARED_MEMORY = shared
+    copies.SHARED_MEMORY = shared
     if rank == 1 and where == "before the copy":
-        swap, calls = hpf.elastic._swap, []
+        swap, calls = elastic_job.swap, []
 
         def _swap(*args):
             calls.append(1)
             return os.kill(os.getpid(), signal.SIGKILL) if len(calls) == at + 1 else swap(*args)
-        hpf.elastic._swap = _swap
+        elastic_job.swap = _swap
     if rank == 1 and where == "after the copy":
-        copied = hpf.elastic._copied
-        hpf.elastic._copied = lambda job, t: os.kill(os.getpid(), signal.SIGKILL) if t == at else copied(job, t)
+        copied = elastic_job.copied
+        elastic_job.copied = lambda job, t: os.kill(os.getpid(), signal.SIGKILL) if t == at else copied(job, t)
     return _elastic_rank(rank, None, None)
 
 
@@ -174,10 +177,10 @@ def test_a_rank_lost_while_a_boundary_is_copied_is_survived(where, shared, at):
 
 def _copies_held(rank, shared):
     torch.set_num_threads(1)
-    hpf.elastic.SHARED_MEMORY = shared
+    copies.SHARED_MEMORY = shared
     run = hpf.elastic.train(make_step, functools.partial(gpt.init, CFG), batches, STEPS, key=hpf.random.key(0))
     run.step.close()
-    return run.copy_bytes, _Copy.layout(run.state)[1]
+    return run.copy_bytes, copies.Copy.layout(run.state)[1]
 
 
 @pytest.mark.slow
@@ -212,7 +215,7 @@ def test_a_rank_lost_with_its_buddy_is_named_not_survived():
 def test_a_copy_unpacks_to_the_same_bits(shapes, dtypes):
     state = [torch.randn(s).to(d) if d.is_floating_point else torch.randint(0, 100, s, dtype=d)
              for s, d in zip(shapes, dtypes)]
-    back = _Copy.of(state).unpack(state)
+    back = copies.Copy.of(state).unpack(state)
     assert all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) for a, b in zip(state, back))
 
 
@@ -236,7 +239,7 @@ def test_the_heartbeat_beats_while_the_shared_store_is_blocked(monkeypatch):
     monkeypatch.setenv("HPF_ELASTIC_STORE", f"127.0.0.1:{server.port}")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setitem(launcher.group._ELASTIC, "base", None)
-    job = hpf.elastic._Job(None, None, None, 1, None, None)
+    job = elastic_job.Job(None, None, None, 1, None, None)
     job.members = [0]
     job._beat()
     try:
@@ -287,7 +290,7 @@ def _rank_pids(driver: int) -> dict[int, int]:
     return {int(n.removeprefix("hpf-rank")): k for k, n in names.items() if n.startswith("hpf-rank")}
 
 
-CLI_STEPS = 40  # (long enough that a worker torchrun restarts, importing torch under load, joins before the end)
+CLI_STEPS = 40
 
 
 def _train_command(out, world, *flags) -> list[str]:
@@ -368,13 +371,15 @@ def test_hpf_train_elastic_resumes_its_checkpoint_to_the_bits_of_a_run_that_neve
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="finds the worker processes through Linux's /proc")
 def test_under_torchrun_a_member_torchrun_restarts_is_survived_and_rejoins_with_the_same_bits(tmp_path, one_rank_params):
     """One torchrun per member around hpf store: the killed member's agent restarts its worker, which
-    joins at a boundary (3 -> 2 -> 3 ranks); every torchrun exits 0 and the params equal one rank's."""
+    joins at a boundary (3 -> 2 -> 3 ranks; --rejoin-wait holds the boundary after the loss for it, so
+    a restart slowed by load still joins before the end); every torchrun exits 0 and the params equal one rank's."""
     store = subprocess.Popen([sys.executable, "-m", "hpf", "store", "--port", "0"], stdout=subprocess.PIPE, text=True)
     port = re.search(r":(\d+);", store.stdout.readline()).group(1)
     env = {**os.environ, "HPF_ELASTIC_STORE": f"127.0.0.1:{port}"}
     agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
                                 "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
-                                "--rdzv-id", f"member{m}", "-m", "hpf", *_train_command(tmp_path, 3, "--elastic")[3:]],
+                                "--rdzv-id", f"member{m}", "-m", "hpf",
+                                *_train_command(tmp_path, 3, "--elastic", "--rejoin-wait", "120")[3:]],
                                env={**env, "HPF_ELASTIC_MEMBER": str(m)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True) for m in range(3)]
     try:
@@ -427,4 +432,13 @@ def test_hpf_train_elastic_refuses_what_it_cannot_survive_before_any_rank_starts
 
     assert main(["train", "--elastic", "--steps", "2", "--out", str(tmp_path / "run"), *flags]) == 2
     assert says in capsys.readouterr().err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("flag", [["--replacements", "1"], ["--rejoin-wait", "5"]], ids=["replacements", "rejoin-wait"])
+def test_an_elastic_option_without_elastic_is_refused_not_ignored(tmp_path, capsys, flag):
+    from hpf.cli import main
+
+    assert main(["train", "--steps", "2", "--out", str(tmp_path / "run"), *flag]) == 2
+    assert f"{flag[0]} is an option of --elastic runs" in capsys.readouterr().err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

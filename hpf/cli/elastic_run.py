@@ -162,7 +162,7 @@ def elastic_rank(rank: int, job: TrainJob) -> dict:
 
     run = elastic.train(functools.partial(_step, job), functools.partial(module.init, config),
                         _Batches(job, config), job.steps,
-                        key=run_keys(job.seed)[0], on_step=on_step, at_boundary=at_boundary,
+                        key=run_keys(job.seed)[0], on_step=on_step, at_boundary=at_boundary, rejoin_wait=job.rejoin_wait,
                         first=lambda step: first_state(job, step, module, config, None))
     if run.step is None:  # a replacement the job ended without
         return None

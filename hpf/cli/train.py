@@ -120,6 +120,9 @@ def cmd_train(args) -> int:
             print(f"hpf train: {done}")
         return 0
     mesh = mesh_of(args)
+    lone = [f for f in ("replacements", "rejoin_wait") if getattr(args, f, None)] if not args.elastic else []
+    if lone:
+        raise CliError(f"--{lone[0].replace('_', '-')} is an option of --elastic runs; add --elastic or drop it")
     if args.elastic:
         mesh = elastic_run.checked_mesh(args, mesh, given=args.mesh is not None)
     args.mesh = dict(zip(mesh.axis_names, mesh.shape))
