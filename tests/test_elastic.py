@@ -187,12 +187,13 @@ def _copies_held(rank, shared):
 @pytest.mark.parametrize("shared", [True, False], ids=["shared memory", "process group"])
 def test_on_a_flat_mesh_a_rank_holds_its_own_state_and_two_of_its_partners(shared):
     """Its own copy and its partner's of the last boundary, and the buffer the next partner's copy
-    lands in (while it lands, the boundary before is still whole). In shared memory the two are rows
-    of one size for all, a cache line of header each."""
+    lands in (while it lands, the boundary before is still whole). In shared memory only the two
+    rows its partner writes, of one size for all with a cache line of header each: its own copy is
+    the row it wrote into its buddy's."""
     held = launch(_copies_held, 4, shared, timeout=90, elastic=True)
     row = 64 + -(-max(own for _, own in held) // 64) * 64
     for i, (copy_bytes, own) in enumerate(held):
-        assert copy_bytes == own + 2 * (row if shared else held[(i - 1) % 4][1])
+        assert copy_bytes == (2 * row if shared else own + 2 * held[(i - 1) % 4][1])
 
 
 @pytest.mark.slow

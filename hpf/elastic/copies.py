@@ -92,10 +92,11 @@ class Link:
     layout, and, where the members share a host, two rows each in one shared-memory segment
     (hpf.comm.shm) that a rank's partner writes its copy into, one memcpy and no socket. The rows
     alternate boundaries; a row's first word is the boundary written + 1, set after its bytes, so the
-    copy is whole once the word says so, even if its writer died just after."""
+    copy is whole once the word says so, even if its writer died just after. What a rank wrote into its
+    buddy's row is its own copy too (the segment outlives the buddy), so it packs none of its own."""
 
     def __init__(self, header: list, nbytes: int, to: int, frm: int, members: list[int]):
-        self.mine, self.to, self.frm_rank, self.frm = header, to, frm, members[frm]  # (frm: the partner's member id)
+        self.mine, self.nbytes, self.to, self.frm_rank, self.frm = header, nbytes, to, frm, members[frm]  # (frm: the partner's member id)
         self.rows, self.row_bytes, self.sent = None, 0, 0
         self.theirs = _partner_layout(header, nbytes, to, frm)
         said = world.all_gather_object((socket.gethostname(), nbytes))
@@ -123,6 +124,10 @@ class Link:
         recvs = [(self.frm_rank, part, 16 + k) for k, part in enumerate(partner.parts()) if part.numel()]
         schedule.wait(PointToPoint(world.exchange(sends, recvs)), "the elastic copies of a boundary")
         return partner
+
+    def written(self) -> Copy:
+        """This rank's own copy of the boundary it sent last: what it wrote into its buddy's shared row."""
+        return Copy(self.rows[self.sent % 2][self.to][_ROW_HEAD:_ROW_HEAD + self.nbytes], self.mine)
 
     def landed(self, t: int) -> Copy | None:
         """The partner's copy of boundary ``t`` in this rank's shared row, if it is whole."""

@@ -108,7 +108,8 @@ class Job:
         ``t`` into that one's buffer. Until then its own copy of ``t`` is the live state, which no step
         has touched yet: so a rank holds three shard states (its own and its partner's of the boundary
         before and its partner's of this one; between boundaries two, and the buffer the next partner's
-        copy lands in)."""
+        copy lands in). In shared memory it holds two: its rows, which its partner writes, and its own
+        copy is what it wrote into its buddy's row (``Link.written``)."""
         n = len(self.members)
         if replicated(step) or n == 1:  # (HSDP) a replica's own copy is this rank's buddy copy: nothing to send
             for old in [b for b in self.copies if b < t - 1]:  # (a peer may still be finishing step t - 1)
@@ -123,8 +124,9 @@ class Job:
             partner = partner or self.link.landed(t)
             for old in [b for b in self.copies if b < t]:
                 own, partners = self.copies.pop(old)
-                self.spare = [own.buf, *(c.buf for c in partners.values() if not self.link.shared)]
-            self.copies[t] = (Copy.of(state, self.spare), {self.link.frm: partner})
+                self.spare = [] if self.link.shared else [own.buf, *(c.buf for c in partners.values())]
+            own = self.link.written() if self.link.shared else Copy.of(state, self.spare)
+            self.copies[t] = (own, {self.link.frm: partner})
         self.copy_bytes = max(self.copy_bytes, held_bytes(self))
 
     # -- a fault: the roll call, the next generation, the state rebuilt ----------------------------------------------
@@ -297,9 +299,9 @@ class Job:
 def held_bytes(job: Job) -> int:
     """The bytes a rank's copies take now: its buffers, and its shared rows (a partner's copy in them is no more)."""
     shared = job.link is not None and job.link.shared
-    buffers = [*job.spare, *(o.buf for o, _ in job.copies.values() if o),
-               *(c.buf for _, p in job.copies.values() for c in p.values() if not shared)]
-    return sum(b.numel() for b in buffers) + (job.link.row_bytes if job.link else 0)
+    packed = [] if shared else [b for o, p in job.copies.values() for b in (o.buf if o else None, *(c.buf for c in p.values()))
+                                if b is not None]
+    return sum(b.numel() for b in [*job.spare, *packed]) + (job.link.row_bytes if job.link else 0)
 
 
 def all_here(job: Job, name: str) -> None:

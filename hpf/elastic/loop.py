@@ -23,7 +23,7 @@ class Run:
     state: Any
     losses: list[float] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)
-    copy_bytes: int = 0  # the most the copies held on this rank (three shard states at most: ``Job.protect``)
+    copy_bytes: int = 0  # the most the copies held on this rank (three shard states at most, two in shared memory: ``Job.protect``)
 
 
 def train(make_step: Callable[[int], Any], init: Any, batches: Callable[[int, int, int], Any], steps: int, *,
