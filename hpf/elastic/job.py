@@ -299,8 +299,7 @@ class Job:
 def held_bytes(job: Job) -> int:
     """The bytes a rank's copies take now: its buffers, and its shared rows (a partner's copy in them is no more)."""
     shared = job.link is not None and job.link.shared
-    packed = [] if shared else [b for o, p in job.copies.values() for b in (o.buf if o else None, *(c.buf for c in p.values()))
-                                if b is not None]
+    packed = [] if shared else [c.buf for own, partners in job.copies.values() for c in (own, *partners.values()) if c is not None]
     return sum(b.numel() for b in [*job.spare, *packed]) + (job.link.row_bytes if job.link else 0)
 
 
